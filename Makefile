@@ -1,0 +1,7 @@
+.PHONY: setup test lint
+setup:
+	scripts/bootstrap
+test:
+	scripts/test
+lint: setup
+	.venv/bin/ruff check .

@@ -1,0 +1,5 @@
+import sys
+
+from ninfer.cli import main
+
+sys.exit(main())

@@ -1,0 +1,86 @@
+"""The ``ninfer`` command line. Plugins add subcommands through ``ninfer_add_commands``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from ninfer import __version__
+from ninfer._markers import hookimpl
+from ninfer.plugins import PluginConflict, PluginHost, default_host
+
+
+def _cmd_plugins(args: argparse.Namespace) -> int:
+    host: PluginHost = args.host
+    rows = [{"name": p.name, "module": p.module, "distribution": p.distribution, "version": p.version,
+             "hooks": sorted(h.name for h in host.pm.get_hookcallers(host.pm.get_plugin(p.name)) or [])}
+            for p in host.loaded]
+    failures = [{"name": f.name, "target": f.target, "error": f.error} for f in host.failures]
+    if args.json:
+        print(json.dumps({"plugins": rows, "failures": failures}, indent=2))
+    else:
+        for r in rows:
+            print(f"{r['name']:<12} {r['distribution'] or '-'} {r['version'] or ''}  ({r['module']})  "
+                  f"hooks: {', '.join(r['hooks']) or '-'}")
+        for f in failures:
+            print(f"{f['name']:<12} FAILED to load {f['target']}: {f['error']}")
+    return 1 if host.failures else 0
+
+
+def _cmd_archs(args: argparse.Namespace) -> int:
+    host: PluginHost = args.host
+    try:
+        archs = host.architectures()
+    except PluginConflict as exc:
+        print(f"ninfer: {exc}", file=sys.stderr)
+        return 1
+    rows = [{"name": n, "plugin": e.plugin, "handles": list(e.spec.handles), "provides": list(e.spec.provided()),
+             "description": e.spec.description} for n, e in archs.items()]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    elif not rows:
+        print("no architectures registered (install an architecture plugin such as ninfer-qwen35)")
+    else:
+        for r in rows:
+            print(f"{r['name']:<12} from plugin {r['plugin']:<10} handles {', '.join(r['handles'])}")
+            print(f"{'':<12} provides: {', '.join(r['provides']) or 'nothing yet'}")
+    return 0
+
+
+class _CoreCommands:
+    """Subcommands that belong to ninfer-core itself."""
+
+    @hookimpl
+    def ninfer_add_commands(self, subparsers: argparse._SubParsersAction) -> None:
+        p = subparsers.add_parser("plugins", help="list loaded plugins and load failures")
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+        p.set_defaults(func=_cmd_plugins)
+        p = subparsers.add_parser("archs", help="list architectures and the plugin providing each")
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+        p.set_defaults(func=_cmd_archs)
+
+
+def build_parser(host: PluginHost) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ninfer", description="Fast single-GPU inference for the Qwen3.5 family.")
+    parser.add_argument("--version", action="version", version=f"ninfer {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    core = _CoreCommands()
+    core.ninfer_add_commands(subparsers)
+    host.pm.hook.ninfer_add_commands(subparsers=subparsers)
+    parser.set_defaults(host=host)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, host: PluginHost | None = None) -> int:
+    host = host or default_host()
+    args = build_parser(host).parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

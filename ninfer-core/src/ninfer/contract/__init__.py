@@ -1,0 +1,35 @@
+"""Public contracts between the engine, architecture plugins, frontends and gateways.
+
+Data crossing a contract boundary is frozen attrs classes; behaviour is typing.Protocol.
+See docs/architecture.md for how these map onto the design document.
+"""
+
+from ninfer.contract.batch import PendingBatch, PendingRow, RowDecision
+from ninfer.contract.events import (
+    FinishReason,
+    GenerationResult,
+    GenerationStart,
+    OutputDelta,
+    Timings,
+    Usage,
+)
+from ninfer.contract.model import (
+    Frontend,
+    ModelInstance,
+    OutputSession,
+    Preview,
+    Program,
+    ResourceUsage,
+    Startup,
+    StartupFeatures,
+)
+from ninfer.contract.prompt import ChatInput, MediaItem, MediaSpan, PreparedPrompt, TextInput
+from ninfer.contract.request import GenerationRequest, SamplingParams
+from ninfer.contract.state import KVPoolSpec, StateField, StateImageLayout
+
+__all__ = [
+    "ChatInput", "FinishReason", "Frontend", "GenerationRequest", "GenerationResult", "GenerationStart",
+    "KVPoolSpec", "MediaItem", "MediaSpan", "ModelInstance", "OutputDelta", "OutputSession", "PendingBatch",
+    "PendingRow", "PreparedPrompt", "Preview", "Program", "ResourceUsage", "RowDecision", "SamplingParams", "StateField", "StateImageLayout",
+    "Startup", "StartupFeatures", "TextInput", "Timings", "Usage",
+]

@@ -1,0 +1,81 @@
+"""What a GenerationHandle yields: one GenerationStart, output deltas, one final result."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import attrs
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"              # stop string, stop token or end of sequence
+    LENGTH = "length"          # max_tokens or the context limit
+    TOOL_CALLS = "tool_calls"  # the model finished with a structured tool call
+    CANCELLED = "cancelled"
+    DEADLINE = "deadline"
+    ERROR = "error"
+
+
+@attrs.frozen(kw_only=True)
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    top: tuple[tuple[int, str, float], ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text, typed by the tool's schema
+
+
+@attrs.frozen(kw_only=True)
+class GenerationStart:
+    request_id: str
+    prompt_tokens: int
+
+
+@attrs.frozen(kw_only=True)
+class OutputDelta:
+    """Newly committed output: text per channel, tool-call progress and the accepted token ids."""
+
+    content: str = ""
+    reasoning: str = ""
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
+    tool_calls: tuple[ToolCall, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@attrs.frozen(kw_only=True)
+class Timings:
+    queued_s: float = 0.0
+    time_to_first_token_s: float | None = None
+    end_to_end_s: float = 0.0
+    preemptions: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class GenerationResult:
+    request_id: str
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings
+    content: str = ""
+    reasoning: str = ""
+    token_ids: tuple[int, ...] = ()
+    tool_calls: tuple[ToolCall, ...] = ()
+    error: str | None = None
+    extra: dict[str, Any] = attrs.field(factory=dict)

@@ -1,0 +1,139 @@
+"""Behavioural contracts an architecture plugin implements natively.
+
+Startup builds a ModelInstance (Model, Parameters, Frontend, Program) from an artifact,
+startup features and a device budget. The Program owns every mutable physical resource
+(StateImage slots, KV pages, host copies, workspaces, CUDA graphs) and is called only from
+the engine worker. The Frontend owns tokenizer, template and one OutputSession per request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import attrs
+
+from ninfer.contract.batch import PendingBatch, RowDecision
+from ninfer.contract.events import FinishReason, OutputDelta
+from ninfer.contract.prompt import ChatInput, PreparedPrompt, TextInput
+from ninfer.contract.request import SamplingParams
+from ninfer.contract.state import KVPoolSpec, StateImageLayout
+
+PauseMode = Literal["snapshot", "replay"]
+
+
+@attrs.frozen(kw_only=True)
+class StartupFeatures:
+    """Features selected at startup: Text is always on; Vision optional; none or one spec backend."""
+
+    vision: bool = False
+    speculative: Literal["mtp", "dflash", "dflash2"] | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ResourceUsage:
+    """What a Program's stores hold right now (the only physical ledger)."""
+
+    state_slots_total: int
+    state_slots_used: int
+    kv_pages_total: int
+    kv_pages_used: int
+    host_bytes_used: int = 0
+    reserved_pages: int = 0
+
+    @property
+    def all_free(self) -> bool:
+        return self.state_slots_used == 0 and self.kv_pages_used == 0 and self.host_bytes_used == 0 \
+            and self.reserved_pages == 0
+
+
+@runtime_checkable
+class Program(Protocol):
+    """Physical resources, state and execution for one resident model (engine worker only)."""
+
+    state_layout: StateImageLayout
+    kv_pools: tuple[KVPoolSpec, ...]
+
+    def open_sequence(self, prompt: PreparedPrompt, sampling: SamplingParams) -> int:
+        """Bind a StateImage slot for a new sequence; returns its sequence id."""
+
+    def reserve_units(self, sequence_id: int, tokens: int) -> bool:
+        """Atomically reserve what the next unit of ``tokens`` input positions needs; False if it does not fit."""
+
+    def prefill(self, sequence_id: int, max_tokens: int) -> PendingBatch | None:
+        """Run one prefill chunk; returns the first sampled token when the prompt is complete."""
+
+    def decode(self, sequence_ids: Sequence[int]) -> PendingBatch:
+        """One compact decode step over exactly these sequences (B = len(sequence_ids))."""
+
+    def commit(self, batch: PendingBatch, decisions: Sequence[RowDecision]) -> None:
+        """Commit accepted tokens' state (KV, recurrent state, RNG); roll back the rest."""
+
+    def abort_pending(self, batch: PendingBatch) -> None:
+        """Drop a whole PendingBatch; every row returns to its pre-batch frontier."""
+
+    def pause(self, sequence_id: int, mode: PauseMode) -> Any:
+        """Release device resources at a committed boundary; returns an owning ResumeState."""
+
+    def resume(self, resume_state: Any) -> int:
+        """Re-bind a paused sequence (Snapshot restore, or Replay of its accepted history)."""
+
+    def release(self, sequence_id: int) -> None:
+        """Free everything the sequence holds."""
+
+    def usage(self) -> ResourceUsage: ...
+
+
+@attrs.frozen(kw_only=True)
+class Preview:
+    """The semantic effect of one row's provisional tokens, computed without changing the session."""
+
+    accepted: int
+    finish_reason: FinishReason | None
+    delta: OutputDelta
+    boundary: Any = None
+    native: Any = None
+
+
+@runtime_checkable
+class OutputSession(Protocol):
+    """Per-request output interpretation: stop handling, channels, detokenization, tool calls."""
+
+    def preview(self, tokens: Sequence[int], *, at_length_limit: bool = False) -> Preview: ...
+
+    def commit(self, preview: Preview) -> OutputDelta: ...
+
+    def finish(self, reason: FinishReason) -> OutputDelta:
+        """Flush held-back text at a terminal state and return the last delta."""
+
+
+@runtime_checkable
+class Frontend(Protocol):
+    """Tokenizer, chat template and PreparedPrompt construction for one model."""
+
+    def prepare(self, input: TextInput | ChatInput | PreparedPrompt) -> PreparedPrompt: ...
+
+    def sampling_defaults(self) -> SamplingParams:
+        """The model's generation defaults (from the artifact, never from the architecture name)."""
+
+    def open_session(self, prompt: PreparedPrompt, sampling: SamplingParams) -> OutputSession: ...
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class ModelInstance:
+    """Holds Model (config, bindings, read-only resources), Parameters, Frontend and Program."""
+
+    architecture: str
+    config: Any
+    model: Any
+    parameters: Any
+    frontend: Frontend
+    program: Program | None
+
+
+@runtime_checkable
+class Startup(Protocol):
+    """Native startup: weight placement, capacity plan, Frontend construction and Program creation."""
+
+    def build(self, artifact: Any, *, device: Any, features: StartupFeatures, max_concurrency: int,
+              device_budget_bytes: int | None) -> ModelInstance: ...

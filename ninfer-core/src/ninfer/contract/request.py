@@ -1,0 +1,52 @@
+"""Request and sampling parameters (public owning input to ``Engine.submit``)."""
+
+from __future__ import annotations
+
+import attrs
+from attrs import validators as v
+
+from ninfer.contract._validate import finite, token_ids
+from ninfer.contract.prompt import ChatInput, PreparedPrompt, TextInput
+
+
+@attrs.frozen(kw_only=True)
+class SamplingParams:
+    """Per-request sampling. ``None`` fields take the model's generation defaults (from the artifact).
+
+    temperature 0 means greedy. ``seed`` makes sampling reproducible per request,
+    independent of batch neighbours and of preemption.
+    """
+
+    max_tokens: int | None = attrs.field(default=None, validator=v.optional(v.ge(1)))
+    temperature: float | None = attrs.field(default=None, validator=v.optional([finite, v.ge(0.0), v.le(100.0)]))
+    top_p: float | None = attrs.field(default=None, validator=v.optional([finite, v.gt(0.0), v.le(1.0)]))
+    top_k: int | None = attrs.field(default=None, validator=v.optional(v.ge(0)))
+    min_p: float | None = attrs.field(default=None, validator=v.optional([finite, v.ge(0.0), v.le(1.0)]))
+    seed: int | None = attrs.field(default=None, validator=v.optional([v.ge(0), v.lt(2**63)]))
+    stop: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple, validator=token_ids)
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = attrs.field(default=0, validator=[v.ge(0), v.le(20)])
+
+    @stop.validator
+    def _check_stop(self, attribute, value):
+        for s in value:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+
+
+@attrs.frozen(kw_only=True)
+class GenerationRequest:
+    """One generation request. ``input`` is raw text/token ids, a chat, or an already PreparedPrompt.
+
+    ``deadline_s`` is a wall-clock budget from submission; ``queue_timeout_s`` bounds
+    time spent waiting for admission.
+    """
+
+    input: TextInput | ChatInput | PreparedPrompt
+    sampling: SamplingParams = attrs.field(factory=SamplingParams)
+    deadline_s: float | None = attrs.field(default=None, validator=v.optional([finite, v.gt(0.0)]))
+    queue_timeout_s: float | None = attrs.field(default=None, validator=v.optional([finite, v.gt(0.0)]))
+    request_id: str | None = None
+    session_key: str | None = None

@@ -1,0 +1,101 @@
+"""StateImage layout and typed KV pools that an architecture declares.
+
+An architecture declares the fields of one request's recurrent StateImage (e.g. the
+conv and recurrent state of every GDN layer); core storage keeps each slot's whole
+image contiguous, and the Host copy uses the same internal layout. Growing history
+(attention K/V) lives in typed paged KV pools instead.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+from attrs import validators as v
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "int32": 4, "int64": 8, "uint8": 1}
+
+
+def dtype_bytes(dtype: str) -> int:
+    try:
+        return _DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"unsupported state dtype {dtype!r}; known: {sorted(_DTYPE_BYTES)}") from None
+
+
+@attrs.frozen(kw_only=True)
+class StateField:
+    """One typed field of a StateImage: ``layers`` copies of a ``shape`` tensor of ``dtype``.
+
+    ``per_step`` marks fields that need one copy per provisional (draft) step, so a
+    speculative backend can keep every step's state until the commit boundary.
+    """
+
+    name: str
+    dtype: str = attrs.field(validator=v.in_(tuple(_DTYPE_BYTES)))
+    shape: tuple[int, ...] = attrs.field(converter=tuple)
+    layers: int = attrs.field(validator=v.ge(1))
+    per_step: bool = False
+
+    @property
+    def nbytes_per_layer(self) -> int:
+        return math.prod(self.shape) * dtype_bytes(self.dtype)
+
+
+@attrs.frozen(kw_only=True)
+class StateImageLayout:
+    """The fields of one slot, in order; ``steps`` copies of the per-step fields (1 without drafting)."""
+
+    fields: tuple[StateField, ...] = attrs.field(converter=tuple)
+    steps: int = attrs.field(default=1, validator=v.ge(1))
+
+    @fields.validator
+    def _unique(self, attribute, value):
+        names = [f.name for f in value]
+        if len(names) != len(set(names)):
+            raise ValueError(f"duplicate StateImage field names: {names}")
+
+    def field(self, name: str) -> StateField:
+        for f in self.fields:
+            if f.name == name:
+                return f
+        raise KeyError(f"StateImage has no field {name!r}")
+
+    def copies(self, f: StateField) -> int:
+        return self.steps if f.per_step else 1
+
+    def offsets(self) -> dict[str, int]:
+        """Byte offset of each field inside one slot (fields 256-byte aligned for vector loads)."""
+        out, pos = {}, 0
+        for f in self.fields:
+            out[f.name] = pos
+            pos += _align(f.nbytes_per_layer * f.layers * self.copies(f), 256)
+        return out
+
+    @property
+    def nbytes_per_slot(self) -> int:
+        return sum(_align(f.nbytes_per_layer * f.layers * self.copies(f), 256) for f in self.fields)
+
+
+@attrs.frozen(kw_only=True)
+class KVPoolSpec:
+    """A typed paged KV pool: ``layers`` attention layers sharing page ids and one token frontier."""
+
+    name: str
+    layers: int = attrs.field(validator=v.ge(1))
+    kv_heads: int = attrs.field(validator=v.ge(1))
+    head_dim: int = attrs.field(validator=v.ge(1))
+    dtype: str = attrs.field(default="bfloat16", validator=v.in_(tuple(_DTYPE_BYTES)))
+    page_size: int = attrs.field(default=16, validator=v.ge(1))
+
+    @property
+    def nbytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes(self.dtype)
+
+    @property
+    def nbytes_per_page(self) -> int:
+        return self.nbytes_per_token * self.page_size
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a

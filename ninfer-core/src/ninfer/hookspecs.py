@@ -1,0 +1,37 @@
+"""Hook specifications: what a plugin may contribute to ninfer.
+
+Architecture plugins describe their native implementations with an
+:class:`~ninfer.plugins.ArchitectureSpec` (lazy ``"module:attr"`` targets, so that
+plugin modules never import torch at import time). Ownership of an architecture is
+decided by the core registry, never by hook call order.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from ninfer._markers import hookspec
+
+if TYPE_CHECKING:
+    from ninfer.plugins import ArchitectureSpec
+
+
+@hookspec
+def ninfer_register_architectures(register: Callable[[ArchitectureSpec], None]) -> None:
+    """Call ``register(ArchitectureSpec(...))`` once for each architecture this plugin implements.
+
+    The spec names the Hugging Face architecture strings it handles and where its
+    config parser, Startup, Program, Frontend, StateImage layout and converter
+    source mapping live. A plugin whose architecture is not implemented registers nothing.
+    """
+
+
+@hookspec
+def ninfer_add_commands(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``ninfer`` CLI subcommands: ``p = subparsers.add_parser(...); p.set_defaults(func=handler)``.
+
+    Handlers receive the parsed ``argparse.Namespace`` and return an exit code; they
+    import heavy modules inside the handler so ``ninfer --help`` stays fast.
+    """

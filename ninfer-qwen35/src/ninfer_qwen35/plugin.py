@@ -1,0 +1,13 @@
+"""Qwen3.5 plugin: registers the implemented contract slots as lazy targets (no torch import here)."""
+
+from ninfer import ArchitectureSpec, hookimpl
+
+
+@hookimpl
+def ninfer_register_architectures(register):
+    register(ArchitectureSpec(
+        name="qwen35",
+        handles=("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
+        description="Qwen3.5 dense: Gated DeltaNet + gated attention (3:1), text part of VL checkpoints",
+        config="ninfer_qwen35.config:parse_config",
+    ))
