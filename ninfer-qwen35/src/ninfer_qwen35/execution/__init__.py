@@ -1,0 +1,1 @@
+"""Native Parameters and the fixed model calls of Qwen3.5."""

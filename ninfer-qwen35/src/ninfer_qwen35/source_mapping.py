@@ -1,0 +1,110 @@
+"""Qwen3.5 source mapping: Hugging Face tensor names -> logical parameters, features and fused parents.
+
+Logical names are the flat text-only Hugging Face names (``model.layers.{i}...``, ``lm_head.weight``),
+``mtp.*`` for the MTP block and ``visual.*`` for the vision tower. The official VL checkpoints name the
+language model ``model.language_model.*`` and the vision tower ``model.visual.*``.
+"""
+
+from __future__ import annotations
+
+from ninfer.models.common.weights import FusedParent
+from ninfer_qwen35.config import Qwen35Config
+
+FEATURES = ("text", "vision", "mtp")
+
+
+def canonical_name(hf_name: str) -> tuple[str, str] | None:
+    """(feature, logical name) for a checkpoint tensor name, or None for names the model does not use."""
+    if hf_name.startswith("model.language_model."):
+        return "text", "model." + hf_name[len("model.language_model."):]
+    if hf_name.startswith("model.visual."):
+        return "vision", "visual." + hf_name[len("model.visual."):]
+    if hf_name.startswith("visual."):
+        return "vision", hf_name
+    if hf_name.startswith("mtp."):
+        return "mtp", hf_name
+    if hf_name.startswith("model.") or hf_name == "lm_head.weight":
+        return "text", hf_name
+    return None
+
+
+def _layer_names(prefix: str, kind: str, c: Qwen35Config) -> dict[str, tuple[int, ...]]:
+    H = c.hidden_size
+    names: dict[str, tuple[int, ...]] = {
+        f"{prefix}input_layernorm.weight": (H,),
+        f"{prefix}post_attention_layernorm.weight": (H,),
+        f"{prefix}mlp.gate_proj.weight": (c.intermediate_size, H),
+        f"{prefix}mlp.up_proj.weight": (c.intermediate_size, H),
+        f"{prefix}mlp.down_proj.weight": (H, c.intermediate_size),
+    }
+    if kind == "linear_attention":
+        a = f"{prefix}linear_attn."
+        hv = c.linear_num_value_heads
+        names.update({
+            a + "in_proj_qkv.weight": (c.conv_dim, H),
+            a + "in_proj_z.weight": (c.value_dim, H),
+            a + "in_proj_b.weight": (hv, H),
+            a + "in_proj_a.weight": (hv, H),
+            a + "conv1d.weight": (c.conv_dim, 1, c.linear_conv_kernel_dim),
+            a + "dt_bias": (hv,),
+            a + "A_log": (hv,),
+            a + "norm.weight": (c.linear_value_head_dim,),
+            a + "out_proj.weight": (H, c.value_dim),
+        })
+    else:
+        a = f"{prefix}self_attn."
+        d = c.head_dim
+        names.update({
+            a + "q_proj.weight": (2 * c.num_attention_heads * d, H),
+            a + "k_proj.weight": (c.num_key_value_heads * d, H),
+            a + "v_proj.weight": (c.num_key_value_heads * d, H),
+            a + "o_proj.weight": (H, c.num_attention_heads * d),
+            a + "q_norm.weight": (d,),
+            a + "k_norm.weight": (d,),
+        })
+    return names
+
+
+def expected_parameters(c: Qwen35Config, features: tuple[str, ...] = ("text",)) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Logical name -> (feature, shape) of every parameter the selected features need (text and mtp)."""
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    H = c.hidden_size
+    if "text" in features:
+        out["model.embed_tokens.weight"] = ("text", (c.vocab_size, H))
+        out["model.norm.weight"] = ("text", (H,))
+        if not c.tie_word_embeddings:
+            out["lm_head.weight"] = ("text", (c.vocab_size, H))
+        for i, kind in enumerate(c.layer_types):
+            for n, shape in _layer_names(f"model.layers.{i}.", kind, c).items():
+                out[n] = ("text", shape)
+    if "mtp" in features and c.mtp_num_hidden_layers:
+        out["mtp.fc.weight"] = ("mtp", (H, 2 * H))
+        for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+            out[f"mtp.{n}.weight"] = ("mtp", (H,))
+        for j in range(c.mtp_num_hidden_layers):
+            for n, shape in _layer_names(f"mtp.layers.{j}.", "full_attention", c).items():
+                out[n] = ("mtp", shape)
+    return out
+
+
+def fused_parents(c: Qwen35Config) -> list[FusedParent]:
+    """Projections stored as one physical parent so one matmul serves them (LinearSplit)."""
+    groups: list[FusedParent] = []
+
+    def layer(prefix: str, kind: str, feature: str) -> None:
+        groups.append(FusedParent(name=f"{prefix}mlp.gate_up_proj", feature=feature,
+                                  members=(f"{prefix}mlp.gate_proj.weight", f"{prefix}mlp.up_proj.weight")))
+        if kind == "linear_attention":
+            a = f"{prefix}linear_attn."
+            groups.append(FusedParent(name=a + "in_proj_qkvzba", feature=feature, members=(
+                a + "in_proj_qkv.weight", a + "in_proj_z.weight", a + "in_proj_b.weight", a + "in_proj_a.weight")))
+        else:
+            a = f"{prefix}self_attn."
+            groups.append(FusedParent(name=a + "qkv_proj", feature=feature, members=(
+                a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight")))
+
+    for i, kind in enumerate(c.layer_types):
+        layer(f"model.layers.{i}.", kind, "text")
+    for j in range(c.mtp_num_hidden_layers):
+        layer(f"mtp.layers.{j}.", "full_attention", "mtp")
+    return groups
