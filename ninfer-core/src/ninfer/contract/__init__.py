@@ -25,10 +25,11 @@ from ninfer.contract.model import (
 )
 from ninfer.contract.prompt import ChatInput, MediaItem, MediaSpan, PreparedPrompt, TextInput
 from ninfer.contract.request import GenerationRequest, SamplingParams
+from ninfer.contract.resources import FrontendResources
 from ninfer.contract.state import KVPoolSpec, StateField, StateImageLayout
 
 __all__ = [
-    "ChatInput", "FinishReason", "Frontend", "GenerationRequest", "GenerationResult", "GenerationStart",
+    "ChatInput", "FinishReason", "Frontend", "FrontendResources", "GenerationRequest", "GenerationResult", "GenerationStart",
     "KVPoolSpec", "MediaItem", "MediaSpan", "ModelInstance", "OutputDelta", "OutputSession", "PendingBatch",
     "PendingRow", "PreparedPrompt", "Preview", "Program", "ResourceUsage", "RowDecision", "SamplingParams", "StateField", "StateImageLayout",
     "Startup", "StartupFeatures", "TextInput", "Timings", "Usage",
