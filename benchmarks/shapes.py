@@ -1,0 +1,44 @@
+"""Published Qwen3.5 dense shapes (config.json text fields) used by the benchmarks."""
+
+from __future__ import annotations
+
+_BASE = {"head_dim": 256, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+         "vocab_size": 248320, "full_attention_interval": 4, "rms_norm_eps": 1e-6,
+         "architectures": ["Qwen3_5ForCausalLM"]}
+
+SHAPES: dict[str, dict] = {
+    # transformers' default Qwen3_5TextConfig (the 9B shape).
+    "9b": {**_BASE, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 32,
+           "num_attention_heads": 16, "num_key_value_heads": 4, "linear_num_key_heads": 16,
+           "linear_num_value_heads": 32, "tie_word_embeddings": False},
+    "0.8b": {**_BASE, "hidden_size": 1024, "intermediate_size": 3584, "num_hidden_layers": 24,
+             "num_attention_heads": 8, "num_key_value_heads": 2, "linear_num_key_heads": 16,
+             "linear_num_value_heads": 16, "tie_word_embeddings": True},
+    "27b": {**_BASE, "hidden_size": 5120, "intermediate_size": 17408, "num_hidden_layers": 64,
+            "num_attention_heads": 24, "num_key_value_heads": 4, "linear_num_key_heads": 16,
+            "linear_num_value_heads": 48, "tie_word_embeddings": False},
+    # For CPU smoke runs of the benchmark scripts.
+    "tiny": {**_BASE, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "linear_key_head_dim": 8,
+             "linear_value_head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+             "tie_word_embeddings": False},
+}
+
+
+def decode_weight_shapes(cfg: dict) -> list[tuple[int, int]]:
+    """(out, in) of every 2-D weight a decode step reads (all but the input embedding, a row lookup)."""
+    H, n = cfg["hidden_size"], cfg["num_hidden_layers"]
+    inter = cfg["intermediate_size"]
+    kd = cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
+    vd = cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"]
+    hv = cfg["linear_num_value_heads"]
+    d, nh, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    out: list[tuple[int, int]] = []
+    for i in range(n):
+        if (i + 1) % cfg["full_attention_interval"] == 0:
+            out += [(2 * nh * d + 2 * nkv * d, H), (H, nh * d)]
+        else:
+            out += [(2 * kd + vd + vd + 2 * hv, H), (H, vd)]
+        out += [(2 * inter, H), (H, inter)]
+    out.append((cfg["vocab_size"], H))
+    return out
