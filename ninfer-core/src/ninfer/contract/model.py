@@ -59,6 +59,11 @@ class Program(Protocol):
 
     def reserve_units(self, sequence_id: int, tokens: int) -> bool:
         """Atomically reserve what the next unit of ``tokens`` input positions needs; False if it does not fit."""
+    # Engine usage: a reservation covers positions frontier..frontier+tokens, so asking again for the
+    # same or fewer tokens before the unit runs is a no-op that returns True.
+
+    def input_remaining(self, sequence_id: int) -> int:
+        """Input positions (prompt, or accepted history under Replay) still to run before decode; 0 = decode-ready."""
 
     def prefill(self, sequence_id: int, max_tokens: int) -> PendingBatch | None:
         """Run one prefill chunk; returns the first sampled token when the prompt is complete."""
@@ -75,8 +80,18 @@ class Program(Protocol):
     def pause(self, sequence_id: int, mode: PauseMode) -> Any:
         """Release device resources at a committed boundary; returns an owning ResumeState."""
 
-    def resume(self, resume_state: Any) -> int:
-        """Re-bind a paused sequence (Snapshot restore, or Replay of its accepted history)."""
+    def resume(self, resume_state: Any) -> int | None:
+        """Re-bind a paused sequence (Snapshot restore, or Replay of its accepted history).
+
+        Reserves the rebuild up to the old frontier plus the first new unit, held across chunks;
+        returns None (and keeps ``resume_state`` valid) when that does not fit now.
+        """
+
+    def can_snapshot(self, sequence_id: int) -> bool:
+        """Whether host room allows pausing this sequence by Snapshot now (else the engine uses Replay)."""
+
+    def discard(self, resume_state: Any) -> None:
+        """Free what a paused request's ResumeState holds (host bytes) without resuming it."""
 
     def release(self, sequence_id: int) -> None:
         """Free everything the sequence holds."""
