@@ -1,0 +1,1 @@
+"""Core storage and transfer primitives: device descriptor, paged KV pools, StateImage storage."""

@@ -1,0 +1,150 @@
+"""Typed paged KV pool: one page allocator shared by the pool's attention layers.
+
+A page holds ``page_size`` token positions of K and V for every layer of the pool, so one page id
+addresses the same positions in every layer ([num_pages, page_size, kv_heads, head_dim] per layer
+for K and for V). Pages carry reference counts: a page referenced by more than one history is
+read-only and is copied before a write (copy-on-write). Accounting is exact: a page is either on
+the free list or referenced, never both, and freeing an unreferenced page is an error.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from ninfer.contract.state import KVPoolSpec
+from ninfer.core.device import Device, torch_dtype
+
+
+class PoolExhausted(RuntimeError):
+    """Not enough free pages (or state slots) for an allocation; nothing was allocated."""
+
+
+class PageAllocator:
+    """Free list plus reference counts over ``num_pages`` page ids."""
+
+    def __init__(self, num_pages: int) -> None:
+        if num_pages < 1:
+            raise ValueError(f"a KV pool needs at least one page, got {num_pages}")
+        self.num_pages = num_pages
+        self._free: deque[int] = deque(range(num_pages))
+        self._refs = [0] * num_pages
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` fresh pages (reference count 1), all or nothing."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} pages")
+        if n > len(self._free):
+            raise PoolExhausted(f"KV pool has {len(self._free)} free pages, {n} requested")
+        pages = [self._free.popleft() for _ in range(n)]
+        for p in pages:
+            self._refs[p] = 1
+        return pages
+
+    def share(self, pages: Iterable[int]) -> None:
+        """Add a reference to pages another history already holds (a shared read-only prefix)."""
+        pages = list(pages)
+        for p in pages:
+            self._check(p)
+        for p in pages:
+            self._refs[p] += 1
+
+    def free(self, pages: Iterable[int]) -> None:
+        """Drop one reference from each page; pages reaching zero return to the free list."""
+        pages = list(pages)
+        for p in pages:
+            self._check(p)
+        if len(set(pages)) != len(pages):
+            raise ValueError(f"page listed twice in one free: {pages}")
+        for p in pages:
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                self._free.append(p)
+
+    def refcount(self, page: int) -> int:
+        return self._refs[page]
+
+    def _check(self, page: int) -> None:
+        if not 0 <= page < self.num_pages:
+            raise ValueError(f"page id {page} outside 0..{self.num_pages - 1}")
+        if self._refs[page] == 0:
+            raise ValueError(f"page {page} is not allocated")
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    """Pages needed to hold ``tokens`` positions."""
+    return -(-tokens // page_size)
+
+
+class PagedKVPool:
+    """K/V tensors of one typed pool plus its page allocator."""
+
+    def __init__(self, spec: KVPoolSpec, num_pages: int, device: Device, dtype: str | torch.dtype | None = None):
+        self.spec = spec
+        self.device = device
+        self.dtype = torch_dtype(dtype if dtype is not None else spec.dtype)
+        self.page_size = spec.page_size
+        self.allocator = PageAllocator(num_pages)
+        # [layers, 2 (K, V), pages, page_size, kv_heads, head_dim]: each layer's K and V contiguous.
+        self.storage = torch.zeros((spec.layers, 2, num_pages, spec.page_size, spec.kv_heads, spec.head_dim),
+                                   dtype=self.dtype, device=device.torch)
+
+    @staticmethod
+    def page_bytes(spec: KVPoolSpec, dtype: str | torch.dtype | None = None) -> int:
+        d = torch_dtype(dtype if dtype is not None else spec.dtype)
+        elem = torch.empty((), dtype=d).element_size()
+        return 2 * spec.layers * spec.page_size * spec.kv_heads * spec.head_dim * elem
+
+    @property
+    def num_pages(self) -> int:
+        return self.allocator.num_pages
+
+    @property
+    def nbytes(self) -> int:
+        return self.storage.numel() * self.storage.element_size()
+
+    @property
+    def nbytes_per_page(self) -> int:
+        return self.nbytes // self.num_pages
+
+    def caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (k_cache, v_cache), each [num_pages, page_size, kv_heads, head_dim] (non-owning views)."""
+        return [(self.storage[i, 0], self.storage[i, 1]) for i in range(self.spec.layers)]
+
+    # -- copy-on-write and transfers ---------------------------------------------------------------
+    def writable(self, page: int) -> int:
+        """A page id this history may write: the page itself if unshared, else a private copy of it."""
+        if self.allocator.refcount(page) <= 1:
+            return page
+        (new,) = self.allocator.allocate(1)
+        self.storage[:, :, new].copy_(self.storage[:, :, page])
+        self.allocator.free([page])
+        return new
+
+    def read_pages(self, pages: Sequence[int], out: torch.Tensor) -> None:
+        """Copy ``pages`` (all layers, K and V) into ``out`` [layers, 2, len(pages), page, heads, dim]."""
+        if not pages:
+            return
+        idx = torch.tensor(list(pages), dtype=torch.int64, device=self.storage.device)
+        out.copy_(self.storage.index_select(2, idx))
+
+    def write_pages(self, pages: Sequence[int], data: torch.Tensor) -> None:
+        """Inverse of :meth:`read_pages`."""
+        if not pages:
+            return
+        idx = torch.tensor(list(pages), dtype=torch.int64, device=self.storage.device)
+        self.storage.index_copy_(2, idx, data.to(self.storage.device))
+
+    def host_shape(self, n_pages: int) -> tuple[int, ...]:
+        s = self.spec
+        return (s.layers, 2, n_pages, s.page_size, s.kv_heads, s.head_dim)
