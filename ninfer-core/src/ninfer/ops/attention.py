@@ -1,0 +1,78 @@
+"""Causal attention over a paged KV cache: the K/V write and attention for decode rows and prefill chunks.
+
+A cache is [num_pages, page_size, kv_heads, head_dim]; token t of sequence i lives in page
+block_tables[i, t // page_size] at offset t % page_size. Query head h reads kv head h // (H // KVH).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ninfer.ops._dispatch import triton_kernel
+
+
+def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    kvh, d = k_cache.shape[2:]
+    k_cache.view(-1, kvh, d)[slot_mapping] = k.to(k_cache.dtype)
+    v_cache.view(-1, kvh, d)[slot_mapping] = v.to(v_cache.dtype)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store new K/V [N, KVH, D] at flat cache slots slot_mapping[N] (page * page_size + offset)."""
+    if k.shape != v.shape or k.shape[1:] != k_cache.shape[2:] or v_cache.shape != k_cache.shape \
+            or slot_mapping.shape != k.shape[:1]:
+        raise ValueError(f"write_kv: k {tuple(k.shape)}, v {tuple(v.shape)}, cache {tuple(k_cache.shape)}, "
+                         f"slot_mapping {tuple(slot_mapping.shape)} do not fit")
+    kernel = triton_kernel("attention", "write_kv", k)
+    if kernel is not None:
+        return kernel(k, v, k_cache, v_cache, slot_mapping)
+    return write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
+                        max_seq_len: int, scale: float) -> torch.Tensor:
+    N, H, D = q.shape
+    page, kvh = k_cache.shape[1], k_cache.shape[2]
+    group = H // kvh
+    out = torch.empty_like(q)
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        lo, hi = starts[i], starts[i + 1]
+        qlen = hi - lo
+        if qlen == 0:
+            continue
+        pages = block_tables[i, :-(-seq_len // page)].long()
+        keys = k_cache[pages].reshape(-1, kvh, D)[:seq_len].float().repeat_interleave(group, dim=1)
+        values = v_cache[pages].reshape(-1, kvh, D)[:seq_len].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[lo:hi].float(), keys) * scale  # [H, qlen, seq_len]
+        q_pos = torch.arange(seq_len - qlen, seq_len, device=q.device)
+        k_pos = torch.arange(seq_len, device=q.device)
+        scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        out[lo:hi] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(q.dtype)
+    return out
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
+                    scale: float) -> torch.Tensor:
+    """o[N, H, D] for packed queries q[N, H, D] (sequence i owns rows query_start_loc[i]:[i+1]).
+
+    Query j of sequence i sits at position seq_lens[i] - qlen_i + j and attends keys 0..that position of
+    the same sequence (its K/V already written with write_kv). Softmax in fp32. Covers decode (qlen 1),
+    whole prompts and prefill chunks with earlier context.
+    """
+    B = seq_lens.shape[0]
+    if q.dim() != 3 or q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2] \
+            or block_tables.shape[0] != B or query_start_loc.shape != (B + 1,):
+        raise ValueError(f"paged_attention: q {tuple(q.shape)}, cache {tuple(k_cache.shape)}, block_tables "
+                         f"{tuple(block_tables.shape)}, seq_lens {tuple(seq_lens.shape)}, query_start_loc "
+                         f"{tuple(query_start_loc.shape)} do not fit")
+    kernel = triton_kernel("attention", "paged_attention", q)
+    if kernel is not None:
+        return kernel(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len,
+                      scale)
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
+                               max_seq_len, scale)

@@ -1,0 +1,39 @@
+"""RMSNorm variants of Qwen3.5: zero-centred (1 + w) and the GDN output norm gated by silu(z)."""
+
+from __future__ import annotations
+
+import torch
+
+from ninfer.ops._dispatch import triton_kernel
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, *, one_plus: bool = True) -> torch.Tensor:
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    w = weight.float()
+    # The whole product stays in fp32 and is cast once (HF casts after the multiply).
+    return (y * (1.0 + w if one_plus else w)).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, one_plus: bool = True) -> torch.Tensor:
+    """x[..., D] * rsqrt(mean(x^2) + eps) * (1 + w) (or * w), math in fp32, result in x.dtype."""
+    kernel = triton_kernel("norm", "rms_norm", x)
+    if kernel is not None:
+        return kernel(x, weight, eps, one_plus=one_plus)
+    return rms_norm_ref(x, weight, eps, one_plus=one_plus)
+
+
+def rms_norm_gated_ref(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    # Norm first, then the gate; the normed value is rounded to x.dtype before the weight, as in HF.
+    y = (weight * normed).float() * torch.nn.functional.silu(z.float())
+    return y.to(x.dtype)
+
+
+def rms_norm_gated(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3.5 GDN output norm over the last dim D: (w * normed(x)) * silu(z), plain w (not 1 + w)."""
+    kernel = triton_kernel("norm", "rms_norm_gated", x)
+    if kernel is not None:
+        return kernel(x, z, weight, eps)
+    return rms_norm_gated_ref(x, z, weight, eps)

@@ -1,0 +1,41 @@
+"""Partial rotary position embedding (NeoX rotate_half on the first rotary_dim dims of each head).
+
+Text positions only for now; MRoPE positions (vision) arrive later as the same cos/sin tables.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ninfer.ops._dispatch import triton_kernel
+
+
+def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [N, rotary_dim // 2] for int64 positions [N] (angles computed in fp32)."""
+    if rotary_dim <= 0 or rotary_dim % 2:
+        raise ValueError(f"rotary_dim must be positive and even, got {rotary_dim}")
+    exponent = torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=positions.device) / rotary_dim
+    inv_freq = 1.0 / (theta ** exponent)
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    half = rotary_dim // 2
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:rotary_dim]
+    c, s = cos.float()[:, None, :], sin.float()[:, None, :]
+    rotated = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+    return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """x[N, H, D] with the first rotary_dim dims rotated (pairs (i, i + rotary_dim/2)); the rest unchanged."""
+    if x.dim() != 3 or rotary_dim > x.shape[-1] or cos.shape != (x.shape[0], rotary_dim // 2):
+        raise ValueError(f"apply_rope: x {tuple(x.shape)}, cos {tuple(cos.shape)}, rotary_dim {rotary_dim} "
+                         "do not fit (want x[N, H, D], cos[N, rotary_dim // 2])")
+    kernel = triton_kernel("rope", "apply_rope", x)
+    if kernel is not None:
+        return kernel(x, cos, sin, rotary_dim)
+    return apply_rope_ref(x, cos, sin, rotary_dim)

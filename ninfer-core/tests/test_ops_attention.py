@@ -1,0 +1,54 @@
+"""Paged attention reference vs dense masked attention; K/V writes through a slot mapping."""
+
+import pytest
+import torch
+
+from ninfer.ops import paged_attention, write_kv
+
+
+def dense(q, k, v, scale):
+    """Causal GQA attention of the last q.shape[0] positions over k/v [L, KVH, D]."""
+    n, H, _ = q.shape
+    L, kvh, _ = k.shape
+    k, v = k.repeat_interleave(H // kvh, 1), v.repeat_interleave(H // kvh, 1)
+    s = torch.einsum("qhd,khd->hqk", q, k) * scale
+    mask = torch.arange(L)[None, :] > torch.arange(L - n, L)[:, None]
+    return torch.einsum("hqk,khd->qhd", s.masked_fill(mask, float("-inf")).softmax(-1), v)
+
+
+def test_prefill_chunks_and_decode_over_scattered_pages():
+    torch.manual_seed(0)
+    H, KVH, D, page, P = 4, 2, 8, 4, 16
+    lens = [11, 1, 6]            # tokens in KV after this call
+    qlens = [5, 1, 6]            # seq 0 is a chunk with 6 earlier tokens; seq 1 a decode row; seq 2 a prompt
+    k_cache, v_cache = torch.randn(P, page, KVH, D), torch.randn(P, page, KVH, D)  # garbage elsewhere
+    perm = torch.randperm(P)
+    tables = torch.stack([perm[0:4], perm[4:8], perm[8:12]]).int()
+    ks = [torch.randn(L, KVH, D) for L in lens]
+    vs = [torch.randn(L, KVH, D) for L in lens]
+    # Earlier context already in the cache, written token by token.
+    for i, L in enumerate(lens):
+        for t in range(L - qlens[i]):
+            pg, off = tables[i, t // page].item(), t % page
+            k_cache[pg, off], v_cache[pg, off] = ks[i][t], vs[i][t]
+    slot_mapping = torch.tensor([tables[i, t // page].item() * page + t % page
+                                 for i, L in enumerate(lens) for t in range(L - qlens[i], L)])
+    write_kv(torch.cat([ks[i][L - qlens[i]:] for i, L in enumerate(lens)]),
+             torch.cat([vs[i][L - qlens[i]:] for i, L in enumerate(lens)]), k_cache, v_cache, slot_mapping)
+    q = torch.randn(sum(qlens), H, D)
+    qsl = torch.tensor([0, 5, 6, 12], dtype=torch.int32)
+    o = paged_attention(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32), qsl,
+                        max(qlens), max(lens), D ** -0.5)
+    for i in range(3):
+        lo, hi = qsl[i].item(), qsl[i + 1].item()
+        torch.testing.assert_close(o[lo:hi], dense(q[lo:hi], ks[i], vs[i], D ** -0.5))
+
+
+def test_bad_geometry_is_named():
+    with pytest.raises(ValueError, match="paged_attention"):
+        paged_attention(torch.randn(3, 3, 8), torch.randn(2, 4, 2, 8), torch.randn(2, 4, 2, 8),
+                        torch.zeros(1, 2, dtype=torch.int32), torch.tensor([3], dtype=torch.int32),
+                        torch.tensor([0, 3], dtype=torch.int32), 3, 3, 1.0)
+    with pytest.raises(ValueError, match="write_kv"):
+        write_kv(torch.randn(2, 2, 8), torch.randn(2, 2, 8), torch.zeros(2, 4, 2, 8), torch.zeros(2, 4, 2, 8),
+                 torch.tensor([1]))

@@ -1,0 +1,67 @@
+"""Sampling: greedy, filters, per-row generators independent of neighbours; logprobs of the raw model."""
+
+import pytest
+import torch
+
+from ninfer.ops import logprobs, sample
+
+
+def params(B, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
+    return (torch.full((B,), float(temperature)), torch.full((B,), top_k, dtype=torch.int64),
+            torch.full((B,), float(top_p)), torch.full((B,), float(min_p)))
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(4, 50)
+    assert torch.equal(sample(logits, *params(4, temperature=0.0), [None] * 4), logits.argmax(-1))
+
+
+def test_filters_restrict_the_support():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    for kw, allowed in [({"top_k": 2}, {0, 1}), ({"top_p": 0.7}, {0, 1}), ({"top_p": 0.4}, {0}),
+                        ({"min_p": 0.2}, {0, 1, 2}), ({"min_p": 0.7}, {0})]:
+        gen = torch.Generator().manual_seed(1)
+        seen = {int(sample(logits, *params(1, **kw), [gen])) for _ in range(300)}
+        assert seen == allowed, (kw, seen)
+
+
+def test_draws_follow_the_distribution():
+    p = torch.tensor([0.6, 0.3, 0.1])
+    gen = torch.Generator().manual_seed(0)
+    logits = (p.log() * 2.0)[None].repeat(2000, 1)  # temperature 2 undoes the *2
+    tokens = sample(logits, *params(2000, temperature=2.0), [gen] * 2000)
+    freq = torch.bincount(tokens, minlength=3).float() / 2000
+    torch.testing.assert_close(freq, p, atol=0.04, rtol=0)
+
+
+def test_a_row_depends_only_on_its_own_seed():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 100)
+
+    def run(rows, seeds):
+        gens = [torch.Generator().manual_seed(s) for s in seeds]
+        return [sample(logits[rows], *params(len(rows), temperature=0.9, top_p=0.95), gens).tolist()
+                for _ in range(5)]
+
+    together = run([0, 1, 2], [11, 12, 13])
+    alone = run([1], [12])
+    assert [step[1] for step in together] == [step[0] for step in alone]
+    assert run([0, 1, 2], [11, 12, 13]) == together
+
+
+def test_logprobs_use_the_raw_distribution():
+    logits = torch.randn(2, 30)
+    tokens = torch.tensor([3, 7])
+    lp, ids, top = logprobs(logits, tokens, 5)
+    ref = torch.log_softmax(logits, -1)
+    torch.testing.assert_close(lp, ref[[0, 1], [3, 7]])
+    torch.testing.assert_close(top, ref.topk(5, -1).values)
+    assert torch.equal(ids, ref.topk(5, -1).indices)
+    assert logprobs(logits, tokens, 0)[1].shape == (2, 0)
+    with pytest.raises(ValueError, match="top_n"):
+        logprobs(logits, tokens, 31)
+
+
+def test_bad_shapes_are_named():
+    with pytest.raises(ValueError, match="sample"):
+        sample(torch.randn(2, 5), *params(3), [None] * 2)
