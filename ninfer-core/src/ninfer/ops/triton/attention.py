@@ -1,0 +1,228 @@
+"""Paged attention on the GPU: KV writes into pages and one flash-attention kernel over the block table.
+
+One program handles BLOCK_Q query tokens of one sequence times all G query heads of one KV head (GQA
+packing), so each K/V tile is read once for the whole group and the score matrix has BLOCK_Q * G rows,
+enough for tensor-core dots even for a single decode token. Decode batches (every query length 1) split
+the context into NUM_SPLITS ranges computed in the kernel from the device sequence lengths, so a captured
+graph stays right for any length; a second kernel merges the partial softmax states.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_NUM_SMS_H200 = 132
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+    s_kn, s_kh, s_kd, s_vn, s_vh, s_vd,
+    s_kcp, s_kco, s_kch, s_kcd, s_vcp, s_vco, s_vch, s_vcd,
+    page_size,
+    KVH: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    n = tl.program_id(0)
+    slot = tl.load(slot_ptr + n).to(tl.int64)
+    page = slot // page_size
+    off = slot % page_size
+    hh = tl.arange(0, BLOCK_H)[:, None]
+    dd = tl.arange(0, BLOCK_D)[None, :]
+    mask = (hh < KVH) & (dd < D)
+    k = tl.load(k_ptr + n * s_kn + hh * s_kh + dd * s_kd, mask=mask)
+    v = tl.load(v_ptr + n * s_vn + hh * s_vh + dd * s_vd, mask=mask)
+    tl.store(kc_ptr + page * s_kcp + off * s_kco + hh * s_kch + dd * s_kcd, k.to(kc_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc_ptr + page * s_vcp + off * s_vco + hh * s_vch + dd * s_vcd, v.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv(k, v, k_cache, v_cache, slot_mapping):
+    """Store the new tokens' K/V at their flat cache slots (page = slot // page_size) in place."""
+    N, KVH, D = k.shape
+    if v.shape != k.shape or k_cache.shape != v_cache.shape or tuple(k_cache.shape[2:]) != (KVH, D):
+        raise ValueError(f"write_kv: k {tuple(k.shape)}, v {tuple(v.shape)}, caches {tuple(k_cache.shape)} / "
+                         f"{tuple(v_cache.shape)} do not fit")
+    if tuple(slot_mapping.shape) != (N,):
+        raise ValueError(f"write_kv: slot_mapping must be [{N}], got {tuple(slot_mapping.shape)}")
+    if N == 0:
+        return
+    _write_kv_kernel[(N,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
+        k_cache.shape[1],
+        KVH=KVH, D=D, BLOCK_H=triton.next_power_of_2(KVH), BLOCK_D=triton.next_power_of_2(D),
+        num_warps=4,
+    )
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr,
+    s_qn, s_qh, s_qd,
+    s_kcp, s_kco, s_kch, s_kcd, s_vcp, s_vco, s_vch, s_vcd,
+    s_btb, s_on, s_oh, s_od,
+    s_pon, s_poh, s_pos, s_pmn, s_pmh,
+    page_size, qk_scale_log2,
+    G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    qblk = tl.program_id(0)
+    b = tl.program_id(1)
+    kvh = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
+
+    q_start = tl.load(qsl_ptr + b)
+    qlen = tl.load(qsl_ptr + b + 1) - q_start
+    if qblk * BLOCK_Q < qlen:
+        seq_len = tl.load(seq_lens_ptr + b)
+        ctx = seq_len - qlen  # earlier context: query j sits at position ctx + j
+
+        rows = tl.arange(0, BLOCK_M)
+        qi = qblk * BLOCK_Q + rows // G
+        head = kvh * G + rows % G
+        row_ok = (rows < BLOCK_Q * G) & (qi < qlen)
+        q_pos = ctx + qi
+        dd = tl.arange(0, BLOCK_D)
+        d_ok = dd < D
+        tok = (q_start + qi).to(tl.int64)
+        q = tl.load(q_ptr + tok[:, None] * s_qn + head[:, None] * s_qh + dd[None, :] * s_qd,
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+        # Keys this program may need: up to the last query position of its block; split evenly by tiles.
+        kv_end = tl.minimum(seq_len, ctx + tl.minimum(qlen, (qblk + 1) * BLOCK_Q))
+        n_tiles = tl.cdiv(kv_end, TILE_N)
+        per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+        t_lo = split * per_split
+        t_hi = tl.minimum(t_lo + per_split, n_tiles)
+
+        # Finite start for the running maxima: a row with no visible key yet keeps exp2(m_old - m_new) at 1.
+        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        cols = tl.arange(0, TILE_N)
+        for t in range(t_lo, t_hi):
+            n = t * TILE_N + cols
+            n_ok = n < kv_end
+            page = tl.load(bt_ptr + b * s_btb + n // page_size, mask=n_ok, other=0).to(tl.int64)
+            off = n % page_size
+            kv_mask = n_ok[:, None] & d_ok[None, :]
+            k = tl.load(kc_ptr + page[:, None] * s_kcp + off[:, None] * s_kco + kvh * s_kch + dd[None, :] * s_kcd,
+                        mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
+            visible = row_ok[:, None] & n_ok[None, :] & (n[None, :] <= q_pos[:, None])
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(vc_ptr + page[:, None] * s_vcp + off[:, None] * s_vco + kvh * s_vch + dd[None, :] * s_vcd,
+                        mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        out_mask = row_ok[:, None] & d_ok[None, :]
+        if NUM_SPLITS == 1:
+            o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            tl.store(o_ptr + tok[:, None] * s_on + head[:, None] * s_oh + dd[None, :] * s_od,
+                     o.to(o_ptr.dtype.element_ty), mask=out_mask)
+        else:
+            # Unnormalised partial state of this split; maxima are in the log2 domain.
+            tl.store(po_ptr + tok[:, None] * s_pon + head[:, None] * s_poh + split * s_pos + dd[None, :],
+                     acc, mask=out_mask)
+            tl.store(pm_ptr + tok * s_pmn + head * s_pmh + split, m_i, mask=row_ok)
+            tl.store(pl_ptr + tok * s_pmn + head * s_pmh + split, l_i, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    po_ptr, pm_ptr, pl_ptr, o_ptr,
+    s_pon, s_poh, s_pos, s_pmn, s_pmh, s_on, s_oh, s_od,
+    NUM_SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    sp = tl.arange(0, NUM_SPLITS)
+    dd = tl.arange(0, BLOCK_D)
+    m = tl.load(pm_ptr + n * s_pmn + h * s_pmh + sp)
+    l_ = tl.load(pl_ptr + n * s_pmn + h * s_pmh + sp)
+    m_max = tl.max(m, axis=0)
+    w = tl.exp2(m - m_max)
+    acc = tl.load(po_ptr + n * s_pon + h * s_poh + sp[:, None] * s_pos + dd[None, :], mask=(dd < D)[None, :],
+                  other=0.0)
+    o = tl.sum(acc * w[:, None], axis=0)
+    denom = tl.sum(l_ * w, axis=0)
+    o = o / tl.where(denom > 0, denom, 1.0)
+    tl.store(o_ptr + n * s_on + h * s_oh + dd * s_od, o.to(o_ptr.dtype.element_ty), mask=dd < D)
+
+
+def _decode_splits(batch: int, kv_heads: int, max_seq_len: int, tile_n: int) -> int:
+    """Splits of the context for a decode batch: enough programs to cover every SM about twice, at least
+    four tiles per split of the longest context. A power of two. Only speed depends on it: the ranges are
+    computed in the kernel, so a graph captured with one max_seq_len stays right for longer contexts."""
+    want = triton.cdiv(2 * _NUM_SMS_H200, max(batch * kv_heads, 1))
+    most = triton.cdiv(max(max_seq_len, 1), 4 * tile_n)
+    s = max(1, min(want, most, 64))
+    return 1 << (s.bit_length() - 1)
+
+
+def paged_attention(
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len: int, max_seq_len: int,
+    scale: float, *, out=None, num_splits: int | None = None, block_q: int | None = None,
+    tile_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+):
+    """Causal attention of packed queries over their paged history (see ``ninfer.ops.attention``)."""
+    N, H, D = q.shape
+    P, page_size, KVH, Dk = k_cache.shape
+    B = seq_lens.shape[0]
+    if Dk != D or v_cache.shape != k_cache.shape or H % KVH != 0:
+        raise ValueError(f"paged_attention: q {tuple(q.shape)} and caches {tuple(k_cache.shape)} / "
+                         f"{tuple(v_cache.shape)} do not fit")
+    if tuple(query_start_loc.shape) != (B + 1,) or block_tables.shape[0] != B:
+        raise ValueError("paged_attention: query_start_loc must be [B+1] and block_tables [B, Pmax]")
+    if block_tables.stride(1) != 1:
+        raise ValueError("paged_attention: block_tables rows must be contiguous")
+    if out is None:
+        out = torch.empty_like(q)
+    if N == 0 or B == 0:
+        return out
+    G = H // KVH
+    decode = max_query_len <= 1
+    tile_n = tile_n or 64
+    if block_q is None:
+        block_q = 1 if decode else max(1, 64 // G)
+    block_q = min(block_q, triton.next_power_of_2(max(max_query_len, 1)))
+    block_m = max(16, triton.next_power_of_2(block_q * G))
+    if num_splits is None:
+        num_splits = _decode_splits(B, KVH, max_seq_len, tile_n) if decode else 1
+    if num_splits & (num_splits - 1):
+        raise ValueError(f"paged_attention: num_splits must be a power of two, got {num_splits}")
+    if num_warps is None:
+        num_warps = 4 if block_m <= 16 else 8
+    if num_stages is None:
+        num_stages = 2
+    block_d = triton.next_power_of_2(D)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    if num_splits > 1:
+        part_o = torch.empty((N, H, num_splits, D), dtype=torch.float32, device=q.device)
+        part_m = torch.empty((N, H, num_splits), dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+    else:
+        part_o = part_m = part_l = out  # unused by the kernel
+    grid = (triton.cdiv(max(max_query_len, 1), block_q), B, KVH * num_splits)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_o, part_m, part_l,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
+        part_o.stride(0), part_o.stride(1), part_o.stride(2) if num_splits > 1 else 0,
+        part_m.stride(0), part_m.stride(1),
+        page_size, scale * 1.4426950408889634,
+        G=G, D=D, BLOCK_D=block_d, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n, NUM_SPLITS=num_splits,
+        DOT_PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(N, H)](
+            part_o, part_m, part_l, out,
+            part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1),
+            *out.stride(), NUM_SPLITS=num_splits, D=D, BLOCK_D=block_d, num_warps=4,
+        )
+    return out

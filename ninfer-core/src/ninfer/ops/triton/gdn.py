@@ -1,0 +1,160 @@
+"""Gated DeltaNet on the GPU: the one-token recurrent decode kernel (ours) and chunked prefill (fla-core).
+
+Decode is bandwidth-bound: each step reads and writes the whole fp32 state [HV, Dk, Dv] of every row once
+(2 MiB per row and layer for Qwen3.5), so one program owns a [Dk, BV] column block of one value head, keeps
+it in registers for the whole update, and fuses the q/k L2 norm and the q scaling around it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _gdn_decode_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slot_ptr, o_ptr,
+    s_qb, s_qh, s_qd, s_kb, s_kh, s_kd, s_vb, s_vh, s_vd,
+    s_gb, s_gh, s_betab, s_betah,
+    s_ss, s_sh, s_sk, s_sv,
+    s_ob, s_oh, s_od,
+    scale,
+    DK: tl.constexpr, DV: tl.constexpr, HV_PER_HK: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    pid_v = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    hk = h // HV_PER_HK
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_k = offs_k < DK
+    mask_v = offs_v < DV
+
+    q = tl.load(q_ptr + b * s_qb + hk * s_qh + offs_k * s_qd, mask=mask_k, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + b * s_kb + hk * s_kh + offs_k * s_kd, mask=mask_k, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + b * s_vb + h * s_vh + offs_v * s_vd, mask=mask_v, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + b * s_gb + h * s_gh).to(tl.float32)
+    beta = tl.load(beta_ptr + b * s_betab + h * s_betah).to(tl.float32)
+
+    # L2 norm over Dk (eps inside the rsqrt, as the reference), then the 1/sqrt(Dk) query scale.
+    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+
+    s_ptrs = state_ptr + slot * s_ss + h * s_sh + offs_k[:, None] * s_sk + offs_v[None, :] * s_sv
+    s_mask = mask_k[:, None] & mask_v[None, :]
+    state = tl.load(s_ptrs, mask=s_mask, other=0.0)
+    state = state * tl.exp(g)
+    kv = tl.sum(state * k[:, None], axis=0)
+    delta = (v - kv) * beta
+    state = state + k[:, None] * delta[None, :]
+    o = tl.sum(state * q[:, None], axis=0)
+    tl.store(s_ptrs, state, mask=s_mask)
+    tl.store(o_ptr + b * s_ob + h * s_oh + offs_v * s_od, o.to(o_ptr.dtype.element_ty), mask=mask_v)
+
+
+def _default_block_v(batch: int, hv: int, dv: int) -> int:
+    # Enough programs to keep every SM streaming (about four per SM on an H200), but columns of at least 16
+    # fp32 values (64-byte rows) so the state loads stay wide.
+    block_v = min(triton.next_power_of_2(dv), 64)
+    while block_v > 16 and batch * hv * triton.cdiv(dv, block_v) < 512:
+        block_v //= 2
+    return block_v
+
+
+def gdn_decode(q, k, v, g, beta, states, slots, *, out=None, block_v: int | None = None, num_warps: int = 4):
+    """One recurrent step per row, updating ``states[slots[b]]`` in place; returns o [B, HV, Dv] in v.dtype."""
+    B, HK, DK = q.shape
+    _, HV, DV = v.shape
+    if k.shape != q.shape or v.shape[0] != B or HV % HK != 0:
+        raise ValueError(f"gdn_decode: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit")
+    if states.dtype != torch.float32 or tuple(states.shape[1:]) != (HV, DK, DV):
+        raise ValueError(f"gdn_decode: states must be fp32 [S, {HV}, {DK}, {DV}], got {states.dtype} "
+                         f"{tuple(states.shape)}")
+    if tuple(g.shape) != (B, HV) or tuple(beta.shape) != (B, HV) or tuple(slots.shape) != (B,):
+        raise ValueError("gdn_decode: g and beta must be [B, HV] and slots [B]")
+    if out is None:
+        out = torch.empty((B, HV, DV), dtype=v.dtype, device=v.device)
+    if B == 0:
+        return out
+    block_v = block_v or _default_block_v(B, HV, DV)
+    grid = (triton.cdiv(DV, block_v), HV, B)
+    _gdn_decode_kernel[grid](
+        q, k, v, g, beta, states, slots, out,
+        *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *states.stride(), *out.stride(),
+        DK ** -0.5,
+        DK=DK, DV=DV, HV_PER_HK=HV // HK,
+        BLOCK_K=triton.next_power_of_2(DK), BLOCK_V=block_v, num_warps=num_warps,
+    )
+    return out
+
+
+@triton.jit
+def _gdn_gates_kernel(a_ptr, b_ptr, alog_ptr, dtb_ptr, g_ptr, beta_ptr, N, HV, s_an, s_bn,
+                      BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr):
+    nn = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    hh = tl.arange(0, BLOCK_H)
+    mask = (nn < N)[:, None] & (hh < HV)[None, :]
+    a = tl.load(a_ptr + nn[:, None] * s_an + hh[None, :], mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + nn[:, None] * s_bn + hh[None, :], mask=mask, other=0.0).to(tl.float32)
+    a_log = tl.load(alog_ptr + hh, mask=hh < HV, other=0.0).to(tl.float32)
+    dt_bias = tl.load(dtb_ptr + hh, mask=hh < HV, other=0.0).to(tl.float32)
+    x = a + dt_bias[None, :]
+    # softplus with torch's threshold of 20 (linear above it).
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+    g = -tl.exp(a_log)[None, :] * softplus
+    tl.store(g_ptr + nn[:, None] * HV + hh[None, :], g, mask=mask)
+    tl.store(beta_ptr + nn[:, None] * HV + hh[None, :], tl.sigmoid(b), mask=mask)
+
+
+def gdn_gates(a, b, A_log, dt_bias, *, out=None):
+    """g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b); both fp32 [N, HV]."""
+    N, HV = a.shape
+    if b.shape != a.shape or tuple(A_log.shape) != (HV,) or tuple(dt_bias.shape) != (HV,):
+        raise ValueError(f"gdn_gates: a {tuple(a.shape)}, b {tuple(b.shape)}, A_log {tuple(A_log.shape)}, "
+                         f"dt_bias {tuple(dt_bias.shape)} do not fit")
+    if a.stride(1) != 1 or b.stride(1) != 1:
+        a, b = a.contiguous(), b.contiguous()
+    g, beta = out if out is not None else (torch.empty((N, HV), dtype=torch.float32, device=a.device),
+                                           torch.empty((N, HV), dtype=torch.float32, device=a.device))
+    if N == 0:
+        return g, beta
+    block_h = triton.next_power_of_2(HV)
+    block_n = max(1, 1024 // block_h)
+    _gdn_gates_kernel[(triton.cdiv(N, block_n),)](
+        a, b, A_log, dt_bias, g, beta, N, HV, a.stride(0), b.stride(0), BLOCK_N=block_n, BLOCK_H=block_h,
+        num_warps=4)
+    return g, beta
+
+
+def fla_available() -> bool:
+    """True when fla-core's chunked GDN kernels can be imported (optional dependency, GPU only)."""
+    try:
+        import fla.ops.gated_delta_rule  # noqa: F401
+    except Exception:  # fla missing, or its own imports failing: use the torch reference instead
+        return False
+    return True
+
+
+def gdn_prefill(q, k, v, g, beta, state, has_initial_state: bool, *, out=None):
+    """Chunked GDN over one sequence through fla-core's ``chunk_gated_delta_rule``; state updated in place."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    T, HK, DK = q.shape
+    HV = v.shape[1]
+    if state.dtype != torch.float32 or tuple(state.shape) != (HV, DK, v.shape[2]):
+        raise ValueError(f"gdn_prefill: state must be fp32 [{HV}, {DK}, {v.shape[2]}], got {state.dtype} "
+                         f"{tuple(state.shape)}")
+    initial = state.unsqueeze(0) if has_initial_state else None
+    o, final = chunk_gated_delta_rule(
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0).float(), beta.unsqueeze(0).float(),
+        scale=DK ** -0.5, initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True,
+    )
+    state.copy_(final[0])
+    if out is None:
+        return o[0]
+    out.copy_(o[0])
+    return out

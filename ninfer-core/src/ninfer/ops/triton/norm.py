@@ -1,0 +1,75 @@
+"""RMS norms on the GPU: one pass per row, math in fp32 (see ``ninfer.ops.norm`` for the exact formulas)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, w_ptr, z_ptr, y_ptr, R, s_xr, s_zr, s_yr, D, eps,
+    ONE_PLUS: tl.constexpr, GATED: tl.constexpr, ROUND_WN: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    rr = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    dd = tl.arange(0, BLOCK_D)
+    mask = (rr < R)[:, None] & (dd < D)[None, :]
+    x = tl.load(x_ptr + rr[:, None] * s_xr + dd[None, :], mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + dd, mask=dd < D, other=0.0).to(tl.float32)
+    normed = x * tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
+    if GATED:
+        # Gated output norm rounds as the reference does: normed -> x.dtype, times w (in x.dtype when w is
+        # not wider), then the fp32 silu gate.
+        dt = y_ptr.dtype.element_ty
+        y = w[None, :] * normed.to(dt).to(tl.float32)
+        if ROUND_WN:
+            y = y.to(dt).to(tl.float32)
+        z = tl.load(z_ptr + rr[:, None] * s_zr + dd[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = y * (z * tl.sigmoid(z))
+    elif ONE_PLUS:
+        y = normed * (1.0 + w[None, :])
+    else:
+        y = normed * w[None, :]
+    tl.store(y_ptr + rr[:, None] * s_yr + dd[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(x, D: int, what: str):
+    if x.shape[-1] != D:
+        raise ValueError(f"{what}: last dimension {x.shape[-1]} does not match the weight's {D}")
+    x2 = x.reshape(-1, D)
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _launch(x, z, weight, eps, one_plus, gated, out):
+    D = weight.shape[0]
+    x2 = _rows(x, D, "rms_norm")
+    z2 = _rows(z, D, "rms_norm_gated") if gated else x2
+    if gated and z2.shape != x2.shape:
+        raise ValueError(f"rms_norm_gated: x {tuple(x.shape)} and z {tuple(z.shape)} differ")
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y2 = out.view(-1, D)
+    R = x2.shape[0]
+    if R == 0:
+        return out
+    block_d = triton.next_power_of_2(D)
+    rows = max(1, min(16, 2048 // block_d))
+    _rms_norm_kernel[(triton.cdiv(R, rows),)](
+        x2, weight, z2, y2, R, x2.stride(0), z2.stride(0), y2.stride(0), D, eps,
+        ONE_PLUS=bool(one_plus), GATED=gated, ROUND_WN=torch.promote_types(weight.dtype, x.dtype) == x.dtype,
+        ROWS=rows, BLOCK_D=block_d,
+        num_warps=8 if block_d >= 4096 else 4,
+    )
+    return out
+
+
+def rms_norm(x, weight, eps: float, *, one_plus: bool = True, out=None):
+    """y = x * rsqrt(mean(x^2) + eps) * (1 + w) (or * w), in fp32, cast to x.dtype."""
+    return _launch(x, None, weight, eps, one_plus, False, out)
+
+
+def rms_norm_gated(x, z, weight, eps: float, *, out=None):
+    """Qwen3.5 GDN output norm: (w * normed(x).to(dtype)) * silu(z.float()), cast to x.dtype."""
+    return _launch(x, z, weight, eps, False, True, out)

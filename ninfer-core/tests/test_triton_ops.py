@@ -1,0 +1,167 @@
+"""The Triton kernels against the torch references, on the CPU through Triton's interpreter.
+
+The root conftest sets TRITON_INTERPRET=1 when there is no CUDA device; shapes are tiny because the
+interpreter is slow, and dtypes are fp32/fp16 because it has no bf16 arithmetic. Real shapes, bf16 and
+timings are the job of scripts/gpu-check on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+
+from ninfer.ops import activation, attention, conv1d, gdn, norm, rope  # noqa: E402
+from ninfer.ops.triton import activation as t_activation  # noqa: E402
+from ninfer.ops.triton import attention as t_attention  # noqa: E402
+from ninfer.ops.triton import conv1d as t_conv1d  # noqa: E402
+from ninfer.ops.triton import gdn as t_gdn  # noqa: E402
+from ninfer.ops.triton import norm as t_norm  # noqa: E402
+from ninfer.ops.triton import rope as t_rope  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator(device=DEV).manual_seed(seed)
+
+
+def _randn(*shape, gen, dtype=torch.float32):
+    return torch.randn(*shape, generator=gen, device=DEV, dtype=torch.float32).to(dtype)
+
+
+def _close(out, ref, tol):
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+def test_rms_norms(dtype, tol):
+    gen = _gen(0)
+    x = _randn(3, 5, 48, gen=gen, dtype=dtype)
+    w = _randn(48, gen=gen, dtype=dtype) * 0.1
+    for one_plus in (True, False):
+        _close(t_norm.rms_norm(x, w, 1e-6, one_plus=one_plus), norm.rms_norm_ref(x, w, 1e-6, one_plus=one_plus),
+               tol)
+    z = _randn(3, 5, 48, gen=gen, dtype=dtype)
+    _close(t_norm.rms_norm_gated(x, z, w, 1e-6), norm.rms_norm_gated_ref(x, z, w, 1e-6), tol)
+    # A strided input (a slice of a wider row) is read through its strides.
+    wide = _randn(7, 96, gen=gen, dtype=dtype)
+    _close(t_norm.rms_norm(wide[:, 10:58], w, 1e-6), norm.rms_norm_ref(wide[:, 10:58], w, 1e-6), tol)
+
+
+def test_silu_and_mul_rope_and_gates():
+    gen = _gen(1)
+    x = _randn(4, 3, 2 * 40, gen=gen, dtype=torch.float16)
+    _close(t_activation.silu_and_mul(x), activation.silu_and_mul_ref(x), 1e-3)
+
+    q = _randn(6, 3, 32, gen=gen)
+    cos, sin = rope.rope_cos_sin(torch.arange(6, device=DEV) * 7, 16, 10000.0, torch.float32)
+    _close(t_rope.apply_rope(q, cos, sin, 16), rope.apply_rope_ref(q, cos, sin, 16), 1e-6)
+
+    a, b = _randn(5, 6, gen=gen) * 10, _randn(5, 6, gen=gen)
+    a_log, dt_bias = _randn(6, gen=gen), _randn(6, gen=gen)
+    for got, want in zip(t_gdn.gdn_gates(a, b, a_log, dt_bias), gdn.gdn_gates_ref(a, b, a_log, dt_bias),
+                         strict=True):
+        _close(got, want, 1e-5)
+
+
+def test_gdn_decode_updates_only_its_slots():
+    gen = _gen(2)
+    B, HK, HV, DK, DV, S = 3, 2, 4, 16, 32, 6
+    q, k = _randn(B, HK, DK, gen=gen), _randn(B, HK, DK, gen=gen)
+    v = _randn(B, HV, DV, gen=gen)
+    g = -torch.rand(B, HV, generator=gen, device=DEV)
+    beta = torch.rand(B, HV, generator=gen, device=DEV)
+    # The states are a strided view into a wider per-slot image, as the state store hands them out.
+    image = _randn(S, HV * DK * DV + 40, gen=gen)
+    states = image[:, 8:8 + HV * DK * DV].view(S, HV, DK, DV)
+    slots = torch.tensor([4, 0, 2], device=DEV)
+    ref_image = image.clone()
+    ref_states = ref_image[:, 8:8 + HV * DK * DV].view(S, HV, DK, DV)
+    o_ref = gdn.gdn_decode_ref(q, k, v, g, beta, ref_states, slots)
+    o = t_gdn.gdn_decode(q, k, v, g, beta, states, slots, block_v=16)
+    _close(o, o_ref, 1e-5)
+    _close(image, ref_image, 1e-5)  # the updated slots match; every other byte is untouched
+    assert torch.equal(image[[1, 3, 5]], ref_image[[1, 3, 5]])
+
+
+def _paged_case(gen, seq_lens, q_lens, kvh=2, group=2, d=32, page=4, dtype=torch.float32):
+    B = len(seq_lens)
+    width = max(-(-s // page) for s in seq_lens)
+    n_pages = B * width + 3
+    perm = torch.randperm(n_pages, generator=torch.Generator().manual_seed(0))[: B * width]
+    block_tables = perm.view(B, width).to(torch.int32).to(DEV)
+    k_cache = _randn(n_pages, page, kvh, d, gen=gen, dtype=dtype)
+    v_cache = _randn(n_pages, page, kvh, d, gen=gen, dtype=dtype)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    q = _randn(int(qsl[-1]), kvh * group, d, gen=gen, dtype=dtype)
+    args = (q, k_cache, v_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32, device=DEV), qsl,
+            max(q_lens), max(seq_lens), d ** -0.5)
+    return args
+
+
+def test_paged_attention_decode_with_splits_and_prefill_with_context():
+    gen = _gen(3)
+    decode = _paged_case(gen, [9, 30, 1], [1, 1, 1])
+    ref = attention.paged_attention_ref(*decode)
+    for splits in (1, 4):
+        _close(t_attention.paged_attention(*decode, num_splits=splits, tile_n=16), ref, 1e-5)
+    # Mixed batch: a prompt, a chunk with earlier context and a decode row; q blocks smaller than the chunk.
+    mixed = _paged_case(gen, [7, 21, 13], [7, 5, 1])
+    _close(t_attention.paged_attention(*mixed, block_q=2, tile_n=16), attention.paged_attention_ref(*mixed), 1e-5)
+    half = _paged_case(gen, [12, 5], [3, 5], dtype=torch.float16)
+    _close(t_attention.paged_attention(*half, tile_n=16), attention.paged_attention_ref(*half), 2e-3)
+
+
+def test_write_kv_touches_only_its_slots():
+    gen = _gen(4)
+    k_cache = _randn(5, 4, 2, 8, gen=gen)
+    v_cache = _randn(5, 4, 2, 8, gen=gen)
+    k, v = _randn(3, 2, 8, gen=gen), _randn(3, 2, 8, gen=gen)
+    slots = torch.tensor([17, 2, 8], device=DEV)
+    rk, rv = k_cache.clone(), v_cache.clone()
+    attention.write_kv_ref(k, v, rk, rv, slots)
+    t_attention.write_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, rk) and torch.equal(v_cache, rv)
+
+
+@pytest.mark.parametrize("T,has_state", [(1, True), (2, False), (9, True), (9, False)])
+def test_conv1d_prefill(T, has_state):
+    gen = _gen(5)
+    C, K = 12, 4
+    x, w = _randn(T, C, gen=gen), _randn(C, K, gen=gen)
+    state = _randn(C, K - 1, gen=gen)
+    ref_state = state.clone()
+    ref = conv1d.causal_conv1d_prefill_ref(x, w, ref_state, has_state)
+    _close(t_conv1d.causal_conv1d_prefill(x, w, state, has_state, block_t=4, block_c=8), ref, 1e-5)
+    _close(state, ref_state, 0)
+
+
+def test_conv1d_decode_strided_states():
+    gen = _gen(6)
+    B, C, K, S = 3, 12, 4, 5
+    x, w = _randn(B, C, gen=gen), _randn(C, K, gen=gen)
+    image = _randn(S, C, K + 2, gen=gen)
+    states = image[:, :, 1:K]  # [S, C, K-1], strided
+    slots = torch.tensor([3, 0, 4], device=DEV)
+    ref_image = image.clone()
+    ref = conv1d.causal_conv1d_decode_ref(x, w, ref_image[:, :, 1:K], slots)
+    _close(t_conv1d.causal_conv1d_decode(x, w, states, slots, block_c=8), ref, 1e-5)
+    assert torch.equal(image, ref_image)
+
+
+def test_shape_errors_are_clear():
+    x = torch.zeros(2, 8)
+    with pytest.raises(ValueError, match="rms_norm"):
+        t_norm.rms_norm(x, torch.zeros(6), 1e-6)
+    with pytest.raises(ValueError, match="gdn_decode"):
+        t_gdn.gdn_decode(torch.zeros(1, 2, 4), torch.zeros(1, 2, 4), torch.zeros(1, 3, 4), torch.zeros(1, 3),
+                         torch.zeros(1, 3), torch.zeros(2, 3, 4, 4), torch.zeros(1, dtype=torch.long))
+    with pytest.raises(ValueError, match="num_splits"):
+        t_attention.paged_attention(*_paged_case(_gen(7), [3], [1]), num_splits=3)
