@@ -1,0 +1,239 @@
+"""The Starlette application: routes, request flow and connection lifecycle around one ``ninfer.Engine``.
+
+Flow of a generation request: parse and validate (400 on anything wrong) -> ``engine.submit`` in a
+worker thread (it tokenizes; rejections map to 429 / 400 / 503) -> wait for the first output while
+watching the connection (a queue timeout still answers 503, a client that leaves cancels) -> answer
+whole or as SSE. Whatever way the exchange ends, the handle is closed, which cancels unfinished work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ninfer.contract.events import FinishReason, GenerationResult, GenerationStart, OutputDelta
+from ninfer_serve.errors import APIError, from_engine_error, from_error_result
+from ninfer_serve.metrics import GatewayMetrics
+from ninfer_serve.responses import DONE, ChatResponse, CompletionResponse
+from ninfer_serve.schemas import ChatCompletionRequest, CompletionRequest, parse_json, structure
+from ninfer_serve.translate import chat_request, completion_request
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class ClientGone(Exception):
+    """The client closed the connection before the answer started."""
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _unless_disconnected(request: Request, coro: Any) -> Any:
+    """Run ``coro`` but raise ClientGone as soon as the client disconnects (the body is already read)."""
+    work = asyncio.ensure_future(coro)
+    gone = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if work in done:
+            return work.result()
+        raise ClientGone
+    finally:
+        for task in (work, gone):
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+
+
+def _error_of(handle: Any, result: GenerationResult) -> APIError:
+    exc = handle.exception() if hasattr(handle, "exception") else None
+    if exc is not None:
+        return from_engine_error(exc)
+    return from_error_result(result.error, result.extra.get("error_kind"))
+
+
+class Gateway:
+    """Request handling bound to one engine; ``create_app`` wires it into Starlette routes."""
+
+    def __init__(self, engine: Any, *, model_id: str | None, queue_timeout_s: float | None,
+                 retry_after_s: int) -> None:
+        self.engine = engine
+        self.model_id = model_id or engine.model_name
+        self.aliases = {self.model_id, engine.model_name}
+        self.queue_timeout_s = queue_timeout_s
+        self.retry_after_s = retry_after_s
+        self.metrics = GatewayMetrics(engine, self.model_id)
+        self.created = int(time.time())
+
+    # -- plain endpoints -------------------------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
+        failed = (await run_in_threadpool(self.engine.metrics)).failed
+        if failed:
+            return JSONResponse({"status": "failed"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "ninfer",
+                "root": self.engine.model_name, "max_model_len": self.engine.max_model_len}
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        self._check_model(request.path_params["model"])
+        return JSONResponse(self._model_card())
+
+    async def prometheus(self, request: Request) -> Response:
+        body = await run_in_threadpool(generate_latest, self.metrics.registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.aliases:
+            raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+    # -- generation ------------------------------------------------------------------------------------
+    async def chat_completions(self, request: Request) -> Response:
+        req = structure(parse_json(await request.body()), ChatCompletionRequest)
+        self._check_model(req.model)
+        gen, options = chat_request(req, queue_timeout_s=self.queue_timeout_s)
+        return await self._generate(request, "chat", gen, options, ChatResponse)
+
+    async def completions(self, request: Request) -> Response:
+        req = structure(parse_json(await request.body()), CompletionRequest)
+        self._check_model(req.model)
+        gen, options = completion_request(req, queue_timeout_s=self.queue_timeout_s)
+        return await self._generate(request, "completions", gen, options, CompletionResponse)
+
+    async def _submit(self, gen: Any) -> Any:
+        try:
+            return await run_in_threadpool(self.engine.submit, gen)
+        except APIError:
+            raise
+        except Exception as exc:  # RequestRejected, EngineFailed, EngineClosed, anything else
+            raise from_engine_error(exc, retry_after_s=self.retry_after_s) from None
+
+    async def _generate(self, request: Request, endpoint: str, gen: Any, options: Any, builder_cls: Any) -> Response:
+        handle = await self._submit(gen)
+        events = handle.__aiter__()
+        builder = builder_cls(handle.request_id, self.model_id, options)
+        streaming = False
+        try:
+            # Wait for the first output before answering, so queue timeouts and rejections still get a status.
+            try:
+                first = await _unless_disconnected(request, self._first_output(events, builder))
+            except ClientGone:
+                self.metrics.disconnects.labels(endpoint).inc()
+                return Response(status_code=499)
+            if isinstance(first, GenerationResult) and first.finish_reason is FinishReason.ERROR:
+                raise _error_of(handle, first)
+            headers = {"X-Request-Id": handle.request_id}
+            if options.stream:
+                streaming = True
+                return StreamingResponse(self._stream(endpoint, handle, events, builder, first),
+                                         media_type="text/event-stream", headers=SSE_HEADERS | headers)
+            try:
+                result = await _unless_disconnected(request, self._rest(events, builder, first))
+            except ClientGone:
+                self.metrics.disconnects.labels(endpoint).inc()
+                return Response(status_code=499)
+            if result.finish_reason is FinishReason.ERROR:
+                raise _error_of(handle, result)
+            return JSONResponse(builder.whole(result), headers=headers)
+        finally:
+            if not streaming:
+                handle.close()
+
+    @staticmethod
+    async def _first_output(events: AsyncIterator[Any], builder: Any) -> Any:
+        """Consume GenerationStart; return the first OutputDelta or the GenerationResult."""
+        async for ev in events:
+            if isinstance(ev, GenerationStart):
+                builder.start(ev.prompt_tokens)
+                continue
+            return ev
+        raise RuntimeError("the engine ended a response without a final result")
+
+    @staticmethod
+    async def _rest(events: AsyncIterator[Any], builder: Any, first: Any) -> GenerationResult:
+        ev = first
+        while not isinstance(ev, GenerationResult):
+            builder.delta(ev)
+            ev = await anext(events)
+        return ev
+
+    async def _stream(self, endpoint: str, handle: Any, events: AsyncIterator[Any], builder: Any,
+                      first: Any) -> AsyncIterator[str]:
+        finished = False
+        try:
+            for frame in builder.start(builder.prompt_tokens):
+                yield frame
+            ev = first
+            while True:
+                if isinstance(ev, OutputDelta):
+                    for frame in builder.delta(ev):
+                        yield frame
+                elif isinstance(ev, GenerationResult):
+                    finished = True
+                    if ev.finish_reason is FinishReason.ERROR:
+                        yield _error_of(handle, ev).sse()
+                    else:
+                        for frame in builder.finish(ev):
+                            yield frame
+                    yield DONE
+                    return
+                ev = await anext(events)
+        finally:
+            if not finished:  # the client left (Starlette cancels the body) or the server is stopping
+                self.metrics.disconnects.labels(endpoint).inc()
+            handle.close()
+
+
+def create_app(engine: Any, *, model_id: str | None = None, queue_timeout_s: float | None = 60.0,
+               retry_after_s: int = 1, max_body_bytes: int = 32 << 20) -> Starlette:
+    """An ASGI app serving ``engine``; the caller owns the engine (and closes it after serving)."""
+    gw = Gateway(engine, model_id=model_id, queue_timeout_s=queue_timeout_s, retry_after_s=retry_after_s)
+
+    def counted(endpoint: str, handler: Any) -> Any:
+        async def wrapped(request: Request) -> Response:
+            try:
+                response = await handler(request)
+            except APIError as exc:
+                response = exc.response()
+            gw.metrics.http_requests.labels(endpoint, str(response.status_code)).inc()
+            return response
+        return wrapped
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        etype = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, str(exc.detail), type=etype).response()
+
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="internal_server_error").response()
+
+    routes = [
+        Route("/health", counted("health", gw.health), methods=["GET"]),
+        Route("/metrics", gw.prometheus, methods=["GET"]),
+        Route("/v1/models", counted("models", gw.models), methods=["GET"]),
+        Route("/v1/models/{model:path}", counted("models", gw.model), methods=["GET"]),
+        Route("/v1/chat/completions", counted("chat", gw.chat_completions), methods=["POST"]),
+        Route("/v1/completions", counted("completions", gw.completions), methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: internal_error},
+                    max_body_size=max_body_bytes)
+    app.state.gateway = gw
+    return app

@@ -1,0 +1,85 @@
+"""Prometheus ``/metrics``: a per-app registry whose engine metrics are read from ``engine.metrics()``.
+
+Names follow vLLM's (``ninfer:num_requests_running``, ``ninfer:time_to_first_token_seconds``, ...).
+The engine keeps the counts; this collector only translates one consistent snapshot per scrape.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+
+def _histogram(name: str, doc: str, snap: Any, model_name: str) -> HistogramMetricFamily:
+    cumulative = snap.cumulative()  # one more entry than bounds: the last is +Inf
+    buckets = [(repr(float(b)), c) for b, c in zip(snap.bounds, cumulative, strict=False)]
+    buckets.append(("+Inf", cumulative[-1] if cumulative else 0))
+    h = HistogramMetricFamily(name, doc, labels=["model_name"])
+    h.add_metric([model_name], buckets, sum_value=snap.total)
+    return h
+
+
+class EngineCollector(Collector):
+    def __init__(self, engine: Any, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def describe(self):  # no up-front description: collect() reads the engine lazily
+        return []
+
+    def collect(self):
+        m = self.engine.metrics()
+        label = ["model_name"]
+        value = [self.model_name]
+
+        def gauge(name: str, doc: str, v: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=label)
+            g.add_metric(value, v)
+            return g
+
+        def counter(name: str, doc: str, v: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=label)
+            c.add_metric(value, v)
+            return c
+
+        yield gauge("ninfer:num_requests_running", "Requests resident on the device.", m.running)
+        yield gauge("ninfer:num_requests_waiting", "Requests waiting for admission.", m.queue_depth)
+        yield gauge("ninfer:num_requests_paused", "Requests paused by preemption.", m.paused)
+        yield gauge("ninfer:num_requests_outstanding", "Requests holding outstanding capacity.", m.outstanding)
+        yield gauge("ninfer:kv_cache_pages_used", "KV pages in use.", m.kv_pages_used)
+        yield gauge("ninfer:kv_cache_pages_total", "KV pages in the pool.", m.kv_pages_total)
+        yield gauge("ninfer:kv_cache_usage_perc", "Fraction of KV pages in use.",
+                    m.kv_pages_used / m.kv_pages_total if m.kv_pages_total else 0.0)
+        yield gauge("ninfer:engine_failed", "1 when the engine has failed and accepts no work.", float(m.failed))
+        yield counter("ninfer:num_preemptions", "Preemptions (pauses) of running requests.", m.preemptions)
+        yield counter("ninfer:prompt_tokens", "Prompt tokens admitted.", m.prompt_tokens)
+        yield counter("ninfer:generation_tokens", "Tokens generated.", m.generated_tokens)
+        success = CounterMetricFamily("ninfer:request_success", "Finished requests by finish reason.",
+                                      labels=["model_name", "finished_reason"])
+        for reason, n in sorted(m.requests_finished.items()):
+            success.add_metric([self.model_name, reason], n)
+        yield success
+        rejected = CounterMetricFamily("ninfer:request_rejected", "Rejected requests by kind.",
+                                       labels=["model_name", "kind"])
+        for kind, n in sorted(m.requests_rejected.items()):
+            rejected.add_metric([self.model_name, kind], n)
+        yield rejected
+        yield _histogram("ninfer:time_to_first_token_seconds", "Time to first token.", m.ttft, self.model_name)
+        yield _histogram("ninfer:inter_token_latency_seconds", "Time between output tokens.", m.inter_token, self.model_name)
+        yield _histogram("ninfer:request_queue_time_seconds", "Time waiting for admission.", m.queue_time, self.model_name)
+        yield _histogram("ninfer:e2e_request_latency_seconds", "End-to-end request latency.", m.end_to_end, self.model_name)
+
+
+class GatewayMetrics:
+    """The app's registry: the engine collector plus HTTP-level counters the gateway itself owns."""
+
+    def __init__(self, engine: Any, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(engine, model_name))
+        self.http_requests = Counter("ninfer:http_requests", "HTTP requests by endpoint and status.",
+                                     ["endpoint", "status"], registry=self.registry)
+        self.disconnects = Counter("ninfer:client_disconnects", "Requests cancelled because the client left.",
+                                   ["endpoint"], registry=self.registry)

@@ -1,0 +1,219 @@
+"""Protocol input -> public owning input: OpenAI request bodies become ``GenerationRequest``s.
+
+Every range check names its parameter; whatever passes here is representable for the engine
+(which still rejects over-long prompts, since only it knows the tokenized length).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import attrs
+
+from ninfer.contract import ChatInput, GenerationRequest, SamplingParams, TextInput
+from ninfer_serve.errors import bad_request
+from ninfer_serve.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+
+MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20
+
+
+@attrs.frozen(kw_only=True)
+class ResponseOptions:
+    """What shapes the response, beside the engine's output."""
+
+    stream: bool = False
+    include_usage: bool = False
+    continuous_usage: bool = False
+    logprobs: bool = False
+    tools_enabled: bool = False
+
+
+def _check_range(name: str, value: float | None, lo: float, hi: float, *, lo_open: bool = False) -> None:
+    if value is None:
+        return
+    if value < lo or value > hi or (lo_open and value == lo):
+        bracket = "(" if lo_open else "["
+        raise bad_request(f"'{name}' must be in {bracket}{lo}, {hi}], got {value}", param=name)
+
+
+def _neutral(req: Any) -> None:
+    """Parameters accepted only at the value that changes nothing (there is no implementation behind them)."""
+    for name, neutral in (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0)):
+        value = getattr(req, name)
+        if value is not None and value != neutral:
+            raise bad_request(f"'{name}' is not supported by this server (only {neutral} is accepted), got {value}",
+                              param=name)
+    if req.logit_bias:
+        raise bad_request("'logit_bias' is not supported by this server", param="logit_bias")
+
+
+def _sampling(req: Any, *, max_tokens: int | None, logprobs: bool, top_logprobs: int) -> SamplingParams:
+    if req.n != 1:
+        message = (f"'n' must be >= 1, got {req.n}" if req.n < 1 else
+                   "'n' > 1 is not supported by this server; send n separate requests")
+        raise bad_request(message, param="n")
+    if max_tokens is not None and max_tokens < 1:
+        raise bad_request(f"'max_tokens' must be >= 1, got {max_tokens}", param="max_tokens")
+    _check_range("temperature", req.temperature, 0.0, 2.0)
+    _check_range("top_p", req.top_p, 0.0, 1.0, lo_open=True)
+    _check_range("min_p", req.min_p, 0.0, 1.0)
+    top_k = req.top_k
+    if top_k is not None:
+        if top_k < -1:
+            raise bad_request(f"'top_k' must be -1 (disabled) or >= 0, got {top_k}", param="top_k")
+        top_k = max(top_k, 0)  # -1 and 0 both mean "no top-k"
+    if req.seed is not None and not 0 <= req.seed < 2**63:
+        raise bad_request(f"'seed' must be in [0, 2**63), got {req.seed}", param="seed")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > MAX_STOP_STRINGS:
+        raise bad_request(f"'stop' holds at most {MAX_STOP_STRINGS} strings, got {len(stop)}", param="stop")
+    if any(not s for s in stop):
+        raise bad_request("'stop' strings must not be empty", param="stop")
+    stop_ids = list(req.stop_token_ids or [])
+    if any(t < 0 for t in stop_ids):
+        raise bad_request("'stop_token_ids' must be non-negative token ids", param="stop_token_ids")
+    _neutral(req)
+    try:
+        return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=top_k,
+                              min_p=req.min_p, seed=req.seed, stop=tuple(stop), stop_token_ids=tuple(stop_ids),
+                              ignore_eos=req.ignore_eos, logprobs=logprobs, top_logprobs=top_logprobs)
+    except (ValueError, TypeError) as exc:  # the contract's own validators, as a last line
+        raise bad_request(f"invalid sampling parameters: {exc}") from None
+
+
+def _stream_options(req: Any) -> tuple[bool, bool]:
+    if req.stream_options is None:
+        return False, False
+    if not req.stream:
+        raise bad_request("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    return req.stream_options.include_usage, req.stream_options.continuous_usage_stats
+
+
+# ---------------------------------------------------------------- chat
+
+
+def _message_text(m: ChatMessage, i: int) -> str | None:
+    if m.content is None or isinstance(m.content, str):
+        return m.content
+    texts = []
+    for j, part in enumerate(m.content):
+        where = f"messages[{i}].content[{j}]"
+        if part.type == "text":
+            if part.text is None:
+                raise bad_request(f"a text content part needs 'text' ({where})", param=f"{where}.text")
+            texts.append(part.text)
+        elif part.type in ("image_url", "input_image", "image", "video_url", "video"):
+            raise bad_request(f"{where}: image and video input needs a vision-enabled model; this server "
+                              "serves text only", param=where, code="vision_not_enabled")
+        else:
+            raise bad_request(f"{where}: content parts of type '{part.type}' are not supported", param=where)
+    return "\n".join(texts)
+
+
+def _message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
+    """One OpenAI message as the chat template expects it (tool-call arguments as a mapping)."""
+    out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                           "content": _message_text(m, i)}
+    if m.role != "assistant" and out["content"] is None:
+        raise bad_request(f"messages[{i}] ({m.role}) needs 'content'", param=f"messages[{i}].content")
+    if m.name is not None:
+        out["name"] = m.name
+    if m.tool_calls:
+        if m.role != "assistant":
+            raise bad_request(f"only assistant messages carry 'tool_calls' (messages[{i}])",
+                              param=f"messages[{i}].tool_calls")
+        calls = []
+        for j, call in enumerate(m.tool_calls):
+            args = call.function.arguments
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args) if args.strip() else {}
+                except ValueError:
+                    raise bad_request(f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON",
+                                      param=f"messages[{i}].tool_calls[{j}].function.arguments") from None
+            if not isinstance(args, dict):
+                raise bad_request(f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object",
+                                  param=f"messages[{i}].tool_calls[{j}].function.arguments")
+            calls.append({"id": call.id, "type": "function",
+                          "function": {"name": call.function.name, "arguments": args}})
+        out["tool_calls"] = calls
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+    if reasoning is not None and m.role == "assistant":
+        out["reasoning_content"] = reasoning
+    return out
+
+
+def chat_request(req: ChatCompletionRequest, *, queue_timeout_s: float | None = None,
+                 request_id: str | None = None) -> tuple[GenerationRequest, ResponseOptions]:
+    if not req.messages:
+        raise bad_request("'messages' must hold at least one message", param="messages")
+    messages = [_message_dict(m, i) for i, m in enumerate(req.messages)]
+    if req.response_format is not None and req.response_format != {"type": "text"}:
+        raise bad_request("'response_format' other than {\"type\": \"text\"} is not supported by this server",
+                          param="response_format")
+    tools = [attrs.asdict(t) for t in req.tools or []]
+    for t in tools:  # drop unset optional keys so the template sees what the client sent
+        t["function"] = {k: v for k, v in t["function"].items() if v is not None}
+    choice = req.tool_choice
+    if isinstance(choice, dict) or choice == "required":
+        raise bad_request("'tool_choice' 'required' or a named function needs constrained decoding, which this "
+                          "server does not offer; use 'auto' or 'none'", param="tool_choice")
+    if choice is not None and not tools and choice != "none":
+        raise bad_request("'tool_choice' needs 'tools'", param="tool_choice")
+    if choice == "none":
+        tools = []
+    top = req.top_logprobs or 0
+    if req.top_logprobs is not None:
+        _check_range("top_logprobs", req.top_logprobs, 0, MAX_TOP_LOGPROBS)
+        if req.top_logprobs > 0 and not req.logprobs:
+            raise bad_request("'top_logprobs' needs 'logprobs' set to true", param="top_logprobs")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    sampling = _sampling(req, max_tokens=max_tokens, logprobs=req.logprobs, top_logprobs=top)
+    include_usage, continuous = _stream_options(req)
+    chat = ChatInput(messages=tuple(messages), tools=tuple(tools),
+                     template_kwargs=dict(req.chat_template_kwargs or {}))
+    gen = GenerationRequest(input=chat, sampling=sampling, queue_timeout_s=queue_timeout_s, request_id=request_id)
+    return gen, ResponseOptions(stream=req.stream, include_usage=include_usage, continuous_usage=continuous,
+                                logprobs=req.logprobs, tools_enabled=bool(tools))
+
+
+# ---------------------------------------------------------------- text completions
+
+
+def _prompt_input(prompt: Any) -> TextInput:
+    if isinstance(prompt, str):
+        return TextInput(text=prompt)
+    if not prompt:
+        raise bad_request("'prompt' must not be empty", param="prompt")
+    if isinstance(prompt[0], list | str):
+        if len(prompt) != 1:
+            raise bad_request("batched prompts are not supported by this server; send one request per prompt",
+                              param="prompt")
+        return _prompt_input(prompt[0])
+    if any(t < 0 for t in prompt):
+        raise bad_request("'prompt' token ids must be non-negative", param="prompt")
+    return TextInput(token_ids=tuple(prompt))
+
+
+def completion_request(req: CompletionRequest, *, queue_timeout_s: float | None = None,
+                       request_id: str | None = None) -> tuple[GenerationRequest, ResponseOptions]:
+    text = _prompt_input(req.prompt)
+    if text.text == "":
+        raise bad_request("'prompt' must not be empty", param="prompt")
+    if req.echo:
+        raise bad_request("'echo' is not supported by this server", param="echo")
+    if req.suffix:
+        raise bad_request("'suffix' is not supported by this server", param="suffix")
+    if req.best_of is not None and req.best_of != 1:
+        raise bad_request("'best_of' other than 1 is not supported by this server", param="best_of")
+    _check_range("logprobs", req.logprobs, 0, MAX_TOP_LOGPROBS)
+    logprobs = req.logprobs is not None
+    sampling = _sampling(req, max_tokens=req.max_tokens, logprobs=logprobs, top_logprobs=req.logprobs or 0)
+    include_usage, continuous = _stream_options(req)
+    gen = GenerationRequest(input=text, sampling=sampling, queue_timeout_s=queue_timeout_s, request_id=request_id)
+    return gen, ResponseOptions(stream=req.stream, include_usage=include_usage, continuous_usage=continuous,
+                                logprobs=logprobs)

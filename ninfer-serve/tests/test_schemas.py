@@ -1,0 +1,137 @@
+"""Request parsing and translation: strict types, unknown keys, ranges, each answered as a 400 naming the field."""
+
+import pytest
+
+from ninfer.contract import ChatInput, TextInput
+from ninfer_serve.errors import APIError
+from ninfer_serve.schemas import ChatCompletionRequest, CompletionRequest, parse_json, structure
+from ninfer_serve.translate import chat_request, completion_request
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def chat(**kw):
+    return chat_request(structure({"messages": USER, **kw}, ChatCompletionRequest))
+
+
+def err(fn, *a, **kw) -> APIError:
+    with pytest.raises(APIError) as info:
+        fn(*a, **kw)
+    assert info.value.status == 400
+    return info.value
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ({}, "messages", "missing required parameter"),
+    ({"messages": 3}, "messages", "expected an array"),
+    ({"messages": [{"role": "usr", "content": "x"}]}, "messages[0].role", '"user"'),
+    ({"messages": USER, "temperature": "hot"}, "temperature", "expected a number"),
+    ({"messages": USER, "max_tokens": 1.5}, "max_tokens", "expected an integer"),
+    ({"messages": USER, "max_tokens": True}, "max_tokens", "got a boolean"),
+    ({"messages": USER, "stream": "yes"}, "stream", "expected a boolean"),
+    ({"messages": USER, "stop": ["a", 3]}, "stop[1]", "expected a string"),
+    ({"messages": USER, "bogus": 1}, "bogus", "Unrecognized request argument supplied: bogus"),
+    ({"messages": [{"role": "user", "content": "x", "zz": 1}]}, "messages[0].zz", "Unrecognized"),
+    ({"messages": USER, "stream_options": {"include_usage": 1}}, "stream_options.include_usage", "boolean"),
+    ({"messages": USER, "tools": [{"type": "function", "function": {"description": "d"}}]},
+     "tools[0].function.name", "missing required parameter"),
+    ({"messages": USER, "temperature": float("nan")}, "temperature", "finite"),
+])
+def test_type_errors_name_the_field(body, param, words):
+    e = err(structure, body, ChatCompletionRequest)
+    assert e.param == param
+    assert words in e.message
+    assert e.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_body_must_be_an_object_and_json():
+    assert "JSON object" in err(structure, [1], ChatCompletionRequest).message
+    assert "not valid JSON" in err(parse_json, b"{nope").message
+    assert "not valid JSON" in err(parse_json, b"\xff\xfe").message
+
+
+@pytest.mark.parametrize("kw,param", [
+    ({"temperature": 2.5}, "temperature"), ({"temperature": -0.1}, "temperature"),
+    ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"min_p": 2.0}, "min_p"),
+    ({"top_k": -2}, "top_k"), ({"seed": -5}, "seed"), ({"seed": 2**63}, "seed"),
+    ({"max_tokens": 0}, "max_tokens"), ({"max_completion_tokens": 0}, "max_tokens"),
+    ({"n": 2}, "n"), ({"n": 0}, "n"), ({"stop": [""]}, "stop"), ({"stop": ["x"] * 17}, "stop"),
+    ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
+    ({"presence_penalty": 0.5}, "presence_penalty"), ({"logit_bias": {"1": 2.0}}, "logit_bias"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+])
+def test_out_of_range_is_400_naming_the_parameter(kw, param):
+    assert err(chat, **kw).param == param
+
+
+def test_n_above_one_says_so():
+    assert "not supported" in err(chat, n=3).message
+
+
+def test_image_parts_have_a_clear_error():
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "see"},
+                                         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]}]
+    e = err(chat_request, structure({"messages": msgs}, ChatCompletionRequest))
+    assert e.param == "messages[0].content[1]" and "vision" in e.message
+
+
+def test_chat_translation():
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    msgs = [{"role": "developer", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    gen, opts = chat_request(structure({
+        "messages": msgs, "tools": tools, "tool_choice": "auto", "max_completion_tokens": 7, "max_tokens": 99,
+        "temperature": 0, "top_k": -1, "seed": 3, "stop": "END", "logprobs": True, "top_logprobs": 2,
+        "stream": True, "stream_options": {"include_usage": True},
+        "chat_template_kwargs": {"enable_thinking": False}}, ChatCompletionRequest))
+    assert isinstance(gen.input, ChatInput)
+    m = gen.input.messages
+    assert m[0] == {"role": "system", "content": "be brief"}
+    assert m[1]["content"] == "a\nb"
+    assert m[2]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": {"city": "Oslo"}}
+    assert m[3] == {"role": "tool", "content": "sunny", "tool_call_id": "c1"}
+    assert gen.input.tools[0]["function"] == {"name": "get_weather", "parameters": {"type": "object"}}
+    assert gen.input.template_kwargs == {"enable_thinking": False}
+    s = gen.sampling
+    assert (s.max_tokens, s.temperature, s.top_k, s.seed, s.stop, s.logprobs, s.top_logprobs) == \
+        (7, 0.0, 0, 3, ("END",), True, 2)
+    assert opts.stream and opts.include_usage and opts.logprobs and opts.tools_enabled
+
+
+def test_tool_choice_none_keeps_tools_out_of_the_prompt():
+    gen, opts = chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="none")
+    assert gen.input.tools == () and not opts.tools_enabled
+
+
+def test_bad_tool_call_arguments():
+    msgs = [*USER, {"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]
+    e = err(chat_request, structure({"messages": msgs}, ChatCompletionRequest))
+    assert e.param == "messages[1].tool_calls[0].function.arguments"
+
+
+def test_completion_translation():
+    gen, opts = completion_request(structure({"prompt": [1, 2, 3], "logprobs": 2}, CompletionRequest))
+    assert gen.input == TextInput(token_ids=(1, 2, 3))
+    assert gen.sampling.max_tokens == 16 and gen.sampling.logprobs and gen.sampling.top_logprobs == 2
+    gen, opts = completion_request(structure({"prompt": ["once"], "max_tokens": 5}, CompletionRequest))
+    assert gen.input == TextInput(text="once") and not opts.logprobs
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": []}, "prompt"), ({"prompt": ""}, "prompt"), ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": [[1], [2]]}, "prompt"), ({"prompt": [1, -2]}, "prompt"), ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "best_of": 2}, "best_of"), ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "suffix": "y"}, "suffix"), ({"prompt": 5}, "prompt"), ({"prompt": [1, "a"]}, "prompt[1]"),
+])
+def test_completion_errors(body, param):
+    def run():
+        return completion_request(structure(body, CompletionRequest))
+    assert err(run).param == param
