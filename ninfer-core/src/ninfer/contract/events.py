@@ -27,9 +27,28 @@ class TokenLogprob:
 
 @attrs.frozen(kw_only=True)
 class ToolCall:
+    """A tool call, or in an OutputDelta one streamed fragment of it (OpenAI ``tool_calls[i]`` chunks).
+
+    ``index`` orders the calls of one output. In deltas the first fragment of a call carries ``id`` and
+    ``name`` (arguments ""), later fragments have empty ``id``/``name`` and carry ``arguments`` text to append;
+    ``merge_tool_call_fragments`` turns fragments into complete calls (GenerationResult holds complete ones).
+    """
+
     id: str
     name: str
     arguments: str  # JSON text, typed by the tool's schema
+    index: int = 0
+
+
+def merge_tool_call_fragments(fragments) -> tuple[ToolCall, ...]:
+    """Complete calls from streamed fragments: grouped by index, id/name from the first, arguments joined."""
+    calls: dict[int, list[str]] = {}
+    for f in fragments:
+        entry = calls.setdefault(f.index, [f.id, f.name, ""])
+        entry[0] = entry[0] or f.id
+        entry[1] = entry[1] or f.name
+        entry[2] += f.arguments
+    return tuple(ToolCall(index=i, id=e[0], name=e[1], arguments=e[2]) for i, e in sorted(calls.items()))
 
 
 @attrs.frozen(kw_only=True)
