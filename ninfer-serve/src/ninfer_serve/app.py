@@ -133,9 +133,10 @@ class Gateway:
         builder = builder_cls(handle.request_id, self.model_id, options)
         streaming = False
         try:
-            # Wait for the first output before answering, so queue timeouts and rejections still get a status.
+            # Answer only once the request is admitted (GenerationStart) or has ended, so a queue timeout
+            # still gets its status; a client leaving while queued cancels the request.
             try:
-                first = await _unless_disconnected(request, self._first_output(events, builder))
+                first = await _unless_disconnected(request, anext(events))
             except ClientGone:
                 self.metrics.disconnects.labels(endpoint).inc()
                 return Response(status_code=499)
@@ -159,20 +160,13 @@ class Gateway:
                 handle.close()
 
     @staticmethod
-    async def _first_output(events: AsyncIterator[Any], builder: Any) -> Any:
-        """Consume GenerationStart; return the first OutputDelta or the GenerationResult."""
-        async for ev in events:
-            if isinstance(ev, GenerationStart):
-                builder.start(ev.prompt_tokens)
-                continue
-            return ev
-        raise RuntimeError("the engine ended a response without a final result")
-
-    @staticmethod
     async def _rest(events: AsyncIterator[Any], builder: Any, first: Any) -> GenerationResult:
         ev = first
         while not isinstance(ev, GenerationResult):
-            builder.delta(ev)
+            if isinstance(ev, GenerationStart):
+                builder.start(ev.prompt_tokens)
+            else:
+                builder.delta(ev)
             ev = await anext(events)
         return ev
 
@@ -180,21 +174,20 @@ class Gateway:
                       first: Any) -> AsyncIterator[str]:
         finished = False
         try:
-            for frame in builder.start(builder.prompt_tokens):
-                yield frame
             ev = first
             while True:
-                if isinstance(ev, OutputDelta):
-                    for frame in builder.delta(ev):
-                        yield frame
-                elif isinstance(ev, GenerationResult):
+                if isinstance(ev, GenerationStart):
+                    frames = builder.start(ev.prompt_tokens)
+                elif isinstance(ev, OutputDelta):
+                    frames = builder.delta(ev)
+                else:
                     finished = True
-                    if ev.finish_reason is FinishReason.ERROR:
-                        yield _error_of(handle, ev).sse()
-                    else:
-                        for frame in builder.finish(ev):
-                            yield frame
-                    yield DONE
+                    frames = [_error_of(handle, ev).sse()] if ev.finish_reason is FinishReason.ERROR \
+                        else builder.finish(ev)
+                    frames.append(DONE)
+                for frame in frames:
+                    yield frame
+                if finished:
                     return
                 ev = await anext(events)
         finally:

@@ -30,6 +30,12 @@ class EngineCollector(Collector):
     def describe(self):  # no up-front description: collect() reads the engine lazily
         return []
 
+    def _usage(self) -> Any:
+        try:
+            return self.engine.usage()
+        except Exception:  # a failed or closed engine still answers the rest of /metrics
+            return None
+
     def collect(self):
         m = self.engine.metrics()
         label = ["model_name"]
@@ -53,6 +59,13 @@ class EngineCollector(Collector):
         yield gauge("ninfer:kv_cache_pages_total", "KV pages in the pool.", m.kv_pages_total)
         yield gauge("ninfer:kv_cache_usage_perc", "Fraction of KV pages in use.",
                     m.kv_pages_used / m.kv_pages_total if m.kv_pages_total else 0.0)
+        usage = self._usage()
+        if usage is not None:  # the Program's own ledger: what tests check to prove everything was released
+            yield gauge("ninfer:state_slots_used", "StateImage slots bound to sequences.", usage.state_slots_used)
+            yield gauge("ninfer:state_slots_total", "StateImage slots.", usage.state_slots_total)
+            yield gauge("ninfer:kv_cache_pages_reserved", "KV pages reserved for the next units.",
+                        usage.reserved_pages)
+            yield gauge("ninfer:host_bytes_used", "Host memory holding paused requests.", usage.host_bytes_used)
         yield gauge("ninfer:engine_failed", "1 when the engine has failed and accepts no work.", float(m.failed))
         yield counter("ninfer:num_preemptions", "Preemptions (pauses) of running requests.", m.preemptions)
         yield counter("ninfer:prompt_tokens", "Prompt tokens admitted.", m.prompt_tokens)

@@ -1,0 +1,100 @@
+"""Run a real ``ninfer serve`` process on loopback for integration tests.
+
+The server is a separate process started through the CLI, exactly as a user starts it; it is
+stopped with SIGTERM (graceful) and killed only if it does not exit in time.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``with ServerProcess(model, "--max-concurrency", "4") as srv: srv.url``."""
+
+    def __init__(self, model: str | os.PathLike | None, *args: str, host: str = "127.0.0.1",
+                 startup_timeout_s: float = 180.0, env: dict[str, str] | None = None) -> None:
+        self.host = host
+        self.port = free_port(host)
+        self.url = f"http://{host}:{self.port}"
+        self.args: Sequence[str] = [sys.executable, "-m", "ninfer", "serve",
+                                    *([os.fspath(model)] if model is not None else []),
+                                    "--host", host, "--port", str(self.port), *args]
+        self.startup_timeout_s = startup_timeout_s
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen | None = None
+        self._log = tempfile.TemporaryFile(mode="w+")
+
+    def start(self) -> ServerProcess:
+        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
+        end = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ninfer serve exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2.0) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.1)
+        self.kill()
+        raise TimeoutError(f"ninfer serve did not become healthy in {self.startup_timeout_s} s:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.seek(0)
+        return self._log.read()
+
+    def terminate(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM and wait; returns the exit code (killing only after ``timeout_s``)."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.terminate()
+        finally:
+            self._log.close()
+
+
+def scrape(url: str) -> dict[str, float]:
+    """``/metrics`` as {sample name with labels stripped: value} (summed over label sets)."""
+    out: dict[str, float] = {}
+    with urllib.request.urlopen(url + "/metrics", timeout=10.0) as r:
+        text = r.read().decode()
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_labels, value = line.rsplit(" ", 1)
+        name = name_labels.split("{", 1)[0]
+        out[name] = out.get(name, 0.0) + float(value)
+    return out
