@@ -1,7 +1,8 @@
 """ninfer: fast single-GPU inference for the Qwen3.5 family.
 
-The public API is ``ninfer.Engine`` (arriving with the generation engine) and the
-contracts in :mod:`ninfer.contract`. Model internals are not public API.
+The public API is ``ninfer.Engine`` and the contracts in :mod:`ninfer.contract`.
+Model internals are not public API. ``Engine`` and its handle/error types load lazily,
+so ``import ninfer`` stays light and imports no torch.
 """
 
 __version__ = "0.1.0"
@@ -9,4 +10,28 @@ __version__ = "0.1.0"
 from ninfer._markers import hookimpl  # noqa: E402
 from ninfer.plugins import ArchitectureSpec  # noqa: E402
 
-__all__ = ["ArchitectureSpec", "__version__", "hookimpl"]
+_LAZY = {
+    "Engine": "ninfer.engine.engine",
+    "GenerationHandle": "ninfer.engine.handle",
+    "EngineMetrics": "ninfer.engine.metrics",
+    "RequestRejected": "ninfer.engine.errors",
+    "Overloaded": "ninfer.engine.errors",
+    "QueueTimeout": "ninfer.engine.errors",
+    "InputTooLong": "ninfer.engine.errors",
+    "Unrepresentable": "ninfer.engine.errors",
+    "EngineFailed": "ninfer.engine.errors",
+    "EngineClosed": "ninfer.engine.errors",
+}
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ninfer' has no attribute {name!r}")
+    import importlib
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = ["ArchitectureSpec", "__version__", "hookimpl", *_LAZY]

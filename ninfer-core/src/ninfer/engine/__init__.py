@@ -1,0 +1,1 @@
+"""Generation engine: EngineCore, Scheduler, request records, handles, metrics (see docs/engine.md)."""

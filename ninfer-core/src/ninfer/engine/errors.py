@@ -1,0 +1,66 @@
+"""Engine errors. Request-level rejections carry a ``kind`` the gateway maps to an HTTP status."""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base of every error the public Engine raises or reports."""
+
+    kind = "internal"
+    http_status = 500
+
+
+class RequestRejected(EngineError):
+    """The request was refused; the engine itself is healthy."""
+
+    kind = "invalid"
+    http_status = 400
+
+
+class Overloaded(RequestRejected):
+    """Every outstanding-request place is taken; retry later."""
+
+    kind = "overload"
+    http_status = 429
+
+
+class QueueTimeout(RequestRejected):
+    """The request waited longer than its queue timeout without being admitted."""
+
+    kind = "queue_timeout"
+    http_status = 503
+
+
+class InputTooLong(RequestRejected):
+    """The prompt leaves no room for one generated token within the context limit."""
+
+    kind = "too_long"
+    http_status = 400
+
+
+class Unrepresentable(RequestRejected):
+    """The request cannot be expressed for this model (bad template, tokens, media or parameters)."""
+
+    kind = "invalid"
+    http_status = 400
+
+
+class EngineFailed(EngineError):
+    """An internal invariant broke or the device failed; every response ends with this error."""
+
+    kind = "engine_failed"
+    http_status = 500
+
+
+class EngineClosed(EngineError):
+    """The engine was shut down and accepts no new work."""
+
+    kind = "closed"
+    http_status = 503
+
+
+class CapacityExhausted(EngineError):
+    """The request alone needs more KV/state than the Program has; it ends with an error."""
+
+    kind = "capacity"
+    http_status = 500

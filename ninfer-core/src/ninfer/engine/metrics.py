@@ -1,0 +1,131 @@
+"""Engine observation: counters, gauges and latency histograms, read as one consistent snapshot.
+
+The worker records; any thread may call ``snapshot``. Histogram buckets follow the Prometheus
+convention (cumulative counts per upper bound) so a gateway can export them unchanged.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+
+import attrs
+
+# Seconds; wide enough for CPU test runs and fine enough for GPU inter-token gaps.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12,
+                   10.24, 20.48, 40.96, 81.92)
+
+
+@attrs.frozen(kw_only=True)
+class HistogramSnapshot:
+    bounds: tuple[float, ...]
+    counts: tuple[int, ...]  # per bucket (not cumulative); the last entry is the +Inf bucket
+    total: float
+    count: int
+
+    def cumulative(self) -> tuple[int, ...]:
+        out, acc = [], 0
+        for c in self.counts:
+            acc += c
+            out.append(acc)
+        return tuple(out)
+
+    @property
+    def mean(self) -> float | None:
+        return self.total / self.count if self.count else None
+
+
+class Histogram:
+    def __init__(self, bounds: tuple[float, ...] = LATENCY_BUCKETS) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.total = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+        self.count += 1
+
+    def snapshot(self) -> HistogramSnapshot:
+        return HistogramSnapshot(bounds=self.bounds, counts=tuple(self.counts), total=self.total, count=self.count)
+
+
+@attrs.frozen(kw_only=True)
+class EngineMetrics:
+    """A point-in-time view of the engine for the server's /metrics and for tests."""
+
+    queue_depth: int
+    running: int
+    paused: int
+    outstanding: int
+    preemptions: int
+    preemptions_snapshot: int
+    preemptions_replay: int
+    prompt_tokens: int
+    generated_tokens: int
+    requests_finished: dict[str, int]
+    requests_rejected: dict[str, int]
+    kv_pages_used: int
+    kv_pages_total: int
+    ttft: HistogramSnapshot
+    inter_token: HistogramSnapshot
+    queue_time: HistogramSnapshot
+    end_to_end: HistogramSnapshot
+    failed: bool
+
+
+class MetricsRecorder:
+    """Mutable counters behind ``EngineMetrics``; guarded by one lock (worker writes, readers snapshot)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.preemptions = {"snapshot": 0, "replay": 0}
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self.finished: dict[str, int] = {}
+        self.rejected: dict[str, int] = {}
+        self.ttft = Histogram()
+        self.inter_token = Histogram()
+        self.queue_time = Histogram()
+        self.end_to_end = Histogram()
+
+    def preempted(self, mode: str) -> None:
+        with self.lock:
+            self.preemptions[mode] += 1
+
+    def rejected_request(self, kind: str) -> None:
+        with self.lock:
+            self.rejected[kind] = self.rejected.get(kind, 0) + 1
+
+    def admitted(self, prompt_tokens: int, queued_s: float) -> None:
+        with self.lock:
+            self.prompt_tokens += prompt_tokens
+            self.queue_time.observe(queued_s)
+
+    def tokens(self, n: int, *, first_token_s: float | None, gap_s: float | None) -> None:
+        """``n`` tokens committed at once: a first token records TTFT, later ones the gap per token."""
+        with self.lock:
+            self.generated_tokens += n
+            if first_token_s is not None:
+                self.ttft.observe(first_token_s)
+            if gap_s is not None:
+                for _ in range(n):
+                    self.inter_token.observe(gap_s / n)
+
+    def finished_request(self, reason: str, end_to_end_s: float) -> None:
+        with self.lock:
+            self.finished[reason] = self.finished.get(reason, 0) + 1
+            self.end_to_end.observe(end_to_end_s)
+
+    def snapshot(self, *, queue_depth: int, running: int, paused: int, outstanding: int, kv_pages_used: int,
+                 kv_pages_total: int, failed: bool) -> EngineMetrics:
+        with self.lock:
+            return EngineMetrics(
+                queue_depth=queue_depth, running=running, paused=paused, outstanding=outstanding,
+                preemptions=sum(self.preemptions.values()), preemptions_snapshot=self.preemptions["snapshot"],
+                preemptions_replay=self.preemptions["replay"], prompt_tokens=self.prompt_tokens,
+                generated_tokens=self.generated_tokens, requests_finished=dict(self.finished),
+                requests_rejected=dict(self.rejected), kv_pages_used=kv_pages_used, kv_pages_total=kv_pages_total,
+                ttft=self.ttft.snapshot(), inter_token=self.inter_token.snapshot(),
+                queue_time=self.queue_time.snapshot(), end_to_end=self.end_to_end.snapshot(), failed=failed)

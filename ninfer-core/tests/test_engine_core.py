@@ -1,0 +1,607 @@
+"""Engine lifecycle and scheduler tests on a ledger Program and token Frontend (plain data).
+
+The "model" is a deterministic function of the accepted history (and the request's seed), so any
+correct pause/resume/batching yields exactly the tokens of running the request alone. Pages, slots
+and host bytes are accounted exactly, every Program call is checked to run on one thread (the
+engine worker), and every ResumeState must be resumed or discarded exactly once. End-to-end tests
+through the real Qwen3.5 Program live in tests/test_engine_*.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+import threading
+import time
+from collections.abc import Sequence
+
+import attrs
+import pytest
+
+from ninfer.contract.batch import PendingBatch, PendingRow, RowDecision
+from ninfer.contract.events import FinishReason, GenerationResult, GenerationStart, OutputDelta
+from ninfer.contract.model import ModelInstance, Preview, ResourceUsage
+from ninfer.contract.prompt import ChatInput, PreparedPrompt, TextInput
+from ninfer.contract.request import GenerationRequest, SamplingParams
+from ninfer.contract.state import KVPoolSpec, StateField, StateImageLayout
+
+EOS = 0
+PAGE_BYTES = 64
+
+
+def next_token(history: Sequence[int], sampling: SamplingParams, vocab: int) -> int:
+    """Greedy: a hash of the recent history; sampled: seeded per (seed, position), never from neighbours."""
+    key = f"{tuple(history[-3:])}|{len(history)}"
+    if sampling.temperature:
+        if sampling.seed is None:
+            return random.randrange(vocab)
+        key += f"|{sampling.seed}"
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=4).digest(), "little") % vocab
+
+
+@attrs.define
+class Seq:
+    inputs: list[int]          # prompt + accepted generated tokens
+    prompt_len: int
+    sampling: SamplingParams
+    frontier: int = 0          # positions whose model state is built
+    reserved_to: int = 0       # positions reserved (frontier..reserved_to)
+    pages: int = 0
+
+    @property
+    def generated(self) -> int:
+        return len(self.inputs) - self.prompt_len
+
+    @property
+    def feed_len(self) -> int:
+        """Positions to build before a decode: the whole prompt, or all but the last (unfed) token."""
+        return len(self.inputs) - (1 if self.generated else 0)
+
+
+@attrs.define
+class Resume:
+    mode: str
+    seq: Seq
+    host_bytes: int
+    settled: bool = False
+
+
+class LedgerProgram:
+    state_layout = StateImageLayout(fields=[StateField(name="s", dtype="float32", shape=(4,), layers=1)])
+    kv_pools = (KVPoolSpec(name="main", layers=1, kv_heads=1, head_dim=8, page_size=4),)
+
+    def __init__(self, *, slots: int = 8, pages: int = 256, page_size: int = 4, host_bytes: int = 1 << 30,
+                 vocab: int = 50, max_model_len: int = 256) -> None:
+        self.slots, self.total_pages, self.page_size = slots, pages, page_size
+        self.host_limit, self.vocab, self.max_model_len = host_bytes, vocab, max_model_len
+        self.seqs: dict[int, Seq] = {}
+        self.next_id = 100
+        self.free_pages = pages
+        self.host_used = 0
+        self.resumes: list[Resume] = []
+        self.threads: set[int] = set()
+        self.fail_on: str | None = None  # "decode"/"prefill"/"commit": raise a device error there
+        self.log: list[tuple[str, tuple[int, ...]]] = []  # binding order: ("open"|"resume", prompt)
+        self.gate = threading.Event()  # decode waits here; pause() may close it to let a test act
+        self.gate.set()
+        self.close_gate_on_pause = False
+        self.paused_once = threading.Event()
+
+    def _call(self, name: str) -> None:
+        self.threads.add(threading.get_ident())
+        if self.fail_on == name:
+            raise RuntimeError(f"simulated device error in {name}")
+
+    def _pages_for(self, positions: int) -> int:
+        return math.ceil(positions / self.page_size)
+
+    def _grow(self, s: Seq, upto: int) -> bool:
+        need = self._pages_for(upto) - s.pages
+        if need > self.free_pages:
+            return False
+        if need > 0:
+            self.free_pages -= need
+            s.pages += need
+        s.reserved_to = max(s.reserved_to, upto)
+        return True
+
+    def _trim(self, s: Seq) -> None:
+        s.reserved_to = s.frontier
+        keep = self._pages_for(s.frontier)
+        self.free_pages += s.pages - keep
+        s.pages = keep
+
+    # -- Program protocol ----------------------------------------------------------------------------
+    def open_sequence(self, prompt: PreparedPrompt, sampling: SamplingParams) -> int:
+        self._call("open_sequence")
+        assert len(self.seqs) < self.slots, "no free state slot"
+        sid, self.next_id = self.next_id, self.next_id + 1
+        self.seqs[sid] = Seq(inputs=list(prompt.token_ids), prompt_len=len(prompt), sampling=sampling)
+        self.log.append(("open", tuple(prompt.token_ids)))
+        return sid
+
+    def reserve_units(self, sequence_id: int, tokens: int) -> bool:
+        self._call("reserve_units")
+        s = self.seqs[sequence_id]
+        return self._grow(s, s.frontier + tokens)
+
+    def input_remaining(self, sequence_id: int) -> int:
+        s = self.seqs[sequence_id]
+        return s.feed_len - s.frontier
+
+    def prefill(self, sequence_id: int, max_tokens: int) -> PendingBatch | None:
+        self._call("prefill")
+        s = self.seqs[sequence_id]
+        n = min(max_tokens, s.feed_len - s.frontier)
+        assert n > 0 and s.frontier + n <= s.reserved_to, "prefill without reservation"
+        s.frontier += n
+        if s.frontier == s.feed_len and s.generated == 0:
+            tok = next_token(s.inputs, s.sampling, self.vocab)
+            return PendingBatch(kind="prefill", rows=[PendingRow(sequence_id=sequence_id, tokens=(tok,))],
+                                native=[(sequence_id, s.frontier)])
+        return None
+
+    def decode(self, sequence_ids: Sequence[int]) -> PendingBatch:
+        self._call("decode")
+        self.gate.wait()
+        assert len(set(sequence_ids)) == len(sequence_ids)
+        rows, native = [], []
+        for sid in sequence_ids:
+            s = self.seqs[sid]
+            assert s.frontier == s.feed_len and s.generated > 0, "decode of a sequence that is not decode-ready"
+            assert s.frontier + 1 <= s.reserved_to, "decode without reservation"
+            native.append((sid, s.frontier))
+            s.frontier += 1
+            rows.append(PendingRow(sequence_id=sid, tokens=(next_token(s.inputs, s.sampling, self.vocab),)))
+        return PendingBatch(kind="decode", rows=rows, native=native)
+
+    def commit(self, batch: PendingBatch, decisions: Sequence[RowDecision]) -> None:
+        self._call("commit")
+        batch.take(decisions)
+        for (sid, before), row, d in zip(batch.native, batch.rows, decisions, strict=True):
+            s = self.seqs[sid]
+            if d.cancelled:
+                s.frontier = before if batch.kind == "decode" else s.frontier
+            else:
+                s.inputs.extend(row.tokens[:d.accepted])
+            self._trim(s)
+
+    def abort_pending(self, batch: PendingBatch) -> None:
+        batch.take(None)
+        for sid, before in batch.native:
+            if sid in self.seqs and batch.kind == "decode":
+                self.seqs[sid].frontier = before
+
+    def can_snapshot(self, sequence_id: int) -> bool:
+        return self.host_used + self.seqs[sequence_id].pages * PAGE_BYTES <= self.host_limit
+
+    def pause(self, sequence_id: int, mode: str) -> Resume:
+        self._call("pause")
+        s = self.seqs.pop(sequence_id)
+        self._trim(s)
+        self.free_pages += s.pages
+        host = 0
+        if mode == "snapshot":
+            host = s.pages * PAGE_BYTES
+            assert self.host_used + host <= self.host_limit
+            self.host_used += host
+        else:
+            s.frontier = 0
+        s.pages = s.reserved_to = 0
+        r = Resume(mode=mode, seq=s, host_bytes=host)
+        self.resumes.append(r)
+        if self.close_gate_on_pause:
+            self.gate.clear()
+        self.paused_once.set()
+        return r
+
+    def resume(self, r: Resume) -> int | None:
+        self._call("resume")
+        assert not r.settled, "ResumeState used twice"
+        if len(self.seqs) >= self.slots:
+            return None
+        s = r.seq
+        target = (s.frontier if r.mode == "snapshot" else s.feed_len) + 1  # rebuild + first new unit
+        if not self._grow(s, target):
+            return None
+        self.host_used -= r.host_bytes
+        r.settled = True
+        sid, self.next_id = self.next_id, self.next_id + 1
+        self.seqs[sid] = s
+        self.log.append(("resume", tuple(s.inputs[:s.prompt_len])))
+        return sid
+
+    def discard(self, r: Resume) -> None:
+        self._call("discard")
+        assert not r.settled, "ResumeState discarded twice"
+        self.host_used -= r.host_bytes
+        r.settled = True
+
+    def release(self, sequence_id: int) -> None:
+        self._call("release")
+        s = self.seqs.pop(sequence_id)
+        self.free_pages += s.pages
+
+    def usage(self) -> ResourceUsage:
+        reserved = sum(self._pages_for(s.reserved_to) - self._pages_for(s.frontier) for s in self.seqs.values())
+        return ResourceUsage(state_slots_total=self.slots, state_slots_used=len(self.seqs),
+                             kv_pages_total=self.total_pages, kv_pages_used=self.total_pages - self.free_pages,
+                             host_bytes_used=self.host_used, reserved_pages=max(0, reserved))
+
+
+class TokenSession:
+    def __init__(self, sampling: SamplingParams) -> None:
+        self.stops = {EOS, *sampling.stop_token_ids} - ({EOS} if sampling.ignore_eos else set())
+        self.committed: list[int] = []
+
+    def preview(self, tokens: Sequence[int], *, at_length_limit: bool = False) -> Preview:
+        for i, t in enumerate(tokens):
+            if t in self.stops:
+                return Preview(accepted=i + 1, finish_reason=FinishReason.STOP,
+                               delta=OutputDelta(content=_text(tokens[:i]), token_ids=tuple(tokens[:i + 1])))
+        return Preview(accepted=len(tokens), finish_reason=FinishReason.LENGTH if at_length_limit else None,
+                       delta=OutputDelta(content=_text(tokens), token_ids=tuple(tokens)))
+
+    def commit(self, preview: Preview) -> OutputDelta:
+        self.committed.extend(preview.delta.token_ids)
+        return preview.delta
+
+    def finish(self, reason: FinishReason) -> OutputDelta:
+        return OutputDelta()
+
+
+def _text(tokens: Sequence[int]) -> str:
+    return "".join(f"<{t}>" for t in tokens)
+
+
+class TokenFrontend:
+    def prepare(self, input: TextInput | ChatInput | PreparedPrompt) -> PreparedPrompt:
+        if isinstance(input, PreparedPrompt):
+            return input
+        if isinstance(input, TextInput) and input.token_ids is not None:
+            return PreparedPrompt(token_ids=input.token_ids)
+        raise ValueError("the token frontend takes token ids only")
+
+    def sampling_defaults(self) -> SamplingParams:
+        return SamplingParams(temperature=0.0)
+
+    def open_session(self, prompt: PreparedPrompt, sampling: SamplingParams) -> TokenSession:
+        return TokenSession(sampling)
+
+
+def ledger_instance(**program_kw) -> ModelInstance:
+    return ModelInstance(architecture="ledger", config=None, model=None, parameters=None,
+                         frontend=TokenFrontend(), program=LedgerProgram(**program_kw))
+
+
+def reference_tokens(prompt: Sequence[int], sampling: SamplingParams, *, vocab: int = 50,
+                     max_model_len: int = 256) -> list[int]:
+    """What one request alone must produce (greedy or seeded), ignoring any scheduling."""
+    hist, out = list(prompt), []
+    stops = {EOS, *sampling.stop_token_ids} - ({EOS} if sampling.ignore_eos else set())
+    limit = min(sampling.max_tokens or 10**9, max_model_len - len(prompt))
+    while len(out) < limit:
+        t = next_token(hist, sampling, vocab)
+        hist.append(t)
+        out.append(t)
+        if t in stops:
+            break
+    return out
+
+
+# == tests ==========================================================================================
+from ninfer.engine.engine import Engine  # noqa: E402
+from ninfer.engine.errors import (  # noqa: E402
+    EngineClosed,
+    EngineFailed,
+    InputTooLong,
+    Overloaded,
+    QueueTimeout,
+    Unrepresentable,
+)
+
+
+def make_engine(*, max_concurrency=4, max_queue=64, prefill_chunk=8, pause_mode="auto", bypass_limit=None,
+                **program_kw) -> Engine:
+    program_kw.setdefault("slots", max_concurrency)
+    inst = ledger_instance(**program_kw)
+    return Engine.from_instance(inst, max_concurrency=max_concurrency, max_queue=max_queue,
+                                max_model_len=inst.program.max_model_len, prefill_chunk=prefill_chunk,
+                                pause_mode=pause_mode, bypass_limit=bypass_limit, device="cpu")
+
+
+def long_engine(**kw) -> Engine:
+    """An engine whose requests can run (practically) forever, to hold a lane while a test acts."""
+    return make_engine(max_model_len=10**7, pages=10**7, **kw)
+
+
+def req(prompt, **sampling) -> GenerationRequest:
+    sampling.setdefault("max_tokens", 12)
+    sampling.setdefault("ignore_eos", False)
+    return GenerationRequest(input=TextInput(token_ids=tuple(prompt)), sampling=SamplingParams(**sampling))
+
+
+def prompts(n, rng, lo=1, hi=30):
+    return [[rng.randrange(1, 50) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def drained(engine: Engine) -> None:
+    deadline = time.monotonic() + 10
+    while engine.metrics().outstanding and time.monotonic() < deadline:
+        time.sleep(0.005)
+    u = engine.usage()
+    assert u.all_free, u
+    assert engine.metrics().outstanding == 0
+    prog = engine.instance.program
+    assert prog.free_pages == prog.total_pages and not prog.seqs and prog.host_used == 0
+    assert all(r.settled for r in prog.resumes), "a ResumeState was neither resumed nor discarded"
+    assert len(prog.threads) <= 1, "the Program was called from more than one thread"
+
+
+def test_single_request_event_order_and_settlement():
+    with make_engine() as eng:
+        h = eng.submit(req([5, 6, 7], max_tokens=6))
+        events = list(h)
+        assert isinstance(events[0], GenerationStart) and events[0].prompt_tokens == 3
+        assert isinstance(events[-1], GenerationResult)
+        assert all(not isinstance(e, (GenerationStart, GenerationResult)) for e in events[1:-1])
+        res = events[-1]
+        expect = reference_tokens([5, 6, 7], SamplingParams(max_tokens=6, temperature=0.0))
+        assert list(res.token_ids) == expect
+        assert [t for e in events[1:-1] for t in e.token_ids] == expect
+        assert res.usage.completion_tokens == len(expect) and res.usage.prompt_tokens == 3
+        assert res.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+        assert res.timings.time_to_first_token_s is not None and res.timings.end_to_end_s > 0
+        drained(eng)
+
+
+@pytest.mark.parametrize("concurrency", [1, 2, 8])
+def test_concurrent_residents_match_running_alone(concurrency):
+    rng = random.Random(concurrency)
+    ps = prompts(concurrency * 2, rng, 1, 40)
+    with make_engine(max_concurrency=concurrency) as eng:
+        handles = [eng.submit(req(p, max_tokens=rng.randint(1, 20))) for p in ps]
+        results = [h.result(timeout=30) for h in handles]
+        for p, h, r in zip(ps, handles, results, strict=True):
+            sp = SamplingParams(max_tokens=r.usage.completion_tokens, temperature=0.0)
+            assert list(r.token_ids) == reference_tokens(p, sp)[:len(r.token_ids)], h.request_id
+            assert r.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+        drained(eng)
+
+
+def _run_workload(eng, ps, sampling_list):
+    handles = [eng.submit(req(p, **s)) for p, s in zip(ps, sampling_list, strict=True)]
+    return [h.result(timeout=60) for h in handles]
+
+
+@pytest.mark.parametrize("mode", ["snapshot", "replay", "auto"])
+@pytest.mark.parametrize("seeded", [False, True])
+def test_forced_preemption_gives_identical_outputs(mode, seeded):
+    rng = random.Random(7)
+    ps = prompts(8, rng, 3, 20)
+    samp = [dict(max_tokens=rng.randint(10, 30), ignore_eos=True, **(
+        dict(temperature=0.8, seed=rng.randrange(1000)) if seeded else {})) for _ in ps]
+    with make_engine(max_concurrency=4, pages=400) as eng:
+        calm = _run_workload(eng, ps, samp)
+        assert eng.metrics().preemptions == 0
+        drained(eng)
+    # 14 pages of 4 positions cannot hold 4 residents of up to 50 positions: pauses are forced.
+    host = 1 << 30 if mode != "auto" else 3 * PAGE_BYTES * 6
+    with make_engine(max_concurrency=4, pages=14, pause_mode=mode, host_bytes=host) as eng:
+        tight = _run_workload(eng, ps, samp)
+        m = eng.metrics()
+        drained(eng)
+    assert m.preemptions > 0
+    if mode == "snapshot":
+        assert m.preemptions_snapshot == m.preemptions
+    if mode == "replay":
+        assert m.preemptions_replay == m.preemptions
+    for a, b in zip(calm, tight, strict=True):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        assert b.usage.completion_tokens == len(b.token_ids)
+    assert sum(r.timings.preemptions for r in tight) == m.preemptions
+
+
+def test_rejections_name_the_problem():
+    with make_engine(max_concurrency=1) as eng:
+        with pytest.raises(InputTooLong, match="context limit"):
+            eng.submit(req(list(range(1, 50)) * 6))
+        assert eng.metrics().requests_rejected == {"too_long": 1}
+    with long_engine(max_concurrency=1, max_queue=0) as eng:
+        with pytest.raises(Unrepresentable, match="token ids only"):
+            eng.submit(GenerationRequest(input=TextInput(text="hello")))
+        with pytest.raises(Unrepresentable, match="GenerationRequest"):
+            eng.submit("hello")
+        h = eng.submit(req([1, 2, 3], max_tokens=200, ignore_eos=True))
+        with pytest.raises(Overloaded) as info:
+            eng.submit(req([1, 2]))
+        assert info.value.kind == "overload" and info.value.http_status == 429
+        h.cancel()
+        assert h.result(timeout=10).finish_reason is FinishReason.CANCELLED
+        m = eng.metrics()
+        assert m.requests_rejected == {"invalid": 2, "overload": 1}
+        drained(eng)
+
+
+def test_queue_timeout_ends_the_handle_with_an_error():
+    with long_engine(max_concurrency=1) as eng:
+        blocker = eng.submit(req([1, 2, 3], max_tokens=10_000, ignore_eos=True))
+        late = eng.submit(GenerationRequest(input=TextInput(token_ids=(4, 5)), queue_timeout_s=0.05))
+        res = late.result(timeout=10)
+        assert res.finish_reason is FinishReason.ERROR and res.extra["error_kind"] == "queue_timeout"
+        assert isinstance(late.exception(), QueueTimeout)
+        assert res.usage.completion_tokens == 0
+        blocker.cancel()
+        assert blocker.result(timeout=10).finish_reason is FinishReason.CANCELLED
+        drained(eng)
+
+
+def test_deadline_stops_a_running_request_and_keeps_its_output():
+    with long_engine(max_concurrency=2) as eng:
+        h = eng.submit(GenerationRequest(input=TextInput(token_ids=(1, 2, 3)), deadline_s=0.2,
+                                         sampling=SamplingParams(max_tokens=10**6, ignore_eos=True)))
+        events = list(h)
+        res = events[-1]
+        assert res.finish_reason is FinishReason.DEADLINE and res.error is None
+        published = [t for e in events[1:-1] for t in e.token_ids]
+        assert list(res.token_ids) == published and len(published) == res.usage.completion_tokens
+        drained(eng)
+
+
+def test_abandoned_handle_cancels_and_releases_capacity():
+    with long_engine(max_concurrency=1, max_queue=1) as eng:
+        h = eng.submit(req([1, 2, 3], max_tokens=10**5, ignore_eos=True))
+        assert eng.metrics().outstanding == 1
+        del h  # abandonment: cancellation + consumer released
+        drained(eng)
+        # A handle whose response is done but never read still holds its place until released.
+        h2 = eng.submit(req([1, 2], max_tokens=2))
+        while not h2.done:
+            time.sleep(0.005)
+        assert eng.metrics().outstanding == 1
+        h2.close()
+        assert eng.metrics().outstanding == 0
+        drained(eng)
+
+
+def test_async_iteration():
+    import asyncio
+
+    async def main(eng):
+        h = eng.submit(req([9, 8, 7], max_tokens=5))
+        evs = [ev async for ev in h]
+        return evs
+
+    with make_engine() as eng:
+        evs = asyncio.run(main(eng))
+        assert isinstance(evs[0], GenerationStart) and isinstance(evs[-1], GenerationResult)
+        assert list(evs[-1].token_ids) == reference_tokens([9, 8, 7], SamplingParams(max_tokens=5, temperature=0.0))
+        drained(eng)
+
+
+@pytest.mark.parametrize("where", ["decode", "commit", "prefill"])
+def test_engine_failure_completes_every_response_and_refuses_work(where):
+    eng = long_engine(max_concurrency=3)
+    handles = [eng.submit(req([1, 2, 3 + i], max_tokens=10**6, ignore_eos=True)) for i in range(2)]
+    next(iter(handles[0]))  # GenerationStart: the engine is running
+    eng.instance.program.fail_on = where
+    for i in range(2, 5):
+        try:
+            handles.append(eng.submit(req([1, 2, 3 + i], max_tokens=10**6, ignore_eos=True)))
+        except EngineFailed:  # the failure may already have happened: new work is refused
+            break
+    results = [h.result(timeout=10) for h in handles]
+    assert all(r.finish_reason is FinishReason.ERROR and r.extra["error_kind"] == "engine_failed" for r in results)
+    assert all(isinstance(h.exception(), EngineFailed) for h in handles)
+    with pytest.raises(EngineFailed):
+        eng.submit(req([1]))
+    assert eng.failed and eng.metrics().failed and eng.metrics().outstanding == 0
+    eng.instance.program.fail_on = None
+    assert eng.usage().all_free  # cleanup released what the residents held
+    eng.close()
+
+
+def test_close_ends_in_flight_requests_and_waits_for_the_worker():
+    eng = long_engine(max_concurrency=1)
+    running = eng.submit(req([1, 2], max_tokens=10**5, ignore_eos=True))
+    waiting = eng.submit(req([3, 4], max_tokens=3))
+    eng.close()
+    assert not eng._core.thread.is_alive()
+    for h in (running, waiting):
+        r = h.result(timeout=1)
+        assert r.finish_reason is FinishReason.ERROR and r.extra["error_kind"] == "closed"
+    with pytest.raises(EngineClosed):
+        eng.submit(req([1]))
+    assert eng.usage().all_free
+
+
+def test_close_with_drain_finishes_work():
+    eng = make_engine(max_concurrency=2)
+    hs = [eng.submit(req([i + 1, 2], max_tokens=5)) for i in range(5)]
+    eng.close(drain=True)
+    assert all(h.result(timeout=1).finish_reason in (FinishReason.STOP, FinishReason.LENGTH) for h in hs)
+    assert eng.usage().all_free
+
+
+def test_metrics_count_tokens_and_latencies():
+    with make_engine(max_concurrency=2) as eng:
+        rs = [eng.generate(req([1 + i, 2, 3], max_tokens=4, ignore_eos=True), timeout=10) for i in range(3)]
+        m = eng.metrics()
+        assert m.prompt_tokens == 9 and m.generated_tokens == sum(r.usage.completion_tokens for r in rs) == 12
+        assert m.ttft.count == 3 and m.end_to_end.count == 3 and m.queue_time.count == 3
+        assert m.inter_token.count == 9
+        assert m.requests_finished == {"length": 3}
+        assert m.queue_depth == 0 and m.running == 0 and m.paused == 0 and m.kv_pages_total == 256
+        drained(eng)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_randomized_lifecycle(seed):
+    """Arrivals, cancellations at every state, deadlines and tiny KV budgets forcing pauses."""
+    rng = random.Random(seed)
+    conc = rng.choice([1, 2, 3, 4, 8])
+    pages = rng.choice([17, 20, 26, 40])  # 17 pages hold one request's longest history (24 + 40 positions)
+    host = rng.choice([0, 6 * PAGE_BYTES, 1 << 20])  # 0: every pause is a Replay
+    eng = make_engine(max_concurrency=conc, pages=pages, host_bytes=host, prefill_chunk=rng.choice([1, 3, 8]),
+                      bypass_limit=rng.choice([0, 1, 2]))
+    specs, handles, expected = [], [], []
+    for _ in range(24):
+        p = [rng.randrange(1, 50) for _ in range(rng.randint(1, 24))]
+        s = dict(max_tokens=rng.randint(1, 40), ignore_eos=rng.random() < 0.7)
+        if rng.random() < 0.3:
+            s.update(temperature=0.7, seed=rng.randrange(100))
+        deadline = rng.choice([None, None, None, rng.uniform(0.001, 0.05)])
+        r = GenerationRequest(input=TextInput(token_ids=tuple(p)), sampling=SamplingParams(**s), deadline_s=deadline,
+                              queue_timeout_s=rng.choice([None, None, 0.02]))
+        handles.append(eng.submit(r))
+        specs.append((p, s))
+        expected.append(reference_tokens(p, SamplingParams(**{**s, "temperature": s.get("temperature", 0.0)})))
+        if rng.random() < 0.25:
+            rng.choice(handles).cancel()  # any state: waiting, prefill, decode, paused, finished
+        if rng.random() < 0.3:
+            time.sleep(rng.uniform(0, 0.004))
+    results = []
+    for h in handles:
+        evs = list(h)
+        finals = [e for e in evs if isinstance(e, GenerationResult)]
+        assert len(finals) == 1 and evs[-1] is finals[0], "exactly one terminal result, last"
+        starts = [e for e in evs if isinstance(e, GenerationStart)]
+        assert len(starts) <= 1 and (not starts or evs[0] is starts[0])
+        results.append(finals[0])
+    for (_p, s), res, exp, h in zip(specs, results, expected, handles, strict=True):
+        assert res.finish_reason is not FinishReason.ERROR or res.extra["error_kind"] in ("queue_timeout",), res
+        # Whatever was published is a prefix of running alone; complete requests equal it.
+        assert list(res.token_ids) == exp[:len(res.token_ids)], (h.request_id, res)
+        if res.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+            if s["ignore_eos"]:
+                assert len(res.token_ids) == s["max_tokens"] or exp[len(res.token_ids) - 1] == EOS
+            else:
+                assert list(res.token_ids) == exp
+    drained(eng)
+    assert eng._core.scheduler.max_bypass_seen <= eng._core.scheduler.bypass_limit
+    eng.close()
+
+
+@pytest.mark.parametrize("limit", [0, 1, 2])
+def test_fresh_admission_bypasses_a_paused_request_at_most_the_bound(limit):
+    """A paused request that cannot resume yet is overtaken by at most ``limit`` fresh admissions."""
+    eng = make_engine(max_concurrency=4, pages=62, host_bytes=0, bypass_limit=limit)
+    prog = eng.instance.program
+    prog.close_gate_on_pause = True
+    a = eng.submit(req([1, 2, 3, 4], max_tokens=200, ignore_eos=True))   # grows to 51 pages
+    # B is paused for A near position 140 and needs ~37 pages to resume: not before A ends.
+    b = eng.submit(req(list(range(1, 41)), max_tokens=200, ignore_eos=True))
+    assert prog.paused_once.wait(10)
+    fresh = [eng.submit(req([40 + i, 41], max_tokens=2, ignore_eos=True)) for i in range(3)]
+    prog.gate.set()
+    results = [h.result(timeout=20) for h in (a, b, *fresh)]
+    assert all(r.finish_reason is FinishReason.LENGTH for r in results)
+    assert results[1].timings.preemptions == 1
+    order = [entry for entry in prog.log]
+    b_resumed = order.index(("resume", tuple(range(1, 41))))
+    fresh_opened = [order.index(("open", (40 + i, 41))) for i in range(3)]
+    assert sum(pos < b_resumed for pos in fresh_opened) == limit  # exactly the bound overtook B
+    assert eng._core.scheduler.max_bypass_seen == limit
+    drained(eng)
+    eng.close()
