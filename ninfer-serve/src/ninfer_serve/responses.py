@@ -60,18 +60,25 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 class ToolCallIndexer:
-    """Gives each tool call a stable ``index``; a repeated id carries more of the same call's arguments."""
+    """Accumulates streamed tool-call fragments (``ToolCall.index`` names the call: the first fragment
+    brings id and name, later ones argument text to append) into OpenAI ``tool_calls``."""
 
     def __init__(self) -> None:
-        self._index: dict[str, int] = {}
+        self._slot: dict[int, int] = {}
         self.calls: list[dict[str, Any]] = []
 
     def add(self, call: ToolCall) -> dict[str, Any]:
-        if call.id in self._index:
-            i = self._index[call.id]
-            self.calls[i]["function"]["arguments"] += call.arguments
-            return {"index": i, "function": {"arguments": call.arguments}}
-        i = self._index[call.id] = len(self.calls)
+        if call.index in self._slot:
+            i = self._slot[call.index]
+            fn = self.calls[i]["function"]
+            fn["arguments"] += call.arguments
+            out: dict[str, Any] = {"index": i, "function": {"arguments": call.arguments}}
+            if call.name and not fn["name"]:
+                fn["name"] = out["function"]["name"] = call.name
+            if call.id and not self.calls[i]["id"]:
+                self.calls[i]["id"] = out["id"] = call.id
+            return out
+        i = self._slot[call.index] = len(self.calls)
         self.calls.append({"id": call.id, "type": "function",
                            "function": {"name": call.name, "arguments": call.arguments}})
         return {"index": i, "id": call.id, "type": "function",
