@@ -1,0 +1,669 @@
+"""GPU check: every Triton kernel against its torch reference at Qwen3.5-9B shapes, in bf16, with timings.
+
+Run on the GPU machine through ``scripts/gpu-check`` (it installs the carried wheels and sets the paths):
+
+    scripts/gpu-check                     # every check
+    scripts/gpu-check --only gdn_decode,paged_attention_decode
+    scripts/gpu-check --list
+
+Each check draws fresh random inputs, poisons the output buffers (NaN) before the kernel runs, compares
+with the pure-torch reference computed in fp32 on the upcast inputs (‖out − ref‖ / ‖ref‖ and the largest
+absolute error, against a stated tolerance), checks that in-place state updates touch only their slots,
+and times the kernel (median of ``triton.testing.do_bench``, which flushes L2 before every run) against
+the bytes it must move and the copy bandwidth measured in the same run. A table is printed last; the
+full log and a JSON file go to ``--out``.
+
+The checks are a named list (``@check``): the model-level checks and benchmarks join the same list.
+``--shape tiny`` with ``TRITON_INTERPRET=1`` runs every check on the CPU at toy sizes (a smoke test of
+this script, no timings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from functools import partial
+
+import attrs
+import torch
+
+from benchmarks.shapes import SHAPES
+
+CHECKS: dict[str, Callable[[Ctx], None]] = {}
+
+
+def check(name: str):
+    def register(fn):
+        CHECKS[name] = fn
+        return fn
+    return register
+
+
+@attrs.frozen
+class Result:
+    check: str
+    case: str
+    ok: bool
+    rel_err: float | None = None
+    max_err: float | None = None
+    tol: float | None = None
+    ms: float | None = None
+    gbytes: float | None = None  # bytes the kernel must move, in GB
+    tbps: float | None = None
+    copy_frac: float | None = None  # achieved bandwidth over the measured copy bandwidth
+    tflops: float | None = None
+    note: str = ""
+
+
+@attrs.define
+class Ctx:
+    shape: str
+    cfg: dict
+    device: str
+    dtype: torch.dtype
+    out_dir: str
+    log_file: object
+    copy_tbps: float | None = None
+    results: list[Result] = attrs.field(factory=list)
+    current: str = ""
+
+    @property
+    def gpu(self) -> bool:
+        return self.device == "cuda"
+
+    @property
+    def tiny(self) -> bool:
+        return self.shape == "tiny"
+
+    def log(self, *parts) -> None:
+        line = " ".join(str(p) for p in parts)
+        print(line, flush=True)
+        self.log_file.write(line + "\n")
+        self.log_file.flush()
+
+    def randn(self, *shape, scale: float = 1.0, dtype=None) -> torch.Tensor:
+        t = torch.randn(*shape, device=self.device, dtype=torch.float32) * scale
+        return t.to(dtype or self.dtype)
+
+    def record(self, case: str, out, ref, tol: float, *, fn=None, nbytes: int | None = None,
+               flops: float | None = None, note: str = "", extra_ok: bool = True) -> Result:
+        rel, mx = errors(out, ref)
+        ok = bool(rel <= tol) and extra_ok
+        ms = tbps = frac = tflops = None
+        if fn is not None and self.gpu:
+            ms = bench(fn)
+            if nbytes:
+                tbps = nbytes / (ms * 1e-3) / 1e12
+                frac = tbps / self.copy_tbps if self.copy_tbps else None
+            if flops:
+                tflops = flops / (ms * 1e-3) / 1e12
+        r = Result(self.current, case, ok, rel, mx, tol, ms, nbytes / 1e9 if nbytes else None, tbps, frac, tflops,
+                   note)
+        self.results.append(r)
+        self.log(format_row(r))
+        return r
+
+    def timing(self, case: str, fn, *, nbytes: int | None = None, flops: float | None = None,
+               note: str = "") -> None:
+        """A timing-only row (a variant of a kernel whose result was checked above)."""
+        if not self.gpu:
+            return
+        ms = bench(fn)
+        tbps = nbytes / (ms * 1e-3) / 1e12 if nbytes else None
+        r = Result(self.current, case, True, ms=ms, gbytes=nbytes / 1e9 if nbytes else None, tbps=tbps,
+                   copy_frac=tbps / self.copy_tbps if tbps and self.copy_tbps else None,
+                   tflops=flops / (ms * 1e-3) / 1e12 if flops else None, note=note)
+        self.results.append(r)
+        self.log(format_row(r))
+
+    def fail(self, case: str, note: str) -> None:
+        r = Result(self.current, case, False, note=note)
+        self.results.append(r)
+        self.log(format_row(r))
+
+
+def errors(out, ref) -> tuple[float, float]:
+    """(‖out − ref‖ / ‖ref‖, max |out − ref|); NaN or inf anywhere in out gives inf."""
+    if isinstance(out, (tuple, list)):
+        pairs = [errors(o, r) for o, r in zip(out, ref, strict=True)]
+        return max(p[0] for p in pairs), max(p[1] for p in pairs)
+    o, r = out.double(), ref.double()
+    if not torch.isfinite(o).all():
+        return math.inf, math.inf
+    diff = (o - r)
+    denom = r.norm().item()
+    rel = diff.norm().item() / denom if denom > 0 else diff.norm().item()
+    return rel, diff.abs().max().item() if diff.numel() else 0.0
+
+
+def bench(fn) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=20, rep=80, return_mode="median"))
+
+
+def poison(*tensors) -> None:
+    for t in tensors:
+        t.fill_(float("nan"))
+
+
+def nbytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def format_row(r: Result) -> str:
+    def f(x, spec):
+        return format(x, spec) if x is not None else "-"
+    status = "ok" if r.ok else "FAIL"
+    return (f"{r.check:<24} {r.case:<34} {status:<4} rel {f(r.rel_err, '.2e'):>8} (tol {f(r.tol, '.0e'):>5}) "
+            f"max {f(r.max_err, '.2e'):>8}  {f(r.ms and r.ms * 1e3, '9.1f')} us  {f(r.tbps, '5.2f')} TB/s "
+            f"({f(r.copy_frac and r.copy_frac * 100, '3.0f')}% copy)  {f(r.tflops, '6.1f')} TFLOP/s  {r.note}")
+
+
+# ------------------------------------------------------------------------------------------------ dims
+
+
+def dims(cfg: dict) -> dict:
+    hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    return {
+        "hidden": cfg["hidden_size"], "inter": cfg["intermediate_size"], "eps": cfg["rms_norm_eps"],
+        "heads": cfg["num_attention_heads"], "kv_heads": cfg["num_key_value_heads"], "head_dim": cfg["head_dim"],
+        "rotary_dim": int(cfg["head_dim"] * cfg.get("partial_rotary_factor", 0.25)),
+        "hk": hk, "hv": hv, "dk": dk, "dv": dv, "conv_dim": 2 * hk * dk + hv * dv,
+        "conv_k": cfg["linear_conv_kernel_dim"],
+    }
+
+
+def sizes(ctx: Ctx) -> dict:
+    if ctx.tiny:
+        return {"tokens": [1, 5], "batches": [1, 3], "contexts": [20, 37], "page": 4,
+                "prefill": [(9, 0), (6, 11)], "mixed": [(5, 7), (3, 0), (1, 30)], "gdn_T": [1, 9, 70],
+                "conv_T": [1, 2, 9]}
+    return {"tokens": [1, 8, 4096], "batches": [1, 8], "contexts": [1024, 8192], "page": 16,
+            "prefill": [(4096, 0), (2048, 4096)], "mixed": [(1000, 3000), (512, 0), (1, 7000), (1, 100)],
+            "gdn_T": [1, 63, 1000, 4096], "conv_T": [1, 3, 1000, 4096]}
+
+
+def fp32(*tensors):
+    return tuple(t.float() for t in tensors)
+
+
+# ------------------------------------------------------------------------------------------------ checks
+
+
+@check("copy")
+def check_copy(ctx: Ctx) -> None:
+    """Device-to-device copy bandwidth (bytes read + written), the ceiling for the memory-bound kernels."""
+    if not ctx.gpu:
+        return
+    from benchmarks.ceilings import copy_bandwidth
+
+    ctx.copy_tbps = copy_bandwidth(2.0)
+    r = Result("copy", "2 GiB device-to-device", True, tbps=ctx.copy_tbps, copy_frac=1.0)
+    ctx.results.append(r)
+    ctx.log(format_row(r))
+
+
+@check("rms_norm")
+def check_rms_norm(ctx: Ctx) -> None:
+    from ninfer.ops.norm import rms_norm_ref
+    from ninfer.ops.triton.norm import rms_norm
+
+    d = dims(ctx.cfg)
+    for n in sizes(ctx)["tokens"]:
+        for shape, width in (((n, d["hidden"]), d["hidden"]), ((n, d["heads"], d["head_dim"]), d["head_dim"])):
+            x = ctx.randn(*shape)
+            w = ctx.randn(width, scale=0.1)
+            out = torch.empty_like(x)
+            poison(out)
+            rms_norm(x, w, d["eps"], out=out)
+            ref = rms_norm_ref(*fp32(x, w), d["eps"])
+            ctx.record(f"x{list(shape)}", out, ref, 5e-3, fn=lambda x=x, w=w, out=out: rms_norm(x, w, d["eps"], out=out),
+                       nbytes=nbytes(x, w, out))
+
+
+@check("rms_norm_gated")
+def check_rms_norm_gated(ctx: Ctx) -> None:
+    from ninfer.ops.norm import rms_norm_gated_ref
+    from ninfer.ops.triton.norm import rms_norm_gated
+
+    d = dims(ctx.cfg)
+    for n in sizes(ctx)["tokens"]:
+        x, z = ctx.randn(n, d["hv"], d["dv"]), ctx.randn(n, d["hv"], d["dv"])
+        w = 1.0 + ctx.randn(d["dv"], scale=0.1)
+        out = torch.empty_like(x)
+        poison(out)
+        rms_norm_gated(x, z, w, d["eps"], out=out)
+        ref = rms_norm_gated_ref(*fp32(x, z, w), d["eps"])
+        ctx.record(f"x,z[{n},{d['hv']},{d['dv']}]", out, ref, 5e-3,
+                   fn=lambda x=x, z=z, w=w, out=out: rms_norm_gated(x, z, w, d["eps"], out=out),
+                   nbytes=nbytes(x, z, w, out))
+
+
+@check("silu_and_mul")
+def check_silu_and_mul(ctx: Ctx) -> None:
+    from ninfer.ops.activation import silu_and_mul_ref
+    from ninfer.ops.triton.activation import silu_and_mul
+
+    d = dims(ctx.cfg)
+    for n in sizes(ctx)["tokens"]:
+        x = ctx.randn(n, 2 * d["inter"])
+        out = torch.empty(n, d["inter"], dtype=x.dtype, device=x.device)
+        poison(out)
+        silu_and_mul(x, out=out)
+        ctx.record(f"x[{n},{2 * d['inter']}]", out, silu_and_mul_ref(x.float()), 5e-3,
+                   fn=lambda x=x, out=out: silu_and_mul(x, out=out), nbytes=nbytes(x, out))
+
+
+@check("apply_rope")
+def check_apply_rope(ctx: Ctx) -> None:
+    from ninfer.ops.rope import apply_rope_ref, rope_cos_sin
+    from ninfer.ops.triton.rope import apply_rope
+
+    d = dims(ctx.cfg)
+    for n in sizes(ctx)["tokens"]:
+        for heads in (d["heads"], d["kv_heads"]):
+            x = ctx.randn(n, heads, d["head_dim"])
+            pos = torch.randint(0, 8192, (n,), device=ctx.device)
+            cos, sin = rope_cos_sin(pos, d["rotary_dim"], 1e7, torch.float32)
+            out = torch.empty_like(x)
+            poison(out)
+            apply_rope(x, cos, sin, d["rotary_dim"], out=out)
+            ref = apply_rope_ref(x.float(), cos, sin, d["rotary_dim"])
+            ctx.record(f"x[{n},{heads},{d['head_dim']}] rot {d['rotary_dim']}", out, ref, 5e-3,
+                       fn=lambda x=x, cos=cos, sin=sin, out=out: apply_rope(x, cos, sin, d["rotary_dim"], out=out),
+                       nbytes=nbytes(x, cos, sin, out))
+
+
+@check("gdn_gates")
+def check_gdn_gates(ctx: Ctx) -> None:
+    from ninfer.ops.gdn import gdn_gates_ref
+    from ninfer.ops.triton.gdn import gdn_gates
+
+    d = dims(ctx.cfg)
+    for n in sizes(ctx)["tokens"]:
+        a, b = ctx.randn(n, d["hv"], scale=3.0), ctx.randn(n, d["hv"], scale=3.0)
+        a_log = ctx.randn(d["hv"], dtype=torch.float32)
+        dt_bias = ctx.randn(d["hv"], dtype=torch.float32)
+        g = torch.empty(n, d["hv"], device=ctx.device)
+        beta = torch.empty_like(g)
+        poison(g, beta)
+        gdn_gates(a, b, a_log, dt_bias, out=(g, beta))
+        ctx.record(f"a,b[{n},{d['hv']}]", (g, beta), gdn_gates_ref(a.float(), b.float(), a_log, dt_bias), 1e-5,
+                   fn=partial(gdn_gates, a, b, a_log, dt_bias, out=(g, beta)),
+                   nbytes=nbytes(a, b, g, beta))
+
+
+def _state_image(ctx: Ctx, slots: int, per_slot: tuple, pad: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [slots, pad + prod(per_slot) + pad] image and the strided [slots, *per_slot] view into it."""
+    size = math.prod(per_slot)
+    image = ctx.randn(slots, size + 2 * pad, scale=0.1, dtype=dtype)
+    return image, image[:, pad:pad + size].view(slots, *per_slot)
+
+
+@check("gdn_decode")
+def check_gdn_decode(ctx: Ctx) -> None:
+    from ninfer.ops.gdn import gdn_decode_ref
+    from ninfer.ops.triton.gdn import _default_block_v, gdn_decode
+
+    d = dims(ctx.cfg)
+    S = 8 if ctx.tiny else 64
+    batches = sizes(ctx)["batches"] if ctx.tiny else [1, 2, 4, 8]
+    for B in batches:
+        image, states = _state_image(ctx, S, (d["hv"], d["dk"], d["dv"]), 32, torch.float32)
+        slots = torch.randperm(S, device=ctx.device)[:B]
+        q, k = ctx.randn(B, d["hk"], d["dk"]), ctx.randn(B, d["hk"], d["dk"])
+        v = ctx.randn(B, d["hv"], d["dv"])
+        g = -torch.rand(B, d["hv"], device=ctx.device) * 2
+        beta = torch.rand(B, d["hv"], device=ctx.device)
+        ref_image = image.clone()
+        ref_states = ref_image[:, 32:32 + states[0].numel()].view_as(states)
+        o_ref = gdn_decode_ref(*fp32(q, k, v), g, beta, ref_states, slots)
+        out = torch.empty(B, d["hv"], d["dv"], dtype=v.dtype, device=ctx.device)
+        poison(out)
+        gdn_decode(q, k, v, g, beta, states, slots, out=out)
+        others = torch.ones(S, dtype=torch.bool, device=ctx.device)
+        others[slots] = False
+        untouched = torch.equal(image[others], ref_image[others])
+        state_bytes = 2 * B * states[0].numel() * 4
+        moved = state_bytes + nbytes(q, k, v, g, beta, out)
+        ctx.record(f"B={B} out", out, o_ref, 5e-3, fn=partial(gdn_decode, q, k, v, g, beta, states, slots, out=out),
+                   nbytes=moved, note=f"block_v {_default_block_v(B, d['hv'], d['dv'])}")
+        ctx.record(f"B={B} state (others untouched: {untouched})", image[slots], ref_image[slots], 1e-5,
+                   extra_ok=untouched)
+        if ctx.gpu:
+            for block_v in (16, 32, 64):
+                for warps in (2, 4, 8):
+                    ctx.timing(f"B={B} block_v {block_v} warps {warps}",
+                               partial(gdn_decode, q, k, v, g, beta, states, slots, out=out, block_v=block_v,
+                                       num_warps=warps), nbytes=moved)
+
+
+def _paged_inputs(ctx: Ctx, seqs: list[tuple[int, int]]):
+    """Paged K/V for sequences given as (query length, earlier context), pages scattered at random."""
+    d = dims(ctx.cfg)
+    page = sizes(ctx)["page"]
+    seq_lens = [q + c for q, c in seqs]
+    width = max(-(-s // page) for s in seq_lens)
+    n_pages = sum(-(-s // page) for s in seq_lens) + 7
+    perm = torch.randperm(n_pages, device=ctx.device).to(torch.int32)
+    block_tables = torch.zeros(len(seqs), width, dtype=torch.int32, device=ctx.device)
+    used = 0
+    for i, s in enumerate(seq_lens):
+        n = -(-s // page)
+        block_tables[i, :n] = perm[used:used + n]
+        used += n
+    k_cache = ctx.randn(n_pages, page, d["kv_heads"], d["head_dim"])
+    v_cache = ctx.randn(n_pages, page, d["kv_heads"], d["head_dim"])
+    q_lens = [q for q, _ in seqs]
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=ctx.device)
+    q = ctx.randn(int(qsl[-1]), d["heads"], d["head_dim"])
+    seq_t = torch.tensor(seq_lens, dtype=torch.int32, device=ctx.device)
+    scale = d["head_dim"] ** -0.5
+    return (q, k_cache, v_cache, block_tables, seq_t, qsl, max(q_lens), max(seq_lens), scale)
+
+
+def _attn_cost(ctx: Ctx, seqs) -> tuple[int, float]:
+    """Bytes of K/V the attention must read (each visible position once) and its matmul FLOPs."""
+    d = dims(ctx.cfg)
+    row = d["kv_heads"] * d["head_dim"] * (2 if ctx.dtype != torch.float32 else 4)
+    kv_bytes = sum(2 * (q + c) * row for q, c in seqs)
+    q_bytes = sum(q for q, _ in seqs) * d["heads"] * d["head_dim"] * 2 * 2  # q read, o written
+    visible = sum(q * c + q * (q + 1) / 2 for q, c in seqs)
+    return kv_bytes + q_bytes, 4.0 * visible * d["heads"] * d["head_dim"]
+
+
+def _attn_ref(ctx: Ctx, args):
+    from ninfer.ops.attention import paged_attention_ref
+
+    q, kc, vc, *rest = args
+    return paged_attention_ref(q.float(), kc.float(), vc.float(), *rest)
+
+
+@check("paged_attention_decode")
+def check_paged_attention_decode(ctx: Ctx) -> None:
+    from ninfer.ops.triton.attention import _decode_splits, paged_attention
+
+    sz = sizes(ctx)
+    cases = [[(1, c - 1)] * b for b in sz["batches"] for c in sz["contexts"]]
+    gen = torch.Generator().manual_seed(0)
+    longest = max(sz["contexts"])
+    cases.append([(1, int(torch.randint(0, longest, (1,), generator=gen))) for _ in range(max(sz["batches"]))])
+    for seqs in cases:
+        args = _paged_inputs(ctx, seqs)
+        out = torch.empty_like(args[0])
+        poison(out)
+        paged_attention(*args, out=out)
+        moved, flops = _attn_cost(ctx, seqs)
+        B, kvh = len(seqs), args[1].shape[2]
+        splits = _decode_splits(B, kvh, args[7], 64)
+        label = f"B={B} ctx={'mixed' if len({c for _, c in seqs}) > 1 else seqs[0][1] + 1}"
+        ctx.record(label, out, _attn_ref(ctx, args), 1e-2, fn=lambda args=args, out=out: paged_attention(*args, out=out),
+                   nbytes=moved, note=f"splits {splits}")
+        if ctx.gpu:
+            for splits_v, tile in ((max(1, splits // 2), 64), (min(64, splits * 2), 64), (splits, 32)):
+                ctx.timing(f"{label} splits {splits_v} tile {tile}",
+                           lambda a=args, s=splits_v, t=tile, out=out: paged_attention(*a, out=out, num_splits=s,
+                                                                                          tile_n=t), nbytes=moved)
+
+
+@check("paged_attention_prefill")
+def check_paged_attention_prefill(ctx: Ctx) -> None:
+    from ninfer.ops.triton.attention import paged_attention
+
+    sz = sizes(ctx)
+    cases = [[c] for c in sz["prefill"]] + [sz["mixed"]]
+    for seqs in cases:
+        args = _paged_inputs(ctx, seqs)
+        out = torch.empty_like(args[0])
+        poison(out)
+        paged_attention(*args, out=out)
+        moved, flops = _attn_cost(ctx, seqs)
+        label = " + ".join(f"q{q}@{c}" for q, c in seqs)
+        ctx.record(label, out, _attn_ref(ctx, args), 1e-2,
+                   fn=lambda args=args, out=out: paged_attention(*args, out=out), nbytes=moved, flops=flops)
+        if ctx.gpu:
+            for block_q, tile, warps, stages in ((16, 32, 4, 2), (32, 64, 8, 2), (32, 32, 8, 3), (16, 64, 8, 3)):
+                ctx.timing(f"{label} bq {block_q} tile {tile} w{warps} s{stages}",
+                           lambda a=args, bq=block_q, t=tile, w=warps, s=stages, out=out: paged_attention(
+                               *a, out=out, block_q=bq, tile_n=t, num_warps=w, num_stages=s),
+                           nbytes=moved, flops=flops)
+
+
+@check("write_kv")
+def check_write_kv(ctx: Ctx) -> None:
+    from ninfer.ops.attention import write_kv_ref
+    from ninfer.ops.triton.attention import write_kv
+
+    d = dims(ctx.cfg)
+    page = sizes(ctx)["page"]
+    for n in sizes(ctx)["tokens"]:
+        n_pages = -(-n // page) * 2 + 4
+        k_cache = ctx.randn(n_pages, page, d["kv_heads"], d["head_dim"])
+        v_cache = ctx.randn(n_pages, page, d["kv_heads"], d["head_dim"])
+        k, v = ctx.randn(n, d["kv_heads"], d["head_dim"]), ctx.randn(n, d["kv_heads"], d["head_dim"])
+        slots = torch.randperm(n_pages * page, device=ctx.device)[:n]
+        rk, rv = k_cache.clone(), v_cache.clone()
+        write_kv_ref(k, v, rk, rv, slots)
+        write_kv(k, v, k_cache, v_cache, slots)
+        exact = torch.equal(k_cache, rk) and torch.equal(v_cache, rv)
+        ctx.record(f"N={n} (exact, rest untouched: {exact})", (k_cache, v_cache), (rk, rv), 0.0, extra_ok=exact,
+                   fn=lambda k=k, v=v, kc=k_cache, vc=v_cache, s=slots: write_kv(k, v, kc, vc, s),
+                   nbytes=2 * nbytes(k, v) + nbytes(slots))
+
+
+@check("causal_conv1d_decode")
+def check_conv1d_decode(ctx: Ctx) -> None:
+    from ninfer.ops.conv1d import causal_conv1d_decode_ref
+    from ninfer.ops.triton.conv1d import causal_conv1d_decode
+
+    d = dims(ctx.cfg)
+    C, K, S = d["conv_dim"], d["conv_k"], 8 if ctx.tiny else 64
+    for B in sizes(ctx)["batches"]:
+        image = ctx.randn(S, C, K + 1)
+        states = image[:, :, 1:K]  # [S, C, K-1], strided
+        slots = torch.randperm(S, device=ctx.device)[:B]
+        x, w = ctx.randn(B, C), ctx.randn(C, K, scale=0.5)
+        ref_image = image.clone()
+        ref = causal_conv1d_decode_ref(x.float(), w.float(), ref_image[:, :, 1:K], slots)
+        out = torch.empty_like(x)
+        poison(out)
+        causal_conv1d_decode(x, w, states, slots, out=out)
+        exact = torch.equal(image, ref_image)
+        ctx.record(f"B={B} C={C} (states exact: {exact})", out, ref, 5e-3, extra_ok=exact,
+                   fn=lambda x=x, w=w, st=states, sl=slots, out=out: causal_conv1d_decode(x, w, st, sl, out=out),
+                   nbytes=nbytes(x, w, out) + 2 * B * C * (K - 1) * x.element_size())
+
+
+@check("causal_conv1d_prefill")
+def check_conv1d_prefill(ctx: Ctx) -> None:
+    from ninfer.ops.conv1d import causal_conv1d_prefill_ref
+    from ninfer.ops.triton.conv1d import causal_conv1d_prefill
+
+    d = dims(ctx.cfg)
+    C, K = d["conv_dim"], d["conv_k"]
+    for T in sizes(ctx)["conv_T"]:
+        for has_state in (False, True):
+            x, w = ctx.randn(T, C), ctx.randn(C, K, scale=0.5)
+            state = ctx.randn(C, K - 1)
+            ref_state = state.clone()
+            ref = causal_conv1d_prefill_ref(x.float(), w.float(), ref_state, has_state)
+            out = torch.empty_like(x)
+            poison(out)
+            causal_conv1d_prefill(x, w, state, has_state, out=out)
+            exact = torch.equal(state, ref_state.to(state.dtype))
+            ctx.record(f"T={T} init={has_state} (state exact: {exact})", out, ref, 5e-3, extra_ok=exact,
+                       fn=lambda x=x, w=w, st=state.clone(), hs=has_state, out=out:
+                       causal_conv1d_prefill(x, w, st, hs, out=out), nbytes=nbytes(x, w, out, state, state))
+
+
+@check("cuda_graph")
+def check_cuda_graph(ctx: Ctx) -> None:
+    """Decode kernels captured in one CUDA graph, replayed on new slots, lengths and block tables."""
+    if not ctx.gpu:
+        return
+    from ninfer.ops.triton.attention import paged_attention, write_kv
+    from ninfer.ops.triton.conv1d import causal_conv1d_decode
+    from ninfer.ops.triton.gdn import gdn_decode, gdn_gates
+
+    d = dims(ctx.cfg)
+    B, S, page, ctx_cap = 8, 32, sizes(ctx)["page"], 8192
+    pages_per_seq = ctx_cap // page
+    n_pages = B * pages_per_seq + 1
+    conv_img = ctx.randn(S, d["conv_dim"], d["conv_k"] - 1)
+    rec = ctx.randn(S, d["hv"], d["dk"], d["dv"], scale=0.1, dtype=torch.float32)
+    k_cache = ctx.randn(n_pages, page, d["kv_heads"], d["head_dim"])
+    v_cache = ctx.randn(n_pages, page, d["kv_heads"], d["head_dim"])
+    conv_w = ctx.randn(d["conv_dim"], d["conv_k"], scale=0.5)
+    a_log, dt_bias = ctx.randn(d["hv"], dtype=torch.float32), ctx.randn(d["hv"], dtype=torch.float32)
+    # Static inputs, rewritten in place before each replay.
+    x = ctx.randn(B, d["conv_dim"])
+    ab = ctx.randn(B, 2 * d["hv"])
+    slots = torch.zeros(B, dtype=torch.int64, device=ctx.device)
+    q = ctx.randn(B, d["heads"], d["head_dim"])
+    kv_new = ctx.randn(2, B, d["kv_heads"], d["head_dim"])
+    slot_mapping = torch.zeros(B, dtype=torch.int64, device=ctx.device)
+    block_tables = torch.zeros(B, pages_per_seq, dtype=torch.int32, device=ctx.device)
+    seq_lens = torch.ones(B, dtype=torch.int32, device=ctx.device)
+    qsl = torch.arange(B + 1, dtype=torch.int32, device=ctx.device)
+
+    def step():
+        g, beta = gdn_gates(ab[:, :d["hv"]], ab[:, d["hv"]:], a_log, dt_bias)
+        y = causal_conv1d_decode(x, conv_w, conv_img, slots)
+        qk = y[:, :2 * d["hk"] * d["dk"]].view(B, 2, d["hk"], d["dk"])
+        v = y[:, 2 * d["hk"] * d["dk"]:].view(B, d["hv"], d["dv"])
+        o = gdn_decode(qk[:, 0], qk[:, 1], v, g, beta, rec, slots)
+        write_kv(kv_new[0], kv_new[1], k_cache, v_cache, slot_mapping)
+        a = paged_attention(q, k_cache, v_cache, block_tables, seq_lens, qsl, 1, ctx_cap, d["head_dim"] ** -0.5)
+        return o, a
+
+    def set_inputs(seed: int):
+        gen = torch.Generator(device=ctx.device).manual_seed(seed)
+        for t in (x, ab, q, kv_new):
+            t.copy_(torch.randn(t.shape, generator=gen, device=ctx.device))
+        slots.copy_(torch.randperm(S, generator=gen, device=ctx.device)[:B])
+        perm = torch.randperm(n_pages - 1, generator=gen, device=ctx.device)[:B * pages_per_seq]
+        block_tables.copy_(perm.view(B, pages_per_seq).to(torch.int32))
+        seq_lens.copy_(torch.randint(1, ctx_cap + 1, (B,), generator=gen, device=ctx.device).to(torch.int32))
+        last = (seq_lens.long() - 1)
+        slot_mapping.copy_(block_tables.long().gather(1, (last // page)[:, None])[:, 0] * page + last % page)
+
+    set_inputs(0)
+    step()  # compile and warm every kernel before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_static, a_static = step()
+    for seed in (1, 2):
+        set_inputs(seed)
+        before = (conv_img.clone(), rec.clone(), k_cache.clone(), v_cache.clone())
+        graph.replay()
+        got = (o_static.clone(), a_static.clone(), conv_img.clone(), rec.clone())
+        for t, s in zip((conv_img, rec, k_cache, v_cache), before, strict=True):
+            t.copy_(s)
+        o_e, a_e = step()
+        want = (o_e, a_e, conv_img, rec)
+        same = all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        ctx.record(f"replay {seed}: graph == eager bitwise: {same}", got[:2], want[:2], 0.0, extra_ok=same)
+    ctx.timing("replay: gates+conv+gdn+write_kv+attention B=8", graph.replay)
+
+
+@check("gdn_prefill")
+def check_gdn_prefill(ctx: Ctx) -> None:
+    """fla-core's chunked kernel (GPU only) against the chunked torch reference, with and without state."""
+    if not ctx.gpu:
+        return
+    from ninfer.ops.gdn import gdn_prefill_ref
+    from ninfer.ops.triton.gdn import fla_available, gdn_prefill
+
+    if not fla_available():
+        ctx.fail("import", "fla-core not importable (carry its wheel in .whl/)")
+        return
+    d = dims(ctx.cfg)
+    for T in sizes(ctx)["gdn_T"]:
+        for has_state in (False, True):
+            q, k = ctx.randn(T, d["hk"], d["dk"]), ctx.randn(T, d["hk"], d["dk"])
+            v = ctx.randn(T, d["hv"], d["dv"])
+            g = torch.nn.functional.logsigmoid(torch.randn(T, d["hv"], device=ctx.device))
+            beta = torch.rand(T, d["hv"], device=ctx.device)
+            state0 = ctx.randn(d["hv"], d["dk"], d["dv"], scale=0.1, dtype=torch.float32)
+            ref_state = state0.clone()
+            o_ref = gdn_prefill_ref(*fp32(q, k, v), g, beta, ref_state, has_state)
+            state = state0.clone()
+            out = torch.empty(T, d["hv"], d["dv"], dtype=v.dtype, device=ctx.device)
+            poison(out)
+            gdn_prefill(q, k, v, g, beta, state, has_state, out=out)
+            ctx.record(f"T={T} init={has_state} out", out, o_ref, 1e-2,
+                       fn=lambda q=q, k=k, v=v, g=g, beta=beta, st=state.clone(), hs=has_state, out=out:
+                       gdn_prefill(q, k, v, g, beta, st, hs, out=out),
+                       nbytes=nbytes(q, k, v, g, beta, out) + 2 * nbytes(state))
+            ctx.record(f"T={T} init={has_state} state", state, ref_state, 1e-2)
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", default="", help="comma-separated check names (default: all)")
+    p.add_argument("--list", action="store_true", help="list the checks and exit")
+    p.add_argument("--shape", default="9b", choices=sorted(SHAPES))
+    p.add_argument("--out", default=os.environ.get("OUT") or ".gpu-out", help="folder for the log and JSON")
+    args = p.parse_args(argv)
+    if args.list:
+        print("\n".join(CHECKS))
+        return 0
+    names = [n.strip() for n in args.only.split(",") if n.strip()] or list(CHECKS)
+    unknown = [n for n in names if n not in CHECKS]
+    if unknown:
+        p.error(f"unknown check(s) {unknown}; known: {', '.join(CHECKS)}")
+    if "copy" not in names:
+        names.insert(0, "copy")
+    gpu = torch.cuda.is_available()
+    if not gpu and os.environ.get("TRITON_INTERPRET") != "1":
+        p.error("no CUDA device: run on the GPU machine, or set TRITON_INTERPRET=1 with --shape tiny")
+    os.makedirs(args.out, exist_ok=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.manual_seed(0)
+    with open(os.path.join(args.out, "gpu_check.log"), "w") as log_file:
+        ctx = Ctx(args.shape, SHAPES[args.shape], "cuda" if gpu else "cpu",
+                  torch.bfloat16 if gpu else torch.float32, args.out, log_file)
+        if gpu:
+            import triton
+
+            ctx.log(f"device {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
+        t_all = time.perf_counter()
+        for name in names:
+            ctx.current = name
+            t0 = time.perf_counter()
+            try:
+                CHECKS[name](ctx)
+            except Exception as exc:  # a broken check is reported and the others still run
+                ctx.log(traceback.format_exc())
+                ctx.fail("exception", f"{type(exc).__name__}: {exc}"[:200])
+            ctx.log(f"# {name} took {time.perf_counter() - t0:.1f} s")
+        ctx.log(f"# all checks took {time.perf_counter() - t_all:.1f} s")
+        failed = [r for r in ctx.results if not r.ok]
+        summary = {"shape": args.shape, "device": torch.cuda.get_device_name() if gpu else "cpu",
+                   "copy_tbps": ctx.copy_tbps, "failed": len(failed),
+                   "results": [attrs.asdict(r) for r in ctx.results]}
+        with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+        ctx.log("\n" + "=" * 60 + " summary (checked rows)")
+        for r in ctx.results:
+            if r.rel_err is not None or not r.ok:
+                ctx.log(format_row(r))
+        ctx.log(f"{len(ctx.results) - len(failed)} of {len(ctx.results)} rows ok; {len(failed)} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
