@@ -1,0 +1,316 @@
+"""Per-request output interpretation for the Qwen family: preview/commit of stop handling, streaming
+detokenization, the thinking/content channels and XML tool calls.
+
+Tokens flow through four pure stages, each with immutable state, so ``preview`` computes the next state and
+the delta without touching the session and ``commit`` only swaps the state in:
+
+1. stop tokens (model side eos ids and the request's ``stop_token_ids``) end the output at that token;
+2. UTF-8 assembly: bytes of incomplete characters wait for the next token, never emitted broken;
+3. stop strings: text that could still become a stop string is held back; a match ends the output
+   before the stop string (the token completing it is the last accepted one);
+4. channels: ``<think>``/``</think>`` split reasoning from content, ``<tool_call>`` blocks become tool-call
+   fragments (only when the request offered tools); partial markers are held back.
+
+Whitespace around the markers is trimmed the way the chat template trims history (reasoning both ends,
+content after ``</think>`` and before a tool call), so a turn re-renders as it was generated.
+"""
+
+from __future__ import annotations
+
+import codecs
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from ninfer.contract.events import FinishReason, OutputDelta, ToolCall, merge_tool_call_fragments
+from ninfer.contract.model import Preview
+from ninfer.models.common.qwen import tool_calls as tc
+from ninfer.models.common.qwen.tokenizer import QwenTokenizer
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+
+REASONING, CONTENT, TOOL = "reasoning", "content", "tool"
+
+
+@attrs.frozen
+class TurnBoundary:
+    """Where the assistant turn ends inside the accepted span, and the message a chat history holds for it.
+
+    Tokens ``[0, end)`` of the accepted span finish the turn (through ``<|im_end|>``). Rendering the history
+    with ``message`` appended reproduces the generated text, because the channels are trimmed exactly as the
+    template trims them; ``exact`` says whether it also reproduces the generated token ids (the model may
+    sample a non-canonical tokenization), or None when it was not checked.
+    """
+
+    end: int
+    message: Mapping[str, Any]
+    exact: bool | None = None
+
+
+@attrs.frozen
+class _State:
+    generated: int = 0
+    finished: FinishReason | None = None
+    utf8_pending: bytes = b""
+    stop_held: str = ""
+    mode: str = CONTENT
+    at_start: bool = True        # nothing routed yet: a leading <think> opens reasoning
+    trim_lead: bool = False      # drop whitespace before the next text of this channel
+    held: str = ""               # channel text not yet routed (partial marker, trailing whitespace)
+    call: tc.ToolCallState | None = None
+    calls: int = 0
+    ends_with_calls: bool = False
+
+
+@attrs.frozen
+class _Native:
+    base: _State
+    state: _State
+
+
+class _Out:
+    """Delta accumulator for one preview."""
+
+    def __init__(self) -> None:
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.calls: list[ToolCall] = []
+
+
+class QwenOutputSession:
+    """One request's OutputSession (``ninfer.contract.OutputSession``); engine-worker only, not thread-safe."""
+
+    def __init__(self, tokenizer: QwenTokenizer, *, stop_token_ids: Sequence[int], stop: Sequence[str] = (),
+                 reasoning_open: bool = False, tools: Sequence[Mapping[str, Any]] = (),
+                 turn_end_id: int | None = None, call_id_prefix: str | None = None,
+                 turn_check: Callable[[Mapping[str, Any], Sequence[int]], bool | None] | None = None) -> None:
+        self._tok = tokenizer
+        self._stop_ids = frozenset(stop_token_ids)
+        self._stop = tuple(stop)
+        self._stop_prefixes = frozenset(s[:i] for s in self._stop for i in range(1, len(s)))
+        self._tools = tuple(tools)
+        self._markers = (THINK_CLOSE, tc.TOOL_CALL_OPEN) if self._tools else (THINK_CLOSE,)
+        self._turn_end = turn_end_id
+        self._call_prefix = call_id_prefix or f"call_{uuid.uuid4().hex[:16]}"
+        self._turn_check = turn_check
+        self._state = _State(mode=REASONING if reasoning_open else CONTENT, trim_lead=reasoning_open)
+        # Committed output, for the history message and complete tool calls.
+        self._content: list[str] = []
+        self._reasoning: list[str] = []
+        self._fragments: list[ToolCall] = []
+        self._token_ids: list[int] = []
+
+    # -- contract ---------------------------------------------------------------------------------
+
+    def preview(self, tokens: Sequence[int], *, at_length_limit: bool = False) -> Preview:
+        """The effect of appending ``tokens``; changes nothing. ``accepted`` < len(tokens) when a stop ends
+        the output inside them. ``at_length_limit``: these tokens reach max_tokens (or the context limit)."""
+        base = self._state
+        if base.finished is not None:
+            raise RuntimeError(f"preview after the output finished ({base.finished.value})")
+        if not tokens:
+            raise ValueError("preview needs at least one token")
+        out = _Out()
+        state = base
+        accepted = 0
+        finish: FinishReason | None = None
+        boundary = None
+        for tok in tokens:
+            accepted += 1
+            if tok in self._stop_ids:
+                finish = FinishReason.STOP
+                if tok == self._turn_end:
+                    boundary = accepted
+                break
+            piece = b"" if tok in self._tok.special_ids else self._tok.token_bytes(tok)
+            state, text = self._decode(state, piece, final=False)
+            state, text, stopped = self._stop_strings(state, text)
+            state = self._route(state, text, out, final=False)
+            if stopped:  # whatever follows the stop string, complete or not, is dropped
+                state = attrs.evolve(state, utf8_pending=b"")
+                finish = FinishReason.STOP
+                break
+        state = attrs.evolve(state, generated=state.generated + accepted)
+        if finish is None and at_length_limit:
+            finish = FinishReason.LENGTH
+        if finish is not None:
+            state = self._flush(state, out, finish)
+            finish = state.finished
+        delta = OutputDelta(content="".join(out.content), reasoning="".join(out.reasoning),
+                            token_ids=tuple(tokens)[:accepted], tool_calls=tuple(out.calls))
+        if boundary is not None:
+            message = self._message(delta)
+            exact = None if self._turn_check is None else self._turn_check(
+                message, [*self._token_ids, *delta.token_ids])
+            boundary = TurnBoundary(end=boundary, message=message, exact=exact)
+        return Preview(accepted=accepted, finish_reason=finish, delta=delta, boundary=boundary,
+                       native=_Native(base, state))
+
+    def commit(self, preview: Preview) -> OutputDelta:
+        """Adopt a preview made from the current state (after the Program committed); returns its delta."""
+        native = preview.native
+        if not isinstance(native, _Native) or native.base is not self._state:
+            raise RuntimeError("commit of a preview that was not made from this session's current state")
+        self._adopt(native.state, preview.delta)
+        return preview.delta
+
+    def finish(self, reason: FinishReason) -> OutputDelta:
+        """End the output (length, cancel, deadline...): release held-back text; idempotent."""
+        if self._state.finished is not None:
+            return OutputDelta()
+        out = _Out()
+        state = self._flush(self._state, out, reason)
+        delta = OutputDelta(content="".join(out.content), reasoning="".join(out.reasoning),
+                            tool_calls=tuple(out.calls))
+        self._adopt(state, delta)
+        return delta
+
+    # -- what was committed ------------------------------------------------------------------------
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self._state.finished
+
+    @property
+    def generated(self) -> int:
+        return self._state.generated
+
+    @property
+    def content(self) -> str:
+        return "".join(self._content)
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(self._reasoning)
+
+    @property
+    def tool_calls(self) -> tuple[ToolCall, ...]:
+        return merge_tool_call_fragments(self._fragments)
+
+    def message(self) -> dict[str, Any]:
+        """The committed output as an assistant message for a chat history (OpenAI form)."""
+        return self._message(OutputDelta())
+
+    # -- stages -------------------------------------------------------------------------------------
+
+    def _adopt(self, state: _State, delta: OutputDelta) -> None:
+        self._state = state
+        self._token_ids.extend(delta.token_ids)
+        if delta.content:
+            self._content.append(delta.content)
+        if delta.reasoning:
+            self._reasoning.append(delta.reasoning)
+        self._fragments.extend(delta.tool_calls)
+
+    def _message(self, extra: OutputDelta) -> dict[str, Any]:
+        calls = merge_tool_call_fragments([*self._fragments, *extra.tool_calls])
+        message: dict[str, Any] = {"role": "assistant", "content": self.content + extra.content}
+        reasoning = self.reasoning + extra.reasoning
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        if calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+        return message
+
+    @staticmethod
+    def _decode(state: _State, piece: bytes, *, final: bool) -> tuple[_State, str]:
+        data = state.utf8_pending + piece
+        if not data:
+            return state, ""
+        text, used = codecs.utf_8_decode(data, "replace", final)
+        return attrs.evolve(state, utf8_pending=data[used:]), text
+
+    def _stop_strings(self, state: _State, text: str) -> tuple[_State, str, bool]:
+        if not self._stop:
+            return state, text, False
+        buf = state.stop_held + text
+        hits = [i for i in (buf.find(s) for s in self._stop) if i >= 0]
+        if hits:
+            return attrs.evolve(state, stop_held=""), buf[:min(hits)], True
+        keep = next((k for k in range(min(len(buf), max(map(len, self._stop)) - 1), 0, -1)
+                     if buf[-k:] in self._stop_prefixes), 0)
+        return attrs.evolve(state, stop_held=buf[len(buf) - keep:]), buf[:len(buf) - keep], False
+
+    def _flush(self, state: _State, out: _Out, reason: FinishReason) -> _State:
+        """Terminal: undecodable bytes become U+FFFD, held stop-string prefixes are text, channels close."""
+        state, text = self._decode(state, b"", final=True)
+        text, state = state.stop_held + text, attrs.evolve(state, stop_held="")
+        state = self._route(state, text, out, final=True)
+        if reason == FinishReason.STOP and state.ends_with_calls:
+            reason = FinishReason.TOOL_CALLS
+        return attrs.evolve(state, finished=reason)
+
+    def _route(self, state: _State, text: str, out: _Out, *, final: bool) -> _State:
+        """Channel routing of released text (stage 4)."""
+        buf = state.held + text
+        while True:
+            if state.mode == TOOL:
+                res = tc.feed(state.call, buf, self._tools, final=final)
+                out.calls.extend(res.fragments)
+                if res.state is not None:
+                    return attrs.evolve(state, call=res.state, held=res.held)
+                if res.fallback is not None:  # "<tool_call>" that was not a call: plain content
+                    state = attrs.evolve(state, mode=CONTENT, call=None, calls=state.calls - 1, trim_lead=False,
+                                         ends_with_calls=False)
+                    self._emit(out, CONTENT, res.fallback)
+                    buf = res.rest
+                else:
+                    state = attrs.evolve(state, mode=CONTENT, call=None, trim_lead=True, ends_with_calls=True)
+                    buf = res.rest
+                continue
+            if state.at_start and state.mode == CONTENT:
+                lead = buf.lstrip()
+                if lead.startswith(THINK_OPEN):
+                    state = attrs.evolve(state, mode=REASONING, at_start=False, trim_lead=True)
+                    buf = lead[len(THINK_OPEN):]
+                    continue
+                if not final and THINK_OPEN.startswith(lead):
+                    return attrs.evolve(state, held=buf)
+            if state.trim_lead:
+                buf = buf.lstrip()
+                if not buf:
+                    return attrs.evolve(state, held="")
+                state = attrs.evolve(state, trim_lead=False)
+            if buf:
+                state = attrs.evolve(state, at_start=False)
+            markers = self._markers if state.mode == REASONING else self._markers[1:]
+            hits = [(buf.find(m), m) for m in markers]
+            hits = [(i, m) for i, m in hits if i >= 0]
+            if hits:
+                pos, marker = min(hits)
+                self._emit(out, state.mode, buf[:pos].rstrip())
+                if state.mode == CONTENT and buf[:pos].strip():
+                    state = attrs.evolve(state, ends_with_calls=False)
+                buf = buf[pos + len(marker):]
+                if marker == THINK_CLOSE:
+                    state = attrs.evolve(state, mode=CONTENT, trim_lead=True)
+                else:
+                    call = tc.ToolCallState(index=state.calls, call_id=f"{self._call_prefix}_{state.calls}")
+                    state = attrs.evolve(state, mode=TOOL, call=call, calls=state.calls + 1)
+                continue
+            if final:
+                emit = buf.rstrip() if state.mode == REASONING else buf
+                self._emit(out, state.mode, emit)
+                if state.mode == CONTENT and emit.strip():
+                    state = attrs.evolve(state, ends_with_calls=False)
+                return attrs.evolve(state, held="")
+            # Hold what may still be a marker, and trailing whitespace where the template would trim it.
+            longest = max((len(m) for m in markers), default=1)
+            keep = next((k for k in range(min(len(buf), longest - 1), 0, -1)
+                         if any(m.startswith(buf[-k:]) for m in markers)), 0)
+            cut = len(buf) - keep
+            if state.mode == REASONING or self._tools:
+                cut = len(buf[:cut].rstrip())
+            self._emit(out, state.mode, buf[:cut])
+            if state.mode == CONTENT and buf[:cut].strip():
+                state = attrs.evolve(state, ends_with_calls=False)
+            return attrs.evolve(state, held=buf[cut:])
+
+    @staticmethod
+    def _emit(out: _Out, mode: str, text: str) -> None:
+        if text:
+            (out.reasoning if mode == REASONING else out.content).append(text)

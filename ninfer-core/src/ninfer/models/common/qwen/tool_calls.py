@@ -1,0 +1,214 @@
+"""Streaming parser for Qwen3.5 (Qwen3-Coder) XML tool calls.
+
+The model writes, after ``<tool_call>``::
+
+    <function=NAME>
+    <parameter=KEY>
+    VALUE
+    </parameter>
+    </function>
+    </tool_call>
+
+Values are raw text (one leading and one trailing newline belong to the format) and are typed by the tool's
+JSON schema. The parser emits OpenAI-style fragments: the name once, then one JSON fragment per complete
+parameter, then the closing brace, so the fragments of one call concatenate to
+``json.dumps(arguments, ensure_ascii=False)``. State is immutable; ``feed`` returns the next state.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from ninfer.contract.events import ToolCall
+
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+_FUNCTION = "<function="
+_FUNCTION_END = "</function>"
+_PARAMETER = "<parameter="
+_PARAMETER_END = "</parameter>"
+_MAX_TAG = 512  # a function or parameter name longer than this is not a tool call
+
+
+@attrs.frozen
+class ToolCallState:
+    """One call in progress. ``phase``: open -> params -> value -> params ... -> close."""
+
+    index: int
+    call_id: str
+    phase: str = "open"
+    name: str = ""
+    param: str = ""
+    params_done: int = 0
+
+
+@attrs.frozen
+class FeedResult:
+    state: ToolCallState | None  # None once the call ended (``rest`` is ordinary text again)
+    fragments: tuple[ToolCall, ...] = ()
+    held: str = ""               # text kept for the next feed
+    rest: str = ""               # text after the call
+    fallback: str | None = None  # not a tool call after all: this raw text is content
+
+
+def _is_prefix(s: str, *tags: str) -> bool:
+    return any(tag.startswith(s) for tag in tags)
+
+
+def _param_schema(tools: Sequence[Mapping[str, Any]], function: str, param: str) -> Mapping[str, Any] | None:
+    for tool in tools:
+        fn = tool.get("function", tool) if isinstance(tool, Mapping) else None
+        if isinstance(fn, Mapping) and fn.get("name") == function:
+            props = (fn.get("parameters") or {}).get("properties") or {}
+            schema = props.get(param)
+            return schema if isinstance(schema, Mapping) else None
+    return None
+
+
+def _as_type(value: str, kind: str) -> tuple[bool, Any]:
+    text = value.strip()
+    if kind == "string":
+        return True, value
+    if kind == "null":
+        return text.lower() in ("null", "none"), None
+    if kind == "boolean":
+        low = text.lower()
+        return low in ("true", "false"), low == "true"
+    if kind == "integer":
+        try:
+            return True, int(text)
+        except ValueError:
+            try:
+                f = float(text)
+                return f.is_integer(), int(f) if f.is_integer() else None
+            except ValueError:
+                return False, None
+    if kind == "number":
+        try:
+            f = float(text)
+        except ValueError:
+            return False, None
+        if not (f == f and abs(f) != float("inf")):
+            return False, None
+        return True, int(f) if f.is_integer() and "." not in text and "e" not in text.lower() else f
+    # object, array or unknown: JSON, then a Python literal (models sometimes write single quotes).
+    try:
+        return True, json.loads(text)
+    except ValueError:
+        pass
+    try:
+        return True, ast.literal_eval(text)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return False, None
+
+
+def typed_value(value: str, schema: Mapping[str, Any] | None) -> Any:
+    """The JSON value for a raw parameter text under its schema (strings stay raw; unparsable stays a string)."""
+    if schema is None:
+        return value
+    kinds = schema.get("type")
+    if kinds is None:
+        kinds = ["string"] if "enum" not in schema else []
+    kinds = [kinds] if isinstance(kinds, str) else list(kinds)
+    if not kinds:  # anyOf/oneOf/enum without a type: JSON if it parses, else the text
+        ok, parsed = _as_type(value, "object")
+        return parsed if ok and not isinstance(parsed, str) else value
+    for kind in sorted(kinds, key=lambda k: k == "string"):  # the text itself is the last resort
+        ok, parsed = _as_type(value, kind)
+        if ok:
+            return parsed
+    return value
+
+
+def _strip_format_newlines(value: str) -> str:
+    if value.startswith("\n"):
+        value = value[1:]
+    if value.endswith("\n"):
+        value = value[:-1]
+    return value
+
+
+def _close(state: ToolCallState) -> ToolCall:
+    return ToolCall(index=state.index, id="", name="", arguments="}" if state.params_done else "{}")
+
+
+def feed(state: ToolCallState, text: str, tools: Sequence[Mapping[str, Any]], *, final: bool = False,
+         raw_prefix: str = TOOL_CALL_OPEN) -> FeedResult:
+    """Consume ``text`` (what follows ``<tool_call>`` so far, with earlier held text in front).
+
+    ``final``: the output ends here; a call whose name was emitted gets its arguments closed with the
+    parameters completed so far, one that never named a function falls back to content.
+    """
+    frags: list[ToolCall] = []
+    buf = text
+    while True:
+        if state.phase == "open":
+            s = buf.lstrip()
+            if s.startswith(_FUNCTION):
+                gt = s.find(">")
+                name = s[len(_FUNCTION):gt].strip() if gt >= 0 else ""
+                if gt < 0 and len(s) < _MAX_TAG and not final:
+                    return FeedResult(state, tuple(frags), held=buf)
+                if gt < 0 or not name or "<" in name or "\n" in name:
+                    return FeedResult(None, tuple(frags), fallback=raw_prefix + buf)
+                state = attrs.evolve(state, phase="params", name=name)
+                frags.append(ToolCall(index=state.index, id=state.call_id, name=name, arguments=""))
+                buf = s[gt + 1:]
+                continue
+            if not final and _is_prefix(s, _FUNCTION):
+                return FeedResult(state, tuple(frags), held=buf)
+            return FeedResult(None, tuple(frags), fallback=raw_prefix + buf)
+        if state.phase == "params":
+            s = buf.lstrip()
+            if s.startswith(_PARAMETER):
+                gt = s.find(">")
+                if gt < 0 and len(s) < _MAX_TAG and not final:
+                    return FeedResult(state, tuple(frags), held=buf)
+                param = s[len(_PARAMETER):gt].strip() if gt >= 0 else ""
+                if not param:
+                    frags.append(_close(state))
+                    return FeedResult(None, tuple(frags), rest="" if final else s)
+                state = attrs.evolve(state, phase="value", param=param)
+                buf = s[gt + 1:]
+                continue
+            if s.startswith(_FUNCTION_END):
+                frags.append(_close(state))
+                state = attrs.evolve(state, phase="close")
+                buf = s[len(_FUNCTION_END):]
+                continue
+            if not final and _is_prefix(s, _PARAMETER, _FUNCTION_END):
+                return FeedResult(state, tuple(frags), held=buf)
+            # Malformed or cut off: close what was said; anything else is ordinary text.
+            frags.append(_close(state))
+            return FeedResult(None, tuple(frags), rest=s)
+        if state.phase == "value":
+            # A value ends at </parameter>; models sometimes omit it before the next tag.
+            ends = [(buf.find(tag), tag) for tag in (_PARAMETER_END, _PARAMETER, _FUNCTION_END)]
+            ends = [(pos, tag) for pos, tag in ends if pos >= 0]
+            if not ends:
+                if final:
+                    frags.append(_close(state))  # the unfinished value is dropped, not guessed
+                    return FeedResult(None, tuple(frags))
+                return FeedResult(state, tuple(frags), held=buf)
+            pos, tag = min(ends)
+            value = _strip_format_newlines(buf[:pos])
+            typed = typed_value(value, _param_schema(tools, state.name, state.param))
+            lead = "{" if state.params_done == 0 else ", "
+            frags.append(ToolCall(index=state.index, id="", name="", arguments=(
+                f"{lead}{json.dumps(state.param, ensure_ascii=False)}: {json.dumps(typed, ensure_ascii=False)}")))
+            state = attrs.evolve(state, phase="params", param="", params_done=state.params_done + 1)
+            buf = buf[pos + len(_PARAMETER_END):] if tag == _PARAMETER_END else buf[pos:]
+            continue
+        # close: only whitespace and </tool_call> may follow </function>.
+        s = buf.lstrip()
+        if s.startswith(TOOL_CALL_CLOSE):
+            return FeedResult(None, tuple(frags), rest=s[len(TOOL_CALL_CLOSE):])
+        if not final and _is_prefix(s, TOOL_CALL_CLOSE):
+            return FeedResult(state, tuple(frags), held=buf)
+        return FeedResult(None, tuple(frags), rest=s)
+
