@@ -1,0 +1,446 @@
+"""Qwen35Program: the physical side of one resident Qwen3.5 model (engine worker only).
+
+It owns the StateImage slots (conv + recurrent state of every GDN layer, one contiguous image per
+slot), the typed paged KV pool of the attention layers, host copies of paused sequences, the
+decode CUDA graphs, and every sequence's accepted ledger.
+
+Units and frontiers. A sequence's ``computed`` positions are in the stores; its next input is
+``ledger[computed:]``. ``prefill`` runs one chunk of that input and, when the prompt is complete,
+samples the first token into a PendingBatch. ``decode`` runs exactly B rows, one input token each,
+and samples one provisional token per row (a row's tuple can hold several tokens later, for
+speculative decoding). ``commit`` appends accepted tokens to the ledger and frees the unit's unused
+reservation.
+
+Rollback. Ordinary decode updates the recurrent state in place and keeps no pre-step copy (that
+would cost a whole StateImage copy per step for a rare event). A row that is aborted, cancelled,
+or accepts fewer tokens than it consumed therefore keeps its accepted ledger but drops its
+physical frontier to zero: ``input_remaining`` then reports its accepted history, which the engine
+re-runs through ``prefill`` (Replay) before the next decode — exact, since every draw depends only
+on (seed, token index). Speculative rows will instead keep per-step state copies
+(``StateImageLayout.steps``) and select the accepted step.
+
+Reservations. ``reserve_units(seq, n)`` allocates the KV pages that positions computed..computed+n
+need (never the rest of the generation); a unit settlement (commit / abort) frees pages beyond the
+committed frontier. ``resume`` reserves the rebuild up to the old frontier plus the first new unit.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from ninfer.contract.batch import PendingBatch, PendingBatchError, PendingRow, RowDecision
+from ninfer.contract.model import PauseMode, ResourceUsage
+from ninfer.contract.prompt import PreparedPrompt
+from ninfer.contract.request import SamplingParams
+from ninfer.contract.state import KVPoolSpec, StateImageLayout
+from ninfer.core.device import Device
+from ninfer.core.kv_pool import PagedKVPool, PoolExhausted, pages_for
+from ninfer.core.state_store import StateImageStorage
+from ninfer_qwen35.execution.forward_batch import ForwardBatch, ModelStateViews
+from ninfer_qwen35.program.batching import RowInput, build_forward_batch
+from ninfer_qwen35.program.resume import ReplayResume, SnapshotResume
+from ninfer_qwen35.program.sequence import RowSampling, SequenceRecord, draw_seed
+
+_program_ids = itertools.count(1)
+
+
+class ProgramError(RuntimeError):
+    """The Program was called in a way that breaks its contract (unknown sequence, unit while pending, ...)."""
+
+
+@attrs.frozen(kw_only=True)
+class _BatchNative:
+    """Private execution metadata of a PendingBatch: which Program made it, and what each row consumed."""
+
+    program_id: int
+    consumed: tuple[int, ...]  # input positions each row ran in this unit
+
+
+class Qwen35Program:
+    """Implements ``ninfer.contract.Program`` for Qwen3.5 over the native model (``forward`` / ``logits``)."""
+
+    def __init__(self, model: Any, *, state_layout: StateImageLayout, kv_pool: KVPoolSpec, device: Device | str,
+                 max_concurrency: int, num_pages: int, kv_dtype: torch.dtype | str | None = None,
+                 vocab_size: int, host_budget_bytes: int = 0, sampling_defaults: SamplingParams | None = None,
+                 max_model_len: int | None = None, cuda_graphs: bool = True) -> None:
+        if not 1 <= max_concurrency <= 64:
+            raise ValueError(f"max_concurrency must be in 1..64, got {max_concurrency}")
+        self.id = next(_program_ids)
+        self.model = model
+        self.device = Device.parse(device)
+        self.state_layout = state_layout
+        self.kv_pools = (kv_pool,)
+        self.max_concurrency = max_concurrency
+        self.vocab_size = vocab_size
+        self.sampling_defaults = sampling_defaults
+        self.host_budget_bytes = host_budget_bytes
+        # One extra slot and page that no sequence owns: graph warmup/capture and padding point there.
+        self.states = StateImageStorage(state_layout, max_concurrency + 1, self.device)
+        self.pool = PagedKVPool(kv_pool, num_pages + 1, self.device, kv_dtype)
+        self._scratch_slot = self.states.allocate()
+        (self._scratch_page,) = self.pool.allocator.allocate(1)
+        self.page_size = kv_pool.page_size
+        capacity = num_pages * self.page_size
+        self.max_model_len = min(max_model_len or capacity, capacity)
+        self.views = ModelStateViews(conv=self.states.view("conv"), recurrent=self.states.view("recurrent"),
+                                     kv=self.pool.caches(), page_size=self.page_size)
+        self._seqs: dict[int, SequenceRecord] = {}
+        self._paused: dict[int, ReplayResume] = {}
+        self._ids = itertools.count(1)
+        self._generators: dict[int, torch.Generator] = {}
+        self.host_bytes_used = 0
+        self.graphs = None
+        self.graph_error: str | None = None
+        if cuda_graphs and self.device.is_cuda:
+            self._capture_graphs()
+
+    # -- sequences ---------------------------------------------------------------------------------
+    def open_sequence(self, prompt: PreparedPrompt, sampling: SamplingParams) -> int:
+        """Bind a StateImage slot for a new sequence (no KV pages yet: ``reserve_units`` takes them)."""
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(prompt)} tokens does not fit max_model_len {self.max_model_len}")
+        bad = [t for t in prompt.token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} outside the model vocabulary 0..{self.vocab_size - 1}")
+        if prompt.media:
+            raise ValueError("this Program runs text only: the prompt carries media")
+        try:
+            slot = self.states.allocate()
+        except PoolExhausted as exc:
+            raise ProgramError(f"no free StateImage slot for a new sequence: {exc}") from None
+        return self._bind(SequenceRecord(id=next(self._ids), slot=slot, prompt_len=len(prompt),
+                                         ledger=list(prompt.token_ids),
+                                         sampling=RowSampling.resolve(sampling, self.sampling_defaults)))
+
+    def _bind(self, seq: SequenceRecord) -> int:
+        self._seqs[seq.id] = seq
+        return seq.id
+
+    def _seq(self, sequence_id: int) -> SequenceRecord:
+        try:
+            return self._seqs[sequence_id]
+        except KeyError:
+            raise ProgramError(f"unknown sequence id {sequence_id}") from None
+
+    def input_remaining(self, sequence_id: int) -> int:
+        return self._seq(sequence_id).input_remaining
+
+    def release(self, sequence_id: int) -> None:
+        seq = self._seq(sequence_id)
+        if seq.pending:
+            raise ProgramError(f"sequence {sequence_id} has an unconsumed PendingBatch row; commit or abort it first")
+        self.pool.allocator.free(seq.pages)
+        self.states.free(seq.slot)
+        self._generators.pop(seq.id, None)
+        del self._seqs[sequence_id]
+
+    # -- reservations ------------------------------------------------------------------------------
+    def reserve_units(self, sequence_id: int, tokens: int) -> bool:
+        """Hold the pages positions computed..computed+tokens need; False (nothing taken) when they do not fit."""
+        seq = self._seq(sequence_id)
+        if tokens < 1:
+            raise ValueError(f"reserve_units needs at least one token, got {tokens}")
+        end = seq.computed + tokens
+        if end > self.max_model_len:
+            raise ValueError(f"sequence {sequence_id}: {end} positions exceed max_model_len {self.max_model_len}")
+        return self._hold_pages(seq, end)
+
+    def _hold_pages(self, seq: SequenceRecord, positions: int) -> bool:
+        need = pages_for(positions, self.page_size) - len(seq.pages)
+        if need <= 0:
+            return True
+        if need > self.pool.allocator.num_free:
+            return False
+        seq.pages.extend(self.pool.allocator.allocate(need))
+        return True
+
+    def _settle_pages(self, seq: SequenceRecord) -> None:
+        """End of a unit: free the unused reservation beyond the committed frontier."""
+        keep = pages_for(seq.computed, self.page_size)
+        if len(seq.pages) > keep:
+            self.pool.allocator.free(seq.pages[keep:])
+            del seq.pages[keep:]
+
+    # -- execution ---------------------------------------------------------------------------------
+    def prefill(self, sequence_id: int, max_tokens: int) -> PendingBatch | None:
+        """Run up to ``max_tokens`` of the sequence's remaining input; sample the first token when the prompt ends."""
+        seq = self._seq(sequence_id)
+        self._check_idle(seq)
+        remaining = seq.input_remaining
+        if remaining <= 0:
+            raise ProgramError(f"sequence {sequence_id} has no input left to prefill (it is decode-ready)")
+        if max_tokens < 1:
+            raise ValueError(f"prefill needs max_tokens >= 1, got {max_tokens}")
+        n = min(max_tokens, remaining)
+        if not self._hold_pages(seq, seq.computed + n):
+            raise PoolExhausted(f"sequence {sequence_id}: KV pages for {n} prefill positions are not reserved and "
+                                f"do not fit ({self.pool.allocator.num_free} free)")
+        sample = n == remaining and seq.generated == 0
+        start = seq.computed
+        batch = build_forward_batch([RowInput(tokens=seq.ledger[start:start + n], start=start, slot=seq.slot,
+                                              pages=seq.pages, want_logits=sample)],
+                                    self.page_size, self.device.torch)
+        with torch.inference_mode():
+            hidden = self.model.forward(batch, self.views)
+            seq.computed += n
+            if not sample:
+                return None
+            logits = self.model.logits(hidden[batch.logits_indices])
+            return self._sample("prefill", [seq], logits, consumed=(n,))
+
+    def decode(self, sequence_ids: Sequence[int]) -> PendingBatch:
+        """One step over exactly these decode-ready sequences (B = len(sequence_ids))."""
+        ids = list(sequence_ids)
+        if not ids or len(set(ids)) != len(ids):
+            raise ProgramError(f"decode needs distinct sequence ids, got {ids}")
+        if len(ids) > self.max_concurrency:
+            raise ProgramError(f"decode of {len(ids)} rows exceeds max_concurrency {self.max_concurrency}")
+        seqs = [self._seq(i) for i in ids]
+        for seq in seqs:
+            self._check_idle(seq)
+            if seq.input_remaining != 0 or seq.generated == 0:
+                raise ProgramError(f"sequence {seq.id} is not decode-ready ({seq.input_remaining} input positions "
+                                   f"remaining, {seq.generated} generated)")
+            if seq.computed + 1 > self.max_model_len:
+                raise ProgramError(f"sequence {seq.id} is at max_model_len {self.max_model_len}")
+        missing = sum(max(0, pages_for(s.computed + 1, self.page_size) - len(s.pages)) for s in seqs)
+        if missing > self.pool.allocator.num_free:
+            raise PoolExhausted(f"decode of {len(ids)} rows needs {missing} unreserved KV pages, "
+                                f"{self.pool.allocator.num_free} free")
+        for seq in seqs:
+            self._hold_pages(seq, seq.computed + 1)
+        with torch.inference_mode():
+            if self.graphs is not None:
+                logits = self.graphs.replay([s.ledger[s.computed] for s in seqs], [s.computed for s in seqs],
+                                            [s.slot for s in seqs], [s.pages for s in seqs])
+            else:
+                logits = self._decode_logits(build_forward_batch(
+                    [RowInput(tokens=[s.ledger[s.computed]], start=s.computed, slot=s.slot, pages=s.pages,
+                              want_logits=True) for s in seqs], self.page_size, self.device.torch))
+            for seq in seqs:
+                seq.computed += 1
+            return self._sample("decode", seqs, logits, consumed=(1,) * len(seqs))
+
+    def _decode_logits(self, batch: ForwardBatch) -> torch.Tensor:
+        """The graphed part of a decode step: forward + logits of every row."""
+        return self.model.logits(self.model.forward(batch, self.views)[batch.logits_indices])
+
+    def _check_idle(self, seq: SequenceRecord) -> None:
+        if seq.pending:
+            raise ProgramError(f"sequence {seq.id} has an unconsumed PendingBatch row")
+
+    def _generator(self, seq: SequenceRecord) -> torch.Generator:
+        gen = self._generators.get(seq.id)
+        if gen is None:
+            gen = self._generators[seq.id] = torch.Generator(device=self.device.torch)
+        gen.manual_seed(draw_seed(seq.sampling.seed, seq.generated))
+        return gen
+
+    def _sample(self, kind: str, seqs: list[SequenceRecord], logits: torch.Tensor,
+                consumed: tuple[int, ...]) -> PendingBatch:
+        from ninfer.ops.sampling import logprobs, sample
+
+        dev = logits.device
+        sp = [s.sampling for s in seqs]
+        tokens = sample(logits, torch.tensor([p.temperature for p in sp], device=dev),
+                        torch.tensor([p.top_k for p in sp], device=dev),
+                        torch.tensor([p.top_p for p in sp], device=dev),
+                        torch.tensor([p.min_p for p in sp], device=dev),
+                        [None if p.greedy else self._generator(s) for s, p in zip(seqs, sp, strict=True)])
+        want = [i for i, p in enumerate(sp) if p.logprobs]
+        lp: dict[int, tuple[float, tuple[tuple[int, float], ...]]] = {}
+        if want:
+            top_n = max(sp[i].top_logprobs for i in want)
+            idx = torch.tensor(want, device=dev)
+            chosen, top_ids, top_lp = logprobs(logits[idx], tokens[idx], top_n)
+            chosen, top_ids, top_lp = chosen.tolist(), top_ids.tolist(), top_lp.tolist()
+            for j, i in enumerate(want):
+                n = sp[i].top_logprobs
+                lp[i] = (chosen[j], tuple(zip(top_ids[j][:n], top_lp[j][:n], strict=True)))
+        rows = []
+        for i, (seq, tok) in enumerate(zip(seqs, tokens.tolist(), strict=True)):
+            seq.pending = True
+            rows.append(PendingRow(sequence_id=seq.id, tokens=(tok,),
+                                   logprobs=(lp[i][0],) if i in lp else None,
+                                   top_logprobs=(lp[i][1],) if i in lp else None))
+        return PendingBatch(kind=kind, rows=rows, native=_BatchNative(program_id=self.id, consumed=consumed))
+
+    # -- settlement --------------------------------------------------------------------------------
+    def _members(self, batch: PendingBatch) -> list[SequenceRecord]:
+        native = batch.native
+        if not isinstance(native, _BatchNative) or native.program_id != self.id:
+            raise PendingBatchError("PendingBatch was not produced by this Program")
+        if batch.consumed:
+            raise PendingBatchError("PendingBatch consumed twice")
+        seqs = []
+        for row in batch.rows:
+            seq = self._seqs.get(row.sequence_id)
+            if seq is None or not seq.pending:
+                raise PendingBatchError(f"PendingBatch row for sequence {row.sequence_id} has no pending sequence")
+            seqs.append(seq)
+        return seqs
+
+    def commit(self, batch: PendingBatch, decisions: Sequence[RowDecision]) -> None:
+        """Append accepted tokens to each ledger; rows that accept nothing roll back (see module doc)."""
+        seqs = self._members(batch)
+        batch.take(decisions)
+        for seq, row, d in zip(seqs, batch.rows, decisions, strict=True):
+            seq.pending = False
+            if d.accepted == 0:
+                self._rollback(seq)
+                continue
+            seq.ledger.extend(row.tokens[:d.accepted])
+            # The unit consumed inputs up to the last produced token; each accepted token but the last
+            # is an input the state already holds. Fewer accepted than produced (terminal, several
+            # tokens) leaves state past the accepted prefix: roll back physically.
+            if d.accepted < row.produced:
+                self._rollback(seq)
+            self._settle_pages(seq)
+
+    def abort_pending(self, batch: PendingBatch) -> None:
+        """Drop the whole batch: ledgers stay at the pre-batch accepted frontier; state is rebuilt by Replay."""
+        seqs = self._members(batch)
+        batch.take(None)
+        for seq in seqs:
+            seq.pending = False
+            self._rollback(seq)
+
+    def _rollback(self, seq: SequenceRecord) -> None:
+        seq.computed = 0
+        self._settle_pages(seq)
+
+    # -- pause / resume ----------------------------------------------------------------------------
+    def snapshot_bytes(self, sequence_id: int) -> int:
+        seq = self._seq(sequence_id)
+        return self.states.image_bytes + pages_for(seq.computed, self.page_size) * self.pool.nbytes_per_page
+
+    def can_snapshot(self, sequence_id: int) -> bool:
+        return self.host_bytes_used + self.snapshot_bytes(sequence_id) <= self.host_budget_bytes
+
+    def pause(self, sequence_id: int, mode: PauseMode) -> ReplayResume:
+        """Release the sequence's device resources at its committed boundary; returns an owning ResumeState."""
+        seq = self._seq(sequence_id)
+        self._check_idle(seq)
+        common = dict(program_id=self.id, ledger=tuple(seq.ledger), prompt_len=seq.prompt_len,
+                      sampling=seq.sampling, frontier=seq.computed)
+        if mode == "snapshot":
+            if not self.can_snapshot(sequence_id):
+                raise ProgramError(f"sequence {sequence_id}: snapshot needs {self.snapshot_bytes(sequence_id)} host "
+                                   f"bytes, {self.host_budget_bytes - self.host_bytes_used} of the budget left")
+            n = pages_for(seq.computed, self.page_size)
+            kv = torch.empty(self.pool.host_shape(n), dtype=self.pool.dtype, pin_memory=self.device.is_cuda)
+            self.pool.read_pages(seq.pages[:n], kv)
+            state = SnapshotResume(**common, state_image=self.states.save(seq.slot), kv_pages=kv)
+        elif mode == "replay":
+            state = ReplayResume(**common)
+        else:
+            raise ValueError(f"pause mode must be 'snapshot' or 'replay', got {mode!r}")
+        self.release(sequence_id)
+        self.host_bytes_used += state.host_bytes
+        self._paused[id(state)] = state
+        return state
+
+    def resume(self, resume_state: ReplayResume) -> int | None:
+        """Re-bind a paused sequence; None (state kept) when a slot and the rebuild's pages do not fit now."""
+        state = self._take_paused(resume_state, remove=False)
+        positions = min(state.frontier + 1, len(state.ledger))
+        need = pages_for(positions, self.page_size)
+        if self.states.num_free == 0 or need > self.pool.allocator.num_free:
+            return None
+        del self._paused[id(state)]
+        self.host_bytes_used -= state.host_bytes
+        seq = SequenceRecord(id=next(self._ids), slot=self.states.allocate(), prompt_len=state.prompt_len,
+                             ledger=list(state.ledger), sampling=state.sampling,
+                             pages=self.pool.allocator.allocate(need))
+        if isinstance(state, SnapshotResume):
+            self.states.restore(seq.slot, state.state_image)
+            self.pool.write_pages(seq.pages[:state.kv_pages.shape[2]], state.kv_pages)
+            seq.computed = state.frontier
+        return self._bind(seq)
+
+    def discard(self, resume_state: ReplayResume) -> None:
+        state = self._take_paused(resume_state, remove=True)
+        self.host_bytes_used -= state.host_bytes
+
+    def _take_paused(self, resume_state: Any, *, remove: bool) -> ReplayResume:
+        if not isinstance(resume_state, ReplayResume) or resume_state.program_id != self.id:
+            raise ProgramError("ResumeState was not produced by this Program")
+        if id(resume_state) not in self._paused:
+            raise ProgramError("ResumeState was already resumed or discarded")
+        if remove:
+            del self._paused[id(resume_state)]
+        return resume_state
+
+    # -- accounting --------------------------------------------------------------------------------
+    def usage(self) -> ResourceUsage:
+        """Exact occupancy (the scratch slot and page used by graph capture are not counted)."""
+        reserved = sum(max(0, len(s.pages) - pages_for(s.computed, self.page_size)) for s in self._seqs.values())
+        return ResourceUsage(state_slots_total=self.states.num_slots - 1, state_slots_used=self.states.num_used - 1,
+                             kv_pages_total=self.pool.num_pages - 1, kv_pages_used=self.pool.allocator.num_used - 1,
+                             host_bytes_used=self.host_bytes_used, reserved_pages=reserved)
+
+    # -- causal scoring ----------------------------------------------------------------------------
+    def score_window(self, token_ids: Sequence[int], score_from: int = 1, *, chunk: int = 1024,
+                     logits_rows: int = 256) -> torch.Tensor:
+        """fp32 log p(token_ids[i] | token_ids[:i]) for i in score_from..n-1, as one fresh causal window.
+
+        Runs outside the generation path on a temporary StateImage slot and Main KV pages, in
+        prefill chunks of ``chunk`` positions; logits are formed ``logits_rows`` at a time, so the
+        scoring staging ([logits_rows, vocab] fp32) exists only during this call.
+        """
+        n = len(token_ids)
+        if not 1 <= score_from <= n:
+            raise ValueError(f"score_from must be in 1..{n}, got {score_from}")
+        if n > self.max_model_len:
+            raise ValueError(f"scoring window of {n} tokens exceeds max_model_len {self.max_model_len}")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} outside the model vocabulary 0..{self.vocab_size - 1}")
+        need = pages_for(n, self.page_size)
+        if self.states.num_free == 0 or need > self.pool.allocator.num_free:
+            raise ProgramError(f"scoring window of {n} tokens needs a free StateImage slot and {need} KV pages "
+                               f"({self.states.num_free} slots, {self.pool.allocator.num_free} pages free)")
+        slot = self.states.allocate()
+        pages = self.pool.allocator.allocate(need)
+        dev = self.device.torch
+        ids = torch.tensor(list(token_ids), dtype=torch.int64, device=dev)
+        out = torch.empty(n - score_from, dtype=torch.float32, device=dev)
+        try:
+            with torch.inference_mode():
+                for start in range(0, n, chunk):
+                    end = min(start + chunk, n)
+                    batch = build_forward_batch([RowInput(tokens=list(token_ids[start:end]), start=start, slot=slot,
+                                                          pages=pages, want_logits=False)], self.page_size, dev)
+                    hidden = self.model.forward(batch, self.views)
+                    # position p predicts token p + 1
+                    lo, hi = max(start, score_from - 1), min(end, n - 1)
+                    for p in range(lo, hi, logits_rows):
+                        q = min(p + logits_rows, hi)
+                        lp = self.model.logits(hidden[p - start:q - start]).float().log_softmax(-1)
+                        out[p + 1 - score_from:q + 1 - score_from] = lp.gather(1, ids[p + 1:q + 1, None])[:, 0]
+        finally:
+            self.pool.allocator.free(pages)
+            self.states.free(slot)
+        return out
+
+    # -- CUDA graphs -------------------------------------------------------------------------------
+    def _capture_graphs(self) -> None:
+        from ninfer_qwen35.program.cuda_graphs import DecodeGraphs
+
+        graphs = DecodeGraphs(self._decode_logits, max_batch=self.max_concurrency,
+                              max_pages=pages_for(self.max_model_len, self.page_size), page_size=self.page_size,
+                              scratch_slot=self._scratch_slot, scratch_page=self._scratch_page,
+                              device=self.device.torch)
+        try:
+            with torch.inference_mode():
+                graphs.capture()
+        except Exception as exc:  # an op without a capturable path (e.g. a host sync): stay eager, say why
+            torch.cuda.synchronize(self.device.torch)
+            self.graph_error = f"{type(exc).__name__}: {exc}"
+            return
+        self.graphs = graphs

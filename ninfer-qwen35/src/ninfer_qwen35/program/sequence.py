@@ -1,0 +1,86 @@
+"""One resident sequence: its accepted token ledger, physical frontier, pages, slot and sampling."""
+
+from __future__ import annotations
+
+import secrets
+
+import attrs
+
+from ninfer.contract.request import SamplingParams
+
+
+@attrs.frozen(kw_only=True)
+class RowSampling:
+    """SamplingParams with every default resolved; ``seed`` is fixed at open so Replay draws the same tokens."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+    logprobs: bool
+    top_logprobs: int
+
+    @classmethod
+    def resolve(cls, params: SamplingParams, defaults: SamplingParams | None) -> RowSampling:
+        d = defaults or SamplingParams()
+
+        def pick(name, neutral):
+            value = getattr(params, name)
+            if value is None:
+                value = getattr(d, name)
+            return neutral if value is None else value
+
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        return cls(temperature=float(pick("temperature", 1.0)), top_k=int(pick("top_k", 0)),
+                   top_p=float(pick("top_p", 1.0)), min_p=float(pick("min_p", 0.0)), seed=seed,
+                   logprobs=params.logprobs or params.top_logprobs > 0, top_logprobs=params.top_logprobs)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+def draw_seed(seed: int, index: int) -> int:
+    """The generator seed of a sequence's ``index``-th sampled token (splitmix64 of seed and index).
+
+    Counter-based: the draw depends only on (seed, index), so abort, pause and Replay need no RNG
+    state beyond the accepted ledger, and a row never depends on its batch neighbours.
+    """
+    z = (seed + 0x9E3779B97F4A7C15 * (index + 1)) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
+
+
+@attrs.define(eq=False, kw_only=True)
+class SequenceRecord:
+    """Program-private record of one bound sequence.
+
+    ``ledger`` holds the accepted tokens (prompt, then generated). ``computed`` counts the positions
+    whose K/V and recurrent state are in the stores. A decode-ready sequence has computed ==
+    len(ledger) - 1: its last accepted token is the next input. ``pages`` is the block table;
+    pages beyond those covering ``computed`` are this sequence's reservation.
+    """
+
+    id: int
+    slot: int
+    prompt_len: int
+    ledger: list[int]
+    sampling: RowSampling
+    computed: int = 0
+    pages: list[int] = attrs.field(factory=list)
+    pending: bool = False  # a PendingBatch row is outstanding: no other unit until it is consumed
+
+    @property
+    def generated(self) -> int:
+        return len(self.ledger) - self.prompt_len
+
+    @property
+    def target(self) -> int:
+        """Positions to compute before the next sample: all of the prompt, or history minus the next input."""
+        return len(self.ledger) - 1 if self.generated > 0 else len(self.ledger)
+
+    @property
+    def input_remaining(self) -> int:
+        return self.target - self.computed
