@@ -607,6 +607,30 @@ def check_gdn_prefill(ctx: Ctx) -> None:
             ctx.record(f"T={T} init={has_state} state", state, ref_state, 1e-2)
 
 
+def report_kernels(ctx: Ctx) -> None:
+    """Registers, spills and shared memory of every compiled variant of our kernels (the compiler's report)."""
+    import importlib
+
+    import triton
+
+    for module in ("norm", "activation", "rope", "gdn", "conv1d", "attention"):
+        mod = importlib.import_module(f"ninfer.ops.triton.{module}")
+        for name, fn in vars(mod).items():
+            if not isinstance(fn, triton.runtime.JITFunction):
+                continue
+            for caches in fn.device_caches.values():
+                for kernel in caches[0].values():
+                    try:
+                        kernel._init_handles()
+                        meta = kernel.metadata
+                        consts = {k: v for k, v in getattr(kernel, "constants", {}).items()
+                                  if isinstance(v, (int, bool, str))}
+                        ctx.log(f"kernel {module}.{name}: regs {kernel.n_regs} spills {kernel.n_spills} "
+                                f"shared {meta.shared} warps {meta.num_warps} stages {meta.num_stages} {consts}")
+                    except Exception as exc:  # the report is informational only
+                        ctx.log(f"kernel {module}.{name}: no resource report ({type(exc).__name__}: {exc})")
+
+
 # ------------------------------------------------------------------------------------------------ main
 
 
@@ -651,6 +675,8 @@ def main(argv=None) -> int:
                 ctx.fail("exception", f"{type(exc).__name__}: {exc}"[:200])
             ctx.log(f"# {name} took {time.perf_counter() - t0:.1f} s")
         ctx.log(f"# all checks took {time.perf_counter() - t_all:.1f} s")
+        if gpu:
+            report_kernels(ctx)
         failed = [r for r in ctx.results if not r.ok]
         summary = {"shape": args.shape, "device": torch.cuda.get_device_name() if gpu else "cpu",
                    "copy_tbps": ctx.copy_tbps, "failed": len(failed),
