@@ -98,3 +98,15 @@ def scrape(url: str) -> dict[str, float]:
         name = name_labels.split("{", 1)[0]
         out[name] = out.get(name, 0.0) + float(value)
     return out
+
+
+def tiny_model(directory: str | os.PathLike) -> str:
+    """A real tiny Qwen3.5 ``.ninfer`` (random weights, real converter) in ``directory``, built once."""
+    from ninfer.testing.checkpoints import convert_tiny, make_tiny_checkpoint
+
+    path = os.path.join(directory, "serve_tiny.ninfer")
+    if not os.path.exists(path):
+        src = make_tiny_checkpoint(os.path.join(directory, "serve_tiny_hf"), mtp=False)
+        convert_tiny(src, path + ".part")
+        os.replace(path + ".part", path)
+    return path
