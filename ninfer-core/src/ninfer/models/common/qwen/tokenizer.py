@@ -3,10 +3,10 @@ that streaming detokenization needs."""
 
 from __future__ import annotations
 
-import json
+import functools
 from collections.abc import Iterable
 
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, decoders
 
 from ninfer.models.common.qwen.errors import FrontendInputError
 
@@ -23,6 +23,15 @@ def _byte_level_decoding() -> dict[str, int]:
     return table
 
 
+@functools.lru_cache(maxsize=4)
+def _load(tokenizer_json: str) -> Tokenizer:
+    # Parsing a 248k vocabulary takes about a second; engines and tests reopen the same artifact.
+    try:
+        return Tokenizer.from_str(tokenizer_json)
+    except Exception as e:  # noqa: BLE001 - the tokenizers error type is not public
+        raise ValueError(f"the artifact's tokenizer.json does not load: {e}") from e
+
+
 class QwenTokenizer:
     """Encodes text (special tokens recognised, no BOS) and maps each id to its exact bytes.
 
@@ -31,12 +40,8 @@ class QwenTokenizer:
     """
 
     def __init__(self, tokenizer_json: str, *, embedding_vocab: int | None = None) -> None:
-        try:
-            spec = json.loads(tokenizer_json)
-            self._tok = Tokenizer.from_str(tokenizer_json)
-        except Exception as e:  # noqa: BLE001 - the tokenizers error type is not public
-            raise ValueError(f"the artifact's tokenizer.json does not load: {e}") from e
-        if (spec.get("decoder") or {}).get("type") != "ByteLevel":
+        self._tok = _load(tokenizer_json)
+        if not isinstance(self._tok.decoder, decoders.ByteLevel):
             raise ValueError("the Qwen frontend needs a byte-level BPE tokenizer.json (decoder type ByteLevel)")
         self._byte_of = _byte_level_decoding()
         self.size = self._tok.get_vocab_size(with_added_tokens=True)
