@@ -588,10 +588,12 @@ def test_fresh_admission_bypasses_a_paused_request_at_most_the_bound(limit):
     """A paused request that cannot resume yet is overtaken by at most ``limit`` fresh admissions."""
     eng = make_engine(max_concurrency=4, pages=62, host_bytes=0, bypass_limit=limit)
     prog = eng.instance.program
+    prog.gate.clear()  # hold the worker at A's first decode until B is submitted too
     prog.close_gate_on_pause = True
     a = eng.submit(req([1, 2, 3, 4], max_tokens=200, ignore_eos=True))   # grows to 51 pages
     # B is paused for A near position 140 and needs ~37 pages to resume: not before A ends.
     b = eng.submit(req(list(range(1, 41)), max_tokens=200, ignore_eos=True))
+    prog.gate.set()
     assert prog.paused_once.wait(10)
     fresh = [eng.submit(req([40 + i, 41], max_tokens=2, ignore_eos=True)) for i in range(3)]
     prog.gate.set()

@@ -303,11 +303,13 @@ class EngineCore:
         self.by_seq[seq] = rec
         self.scheduler.make_resident(rec)
         self.changed = True
-        remaining = self.program.input_remaining(seq)
-        if remaining == 0:
+        self._set_input_state(rec)
+
+    def _set_input_state(self, rec: RequestRecord) -> None:
+        if self.program.input_remaining(rec.sequence_id) == 0:
             rec.state = RequestState.DECODE_READY
         else:
-            rec.state = RequestState.REPLAY if rec.started and rec.preemptions else RequestState.PREFILL
+            rec.state = RequestState.REPLAY if rec.token_ids else RequestState.PREFILL
 
     # -- 3. unit permits and pressure ------------------------------------------------------------------
     def _grant_decode_permits(self) -> list[RequestRecord]:
@@ -389,11 +391,10 @@ class EngineCore:
         batch = self.program.prefill(rec.sequence_id, n)
         if batch is not None:
             self._run_unit(batch, [rec])
-        if rec.resident and rec.state is not RequestState.DECODE_READY \
-                and self.program.input_remaining(rec.sequence_id) == 0:
-            if batch is None and not rec.token_ids:
+        if batch is None and rec.resident:
+            if self.program.input_remaining(rec.sequence_id) == 0 and not rec.token_ids:
                 raise InvariantBroken(f"request {rec.request_id}: prompt complete but no first token sampled")
-            rec.state = RequestState.DECODE_READY
+            self._set_input_state(rec)
 
     def _run_unit(self, batch: PendingBatch, expected: Sequence[RequestRecord]) -> None:
         self.inflight = batch
@@ -447,16 +448,15 @@ class EngineCore:
             if rec is self.scheduler.protected:
                 self.scheduler.protected = None  # real new progress ends the protected recovery
                 self.capacity_event = True
-            if rec.state is RequestState.REPLAY:
-                rec.state = RequestState.PREFILL if self.program.input_remaining(rec.sequence_id) else \
-                    RequestState.DECODE_READY
             delta = rec.session.commit(pv)
             rec.token_ids.extend(accepted)
             self._publish_delta(rec, delta)
             if reason is not None:
                 self._finish(rec, reason)
-            elif rec.state is RequestState.PREFILL and self.program.input_remaining(rec.sequence_id) == 0:
-                rec.state = RequestState.DECODE_READY
+            else:
+                # The Program may drop a row's physical frontier (e.g. after a partial accept); it then
+                # reports the accepted history as input to rebuild, and the row replays before decoding.
+                self._set_input_state(rec)
 
     def _room(self, rec: RequestRecord) -> int:
         room = self.max_model_len - len(rec.prompt) - rec.generated
