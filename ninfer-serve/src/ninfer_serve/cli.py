@@ -72,7 +72,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return _fail(f"the generation engine is not available: {exc}")
     from ninfer_serve.app import create_app
     from ninfer_serve.server import serve
-    from ninfer_serve.warmup import warmup
+    from ninfer_serve.warmup import WarmupFailed, warmup
 
     options = {"max_concurrency": args.max_concurrency, "max_queue": args.max_queue}
     if args.max_model_len is not None:
@@ -87,10 +87,16 @@ def run_serve(args: argparse.Namespace) -> int:
         return _fail(f"cannot start the engine for {model}: {type(exc).__name__}: {exc}")
     with engine:
         if not args.no_warmup:
-            seconds = warmup(engine, concurrency=args.max_concurrency)
+            try:
+                seconds = warmup(engine, concurrency=args.max_concurrency)
+            except WarmupFailed as exc:
+                return _fail(str(exc))
             print(f"ninfer serve: warmup done in {seconds:.2f} s", file=sys.stderr)
         app = create_app(engine, model_id=args.model_id, queue_timeout_s=args.queue_timeout)
         print(f"ninfer serve: serving {args.model_id or engine.model_name} on http://{args.host}:{args.port}",
               file=sys.stderr, flush=True)
-        serve(app, args.host, args.port, graceful_timeout_s=args.graceful_timeout, access_log=args.access_log)
+        try:
+            serve(app, args.host, args.port, graceful_timeout_s=args.graceful_timeout, access_log=args.access_log)
+        except OSError as exc:  # address in use, permission denied
+            return _fail(f"cannot listen on {args.host}:{args.port}: {exc}")
     return 0
