@@ -9,10 +9,24 @@ import sys
 def add_convert_command(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("convert", help="convert a Hugging Face checkpoint directory into a .ninfer file")
     p.add_argument("src", help="checkpoint directory (config.json, *.safetensors, tokenizer files)")
-    p.add_argument("out", help="output .ninfer path")
+    p.add_argument("out", help="output .ninfer path (written atomically)")
+    p.add_argument("--name", help="public instance name (metadata.name); default: the architecture name")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="show a progress line on stderr (default: when stderr is a terminal)")
     p.set_defaults(func=run_convert)
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    print("ninfer convert: the v3 artifact writer is not implemented yet; nothing was written", file=sys.stderr)
-    return 2
+    from ninfer.artifact.format import ArtifactError
+    from ninfer_convert.convert import convert_checkpoint
+    from ninfer_convert.source import ConversionError
+
+    progress = sys.stderr.isatty() if args.progress is None else args.progress
+    try:
+        summary = convert_checkpoint(args.src, args.out, name=args.name, host=getattr(args, "host", None),
+                                     progress=progress)
+    except (ConversionError, ArtifactError, OSError) as exc:
+        print(f"ninfer convert: {exc}; nothing was written", file=sys.stderr)
+        return 2
+    print(summary.format())
+    return 0

@@ -60,6 +60,9 @@ class _CoreCommands:
         p = subparsers.add_parser("archs", help="list architectures and the plugin providing each")
         p.add_argument("--json", action="store_true", help="machine-readable output")
         p.set_defaults(func=_cmd_archs)
+        from ninfer.artifact.cli import add_inspect_command  # light: no torch until a command runs
+
+        add_inspect_command(subparsers)
 
 
 def build_parser(host: PluginHost) -> argparse.ArgumentParser:

@@ -108,3 +108,53 @@ def fused_parents(c: Qwen35Config) -> list[FusedParent]:
     for j in range(c.mtp_num_hidden_layers):
         layer(f"mtp.layers.{j}.", "full_attention", "mtp")
     return groups
+
+
+class Qwen35SourceMapping:
+    """The ``source_mapping`` contract (``ninfer.artifact.mapping.SourceMapping``) for one Qwen3.5 config."""
+
+    validated_features = ("text", "mtp")
+
+    def __init__(self, config: Qwen35Config) -> None:
+        self.config = config
+
+    def canonical_name(self, source_name: str) -> tuple[str, str] | None:
+        return canonical_name(source_name)
+
+    def configured_features(self) -> tuple[str, ...]:
+        out = ["text"]
+        if self.config.vision:
+            out.append("vision")
+        if self.config.mtp_num_hidden_layers:
+            out.append("mtp")
+        return tuple(out)
+
+    def expected_parameters(self, features: tuple[str, ...]) -> dict[str, tuple[str, tuple[int, ...]]]:
+        return expected_parameters(self.config, features)
+
+    def fused_parents(self) -> list[FusedParent]:
+        return fused_parents(self.config)
+
+    def shared_uses(self, bound: set[str], features: tuple[str, ...]):
+        """A tied lm_head reads the embedding; MTP reads the main embedding and head (no copies of its own)."""
+        from ninfer.artifact.format import Use
+
+        embed = "model.embed_tokens.weight"
+        head = embed if self.config.tie_word_embeddings else "lm_head.weight"
+        uses = []
+        if self.config.tie_word_embeddings and embed in bound:
+            uses.append(Use(site="lm_head", feature="text", binding=embed))
+        if "mtp" in features:
+            uses.append(Use(site="mtp.embed_tokens", feature="mtp", binding=embed))
+            uses.append(Use(site="mtp.lm_head", feature="mtp", binding=head))
+        return [u for u in uses if u.binding in bound]
+
+    def embedding_vocab(self) -> int:
+        return self.config.vocab_size
+
+
+def source_mapping(raw_config: dict) -> Qwen35SourceMapping:
+    """Plugin slot ``source_mapping``: parse config.json and return the mapping for it."""
+    from ninfer_qwen35.config import parse_config
+
+    return Qwen35SourceMapping(parse_config(raw_config))

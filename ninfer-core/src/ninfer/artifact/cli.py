@@ -1,0 +1,112 @@
+"""``ninfer inspect FILE.ninfer``: metadata, config summary, features, objects and bytes per feature."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+
+_CONFIG_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "linear_num_key_heads",
+                "linear_num_value_heads", "tie_word_embeddings", "mtp_num_hidden_layers", "num_experts")
+
+
+def add_inspect_command(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("inspect", help="show what a .ninfer artifact holds")
+    p.add_argument("file", help=".ninfer file")
+    p.add_argument("--verify", action="store_true", help="also check every object's checksum")
+    p.add_argument("--objects", action="store_true", help="list every physical object")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run_inspect)
+
+
+def config_summary(config: dict) -> dict:
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    out = {k: text[k] for k in _CONFIG_KEYS if k in text}
+    if "tie_word_embeddings" in config:
+        out["tie_word_embeddings"] = config["tie_word_embeddings"]
+    if isinstance(text.get("layer_types"), list):
+        kinds: dict[str, int] = defaultdict(int)
+        for t in text["layer_types"]:
+            kinds[t] += 1
+        out["layer_types"] = dict(kinds)
+    if isinstance(config.get("vision_config"), dict):
+        v = config["vision_config"]
+        out["vision"] = {k: v[k] for k in ("depth", "hidden_size", "num_heads", "patch_size") if k in v}
+    return out
+
+
+def describe(artifact, *, with_objects: bool = False) -> dict:
+    h = artifact.header
+    per_feature: dict[str, dict[str, int]] = defaultdict(lambda: {"objects": 0, "bytes": 0, "bindings": 0})
+    for o in h.objects:
+        per_feature[o.feature]["objects"] += 1
+        per_feature[o.feature]["bytes"] += o.nbytes
+    for b in h.bindings:
+        per_feature[b.feature]["bindings"] += 1
+    fe = h.frontend
+    out = {
+        "file": str(artifact.path), "file_bytes": artifact.file_size, "version": h.version,
+        "metadata": {"name": h.metadata.name, "architecture": h.metadata.architecture,
+                     "converter": f"{h.metadata.converter} {h.metadata.converter_version}",
+                     "source": h.metadata.source, "source_digest": h.metadata.source_digest},
+        "config": config_summary(h.config), "features": list(h.features),
+        "objects": len(h.objects), "bindings": len(h.bindings), "uses": len(h.uses),
+        "shared_uses": [f"{u.site} -> {u.binding}" for u in h.uses if u.site != u.binding],
+        "per_feature": dict(per_feature),
+        "frontend": None if fe is None else {
+            "special_tokens": len(fe.special_tokens), "eos_token_ids": list(fe.eos_token_ids),
+            "embedding_vocab": fe.embedding_vocab, "chat_template": fe.chat_template is not None,
+            "generation_config": fe.generation_config, "media": fe.media is not None},
+    }
+    if with_objects:
+        out["object_list"] = [{"id": o.id, "feature": o.feature, "format": o.format, "dtype": o.dtype,
+                               "shape": list(o.shape), "offset": o.offset, "nbytes": o.nbytes, "checksum": o.checksum}
+                              for o in h.objects]
+    return out
+
+
+def _print_text(d: dict) -> None:
+    m = d["metadata"]
+    print(f"{d['file']}: .ninfer v{d['version']}, {d['file_bytes'] / 1e9:.3f} GB")
+    print(f"  name          {m['name']}")
+    print(f"  architecture  {m['architecture']}")
+    print(f"  converter     {m['converter']} (source {m['source']}, {m['source_digest']})")
+    print(f"  features      {', '.join(d['features'])}")
+    print("  config        " + ", ".join(f"{k}={v}" for k, v in d["config"].items()))
+    print(f"  {d['objects']} objects, {d['bindings']} bindings, {d['uses']} uses")
+    for s in d["shared_uses"]:
+        print(f"    shared use  {s}")
+    print(f"  {'feature':<10} {'objects':>8} {'bindings':>9} {'bytes':>16}")
+    for f, row in sorted(d["per_feature"].items()):
+        print(f"  {f:<10} {row['objects']:>8} {row['bindings']:>9} {row['bytes']:>16,}")
+    fe = d["frontend"]
+    if fe:
+        print(f"  frontend      {fe['special_tokens']} special tokens, eos {fe['eos_token_ids']}, embedding vocab "
+              f"{fe['embedding_vocab']}, chat template {'yes' if fe['chat_template'] else 'no'}, "
+              f"media {'yes' if fe['media'] else 'no'}")
+    for o in d.get("object_list", []):
+        print(f"    {o['id']:<60} {o['feature']:<8} {o['dtype']:<5} {str(o['shape']):<16} {o['nbytes']:>12,} "
+              f"{o['checksum']}")
+    if "verified" in d:
+        print(f"  checksums     {'all objects verified' if d['verified'] else 'not verified'}")
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    from ninfer.artifact import ArtifactError, open_artifact
+
+    try:
+        with open_artifact(args.file) as art:
+            d = describe(art, with_objects=args.objects)
+            if args.verify:
+                art.verify()
+                d["verified"] = True
+    except ArtifactError as exc:
+        print(f"ninfer inspect: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(d, indent=2))
+    else:
+        _print_text(d)
+    return 0

@@ -1,0 +1,163 @@
+"""Write a .ninfer v3 file atomically (temporary file in the target folder, then rename).
+
+Objects are added with their size and a chunk source; the writer lays them out aligned, streams the
+chunks, checks the byte count, computes each crc32 on the way and writes the header last (its
+checksums are fixed-width, so its length is known before the data is written).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import zlib
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from ninfer.artifact.format import (
+    DEFAULT_ALIGNMENT,
+    PREFIX_SIZE,
+    ArtifactError,
+    ArtifactHeader,
+    Binding,
+    FrontendSection,
+    Metadata,
+    PhysicalObject,
+    Plane,
+    Use,
+    align_up,
+    checksum_text,
+    header_to_json,
+    pack_prefix,
+)
+
+Chunk = bytes | bytearray | memoryview
+ChunkSource = Callable[[], Iterable[Any]]  # yields bytes-like objects or CPU torch tensors
+Progress = Callable[[int, int], None]  # (bytes written so far, total bytes)
+
+_PLACEHOLDER = checksum_text(0)
+
+
+def tensor_bytes(t: Any) -> memoryview:
+    """A CPU tensor's raw bytes without conversion (bf16 stays bf16)."""
+    import torch
+
+    if t.device.type != "cpu":
+        t = t.cpu()
+    flat = t.contiguous().reshape(-1).view(torch.uint8)
+    return memoryview(flat.numpy())
+
+
+@attrs.define
+class _Pending:
+    obj: PhysicalObject
+    source: ChunkSource
+
+
+class ArtifactWriter:
+    """Collects objects, bindings and uses, then ``write()`` produces the file in one pass."""
+
+    def __init__(self, alignment: int = DEFAULT_ALIGNMENT) -> None:
+        if alignment < 64 or alignment & (alignment - 1):
+            raise ValueError(f"alignment {alignment} must be a power of two >= 64")
+        self.alignment = alignment
+        self._objects: dict[str, _Pending] = {}
+        self._bindings: dict[str, Binding] = {}
+        self._uses: list[Use] = []
+        self._end = 0
+
+    def add_object(self, id: str, *, feature: str, dtype: str, shape: tuple[int, ...], nbytes: int,
+                   source: ChunkSource, format: str = "dense", planes: tuple[Plane, ...] = (),
+                   block: tuple[int, ...] | None = None) -> PhysicalObject:
+        if id in self._objects:
+            raise ArtifactError(f"object {id!r} added twice")
+        offset = align_up(self._end, self.alignment)
+        obj = PhysicalObject(id=id, feature=feature, format=format, dtype=dtype, shape=tuple(shape),
+                             offset=offset, nbytes=nbytes, checksum=_PLACEHOLDER, planes=planes, block=block)
+        self._objects[id] = _Pending(obj, source)
+        self._end = offset + nbytes
+        return obj
+
+    def add_resource(self, id: str, data: bytes, *, feature: str = "frontend") -> PhysicalObject:
+        return self.add_object(id, feature=feature, format="bytes", dtype="u8", shape=(len(data),),
+                               nbytes=len(data), source=lambda: (data,))
+
+    def add_binding(self, binding: Binding) -> None:
+        if binding.name in self._bindings:
+            raise ArtifactError(f"binding {binding.name!r} added twice")
+        self._bindings[binding.name] = binding
+
+    def add_use(self, use: Use) -> None:
+        self._uses.append(use)
+
+    @property
+    def data_size(self) -> int:
+        return self._end
+
+    def write(self, path: str | os.PathLike[str], *, metadata: Metadata, config: dict[str, Any],
+              features: tuple[str, ...], frontend: FrontendSection | None = None,
+              progress: Progress | None = None,
+              digest: Callable[[tuple[PhysicalObject, ...]], str] | None = None) -> ArtifactHeader:
+        """Write everything to ``path`` atomically; on any failure no file (partial or temporary) remains.
+
+        ``digest`` (optional) computes ``metadata.source_digest`` from the final objects (with checksums);
+        it must return a string as long as the placeholder in ``metadata``.
+        """
+        path = Path(path)
+
+        def header(objects, meta: Metadata = metadata) -> ArtifactHeader:
+            return ArtifactHeader(metadata=meta, config=config, features=features, alignment=self.alignment,
+                                  data_size=self._end, objects=objects, bindings=tuple(self._bindings.values()),
+                                  uses=tuple(self._uses), frontend=frontend)
+
+        draft = header(tuple(p.obj for p in self._objects.values()))
+        from ninfer.artifact.reader import _validate
+
+        _validate(draft, path)  # catch a bad binding or use before writing gigabytes
+        header_len = len(header_to_json(draft))
+        data_start = align_up(PREFIX_SIZE + header_len, self.alignment)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                final = []
+                done = 0
+                for pending in self._objects.values():
+                    obj = pending.obj
+                    f.seek(data_start + obj.offset)
+                    crc, written = 0, 0
+                    for chunk in pending.source():
+                        buf = chunk if isinstance(chunk, bytes | bytearray | memoryview) else tensor_bytes(chunk)
+                        buf = memoryview(buf).cast("B")
+                        if written + len(buf) > obj.nbytes:
+                            raise ArtifactError(f"object {obj.id!r}: source gave more than {obj.nbytes} bytes")
+                        f.write(buf)
+                        crc = zlib.crc32(buf, crc)
+                        written += len(buf)
+                        done += len(buf)
+                        if progress is not None:
+                            progress(done, self._end)
+                    if written != obj.nbytes:
+                        raise ArtifactError(f"object {obj.id!r}: source gave {written} bytes, expected {obj.nbytes}")
+                    final.append(attrs.evolve(obj, checksum=checksum_text(crc)))
+                f.truncate(data_start + self._end)
+                meta = metadata if digest is None else attrs.evolve(metadata, source_digest=digest(tuple(final)))
+                result = header(tuple(final), meta)
+                raw = header_to_json(result)
+                if len(raw) != header_len:  # fixed-width checksums keep the length; guard anyway
+                    raise ArtifactError(f"internal: header length changed from {header_len} to {len(raw)}")
+                f.seek(0)
+                f.write(pack_prefix(header_len, zlib.crc32(raw)))
+                f.write(raw)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)  # mkstemp creates 0600; an artifact is a shareable product file
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+        return result

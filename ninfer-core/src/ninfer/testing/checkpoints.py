@@ -1,0 +1,196 @@
+"""Tiny real Qwen3.5 checkpoints for tests, written by Hugging Face ``transformers`` (test-only dependency).
+
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", layout="vl")   # VL naming, sharded + index, MTP added
+    art = convert_tiny(ckpt, tmp_path / "tiny.ninfer")            # the real converter
+
+``layout="text"`` writes ``Qwen3_5ForCausalLM`` (flat ``model.layers.*`` names), ``layout="vl"`` writes
+``Qwen3_5ForConditionalGeneration`` (``model.language_model.*``, ``model.visual.*``). Both get random
+``mtp.*`` tensors (``mtp_num_hidden_layers: 1``), a tiny byte-level BPE tokenizer.json with the Qwen3.5
+special tokens, a minimal ChatML template, generation_config.json and (VL) preprocessor_config.json.
+Weights are bf16 except ``A_log`` and the GDN gated-norm weight, which stay fp32 as in published checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>",
+                  "</tool_call>", "<tool_response>", "</tool_response>", "<|vision_start|>", "<|vision_end|>",
+                  "<|image_pad|>", "<|video_pad|>")
+
+# Qwen3.5's pre-tokenizer split (letters include combining marks; digits one by one).
+QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+              r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}"
+)
+
+TINY_TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8,
+                 linear_num_key_heads=2, linear_num_value_heads=4, linear_conv_kernel_dim=4,
+                 max_position_embeddings=4096, rms_norm_eps=1e-6)
+TINY_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, num_position_embeddings=64,
+                   patch_size=16, temporal_patch_size=2, spatial_merge_size=2, in_channels=3)
+
+_SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.", "Hello, world! How are you today?",
+    "ninfer runs Qwen3.5 on one GPU with gated delta networks and attention.",
+    "def main():\n    print('hello')\n    return 0\n", "Numbers like 12345 and 3.14159 are split into digits.",
+    "A user asks a question; the assistant thinks, then answers.", "Ünïcödé and 中文 text also appear here.",
+]
+
+
+def make_tokenizer_json(vocab_size: int = 400) -> tuple[str, dict[str, int]]:
+    """A byte-level BPE trained on a few sentences, plus the Qwen3.5 special tokens; (json, special ids)."""
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        trainers,
+    )
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_SENTENCES * 4, trainer)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    return tok.to_str(), {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+
+
+def _randomize(model, seed: int) -> None:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters()):
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * 0.05)
+
+
+def _to_checkpoint_dtypes(model) -> None:
+    import torch
+
+    model.to(torch.bfloat16)
+    for name, p in model.named_parameters():  # published checkpoints keep these fp32
+        if name.endswith("linear_attn.A_log") or name.endswith("linear_attn.norm.weight"):
+            p.data = p.data.float()
+
+
+def make_tiny_checkpoint(directory: str | Path, *, layout: str = "text", mtp: bool = True,
+                         tie_word_embeddings: bool = False, seed: int = 0, sharded: bool | None = None,
+                         **config_overrides: Any) -> Path:
+    """Write a tiny random Qwen3.5 checkpoint into ``directory`` and return it (see the module docstring).
+
+    ``config_overrides`` update the text config (``vision_config=`` replaces the vision config). ``sharded``
+    defaults to True for ``vl`` (several shards + model.safetensors.index.json) and False for ``text``.
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import (
+        Qwen3_5Config,
+        Qwen3_5ForCausalLM,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5TextConfig,
+    )
+
+    if layout not in ("text", "vl"):
+        raise ValueError(f"layout must be 'text' or 'vl', got {layout!r}")
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    sharded = layout == "vl" if sharded is None else sharded
+    tokenizer_json, special = make_tokenizer_json()
+    vision = dict(TINY_VISION, **config_overrides.pop("vision_config", {}))
+    text = dict(TINY_TEXT, **config_overrides)
+    text["tie_word_embeddings"] = tie_word_embeddings
+    text["eos_token_id"] = special["<|endoftext|>"]
+    torch.manual_seed(seed)
+    if layout == "text":
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text))
+    else:
+        vision["out_hidden_size"] = text["hidden_size"]
+        cfg = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=tie_word_embeddings,
+                            image_token_id=special["<|image_pad|>"], video_token_id=special["<|video_pad|>"],
+                            vision_start_token_id=special["<|vision_start|>"],
+                            vision_end_token_id=special["<|vision_end|>"])
+        model = Qwen3_5ForConditionalGeneration(cfg)
+    _randomize(model, seed)
+    _to_checkpoint_dtypes(model)
+    model.config.dtype = torch.bfloat16
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    model.save_pretrained(out, max_shard_size=total // 2 + 1 if sharded else "50GB")
+
+    config_path = out / "config.json"
+    config = json.loads(config_path.read_text())
+    target = config.get("text_config", config)
+    target["mtp_num_hidden_layers"] = 1 if mtp else 0
+    target["mtp_use_dedicated_embeddings"] = False
+    config_path.write_text(json.dumps(config, indent=2))
+    if mtp:
+        _add_mtp(out, config, seed, sharded, load_file, save_file)
+
+    (out / "tokenizer.json").write_text(tokenizer_json)
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "Qwen2Tokenizer", "chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>", "add_bos_token": False, "model_max_length": 4096}, indent=2))
+    (out / "generation_config.json").write_text(json.dumps({
+        "eos_token_id": [special["<|im_end|>"], special["<|endoftext|>"]], "pad_token_id": special["<|endoftext|>"],
+        "do_sample": True, "temperature": 1.0, "top_p": 0.95, "top_k": 20}, indent=2))
+    if layout == "vl":
+        (out / "preprocessor_config.json").write_text(json.dumps({
+            "image_processor_type": "Qwen2VLImageProcessorFast", "processor_class": "Qwen3VLProcessor",
+            "patch_size": vision["patch_size"], "temporal_patch_size": vision["temporal_patch_size"],
+            "merge_size": vision["spatial_merge_size"], "size": {"shortest_edge": 32 * 32, "longest_edge": 256 * 256},
+            "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_rescale": True,
+            "rescale_factor": 1 / 255, "do_normalize": True, "resample": 3}, indent=2))
+    return out
+
+
+def _add_mtp(out: Path, config: dict, seed: int, sharded: bool, load_file, save_file) -> None:
+    """Add random ``mtp.*`` tensors (shapes from the Qwen3.5 source mapping) the way published checkpoints hold them."""
+    import torch
+
+    from ninfer_qwen35.config import parse_config
+    from ninfer_qwen35.source_mapping import expected_parameters
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    shapes = expected_parameters(parse_config(config), ("mtp",))
+    tensors = {name: (torch.randn(shape, generator=gen) * 0.05).to(torch.bfloat16) for name, (_, shape) in shapes.items()}
+    if sharded:
+        shard = "model-mtp.safetensors"
+        save_file(tensors, str(out / shard), metadata={"format": "pt"})
+        index_path = out / "model.safetensors.index.json"
+        index = json.loads(index_path.read_text())
+        index["weight_map"].update({name: shard for name in tensors})
+        index.setdefault("metadata", {})["total_size"] = index.get("metadata", {}).get("total_size", 0) + sum(
+            t.numel() * t.element_size() for t in tensors.values())
+        index_path.write_text(json.dumps(index, indent=2))
+    else:
+        path = out / "model.safetensors"
+        merged = dict(load_file(str(path)))
+        merged.update(tensors)
+        save_file(merged, str(path), metadata={"format": "pt"})
+
+
+def convert_tiny(directory_or_checkpoint: str | Path, out_path: str | Path, **convert_kwargs: Any) -> Path:
+    """Convert a checkpoint directory with the real converter (making a default tiny one there if it is empty)."""
+    from ninfer_convert.convert import convert_checkpoint
+
+    src = Path(directory_or_checkpoint)
+    if not (src / "config.json").exists():
+        make_tiny_checkpoint(src)
+    convert_checkpoint(src, out_path, **convert_kwargs)
+    return Path(out_path)
