@@ -28,6 +28,11 @@ class ForwardBatch:
     slot_mapping [N] int64 (flat KV index page * page_size + offset where each new token's K/V goes);
     logits_indices [M] int64 (rows of the N new tokens whose logits are wanted).
     ``max_query_len`` / ``max_seq_len`` are host ints for kernel grids (no device sync needed).
+    ``all_initial_state`` is the host copy of ``has_initial_state.all()`` when the builder knows it
+    (added for the model): a decode batch (max_query_len 1) runs the batched GDN step ops only when
+    every row continues a state; a row starting fresh sends the batch through the per-sequence prefill
+    ops. None makes the model read the tensor (a device sync, not allowed inside CUDA-graph capture),
+    so graph-captured decode batches must pass True.
     """
 
     input_ids: torch.Tensor
@@ -41,6 +46,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor
     max_query_len: int
     max_seq_len: int
+    all_initial_state: bool | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -1,0 +1,88 @@
+"""The per-layer calls of Qwen3.5: Gated DeltaNet mixer, gated full attention, SwiGLU MLP.
+
+Plain functions over tensors (no nn.Module, no autograd); the model runs them under inference_mode.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from ninfer.ops import (
+    apply_rope,
+    causal_conv1d_decode,
+    causal_conv1d_prefill,
+    gdn_decode,
+    gdn_gates,
+    gdn_prefill,
+    paged_attention,
+    rms_norm,
+    rms_norm_gated,
+    silu_and_mul,
+    write_kv,
+)
+from ninfer_qwen35.config import Qwen35Config
+from ninfer_qwen35.execution.forward_batch import ForwardBatch
+from ninfer_qwen35.execution.parameters import AttentionParams, GDNParams, MLPParams
+
+
+@attrs.frozen(kw_only=True)
+class GDNPlan:
+    """How the GDN layers run this batch, decided once per forward.
+
+    ``decode``: every row is one token continuing an existing state -> the batched step ops.
+    Otherwise ``seqs`` lists (start, end, slot, has_initial_state) per sequence on the host, and each
+    sequence runs the prefill ops over its own slice.
+    """
+
+    decode: bool
+    seqs: tuple[tuple[int, int, int, bool], ...] = ()
+
+
+def gdn_mixer(c: Qwen35Config, p: GDNParams, x: torch.Tensor, batch: ForwardBatch, plan: GDNPlan,
+              conv: torch.Tensor, recurrent: torch.Tensor) -> torch.Tensor:
+    """x [N, H] -> [N, H]; conv [S, conv_dim, K-1] and recurrent [S, HV, Dk, Dv] are this layer's state views."""
+    N = x.shape[0]
+    hk, hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    mixed, z, b, a = p.in_proj(x)
+    g, beta = gdn_gates(a, b, p.A_log, p.dt_bias)
+
+    def heads(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = qkv.split((c.key_dim, c.key_dim, c.value_dim), dim=-1)
+        T = qkv.shape[0]
+        return q.reshape(T, hk, dk), k.reshape(T, hk, dk), v.reshape(T, hv, dv)
+
+    if plan.decode:
+        q, k, v = heads(causal_conv1d_decode(mixed, p.conv, conv, batch.state_slots))
+        o = gdn_decode(q, k, v, g, beta, recurrent, batch.state_slots)
+    else:
+        o = mixed.new_empty(N, hv, dv)
+        for lo, hi, slot, initial in plan.seqs:
+            q, k, v = heads(causal_conv1d_prefill(mixed[lo:hi], p.conv, conv[slot], initial))
+            o[lo:hi] = gdn_prefill(q, k, v, g[lo:hi], beta[lo:hi], recurrent[slot], initial)
+    o = rms_norm_gated(o, z.reshape(N, hv, dv), p.norm, c.rms_norm_eps)
+    return F.linear(o.reshape(N, c.value_dim), p.out_proj)
+
+
+def attention_mixer(c: Qwen35Config, p: AttentionParams, x: torch.Tensor, batch: ForwardBatch,
+                    cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor) -> torch.Tensor:
+    """Gated full attention: x [N, H] -> [N, H], writing this batch's K/V into the paged caches first."""
+    N, nh, kvh, d = x.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    q_gate, k, v = p.qkv(x)
+    q_gate = q_gate.view(N, nh, 2 * d)  # each head's block is [query | gate]
+    q = rms_norm(q_gate[..., :d], p.q_norm, c.rms_norm_eps)
+    gate = q_gate[..., d:]
+    k = rms_norm(k.view(N, kvh, d), p.k_norm, c.rms_norm_eps)
+    q = apply_rope(q, cos, sin, c.rotary_dim)
+    k = apply_rope(k, cos, sin, c.rotary_dim)
+    write_kv(k, v.view(N, kvh, d), k_cache, v_cache, batch.slot_mapping)
+    o = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+                        batch.max_query_len, batch.max_seq_len, d ** -0.5)
+    o = o * torch.sigmoid(gate)
+    return F.linear(o.reshape(N, nh * d), p.o_proj)
+
+
+def mlp(p: MLPParams, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(silu_and_mul(p.gate_up.matmul(x)), p.down)

@@ -1,0 +1,84 @@
+"""Qwen35Model: one forward over a packed batch (prefill of several sequences, or B decode rows)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ninfer.ops import rms_norm, rope_cos_sin
+from ninfer_qwen35.execution.forward_batch import ForwardBatch, ModelStateViews
+from ninfer_qwen35.execution.layers import GDNPlan, attention_mixer, gdn_mixer, mlp
+from ninfer_qwen35.execution.parameters import GDNParams, Qwen35Parameters
+
+
+class Qwen35Model:
+    """The fixed model calls over prepared Parameters; all state lives in the views passed in."""
+
+    def __init__(self, params: Qwen35Parameters) -> None:
+        self.params = params
+        self.config = params.config
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, state: ModelStateViews) -> torch.Tensor:
+        """hidden [N, H] after the final norm, for every new token of the batch (MTP reads them too).
+
+        GDN conv/recurrent state of each sequence's slot and the KV of its pages are updated in place.
+        """
+        c, p = self.config, self.params
+        self._check(batch, state)
+        x = F.embedding(batch.input_ids, p.embed)
+        cos, sin = rope_cos_sin(batch.positions, c.rotary_dim, c.rope_theta, x.dtype)
+        plan = self._gdn_plan(batch)
+        for layer in p.layers:
+            h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
+            if isinstance(layer.mixer, GDNParams):
+                i = layer.state_index
+                h = gdn_mixer(c, layer.mixer, h, batch, plan, state.conv[:, i], state.recurrent[:, i])
+            else:
+                k_cache, v_cache = state.kv[layer.state_index]
+                h = attention_mixer(c, layer.mixer, h, batch, cos, sin, k_cache, v_cache)
+            x = x + h
+            x = x + mlp(layer.mlp, rms_norm(x, layer.post_norm, c.rms_norm_eps))
+        return rms_norm(x, p.final_norm, c.rms_norm_eps)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [M, V] for final-normed hidden rows [M, H] (tied head = the embedding)."""
+        return F.linear(hidden, self.params.lm_head).float()
+
+    @staticmethod
+    def _gdn_plan(batch: ForwardBatch) -> GDNPlan:
+        if batch.is_decode:
+            initial = batch.all_initial_state
+            if initial is None:
+                initial = bool(batch.has_initial_state.all())  # a device sync; the Program can say it instead
+            if initial:
+                return GDNPlan(decode=True)
+        starts = batch.query_start_loc.tolist()
+        seqs = tuple((starts[i], starts[i + 1], slot, bool(init)) for i, (slot, init) in
+                     enumerate(zip(batch.state_slots.tolist(), batch.has_initial_state.tolist(), strict=True))
+                     if starts[i + 1] > starts[i])
+        return GDNPlan(decode=False, seqs=seqs)
+
+    def _check(self, batch: ForwardBatch, state: ModelStateViews) -> None:
+        """Cheap shape checks (no device sync) so a mis-built batch fails with a message, not deep in an op."""
+        c = self.config
+        N, B = batch.input_ids.shape[0], batch.num_seqs
+        problems = []
+        if batch.positions.shape != (N,) or batch.slot_mapping.shape != (N,):
+            problems.append(f"positions {tuple(batch.positions.shape)} / slot_mapping "
+                            f"{tuple(batch.slot_mapping.shape)} must be [{N}]")
+        if batch.query_start_loc.shape != (B + 1,) or batch.seq_lens.shape != (B,) \
+                or batch.has_initial_state.shape != (B,) or batch.block_tables.shape[0] != B:
+            problems.append(f"per-sequence tensors must have {B} rows (query_start_loc {B + 1})")
+        gdn = len(c.gdn_layers)
+        if gdn and (state.conv.shape[1:] != (gdn, c.conv_dim, c.linear_conv_kernel_dim - 1)
+                    or state.recurrent.shape[1:] != (gdn, c.linear_num_value_heads, c.linear_key_head_dim,
+                                                     c.linear_value_head_dim)
+                    or state.recurrent.dtype != torch.float32):
+            problems.append(f"state views conv {tuple(state.conv.shape)} / recurrent {tuple(state.recurrent.shape)} "
+                            f"{state.recurrent.dtype} do not match the config's StateImage layout")
+        if len(state.kv) != len(c.attention_layers):
+            problems.append(f"{len(state.kv)} KV caches given for {len(c.attention_layers)} attention layers")
+        if problems:
+            raise ValueError("Qwen35Model.forward: " + "; ".join(problems))

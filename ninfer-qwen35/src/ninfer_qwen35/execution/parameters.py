@@ -1,0 +1,146 @@
+"""Native Parameters of Qwen3.5: the bound weights arranged per layer once, in the model dtype.
+
+Prepared once from a WeightSet; planning (resident bytes) and execution read the same object.
+Matrices stay views of the artifact's parents when dtype and device already match; the small fp32
+gate parameters (A_log, dt_bias) are kept in fp32 because the gates are computed in fp32.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from ninfer.models.common.weights import WeightSet
+from ninfer_qwen35.config import Qwen35Config
+from ninfer_qwen35.execution.linear import LinearSplit
+from ninfer_qwen35.source_mapping import expected_parameters
+
+
+class WeightsError(ValueError):
+    """The bound weights do not match what the config requires."""
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class MLPParams:
+    gate_up: LinearSplit      # [gate; up] -> silu_and_mul
+    down: torch.Tensor
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class GDNParams:
+    in_proj: LinearSplit      # qkv (conv input), z (output gate), b (beta logits), a (decay input)
+    conv: torch.Tensor        # [conv_dim, K]
+    A_log: torch.Tensor       # [HV] fp32
+    dt_bias: torch.Tensor     # [HV] fp32
+    norm: torch.Tensor        # [Dv], plain weight of the gated RMSNorm
+    out_proj: torch.Tensor
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class AttentionParams:
+    qkv: LinearSplit          # q (per head [query | gate]), k, v
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    o_proj: torch.Tensor
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class LayerParams:
+    index: int
+    kind: str                 # "linear_attention" or "full_attention"
+    state_index: int          # index among the GDN layers (StateImage) or the attention layers (KV pool)
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    mixer: GDNParams | AttentionParams
+    mlp: MLPParams
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class Qwen35Parameters:
+    config: Qwen35Config
+    dtype: torch.dtype
+    embed: torch.Tensor
+    final_norm: torch.Tensor
+    lm_head: torch.Tensor     # the embedding itself when tied
+    layers: tuple[LayerParams, ...]
+
+    @classmethod
+    def from_weights(cls, config: Qwen35Config, weights: WeightSet, dtype: torch.dtype | None = None,
+                     device: torch.device | str | None = None) -> Qwen35Parameters:
+        check_weights(config, weights)
+        dtype = dtype if dtype is not None else weights["model.embed_tokens.weight"].dtype
+        device = torch.device(device) if device is not None else weights["model.embed_tokens.weight"].device
+
+        def w(name: str, as_dtype: torch.dtype = dtype) -> torch.Tensor:
+            return weights[name].to(device=device, dtype=as_dtype)
+
+        def split(names: list[str]) -> LinearSplit:
+            return LinearSplit.from_weights(weights, names, dtype, device)
+
+        layers = []
+        gdn_index = {i: n for n, i in enumerate(config.gdn_layers)}
+        attn_index = {i: n for n, i in enumerate(config.attention_layers)}
+        for i, kind in enumerate(config.layer_types):
+            p = f"model.layers.{i}."
+            mixer: GDNParams | AttentionParams
+            if kind == "linear_attention":
+                a = p + "linear_attn."
+                mixer = GDNParams(
+                    in_proj=split([a + "in_proj_qkv.weight", a + "in_proj_z.weight", a + "in_proj_b.weight",
+                                   a + "in_proj_a.weight"]),
+                    conv=w(a + "conv1d.weight")[:, 0, :], A_log=w(a + "A_log", torch.float32),
+                    dt_bias=w(a + "dt_bias", torch.float32), norm=w(a + "norm.weight"),
+                    out_proj=w(a + "out_proj.weight"))
+                state_index = gdn_index[i]
+            else:
+                a = p + "self_attn."
+                mixer = AttentionParams(
+                    qkv=split([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]),
+                    q_norm=w(a + "q_norm.weight"), k_norm=w(a + "k_norm.weight"), o_proj=w(a + "o_proj.weight"))
+                state_index = attn_index[i]
+            layers.append(LayerParams(
+                index=i, kind=kind, state_index=state_index, input_norm=w(p + "input_layernorm.weight"),
+                post_norm=w(p + "post_attention_layernorm.weight"), mixer=mixer,
+                mlp=MLPParams(gate_up=split([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                              down=w(p + "mlp.down_proj.weight"))))
+        embed = w("model.embed_tokens.weight")
+        head = embed if config.tie_word_embeddings else w("lm_head.weight")
+        return cls(config=config, dtype=dtype, embed=embed, final_norm=w("model.norm.weight"), lm_head=head,
+                   layers=tuple(layers))
+
+    def tensors(self) -> list[torch.Tensor]:
+        out = [self.embed, self.final_norm, self.lm_head]
+        for layer in self.layers:
+            out += [layer.input_norm, layer.post_norm, layer.mlp.gate_up.weight, layer.mlp.down]
+            m = layer.mixer
+            if isinstance(m, GDNParams):
+                out += [m.in_proj.weight, m.conv, m.A_log, m.dt_bias, m.norm, m.out_proj]
+            else:
+                out += [m.qkv.weight, m.q_norm, m.k_norm, m.o_proj]
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the distinct storages behind the parameters (a tied head or shared parent counts once)."""
+        seen: dict[int, int] = {}
+        for t in self.tensors():
+            s = t.untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
+        return sum(seen.values())
+
+
+def check_weights(config: Qwen35Config, weights: WeightSet) -> None:
+    """Raise WeightsError naming every missing or mis-shaped text parameter."""
+    missing, wrong = [], []
+    for name, (_, shape) in expected_parameters(config, ("text",)).items():
+        if name not in weights:
+            missing.append(name)
+        elif tuple(weights[name].shape) != shape:
+            wrong.append(f"{name} {tuple(weights[name].shape)} (want {shape})")
+    if missing or wrong:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+        if wrong:
+            parts.append(f"{len(wrong)} with the wrong shape: {', '.join(wrong[:8])}{' ...' if len(wrong) > 8 else ''}")
+        raise WeightsError("Qwen3.5 weights do not match the config: " + "; ".join(parts))
