@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from ninfer import __version__
 from ninfer._markers import hookimpl
+from ninfer.engine.score_cli import add_score_command
 from ninfer.plugins import PluginConflict, PluginHost, default_host
 
 
@@ -60,6 +61,7 @@ class _CoreCommands:
         p = subparsers.add_parser("archs", help="list architectures and the plugin providing each")
         p.add_argument("--json", action="store_true", help="machine-readable output")
         p.set_defaults(func=_cmd_archs)
+        add_score_command(subparsers)
         from ninfer.artifact.cli import add_inspect_command  # light: no torch until a command runs
 
         add_inspect_command(subparsers)

@@ -94,6 +94,7 @@ class Qwen35Program:
         self._ids = itertools.count(1)
         self._generators: dict[int, torch.Generator] = {}
         self.host_bytes_used = 0
+        self.plan: Any = None  # the Startup's CapacityPlan, when built by Startup
         self.graphs = None
         self.graph_error: str | None = None
         if cuda_graphs and self.device.is_cuda:

@@ -1,0 +1,87 @@
+"""Native Startup from a real tiny .ninfer artifact: weights, capacity plan, Frontend, Program; clear refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ninfer.contract.batch import RowDecision
+from ninfer.contract.model import ModelInstance, Program, StartupFeatures
+from ninfer.contract.prompt import TextInput
+from ninfer.contract.request import SamplingParams
+from ninfer.plugins import make_plugin_host
+
+pytest.importorskip("transformers")
+from ninfer.artifact import open_artifact  # noqa: E402
+from ninfer.testing.checkpoints import convert_tiny, make_tiny_checkpoint  # noqa: E402
+from ninfer_qwen35.startup import StartupError, build  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def artifact_path(tmp_path_factory):
+    root = tmp_path_factory.mktemp("startup")
+    return convert_tiny(make_tiny_checkpoint(root / "ckpt", layout="vl", tie_word_embeddings=True),
+                        root / "tiny.ninfer")
+
+
+def test_build_makes_a_working_instance(artifact_path):
+    with open_artifact(artifact_path) as art:
+        inst = build(art, device="cpu", max_concurrency=2, dtype="float32", num_pages=40, page_size=8)
+    assert isinstance(inst, ModelInstance) and isinstance(inst.program, Program)
+    plan = inst.program.plan
+    assert plan.kv_pages == 40 and plan.max_model_len == 320 and plan.dtype == "float32"
+    u = inst.program.usage()
+    assert (u.state_slots_total, u.kv_pages_total) == (2, 40) and u.all_free
+    prompt = inst.frontend.prepare(TextInput(text="The quick brown fox"))
+    prog = inst.program
+    sid = prog.open_sequence(prompt, SamplingParams(temperature=0.0))
+    assert prog.reserve_units(sid, len(prompt))
+    batch = prog.prefill(sid, len(prompt))
+    prog.commit(batch, [RowDecision(accepted=1)])
+    assert prog.reserve_units(sid, 1)
+    batch = prog.decode([sid])
+    prog.commit(batch, [RowDecision(accepted=1, terminal=True)])
+    prog.release(sid)
+    assert prog.usage().all_free
+
+
+def test_startup_is_registered_with_the_plugin(artifact_path):
+    spec = make_plugin_host().architecture("Qwen3_5ForConditionalGeneration").spec
+    assert spec.load("startup") is build
+    assert spec.load("program").__name__ == "Qwen35Program"
+
+
+def test_capacity_from_budget_and_clear_refusals(artifact_path, monkeypatch):
+    with open_artifact(artifact_path) as art:
+        inst = build(art, device="cpu", max_concurrency=1, device_budget_bytes=64 << 20)
+        plan = inst.program.plan
+        assert plan.kv_bytes <= (64 << 20) - plan.weight_bytes - plan.state_bytes - plan.workspace_bytes
+        assert plan.max_model_len == min(4096, plan.kv_pages * plan.page_size)
+        assert plan.dtype == "bfloat16"  # the artifact's dtype by default
+        with pytest.raises(StartupError, match="no room for KV pages"):
+            build(art, device="cpu", max_concurrency=1, device_budget_bytes=1 << 20)
+        with pytest.raises(StartupError, match="Vision is not implemented"):
+            build(art, device="cpu", features=StartupFeatures(vision=True))
+        with pytest.raises(StartupError, match="speculative"):
+            build(art, device="cpu", features=StartupFeatures(speculative="mtp"))
+        with pytest.raises(StartupError, match="max_concurrency"):
+            build(art, device="cpu", max_concurrency=0)
+        monkeypatch.setenv("NINFER_HOST_BUDGET_MIB", "lots")
+        with pytest.raises(StartupError, match="NINFER_HOST_BUDGET_MIB"):
+            build(art, device="cpu", num_pages=4)
+        monkeypatch.setenv("NINFER_HOST_BUDGET_MIB", "3")
+        assert build(art, device="cpu", num_pages=4).program.plan.host_budget_bytes == 3 << 20
+
+
+def test_bf16_instance_generates_like_fp32(artifact_path):
+    """The artifact's own bf16 weights run the same greedy path (loosely: the first tokens agree)."""
+    with open_artifact(artifact_path) as art:
+        outs = []
+        for dtype in ("float32", "bfloat16"):
+            inst = build(art, device="cpu", max_concurrency=1, dtype=dtype, num_pages=16)
+            prompt = inst.frontend.prepare(TextInput(text="Hello, world!"))
+            batch = inst.program.prefill(inst.program.open_sequence(prompt, SamplingParams(temperature=0.0)), 64)
+            outs.append(batch.rows[0].tokens)
+            inst.program.abort_pending(batch)
+    assert outs[0] == outs[1]
+    assert torch.get_default_dtype() == torch.float32
