@@ -1,0 +1,144 @@
+"""Decode step time at B = 1..8 through the real Qwen3.5 Program (random weights, no checkpoint needed).
+
+Each step is what the engine runs per cycle for B decode-ready rows: ``reserve_units`` per row, one
+``Program.decode`` of exactly B rows (CUDA graph replay on GPU unless --eager), and ``Program.commit``
+of every row's token. Sequences first prefill ``--context`` random prompt tokens.
+
+    python -m benchmarks.decode_step --shape 9b --device cuda --batch 1 2 3 4 5 6 7 8 [--eager] [--json out.json]
+    python -m benchmarks.decode_step --shape tiny --device cpu --steps 3       # smoke run (the test uses it)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+import torch
+
+from benchmarks.shapes import SHAPES
+
+
+def random_parameters(shape: str, device: str, dtype: torch.dtype, seed: int = 0):
+    """Qwen35Parameters with random weights of a published shape, made directly on ``device``."""
+    from ninfer.models.common.weights import WeightSet
+    from ninfer_qwen35.config import parse_config
+    from ninfer_qwen35.execution.parameters import Qwen35Parameters
+    from ninfer_qwen35.source_mapping import expected_parameters, fused_parents
+
+    config = parse_config(dict(SHAPES[shape]))
+    gen = torch.Generator(device=device).manual_seed(seed)
+    tensors = {}
+    for name, (_, dims) in expected_parameters(config, ("text",)).items():
+        if name.endswith("A_log"):
+            t = torch.empty(dims, device=device, dtype=torch.float32).uniform_(-1.0, 1.0, generator=gen)
+        elif name.endswith("dt_bias"):
+            t = torch.zeros(dims, device=device, dtype=torch.float32)
+        elif len(dims) == 1:
+            t = torch.ones(dims, device=device, dtype=dtype)  # norm scales: timing only needs finite values
+        else:
+            t = torch.randn(dims, device=device, dtype=dtype, generator=gen) * (1.0 / math.sqrt(dims[-1]))
+        tensors[name] = t
+    weights = WeightSet.from_tensors(tensors, fused_parents(config))
+    del tensors
+    return config, Qwen35Parameters.from_weights(config, weights, dtype)
+
+
+def build_program(shape: str, device: str, *, max_batch: int, context: int, steps: int, graphs: bool,
+                  dtype: torch.dtype):
+    from ninfer_qwen35.execution.model import Qwen35Model
+    from ninfer_qwen35.program.program import Qwen35Program
+    from ninfer_qwen35.state import kv_pools, state_layout
+
+    config, params = random_parameters(shape, device, dtype)
+    pool = kv_pools(config, 16, "bfloat16" if dtype == torch.bfloat16 else "float32")[0]
+    pages_per_seq = -(-(context + steps + 8) // pool.page_size)
+    return config, Qwen35Program(
+        Qwen35Model(params), state_layout=state_layout(config, "bfloat16" if dtype == torch.bfloat16 else "float32"),
+        kv_pool=pool, device=device, max_concurrency=max_batch, num_pages=max_batch * pages_per_seq,
+        vocab_size=config.vocab_size, max_model_len=context + steps + 8, cuda_graphs=graphs)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def measure(program, config, device: str, B: int, *, context: int, steps: int, warmup: int = 3) -> dict:
+    """Median and mean ms per decode step (reserve + decode + commit) for B rows at ~``context`` tokens."""
+    from ninfer.contract.batch import RowDecision
+    from ninfer.contract.prompt import PreparedPrompt
+    from ninfer.contract.request import SamplingParams
+
+    gen = torch.Generator().manual_seed(B)
+    greedy = SamplingParams(temperature=0.0)
+    seqs = []
+    for _ in range(B):
+        prompt = PreparedPrompt(token_ids=torch.randint(0, config.vocab_size, (context,), generator=gen).tolist())
+        sid = program.open_sequence(prompt, greedy)
+        while program.input_remaining(sid):
+            n = min(512, program.input_remaining(sid))
+            assert program.reserve_units(sid, n)
+            batch = program.prefill(sid, n)
+            if batch is not None:
+                program.commit(batch, [RowDecision(accepted=1)])
+        seqs.append(sid)
+    times = []
+    for i in range(warmup + steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        for sid in seqs:
+            if not program.reserve_units(sid, 1):
+                raise RuntimeError("KV pool too small for the benchmark")
+        batch = program.decode(seqs)
+        program.commit(batch, [RowDecision(accepted=1)] * B)
+        _sync(device)
+        if i >= warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+    for sid in seqs:
+        program.release(sid)
+    times.sort()
+    med = times[len(times) // 2]
+    return {"batch": B, "ms_median": med, "ms_mean": sum(times) / len(times), "tokens_per_s": B / med * 1e3,
+            "graphs": program.graphs is not None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="9b", choices=sorted(SHAPES))
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batch", type=int, nargs="+", default=list(range(1, 9)))
+    ap.add_argument("--context", type=int, default=512, help="prompt tokens prefilled per row before timing")
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+                    help="weights/activations (default bfloat16 on GPU, float32 on CPU)")
+    ap.add_argument("--json", default=None, help="also write the rows to this file")
+    args = ap.parse_args(argv)
+    if not all(1 <= b <= 8 for b in args.batch):
+        print("decode_step: --batch values must be in 1..8", file=sys.stderr)
+        return 2
+    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
+    t0 = time.perf_counter()
+    config, program = build_program(args.shape, args.device, max_batch=max(args.batch), context=args.context,
+                                    steps=args.steps + 3, graphs=not args.eager, dtype=dtype)
+    print(f"# {args.shape} on {args.device} ({dtype}), context {args.context}, {args.steps} steps; "
+          f"built in {time.perf_counter() - t0:.1f} s; graphs: {program.graphs is not None}"
+          + (f" ({program.graph_error})" if getattr(program, "graph_error", None) else ""), flush=True)
+    print(f"{'B':>2} {'ms/step':>9} {'mean':>9} {'tok/s':>9}")
+    rows = []
+    for B in args.batch:
+        r = measure(program, config, args.device, B, context=args.context, steps=args.steps)
+        rows.append(r)
+        print(f"{B:>2} {r['ms_median']:>9.3f} {r['ms_mean']:>9.3f} {r['tokens_per_s']:>9.1f}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"shape": args.shape, "device": args.device, "dtype": str(dtype), "context": args.context,
+                       "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
