@@ -65,6 +65,9 @@ class _CoreCommands:
         from ninfer.artifact.cli import add_inspect_command  # light: no torch until a command runs
 
         add_inspect_command(subparsers)
+        from ninfer.engine.generate_cli import add_generate_command  # light: no torch until it runs
+
+        add_generate_command(subparsers)
 
 
 def build_parser(host: PluginHost) -> argparse.ArgumentParser:

@@ -1,0 +1,47 @@
+"""``ninfer generate`` end to end on a real tiny Qwen3.5 artifact (random weights, real converter, CPU)."""
+
+import pytest
+
+from ninfer.cli import main
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from ninfer.testing.checkpoints import convert_tiny, make_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("generate")
+    return str(convert_tiny(make_tiny_checkpoint(root / "hf", mtp=False), root / "tiny.ninfer"))
+
+
+def test_chat_streams_reasoning_apart_and_reports_speed(tiny, capsys):
+    rc = main(["generate", tiny, "--chat", "Hello there", "--max-tokens", "12", "--temperature", "0",
+               "--ignore-eos", "--device", "cpu", "--chat-template", "builtin:qwen3_5"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert out.startswith("[thinking]\n")  # the Qwen3.5 prompt opens <think>: output starts as reasoning
+    assert "finish: length" in err and "12 generated tokens" in err
+    assert "TTFT" in err and "tokens/s" in err
+    # greedy is reproducible
+    assert main(["generate", tiny, "--chat", "Hello there", "--max-tokens", "12", "--temperature", "0",
+                 "--ignore-eos", "--device", "cpu", "--chat-template", "builtin:qwen3_5"]) == 0
+    assert capsys.readouterr().out == out
+
+
+def test_raw_prompt_with_thinking_disabled_chat_and_errors(tiny, capsys, tmp_path):
+    assert main(["generate", tiny, "--prompt", "The quick", "--max-tokens", "5", "--seed", "1",
+                 "--device", "cpu"]) == 0
+    assert "5 generated tokens" in capsys.readouterr().err
+    assert main(["generate", tiny, "--chat", "Hi", "--no-think", "--max-tokens", "6", "--temperature", "0",
+                 "--ignore-eos", "--device", "cpu", "--chat-template", "builtin:qwen3_5"]) == 0
+    out, _ = capsys.readouterr()
+    assert "[thinking]" not in out  # the template pre-filled an empty think block
+    assert main(["generate", str(tmp_path / "missing.ninfer"), "--prompt", "x"]) == 2
+    assert "model file not found" in capsys.readouterr().err
+    assert main(["generate", tiny, "--prompt", "x", "--no-think"]) == 2
+    assert "--chat only" in capsys.readouterr().err
+    assert main(["generate", tiny, "--chat", "x", "--chat-template", str(tmp_path / "none.jinja")]) == 2
+    assert "chat template file not found" in capsys.readouterr().err
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{{ raise_exception('nope') }}")
+    assert main(["generate", tiny, "--chat", "x", "--chat-template", str(bad), "--device", "cpu"]) == 1
+    assert "nope" in capsys.readouterr().err
