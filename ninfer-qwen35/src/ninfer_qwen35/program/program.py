@@ -441,7 +441,11 @@ class Qwen35Program:
             with torch.inference_mode():
                 graphs.capture()
         except Exception as exc:  # an op without a capturable path (e.g. a host sync): stay eager, say why
-            torch.cuda.synchronize(self.device.torch)
             self.graph_error = f"{type(exc).__name__}: {exc}"
+            try:
+                torch.cuda.synchronize(self.device.torch)
+            except RuntimeError as sync_exc:
+                raise RuntimeError(f"CUDA graph capture failed ({self.graph_error}) and left the device "
+                                   f"unusable: {sync_exc}") from exc
             return
         self.graphs = graphs

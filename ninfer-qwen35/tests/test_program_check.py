@@ -1,0 +1,15 @@
+"""The GPU Program check (benchmarks/program_check.py) runs on CPU as a smoke test (eager vs eager)."""
+
+import json
+
+from benchmarks.program_check import main
+
+
+def test_program_check_smoke_on_cpu(tmp_path, capsys):
+    out = tmp_path / "check.json"
+    assert main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--steps", "2", "--context", "5",
+                 "--batch", "1", "2", "--json", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    assert summary["ok"] and not summary["graphs"] and [r["B"] for r in summary["results"]] == [1, 2]
+    assert all(r["tokens_equal"] for r in summary["results"])
+    assert "B=2: tokens equal" in capsys.readouterr().out
