@@ -54,8 +54,9 @@ class Engine:
         device = device or _default_device()
         if chat_template is not None:
             program_options["chat_template"] = chat_template
-        instance, name = build_instance(model, device=device, features=features, max_concurrency=max_concurrency,
-                                        device_budget_bytes=device_budget_bytes, program_options=program_options)
+        instance, name, self.artifact = build_instance(
+            model, device=device, features=features, max_concurrency=max_concurrency,
+            device_budget_bytes=device_budget_bytes, program_options=program_options)
         self._start(instance, name=name, max_concurrency=max_concurrency, max_queue=max_queue,
                     max_model_len=max_model_len, device=device, prefill_chunk=prefill_chunk,
                     bypass_limit=bypass_limit, pause_mode=pause_mode)
@@ -67,6 +68,7 @@ class Engine:
                       pause_mode: PauseChoice = "auto") -> Engine:
         """An engine over an already built ModelInstance (its Program sized for ``max_concurrency``)."""
         self = cls.__new__(cls)
+        self.artifact = None
         self._start(instance, name=name or instance.architecture, max_concurrency=max_concurrency,
                     max_queue=max_queue, max_model_len=max_model_len, device=device, prefill_chunk=prefill_chunk,
                     bypass_limit=bypass_limit, pause_mode=pause_mode)

@@ -37,8 +37,11 @@ def artifact_name(artifact: Any, architecture: str) -> str:
 
 def build_instance(model: str | os.PathLike, *, device: str, features: StartupFeatures, max_concurrency: int,
                    device_budget_bytes: int | None, program_options: dict[str, Any],
-                   host: PluginHost | None = None) -> tuple[ModelInstance, str]:
-    """Open ``model`` (a .ninfer artifact), find its plugin and build the ModelInstance; returns it and its name."""
+                   host: PluginHost | None = None) -> tuple[ModelInstance, str, Any]:
+    """Open ``model`` (a .ninfer artifact), find its plugin and build the ModelInstance.
+
+    Returns the instance, its public name and the opened artifact (the engine keeps it alive: loaded
+    weights may borrow its mapping)."""
     from ninfer.artifact import open_artifact  # lazy: keeps ``import ninfer`` light
 
     path = os.fspath(model)
@@ -53,4 +56,4 @@ def build_instance(model: str | os.PathLike, *, device: str, features: StartupFe
                      device_budget_bytes=device_budget_bytes, **program_options)
     if instance.program is None:
         raise ValueError(f"architecture {arch!r} built no Program; generation needs one")
-    return instance, artifact_name(artifact, arch)
+    return instance, artifact_name(artifact, arch), artifact
