@@ -1,0 +1,160 @@
+"""Connection lifecycle against a real ``ninfer serve`` process with a real tiny model: a bounded load test
+with disconnecting clients, overload (429) and queue timeout (503), and SIGTERM letting a stream finish."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import signal
+import time
+
+import httpx
+import pytest
+
+from ninfer_serve.testing import ServerProcess, scrape, tiny_model
+
+
+def _tiny_model(tmp_path_factory) -> str:
+    return tiny_model(tmp_path_factory.getbasetemp())
+
+
+def _body(prompt: str, max_tokens: int, **kw) -> dict:
+    return {"model": "tiny", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "ignore_eos": True,
+            "chat_template_kwargs": {"enable_thinking": False}, **kw}
+
+
+async def _stream(client: httpx.AsyncClient, body: dict, *, leave_after: int | None = None) -> str | None:
+    """Run one streaming chat; returns the text, or None when it left after ``leave_after`` chunks."""
+    text, n = [], 0
+    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line:
+                continue
+            assert line.startswith("data: ")
+            if line == "data: [DONE]":
+                return "".join(text)
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            for c in chunk["choices"]:
+                text.append(c["delta"].get("content") or "")
+            n += 1
+            if leave_after is not None and n >= leave_after:
+                return None  # leaving the context manager closes the connection mid-stream
+    raise AssertionError("stream ended without [DONE]")
+
+
+def _wait_idle(url: str, timeout_s: float = 30.0) -> dict[str, float]:
+    end = time.monotonic() + timeout_s
+    while True:
+        m = scrape(url)
+        busy = [k for k in ("ninfer:num_requests_running", "ninfer:num_requests_waiting", "ninfer:num_requests_paused",
+                            "ninfer:num_requests_outstanding", "ninfer:kv_cache_pages_used",
+                            "ninfer:kv_cache_pages_reserved", "ninfer:state_slots_used", "ninfer:host_bytes_used")
+                if m.get(k, 0) != 0]
+        if not busy:
+            return m
+        if time.monotonic() > end:
+            raise AssertionError(f"engine not idle: { {k: m[k] for k in busy} }")
+        time.sleep(0.1)
+
+
+def test_64_streaming_clients_a_third_leaving(tmp_path_factory):
+    prompts = [f"Tell me about {w}." for w in ("ships", "bread", "rain", "kings", "cats", "stars", "iron", "wine")]
+    rng = random.Random(7)
+    leaving = set(rng.sample(range(64), 64 // 3))
+    with ServerProcess(_tiny_model(tmp_path_factory), "--model-id", "tiny", "--max-concurrency", "4",
+                       "--device", "cpu", "--max-queue", "64", "--queue-timeout", "300") as srv:
+
+        async def main():
+            limits = httpx.Limits(max_connections=100, max_keepalive_connections=0)
+            async with httpx.AsyncClient(base_url=srv.url, timeout=300, limits=limits) as client:
+                alone = [await _stream(client, _body(p, 16)) for p in prompts]
+                tasks = [_stream(client, _body(prompts[i % len(prompts)], 16),
+                                 leave_after=rng.randint(1, 4) if i in leaving else None) for i in range(64)]
+                return alone, await asyncio.gather(*tasks)
+
+        alone, results = asyncio.run(main())
+        for i, out in enumerate(results):
+            if i in leaving:
+                continue
+            assert out == alone[i % len(prompts)], f"client {i} differs from running alone"
+        m = _wait_idle(srv.url)
+        # the leaving clients really left mid-stream, and the engine cancelled their requests
+        assert len(leaving) // 2 <= m["ninfer:client_disconnects_total"] <= len(leaving)
+        text = httpx.get(srv.url + "/metrics").text
+        cancelled = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                     if line.startswith("ninfer:request_success_total{") and 'finished_reason="cancelled"' in line]
+        assert cancelled and 1 <= cancelled[0] <= m["ninfer:client_disconnects_total"]
+        assert m["ninfer:kv_cache_pages_total"] > 0
+        assert m["ninfer:engine_failed"] == 0
+        assert m["ninfer:request_success_total"] >= 64 + len(prompts)
+
+
+def test_overload_429_and_queue_timeout_503(tmp_path_factory):
+    with ServerProcess(_tiny_model(tmp_path_factory), "--model-id", "tiny", "--max-concurrency", "1",
+                       "--device", "cpu", "--max-queue", "1", "--queue-timeout", "0.5",
+                       "--max-model-len", "4096") as srv:
+
+        async def main():
+            async with httpx.AsyncClient(base_url=srv.url, timeout=300) as client:
+                long_run = asyncio.ensure_future(_stream(client, _body("Keep talking.", 3000)))
+                await asyncio.sleep(0.3)  # it is admitted and generating
+                queued = asyncio.ensure_future(client.post("/v1/chat/completions",
+                                                           json=_body("Wait.", 4, stream=False)))
+                await asyncio.sleep(0.1)
+                over = await client.post("/v1/chat/completions", json=_body("No room.", 4, stream=False))
+                timed_out = await queued
+                # a non-streaming client that leaves while its request waits in the queue cancels it
+                leaver = asyncio.ensure_future(client.post("/v1/chat/completions", json=_body("Bye.", 4, stream=False)))
+                await asyncio.sleep(0.2)
+                leaver.cancel()
+                await asyncio.sleep(0.1)
+                long_run.cancel()  # leave: the server cancels the long request
+                try:
+                    await long_run
+                except asyncio.CancelledError:
+                    pass
+                return over, timed_out
+
+        over, timed_out = asyncio.run(main())
+        assert over.status_code == 429, over.text
+        assert over.headers["retry-after"] and over.json()["error"]["code"] == "overload"
+        assert timed_out.status_code == 503, timed_out.text
+        assert timed_out.headers["retry-after"] and timed_out.json()["error"]["code"] == "queue_timeout"
+        m = _wait_idle(srv.url)
+        assert m["ninfer:client_disconnects_total"] == 2  # the queued leaver and the long stream
+        text = httpx.get(srv.url + "/metrics").text
+        for status in ("429", "503"):
+            assert f'ninfer:http_requests_total{{endpoint="chat",status="{status}"}} 1.0' in text
+
+
+def test_sigterm_lets_the_in_flight_stream_finish(tmp_path_factory):
+    srv = ServerProcess(_tiny_model(tmp_path_factory), "--model-id", "tiny", "--device", "cpu",
+                        "--max-model-len", "4096").start()
+    try:
+        chunks, done = [], False
+        body = _body("Go on.", 400, stream_options={"include_usage": True})
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=120) as r:
+            lines = r.iter_lines()
+            for line in lines:  # wait until generation is under way
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:]))
+                    if len(chunks) >= 3:
+                        break
+            srv.proc.send_signal(signal.SIGTERM)
+            for line in lines:
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:]))
+        assert done, "the stream did not finish after SIGTERM"
+        assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+        assert chunks[-1]["usage"]["completion_tokens"] == 400
+        assert srv.proc.wait(60) == 0, srv.log()
+        with pytest.raises(httpx.TransportError):
+            httpx.get(srv.url + "/health", timeout=2)
+    finally:
+        srv.kill()

@@ -1,0 +1,196 @@
+"""End to end: a real ``ninfer serve`` process on loopback with a real tiny Qwen3.5 model (random weights,
+converted with the real converter), driven by the official ``openai`` client and raw httpx."""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+
+import httpx
+import openai
+import pytest
+
+from ninfer_serve.testing import ServerProcess, scrape, tiny_model
+
+MODEL_ID = "tiny"
+HI = [{"role": "user", "content": "Say hello."}]
+NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+# The tiny checkpoint's own template is minimal; serve with the project's Qwen3.5 template (thinking switch,
+# tools, tool turns) passed the way a user would, with --chat-template.
+QWEN35_TEMPLATE = str(resources.files("ninfer.models.common.qwen") / "templates" / "qwen3_5.jinja")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with ServerProcess(tiny_model(tmp_path_factory.getbasetemp()), "--model-id", MODEL_ID, "--max-concurrency", "4",
+                       "--device", "cpu", "--max-model-len", "2048", "--chat-template", QWEN35_TEMPLATE) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def chat(client, **kw):
+    kw.setdefault("messages", HI)
+    kw.setdefault("max_tokens", 8)
+    kw.setdefault("temperature", 0)
+    return client.chat.completions.create(model=MODEL_ID, **kw)
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL_ID]
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+
+
+def test_chat_whole_and_streamed_agree(client):
+    whole = chat(client, extra_body={**NO_THINK, "ignore_eos": True})
+    choice = whole.choices[0]
+    assert choice.finish_reason == "length" and choice.message.role == "assistant"
+    assert whole.usage.completion_tokens == 8 and whole.usage.prompt_tokens > 5
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + 8
+    stream = chat(client, stream=True, stream_options={"include_usage": True},
+                  extra_body={**NO_THINK, "ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == whole.usage.model_dump()
+
+
+def test_thinking_on_and_off(server):
+    def run(enable):
+        r = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+            "model": MODEL_ID, "messages": HI, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "chat_template_kwargs": {"enable_thinking": enable}})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]
+    off, on = run(False), run(True)
+    assert off["reasoning_content"] is None and off["reasoning"] is None
+    assert off["content"]
+    # With thinking on the prompt opens <think>: generation starts in the reasoning channel.
+    assert on["reasoning_content"] and on["reasoning"] == on["reasoning_content"]
+
+
+# The Program samples logprobs (PendingRow.logprobs / top_logprobs) but the engine does not yet carry them
+# into OutputDelta.logprobs, so the gateway receives none; the gateway's side is covered in
+# ninfer-serve/tests (test_app.py). Remove these marks once the engine publishes TokenLogprob entries.
+LOGPROBS_GAP = pytest.mark.xfail(reason="engine does not publish OutputDelta.logprobs yet", strict=False)
+
+
+@LOGPROBS_GAP
+def test_chat_logprobs(client):
+    r = chat(client, logprobs=True, top_logprobs=3, extra_body={**NO_THINK, "ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 8
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        # greedy: the sampled token is the most likely one
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-4)
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob >= entry.top_logprobs[2].logprob
+
+
+def test_seeded_sampling_is_reproducible(client):
+    a = chat(client, temperature=1.0, seed=1234, extra_body=NO_THINK)
+    b = chat(client, temperature=1.0, seed=1234, extra_body=NO_THINK)
+    assert a.choices[0].message.content == b.choices[0].message.content
+
+
+def test_completions_text_tokens_stream(client):
+    whole = client.completions.create(model=MODEL_ID, prompt="Once upon a time", max_tokens=6, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    c = whole.choices[0]
+    assert c.finish_reason == "length" and whole.usage.completion_tokens == 6 and c.logprobs is None
+    streamed = client.completions.create(model=MODEL_ID, prompt="Once upon a time", max_tokens=6, temperature=0,
+                                         stream=True, extra_body={"ignore_eos": True})
+    assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == c.text
+    ids = client.completions.create(model=MODEL_ID, prompt=[5, 6, 7, 8], max_tokens=3, temperature=0)
+    assert ids.usage.prompt_tokens == 4
+
+
+@LOGPROBS_GAP
+def test_completions_logprobs(client):
+    r = client.completions.create(model=MODEL_ID, prompt="Once upon a time", max_tokens=6, temperature=0,
+                                  logprobs=2, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == 6
+    assert all(len(t) <= 2 and max(t.values()) == pytest.approx(v, abs=1e-4)
+               for t, v in zip(lp.top_logprobs, lp.token_logprobs, strict=True))
+
+
+def test_tools_are_rendered_and_tool_turns_accepted(client):
+    plain = chat(client, extra_body=NO_THINK)
+    with_tools = chat(client, tools=TOOLS, tool_choice="auto", extra_body=NO_THINK)
+    assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens + 20  # the tool schema is in the prompt
+    none = chat(client, tools=TOOLS, tool_choice="none", extra_body=NO_THINK)
+    assert none.usage.prompt_tokens == plain.usage.prompt_tokens
+    turns = [*HI, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+    follow = chat(client, messages=turns, tools=TOOLS, extra_body=NO_THINK)
+    assert follow.usage.prompt_tokens > with_tools.usage.prompt_tokens
+    assert follow.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_raw_sse_framing(server):
+    body = {"model": MODEL_ID, "messages": HI, "max_tokens": 5, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}, **NO_THINK}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    assert raw.endswith("data: [DONE]\n\n")
+    frames = raw.split("\n\n")
+    assert frames[-1] == "" and all(f.startswith("data: ") and "\n" not in f for f in frames[:-1])
+    events = [json.loads(f[6:]) for f in frames[:-2]]
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    assert len({e["id"] for e in events}) == 1
+    assert events[-1]["usage"]["completion_tokens"] == 5
+
+
+@pytest.mark.parametrize("body,status,param", [
+    (b'{"model": "tiny", "messages": [', 400, None),
+    (b'[1, 2]', 400, None),
+    ({"model": MODEL_ID}, 400, "messages"),
+    ({"model": MODEL_ID, "messages": HI, "temperature": "warm"}, 400, "temperature"),
+    ({"model": MODEL_ID, "messages": HI, "max_tokens": "8"}, 400, "max_tokens"),
+    ({"model": MODEL_ID, "messages": HI, "frobnicate": 1}, 400, "frobnicate"),
+    ({"model": MODEL_ID, "messages": HI, "temperature": 3}, 400, "temperature"),
+    ({"model": MODEL_ID, "messages": HI, "top_p": 0}, 400, "top_p"),
+    ({"model": MODEL_ID, "messages": HI, "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL_ID, "messages": HI, "top_logprobs": 50, "logprobs": True}, 400, "top_logprobs"),
+    ({"model": MODEL_ID, "messages": HI, "n": 2}, 400, "n"),
+    ({"model": MODEL_ID, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}]}, 400, "messages[0].content[0]"),
+    ({"model": "nope", "messages": HI}, 404, "model"),
+])
+def test_bad_input_answers_openai_errors(server, body, status, param):
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(server.url + "/v1/chat/completions", content=raw, timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"] and err["param"] == param
+
+
+def test_over_long_prompt_is_400(server, client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL_ID, prompt=[7] * 2100, max_tokens=4)
+    assert "context limit" in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError):
+        chat(client, messages=[{"role": "user", "content": "word " * 2500}])
+
+
+def test_bad_input_left_the_engine_healthy(server, client):
+    # after every rejection above the engine still serves and holds nothing
+    assert chat(client, extra_body=NO_THINK).choices[0].message is not None
+    m = scrape(server.url)
+    assert m["ninfer:engine_failed"] == 0
+    assert m["ninfer:num_requests_running"] == m["ninfer:num_requests_waiting"] == 0
