@@ -163,3 +163,15 @@ def test_loader_checks_bindings_against_the_architecture(converted, tmp_path):
 
     with open_artifact(path) as art, pytest.raises(ArtifactError, match="mlp.gate_proj.weight' has shape"):
         bind(art.header, ("text",), expected=expected)
+
+
+@pytest.mark.gpu
+def test_cuda_load_is_bit_exact(converted):
+    layout, ckpt, path = converted
+    source = _source_tensors(ckpt)
+    with open_artifact(path) as art:
+        weights, report = load_weights(art, features=("text", "mtp"), device="cuda")
+    assert report.device.startswith("cuda")
+    for name, w in weights.items():
+        assert w.is_cuda and torch.equal(w.cpu(), source[name][1]), name
+    assert weights.fused(["model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight"]).is_cuda

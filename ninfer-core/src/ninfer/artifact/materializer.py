@@ -1,16 +1,16 @@
 """Materializer: read each placed object's original bytes once and give it stable backing on its device.
 
-CPU loads copy into owned host memory (so closing the artifact never invalidates weights). CUDA loads
-stream through a small ring of pinned staging buffers on a side stream: the host copy of chunk i+1
-overlaps the upload of chunk i. Logical parameters are then views (whole or row ranges) of the
+CPU loads pread straight into owned host memory (closing the artifact never invalidates weights). CUDA
+loads stream through a small ring of pinned staging buffers: parallel preads fill the next slots while
+one slot uploads on a side stream. Logical parameters are then views (whole or row ranges) of the
 resident parents, assembled into a ``WeightSet``.
 """
 
 from __future__ import annotations
 
 import time
-import warnings
-from collections import defaultdict
+from collections import defaultdict, deque
+from concurrent.futures import ThreadPoolExecutor
 
 import attrs
 
@@ -60,9 +60,12 @@ class LoadReport:
 class Materializer:
     """Builds device backing for a ResolvedLoad from an open Artifact."""
 
-    def __init__(self, artifact: Artifact, resolved: ResolvedLoad) -> None:
+    def __init__(self, artifact: Artifact, resolved: ResolvedLoad, *, chunk_bytes: int = 32 << 20,
+                 threads: int = 4) -> None:
         self.artifact = artifact
         self.resolved = resolved
+        self.chunk = max(1 << 20, chunk_bytes)
+        self.threads = max(1, threads)
 
     def run(self, *, verify: bool = False):
         import torch
@@ -76,31 +79,23 @@ class Materializer:
                                     f"materialized so far")
         start = time.perf_counter()
         if verify:
-            self.artifact.verify(plan.objects)
+            self.artifact.verify(plan.objects, threads=self.threads)
         placement = {p.object: p.device for p in self.resolved.placements}
         read: dict[str, int] = defaultdict(int)
-        uploaded: dict[str, int] = defaultdict(int)
         raw: dict[str, torch.Tensor] = {}
-        uploader = None
-        for o in plan.objects:
+        host_jobs, device_jobs = [], []
+        for o in plan.objects:  # one allocation per physical parent and device, however many Uses share it
             device = torch.device(placement[o.id])
-            dst = torch.empty(o.nbytes, dtype=torch.uint8, device=device)
-            if o.nbytes:
-                with self.artifact.object_buffer(o) as buf, warnings.catch_warnings():
-                    warnings.simplefilter("ignore", UserWarning)  # read-only mmap: we never write through it
-                    src = torch.frombuffer(buf, dtype=torch.uint8)
-                    if device.type == "cpu":
-                        dst.copy_(src)
-                    else:
-                        if uploader is None:
-                            uploader = _Uploader(device, self.resolved.staging_bytes)
-                        uploader.copy(src, dst)
-                    del src
+            raw[o.id] = torch.empty(o.nbytes, dtype=torch.uint8, device=device)
+            (host_jobs if device.type == "cpu" else device_jobs).append((o, raw[o.id]))
             read[o.feature] += o.nbytes
-            uploaded[o.feature] += o.nbytes
-            raw[o.id] = dst
-        if uploader is not None:
-            uploader.finish()
+        with ThreadPoolExecutor(max_workers=self.threads) as pool:
+            # Host backing: pread straight into the owned tensor, in parallel chunks.
+            list(pool.map(lambda job: self.artifact.read_into(job[0], job[1], job[2]),
+                          [(o, pos, memoryview(t.numpy())[pos:pos + self.chunk])
+                           for o, t in host_jobs for pos in range(0, o.nbytes, self.chunk)]))
+            if device_jobs:
+                _upload(self.artifact, device_jobs, pool, self.chunk, depth=self.threads + 1)
         parents = {oid: _typed(self.artifact.objects[oid], t) for oid, t in raw.items()}
         params = []
         for b in plan.bindings:
@@ -109,10 +104,10 @@ class Materializer:
             params.append(BoundParameter(name=b.name, parent=b.object, tensor=tensor,
                                          rows=tuple(b.rows) if b.rows is not None else None))
         weights = WeightSet(parents, params)
-        report = LoadReport(features=plan.features, device=str(torch.device(placement[plan.objects[0].id]))
-                            if plan.objects else "cpu", objects_loaded=len(plan.objects),
+        devices = sorted({p.device for p in self.resolved.placements}) or ["cpu"]
+        report = LoadReport(features=plan.features, device=",".join(devices), objects_loaded=len(plan.objects),
                             bindings_bound=len(plan.bindings), uses_resolved=len(plan.uses), bytes_read=dict(read),
-                            bytes_uploaded=dict(uploaded), seconds=time.perf_counter() - start, verified=verify)
+                            bytes_uploaded=dict(read), seconds=time.perf_counter() - start, verified=verify)
         return weights, report
 
 
@@ -120,34 +115,45 @@ def _typed(o: PhysicalObject, flat):
     return flat.view(torch_dtype(o.dtype)).view(o.shape)
 
 
-class _Uploader:
-    """Pageable mmap bytes -> pinned staging ring -> device, overlapping host copies with uploads."""
+def _upload(artifact: Artifact, jobs, pool: ThreadPoolExecutor, chunk: int, depth: int) -> None:
+    """File -> ring of pinned staging buffers (parallel preads) -> device on a side stream.
 
-    def __init__(self, device, chunk_bytes: int, depth: int = 3) -> None:
-        import torch
+    Chunk i reuses the slot of chunk i - depth only after that chunk's upload finished, so up to ``depth - 1``
+    reads run while one upload is in flight. Small objects are one chunk each.
+    """
+    import torch
 
-        self.torch = torch
-        self.chunk = max(1 << 20, chunk_bytes)
-        self.stream = torch.cuda.Stream(device=device)
-        self.ring = [(torch.empty(self.chunk, dtype=torch.uint8, pin_memory=True), torch.cuda.Event())
-                     for _ in range(depth)]
-        self.i = 0
+    device = jobs[0][1].device
+    stream = torch.cuda.Stream(device=device)
+    size = max(1, min(chunk, max(o.nbytes for o, _ in jobs)))
+    ring = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(depth)]
+    views = [memoryview(b.numpy()) for b in ring]
+    done = [torch.cuda.Event() for _ in range(depth)]
+    chunks = [(o, dst, pos, min(size, o.nbytes - pos)) for o, dst in jobs for pos in range(0, o.nbytes, size)]
+    pending: deque = deque()
 
-    def copy(self, src, dst) -> None:
-        n = src.numel()
-        for pos in range(0, n, self.chunk):
-            m = min(self.chunk, n - pos)
-            buf, done = self.ring[self.i % len(self.ring)]
-            self.i += 1
-            done.synchronize()  # the previous upload from this buffer has finished
-            buf[:m].copy_(src[pos:pos + m])
-            with self.torch.cuda.stream(self.stream):
-                dst[pos:pos + m].copy_(buf[:m], non_blocking=True)
-                done.record(self.stream)
+    def issue(entry) -> None:
+        future, (o, dst, pos, m), slot = entry
+        future.result()
+        with torch.cuda.stream(stream):
+            dst[pos:pos + m].copy_(ring[slot][:m], non_blocking=True)
+            done[slot].record(stream)
 
-    def finish(self) -> None:
-        self.stream.synchronize()
-        self.ring.clear()  # release pinned staging
+    try:
+        for i, (o, dst, pos, m) in enumerate(chunks):
+            slot = i % depth
+            if len(pending) == depth:
+                issue(pending.popleft())
+            done[slot].synchronize()  # the slot's previous upload has finished reading it
+            future = pool.submit(artifact.read_into, o, pos, views[slot][:m])
+            pending.append((future, (o, dst, pos, m), slot))
+        while pending:
+            issue(pending.popleft())
+    finally:
+        for future, _, _ in pending:  # never free a staging buffer a read is still writing
+            future.exception()
+        stream.synchronize()
+        torch.cuda.current_stream(device).wait_stream(stream)
 
 
 def plan_load(artifact: Artifact, features=("text",), *, check_expected: bool = True, host=None) -> LoadPlan:

@@ -11,6 +11,7 @@ import os
 import tempfile
 import zlib
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -120,7 +121,7 @@ class ArtifactWriter:
         data_start = align_up(PREFIX_SIZE + header_len, self.alignment)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
         try:
-            with os.fdopen(fd, "wb") as f:
+            with os.fdopen(fd, "wb") as f, ThreadPoolExecutor(max_workers=1) as crc_pool:
                 final = []
                 done = 0
                 for pending in self._objects.values():
@@ -132,8 +133,9 @@ class ArtifactWriter:
                         buf = memoryview(buf).cast("B")
                         if written + len(buf) > obj.nbytes:
                             raise ArtifactError(f"object {obj.id!r}: source gave more than {obj.nbytes} bytes")
+                        pending_crc = crc_pool.submit(zlib.crc32, buf, crc)  # overlaps the write (both drop the GIL)
                         f.write(buf)
-                        crc = zlib.crc32(buf, crc)
+                        crc = pending_crc.result()
                         written += len(buf)
                         done += len(buf)
                         if progress is not None:
