@@ -61,3 +61,11 @@ def test_partial_rope_matches_complex_rotation():
     assert math.isclose(y.norm().item(), x.norm().item(), rel_tol=1e-5)
     with pytest.raises(ValueError, match="apply_rope"):
         apply_rope(x, cos[:, :2], sin[:, :2], rd)
+
+
+@pytest.mark.parametrize("mode", ["", "torch", "triton"])
+def test_cpu_tensors_always_use_the_references(mode, monkeypatch):
+    from ninfer.ops._dispatch import triton_kernel
+
+    monkeypatch.setenv("NINFER_OPS", mode)
+    assert triton_kernel("norm", "rms_norm", torch.zeros(1)) is None

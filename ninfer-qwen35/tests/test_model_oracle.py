@@ -22,10 +22,8 @@ from ninfer_qwen35.config import parse_config
 from ninfer_qwen35.execution.forward_batch import ForwardBatch, ModelStateViews
 from ninfer_qwen35.execution.model import Qwen35Model
 from ninfer_qwen35.execution.parameters import Qwen35Parameters
-from ninfer_qwen35.source_mapping import fused_parents
+from ninfer_qwen35.source_mapping import expected_parameters, fused_parents
 from ninfer_qwen35.state import kv_pools, state_layout
-
-transformers = pytest.importorskip("transformers")
 
 RTOL = 1e-4  # logits: max |ours - HF| <= RTOL * max |HF| (fp32)
 
@@ -70,6 +68,7 @@ def _randomise(hf: torch.nn.Module, seed: int) -> None:
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def tiny(request) -> Tiny:
+    transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     hf_config = transformers.Qwen3_5TextConfig(**CONFIGS[request.param])
     hf_config._attn_implementation = "eager"
@@ -96,10 +95,12 @@ class Runner:
     """A minimal driver over the real stores: packs sequences' new tokens into one ForwardBatch."""
 
     def __init__(self, model: Qwen35Model, num_slots: int = 6, num_pages: int = 160, page_size: int = 4) -> None:
-        c = model.config
-        self.model, self.page_size = model, page_size
-        self.states = StateImageStorage(state_layout(c, "float32"), num_slots, Device("cpu"))
-        self.kv = PagedKVPool(kv_pools(c, page_size, "float32")[0], num_pages, Device("cpu"))
+        c, p = model.config, model.params
+        self.model, self.page_size, self.device = model, page_size, p.embed.device
+        dtype = str(p.dtype).removeprefix("torch.")
+        where = Device.parse(self.device)
+        self.states = StateImageStorage(state_layout(c, dtype), num_slots, where)
+        self.kv = PagedKVPool(kv_pools(c, page_size, dtype)[0], num_pages, where)
         for name in ("conv", "recurrent"):
             self.states.view(name).fill_(float("nan"))
         self.kv.storage.fill_(float("nan"))
@@ -111,6 +112,14 @@ class Runner:
 
     def step(self, work: list[tuple[Seq, list[int]]], *, tell_initial: bool = True) -> list[torch.Tensor]:
         """Run one forward over every (sequence, new tokens); returns each sequence's logits [len, V]."""
+        batch = self.pack(work, tell_initial=tell_initial)
+        logits = self.model.logits(self.model.forward(batch, self.views)[batch.logits_indices]).cpu()
+        for seq, toks in work:
+            seq.length += len(toks)
+        return list(logits.split([len(t) for _, t in work]))
+
+    def pack(self, work: list[tuple[Seq, list[int]]], *, tell_initial: bool = True) -> ForwardBatch:
+        """The ForwardBatch for ``work`` (allocating KV pages as needed)."""
         ids, pos, qsl, lens, slots, init, smap = [], [], [0], [], [], [], []
         for seq, toks in work:
             end = seq.length + len(toks)
@@ -126,17 +135,15 @@ class Runner:
             init.append(seq.length > 0)
         width = max(len(s.pages) for s, _ in work)
         tables = [s.pages + [s.pages[0]] * (width - len(s.pages)) for s, _ in work]
-        batch = ForwardBatch(
-            input_ids=torch.tensor(ids), positions=torch.tensor(pos),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32), seq_lens=torch.tensor(lens, dtype=torch.int32),
-            state_slots=torch.tensor(slots), has_initial_state=torch.tensor(init),
-            block_tables=torch.tensor(tables, dtype=torch.int32), slot_mapping=torch.tensor(smap),
-            logits_indices=torch.arange(len(ids)), max_query_len=max(len(t) for _, t in work),
+        def on(x, dtype=None):
+            return torch.tensor(x, dtype=dtype, device=self.device)
+
+        return ForwardBatch(
+            input_ids=on(ids), positions=on(pos), query_start_loc=on(qsl, torch.int32),
+            seq_lens=on(lens, torch.int32), state_slots=on(slots), has_initial_state=on(init),
+            block_tables=on(tables, torch.int32), slot_mapping=on(smap),
+            logits_indices=torch.arange(len(ids), device=self.device), max_query_len=max(len(t) for _, t in work),
             max_seq_len=max(lens), all_initial_state=all(init) if tell_initial else None)
-        logits = self.model.logits(self.model.forward(batch, self.views)[batch.logits_indices])
-        for seq, toks in work:
-            seq.length += len(toks)
-        return list(logits.split([len(t) for _, t in work]))
 
     def generate(self, prompt: list[int], n: int) -> list[int]:
         seq = self.new()
@@ -237,3 +244,98 @@ def test_rows_do_not_depend_on_batch_neighbours(tiny):
 
 
 
+
+
+# -- the same model on CUDA (scripts: run with pytest -m gpu on the GPU machine) ---------------------------
+
+GPU_RAW = {"vocab_size": 512, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 2,
+           "linear_num_value_heads": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+           "tie_word_embeddings": False}  # Qwen3.5's real head dims (256 attention, 128 GDN), few heads
+
+
+def random_model(device: str, dtype: torch.dtype, seed: int = 0) -> Qwen35Model:
+    config = parse_config(GPU_RAW)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, (_, shape) in expected_parameters(config).items():
+        if name.endswith("A_log"):
+            t = torch.empty(shape).uniform_(-1.0, 1.5, generator=gen)
+        elif name.endswith("linear_attn.norm.weight"):
+            t = 1 + 0.3 * torch.randn(shape, generator=gen)
+        elif len(shape) == 1:
+            t = 0.3 * torch.randn(shape, generator=gen)
+        elif name.endswith("embed_tokens.weight"):
+            t = torch.randn(shape, generator=gen)
+        else:
+            t = torch.randn(shape, generator=gen) * (1.5 / math.sqrt(math.prod(shape[1:])))
+        tensors[name] = t.to(device)
+    weights = WeightSet.from_tensors(tensors, fused_parents(config))
+    return Qwen35Model(Qwen35Parameters.from_weights(config, weights, dtype))
+
+
+def scenario(model: Qwen35Model) -> torch.Tensor:
+    """Mixed prefill, a prefill chunk with context, decode of B=2, and a fresh row joining a decode step."""
+    V = model.config.vocab_size
+    r = Runner(model, page_size=16)
+    a, b = r.new(), r.new()
+    pa, pb = prompt(150, V, seed=1), prompt(37, V, seed=2)
+    out = r.step([(a, pa), (b, pb[:20])])
+    out += r.step([(b, pb[20:])])
+    for t in range(4):
+        out += r.step([(b, [t + 1]), (a, [t + 7])])
+    out += r.step([(a, [3]), (r.new(), [9]), (b, [4])], tell_initial=False)
+    return torch.cat(out)
+
+
+def relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((x.float() - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.fixture(scope="module")
+def cpu_reference() -> torch.Tensor:
+    return scenario(random_model("cpu", torch.float32))
+
+
+@pytest.mark.gpu
+def test_cuda_references_match_cpu(cpu_reference, monkeypatch):
+    monkeypatch.setenv("NINFER_OPS", "torch")
+    got = scenario(random_model("cuda", torch.float32))
+    assert torch.isfinite(got).all()
+    assert relative_error(got, cpu_reference) <= RTOL
+
+
+@pytest.mark.gpu
+def test_cuda_default_dispatch_bf16_tracks_fp32(cpu_reference):
+    """Whatever kernels TRITON_OPS enables, in bf16: close to the fp32 CPU run and the same top-1 mostly."""
+    from ninfer.ops._dispatch import TRITON_OPS
+
+    got = scenario(random_model("cuda", torch.bfloat16))
+    err = relative_error(got, cpu_reference)
+    agree = (got.argmax(-1) == cpu_reference.argmax(-1)).float().mean().item()
+    print(f"kernels {sorted(TRITON_OPS)}: bf16 relative logit error {err:.3e}, top-1 agreement {agree:.3f}")
+    assert torch.isfinite(got).all()
+    assert err <= 5e-2 and agree >= 0.9
+
+
+@pytest.mark.gpu
+def test_cuda_decode_step_needs_no_host_sync():
+    """With every decode op on a Triton kernel, a decode forward never syncs (CUDA-graph capturable)."""
+    from ninfer.ops._dispatch import TRITON_OPS
+
+    needed = {"norm.rms_norm", "norm.rms_norm_gated", "activation.silu_and_mul", "rope.apply_rope",
+              "conv1d.causal_conv1d_decode", "gdn.gdn_gates", "gdn.gdn_decode", "attention.write_kv",
+              "attention.paged_attention"}
+    if not needed <= TRITON_OPS:
+        pytest.skip(f"decode ops still on torch references: {sorted(needed - TRITON_OPS)}")
+    model = random_model("cuda", torch.bfloat16)
+    r = Runner(model, page_size=16)
+    a, b = r.new(), r.new()
+    r.step([(a, [1, 2, 3]), (b, [4, 5])])
+    batch = r.pack([(a, [6]), (b, [7])])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        model.logits(model.forward(batch, r.views))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -6,7 +6,9 @@ only once its name is listed in ``TRITON_OPS`` (added after it passes ``scripts/
 enabling a kernel is a one-line edit here. The Triton module is imported lazily, on first use, so
 importing ``ninfer.ops`` never imports triton.
 
-``NINFER_OPS=torch`` forces the references everywhere (debugging, kernel comparisons).
+``NINFER_OPS=torch`` forces the references everywhere (debugging, kernel comparisons);
+``NINFER_OPS=triton`` uses every Triton kernel that exists, listed or not (to try kernels end to end
+before listing them).
 """
 
 from __future__ import annotations
@@ -25,8 +27,12 @@ TRITON_OPS: frozenset[str] = frozenset({
 })
 
 
+def _mode() -> str:
+    return os.environ.get("NINFER_OPS", "").strip().lower()
+
+
 def references_forced() -> bool:
-    return os.environ.get("NINFER_OPS", "").strip().lower() == "torch"
+    return _mode() == "torch"
 
 
 @functools.cache
@@ -36,6 +42,16 @@ def _load(module: str, name: str) -> Callable:
 
 def triton_kernel(module: str, name: str, tensor: torch.Tensor) -> Callable | None:
     """The validated Triton kernel for ``module.name`` when ``tensor`` is on CUDA, else None."""
-    if tensor.device.type != "cuda" or f"{module}.{name}" not in TRITON_OPS or references_forced():
+    if tensor.device.type != "cuda":
         return None
-    return _load(module, name)
+    mode = _mode()
+    if mode == "torch":
+        return None
+    if f"{module}.{name}" in TRITON_OPS:
+        return _load(module, name)
+    if mode == "triton":
+        try:
+            return _load(module, name)
+        except (ImportError, AttributeError):  # no kernel written for this op
+            return None
+    return None
