@@ -248,11 +248,14 @@ class Qwen35Program:
 
         dev = logits.device
         sp = [s.sampling for s in seqs]
-        tokens = sample(logits, torch.tensor([p.temperature for p in sp], device=dev),
-                        torch.tensor([p.top_k for p in sp], device=dev),
-                        torch.tensor([p.top_p for p in sp], device=dev),
-                        torch.tensor([p.min_p for p in sp], device=dev),
-                        [None if p.greedy else self._generator(s) for s, p in zip(seqs, sp, strict=True)])
+        if all(p.greedy for p in sp):
+            tokens = logits.argmax(-1)  # what sample() does for temperature 0, without its per-row setup
+        else:
+            # one host->device copy for every row's knobs (top_k is exact in fp32 below 2**24)
+            knobs = torch.tensor([[p.temperature, p.top_p, p.min_p, min(p.top_k, 1 << 24)] for p in sp],
+                                 dtype=torch.float32).to(dev)
+            tokens = sample(logits, knobs[:, 0], knobs[:, 3].long(), knobs[:, 1], knobs[:, 2],
+                            [None if p.greedy else self._generator(s) for s, p in zip(seqs, sp, strict=True)])
         want = [i for i, p in enumerate(sp) if p.logprobs]
         lp: dict[int, tuple[float, tuple[tuple[int, float], ...]]] = {}
         if want:
