@@ -244,3 +244,51 @@ def test_sampling_defaults_come_from_generation_config(frontend):
 
 def test_session_class_is_exported():
     assert QwenOutputSession.__module__.endswith("output_session")
+
+
+def _run_grouped(frontend, prompt, tokens, groups, **sampling):
+    """Feed ``tokens`` in provisional rows of the given sizes; return the joined output and the finish."""
+    session = session_for(frontend, prompt, **sampling)
+    reasoning, content, fragments, i, finish = [], [], [], 0, None
+    for size in groups:
+        row = tokens[i:i + size]
+        if not row:
+            break
+        preview = session.preview(row, at_length_limit=i + size >= len(tokens))
+        delta = session.commit(preview)
+        assert preview.accepted == len(row) or preview.finish_reason is not None
+        reasoning.append(delta.reasoning)
+        content.append(delta.content)
+        fragments.extend(delta.tool_calls)
+        i += preview.accepted
+        finish = preview.finish_reason
+        if finish is not None:
+            break
+    return "".join(reasoning), "".join(content), session.tool_calls, finish, i
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_grouping_of_tokens_into_rows_does_not_change_the_output(frontend, seed):
+    """Speculative rows of any size give the same output as token-by-token decoding, also when the markers,
+    stop strings and multi-byte characters arrive split into single-byte tokens."""
+    import random
+
+    from ninfer.testing.qwen_vocab import byte_to_unicode
+
+    rng = random.Random(seed)
+    alphabet = byte_to_unicode()
+
+    def as_bytes(text):  # a non-canonical tokenization: one token per byte
+        return [frontend.tokenizer.token_id(alphabet[b]) for b in text.encode()]
+
+    parts = [ids(frontend, "Größe prüfen 🤖 ok.\n"), as_bytes("</think>"), ids(frontend, "\n\nAntwort: 🎉 "),
+             as_bytes("<tool_call>\n<function=get_weather>\n<parameter=city>\nK"), ids(frontend, "öln\n"),
+             as_bytes("</parameter>\n</function>\n</tool_call>"), ids(frontend, " Danach STOP hier"), [IM_END]]
+    tokens = [t for p in parts for t in p]
+    prompt = chat(frontend, tools=[WEATHER])
+    one_by_one = _run_grouped(frontend, prompt, tokens, [1] * len(tokens), stop=["STOP"])
+    # whitespace around the tool call is trimmed as the template trims it
+    assert one_by_one[:2] == ("Größe prüfen 🤖 ok.", "Antwort: 🎉Danach ")
+    assert one_by_one[2][0].arguments == '{"city": "Köln"}' and one_by_one[3] is FinishReason.STOP
+    groups = [rng.randint(1, 9) for _ in tokens]
+    assert _run_grouped(frontend, prompt, tokens, groups, stop=["STOP"]) == one_by_one

@@ -50,19 +50,33 @@ class TurnBoundary:
     exact: bool | None = None
 
 
-@attrs.frozen
 class _State:
-    generated: int = 0
-    finished: FinishReason | None = None
-    utf8_pending: bytes = b""
-    stop_held: str = ""
-    mode: str = CONTENT
-    at_start: bool = True        # nothing routed yet: a leading <think> opens reasoning
-    trim_lead: bool = False      # drop whitespace before the next text of this channel
-    held: str = ""               # channel text not yet routed (partial marker, trailing whitespace)
-    call: tc.ToolCallState | None = None
-    calls: int = 0
-    ends_with_calls: bool = False
+    """Where the output stands after the committed tokens. Previews work on a ``copy()``; the committed
+    state is never mutated, so a preview changes nothing."""
+
+    __slots__ = ("generated", "finished", "utf8_pending", "stop_held", "mode", "at_start", "trim_lead", "held",
+                 "call", "calls", "ends_with_calls")
+
+    def __init__(self, mode: str, trim_lead: bool) -> None:
+        self.generated = 0
+        self.finished: FinishReason | None = None
+        self.utf8_pending = b""     # bytes of an incomplete UTF-8 character
+        self.stop_held = ""         # text that may still become a stop string
+        self.mode = mode
+        self.at_start = True        # nothing routed yet: a leading <think> opens reasoning
+        self.trim_lead = trim_lead  # drop whitespace before the next text of this channel
+        self.held = ""              # channel text not yet routed (partial marker, trailing whitespace)
+        self.call: tc.ToolCallState | None = None
+        self.calls = 0
+        self.ends_with_calls = False
+
+    def copy(self) -> _State:
+        new = _State.__new__(_State)
+        new.generated, new.finished, new.utf8_pending, new.stop_held = (
+            self.generated, self.finished, self.utf8_pending, self.stop_held)
+        new.mode, new.at_start, new.trim_lead, new.held = self.mode, self.at_start, self.trim_lead, self.held
+        new.call, new.calls, new.ends_with_calls = self.call, self.calls, self.ends_with_calls
+        return new
 
 
 @attrs.frozen
@@ -91,12 +105,14 @@ class QwenOutputSession:
         self._stop_ids = frozenset(stop_token_ids)
         self._stop = tuple(stop)
         self._stop_prefixes = frozenset(s[:i] for s in self._stop for i in range(1, len(s)))
+        self._stop_longest = max(map(len, self._stop), default=0)
         self._tools = tuple(tools)
         self._markers = (THINK_CLOSE, tc.TOOL_CALL_OPEN) if self._tools else (THINK_CLOSE,)
         self._turn_end = turn_end_id
         self._call_prefix = call_id_prefix or f"call_{uuid.uuid4().hex[:16]}"
         self._turn_check = turn_check
-        self._state = _State(mode=REASONING if reasoning_open else CONTENT, trim_lead=reasoning_open)
+        self._special = tokenizer.special_ids
+        self._state = _State(REASONING if reasoning_open else CONTENT, reasoning_open)
         # Committed output, for the history message and complete tool calls.
         self._content: list[str] = []
         self._reasoning: list[str] = []
@@ -114,7 +130,7 @@ class QwenOutputSession:
         if not tokens:
             raise ValueError("preview needs at least one token")
         out = _Out()
-        state = base
+        st = base.copy()
         accepted = 0
         finish: FinishReason | None = None
         boundary = None
@@ -125,20 +141,21 @@ class QwenOutputSession:
                 if tok == self._turn_end:
                     boundary = accepted
                 break
-            piece = b"" if tok in self._tok.special_ids else self._tok.token_bytes(tok)
-            state, text = self._decode(state, piece, final=False)
-            state, text, stopped = self._stop_strings(state, text)
-            state = self._route(state, text, out, final=False)
+            text = self._decode(st, b"" if tok in self._special else self._tok.token_bytes(tok), final=False)
+            stopped = False
+            if self._stop:
+                text, stopped = self._stop_strings(st, text)
+            self._route(st, text, out, final=False)
             if stopped:  # whatever follows the stop string, complete or not, is dropped
-                state = attrs.evolve(state, utf8_pending=b"")
+                st.utf8_pending = b""
                 finish = FinishReason.STOP
                 break
-        state = attrs.evolve(state, generated=state.generated + accepted)
+        st.generated += accepted
         if finish is None and at_length_limit:
             finish = FinishReason.LENGTH
         if finish is not None:
-            state = self._flush(state, out, finish)
-            finish = state.finished
+            self._flush(st, out, finish)
+            finish = st.finished
         delta = OutputDelta(content="".join(out.content), reasoning="".join(out.reasoning),
                             token_ids=tuple(tokens)[:accepted], tool_calls=tuple(out.calls))
         if boundary is not None:
@@ -147,7 +164,7 @@ class QwenOutputSession:
                 message, [*self._token_ids, *delta.token_ids])
             boundary = TurnBoundary(end=boundary, message=message, exact=exact)
         return Preview(accepted=accepted, finish_reason=finish, delta=delta, boundary=boundary,
-                       native=_Native(base, state))
+                       native=_Native(base, st))
 
     def commit(self, preview: Preview) -> OutputDelta:
         """Adopt a preview made from the current state (after the Program committed); returns its delta."""
@@ -162,10 +179,11 @@ class QwenOutputSession:
         if self._state.finished is not None:
             return OutputDelta()
         out = _Out()
-        state = self._flush(self._state, out, reason)
+        st = self._state.copy()
+        self._flush(st, out, reason)
         delta = OutputDelta(content="".join(out.content), reasoning="".join(out.reasoning),
                             tool_calls=tuple(out.calls))
-        self._adopt(state, delta)
+        self._adopt(st, delta)
         return delta
 
     # -- what was committed ------------------------------------------------------------------------
@@ -217,98 +235,108 @@ class QwenOutputSession:
         return message
 
     @staticmethod
-    def _decode(state: _State, piece: bytes, *, final: bool) -> tuple[_State, str]:
-        data = state.utf8_pending + piece
+    def _decode(st: _State, piece: bytes, *, final: bool) -> str:
+        data = st.utf8_pending + piece if st.utf8_pending else piece
         if not data:
-            return state, ""
+            return ""
         text, used = codecs.utf_8_decode(data, "replace", final)
-        return attrs.evolve(state, utf8_pending=data[used:]), text
+        st.utf8_pending = data[used:]
+        return text
 
-    def _stop_strings(self, state: _State, text: str) -> tuple[_State, str, bool]:
-        if not self._stop:
-            return state, text, False
-        buf = state.stop_held + text
+    def _stop_strings(self, st: _State, text: str) -> tuple[str, bool]:
+        buf = st.stop_held + text
         hits = [i for i in (buf.find(s) for s in self._stop) if i >= 0]
         if hits:
-            return attrs.evolve(state, stop_held=""), buf[:min(hits)], True
-        keep = next((k for k in range(min(len(buf), max(map(len, self._stop)) - 1), 0, -1)
+            st.stop_held = ""
+            return buf[:min(hits)], True
+        keep = next((k for k in range(min(len(buf), self._stop_longest - 1), 0, -1)
                      if buf[-k:] in self._stop_prefixes), 0)
-        return attrs.evolve(state, stop_held=buf[len(buf) - keep:]), buf[:len(buf) - keep], False
+        st.stop_held = buf[len(buf) - keep:]
+        return buf[:len(buf) - keep], False
 
-    def _flush(self, state: _State, out: _Out, reason: FinishReason) -> _State:
+    def _flush(self, st: _State, out: _Out, reason: FinishReason) -> None:
         """Terminal: undecodable bytes become U+FFFD, held stop-string prefixes are text, channels close."""
-        state, text = self._decode(state, b"", final=True)
-        text, state = state.stop_held + text, attrs.evolve(state, stop_held="")
-        state = self._route(state, text, out, final=True)
-        if reason == FinishReason.STOP and state.ends_with_calls:
+        text = st.stop_held + self._decode(st, b"", final=True)
+        st.stop_held = ""
+        self._route(st, text, out, final=True)
+        if reason == FinishReason.STOP and st.ends_with_calls:
             reason = FinishReason.TOOL_CALLS
-        return attrs.evolve(state, finished=reason)
+        st.finished = reason
 
-    def _route(self, state: _State, text: str, out: _Out, *, final: bool) -> _State:
+    def _route(self, st: _State, text: str, out: _Out, *, final: bool) -> None:
         """Channel routing of released text (stage 4)."""
-        buf = state.held + text
+        buf = st.held + text if st.held else text
         while True:
-            if state.mode == TOOL:
-                res = tc.feed(state.call, buf, self._tools, final=final)
+            if st.mode == TOOL:
+                res = tc.feed(st.call, buf, self._tools, final=final)
                 out.calls.extend(res.fragments)
                 if res.state is not None:
-                    return attrs.evolve(state, call=res.state, held=res.held)
+                    st.call, st.held = res.state, res.held
+                    return
+                st.mode, st.call = CONTENT, None
                 if res.fallback is not None:  # "<tool_call>" that was not a call: plain content
-                    state = attrs.evolve(state, mode=CONTENT, call=None, calls=state.calls - 1, trim_lead=False,
-                                         ends_with_calls=False)
+                    st.calls -= 1
+                    st.trim_lead = st.ends_with_calls = False
                     self._emit(out, CONTENT, res.fallback)
-                    buf = res.rest
                 else:
-                    state = attrs.evolve(state, mode=CONTENT, call=None, trim_lead=True, ends_with_calls=True)
-                    buf = res.rest
+                    st.trim_lead = st.ends_with_calls = True
+                buf = res.rest
                 continue
-            if state.at_start and state.mode == CONTENT:
+            if st.at_start and st.mode == CONTENT:
                 lead = buf.lstrip()
                 if lead.startswith(THINK_OPEN):
-                    state = attrs.evolve(state, mode=REASONING, at_start=False, trim_lead=True)
+                    st.mode, st.at_start, st.trim_lead = REASONING, False, True
                     buf = lead[len(THINK_OPEN):]
                     continue
                 if not final and THINK_OPEN.startswith(lead):
-                    return attrs.evolve(state, held=buf)
-            if state.trim_lead:
+                    st.held = buf
+                    return
+            if st.trim_lead:
                 buf = buf.lstrip()
                 if not buf:
-                    return attrs.evolve(state, held="")
-                state = attrs.evolve(state, trim_lead=False)
+                    st.held = ""
+                    return
+                st.trim_lead = False
             if buf:
-                state = attrs.evolve(state, at_start=False)
-            markers = self._markers if state.mode == REASONING else self._markers[1:]
-            hits = [(buf.find(m), m) for m in markers]
-            hits = [(i, m) for i, m in hits if i >= 0]
-            if hits:
-                pos, marker = min(hits)
-                self._emit(out, state.mode, buf[:pos].rstrip())
-                if state.mode == CONTENT and buf[:pos].strip():
-                    state = attrs.evolve(state, ends_with_calls=False)
+                st.at_start = False
+            markers = self._markers if st.mode == REASONING else self._markers[1:]
+            pos, marker = -1, ""
+            if "<" in buf:
+                for m in markers:
+                    i = buf.find(m)
+                    if i >= 0 and (pos < 0 or i < pos):
+                        pos, marker = i, m
+            if pos >= 0:
+                self._emit_text(st, out, buf[:pos].rstrip())
                 buf = buf[pos + len(marker):]
                 if marker == THINK_CLOSE:
-                    state = attrs.evolve(state, mode=CONTENT, trim_lead=True)
+                    st.mode, st.trim_lead = CONTENT, True
                 else:
-                    call = tc.ToolCallState(index=state.calls, call_id=f"{self._call_prefix}_{state.calls}")
-                    state = attrs.evolve(state, mode=TOOL, call=call, calls=state.calls + 1)
+                    st.call = tc.ToolCallState(index=st.calls, call_id=f"{self._call_prefix}_{st.calls}")
+                    st.mode = TOOL
+                    st.calls += 1
                 continue
             if final:
-                emit = buf.rstrip() if state.mode == REASONING else buf
-                self._emit(out, state.mode, emit)
-                if state.mode == CONTENT and emit.strip():
-                    state = attrs.evolve(state, ends_with_calls=False)
-                return attrs.evolve(state, held="")
-            # Hold what may still be a marker, and trailing whitespace where the template would trim it.
-            longest = max((len(m) for m in markers), default=1)
-            keep = next((k for k in range(min(len(buf), longest - 1), 0, -1)
-                         if any(m.startswith(buf[-k:]) for m in markers)), 0)
-            cut = len(buf) - keep
-            if state.mode == REASONING or self._tools:
+                self._emit_text(st, out, buf.rstrip() if st.mode == REASONING else buf)
+                st.held = ""
+                return
+            # Hold what may still be a marker (markers hold "<" only at their start, so a partial one
+            # begins at the last "<"), and trailing whitespace where the template would trim it.
+            cut = len(buf)
+            lt = buf.rfind("<")
+            if lt >= 0 and any(m.startswith(buf[lt:]) for m in markers):
+                cut = lt
+            if st.mode == REASONING or self._tools:
                 cut = len(buf[:cut].rstrip())
-            self._emit(out, state.mode, buf[:cut])
-            if state.mode == CONTENT and buf[:cut].strip():
-                state = attrs.evolve(state, ends_with_calls=False)
-            return attrs.evolve(state, held=buf[cut:])
+            self._emit_text(st, out, buf[:cut])
+            st.held = buf[cut:]
+            return
+
+    def _emit_text(self, st: _State, out: _Out, text: str) -> None:
+        if text:
+            self._emit(out, st.mode, text)
+            if st.mode == CONTENT and st.ends_with_calls and not text.isspace():
+                st.ends_with_calls = False
 
     @staticmethod
     def _emit(out: _Out, mode: str, text: str) -> None:
