@@ -117,8 +117,11 @@ def test_tool_call_split_across_many_deltas(frontend):
         (1, None, "", " look", ()),
         (1, None, "", ".", ()),       # "\n\n" before <tool_call> is trimmed
         (1, None, "", "", (call("", id="call_t_0", name="get_weather"),)),   # at ">" of <function=...>
-        (1, None, "", "", (call('{"city": "San Francisco"'),)),              # at the ">" of </parameter>
-        (1, None, "", "", (call(', "days": 3'),)),                           # typed by the schema
+        (1, None, "", "", (call('{"city": "'),)),                            # a string value streams...
+        (1, None, "", "", (call("San"),)),
+        (1, None, "", "", (call(" Francisco"),)),                            # ("\n</parameter" is held)
+        (1, None, "", "", (call('"'),)),                                     # ...until </parameter>
+        (1, None, "", "", (call(', "days": 3'),)),                           # typed by the schema, whole
         (1, None, "", "", (call("}"),)),                                     # at </function>
         (1, FinishReason.TOOL_CALLS, "", "", ()),
     ]
@@ -134,7 +137,9 @@ def test_tool_call_in_one_multi_token_row_and_exact_turn_boundary(frontend):
     preview = session.preview(tokens)
     assert preview.accepted == len(tokens) - 1 and preview.finish_reason is FinishReason.TOOL_CALLS
     assert preview.delta.reasoning == "Need data." and preview.delta.content == ""
-    assert [c.arguments for c in preview.delta.tool_calls] == ["", '{"city": "San Francisco"', ', "days": 3', "}"]
+    # the fragments of one call inside one row are joined
+    assert preview.delta.tool_calls == (ToolCall(index=0, id="call_t_0", name="get_weather",
+                                                 arguments='{"city": "San Francisco", "days": 3}'),)
     boundary = preview.boundary
     assert boundary.end == preview.accepted and boundary.exact is True
     assert boundary.message == {"role": "assistant", "content": "", "reasoning_content": "Need data.",
@@ -292,3 +297,25 @@ def test_grouping_of_tokens_into_rows_does_not_change_the_output(frontend, seed)
     assert one_by_one[2][0].arguments == '{"city": "Köln"}' and one_by_one[3] is FinishReason.STOP
     groups = [rng.randint(1, 9) for _ in tokens]
     assert _run_grouped(frontend, prompt, tokens, groups, stop=["STOP"]) == one_by_one
+
+
+def test_streamed_string_values_keep_markup_quotes_and_newlines(frontend):
+    from ninfer.testing.qwen_vocab import byte_to_unicode
+
+    alphabet = byte_to_unicode()
+    tool = {"type": "function", "function": {"name": "write", "parameters": {"type": "object", "properties": {
+        "path": {"type": "string"}, "text": {"type": "string"}}}}}
+    value = 'if a <b and c</p:\n\treturn "x\\n"\n\n'
+    body = f"<tool_call>\n<function=write>\n<parameter=path>\na.py\n</parameter>\n<parameter=text>\n{value}\n" \
+           "</parameter>\n</function>\n</tool_call>"
+    tokens = [frontend.tokenizer.token_id(alphabet[b]) for b in body.encode()] + [IM_END]  # one byte per token
+    session = session_for(frontend, chat(frontend, tools=[tool], enable_thinking=False))
+    pieces = [step(session, [t])[4] for t in tokens]
+    assert json.loads(session.tool_calls[0].arguments) == {"path": "a.py", "text": value}
+    text_pieces = [c.arguments for p in pieces for c in p]
+    assert text_pieces.count("") == 1 and len(text_pieces) > 20  # the name once, then the value streams
+    assert session.finish_reason is FinishReason.TOOL_CALLS
+    # cut off inside the streamed string: it is closed with what arrived
+    session = session_for(frontend, chat(frontend, tools=[tool], enable_thinking=False))
+    step(session, ids(frontend, "<tool_call>\n<function=write>\n<parameter=text>\nhello wor"), at_length_limit=True)
+    assert session.tool_calls[0].arguments == '{"text": "hello wor"}'

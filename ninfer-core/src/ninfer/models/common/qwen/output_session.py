@@ -93,6 +93,18 @@ class _Out:
         self.reasoning: list[str] = []
         self.calls: list[ToolCall] = []
 
+    def tool_calls(self) -> tuple[ToolCall, ...]:
+        """Fragments with consecutive pieces of one call joined (one entry per call and delta, mostly)."""
+        merged: list[ToolCall] = []
+        for f in self.calls:
+            last = merged[-1] if merged else None
+            if last is not None and last.index == f.index and not f.id and not f.name:
+                merged[-1] = ToolCall(index=last.index, id=last.id, name=last.name,
+                                      arguments=last.arguments + f.arguments)
+            else:
+                merged.append(f)
+        return tuple(merged)
+
 
 class QwenOutputSession:
     """One request's OutputSession (``ninfer.contract.OutputSession``); engine-worker only, not thread-safe."""
@@ -157,7 +169,7 @@ class QwenOutputSession:
             self._flush(st, out, finish)
             finish = st.finished
         delta = OutputDelta(content="".join(out.content), reasoning="".join(out.reasoning),
-                            token_ids=tuple(tokens)[:accepted], tool_calls=tuple(out.calls))
+                            token_ids=tuple(tokens)[:accepted], tool_calls=out.tool_calls())
         if boundary is not None:
             message = self._message(delta)
             exact = None if self._turn_check is None else self._turn_check(
@@ -182,7 +194,7 @@ class QwenOutputSession:
         st = self._state.copy()
         self._flush(st, out, reason)
         delta = OutputDelta(content="".join(out.content), reasoning="".join(out.reasoning),
-                            tool_calls=tuple(out.calls))
+                            tool_calls=out.tool_calls())
         self._adopt(st, delta)
         return delta
 

@@ -10,9 +10,11 @@ The model writes, after ``<tool_call>``::
     </tool_call>
 
 Values are raw text (one leading and one trailing newline belong to the format) and are typed by the tool's
-JSON schema. The parser emits OpenAI-style fragments: the name once, then one JSON fragment per complete
-parameter, then the closing brace, so the fragments of one call concatenate to
-``json.dumps(arguments, ensure_ascii=False)``. State is immutable; ``feed`` returns the next state.
+JSON schema. The parser emits OpenAI-style fragments: the name once, then argument JSON text: string values
+(schema type ``string``, or a parameter the schema does not declare) stream as they arrive, other values go
+out whole once their end tag is seen (they must be parsed to be typed), and a closing brace ends the call.
+The fragments of one call concatenate to ``json.dumps(arguments, ensure_ascii=False)``. State is immutable;
+``feed`` returns the next state.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ class ToolCallState:
     name: str = ""
     param: str = ""
     params_done: int = 0
+    streamed: bool = False  # the current value is a string sent as it arrives
+    started: bool = False   # the newline after <parameter=...> was consumed
 
 
 @attrs.frozen
@@ -133,8 +137,32 @@ def _strip_format_newlines(value: str) -> str:
     return value
 
 
-def _close(state: ToolCallState) -> ToolCall:
-    return ToolCall(index=state.index, id="", name="", arguments="}" if state.params_done else "{}")
+def _close(state: ToolCallState, done: int | None = None) -> ToolCall:
+    done = state.params_done if done is None else done
+    return ToolCall(index=state.index, id="", name="", arguments="}" if done else "{}")
+
+
+def _fragment(state: ToolCallState, arguments: str) -> ToolCall:
+    return ToolCall(index=state.index, id="", name="", arguments=arguments)
+
+
+def _key(state: ToolCallState) -> str:
+    """``{"name": `` for the first parameter, ``, "name": `` for later ones."""
+    return ("{" if state.params_done == 0 else ", ") + json.dumps(state.param, ensure_ascii=False) + ": "
+
+
+def _escape(text: str) -> str:
+    # JSON string escaping is per character, so escaped chunks concatenate to the escaped whole.
+    return json.dumps(text, ensure_ascii=False)[1:-1]
+
+
+def _safe_value_prefix(buf: str) -> int:
+    """How much of a streamed value can go out: not a possible end tag, nor the newline before one."""
+    cut = len(buf)
+    lt = buf.rfind("<")
+    if lt >= 0 and _is_prefix(buf[lt:], _PARAMETER_END, _PARAMETER, _FUNCTION_END):
+        cut = lt
+    return cut - 1 if buf[:cut].endswith("\n") else cut
 
 
 def feed(state: ToolCallState, text: str, tools: Sequence[Mapping[str, Any]], *, final: bool = False,
@@ -173,7 +201,11 @@ def feed(state: ToolCallState, text: str, tools: Sequence[Mapping[str, Any]], *,
                 if not param:
                     frags.append(_close(state))
                     return FeedResult(None, tuple(frags), rest="" if final else s)
-                state = attrs.evolve(state, phase="value", param=param)
+                schema = _param_schema(tools, state.name, param)
+                streamed = schema is None or schema.get("type") == "string"
+                state = attrs.evolve(state, phase="value", param=param, streamed=streamed, started=False)
+                if streamed:  # a string value streams as it arrives: open it now
+                    frags.append(_fragment(state, f"{_key(state)}\""))
                 buf = s[gt + 1:]
                 continue
             if s.startswith(_FUNCTION_END):
@@ -187,21 +219,35 @@ def feed(state: ToolCallState, text: str, tools: Sequence[Mapping[str, Any]], *,
             frags.append(_close(state))
             return FeedResult(None, tuple(frags), rest=s)
         if state.phase == "value":
+            if state.streamed and not state.started:  # the format's newline after the tag is not value
+                if not buf:
+                    return FeedResult(state, tuple(frags), held=buf)
+                buf = buf[1:] if buf.startswith("\n") else buf
+                state = attrs.evolve(state, started=True)
             # A value ends at </parameter>; models sometimes omit it before the next tag.
-            ends = [(buf.find(tag), tag) for tag in (_PARAMETER_END, _PARAMETER, _FUNCTION_END)]
-            ends = [(pos, tag) for pos, tag in ends if pos >= 0]
+            ends = [(pos, tag) for pos, tag in ((buf.find(t), t) for t in (_PARAMETER_END, _PARAMETER, _FUNCTION_END))
+                    if pos >= 0]
             if not ends:
-                if final:
-                    frags.append(_close(state))  # the unfinished value is dropped, not guessed
-                    return FeedResult(None, tuple(frags))
-                return FeedResult(state, tuple(frags), held=buf)
+                if state.streamed:
+                    cut = len(buf) if final else _safe_value_prefix(buf)
+                    if cut:
+                        frags.append(_fragment(state, _escape(buf[:cut])))
+                    if not final:
+                        return FeedResult(state, tuple(frags), held=buf[cut:])
+                    frags.append(_fragment(state, '"'))  # a streamed string closes with what arrived
+                elif not final:
+                    return FeedResult(state, tuple(frags), held=buf)
+                frags.append(_close(state, done=state.params_done + state.streamed))
+                return FeedResult(None, tuple(frags))  # a typed value that never ended is dropped, not guessed
             pos, tag = min(ends)
-            value = _strip_format_newlines(buf[:pos])
-            typed = typed_value(value, _param_schema(tools, state.name, state.param))
-            lead = "{" if state.params_done == 0 else ", "
-            frags.append(ToolCall(index=state.index, id="", name="", arguments=(
-                f"{lead}{json.dumps(state.param, ensure_ascii=False)}: {json.dumps(typed, ensure_ascii=False)}")))
-            state = attrs.evolve(state, phase="params", param="", params_done=state.params_done + 1)
+            if state.streamed:
+                value = buf[:pos][:-1] if buf[:pos].endswith("\n") else buf[:pos]
+                frags.append(_fragment(state, _escape(value) + '"'))
+            else:
+                value = _strip_format_newlines(buf[:pos])
+                typed = typed_value(value, _param_schema(tools, state.name, state.param))
+                frags.append(_fragment(state, f"{_key(state)}{json.dumps(typed, ensure_ascii=False)}"))
+            state = attrs.evolve(state, phase="params", param="", params_done=state.params_done + 1, streamed=False)
             buf = buf[pos + len(_PARAMETER_END):] if tag == _PARAMETER_END else buf[pos:]
             continue
         # close: only whitespace and </tool_call> may follow </function>.
