@@ -91,36 +91,48 @@ class Ctx:
         t = torch.randn(*shape, device=self.device, dtype=torch.float32) * scale
         return t.to(dtype or self.dtype)
 
-    def record(self, case: str, out, ref, tol: float, *, fn=None, nbytes: int | None = None,
+    def record(self, case: str, out, ref, tol: float, *, make=None, fn=None, nbytes: int | None = None,
                flops: float | None = None, note: str = "", extra_ok: bool = True) -> Result:
+        """A checked row: errors of out against ref (computed first), then the timing of ``make``/``fn``."""
         rel, mx = errors(out, ref)
         ok = bool(rel <= tol) and extra_ok
-        ms = tbps = frac = tflops = None
-        if fn is not None and self.gpu:
-            ms = bench(fn)
-            if nbytes:
-                tbps = nbytes / (ms * 1e-3) / 1e12
-                frac = tbps / self.copy_tbps if self.copy_tbps else None
-            if flops:
-                tflops = flops / (ms * 1e-3) / 1e12
-        r = Result(self.current, case, ok, rel, mx, tol, ms, nbytes / 1e9 if nbytes else None, tbps, frac, tflops,
-                   note)
+        r = Result(self.current, case, ok, rel, mx, tol, note=note)
+        if self.gpu and (make is not None or fn is not None):
+            r = attrs.evolve(r, **self._time(make, fn, nbytes, flops, note))
+        elif make is not None:
+            make()()  # CPU smoke run: the timing's input factory works
         self.results.append(r)
         self.log(format_row(r))
         return r
 
-    def timing(self, case: str, fn, *, nbytes: int | None = None, flops: float | None = None,
+    def timing(self, case: str, *, make=None, fn=None, nbytes: int | None = None, flops: float | None = None,
                note: str = "") -> None:
         """A timing-only row (a variant of a kernel whose result was checked above)."""
         if not self.gpu:
+            if make is not None:
+                make()()  # CPU smoke run: the variant's factory and keywords work
             return
-        ms = bench(fn)
-        tbps = nbytes / (ms * 1e-3) / 1e12 if nbytes else None
-        r = Result(self.current, case, True, ms=ms, gbytes=nbytes / 1e9 if nbytes else None, tbps=tbps,
-                   copy_frac=tbps / self.copy_tbps if tbps and self.copy_tbps else None,
-                   tflops=flops / (ms * 1e-3) / 1e12 if flops else None, note=note)
+        r = Result(self.current, case, True, **self._time(make, fn, nbytes, flops, note))
         self.results.append(r)
         self.log(format_row(r))
+
+    def _time(self, make, fn, nbytes, flops, note) -> dict:
+        if make is not None:
+            # Fresh input sets, rotated so that together they exceed L2 (each call then reads from HBM
+            # unless a single set is tiny), all launched from one CUDA graph (no launch gaps).
+            sets = 8 if not nbytes else max(1, min(64, -(-ROTATE_BYTES // nbytes)))
+            ms = graph_bench([make() for _ in range(sets)])
+            note = f"{note} graph x{sets} sets".strip()
+        else:
+            ms = bench(fn)
+            note = f"{note} do_bench".strip()
+        out = {"ms": ms, "note": note}
+        if nbytes:
+            tbps = nbytes / (ms * 1e-3) / 1e12
+            out.update(gbytes=nbytes / 1e9, tbps=tbps, copy_frac=tbps / self.copy_tbps if self.copy_tbps else None)
+        if flops:
+            out["tflops"] = flops / (ms * 1e-3) / 1e12
+        return out
 
     def fail(self, case: str, note: str) -> None:
         r = Result(self.current, case, False, note=note)
@@ -140,6 +152,34 @@ def errors(out, ref) -> tuple[float, float]:
     denom = r.norm().item()
     rel = diff.norm().item() / denom if denom > 0 else diff.norm().item()
     return rel, diff.abs().max().item() if diff.numel() else 0.0
+
+
+ROTATE_BYTES = 256 * 2**20  # well past the H200's 60 MB of L2
+
+
+def graph_bench(fns: list[Callable], min_calls: int = 32, replays: int = 10) -> float:
+    """Median ms per call of fns (cycled to at least min_calls calls) captured in one CUDA graph."""
+    calls = fns * max(1, -(-min_calls // len(fns)))
+    for f in fns:  # compile and warm outside the capture
+        f()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in calls:
+            f()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    del graph
+    return times[len(times) // 2] / len(calls)
 
 
 def bench(fn) -> float:
@@ -219,14 +259,18 @@ def check_rms_norm(ctx: Ctx) -> None:
     d = dims(ctx.cfg)
     for n in sizes(ctx)["tokens"]:
         for shape, width in (((n, d["hidden"]), d["hidden"]), ((n, d["heads"], d["head_dim"]), d["head_dim"])):
-            x = ctx.randn(*shape)
-            w = ctx.randn(width, scale=0.1)
-            out = torch.empty_like(x)
+            def inputs(shape=shape, width=width):
+                x = ctx.randn(*shape)
+                return x, ctx.randn(width, scale=0.1), torch.empty_like(x)
+
+            def run(x, w, out):
+                return rms_norm(x, w, d["eps"], out=out)
+
+            x, w, out = inputs()
             poison(out)
-            rms_norm(x, w, d["eps"], out=out)
-            ref = rms_norm_ref(*fp32(x, w), d["eps"])
-            ctx.record(f"x{list(shape)}", out, ref, 5e-3, fn=lambda x=x, w=w, out=out: rms_norm(x, w, d["eps"], out=out),
-                       nbytes=nbytes(x, w, out))
+            run(x, w, out)
+            ctx.record(f"x{list(shape)}", out, rms_norm_ref(*fp32(x, w), d["eps"]), 5e-3,
+                       make=lambda inputs=inputs, run=run: partial(run, *inputs()), nbytes=nbytes(x, w, out))
 
 
 @check("rms_norm_gated")
@@ -236,15 +280,18 @@ def check_rms_norm_gated(ctx: Ctx) -> None:
 
     d = dims(ctx.cfg)
     for n in sizes(ctx)["tokens"]:
-        x, z = ctx.randn(n, d["hv"], d["dv"]), ctx.randn(n, d["hv"], d["dv"])
-        w = 1.0 + ctx.randn(d["dv"], scale=0.1)
-        out = torch.empty_like(x)
+        def inputs(n=n):
+            x = ctx.randn(n, d["hv"], d["dv"])
+            return x, ctx.randn(n, d["hv"], d["dv"]), 1.0 + ctx.randn(d["dv"], scale=0.1), torch.empty_like(x)
+
+        def run(x, z, w, out):
+            return rms_norm_gated(x, z, w, d["eps"], out=out)
+
+        x, z, w, out = inputs()
         poison(out)
-        rms_norm_gated(x, z, w, d["eps"], out=out)
-        ref = rms_norm_gated_ref(*fp32(x, z, w), d["eps"])
-        ctx.record(f"x,z[{n},{d['hv']},{d['dv']}]", out, ref, 5e-3,
-                   fn=lambda x=x, z=z, w=w, out=out: rms_norm_gated(x, z, w, d["eps"], out=out),
-                   nbytes=nbytes(x, z, w, out))
+        run(x, z, w, out)
+        ctx.record(f"x,z[{n},{d['hv']},{d['dv']}]", out, rms_norm_gated_ref(*fp32(x, z, w), d["eps"]), 5e-3,
+                   make=lambda inputs=inputs, run=run: partial(run, *inputs()), nbytes=nbytes(x, z, w, out))
 
 
 @check("silu_and_mul")
@@ -254,12 +301,17 @@ def check_silu_and_mul(ctx: Ctx) -> None:
 
     d = dims(ctx.cfg)
     for n in sizes(ctx)["tokens"]:
-        x = ctx.randn(n, 2 * d["inter"])
-        out = torch.empty(n, d["inter"], dtype=x.dtype, device=x.device)
+        def inputs(n=n):
+            return ctx.randn(n, 2 * d["inter"]), torch.empty(n, d["inter"], dtype=ctx.dtype, device=ctx.device)
+
+        def run(x, out):
+            return silu_and_mul(x, out=out)
+
+        x, out = inputs()
         poison(out)
-        silu_and_mul(x, out=out)
+        run(x, out)
         ctx.record(f"x[{n},{2 * d['inter']}]", out, silu_and_mul_ref(x.float()), 5e-3,
-                   fn=lambda x=x, out=out: silu_and_mul(x, out=out), nbytes=nbytes(x, out))
+                   make=lambda inputs=inputs: partial(run, *inputs()), nbytes=nbytes(x, out))
 
 
 @check("apply_rope")
@@ -268,17 +320,22 @@ def check_apply_rope(ctx: Ctx) -> None:
     from ninfer.ops.triton.rope import apply_rope
 
     d = dims(ctx.cfg)
+    rot = d["rotary_dim"]
     for n in sizes(ctx)["tokens"]:
         for heads in (d["heads"], d["kv_heads"]):
-            x = ctx.randn(n, heads, d["head_dim"])
-            pos = torch.randint(0, 8192, (n,), device=ctx.device)
-            cos, sin = rope_cos_sin(pos, d["rotary_dim"], 1e7, torch.float32)
-            out = torch.empty_like(x)
+            def inputs(n=n, heads=heads):
+                x = ctx.randn(n, heads, d["head_dim"])
+                cos, sin = rope_cos_sin(torch.randint(0, 8192, (n,), device=ctx.device), rot, 1e7, torch.float32)
+                return x, cos, sin, torch.empty_like(x)
+
+            def run(x, cos, sin, out):
+                return apply_rope(x, cos, sin, rot, out=out)
+
+            x, cos, sin, out = inputs()
             poison(out)
-            apply_rope(x, cos, sin, d["rotary_dim"], out=out)
-            ref = apply_rope_ref(x.float(), cos, sin, d["rotary_dim"])
-            ctx.record(f"x[{n},{heads},{d['head_dim']}] rot {d['rotary_dim']}", out, ref, 5e-3,
-                       fn=lambda x=x, cos=cos, sin=sin, out=out: apply_rope(x, cos, sin, d["rotary_dim"], out=out),
+            run(x, cos, sin, out)
+            ctx.record(f"x[{n},{heads},{d['head_dim']}] rot {rot}", out, apply_rope_ref(x.float(), cos, sin, rot),
+                       5e-3, make=lambda inputs=inputs, run=run: partial(run, *inputs()),
                        nbytes=nbytes(x, cos, sin, out))
 
 
@@ -289,16 +346,20 @@ def check_gdn_gates(ctx: Ctx) -> None:
 
     d = dims(ctx.cfg)
     for n in sizes(ctx)["tokens"]:
-        a, b = ctx.randn(n, d["hv"], scale=3.0), ctx.randn(n, d["hv"], scale=3.0)
-        a_log = ctx.randn(d["hv"], dtype=torch.float32)
-        dt_bias = ctx.randn(d["hv"], dtype=torch.float32)
-        g = torch.empty(n, d["hv"], device=ctx.device)
-        beta = torch.empty_like(g)
+        def inputs(n=n):
+            g = torch.empty(n, d["hv"], device=ctx.device)
+            return (ctx.randn(n, d["hv"], scale=3.0), ctx.randn(n, d["hv"], scale=3.0),
+                    ctx.randn(d["hv"], dtype=torch.float32), ctx.randn(d["hv"], dtype=torch.float32),
+                    g, torch.empty_like(g))
+
+        def run(a, b, a_log, dt_bias, g, beta):
+            return gdn_gates(a, b, a_log, dt_bias, out=(g, beta))
+
+        a, b, a_log, dt_bias, g, beta = inputs()
         poison(g, beta)
-        gdn_gates(a, b, a_log, dt_bias, out=(g, beta))
+        run(a, b, a_log, dt_bias, g, beta)
         ctx.record(f"a,b[{n},{d['hv']}]", (g, beta), gdn_gates_ref(a.float(), b.float(), a_log, dt_bias), 1e-5,
-                   fn=partial(gdn_gates, a, b, a_log, dt_bias, out=(g, beta)),
-                   nbytes=nbytes(a, b, g, beta))
+                   make=lambda inputs=inputs, run=run: partial(run, *inputs()), nbytes=nbytes(a, b, g, beta))
 
 
 def _state_image(ctx: Ctx, slots: int, per_slot: tuple, pad: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -314,36 +375,42 @@ def check_gdn_decode(ctx: Ctx) -> None:
     from ninfer.ops.triton.gdn import _default_block_v, gdn_decode
 
     d = dims(ctx.cfg)
-    S = 8 if ctx.tiny else 64
     batches = sizes(ctx)["batches"] if ctx.tiny else [1, 2, 4, 8]
-    for B in batches:
-        image, states = _state_image(ctx, S, (d["hv"], d["dk"], d["dv"]), 32, torch.float32)
-        slots = torch.randperm(S, device=ctx.device)[:B]
+    per_slot = (d["hv"], d["dk"], d["dv"])
+
+    def inputs(B, S):
+        image, states = _state_image(ctx, S, per_slot, 32, torch.float32)
         q, k = ctx.randn(B, d["hk"], d["dk"]), ctx.randn(B, d["hk"], d["dk"])
         v = ctx.randn(B, d["hv"], d["dv"])
         g = -torch.rand(B, d["hv"], device=ctx.device) * 2
         beta = torch.rand(B, d["hv"], device=ctx.device)
+        slots = torch.randperm(S, device=ctx.device)[:B]
+        return image, (q, k, v, g, beta, states, slots, torch.empty(B, d["hv"], d["dv"], dtype=ctx.dtype,
+                                                                       device=ctx.device))
+
+    for B in batches:
+        S = 3 * B + 2
+        image, args = inputs(B, S)
+        q, k, v, g, beta, states, slots, out = args
         ref_image = image.clone()
-        ref_states = ref_image[:, 32:32 + states[0].numel()].view_as(states)
+        ref_states = ref_image[:, 32:32 + math.prod(per_slot)].view(S, *per_slot)
         o_ref = gdn_decode_ref(*fp32(q, k, v), g, beta, ref_states, slots)
-        out = torch.empty(B, d["hv"], d["dv"], dtype=v.dtype, device=ctx.device)
         poison(out)
-        gdn_decode(q, k, v, g, beta, states, slots, out=out)
+        gdn_decode(*args[:-1], out=out)
         others = torch.ones(S, dtype=torch.bool, device=ctx.device)
         others[slots] = False
         untouched = torch.equal(image[others], ref_image[others])
-        state_bytes = 2 * B * states[0].numel() * 4
-        moved = state_bytes + nbytes(q, k, v, g, beta, out)
-        ctx.record(f"B={B} out", out, o_ref, 5e-3, fn=partial(gdn_decode, q, k, v, g, beta, states, slots, out=out),
-                   nbytes=moved, note=f"block_v {_default_block_v(B, d['hv'], d['dv'])}")
         ctx.record(f"B={B} state (others untouched: {untouched})", image[slots], ref_image[slots], 1e-5,
                    extra_ok=untouched)
-        if ctx.gpu:
-            for block_v in (16, 32, 64):
-                for warps in (2, 4, 8):
-                    ctx.timing(f"B={B} block_v {block_v} warps {warps}",
-                               partial(gdn_decode, q, k, v, g, beta, states, slots, out=out, block_v=block_v,
-                                       num_warps=warps), nbytes=moved)
+        moved = 2 * B * math.prod(per_slot) * 4 + nbytes(q, k, v, g, beta, out)
+        ctx.record(f"B={B} out", out, o_ref, 5e-3, nbytes=moved,
+                   make=lambda B=B: partial(gdn_decode, *inputs(B, B)[1][:-1]),
+                   note=f"block_v {_default_block_v(B, d['hv'], d['dv'])}")
+        for block_v in (16, 32, 64):
+            for warps in (2, 4, 8):
+                ctx.timing(f"B={B} block_v {block_v} warps {warps}", nbytes=moved,
+                           make=lambda B=B, bv=block_v, w=warps: partial(gdn_decode, *inputs(B, B)[1][:-1],
+                                                                       block_v=bv, num_warps=w))
 
 
 def _paged_inputs(ctx: Ctx, seqs: list[tuple[int, int]]):
@@ -387,6 +454,13 @@ def _attn_ref(ctx: Ctx, args):
     return paged_attention_ref(q.float(), kc.float(), vc.float(), *rest)
 
 
+def _attn_call(ctx: Ctx, seqs, **kw):
+    from ninfer.ops.triton.attention import paged_attention
+
+    args = _paged_inputs(ctx, seqs)
+    return partial(paged_attention, *args, out=torch.empty_like(args[0]), **kw)
+
+
 @check("paged_attention_decode")
 def check_paged_attention_decode(ctx: Ctx) -> None:
     from ninfer.ops.triton.attention import _decode_splits, paged_attention
@@ -401,17 +475,15 @@ def check_paged_attention_decode(ctx: Ctx) -> None:
         out = torch.empty_like(args[0])
         poison(out)
         paged_attention(*args, out=out)
-        moved, flops = _attn_cost(ctx, seqs)
-        B, kvh = len(seqs), args[1].shape[2]
-        splits = _decode_splits(B, kvh, args[7], 64)
-        label = f"B={B} ctx={'mixed' if len({c for _, c in seqs}) > 1 else seqs[0][1] + 1}"
-        ctx.record(label, out, _attn_ref(ctx, args), 1e-2, fn=lambda args=args, out=out: paged_attention(*args, out=out),
+        moved, _ = _attn_cost(ctx, seqs)
+        splits = _decode_splits(len(seqs), args[1].shape[2], args[7], 64)
+        label = f"B={len(seqs)} ctx={'mixed' if len({c for _, c in seqs}) > 1 else seqs[0][1] + 1}"
+        ctx.record(label, out, _attn_ref(ctx, args), 1e-2, make=lambda seqs=seqs: _attn_call(ctx, seqs),
                    nbytes=moved, note=f"splits {splits}")
-        if ctx.gpu:
-            for splits_v, tile in ((max(1, splits // 2), 64), (min(64, splits * 2), 64), (splits, 32)):
-                ctx.timing(f"{label} splits {splits_v} tile {tile}",
-                           lambda a=args, s=splits_v, t=tile, out=out: paged_attention(*a, out=out, num_splits=s,
-                                                                                          tile_n=t), nbytes=moved)
+        for splits_v, tile in ((max(1, splits // 2), 64), (min(64, splits * 2), 64), (splits, 32),
+                               (min(64, splits * 4), 32)):
+            ctx.timing(f"{label} splits {splits_v} tile {tile}", nbytes=moved,
+                       make=lambda seqs=seqs, s=splits_v, t=tile: _attn_call(ctx, seqs, num_splits=s, tile_n=t))
 
 
 @check("paged_attention_prefill")
@@ -427,14 +499,12 @@ def check_paged_attention_prefill(ctx: Ctx) -> None:
         paged_attention(*args, out=out)
         moved, flops = _attn_cost(ctx, seqs)
         label = " + ".join(f"q{q}@{c}" for q, c in seqs)
-        ctx.record(label, out, _attn_ref(ctx, args), 1e-2,
-                   fn=lambda args=args, out=out: paged_attention(*args, out=out), nbytes=moved, flops=flops)
-        if ctx.gpu:
-            for block_q, tile, warps, stages in ((16, 32, 4, 2), (32, 64, 8, 2), (32, 32, 8, 3), (16, 64, 8, 3)):
-                ctx.timing(f"{label} bq {block_q} tile {tile} w{warps} s{stages}",
-                           lambda a=args, bq=block_q, t=tile, w=warps, s=stages, out=out: paged_attention(
-                               *a, out=out, block_q=bq, tile_n=t, num_warps=w, num_stages=s),
-                           nbytes=moved, flops=flops)
+        ctx.record(label, out, _attn_ref(ctx, args), 1e-2, make=lambda seqs=seqs: _attn_call(ctx, seqs),
+                   nbytes=moved, flops=flops)
+        for block_q, tile, warps, stages in ((16, 64, 8, 2), (32, 64, 8, 3), (32, 32, 4, 2), (64, 32, 8, 2)):
+            ctx.timing(f"{label} bq {block_q} tile {tile} w{warps} s{stages}", nbytes=moved, flops=flops,
+                       make=lambda seqs=seqs, bq=block_q, t=tile, w=warps, s=stages: _attn_call(
+                           ctx, seqs, block_q=bq, tile_n=t, num_warps=w, num_stages=s))
 
 
 @check("write_kv")
@@ -445,18 +515,20 @@ def check_write_kv(ctx: Ctx) -> None:
     d = dims(ctx.cfg)
     page = sizes(ctx)["page"]
     for n in sizes(ctx)["tokens"]:
-        n_pages = -(-n // page) * 2 + 4
-        k_cache = ctx.randn(n_pages, page, d["kv_heads"], d["head_dim"])
-        v_cache = ctx.randn(n_pages, page, d["kv_heads"], d["head_dim"])
-        k, v = ctx.randn(n, d["kv_heads"], d["head_dim"]), ctx.randn(n, d["kv_heads"], d["head_dim"])
-        slots = torch.randperm(n_pages * page, device=ctx.device)[:n]
+        def inputs(n=n):
+            n_pages = -(-n // page) * 2 + 4
+            return (ctx.randn(n, d["kv_heads"], d["head_dim"]), ctx.randn(n, d["kv_heads"], d["head_dim"]),
+                    ctx.randn(n_pages, page, d["kv_heads"], d["head_dim"]),
+                    ctx.randn(n_pages, page, d["kv_heads"], d["head_dim"]),
+                    torch.randperm(n_pages * page, device=ctx.device)[:n])
+
+        k, v, k_cache, v_cache, slots = inputs()
         rk, rv = k_cache.clone(), v_cache.clone()
         write_kv_ref(k, v, rk, rv, slots)
         write_kv(k, v, k_cache, v_cache, slots)
         exact = torch.equal(k_cache, rk) and torch.equal(v_cache, rv)
         ctx.record(f"N={n} (exact, rest untouched: {exact})", (k_cache, v_cache), (rk, rv), 0.0, extra_ok=exact,
-                   fn=lambda k=k, v=v, kc=k_cache, vc=v_cache, s=slots: write_kv(k, v, kc, vc, s),
-                   nbytes=2 * nbytes(k, v) + nbytes(slots))
+                   make=lambda inputs=inputs: partial(write_kv, *inputs()), nbytes=2 * nbytes(k, v) + nbytes(slots))
 
 
 @check("causal_conv1d_decode")
@@ -465,20 +537,23 @@ def check_conv1d_decode(ctx: Ctx) -> None:
     from ninfer.ops.triton.conv1d import causal_conv1d_decode
 
     d = dims(ctx.cfg)
-    C, K, S = d["conv_dim"], d["conv_k"], 8 if ctx.tiny else 64
+    C, K = d["conv_dim"], d["conv_k"]
     for B in sizes(ctx)["batches"]:
-        image = ctx.randn(S, C, K + 1)
-        states = image[:, :, 1:K]  # [S, C, K-1], strided
-        slots = torch.randperm(S, device=ctx.device)[:B]
-        x, w = ctx.randn(B, C), ctx.randn(C, K, scale=0.5)
+        def inputs(B=B, S=3 * B + 2):
+            image = ctx.randn(S, C, K + 1)
+            x = ctx.randn(B, C)
+            # states: [S, C, K-1], a strided view
+            return image, (x, ctx.randn(C, K, scale=0.5), image[:, :, 1:K], torch.randperm(S, device=ctx.device)[:B],
+                           torch.empty_like(x))
+
+        image, (x, w, states, slots, out) = inputs()
         ref_image = image.clone()
         ref = causal_conv1d_decode_ref(x.float(), w.float(), ref_image[:, :, 1:K], slots)
-        out = torch.empty_like(x)
         poison(out)
         causal_conv1d_decode(x, w, states, slots, out=out)
         exact = torch.equal(image, ref_image)
         ctx.record(f"B={B} C={C} (states exact: {exact})", out, ref, 5e-3, extra_ok=exact,
-                   fn=lambda x=x, w=w, st=states, sl=slots, out=out: causal_conv1d_decode(x, w, st, sl, out=out),
+                   make=lambda inputs=inputs: partial(causal_conv1d_decode, *inputs()[1][:4]),
                    nbytes=nbytes(x, w, out) + 2 * B * C * (K - 1) * x.element_size())
 
 
@@ -489,19 +564,25 @@ def check_conv1d_prefill(ctx: Ctx) -> None:
 
     d = dims(ctx.cfg)
     C, K = d["conv_dim"], d["conv_k"]
+
+    def run(x, w, state, out, has_state):
+        return causal_conv1d_prefill(x, w, state, has_state, out=out)
+
     for T in sizes(ctx)["conv_T"]:
         for has_state in (False, True):
-            x, w = ctx.randn(T, C), ctx.randn(C, K, scale=0.5)
-            state = ctx.randn(C, K - 1)
+            def inputs(T=T):
+                x = ctx.randn(T, C)
+                return x, ctx.randn(C, K, scale=0.5), ctx.randn(C, K - 1), torch.empty_like(x)
+
+            x, w, state, out = inputs()
             ref_state = state.clone()
             ref = causal_conv1d_prefill_ref(x.float(), w.float(), ref_state, has_state)
-            out = torch.empty_like(x)
             poison(out)
             causal_conv1d_prefill(x, w, state, has_state, out=out)
             exact = torch.equal(state, ref_state.to(state.dtype))
             ctx.record(f"T={T} init={has_state} (state exact: {exact})", out, ref, 5e-3, extra_ok=exact,
-                       fn=lambda x=x, w=w, st=state.clone(), hs=has_state, out=out:
-                       causal_conv1d_prefill(x, w, st, hs, out=out), nbytes=nbytes(x, w, out, state, state))
+                       make=lambda inputs=inputs, hs=has_state: partial(run, *inputs(), hs),
+                       nbytes=nbytes(x, w, out, state, state))
 
 
 @check("cuda_graph")
@@ -572,7 +653,7 @@ def check_cuda_graph(ctx: Ctx) -> None:
         want = (o_e, a_e, conv_img, rec)
         same = all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
         ctx.record(f"replay {seed}: graph == eager bitwise: {same}", got[:2], want[:2], 0.0, extra_ok=same)
-    ctx.timing("replay: gates+conv+gdn+write_kv+attention B=8", graph.replay)
+    ctx.timing("replay: gates+conv+gdn+write_kv+attention B=8", fn=graph.replay)
 
 
 @check("gdn_prefill")
@@ -605,6 +686,19 @@ def check_gdn_prefill(ctx: Ctx) -> None:
                        gdn_prefill(q, k, v, g, beta, st, hs, out=out),
                        nbytes=nbytes(q, k, v, g, beta, out) + 2 * nbytes(state))
             ctx.record(f"T={T} init={has_state} state", state, ref_state, 1e-2)
+    # fla launches many kernels from Python (do_bench above is host-bound): also time it inside a graph.
+    T = max(sizes(ctx)["gdn_T"])
+    q, k = ctx.randn(T, d["hk"], d["dk"]), ctx.randn(T, d["hk"], d["dk"])
+    v = ctx.randn(T, d["hv"], d["dv"])
+    g = torch.nn.functional.logsigmoid(torch.randn(T, d["hv"], device=ctx.device))
+    beta = torch.rand(T, d["hv"], device=ctx.device)
+    state = ctx.randn(d["hv"], d["dk"], d["dv"], scale=0.1, dtype=torch.float32)
+    out = torch.empty_like(v)
+    try:
+        ctx.timing(f"T={T} init=True in a CUDA graph", nbytes=nbytes(q, k, v, g, beta, out) + 2 * nbytes(state),
+                   make=lambda: partial(gdn_prefill, q, k, v, g, beta, state, True, out=out))
+    except Exception as exc:  # fla may sync on the host; then prefill stays eager, as planned
+        ctx.log(f"fla chunk_gated_delta_rule not graph-capturable: {type(exc).__name__}: {exc}"[:300])
 
 
 def report_kernels(ctx: Ctx) -> None:

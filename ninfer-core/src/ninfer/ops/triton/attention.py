@@ -190,7 +190,8 @@ def paged_attention(
     decode = max_query_len <= 1
     tile_n = tile_n or 64
     if block_q is None:
-        block_q = 1 if decode else max(1, 64 // G)
+        # Prefill: 128 score rows per program (measured best on the H200 for head_dim 256, G = 4).
+        block_q = 1 if decode else max(1, 128 // G)
     block_q = min(block_q, triton.next_power_of_2(max(max_query_len, 1)))
     block_m = max(16, triton.next_power_of_2(block_q * G))
     if num_splits is None:

@@ -105,7 +105,7 @@ def _conv1d_state_kernel(
 
 
 def causal_conv1d_prefill(x, weight, conv_state, has_initial_state: bool, *, out=None,
-                          block_t: int = 64, block_c: int = 128):
+                          block_t: int = 16, block_c: int = 256):
     """Causal depthwise conv over T inputs after the K-1 held in conv_state; conv_state gets the last K-1."""
     T, C = x.shape
     KW = weight.shape[1]
