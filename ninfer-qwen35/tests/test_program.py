@@ -38,12 +38,12 @@ def tiny():
     return hf, cfg, Qwen35Model(Qwen35Parameters.from_weights(cfg, weights, torch.float32))
 
 
-def make_program(tiny, *, max_concurrency=3, num_pages=64, host_budget_bytes=1 << 24, page_size=4):
+def make_program(tiny, *, max_concurrency=3, num_pages=64, host_budget_bytes=1 << 24, page_size=4, **options):
     _, cfg, model = tiny
     return Qwen35Program(model, state_layout=state_layout(cfg, "float32"),
                          kv_pool=kv_pools(cfg, page_size=page_size, dtype="float32")[0], device="cpu",
                          max_concurrency=max_concurrency, num_pages=num_pages, vocab_size=cfg.vocab_size,
-                         host_budget_bytes=host_budget_bytes)
+                         host_budget_bytes=host_budget_bytes, **options)
 
 
 def prefill_all(prog, sid, chunk=64):
@@ -273,3 +273,27 @@ def test_bad_input_is_a_clear_error(tiny):
         prog.pause(sid, "hibernate")
     prog.release(sid)
     assert prog.usage().all_free
+
+
+def test_graph_input_buffers_decode_like_eager(tiny):
+    """The CUDA-graph static input path (page tables cached per row, epochs on truncation) on CPU."""
+    def scenario(prog):
+        sids = [prog.open_sequence(PreparedPrompt(token_ids=p), GREEDY) for p in PROMPTS]
+        got = {s: prefill_all(prog, s, chunk=8) for s in sids}
+        for s, t in decode_steps(prog, sids, 6).items():
+            got[s] += t
+        prog.release(sids[0])
+        batch = prog.decode([sids[2], sids[1]])  # rows swap places; then an abort truncates the pages
+        prog.abort_pending(batch)
+        prefill_all(prog, sids[1], chunk=5)
+        prefill_all(prog, sids[2], chunk=64)
+        for s, t in decode_steps(prog, [sids[1], sids[2]], 5).items():
+            got[s] += t
+        for s in sids[1:]:
+            prog.release(s)
+        assert prog.usage().all_free
+        return [got[s] for s in sids]
+
+    static = make_program(tiny, static_decode=True)
+    assert static.graphs is not None and not static.graphs.graphs  # buffers only, nothing captured on CPU
+    assert scenario(static) == scenario(make_program(tiny))

@@ -40,8 +40,11 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((B,), scratch_page * page_size, dtype=torch.int64, device=device)
         self.logits_indices = torch.arange(B, dtype=torch.int64, device=device)
         # One host staging row per buffer, written then copied up in one transfer per step.
-        self._host = torch.zeros((B, 5), dtype=torch.int64, pin_memory=True)
-        self._host_tables = torch.zeros((B, max_pages), dtype=torch.int32, pin_memory=True)
+        self._host = torch.zeros((B, 5), dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._host_tables = torch.full((B, max_pages), scratch_page, dtype=torch.int32,
+                                       pin_memory=device.type == "cuda")
+        self._row_key: list[object] = [None] * B
+        self._row_len = [0] * B
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def batch(self, B: int) -> ForwardBatch:
@@ -80,30 +83,45 @@ class DecodeGraphs:
             self.graphs[B] = (graph, out)
         torch.cuda.synchronize(self.device)
 
-    def replay(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-               tables: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Run the graph for B = len(tokens); returns its logits buffer [B, V] (valid until the next replay)."""
+    def load(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int],
+             tables: Sequence[Sequence[int]], keys: Sequence[object]) -> None:
+        """Write B = len(tokens) decode rows into the static input buffers.
+
+        ``keys`` identify each row's page list (sequence id and truncation epoch): a row whose key is
+        unchanged since the last step only had pages appended, so only the new entries are written.
+        """
         B = len(tokens)
-        graph, out = self.graphs[B]
         h = self._host  # [max_batch, 5]: token, position, seq_len, slot, flat KV index
         h[:B, 0] = torch.tensor(tokens)
         h[:B, 1] = torch.tensor(positions)
         h[:B, 2] = h[:B, 1] + 1
         h[:B, 3] = torch.tensor(slots)
-        ht = self._host_tables
-        ht[:B].fill_(self.scratch_page)
-        for i, pages in enumerate(tables):
-            ht[i, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        ht = self._host_tables  # entries past a row's pages hold stale but valid page ids, never read
+        for i, (pages, key) in enumerate(zip(tables, keys, strict=True)):
+            start = self._row_len[i] if self._row_key[i] == key and len(pages) >= self._row_len[i] else 0
+            if len(pages) > start:
+                ht[i, start:len(pages)] = torch.tensor(pages[start:], dtype=torch.int32)
+            self._row_key[i], self._row_len[i] = key, len(pages)
         pos = h[:B, 1]
-        h[:B, 4] = ht[:B].long().gather(1, (pos // self.page_size)[:, None])[:, 0] * self.page_size \
-            + pos % self.page_size
-        # The previous step's copies from these pinned buffers finished: its sampled tokens were read on host.
+        page = ht[torch.arange(B), pos // self.page_size].long()
+        h[:B, 4] = page * self.page_size + pos % self.page_size
+        # The previous step's copies from these pinned buffers have finished: its tokens were read on the host.
         dev = h[:B].to(self.device, non_blocking=True)
         self.input_ids[:B].copy_(dev[:, 0])
         self.positions[:B].copy_(dev[:, 1])
-        self.seq_lens[:B].copy_(dev[:, 2])
+        self.seq_lens[:B].copy_(dev[:, 2].to(torch.int32))
         self.state_slots[:B].copy_(dev[:, 3])
         self.slot_mapping[:B].copy_(dev[:, 4])
         self.block_tables[:B].copy_(ht[:B], non_blocking=True)
+
+    def replay(self, B: int) -> torch.Tensor:
+        """Run the graph for B loaded rows; returns its logits buffer [B, V] (valid until the next replay).
+
+        Without a captured graph for B (CPU, or before capture) the same call runs eagerly over the
+        static buffers, so the input path can be checked anywhere.
+        """
+        if B not in self.graphs:
+            return self._run(self.batch(B))
+        graph, out = self.graphs[B]
         graph.replay()
         return out

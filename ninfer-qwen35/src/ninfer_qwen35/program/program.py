@@ -67,7 +67,9 @@ class Qwen35Program:
     def __init__(self, model: Any, *, state_layout: StateImageLayout, kv_pool: KVPoolSpec, device: Device | str,
                  max_concurrency: int, num_pages: int, kv_dtype: torch.dtype | str | None = None,
                  vocab_size: int, host_budget_bytes: int = 0, sampling_defaults: SamplingParams | None = None,
-                 max_model_len: int | None = None, cuda_graphs: bool = True) -> None:
+                 max_model_len: int | None = None, cuda_graphs: bool = True, static_decode: bool = False) -> None:
+        """``cuda_graphs``: capture decode graphs on CUDA. ``static_decode``: without graphs, still decode
+        through the graphs' static input buffers (checks that input path on CPU)."""
         if not 1 <= max_concurrency <= 64:
             raise ValueError(f"max_concurrency must be in 1..64, got {max_concurrency}")
         self.id = next(_program_ids)
@@ -99,6 +101,8 @@ class Qwen35Program:
         self.graph_error: str | None = None
         if cuda_graphs and self.device.is_cuda:
             self._capture_graphs()
+        elif static_decode:
+            self.graphs = self._decode_graphs()
 
     # -- sequences ---------------------------------------------------------------------------------
     def open_sequence(self, prompt: PreparedPrompt, sampling: SamplingParams) -> int:
@@ -166,6 +170,7 @@ class Qwen35Program:
         if len(seq.pages) > keep:
             self.pool.allocator.free(seq.pages[keep:])
             del seq.pages[keep:]
+            seq.pages_epoch += 1
 
     # -- execution ---------------------------------------------------------------------------------
     def prefill(self, sequence_id: int, max_tokens: int) -> PendingBatch | None:
@@ -217,8 +222,9 @@ class Qwen35Program:
             self._hold_pages(seq, seq.computed + 1)
         with torch.inference_mode():
             if self.graphs is not None:
-                logits = self.graphs.replay([s.ledger[s.computed] for s in seqs], [s.computed for s in seqs],
-                                            [s.slot for s in seqs], [s.pages for s in seqs])
+                self.graphs.load([s.ledger[s.computed] for s in seqs], [s.computed for s in seqs],
+                                 [s.slot for s in seqs], [s.pages for s in seqs], [(s.id, s.pages_epoch) for s in seqs])
+                logits = self.graphs.replay(len(seqs))
             else:
                 logits = self._decode_logits(build_forward_batch(
                     [RowInput(tokens=[s.ledger[s.computed]], start=s.computed, slot=s.slot, pages=s.pages,
@@ -433,13 +439,16 @@ class Qwen35Program:
         return out
 
     # -- CUDA graphs -------------------------------------------------------------------------------
-    def _capture_graphs(self) -> None:
+    def _decode_graphs(self):
         from ninfer_qwen35.program.cuda_graphs import DecodeGraphs
 
-        graphs = DecodeGraphs(self._decode_logits, max_batch=self.max_concurrency,
-                              max_pages=pages_for(self.max_model_len, self.page_size), page_size=self.page_size,
-                              scratch_slot=self._scratch_slot, scratch_page=self._scratch_page,
-                              device=self.device.torch)
+        return DecodeGraphs(self._decode_logits, max_batch=self.max_concurrency,
+                            max_pages=pages_for(self.max_model_len, self.page_size), page_size=self.page_size,
+                            scratch_slot=self._scratch_slot, scratch_page=self._scratch_page,
+                            device=self.device.torch)
+
+    def _capture_graphs(self) -> None:
+        graphs = self._decode_graphs()
         try:
             with torch.inference_mode():
                 graphs.capture()

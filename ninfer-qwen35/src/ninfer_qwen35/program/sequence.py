@@ -71,6 +71,7 @@ class SequenceRecord:
     computed: int = 0
     pages: list[int] = attrs.field(factory=list)
     pending: bool = False  # a PendingBatch row is outstanding: no other unit until it is consumed
+    pages_epoch: int = 0   # bumped whenever ``pages`` is truncated (graph block-table rows are cached by it)
 
     @property
     def generated(self) -> int:
