@@ -7,6 +7,8 @@ it in registers for the whole update, and fuses the q/k L2 norm and the q scalin
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -130,6 +132,7 @@ def gdn_gates(a, b, A_log, dt_bias, *, out=None):
     return g, beta
 
 
+@functools.cache
 def fla_available() -> bool:
     """True when fla-core's chunked GDN kernels can be imported (optional dependency, GPU only)."""
     try:
@@ -140,7 +143,13 @@ def fla_available() -> bool:
 
 
 def gdn_prefill(q, k, v, g, beta, state, has_initial_state: bool, *, out=None):
-    """Chunked GDN over one sequence through fla-core's ``chunk_gated_delta_rule``; state updated in place."""
+    """Chunked GDN over one sequence through fla-core's ``chunk_gated_delta_rule``; state updated in place.
+    Without fla-core installed this is the torch reference (same math, slower)."""
+    if not fla_available():
+        from ninfer.ops.gdn import gdn_prefill_ref
+
+        o = gdn_prefill_ref(q, k, v, g, beta, state, has_initial_state)
+        return o if out is None else out.copy_(o)
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     T, HK, DK = q.shape
