@@ -12,6 +12,7 @@ def ninfer_register_architectures(register):
         config="ninfer_qwen35.config:parse_config",
         startup="ninfer_qwen35.startup:build",
         program="ninfer_qwen35.program:Qwen35Program",
+        frontend="ninfer.models.common.qwen:QwenFrontend",
         source_mapping="ninfer_qwen35.source_mapping:source_mapping",
         state_layout="ninfer_qwen35.state:state_layout",
     ))
