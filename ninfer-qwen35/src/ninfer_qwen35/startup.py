@@ -152,6 +152,7 @@ def plan_capacity(config: Qwen35Config, device: Device, *, compute: torch.dtype,
     if num_pages is None:
         if device.is_cuda:
             budget = device_budget_bytes or _env_mib("NINFER_VRAM_BUDGET_MIB")
+            torch.cuda.empty_cache()  # loading staged through the caching allocator: return that first
             free, total = torch.cuda.mem_get_info(device.torch)
             budget = min(budget or total, total)
             headroom = HEADROOM
