@@ -65,3 +65,16 @@ def test_logprobs_use_the_raw_distribution():
 def test_bad_shapes_are_named():
     with pytest.raises(ValueError, match="sample"):
         sample(torch.randn(2, 5), *params(3), [None] * 2)
+
+
+@pytest.mark.gpu
+def test_cuda_rows_depend_only_on_their_own_generator():
+    logits = torch.randn(3, 1000, device="cuda")
+
+    def run(rows, seeds):
+        gens = [torch.Generator("cuda").manual_seed(s) for s in seeds]
+        p = [x.cuda() for x in params(len(rows), temperature=0.8, top_k=50, top_p=0.9, min_p=0.01)]
+        return [sample(logits[rows], *p, gens).tolist() for _ in range(4)]
+
+    together = run([0, 1, 2], [1, 2, 3])
+    assert [s[2] for s in together] == [s[0] for s in run([2], [3])]

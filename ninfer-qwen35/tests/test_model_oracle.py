@@ -8,6 +8,7 @@ read of state a sequence does not own, or of an uninitialised state, shows up as
 from __future__ import annotations
 
 import math
+import os
 
 import attrs
 import pytest
@@ -326,7 +327,7 @@ def test_cuda_decode_step_needs_no_host_sync():
     needed = {"norm.rms_norm", "norm.rms_norm_gated", "activation.silu_and_mul", "rope.apply_rope",
               "conv1d.causal_conv1d_decode", "gdn.gdn_gates", "gdn.gdn_decode", "attention.write_kv",
               "attention.paged_attention"}
-    if not needed <= TRITON_OPS:
+    if not needed <= TRITON_OPS and os.environ.get("NINFER_OPS", "").strip().lower() != "triton":
         pytest.skip(f"decode ops still on torch references: {sorted(needed - TRITON_OPS)}")
     model = random_model("cuda", torch.bfloat16)
     r = Runner(model, page_size=16)
