@@ -319,3 +319,35 @@ def test_streamed_string_values_keep_markup_quotes_and_newlines(frontend):
     session = session_for(frontend, chat(frontend, tools=[tool], enable_thinking=False))
     step(session, ids(frontend, "<tool_call>\n<function=write>\n<parameter=text>\nhello wor"), at_length_limit=True)
     assert session.tool_calls[0].arguments == '{"text": "hello wor"}'
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_marker_soup_never_fails_and_tool_arguments_stay_json(frontend, seed):
+    """Fuzz: arbitrary mixes of markers, partial tags, whitespace and text, canonical or byte-split, in random
+    rows, with or without tools: no exception, grouping does not matter, every tool call's arguments parse."""
+    import random
+
+    from ninfer.testing.qwen_vocab import byte_to_unicode
+
+    rng = random.Random(1000 + seed)
+    alphabet = byte_to_unicode()
+    pieces = ["<think>", "</think>", "<tool_call>", "</tool_call>", "\n<function=get_weather>\n", "<function=",
+              "<parameter=city>\n", "<parameter=days>", "\n</parameter>\n", "</function>", "</", "<", ">", "\n",
+              "\n\n", " ", "Köln", "42", "x<y", '"q"', "🤖", "END"]
+    tokens = []
+    for _ in range(rng.randint(5, 40)):
+        text = rng.choice(pieces)
+        if rng.random() < 0.5:
+            tokens += [frontend.tokenizer.token_id(alphabet[b]) for b in text.encode()]
+        else:
+            tokens += ids(frontend, text)
+    if rng.random() < 0.5:
+        tokens.append(IM_END)
+    tools = [WEATHER] if rng.random() < 0.7 else []
+    prompt = chat(frontend, tools=tools, enable_thinking=rng.random() < 0.3)
+    stop = ["END"] if rng.random() < 0.3 else []
+    one = _run_grouped(frontend, prompt, tokens, [1] * len(tokens), stop=stop)
+    grouped = _run_grouped(frontend, prompt, tokens, [rng.randint(1, 6) for _ in tokens], stop=stop)
+    assert grouped == one
+    for call in one[2]:
+        assert isinstance(json.loads(call.arguments), dict) and call.name and call.id
