@@ -101,7 +101,14 @@ class Program(Protocol):
 
 @attrs.frozen(kw_only=True)
 class Preview:
-    """The semantic effect of one row's provisional tokens, computed without changing the session."""
+    """The semantic effect of one row's provisional tokens, computed without changing the session.
+
+    ``accepted``: how many of the row's tokens the output keeps (fewer when a stop ends it inside them);
+    ``finish_reason``: set when these tokens end the output (then ``delta`` already holds the released
+    held-back text); ``delta``: exactly what ``commit`` publishes. ``boundary``: Frontend metadata relative to
+    the accepted span (the Qwen frontend gives a ``TurnBoundary`` when the tokens close the assistant turn);
+    ``native``: the session's private next state. A preview is valid only for the state it was made from.
+    """
 
     accepted: int
     finish_reason: FinishReason | None
