@@ -1,10 +1,13 @@
-"""Program smoke check on the GPU: decode through CUDA graphs (one per exact B) equals eager decode.
+"""Program smoke check on the GPU: decode through CUDA graphs (one per exact B) equals decode without them.
 
-Two Qwen35Programs share one random-weight model: one eager, one with graphs. For every B the
-same prompts are prefilled in both, then both decode greedily in lockstep; the check passes when
-graph capture succeeded and every row's tokens are identical. It also reports the largest
-difference of the chosen tokens' logprobs and the time of one decode step (reserve + decode +
-commit) on each path. On CPU (no graphs) it runs eager against eager, as a smoke test.
+Three Qwen35Programs share one random-weight model: ``graph`` captures a decode graph per B;
+``static`` runs the very same static input buffers and kernels without capture; ``eager`` builds
+each decode batch afresh (its kernels see the batch's own max_seq_len). For every B the same
+prompts are prefilled in all three, then all decode greedily in lockstep. The check passes when
+graph capture succeeded and ``graph`` gives exactly the tokens of ``static`` (the same work, so any
+difference is a capture bug). ``eager`` is reported alongside (tokens and the largest difference of
+the chosen tokens' logprobs; with random weights a near tie may flip a token). Step times are for
+reserve + decode + commit. On CPU (no graphs) it runs as a smoke test.
 
     python -m benchmarks.program_check --shape 9b --batch 1 2 3 4 5 6 7 8        # on the GPU machine
     python -m benchmarks.program_check --shape tiny --device cpu --steps 2 --batch 1 2
@@ -20,6 +23,8 @@ import time
 
 import torch
 
+PATHS = ("eager", "static", "graph")
+
 
 def _programs(shape: str, device: str, dtype: torch.dtype, *, max_batch: int, max_len: int):
     from benchmarks.decode_step import random_parameters
@@ -33,12 +38,12 @@ def _programs(shape: str, device: str, dtype: torch.dtype, *, max_batch: int, ma
     pool = kv_pools(config, 16, name)[0]
     pages = max_batch * -(-max_len // pool.page_size)
 
-    def make(graphs: bool) -> Qwen35Program:
+    def make(path: str) -> Qwen35Program:
         return Qwen35Program(model, state_layout=state_layout(config, name), kv_pool=pool, device=device,
                              max_concurrency=max_batch, num_pages=pages, vocab_size=config.vocab_size,
-                             max_model_len=max_len, cuda_graphs=graphs)
+                             max_model_len=max_len, cuda_graphs=path == "graph", static_decode=path == "static")
 
-    return config, make(False), make(True)
+    return config, {path: make(path) for path in PATHS}
 
 
 def _sync(device: str) -> None:
@@ -46,7 +51,21 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def check_batch(eager, graph, config, B: int, *, context: int, steps: int, device: str) -> dict:
+def _compare(a: list[list[int]], b: list[list[int]], lp_a: list[list[float]], lp_b: list[list[float]]):
+    """(first step where any row's tokens differ or None, max |logprob diff| before that step)."""
+    first = None
+    for ra, rb in zip(a, b, strict=True):
+        for j, (x, y) in enumerate(zip(ra, rb, strict=True)):
+            if x != y:
+                first = j if first is None else min(first, j)
+                break
+    upto = first if first is not None else len(a[0])
+    diff = max((abs(x - y) for ra, rb in zip(lp_a, lp_b, strict=True)
+                for x, y in zip(ra[:upto], rb[:upto], strict=True)), default=0.0)
+    return first, diff
+
+
+def check_batch(programs: dict, config, B: int, *, context: int, steps: int, device: str) -> dict:
     from ninfer.contract.batch import RowDecision
     from ninfer.contract.prompt import PreparedPrompt
     from ninfer.contract.request import SamplingParams
@@ -54,51 +73,42 @@ def check_batch(eager, graph, config, B: int, *, context: int, steps: int, devic
     gen = torch.Generator().manual_seed(100 + B)
     prompts = [torch.randint(0, config.vocab_size, (context + b,), generator=gen).tolist() for b in range(B)]
     sampling = SamplingParams(temperature=0.0, logprobs=True)
-    rows: dict[str, list[int]] = {}
-    tokens: dict[str, list[list[int]]] = {}
-    logprobs: dict[str, list[list[float]]] = {}
-    times: dict[str, list[float]] = {}
-    for label, prog in (("eager", eager), ("graph", graph)):
-        ids = [prog.open_sequence(PreparedPrompt(token_ids=p), sampling) for p in prompts]
-        toks, lps = [[] for _ in ids], [[] for _ in ids]
-        for i, sid in enumerate(ids):
+    ids, tokens, logprobs, times = {}, {}, {}, {}
+    for path, prog in programs.items():
+        ids[path] = [prog.open_sequence(PreparedPrompt(token_ids=p), sampling) for p in prompts]
+        tokens[path], logprobs[path], times[path] = [[] for _ in range(B)], [[] for _ in range(B)], []
+        for i, sid in enumerate(ids[path]):
             assert prog.reserve_units(sid, len(prompts[i]))
             batch = prog.prefill(sid, len(prompts[i]))
             prog.commit(batch, [RowDecision(accepted=1)])
-            toks[i].append(batch.rows[0].tokens[0])
-        rows[label], tokens[label], logprobs[label], times[label] = ids, toks, lps, []
+            tokens[path][i].append(batch.rows[0].tokens[0])
+            logprobs[path][i].append(batch.rows[0].logprobs[0])
     for _ in range(steps):
-        for label, prog in (("eager", eager), ("graph", graph)):
-            ids = rows[label]
+        for path, prog in programs.items():
             _sync(device)
             t0 = time.perf_counter()
-            for sid in ids:
+            for sid in ids[path]:
                 assert prog.reserve_units(sid, 1)
-            batch = prog.decode(ids)
+            batch = prog.decode(ids[path])
             prog.commit(batch, [RowDecision(accepted=1)] * B)
             _sync(device)
-            times[label].append((time.perf_counter() - t0) * 1e3)
+            times[path].append((time.perf_counter() - t0) * 1e3)
             for i, row in enumerate(batch.rows):
-                tokens[label][i].append(row.tokens[0])
-                logprobs[label][i].append(row.logprobs[0])
-    for label, prog in (("eager", eager), ("graph", graph)):
-        for sid in rows[label]:
+                tokens[path][i].append(row.tokens[0])
+                logprobs[path][i].append(row.logprobs[0])
+    for path, prog in programs.items():
+        for sid in ids[path]:
             prog.release(sid)
         if not prog.usage().all_free:
-            raise AssertionError(f"{label} Program holds resources after release: {prog.usage()}")
-    first_diff = None
-    for i in range(B):
-        for j, (a, b) in enumerate(zip(tokens["eager"][i], tokens["graph"][i], strict=True)):
-            if a != b:
-                first_diff = j if first_diff is None else min(first_diff, j)
-                break
-    # compare logprobs only up to the first divergence (afterwards the inputs differ)
-    upto = first_diff if first_diff is not None else steps
-    lp_diff = max((abs(a - b) for i in range(B) for a, b in
-                   zip(logprobs["eager"][i][:upto], logprobs["graph"][i][:upto], strict=True)), default=0.0)
-    return {"B": B, "tokens_equal": first_diff is None, "first_divergence_step": first_diff,
-            "max_logprob_diff": lp_diff, "eager_ms": statistics.median(times["eager"][1:] or times["eager"]),
-            "graph_ms": statistics.median(times["graph"][1:] or times["graph"])}
+            raise AssertionError(f"{path} Program holds resources after release: {prog.usage()}")
+    graph_vs_static = _compare(tokens["graph"], tokens["static"], logprobs["graph"], logprobs["static"])
+    graph_vs_eager = _compare(tokens["graph"], tokens["eager"], logprobs["graph"], logprobs["eager"])
+    out = {"B": B, "tokens_equal": graph_vs_static[0] is None, "first_divergence_step": graph_vs_static[0],
+           "max_logprob_diff": graph_vs_static[1], "eager_tokens_equal": graph_vs_eager[0] is None,
+           "eager_first_divergence_step": graph_vs_eager[0], "eager_max_logprob_diff": graph_vs_eager[1]}
+    for path in PATHS:
+        out[f"{path}_ms"] = statistics.median(times[path][1:] or times[path])
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,19 +123,22 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     max_batch = max(args.batch)
-    config, eager, graph = _programs(args.shape, args.device, dtype, max_batch=max_batch,
-                                     max_len=args.context + max_batch + args.steps + 16)
+    config, programs = _programs(args.shape, args.device, dtype, max_batch=max_batch,
+                                 max_len=args.context + max_batch + args.steps + 16)
+    graph = programs["graph"]
     graphs_on = graph.graphs is not None
     state = f"captured for B=1..{max_batch}" if graphs_on else f"off ({graph.graph_error})"
     print(f"program_check shape={args.shape} device={args.device} dtype={args.dtype} graphs={state}")
     results = []
     with torch.inference_mode():
         for B in args.batch:
-            r = check_batch(eager, graph, config, B, context=args.context, steps=args.steps, device=args.device)
+            r = check_batch(programs, config, B, context=args.context, steps=args.steps, device=args.device)
             results.append(r)
             same = "equal" if r["tokens_equal"] else f"DIFFER from step {r['first_divergence_step']}"
-            print(f"  B={B}: tokens {same}, max |dlogprob| {r['max_logprob_diff']:.2e}, step eager {r['eager_ms']:.2f} ms, "
-                  f"graph {r['graph_ms']:.2f} ms")
+            eager = "equal" if r["eager_tokens_equal"] else f"differ from step {r['eager_first_divergence_step']}"
+            print(f"  B={B}: graph vs static tokens {same} (max |dlogprob| {r['max_logprob_diff']:.2e}); "
+                  f"vs eager {eager} (max |dlogprob| {r['eager_max_logprob_diff']:.2e}); step ms eager "
+                  f"{r['eager_ms']:.2f}, static {r['static_ms']:.2f}, graph {r['graph_ms']:.2f}")
     expect_graphs = args.device.startswith("cuda")
     ok = all(r["tokens_equal"] for r in results) and (graphs_on or not expect_graphs)
     summary = {"check": "program_graphs", "ok": ok, "shape": args.shape, "device": args.device, "dtype": args.dtype,

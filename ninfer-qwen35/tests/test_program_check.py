@@ -12,4 +12,4 @@ def test_program_check_smoke_on_cpu(tmp_path, capsys):
     summary = json.loads(out.read_text())
     assert summary["ok"] and not summary["graphs"] and [r["B"] for r in summary["results"]] == [1, 2]
     assert all(r["tokens_equal"] for r in summary["results"])
-    assert "B=2: tokens equal" in capsys.readouterr().out
+    assert "B=2: graph vs static tokens equal" in capsys.readouterr().out
