@@ -36,6 +36,17 @@ VOCAB = 416  # the tiny tokenizer's 413 ids, padded like published embeddings
 PAGE = 4
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_cpu_thread():
+    """Tiny CPU models run fastest single-threaded, above all on a shared, loaded machine."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def parts():
     tokenizer_json, special = make_tokenizer_json()
@@ -51,23 +62,30 @@ def parts():
             if p.dim() >= 2:
                 p.copy_(torch.randn(p.shape, generator=gen) * (1.5 / math.sqrt(math.prod(p.shape[1:]))))
     cfg = parse_config(hf_cfg.to_dict())
-    params = Qwen35Parameters.from_weights(cfg, WeightSet.from_tensors(hf.state_dict(), fused_parents(cfg)),
-                                           torch.float32)
+    weights = WeightSet.from_tensors(hf.state_dict(), fused_parents(cfg))
     resources = FrontendResources(tokenizer_json=tokenizer_json, eos_token_ids=(special["<|im_end|>"],),
                                   embedding_vocab=VOCAB)
-    return cfg, Qwen35Model(params), resources
+    models: dict[str, Qwen35Model] = {}
+
+    def model_on(device: str) -> Qwen35Model:
+        if device not in models:
+            models[device] = Qwen35Model(Qwen35Parameters.from_weights(cfg, weights, torch.float32, device))
+        return models[device]
+
+    return cfg, model_on, resources
 
 
-def make_engine(parts, *, max_concurrency=2, pages=64, host_bytes=1 << 24, pause_mode="auto", prefill_chunk=8,
-                bypass_limit=None) -> Engine:
-    cfg, model, resources = parts
+def make_engine(parts, *, max_concurrency=2, pages=64, host_bytes=1 << 24, pause_mode="auto", prefill_chunk=16,
+                bypass_limit=None, device="cpu", cuda_graphs=False) -> Engine:
+    cfg, model_on, resources = parts
+    model = model_on(device)
     prog = Qwen35Program(model, state_layout=state_layout(cfg, "float32"),
-                         kv_pool=kv_pools(cfg, page_size=PAGE, dtype="float32")[0], device="cpu",
+                         kv_pool=kv_pools(cfg, page_size=PAGE, dtype="float32")[0], device=device,
                          max_concurrency=max_concurrency, num_pages=pages, vocab_size=VOCAB,
-                         host_budget_bytes=host_bytes, max_model_len=128)
+                         host_budget_bytes=host_bytes, max_model_len=128, cuda_graphs=cuda_graphs)
     inst = ModelInstance(architecture="qwen35", config=cfg, model=model, parameters=model.params,
                          frontend=QwenFrontend.from_resources(resources), program=prog)
-    return Engine.from_instance(inst, max_concurrency=max_concurrency, device="cpu",
+    return Engine.from_instance(inst, max_concurrency=max_concurrency, device=device,
                                 prefill_chunk=prefill_chunk, pause_mode=pause_mode, bypass_limit=bypass_limit)
 
 
@@ -81,8 +99,8 @@ def workload(n, seed, *, seeded=False):
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        p = [rng.randrange(0, 400) for _ in range(rng.randint(1, 20))]
-        s = dict(max_tokens=rng.randint(2, 8))
+        p = [rng.randrange(0, 400) for _ in range(rng.randint(1, 14))]
+        s = dict(max_tokens=rng.randint(2, 7))
         if seeded:
             s.update(temperature=1.0, top_k=0, top_p=1.0, seed=rng.randrange(1 << 30))
         out.append((p, s))
@@ -126,8 +144,8 @@ def test_concurrent_residents_match_running_alone(parts, alone, concurrency):
 @pytest.mark.parametrize("mode", ["snapshot", "replay"])
 @pytest.mark.parametrize("seeded", [False, True])
 def test_forced_preemption_matches_no_preemption(parts, alone, mode, seeded):
-    # 12 pages of 4 positions cannot hold 4 residents of up to 28 positions: pauses are forced.
-    eng = make_engine(parts, max_concurrency=4, pages=12, pause_mode=mode,
+    # 10 pages of 4 positions cannot hold 4 residents of up to 21 positions: pauses are forced.
+    eng = make_engine(parts, max_concurrency=4, pages=10, pause_mode=mode, prefill_chunk=8,
                       host_bytes=(1 << 24) if mode == "snapshot" else 0)
     results = run(eng, workload(8, 11, seeded=seeded))
     m = eng.metrics()
@@ -154,7 +172,7 @@ def test_events_and_text_through_the_qwen_frontend(parts):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_randomized_lifecycle_on_the_real_program(parts, seed):
     rng = random.Random(seed)
-    eng = make_engine(parts, max_concurrency=rng.choice([2, 4]), pages=rng.choice([10, 14]),
+    eng = make_engine(parts, max_concurrency=rng.choice([2, 4]), pages=rng.choice([7, 10]),
                       host_bytes=rng.choice([0, 1 << 24]), prefill_chunk=rng.choice([3, 8]), bypass_limit=1)
     hs = []
     for p, s in workload(10, 100 + seed, seeded=rng.random() < 0.5):
@@ -170,3 +188,19 @@ def test_randomized_lifecycle_on_the_real_program(parts, seed):
     settled(eng)
     assert eng._core.scheduler.max_bypass_seen <= 1
     eng.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seeded", [False, True])
+def test_cuda_graph_replay_matches_eager(parts, seeded):
+    """Decode through CUDA graphs captured per exact B (1..8) gives the eager path's tokens."""
+    work = workload(12, 21, seeded=seeded)
+    tokens = {}
+    for graphs in (False, True):
+        eng = make_engine(parts, max_concurrency=8, device="cuda", cuda_graphs=graphs)
+        prog = eng.instance.program
+        assert (prog.graphs is not None) == graphs, prog.graph_error
+        tokens[graphs] = [r.token_ids for r in run(eng, work)]
+        settled(eng)
+        eng.close()
+    assert tokens[True] == tokens[False]
