@@ -185,3 +185,33 @@ def test_vision_config_without_vision_weights_is_noted(vl_ckpt, tmp_path):
     with open_artifact(tmp_path / "m.ninfer") as art:
         weights, _ = load_weights(art, features=("text", "mtp"))
         assert torch.equal(weights["mtp.fc.weight"], load_file(str(vl_ckpt / "model-mtp.safetensors"))["mtp.fc.weight"])
+
+
+def test_chat_template_jinja_file_wins(text_ckpt, tmp_path):
+    (text_ckpt / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    convert_checkpoint(text_ckpt, tmp_path / "m.ninfer")
+    with open_artifact(tmp_path / "m.ninfer") as art:
+        assert art.frontend.chat_template == "{{ messages[0]['content'] }}"
+
+
+def test_named_chat_templates_and_no_generation_config(text_ckpt, tmp_path):
+    cfg_path = text_ckpt / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
+    cfg_path.write_text(json.dumps(cfg))
+    (text_ckpt / "generation_config.json").unlink()
+    seen = []
+    convert_checkpoint(text_ckpt, tmp_path / "m.ninfer", progress=lambda done, total: seen.append((done, total)))
+    with open_artifact(tmp_path / "m.ninfer") as art:
+        fe = art.frontend
+        assert fe.chat_template == "D" and fe.generation_config == {}
+        assert fe.eos_token_ids == (fe.special_tokens["<|endoftext|>"],)  # falls back to config.json
+        assert seen[-1][0] == seen[-1][1] == sum(o.nbytes for o in art.header.objects)
+
+
+def test_convert_tiny_makes_a_checkpoint_when_empty(tmp_path):
+    from ninfer.testing.checkpoints import convert_tiny
+
+    out = convert_tiny(tmp_path / "empty", tmp_path / "t.ninfer")
+    with open_artifact(out) as art:
+        assert art.features == ("text", "mtp")

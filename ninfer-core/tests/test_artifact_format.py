@@ -225,3 +225,26 @@ def test_not_a_file_at_all(tmp_path):
     (tmp_path / "magic.ninfer").write_bytes(MAGIC)
     with pytest.raises(ArtifactError, match="truncated"):
         open_artifact(tmp_path / "magic.ninfer")
+
+
+def test_interrupted_write_leaves_nothing(tmp_path):
+    w = ArtifactWriter(256)
+
+    def interrupted():
+        yield b"\0" * 8
+        raise KeyboardInterrupt
+
+    w.add_object("a", feature="text", dtype="f32", shape=(4,), nbytes=16, source=interrupted)
+    w.add_binding(Binding(name="a", feature="text", object="a", shape=(4,)))
+    with pytest.raises(KeyboardInterrupt):
+        w.write(tmp_path / "x.ninfer", metadata=META, config={}, features=("text",))
+    assert os.listdir(tmp_path) == []
+
+
+def test_bad_binding_is_refused_before_writing(tmp_path):
+    w = ArtifactWriter(256)
+    w.add_object("a", feature="text", dtype="f32", shape=(4,), nbytes=16, source=lambda: [b"\0" * 16])
+    w.add_binding(Binding(name="a", feature="text", object="a", shape=(4,), rows=(2, 6)))
+    with pytest.raises(ArtifactError, match="rows \\[2, 6\\] are outside object 'a'"):
+        w.write(tmp_path / "x.ninfer", metadata=META, config={}, features=("text",))
+    assert os.listdir(tmp_path) == []

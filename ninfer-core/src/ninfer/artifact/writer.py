@@ -123,7 +123,7 @@ class ArtifactWriter:
         try:
             with os.fdopen(fd, "wb") as f, ThreadPoolExecutor(max_workers=1) as crc_pool:
                 final = []
-                done = 0
+                done, payload = 0, sum(p.obj.nbytes for p in self._objects.values())
                 for pending in self._objects.values():
                     obj = pending.obj
                     f.seek(data_start + obj.offset)
@@ -139,7 +139,7 @@ class ArtifactWriter:
                         written += len(buf)
                         done += len(buf)
                         if progress is not None:
-                            progress(done, self._end)
+                            progress(done, payload)
                     if written != obj.nbytes:
                         raise ArtifactError(f"object {obj.id!r}: source gave {written} bytes, expected {obj.nbytes}")
                     final.append(attrs.evolve(obj, checksum=checksum_text(crc)))
