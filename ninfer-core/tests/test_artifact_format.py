@@ -248,3 +248,28 @@ def test_bad_binding_is_refused_before_writing(tmp_path):
     with pytest.raises(ArtifactError, match="rows \\[2, 6\\] are outside object 'a'"):
         w.write(tmp_path / "x.ninfer", metadata=META, config={}, features=("text",))
     assert os.listdir(tmp_path) == []
+
+
+def _nvfp4_writer(planes):
+    w = ArtifactWriter(256)
+    size = max(p.offset + p.nbytes for p in planes)
+    w.add_object("q", feature="text", format="nvfp4", dtype="u8", shape=(4, 32), nbytes=size, planes=planes,
+                 block=(1, 16), source=lambda: [b"\x11" * size])
+    w.add_binding(Binding(name="q.weight", feature="text", object="q", shape=(4, 32)))
+    return w
+
+
+def test_quantized_slots_are_specified_but_not_materialized(tmp_path):
+    from ninfer.artifact import Plane
+
+    planes = (Plane(name="data", dtype="u8", shape=(4, 16), offset=0, nbytes=64),
+              Plane(name="scale", dtype="f8_e4m3", shape=(4, 2), offset=64, nbytes=8),
+              Plane(name="global_scale", dtype="f32", shape=(1,), offset=72, nbytes=4))
+    _nvfp4_writer(planes).write(tmp_path / "q.ninfer", metadata=META, config={}, features=("text",))
+    with open_artifact(tmp_path / "q.ninfer") as art:
+        assert [p.name for p in art.objects["q"].planes] == ["data", "scale", "global_scale"]
+        with pytest.raises(ArtifactError, match="format 'nvfp4'; only dense objects are materialized"):
+            load_weights(art)
+    bad = (planes[0], planes[2], planes[1])
+    with pytest.raises(ArtifactError, match="has planes"):
+        _nvfp4_writer(bad).write(tmp_path / "bad.ninfer", metadata=META, config={}, features=("text",))
