@@ -1,5 +1,6 @@
 """Real Qwen3.5 vocabulary: encoding matches the reference BPE, streaming detokenization is byte-exact."""
 
+import re
 import unicodedata
 
 import pytest
@@ -92,3 +93,13 @@ def test_token_ids_are_checked(frontend):
     prompt = frontend.prepare(TextInput(token_ids=[1, 248300]))
     session = frontend.open_session(prompt, SamplingParams())
     assert session.commit(session.preview([248300])).content == ""
+
+
+def test_artifact_special_tokens_must_match_the_tokenizer():
+    import attrs
+
+    resources = qwen35_frontend_resources()
+    with pytest.raises(ValueError, match=re.escape("'<|im_end|>' as id 7, but its tokenizer.json has 248046")):
+        QwenFrontend.from_resources(attrs.evolve(resources, special_tokens={"<|im_end|>": 7}))
+    with pytest.raises(ValueError, match="does not load"):
+        QwenFrontend.from_resources(attrs.evolve(resources, tokenizer_json="{not json"))

@@ -78,6 +78,10 @@ class QwenFrontend:
             except FileNotFoundError as e:
                 raise TemplateError(f"no built-in chat template {template!r}") from e
         tokenizer = QwenTokenizer(resources.tokenizer_json, embedding_vocab=resources.embedding_vocab)
+        for text, token_id in resources.special_tokens.items():
+            if tokenizer.token_id(text) != token_id:
+                raise ValueError(f"the artifact lists special token {text!r} as id {token_id}, but its "
+                                 f"tokenizer.json has {tokenizer.token_id(text)}")
         eos = tuple(resources.eos_token_ids) or _eos_from_generation_config(resources.generation_config)
         return cls(tokenizer, chat_template=template, eos_token_ids=eos, generation_config=resources.generation_config)
 
