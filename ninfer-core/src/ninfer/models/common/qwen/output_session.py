@@ -1,8 +1,8 @@
 """Per-request output interpretation for the Qwen family: preview/commit of stop handling, streaming
 detokenization, the thinking/content channels and XML tool calls.
 
-Tokens flow through four pure stages, each with immutable state, so ``preview`` computes the next state and
-the delta without touching the session and ``commit`` only swaps the state in:
+Tokens flow through four stages. ``preview`` runs them on a copy of the committed state, so it changes
+nothing; ``commit`` swaps the previewed state in:
 
 1. stop tokens (model side eos ids and the request's ``stop_token_ids``) end the output at that token;
 2. UTF-8 assembly: bytes of incomplete characters wait for the next token, never emitted broken;
