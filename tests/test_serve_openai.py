@@ -44,6 +44,15 @@ def chat(client, **kw):
     return client.chat.completions.create(model=MODEL_ID, **kw)
 
 
+def test_warmup_ran_through_the_engine_and_left_nothing(server):
+    m = scrape(server.url)  # first test of the module: only warmup has run
+    assert m["ninfer:request_success_total"] == 4 and m["ninfer:generation_tokens_total"] == 16  # 4 x 4 tokens
+    for gauge in ("num_requests_running", "num_requests_waiting", "num_requests_paused", "num_requests_outstanding",
+                  "kv_cache_pages_used", "kv_cache_pages_reserved", "state_slots_used", "host_bytes_used"):
+        assert m[f"ninfer:{gauge}"] == 0, gauge
+    assert "warmup done" in server.log()
+
+
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL_ID]
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
