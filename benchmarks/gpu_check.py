@@ -476,12 +476,11 @@ def check_paged_attention_decode(ctx: Ctx) -> None:
         poison(out)
         paged_attention(*args, out=out)
         moved, _ = _attn_cost(ctx, seqs)
-        splits = _decode_splits(len(seqs), args[1].shape[2], args[7], 64)
+        splits = _decode_splits(len(seqs), args[1].shape[2], args[7], 32)
         label = f"B={len(seqs)} ctx={'mixed' if len({c for _, c in seqs}) > 1 else seqs[0][1] + 1}"
         ctx.record(label, out, _attn_ref(ctx, args), 1e-2, make=lambda seqs=seqs: _attn_call(ctx, seqs),
                    nbytes=moved, note=f"splits {splits}")
-        for splits_v, tile in ((max(1, splits // 2), 64), (min(64, splits * 2), 64), (splits, 32),
-                               (min(64, splits * 4), 32)):
+        for splits_v, tile in ((max(1, splits // 2), 32), (min(64, splits * 2), 32), (splits, 64)):
             ctx.timing(f"{label} splits {splits_v} tile {tile}", nbytes=moved,
                        make=lambda seqs=seqs, s=splits_v, t=tile: _attn_call(ctx, seqs, num_splits=s, tile_n=t))
 
@@ -501,7 +500,7 @@ def check_paged_attention_prefill(ctx: Ctx) -> None:
         label = " + ".join(f"q{q}@{c}" for q, c in seqs)
         ctx.record(label, out, _attn_ref(ctx, args), 1e-2, make=lambda seqs=seqs: _attn_call(ctx, seqs),
                    nbytes=moved, flops=flops)
-        for block_q, tile, warps, stages in ((16, 64, 8, 2), (32, 64, 8, 3), (32, 32, 4, 2), (64, 32, 8, 2)):
+        for block_q, tile, warps, stages in ((32, 64, 8, 2), (32, 32, 8, 3), (16, 64, 4, 3)):
             ctx.timing(f"{label} bq {block_q} tile {tile} w{warps} s{stages}", nbytes=moved, flops=flops,
                        make=lambda seqs=seqs, bq=block_q, t=tile, w=warps, s=stages: _attn_call(
                            ctx, seqs, block_q=bq, tile_n=t, num_warps=w, num_stages=s))

@@ -61,23 +61,27 @@ def _conv1d_prefill_kernel(
     s_xt, s_xc, s_wc, s_wk, s_csc, s_csk, s_yt, s_yc,
     T, C, HAS_STATE: tl.constexpr, KW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    tt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    pid_t = tl.program_id(0)
+    tt = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     cc = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = cc < C
+    x_rows = x_ptr + cc[None, :] * s_xc
     acc = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
     for j in tl.static_range(KW):
-        # Tap j multiplies input t - (KW-1) + j; negative times come from the state (column KW-1 + src).
+        # Tap j multiplies input t - (KW-1) + j.
         src = tt - (KW - 1) + j
-        from_x = (src >= 0) & (tt < T)
-        xv = tl.load(x_ptr + src[:, None] * s_xt + cc[None, :] * s_xc, mask=from_x[:, None] & c_ok[None, :],
-                     other=0.0).to(tl.float32)
-        if HAS_STATE:
-            from_s = (src < 0) & (tt < T)
-            sv = tl.load(cs_ptr + cc[None, :] * s_csc + (src + KW - 1)[:, None] * s_csk,
-                         mask=from_s[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
-            xv += sv
+        xv = tl.load(x_rows + src[:, None] * s_xt, mask=((src >= 0) & (tt < T))[:, None] & c_ok[None, :], other=0.0)
         w = tl.load(w_ptr + cc * s_wc + j * s_wk, mask=c_ok, other=0.0).to(tl.float32)
-        acc += xv * w[None, :]
+        acc += xv.to(tl.float32) * w[None, :]
+    if HAS_STATE:
+        if pid_t == 0:
+            # Only the first K-1 outputs reach back into the state (column KW-1 + src for src < 0).
+            for j in tl.static_range(KW - 1):
+                src = tt - (KW - 1) + j
+                sv = tl.load(cs_ptr + cc[None, :] * s_csc + (src + KW - 1)[:, None] * s_csk,
+                             mask=((src < 0) & (tt < T))[:, None] & c_ok[None, :], other=0.0)
+                w = tl.load(w_ptr + cc * s_wc + j * s_wk, mask=c_ok, other=0.0).to(tl.float32)
+                acc += sv.to(tl.float32) * w[None, :]
     y = acc * tl.sigmoid(acc)
     tl.store(y_ptr + tt[:, None] * s_yt + cc[None, :] * s_yc, y.to(y_ptr.dtype.element_ty),
              mask=(tt < T)[:, None] & c_ok[None, :])
@@ -116,9 +120,10 @@ def causal_conv1d_prefill(x, weight, conv_state, has_initial_state: bool, *, out
         out = torch.empty_like(x)
     if T == 0:
         return out
+    block_t = max(block_t, triton.next_power_of_2(KW - 1))  # the state reaches into the first block only
     _conv1d_prefill_kernel[(triton.cdiv(T, block_t), triton.cdiv(C, block_c))](
         x, weight, conv_state, out, *x.stride(), *weight.stride(), *conv_state.stride(), *out.stride(),
-        T, C, HAS_STATE=bool(has_initial_state), KW=KW, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=4,
+        T, C, HAS_STATE=bool(has_initial_state), KW=KW, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=8,
     )
     # A second launch, so every read of the old state above happens before it is overwritten.
     _conv1d_state_kernel[(triton.cdiv(C, 256),)](

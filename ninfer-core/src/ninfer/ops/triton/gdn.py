@@ -59,12 +59,9 @@ def _gdn_decode_kernel(
 
 
 def _default_block_v(batch: int, hv: int, dv: int) -> int:
-    # Enough programs to keep every SM streaming (about four per SM on an H200), but columns of at least 16
-    # fp32 values (64-byte rows) so the state loads stay wide.
-    block_v = min(triton.next_power_of_2(dv), 64)
-    while block_v > 16 and batch * hv * triton.cdiv(dv, block_v) < 512:
-        block_v //= 2
-    return block_v
+    # Measured on the H200 (Qwen3.5-9B, HV 32, Dv 128): 16 columns per program is best up to B=4 (more
+    # programs in flight), 32 from about 1024 programs on (B=8: 12.7 us, 2.65 TB/s).
+    return 32 if batch * hv * triton.cdiv(dv, 32) >= 1024 else 16
 
 
 def gdn_decode(q, k, v, g, beta, states, slots, *, out=None, block_v: int | None = None, num_warps: int = 4):
