@@ -215,3 +215,13 @@ def test_convert_tiny_makes_a_checkpoint_when_empty(tmp_path):
     out = convert_tiny(tmp_path / "empty", tmp_path / "t.ninfer")
     with open_artifact(out) as art:
         assert art.features == ("text", "mtp")
+
+
+def test_tied_checkpoint_with_a_stray_lm_head_copy(tmp_path):
+    ckpt = make_tiny_checkpoint(tmp_path / "tied", layout="text", tie_word_embeddings=True, mtp=False)
+    _edit_tensors(ckpt, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"].clone()}))
+    summary = convert_checkpoint(ckpt, tmp_path / "m.ninfer")
+    assert summary.skipped == ("lm_head.weight",) and summary.features == ("text",)
+    with open_artifact(tmp_path / "m.ninfer") as art:
+        assert "lm_head.weight" not in art.bindings
+        assert any(u.site == "lm_head" and u.binding == "model.embed_tokens.weight" for u in art.uses)

@@ -119,6 +119,8 @@ class Qwen35SourceMapping:
         self.config = config
 
     def canonical_name(self, source_name: str) -> tuple[str, str] | None:
+        if source_name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return None  # some tied checkpoints still ship a copy; the tied head is a Use of the embedding
         return canonical_name(source_name)
 
     def configured_features(self) -> tuple[str, ...]:
