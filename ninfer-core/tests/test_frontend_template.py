@@ -120,6 +120,9 @@ def test_environment_matches_checkpoint_templates():
     loop = ChatTemplate("{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m.content }}"
                         "{% endfor %}")
     assert loop.render([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]) == "a"
+    marked = ChatTemplate("{% for m in messages %}{% generation %}[{{ m.content }}]{% endgeneration %}{% endfor %}"
+                          "{{ {'k': 'v'}|tojson(indent=1) }}")
+    assert marked.render([{"role": "assistant", "content": "a"}]) == '[a]{\n "k": "v"\n}'
 
 
 @pytest.mark.parametrize(("source", "match"), [

@@ -30,14 +30,25 @@ def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
 
 
-def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False) -> str:
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+            sort_keys: bool = False) -> str:
     # Jinja's own tojson HTML-escapes <>&' and sorts keys; templates expect plain json.dumps text.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, sort_keys=sort_keys)
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class _GenerationBlocks(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` (transformers marks assistant tokens with it): render the body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
 def _environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationBlocks])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
