@@ -174,6 +174,7 @@ def test_raw_sse_framing(server):
     ({"model": MODEL_ID, "messages": HI, "temperature": 3}, 400, "temperature"),
     ({"model": MODEL_ID, "messages": HI, "top_p": 0}, 400, "top_p"),
     ({"model": MODEL_ID, "messages": HI, "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL_ID, "messages": HI, "max_tokens": 5000}, 400, "max_tokens"),
     ({"model": MODEL_ID, "messages": HI, "top_logprobs": 50, "logprobs": True}, 400, "top_logprobs"),
     ({"model": MODEL_ID, "messages": HI, "n": 2}, 400, "n"),
     ({"model": MODEL_ID, "messages": [{"role": "user", "content": [

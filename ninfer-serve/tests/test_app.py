@@ -111,7 +111,8 @@ def test_bad_input_never_reaches_the_engine(engine):
     c = client(engine)
     cases = [(b"{not json", 400), (json.dumps({**CHAT, "temperature": 9}).encode(), 400),
              (json.dumps({**CHAT, "surprise": 1}).encode(), 400), (json.dumps({**CHAT, "n": 4}).encode(), 400),
-             (json.dumps({**CHAT, "model": "other"}).encode(), 404)]
+             (json.dumps({**CHAT, "model": "other"}).encode(), 404),
+             (json.dumps({**CHAT, "max_tokens": 128}).encode(), 400)]
     for raw, status in cases:
         r = c.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
         assert r.status_code == status, r.text

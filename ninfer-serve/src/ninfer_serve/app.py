@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -28,6 +29,8 @@ from ninfer_serve.metrics import GatewayMetrics
 from ninfer_serve.responses import DONE, ChatResponse, CompletionResponse
 from ninfer_serve.schemas import ChatCompletionRequest, CompletionRequest, parse_json, structure
 from ninfer_serve.translate import chat_request, completion_request
+
+log = logging.getLogger("ninfer_serve")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -111,13 +114,23 @@ class Gateway:
         req = structure(parse_json(await request.body()), ChatCompletionRequest)
         self._check_model(req.model)
         gen, options = chat_request(req, queue_timeout_s=self.queue_timeout_s)
+        self._check_budget(gen)
         return await self._generate(request, "chat", gen, options, ChatResponse)
 
     async def completions(self, request: Request) -> Response:
         req = structure(parse_json(await request.body()), CompletionRequest)
         self._check_model(req.model)
         gen, options = completion_request(req, queue_timeout_s=self.queue_timeout_s)
+        self._check_budget(gen)
         return await self._generate(request, "completions", gen, options, CompletionResponse)
+
+    def _check_budget(self, gen: Any) -> None:
+        """A generation budget that cannot fit the context even after a one-token prompt is out of range."""
+        limit = self.engine.max_model_len
+        wanted = gen.sampling.max_tokens
+        if wanted is not None and wanted > limit - 1:
+            raise APIError(400, f"max_tokens {wanted} does not fit this model's context limit of {limit} tokens "
+                           f"(at most {limit - 1} with a one-token prompt)", param="max_tokens")
 
     async def _submit(self, gen: Any) -> Any:
         try:
@@ -216,6 +229,7 @@ def create_app(engine: Any, *, model_id: str | None = None, queue_timeout_s: flo
         return APIError(exc.status_code, str(exc.detail), type=etype).response()
 
     async def internal_error(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
         return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="internal_server_error").response()
 
     routes = [
