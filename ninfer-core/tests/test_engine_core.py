@@ -27,6 +27,8 @@ from ninfer.contract.request import GenerationRequest, SamplingParams
 from ninfer.contract.state import KVPoolSpec, StateField, StateImageLayout
 
 EOS = 0
+REJECTED_BY_PROGRAM = 48   # the ledger Program refuses prompts holding this id (validation at binding)
+UNREADABLE = 47            # the token Frontend's OutputSession cannot interpret this id
 PAGE_BYTES = 64
 
 
@@ -115,6 +117,8 @@ class LedgerProgram:
     # -- Program protocol ----------------------------------------------------------------------------
     def open_sequence(self, prompt: PreparedPrompt, sampling: SamplingParams) -> int:
         self._call("open_sequence")
+        if REJECTED_BY_PROGRAM in prompt.token_ids:
+            raise ValueError(f"token {REJECTED_BY_PROGRAM} is outside this Program's vocabulary")
         assert len(self.seqs) < self.slots, "no free state slot"
         sid, self.next_id = self.next_id, self.next_id + 1
         self.seqs[sid] = Seq(inputs=list(prompt.token_ids), prompt_len=len(prompt), sampling=sampling)
@@ -234,8 +238,11 @@ class TokenSession:
     def __init__(self, sampling: SamplingParams) -> None:
         self.stops = {EOS, *sampling.stop_token_ids} - ({EOS} if sampling.ignore_eos else set())
         self.committed: list[int] = []
+        self.fragile = sampling.stop == ("fragile",)  # tests ask for a session that fails on UNREADABLE
 
     def preview(self, tokens: Sequence[int], *, at_length_limit: bool = False) -> Preview:
+        if self.fragile and UNREADABLE in tokens:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
         for i, t in enumerate(tokens):
             if t in self.stops:
                 return Preview(accepted=i + 1, finish_reason=FinishReason.STOP,
@@ -323,7 +330,7 @@ def req(prompt, **sampling) -> GenerationRequest:
 
 
 def prompts(n, rng, lo=1, hi=30):
-    return [[rng.randrange(1, 50) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+    return [[rng.randrange(1, 47) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
 def drained(engine: Engine) -> None:
@@ -547,7 +554,7 @@ def test_randomized_lifecycle(seed):
                       bypass_limit=rng.choice([0, 1, 2]))
     specs, handles, expected = [], [], []
     for _ in range(24):
-        p = [rng.randrange(1, 50) for _ in range(rng.randint(1, 24))]
+        p = [rng.randrange(1, 47) for _ in range(rng.randint(1, 24))]
         s = dict(max_tokens=rng.randint(1, 40), ignore_eos=rng.random() < 0.7)
         if rng.random() < 0.3:
             s.update(temperature=0.7, seed=rng.randrange(100))
@@ -607,3 +614,44 @@ def test_fresh_admission_bypasses_a_paused_request_at_most_the_bound(limit):
     assert eng._core.scheduler.max_bypass_seen == limit
     drained(eng)
     eng.close()
+
+
+def test_frontend_failure_ends_only_that_request():
+    rng = random.Random(3)
+    with make_engine(max_concurrency=4) as eng:
+        # Find prompts whose greedy output reaches UNREADABLE (fragile) and ones that do not.
+        fragile = next(p for p in prompts(200, rng, 1, 8)
+                       if UNREADABLE in reference_tokens(p, SamplingParams(max_tokens=30, ignore_eos=True))
+                       and REJECTED_BY_PROGRAM not in p)
+        healthy = [[1, 2, 3], [4, 5]]
+        hs = [eng.submit(req(fragile, max_tokens=30, ignore_eos=True, stop=("fragile",)))]
+        hs += [eng.submit(req(p, max_tokens=20, ignore_eos=True)) for p in healthy]
+        bad, *good = [h.result(timeout=10) for h in hs]
+        assert bad.finish_reason is FinishReason.ERROR and bad.extra["error_kind"] == "request_failed"
+        assert "UnicodeDecodeError" in bad.error
+        assert UNREADABLE not in bad.token_ids  # the failing row accepted nothing
+        for p, r in zip(healthy, good, strict=True):
+            assert list(r.token_ids) == reference_tokens(p, SamplingParams(max_tokens=20, ignore_eos=True))
+        assert not eng.failed
+        drained(eng)
+
+
+def test_program_validation_at_binding_is_a_request_error():
+    with make_engine(max_concurrency=1) as eng:
+        h = eng.submit(req([1, REJECTED_BY_PROGRAM, 2]))
+        ok = eng.submit(req([1, 2]))
+        r = h.result(timeout=10)
+        assert r.finish_reason is FinishReason.ERROR and r.extra["error_kind"] == "invalid"
+        assert "vocabulary" in r.error and not eng.failed
+        assert ok.result(timeout=10).finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+        drained(eng)
+
+
+def test_a_request_that_can_never_fit_ends_with_a_capacity_error():
+    with make_engine(max_concurrency=2, pages=2, prefill_chunk=16) as eng:
+        first_chunk_too_big = eng.submit(req(list(range(1, 13))))  # 12 positions > 2 pages of 4
+        grows_too_big = eng.submit(req([1, 2], max_tokens=40, ignore_eos=True))  # outgrows 8 positions
+        r1, r2 = first_chunk_too_big.result(timeout=10), grows_too_big.result(timeout=10)
+        assert r1.extra["error_kind"] == "capacity" and r1.usage.completion_tokens == 0
+        assert r2.extra["error_kind"] == "capacity" and 1 <= r2.usage.completion_tokens <= 7
+        drained(eng)

@@ -39,6 +39,8 @@ from ninfer.engine.errors import (
     EngineFailed,
     Overloaded,
     QueueTimeout,
+    RequestFailed,
+    Unrepresentable,
 )
 from ninfer.engine.metrics import EngineMetrics, MetricsRecorder
 from ninfer.engine.request import RequestRecord, RequestState
@@ -371,9 +373,17 @@ class EngineCore:
         self.admission_event = False
         while s.waiting and s.free_lanes > 0 and s.fresh_admission_open():
             rec = s.waiting[0]
-            seq = self.program.open_sequence(rec.prompt, rec.sampling)
+            try:
+                seq = self.program.open_sequence(rec.prompt, rec.sampling)
+            except ValueError as exc:  # the Program validates before binding: a request-level rejection
+                self._finish(rec, FinishReason.ERROR, Unrepresentable(f"request cannot be represented: {exc}"))
+                continue
             if not self.program.reserve_units(seq, min(self.prefill_chunk, len(rec.prompt))):
                 self.program.release(seq)
+                if not s.residents:  # the whole device is free and the first chunk still does not fit
+                    self._finish(rec, FinishReason.ERROR, CapacityExhausted(
+                        f"request {rec.request_id}: its first prefill chunk does not fit the Program's capacity"))
+                    continue
                 return
             s.waiting.popleft()
             now = time.monotonic()
@@ -416,7 +426,15 @@ class EngineCore:
             room = self._room(rec)
             tokens = row.tokens[:room]
             at_limit = len(tokens) >= room
-            pv = rec.session.preview(tokens, at_length_limit=at_limit)
+            try:
+                pv = rec.session.preview(tokens, at_length_limit=at_limit)
+            except Exception as exc:  # this request's output cannot be interpreted; its neighbours go on
+                log.exception("OutputSession.preview failed for %s", rec.request_id)
+                rec.frontend_error = exc
+                previews.append(None)
+                decisions.append(RowDecision(accepted=0, cancelled=True))
+                reasons.append(FinishReason.ERROR)
+                continue
             if not 1 <= pv.accepted <= len(tokens):
                 raise InvariantBroken(f"Frontend preview accepted {pv.accepted} of {len(tokens)} tokens")
             reason = pv.finish_reason
@@ -434,7 +452,7 @@ class EngineCore:
         now = time.monotonic()
         for rec, row, pv, d, reason in zip(recs, batch.rows, previews, decisions, reasons, strict=True):
             if pv is None:
-                self._finish(rec, reason)
+                self._finish(rec, reason, _frontend_error(rec))
                 continue
             accepted = row.tokens[:d.accepted]
             # Budget and scheduling accounting, then the OutputSession commit, then publication.
@@ -448,7 +466,13 @@ class EngineCore:
             if rec is self.scheduler.protected:
                 self.scheduler.protected = None  # real new progress ends the protected recovery
                 self.capacity_event = True
-            delta = rec.session.commit(pv)
+            try:
+                delta = rec.session.commit(pv)
+            except Exception as exc:  # model state is committed; only this request's output is lost
+                log.exception("OutputSession.commit failed for %s", rec.request_id)
+                rec.frontend_error = exc
+                self._finish(rec, FinishReason.ERROR, _frontend_error(rec))
+                continue
             rec.token_ids.extend(accepted)
             self._publish_delta(rec, delta)
             if reason is not None:
@@ -499,7 +523,12 @@ class EngineCore:
         rec.state = RequestState.FINISHED
         self.capacity_event = self.admission_event = self.changed = True
         if rec.session is not None and was_admitted and error is None:
-            self._publish_delta(rec, rec.session.finish(reason))
+            try:
+                self._publish_delta(rec, rec.session.finish(reason))
+            except Exception as exc:
+                log.exception("OutputSession.finish failed for %s", rec.request_id)
+                rec.frontend_error = exc
+                error = _frontend_error(rec)
         self._complete(rec, reason, error)
 
     def _complete(self, rec: RequestRecord, reason: FinishReason, error: BaseException | None) -> None:
@@ -552,6 +581,16 @@ class EngineCore:
         s.paused.clear()
         s.protected = None
         self.by_seq.clear()
+
+
+def _frontend_error(rec: RequestRecord) -> BaseException | None:
+    exc = rec.frontend_error
+    if exc is None:
+        return None
+    err = RequestFailed(f"request {rec.request_id}: the Frontend could not interpret the output: "
+                        f"{type(exc).__name__}: {exc}")
+    err.__cause__ = exc
+    return err
 
 
 def _quietly(fn, *args) -> None:

@@ -64,3 +64,10 @@ class CapacityExhausted(EngineError):
 
     kind = "capacity"
     http_status = 500
+
+
+class RequestFailed(EngineError):
+    """This request alone could not continue (e.g. its output could not be interpreted); the engine is healthy."""
+
+    kind = "request_failed"
+    http_status = 500

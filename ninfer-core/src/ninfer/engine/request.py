@@ -62,6 +62,7 @@ class RequestRecord:
     deadline_at: float | None = None
     queue_deadline_at: float | None = None
     cancel_reason: FinishReason | None = None
+    frontend_error: BaseException | None = None  # the OutputSession failed on this request's output
 
     @property
     def request_id(self) -> str:
