@@ -67,8 +67,10 @@ def _score(args: argparse.Namespace, text: str) -> int:
     options = {"cuda_graphs": False}
     if args.dtype:
         options["dtype"] = args.dtype
-    instance, name = build_instance(args.model, device=device, features=StartupFeatures(), max_concurrency=1,
-                                    device_budget_bytes=None, program_options=options, host=args.host)
+    # the artifact stays referenced while scoring: loaded weights may borrow its mapping
+    instance, name, artifact = build_instance(args.model, device=device, features=StartupFeatures(),
+                                              max_concurrency=1, device_budget_bytes=None,
+                                              program_options=options, host=args.host)
     program = instance.program
     ids = instance.frontend.prepare(TextInput(text=text)).token_ids
     window = args.window if args.window is not None else min(DEFAULT_WINDOW, program.max_model_len)
