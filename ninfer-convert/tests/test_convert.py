@@ -225,3 +225,15 @@ def test_tied_checkpoint_with_a_stray_lm_head_copy(tmp_path):
     with open_artifact(tmp_path / "m.ninfer") as art:
         assert "lm_head.weight" not in art.bindings
         assert any(u.site == "lm_head" and u.binding == "model.embed_tokens.weight" for u in art.uses)
+
+
+def test_vision_tensors_are_validated_too(vl_ckpt, tmp_path):
+    index = json.loads((vl_ckpt / "model.safetensors.index.json").read_text())
+    name = "model.visual.blocks.1.attn.qkv.bias"
+    shard = vl_ckpt / index["weight_map"][name]
+    tensors = dict(load_file(str(shard)))
+    tensors.pop(name)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    index["weight_map"].pop(name)
+    (vl_ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    _fails(vl_ckpt, tmp_path, r"missing tensor 'visual\.blocks\.1\.attn\.qkv\.bias' \(vision\)")

@@ -87,6 +87,40 @@ def expected_parameters(c: Qwen35Config, features: tuple[str, ...] = ("text",)) 
     return out
 
 
+# HF Qwen3_5VisionConfig defaults, for keys a config.json leaves out.
+_VISION_DEFAULTS = {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "in_channels": 3, "patch_size": 16,
+                    "temporal_patch_size": 2, "spatial_merge_size": 2, "num_position_embeddings": 2304}
+
+
+def vision_parameters(c: Qwen35Config) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Logical name -> ("vision", shape) of the vision tower (qwen35_arch.md section 3), from config.vision."""
+    if not c.vision:
+        return {}
+    v = {**_VISION_DEFAULTS, **c.vision}
+    h, inter = v["hidden_size"], v["intermediate_size"]
+    out_h = v.get("out_hidden_size", c.hidden_size)
+    merged = h * v["spatial_merge_size"] ** 2
+    shapes: dict[str, tuple[int, ...]] = {
+        "visual.patch_embed.proj.weight": (h, v["in_channels"], v["temporal_patch_size"], v["patch_size"],
+                                           v["patch_size"]),
+        "visual.patch_embed.proj.bias": (h,),
+        "visual.pos_embed.weight": (v["num_position_embeddings"], h),
+        "visual.merger.norm.weight": (h,), "visual.merger.norm.bias": (h,),
+        "visual.merger.linear_fc1.weight": (merged, merged), "visual.merger.linear_fc1.bias": (merged,),
+        "visual.merger.linear_fc2.weight": (out_h, merged), "visual.merger.linear_fc2.bias": (out_h,),
+    }
+    for j in range(v["depth"]):
+        b = f"visual.blocks.{j}."
+        shapes.update({
+            b + "norm1.weight": (h,), b + "norm1.bias": (h,), b + "norm2.weight": (h,), b + "norm2.bias": (h,),
+            b + "attn.qkv.weight": (3 * h, h), b + "attn.qkv.bias": (3 * h,),
+            b + "attn.proj.weight": (h, h), b + "attn.proj.bias": (h,),
+            b + "mlp.linear_fc1.weight": (inter, h), b + "mlp.linear_fc1.bias": (inter,),
+            b + "mlp.linear_fc2.weight": (h, inter), b + "mlp.linear_fc2.bias": (h,),
+        })
+    return {n: ("vision", shape) for n, shape in shapes.items()}
+
+
 def fused_parents(c: Qwen35Config) -> list[FusedParent]:
     """Projections stored as one physical parent so one matmul serves them (LinearSplit)."""
     groups: list[FusedParent] = []
@@ -113,7 +147,7 @@ def fused_parents(c: Qwen35Config) -> list[FusedParent]:
 class Qwen35SourceMapping:
     """The ``source_mapping`` contract (``ninfer.artifact.mapping.SourceMapping``) for one Qwen3.5 config."""
 
-    validated_features = ("text", "mtp")
+    validated_features = ("text", "mtp", "vision")
 
     def __init__(self, config: Qwen35Config) -> None:
         self.config = config
@@ -132,7 +166,10 @@ class Qwen35SourceMapping:
         return tuple(out)
 
     def expected_parameters(self, features: tuple[str, ...]) -> dict[str, tuple[str, tuple[int, ...]]]:
-        return expected_parameters(self.config, features)
+        out = expected_parameters(self.config, features)
+        if "vision" in features:
+            out.update(vision_parameters(self.config))
+        return out
 
     def fused_parents(self) -> list[FusedParent]:
         return fused_parents(self.config)

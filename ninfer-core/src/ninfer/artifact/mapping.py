@@ -16,8 +16,8 @@ from ninfer.models.common.weights import FusedParent
 
 @runtime_checkable
 class SourceMapping(Protocol):
-    # Features whose every parameter the mapping can name and shape (e.g. text, mtp); others (vision) are
-    # stored as found under their canonical names.
+    # Features whose every parameter the mapping can name and shape (Qwen3.5: text, mtp, vision); tensors of
+    # other features are stored as found under their canonical names.
     validated_features: tuple[str, ...]
 
     def canonical_name(self, source_name: str) -> tuple[str, str] | None:
