@@ -4,7 +4,7 @@ Each step is what the engine runs per cycle for B decode-ready rows: ``reserve_u
 ``Program.decode`` of exactly B rows (CUDA graph replay on GPU unless --eager), and ``Program.commit``
 of every row's token. Sequences first prefill ``--context`` random prompt tokens.
 
-    python -m benchmarks.decode_step --shape 9b --device cuda --batch 1 2 3 4 5 6 7 8 [--eager] [--json out.json]
+    python -m benchmarks.decode_step --shape 9b --device cuda --batch 1 2 3 4 5 6 7 8 [--eager] [--engine] [--json out.json]
     python -m benchmarks.decode_step --shape tiny --device cpu --steps 3       # smoke run (the test uses it)
 """
 
@@ -105,6 +105,34 @@ def measure(program, config, device: str, B: int, *, context: int, steps: int, w
             "graphs": program.graphs is not None}
 
 
+def measure_engine(program, config, device: str, B: int, *, context: int, steps: int) -> dict:
+    """The same B rows through ``ninfer.Engine`` (scheduler, PendingBatch commit, Frontend, events):
+    mean inter-token gap per request, i.e. the engine's cycle time with B decode rows."""
+    from ninfer.contract.model import ModelInstance
+    from ninfer.contract.prompt import TextInput
+    from ninfer.contract.request import GenerationRequest, SamplingParams
+    from ninfer.contract.resources import FrontendResources
+    from ninfer.engine.engine import Engine
+    from ninfer.models.common.qwen.frontend import QwenFrontend
+    from ninfer.testing.checkpoints import make_tokenizer_json
+
+    frontend = QwenFrontend.from_resources(FrontendResources(tokenizer_json=make_tokenizer_json()[0],
+                                                             embedding_vocab=config.vocab_size))
+    inst = ModelInstance(architecture="qwen35", config=config, model=program.model, parameters=None,
+                         frontend=frontend, program=program)
+    gen = torch.Generator().manual_seed(100 + B)
+    with Engine.from_instance(inst, max_concurrency=program.max_concurrency, device=device,
+                              prefill_chunk=512) as engine:
+        handles = [engine.submit(GenerationRequest(
+            input=TextInput(token_ids=tuple(torch.randint(0, config.vocab_size, (context,), generator=gen).tolist())),
+            sampling=SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True))) for _ in range(B)]
+        for h in handles:
+            h.result()
+        m = engine.metrics()
+    gap = m.inter_token.total / m.inter_token.count * 1e3
+    return {"batch": B, "engine_ms_per_step": gap, "engine_tokens_per_s": B / gap * 1e3}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="9b", choices=sorted(SHAPES))
@@ -115,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
                     help="weights/activations (default bfloat16 on GPU, float32 on CPU)")
+    ap.add_argument("--engine", action="store_true",
+                    help="also run the B rows through ninfer.Engine (mean inter-token gap per request)")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     args = ap.parse_args(argv)
     if not all(1 <= b <= 8 for b in args.batch):
@@ -127,12 +157,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {args.shape} on {args.device} ({dtype}), context {args.context}, {args.steps} steps; "
           f"built in {time.perf_counter() - t0:.1f} s; graphs: {program.graphs is not None}"
           + (f" ({program.graph_error})" if getattr(program, "graph_error", None) else ""), flush=True)
-    print(f"{'B':>2} {'ms/step':>9} {'mean':>9} {'tok/s':>9}")
+    print(f"{'B':>2} {'ms/step':>9} {'mean':>9} {'tok/s':>9}" + (f" {'engine ms':>10} {'engine tok/s':>12}"
+                                                                  if args.engine else ""))
     rows = []
     for B in args.batch:
         r = measure(program, config, args.device, B, context=args.context, steps=args.steps)
+        line = f"{B:>2} {r['ms_median']:>9.3f} {r['ms_mean']:>9.3f} {r['tokens_per_s']:>9.1f}"
+        if args.engine:
+            r.update(measure_engine(program, config, args.device, B, context=args.context, steps=args.steps))
+            line += f" {r['engine_ms_per_step']:>10.3f} {r['engine_tokens_per_s']:>12.1f}"
         rows.append(r)
-        print(f"{B:>2} {r['ms_median']:>9.3f} {r['ms_mean']:>9.3f} {r['tokens_per_s']:>9.1f}", flush=True)
+        print(line, flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"shape": args.shape, "device": args.device, "dtype": str(dtype), "context": args.context,

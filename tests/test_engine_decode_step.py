@@ -25,10 +25,10 @@ def _one_cpu_thread():
 def test_decode_step_benchmark_smoke(tmp_path, capsys):
     out = tmp_path / "rows.json"
     assert main(["--shape", "tiny", "--device", "cpu", "--steps", "2", "--context", "6", "--batch", "1", "2",
-                 "--json", str(out)]) == 0
+                 "--engine", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["batch"] for r in rows] == [1, 2]
-    assert all(r["ms_median"] > 0 and r["tokens_per_s"] > 0 for r in rows)
+    assert all(r["ms_median"] > 0 and r["tokens_per_s"] > 0 and r["engine_ms_per_step"] > 0 for r in rows)
     assert "ms/step" in capsys.readouterr().out
 
 
