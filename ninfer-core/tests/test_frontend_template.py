@@ -186,3 +186,15 @@ def test_frontend_template_selection_and_prompt():
         frontend.prepare(ChatInput(messages=[{"role": "user", "content": "a"}], tools=[{"type": "function"}]))
     with pytest.raises(ValueError, match="images or videos"):
         frontend.prepare(ChatInput(messages=[{"role": "user", "content": [{"type": "image"}, {"text": "x"}]}]))
+
+
+def test_empty_system_message_and_reasoning_split_from_content(template):
+    assert template.render([{"role": "system", "content": "  "}, {"role": "user", "content": "x"}],
+                           add_generation_prompt=False) == "<|im_start|>system\n<|im_end|>\n<|im_start|>user\nx<|im_end|>\n"
+    chat = [{"role": "user", "content": "x"},
+            {"role": "assistant", "content": "<think>\n\n r \n\n</think>\n\n\n  y  "},
+            {"role": "assistant", "content": "a</think>b", "reasoning_content": ""}]
+    assert template.render(chat, add_generation_prompt=False).split("<|im_start|>assistant\n")[1:] == [
+        "<think>\nr\n</think>\n\n  y<|im_end|>\n",  # as published: only newlines go after </think>
+        "<think>\n\n</think>\n\na</think>b<|im_end|>\n",  # a reasoning_content string is not split again
+    ]
