@@ -43,6 +43,7 @@ class DecodeGraphs:
         self._host = torch.zeros((B, 5), dtype=torch.int64, pin_memory=device.type == "cuda")
         self._host_tables = torch.full((B, max_pages), scratch_page, dtype=torch.int32,
                                        pin_memory=device.type == "cuda")
+        self._upload = torch.empty(B * max_pages, dtype=torch.int32, pin_memory=device.type == "cuda")
         self._row_key: list[object] = [None] * B
         self._row_len = [0] * B
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -112,7 +113,12 @@ class DecodeGraphs:
         self.seq_lens[:B].copy_(dev[:, 2].to(torch.int32))
         self.state_slots[:B].copy_(dev[:, 3])
         self.slot_mapping[:B].copy_(dev[:, 4])
-        self.block_tables[:B].copy_(ht[:B], non_blocking=True)
+        # Upload only the columns in use (a long max_model_len makes the full table large); the
+        # device entries past them keep stale but valid page ids that no kernel reads.
+        w = max(len(pages) for pages in tables)
+        staged = self._upload[:B * w].view(B, w)
+        staged.copy_(ht[:B, :w])
+        self.block_tables[:B, :w].copy_(staged, non_blocking=True)
 
     def replay(self, B: int) -> torch.Tensor:
         """Run the graph for B loaded rows; returns its logits buffer [B, V] (valid until the next replay).
