@@ -91,3 +91,22 @@ def test_forward_rejects_state_views_of_another_layout():
                             kv=[(torch.zeros(1, 16, 1, 16), torch.zeros(1, 16, 1, 16))], page_size=16)
     with pytest.raises(ValueError, match="do not match the config's StateImage layout"):
         model.forward(batch, state)
+
+
+def test_text_part_of_a_vl_checkpoint_binds_the_same_parameters():
+    from ninfer_qwen35.source_mapping import canonical_name
+
+    c = parse_config({"text_config": RAW, "vision_config": {"depth": 1}, "image_token_id": 5,
+                      "tie_word_embeddings": True})
+    flat = random_tensors(c)
+    vl = {("model.language_model." + n[len("model."):]) if n.startswith("model.") else n: t for n, t in flat.items()}
+    vl["model.visual.blocks.0.attn.qkv.weight"] = torch.zeros(3, 3)  # vision weights are not the text model's
+    text = {}
+    for name, t in vl.items():
+        feature, logical = canonical_name(name)
+        if feature == "text":
+            text[logical] = t
+    params = Qwen35Parameters.from_weights(c, WeightSet.from_tensors(text, fused_parents(c)))
+    ref = Qwen35Parameters.from_weights(c, WeightSet.from_tensors(flat, fused_parents(c)))
+    for a, b in zip(params.tensors(), ref.tensors(), strict=True):
+        assert torch.equal(a, b)
