@@ -301,3 +301,38 @@ def test_graph_input_buffers_decode_like_eager(tiny):
     static = make_program(tiny, static_decode=True)
     assert static.graphs is not None and not static.graphs.graphs  # buffers only, nothing captured on CPU
     assert scenario(static) == scenario(make_program(tiny))
+
+
+class _FailingOnce:
+    """The real model, except that one forward call raises after doing its work (a device error stand-in)."""
+
+    def __init__(self, model, fail_at):
+        self.model, self.calls, self.fail_at = model, 0, fail_at
+
+    def forward(self, batch, views):
+        out = self.model.forward(batch, views)
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("injected failure")
+        return out
+
+    def logits(self, hidden):
+        return self.model.logits(hidden)
+
+
+def test_failed_unit_rolls_back_and_recovers(tiny):
+    ref = generate(make_program(tiny), PROMPTS[0], 6)
+    _, cfg, model = tiny
+    prog = Qwen35Program(_FailingOnce(model, fail_at=3), state_layout=state_layout(cfg, "float32"),
+                         kv_pool=kv_pools(cfg, page_size=4, dtype="float32")[0], device="cpu", max_concurrency=1,
+                         num_pages=32, vocab_size=cfg.vocab_size)
+    sid = prog.open_sequence(PreparedPrompt(token_ids=PROMPTS[0]), GREEDY)
+    got = prefill_all(prog, sid) + decode_steps(prog, [sid], 1)[sid]  # forward calls 1 and 2
+    with pytest.raises(RuntimeError, match="injected"):
+        prog.decode([sid])
+    assert prog.usage().kv_pages_used == 0 and prog.input_remaining(sid) == len(PROMPTS[0]) + len(got) - 1
+    assert prefill_all(prog, sid) == []
+    got += decode_steps(prog, [sid], 4)[sid]
+    assert got == ref
+    prog.release(sid)
+    assert prog.usage().all_free

@@ -26,6 +26,7 @@ committed frontier. ``resume`` reserves the rebuild up to the old frontier plus 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -191,7 +192,7 @@ class Qwen35Program:
         batch = build_forward_batch([RowInput(tokens=seq.ledger[start:start + n], start=start, slot=seq.slot,
                                               pages=seq.pages, want_logits=sample)],
                                     self.page_size, self.device.torch)
-        with torch.inference_mode():
+        with self._unit([seq]), torch.inference_mode():
             hidden = self.model.forward(batch, self.views)
             seq.computed += n
             if not sample:
@@ -220,7 +221,7 @@ class Qwen35Program:
                                 f"{self.pool.allocator.num_free} free")
         for seq in seqs:
             self._hold_pages(seq, seq.computed + 1)
-        with torch.inference_mode():
+        with self._unit(seqs), torch.inference_mode():
             if self.graphs is not None:
                 self.graphs.load([s.ledger[s.computed] for s in seqs], [s.computed for s in seqs],
                                  [s.slot for s in seqs], [s.pages for s in seqs], [(s.id, s.pages_epoch) for s in seqs])
@@ -232,6 +233,17 @@ class Qwen35Program:
             for seq in seqs:
                 seq.computed += 1
             return self._sample("decode", seqs, logits, consumed=(1,) * len(seqs))
+
+    @contextlib.contextmanager
+    def _unit(self, seqs: list[SequenceRecord]):
+        """A unit that fails part way leaves its rows' state half written: roll them back, then re-raise."""
+        try:
+            yield
+        except BaseException:
+            for seq in seqs:
+                seq.pending = False
+                self._rollback(seq)
+            raise
 
     def _decode_logits(self, batch: ForwardBatch) -> torch.Tensor:
         """The graphed part of a decode step: forward + logits of every row."""
