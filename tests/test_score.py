@@ -94,3 +94,13 @@ def test_scoring_rejects_bad_settings(tiny):
         prog.release(sid)
     assert prog.usage().all_free
 
+
+
+def test_score_window_in_chunks_equals_full_forward(tiny):
+    hf, prog = tiny
+    ref = hf_logprobs(hf, TEXT)
+    lp = prog.score_window(TEXT, 1, chunk=40, logits_rows=16)  # several prefill chunks and logits blocks
+    assert torch.allclose(lp.double(), ref, atol=1e-4)
+    tail = prog.score_window(TEXT, 100, chunk=33)
+    assert torch.allclose(tail.double(), ref[99:], atol=1e-4)
+    assert prog.usage().all_free
