@@ -106,6 +106,21 @@ def test_chat_logprobs(client):
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob >= entry.top_logprobs[2].logprob
 
 
+def test_n_choices(client):
+    one = chat(client, extra_body={**NO_THINK, "ignore_eos": True})
+    three = chat(client, n=3, extra_body={**NO_THINK, "ignore_eos": True})
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert all(c.message.content == one.choices[0].message.content for c in three.choices)  # greedy
+    assert three.usage.completion_tokens == 24 and three.usage.prompt_tokens == one.usage.prompt_tokens
+    stream = chat(client, n=2, temperature=1.0, seed=99, stream=True, extra_body=NO_THINK)
+    texts = {0: "", 1: ""}
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    whole = chat(client, n=2, temperature=1.0, seed=99, extra_body=NO_THINK)
+    assert [c.message.content for c in whole.choices] == [texts[0], texts[1]]
+
+
 def test_seeded_sampling_is_reproducible(client):
     a = chat(client, temperature=1.0, seed=1234, extra_body=NO_THINK)
     b = chat(client, temperature=1.0, seed=1234, extra_body=NO_THINK)
@@ -176,7 +191,7 @@ def test_raw_sse_framing(server):
     ({"model": MODEL_ID, "messages": HI, "max_tokens": 0}, 400, "max_tokens"),
     ({"model": MODEL_ID, "messages": HI, "max_tokens": 5000}, 400, "max_tokens"),
     ({"model": MODEL_ID, "messages": HI, "top_logprobs": 50, "logprobs": True}, 400, "top_logprobs"),
-    ({"model": MODEL_ID, "messages": HI, "n": 2}, 400, "n"),
+    ({"model": MODEL_ID, "messages": HI, "n": 0}, 400, "n"),
     ({"model": MODEL_ID, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}]}, 400, "messages[0].content[0]"),
     ({"model": "nope", "messages": HI}, 404, "model"),

@@ -52,7 +52,7 @@ def test_tool_call_turn_becomes_openai_tool_calls(frontend):
     whole = ChatResponse("t", "tiny", ResponseOptions())
     for d in deltas:
         whole.delta(d)
-    body = whole.whole(result)
+    body = whole.whole([result])
     choice = body["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     assert choice["message"]["content"] == "Let me check."

@@ -110,7 +110,7 @@ def test_rejections_map_to_status(engine, script):
 def test_bad_input_never_reaches_the_engine(engine):
     c = client(engine)
     cases = [(b"{not json", 400), (json.dumps({**CHAT, "temperature": 9}).encode(), 400),
-             (json.dumps({**CHAT, "surprise": 1}).encode(), 400), (json.dumps({**CHAT, "n": 4}).encode(), 400),
+             (json.dumps({**CHAT, "surprise": 1}).encode(), 400), (json.dumps({**CHAT, "n": 40}).encode(), 400),
              (json.dumps({**CHAT, "model": "other"}).encode(), 404),
              (json.dumps({**CHAT, "max_tokens": 128}).encode(), 400)]
     for raw, status in cases:
@@ -135,3 +135,43 @@ def test_models_health_metrics(engine, script):
                  "ninfer:time_to_first_token_seconds_bucket", "ninfer:generation_tokens_total",
                  'ninfer:http_requests_total{endpoint="chat",status="200"} 1.0'):
         assert name in text, name
+
+
+def test_n_choices_whole_and_streamed(engine, script):
+    pieces = {0: ["a", "b"], 1: ["c"]}
+    counter = iter(range(100))
+
+    def next_handle(req):
+        i = next(counter) % 2
+        return script.Handle(f"r{i}", script.text(f"r{i}", 4, pieces[i]), delay_s=0.01)
+    engine.next = next_handle
+    c = client(engine)
+    body = c.post("/v1/chat/completions", json=dict(CHAT, n=2, seed=1, temperature=0.5)).json()
+    assert [ch["message"]["content"] for ch in body["choices"]] == ["ab", "c"]
+    assert [ch["index"] for ch in body["choices"]] == [0, 1]
+    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+    assert [r.sampling.seed for r in engine.submitted] == [1, 2]
+    with c.stream("POST", "/v1/chat/completions", json=dict(CHAT, n=2, stream=True,
+                                                           stream_options={"include_usage": True})) as r:
+        chunks = sse_events(r.read().decode())
+    text = {0: "", 1: ""}
+    for ch in chunks[:-1]:
+        (choice,) = ch["choices"]
+        text[choice["index"]] += choice["delta"].get("content") or ""
+    assert text == {0: "ab", 1: "c"}
+    assert sorted(ch["choices"][0]["index"] for ch in chunks[:-1] if ch["choices"][0]["finish_reason"]) == [0, 1]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+
+
+def test_n_choices_all_or_none(engine, script):
+    calls = []
+
+    def next_handle(req):
+        if calls:
+            raise Overloaded("queue full")
+        calls.append(script.Handle("r0", script.text("r0", 1, ["x"])))
+        return calls[0]
+    engine.next = next_handle
+    r = client(engine).post("/v1/chat/completions", json=dict(CHAT, n=2))
+    assert r.status_code == 429
+    assert calls[0].closed  # the admitted first choice is closed, which cancels it in the engine

@@ -5,7 +5,7 @@ import pytest
 from ninfer.contract import ChatInput, TextInput
 from ninfer_serve.errors import APIError
 from ninfer_serve.schemas import ChatCompletionRequest, CompletionRequest, parse_json, structure
-from ninfer_serve.translate import chat_request, completion_request
+from ninfer_serve.translate import chat_request, choices, completion_request
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -55,7 +55,7 @@ def test_body_must_be_an_object_and_json():
     ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"min_p": 2.0}, "min_p"),
     ({"top_k": -2}, "top_k"), ({"seed": -5}, "seed"), ({"seed": 2**63}, "seed"),
     ({"max_tokens": 0}, "max_tokens"), ({"max_completion_tokens": 0}, "max_tokens"),
-    ({"n": 2}, "n"), ({"n": 0}, "n"), ({"stop": [""]}, "stop"), ({"stop": ["x"] * 17}, "stop"),
+    ({"n": 17}, "n"), ({"n": 0}, "n"), ({"stop": [""]}, "stop"), ({"stop": ["x"] * 17}, "stop"),
     ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
     ({"presence_penalty": 0.5}, "presence_penalty"), ({"logit_bias": {"1": 2.0}}, "logit_bias"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
@@ -68,8 +68,14 @@ def test_out_of_range_is_400_naming_the_parameter(kw, param):
     assert err(chat, **kw).param == param
 
 
-def test_n_above_one_says_so():
-    assert "not supported" in err(chat, n=3).message
+def test_n_choices_are_separate_requests_seeded_apart():
+    gen, opts = chat(n=3, seed=5, temperature=0.7)
+    assert opts.n == 3
+    seeds = [g.sampling.seed for g in choices(gen, opts.n)]
+    assert seeds == [5, 6, 7]
+    gen, opts = chat(n=2)
+    assert [g.sampling.seed for g in choices(gen, 2)] == [None, None]
+    assert choices(gen, 1) == [gen]
 
 
 def test_image_parts_have_a_clear_error():

@@ -28,7 +28,7 @@ from ninfer_serve.errors import APIError, from_engine_error, from_error_result
 from ninfer_serve.metrics import GatewayMetrics
 from ninfer_serve.responses import DONE, ChatResponse, CompletionResponse
 from ninfer_serve.schemas import ChatCompletionRequest, CompletionRequest, parse_json, structure
-from ninfer_serve.translate import chat_request, completion_request
+from ninfer_serve.translate import chat_request, choices, completion_request
 
 log = logging.getLogger("ninfer_serve")
 
@@ -140,73 +140,109 @@ class Gateway:
         except Exception as exc:  # RequestRejected, EngineFailed, EngineClosed, anything else
             raise from_engine_error(exc, retry_after_s=self.retry_after_s) from None
 
+    async def _submit_all(self, gens: list[Any]) -> list[Any]:
+        handles: list[Any] = []
+        try:
+            for gen in gens:
+                handles.append(await self._submit(gen))
+        except BaseException:
+            for h in handles:  # all choices or none
+                h.close()
+            raise
+        return handles
+
     async def _generate(self, request: Request, endpoint: str, gen: Any, options: Any, builder_cls: Any) -> Response:
-        handle = await self._submit(gen)
-        events = handle.__aiter__()
-        builder = builder_cls(handle.request_id, self.model_id, options)
+        handles = await self._submit_all(choices(gen, options.n))
+        streams = [h.__aiter__() for h in handles]
+        builder = builder_cls(handles[0].request_id, self.model_id, options)
         streaming = False
         try:
-            # Answer only once the request is admitted (GenerationStart) or has ended, so a queue timeout
+            # Answer only once every choice is admitted (GenerationStart) or has ended, so a queue timeout
             # still gets its status; a client leaving while queued cancels the request.
             try:
-                first = await _unless_disconnected(request, anext(events))
+                firsts = await _unless_disconnected(request, asyncio.gather(*(anext(s) for s in streams)))
             except ClientGone:
                 self.metrics.disconnects.labels(endpoint).inc()
                 return Response(status_code=499)
-            if isinstance(first, GenerationResult) and first.finish_reason is FinishReason.ERROR:
-                raise _error_of(handle, first)
-            headers = {"X-Request-Id": handle.request_id}
+            for h, ev in zip(handles, firsts, strict=True):
+                if isinstance(ev, GenerationResult) and ev.finish_reason is FinishReason.ERROR:
+                    raise _error_of(h, ev)
+            headers = {"X-Request-Id": handles[0].request_id}
             if options.stream:
                 streaming = True
-                return StreamingResponse(self._stream(endpoint, handle, events, builder, first),
+                return StreamingResponse(self._stream(endpoint, handles, streams, builder, firsts),
                                          media_type="text/event-stream", headers=SSE_HEADERS | headers)
+            rest = asyncio.gather(*(self._rest(streams[i], builder, firsts[i], i) for i in range(len(streams))))
             try:
-                result = await _unless_disconnected(request, self._rest(events, builder, first))
+                results = await _unless_disconnected(request, rest)
             except ClientGone:
                 self.metrics.disconnects.labels(endpoint).inc()
                 return Response(status_code=499)
-            if result.finish_reason is FinishReason.ERROR:
-                raise _error_of(handle, result)
-            return JSONResponse(builder.whole(result), headers=headers)
+            for h, result in zip(handles, results, strict=True):
+                if result.finish_reason is FinishReason.ERROR:
+                    raise _error_of(h, result)
+            return JSONResponse(builder.whole(results), headers=headers)
         finally:
             if not streaming:
-                handle.close()
+                for h in handles:
+                    h.close()
 
     @staticmethod
-    async def _rest(events: AsyncIterator[Any], builder: Any, first: Any) -> GenerationResult:
+    async def _rest(events: AsyncIterator[Any], builder: Any, first: Any, index: int) -> GenerationResult:
         ev = first
         while not isinstance(ev, GenerationResult):
             if isinstance(ev, GenerationStart):
-                builder.start(ev.prompt_tokens)
+                builder.start(ev.prompt_tokens, index)
             else:
-                builder.delta(ev)
+                builder.delta(ev, index)
             ev = await anext(events)
         return ev
 
-    async def _stream(self, endpoint: str, handle: Any, events: AsyncIterator[Any], builder: Any,
-                      first: Any) -> AsyncIterator[str]:
-        finished = False
+    async def _stream(self, endpoint: str, handles: list[Any], streams: list[AsyncIterator[Any]], builder: Any,
+                      firsts: list[Any]) -> AsyncIterator[str]:
+        """SSE over every choice's events as they come (one pump task per choice feeding one queue)."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            ev = firsts[i]
+            try:
+                while True:
+                    await queue.put((i, ev))
+                    if isinstance(ev, GenerationResult):
+                        return
+                    ev = await anext(streams[i])
+            except Exception as exc:  # surfaces in the consumer below instead of stalling it
+                await queue.put((i, exc))
+
+        pumps = [asyncio.ensure_future(pump(i)) for i in range(len(handles))]
+        open_choices, finished = len(handles), False
         try:
-            ev = first
-            while True:
+            while open_choices:
+                i, ev = await queue.get()
+                if isinstance(ev, Exception):
+                    raise ev
                 if isinstance(ev, GenerationStart):
-                    frames = builder.start(ev.prompt_tokens)
+                    frames = builder.start(ev.prompt_tokens, i)
                 elif isinstance(ev, OutputDelta):
-                    frames = builder.delta(ev)
+                    frames = builder.delta(ev, i)
+                elif ev.finish_reason is FinishReason.ERROR:
+                    frames, open_choices = [_error_of(handles[i], ev).sse()], 0
                 else:
-                    finished = True
-                    frames = [_error_of(handle, ev).sse()] if ev.finish_reason is FinishReason.ERROR \
-                        else builder.finish(ev)
-                    frames.append(DONE)
+                    frames = builder.finish(ev, i)
+                    open_choices -= 1
+                    if not open_choices:
+                        frames += builder.end()
                 for frame in frames:
                     yield frame
-                if finished:
-                    return
-                ev = await anext(events)
+            finished = True
+            yield DONE
         finally:
+            for p in pumps:
+                p.cancel()
             if not finished:  # the client left (Starlette cancels the body) or the server is stopping
                 self.metrics.disconnects.labels(endpoint).inc()
-            handle.close()
+            for h in handles:
+                h.close()
 
 
 def create_app(engine: Any, *, model_id: str | None = None, queue_timeout_s: float | None = 60.0,

@@ -85,44 +85,82 @@ class ToolCallIndexer:
                 "function": {"name": call.name, "arguments": call.arguments}}
 
 
-class ChatResponse:
-    """Builds one chat completion, streamed as chunks or whole, from the handle's events."""
+class _Choice:
+    """What one choice has produced so far."""
 
-    object_chunk = "chat.completion.chunk"
-
-    def __init__(self, request_id: str, model: str, options: ResponseOptions) -> None:
-        self.id = f"chatcmpl-{request_id}"
-        self.model = model
-        self.options = options
-        self.created = int(time.time())
-        self.prompt_tokens = 0
+    def __init__(self) -> None:
         self.completion_tokens = 0
         self.content: list[str] = []
         self.reasoning: list[str] = []
         self.logprobs: list[TokenLogprob] = []
         self.tools = ToolCallIndexer()
+        self.sent = 0  # characters of text so far (legacy text_offset)
 
-    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        out = {"id": self.id, "object": self.object_chunk, "created": self.created, "model": self.model,
-               "system_fingerprint": None, "choices": choices}
-        if self.options.continuous_usage and choices:
-            out["usage"] = usage(self.prompt_tokens, self.completion_tokens)
-        out.update(extra)
-        return out
-
-    def start(self, prompt_tokens: int) -> list[str]:
-        self.prompt_tokens = prompt_tokens
-        if not self.options.stream:
-            return []
-        return [sse(self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                  "logprobs": None, "finish_reason": None}]))]
-
-    def delta(self, d: OutputDelta) -> list[str]:
+    def add(self, d: OutputDelta) -> list[dict[str, Any]]:
         self.completion_tokens += len(d.token_ids)
         self.content.append(d.content)
         self.reasoning.append(d.reasoning)
         self.logprobs.extend(d.logprobs)
-        calls = [self.tools.add(c) for c in d.tool_calls]
+        return [self.tools.add(c) for c in d.tool_calls]
+
+    def settle(self, result: GenerationResult) -> None:
+        self.completion_tokens = max(self.completion_tokens, result.usage.completion_tokens)
+
+
+class _Response:
+    """Shared bookkeeping of a response with ``options.n`` choices (one engine request each)."""
+
+    def __init__(self, id: str, model: str, options: ResponseOptions) -> None:
+        self.id = id
+        self.model = model
+        self.options = options
+        self.created = int(time.time())
+        self.prompt_tokens = 0
+        self.choices = [_Choice() for _ in range(options.n)]
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.completion_tokens for c in self.choices)
+
+    def usage(self) -> dict[str, int]:
+        return usage(self.prompt_tokens, self.completion_tokens)
+
+    def _obj(self, kind: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        out = {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+               "system_fingerprint": None, "choices": choices}
+        if self.options.stream and self.options.continuous_usage and choices:
+            out["usage"] = self.usage()
+        out.update(extra)
+        return out
+
+    def _settle(self, result: GenerationResult, index: int) -> None:
+        self.choices[index].settle(result)
+        self.prompt_tokens = result.usage.prompt_tokens or self.prompt_tokens
+
+    def end(self) -> list[str]:
+        """After every choice finished: the usage chunk when asked for (``choices: []``)."""
+        if not self.options.include_usage:
+            return []
+        return [sse(self._obj(self.chunk_kind, [], usage=self.usage()))]
+
+
+class ChatResponse(_Response):
+    """Builds one chat completion, streamed as chunks or whole, from the handles' events."""
+
+    chunk_kind = "chat.completion.chunk"
+
+    def __init__(self, request_id: str, model: str, options: ResponseOptions) -> None:
+        super().__init__(f"chatcmpl-{request_id}", model, options)
+
+    def start(self, prompt_tokens: int, index: int = 0) -> list[str]:
+        self.prompt_tokens = prompt_tokens
+        if not self.options.stream:
+            return []
+        return [sse(self._obj(self.chunk_kind, [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                                 "logprobs": None, "finish_reason": None}]))]
+
+    def delta(self, d: OutputDelta, index: int = 0) -> list[str]:
+        calls = self.choices[index].add(d)
         if not self.options.stream:
             return []
         delta: dict[str, Any] = {}
@@ -136,88 +174,67 @@ class ChatResponse:
         if not delta and not (self.options.logprobs and d.logprobs):
             return []
         lp = chat_logprobs(d.logprobs) if self.options.logprobs else None
-        return [sse(self._chunk([{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": None}]))]
+        return [sse(self._obj(self.chunk_kind, [{"index": index, "delta": delta, "logprobs": lp,
+                                                 "finish_reason": None}]))]
 
-    def finish(self, result: GenerationResult) -> list[str]:
-        self.completion_tokens = max(self.completion_tokens, result.usage.completion_tokens)
-        self.prompt_tokens = result.usage.prompt_tokens or self.prompt_tokens
-        out = [sse(self._chunk([{"index": 0, "delta": {}, "logprobs": None,
-                                 "finish_reason": self._finish_reason(result)}]))]
-        if self.options.include_usage:
-            out.append(sse(self._chunk([], usage=usage(self.prompt_tokens, self.completion_tokens))))
-        return out
+    def finish(self, result: GenerationResult, index: int = 0) -> list[str]:
+        self._settle(result, index)
+        return [sse(self._obj(self.chunk_kind, [{"index": index, "delta": {}, "logprobs": None,
+                                                 "finish_reason": self._finish_reason(result, index)}]))]
 
-    def _finish_reason(self, result: GenerationResult) -> str:
-        if self.tools.calls and result.finish_reason in (FinishReason.STOP, FinishReason.TOOL_CALLS):
+    def _finish_reason(self, result: GenerationResult, index: int) -> str:
+        if self.choices[index].tools.calls and result.finish_reason in (FinishReason.STOP, FinishReason.TOOL_CALLS):
             return "tool_calls"
         return finish_reason(result.finish_reason)
 
-    def whole(self, result: GenerationResult) -> dict[str, Any]:
-        self.completion_tokens = max(self.completion_tokens, result.usage.completion_tokens)
-        self.prompt_tokens = result.usage.prompt_tokens or self.prompt_tokens
-        content = "".join(self.content)
-        reasoning = "".join(self.reasoning)
-        message: dict[str, Any] = {"role": "assistant", "content": content or (None if self.tools.calls else ""),
-                                   "reasoning_content": reasoning or None, "reasoning": reasoning or None,
-                                   "tool_calls": self.tools.calls}
-        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "system_fingerprint": None,
-                "choices": [{"index": 0, "message": message,
-                             "logprobs": chat_logprobs(self.logprobs) if self.options.logprobs else None,
-                             "finish_reason": self._finish_reason(result)}],
-                "usage": usage(self.prompt_tokens, self.completion_tokens)}
+    def whole(self, results: list[GenerationResult]) -> dict[str, Any]:
+        out = []
+        for i, (choice, result) in enumerate(zip(self.choices, results, strict=True)):
+            self._settle(result, i)
+            content, reasoning = "".join(choice.content), "".join(choice.reasoning)
+            message = {"role": "assistant", "content": content or (None if choice.tools.calls else ""),
+                       "reasoning_content": reasoning or None, "reasoning": reasoning or None,
+                       "tool_calls": choice.tools.calls}
+            out.append({"index": i, "message": message,
+                        "logprobs": chat_logprobs(choice.logprobs) if self.options.logprobs else None,
+                        "finish_reason": self._finish_reason(result, i)})
+        return self._obj("chat.completion", out, usage=self.usage())
 
 
-class CompletionResponse:
-    """Builds one legacy text completion (``text_completion`` objects) from the handle's events."""
+class CompletionResponse(_Response):
+    """Builds one legacy text completion (``text_completion`` objects) from the handles' events."""
+
+    chunk_kind = "text_completion"
 
     def __init__(self, request_id: str, model: str, options: ResponseOptions) -> None:
-        self.id = f"cmpl-{request_id}"
-        self.model = model
-        self.options = options
-        self.created = int(time.time())
-        self.prompt_tokens = 0
-        self.completion_tokens = 0
-        self.text: list[str] = []
-        self.sent = 0  # characters of text so far, for text_offset
-        self.logprobs: list[TokenLogprob] = []
+        super().__init__(f"cmpl-{request_id}", model, options)
 
-    def _obj(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        out = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-               "system_fingerprint": None, "choices": choices}
-        if self.options.stream and self.options.continuous_usage and choices:
-            out["usage"] = usage(self.prompt_tokens, self.completion_tokens)
-        out.update(extra)
-        return out
-
-    def start(self, prompt_tokens: int) -> list[str]:
+    def start(self, prompt_tokens: int, index: int = 0) -> list[str]:
         self.prompt_tokens = prompt_tokens
         return []
 
-    def delta(self, d: OutputDelta) -> list[str]:
-        self.completion_tokens += len(d.token_ids)
+    def delta(self, d: OutputDelta, index: int = 0) -> list[str]:
+        choice = self.choices[index]
         text = d.reasoning + d.content
-        lp = completion_logprobs(list(d.logprobs), self.sent) if self.options.logprobs else None
-        self.text.append(text)
-        self.sent += len(text)
-        self.logprobs.extend(d.logprobs)
+        lp = completion_logprobs(list(d.logprobs), choice.sent) if self.options.logprobs else None
+        choice.add(d)
+        choice.sent += len(text)
         if not self.options.stream or not (text or lp and lp["tokens"]):
             return []
-        return [sse(self._obj([{"index": 0, "text": text, "logprobs": lp, "finish_reason": None}]))]
+        return [sse(self._obj(self.chunk_kind, [{"index": index, "text": text, "logprobs": lp,
+                                                 "finish_reason": None}]))]
 
-    def finish(self, result: GenerationResult) -> list[str]:
-        self.completion_tokens = max(self.completion_tokens, result.usage.completion_tokens)
-        self.prompt_tokens = result.usage.prompt_tokens or self.prompt_tokens
-        out = [sse(self._obj([{"index": 0, "text": "", "logprobs": None,
-                               "finish_reason": finish_reason(result.finish_reason)}]))]
-        if self.options.include_usage:
-            out.append(sse(self._obj([], usage=usage(self.prompt_tokens, self.completion_tokens))))
-        return out
+    def finish(self, result: GenerationResult, index: int = 0) -> list[str]:
+        self._settle(result, index)
+        return [sse(self._obj(self.chunk_kind, [{"index": index, "text": "", "logprobs": None,
+                                                 "finish_reason": finish_reason(result.finish_reason)}]))]
 
-    def whole(self, result: GenerationResult) -> dict[str, Any]:
-        self.completion_tokens = max(self.completion_tokens, result.usage.completion_tokens)
-        self.prompt_tokens = result.usage.prompt_tokens or self.prompt_tokens
-        lp = completion_logprobs(self.logprobs, 0) if self.options.logprobs else None
-        return self._obj([{"index": 0, "text": "".join(self.text), "logprobs": lp,
-                           "finish_reason": finish_reason(result.finish_reason)}],
-                         usage=usage(self.prompt_tokens, self.completion_tokens))
+    def whole(self, results: list[GenerationResult]) -> dict[str, Any]:
+        out = []
+        for i, (choice, result) in enumerate(zip(self.choices, results, strict=True)):
+            self._settle(result, i)
+            text = "".join(r + c for r, c in zip(choice.reasoning, choice.content, strict=True))
+            lp = completion_logprobs(choice.logprobs, 0) if self.options.logprobs else None
+            out.append({"index": i, "text": text, "logprobs": lp,
+                        "finish_reason": finish_reason(result.finish_reason)})
+        return self._obj("text_completion", out, usage=self.usage())

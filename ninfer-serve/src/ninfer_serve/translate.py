@@ -17,6 +17,7 @@ from ninfer_serve.schemas import ChatCompletionRequest, ChatMessage, CompletionR
 
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
+MAX_N = 16
 
 
 @attrs.frozen(kw_only=True)
@@ -24,6 +25,7 @@ class ResponseOptions:
     """What shapes the response, beside the engine's output."""
 
     stream: bool = False
+    n: int = 1
     include_usage: bool = False
     continuous_usage: bool = False
     logprobs: bool = False
@@ -50,10 +52,8 @@ def _neutral(req: Any) -> None:
 
 
 def _sampling(req: Any, *, max_tokens: int | None, logprobs: bool, top_logprobs: int) -> SamplingParams:
-    if req.n != 1:
-        message = (f"'n' must be >= 1, got {req.n}" if req.n < 1 else
-                   "'n' > 1 is not supported by this server; send n separate requests")
-        raise bad_request(message, param="n")
+    if not 1 <= req.n <= MAX_N:
+        raise bad_request(f"'n' must be in [1, {MAX_N}], got {req.n}", param="n")
     if max_tokens is not None and max_tokens < 1:
         raise bad_request(f"'max_tokens' must be >= 1, got {max_tokens}", param="max_tokens")
     _check_range("temperature", req.temperature, 0.0, 2.0)
@@ -177,8 +177,8 @@ def chat_request(req: ChatCompletionRequest, *, queue_timeout_s: float | None = 
     chat = ChatInput(messages=tuple(messages), tools=tuple(tools),
                      template_kwargs=dict(req.chat_template_kwargs or {}))
     gen = GenerationRequest(input=chat, sampling=sampling, queue_timeout_s=queue_timeout_s, request_id=request_id)
-    return gen, ResponseOptions(stream=req.stream, include_usage=include_usage, continuous_usage=continuous,
-                                logprobs=req.logprobs, tools_enabled=bool(tools))
+    return gen, ResponseOptions(stream=req.stream, n=req.n, include_usage=include_usage,
+                                continuous_usage=continuous, logprobs=req.logprobs, tools_enabled=bool(tools))
 
 
 # ---------------------------------------------------------------- text completions
@@ -215,5 +215,15 @@ def completion_request(req: CompletionRequest, *, queue_timeout_s: float | None 
     sampling = _sampling(req, max_tokens=req.max_tokens, logprobs=logprobs, top_logprobs=req.logprobs or 0)
     include_usage, continuous = _stream_options(req)
     gen = GenerationRequest(input=text, sampling=sampling, queue_timeout_s=queue_timeout_s, request_id=request_id)
-    return gen, ResponseOptions(stream=req.stream, include_usage=include_usage, continuous_usage=continuous,
-                                logprobs=logprobs)
+    return gen, ResponseOptions(stream=req.stream, n=req.n, include_usage=include_usage,
+                                continuous_usage=continuous, logprobs=logprobs)
+
+
+def choices(gen: GenerationRequest, n: int) -> list[GenerationRequest]:
+    """The ``n`` engine requests behind ``n`` choices: one each; a seeded request seeds choice i with seed + i
+    (so the choices differ yet each is reproducible); greedy choices are identical by definition."""
+    if n == 1:
+        return [gen]
+    seed = gen.sampling.seed
+    return [attrs.evolve(gen, sampling=attrs.evolve(gen.sampling, seed=None if seed is None else (seed + i) % 2**63))
+            for i in range(n)]
