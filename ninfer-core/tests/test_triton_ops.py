@@ -25,6 +25,8 @@ from ninfer.ops.triton import norm as t_norm  # noqa: E402
 from ninfer.ops.triton import rope as t_rope  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# Triton's interpreter converts 1-element arrays to ints, which numpy deprecates; not our code.
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -165,3 +167,14 @@ def test_shape_errors_are_clear():
                          torch.zeros(1, 3), torch.zeros(2, 3, 4, 4), torch.zeros(1, dtype=torch.long))
     with pytest.raises(ValueError, match="num_splits"):
         t_attention.paged_attention(*_paged_case(_gen(7), [3], [1]), num_splits=3)
+
+
+def test_launch_heuristics_depend_on_shapes_only():
+    # Decode splits: powers of two, at most 64, never more than half the tiles of the longest context; a graph
+    # captured with a capacity as max_seq_len only changes the speed (ranges come from the device lengths).
+    for batch in (1, 2, 8, 64):
+        for ctx_len in (1, 100, 8192, 262144):
+            s = t_attention._decode_splits(batch, 4, ctx_len, 32)
+            assert s & (s - 1) == 0 and 1 <= s <= 64 and s <= max(1, -(-ctx_len // 64))
+    assert t_attention._decode_splits(1, 4, 8192, 32) == 64 and t_attention._decode_splits(8, 4, 8192, 32) == 32
+    assert t_gdn._default_block_v(1, 32, 128) == 16 and t_gdn._default_block_v(8, 32, 128) == 32
