@@ -9,7 +9,6 @@ whole or as SSE. Whatever way the exchange ends, the handle is closed, which can
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -56,11 +55,11 @@ async def _unless_disconnected(request: Request, coro: Any) -> Any:
             return work.result()
         raise ClientGone
     finally:
-        for task in (work, gone):
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
+        pending = {t for t in (work, gone) if not t.done()}
+        for task in pending:
+            task.cancel()
+        if pending:  # let them unwind; asyncio.wait neither raises their errors nor hides our own cancellation
+            await asyncio.wait(pending)
 
 
 def _error_of(handle: Any, result: GenerationResult) -> APIError:
