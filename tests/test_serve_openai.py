@@ -121,6 +121,16 @@ def test_n_choices(client):
     assert [c.message.content for c in whole.choices] == [texts[0], texts[1]]
 
 
+def test_stop_string_ends_the_output(client):
+    full = chat(client, max_tokens=16, extra_body={**NO_THINK, "ignore_eos": True}).choices[0].message.content
+    cut = next(i for i in range(len(full) // 2, len(full)) if full[i].strip())  # a visible character past the middle
+    stopped = chat(client, max_tokens=16, stop=[full[cut:cut + 1]], extra_body={**NO_THINK, "ignore_eos": True})
+    choice = stopped.choices[0]
+    assert choice.finish_reason == "stop"
+    assert full.startswith(choice.message.content) and full[cut:cut + 1] not in choice.message.content
+    assert len(choice.message.content) <= cut
+
+
 def test_seeded_sampling_is_reproducible(client):
     a = chat(client, temperature=1.0, seed=1234, extra_body=NO_THINK)
     b = chat(client, temperature=1.0, seed=1234, extra_body=NO_THINK)
