@@ -336,3 +336,41 @@ def test_failed_unit_rolls_back_and_recovers(tiny):
     assert got == ref
     prog.release(sid)
     assert prog.usage().all_free
+
+
+def test_fork_shares_pages_copy_on_write(tiny):
+    """A fork shares the KV pages of the committed prefix; the first write to a shared page copies it."""
+    sampled = SamplingParams(temperature=1.0, seed=5)
+
+    def fork_scenario(parent_continues: bool):
+        prog = make_program(tiny, page_size=4)
+        a = prog.open_sequence(PreparedPrompt(token_ids=PROMPTS[0]), GREEDY)  # 11 tokens: tail page shared
+        got_a = prefill_all(prog, a) + decode_steps(prog, [a], 3)[a]
+        before = prog.usage()
+        b = prog.fork(a, sampled)
+        after = prog.usage()
+        assert after.kv_pages_used == before.kv_pages_used and after.state_slots_used == before.state_slots_used + 1
+        if parent_continues:
+            # the parent writes first: into a private copy of the shared tail page, never into the fork's
+            shared = prog.pool.storage.clone()
+            b_pages = list(prog._seq(b).pages)
+            got_a += decode_steps(prog, [a], 1)[a]
+            assert prog._seq(a).pages[-1] != b_pages[-1] and prog._seq(a).pages[:-1] == b_pages[:-1]
+            assert torch.equal(prog.pool.storage[:, :, b_pages], shared[:, :, b_pages])
+            steps = decode_steps(prog, [a, b], 6)
+            got_a += steps[a]
+            assert prog.usage().kv_pages_used > before.kv_pages_used  # the shared tail page was copied
+        else:
+            prog.release(a)
+            steps = decode_steps(prog, [b], 6)
+        got_b = steps[b]
+        for s in ([a, b] if parent_continues else [b]):
+            prog.release(s)
+        assert prog.usage().all_free
+        return got_a, got_b
+
+    got_a, got_b = fork_scenario(parent_continues=True)
+    _, alone_b = fork_scenario(parent_continues=False)
+    assert got_a == generate(make_program(tiny), PROMPTS[0], 11)  # the parent is untouched by its fork
+    assert got_b == alone_b  # and the fork by its parent's writes
+    assert got_b != got_a[4:10]  # the fork samples its own continuation

@@ -123,6 +123,23 @@ class Qwen35Program:
                                          ledger=list(prompt.token_ids),
                                          sampling=RowSampling.resolve(sampling, self.sampling_defaults)))
 
+    def fork(self, sequence_id: int, sampling: SamplingParams | None = None) -> int:
+        """A new sequence continuing from this one's committed state: the StateImage is copied whole,
+        the KV pages covering the frontier are shared (copy-on-write on the first write to a shared page)."""
+        src = self._seq(sequence_id)
+        self._check_idle(src)
+        try:
+            slot = self.states.allocate()
+        except PoolExhausted as exc:
+            raise ProgramError(f"no free StateImage slot to fork sequence {sequence_id}: {exc}") from None
+        self.states.copy_slot(src.slot, slot)
+        pages = src.pages[:pages_for(src.computed, self.page_size)]
+        self.pool.allocator.share(pages)
+        resolved = src.sampling if sampling is None else RowSampling.resolve(sampling, self.sampling_defaults)
+        return self._bind(SequenceRecord(id=next(self._ids), slot=slot, prompt_len=src.prompt_len,
+                                         ledger=list(src.ledger), sampling=resolved, computed=src.computed,
+                                         pages=list(pages)))
+
     def _bind(self, seq: SequenceRecord) -> int:
         self._seqs[seq.id] = seq
         return seq.id
@@ -156,13 +173,27 @@ class Qwen35Program:
             raise ValueError(f"sequence {sequence_id}: {end} positions exceed max_model_len {self.max_model_len}")
         return self._hold_pages(seq, end)
 
+    def _pages_needed(self, seq: SequenceRecord, positions: int) -> int:
+        """Fresh pages a unit writing computed..positions needs: new pages plus private copies of shared ones."""
+        first = seq.computed // self.page_size
+        refcount = self.pool.allocator.refcount
+        cow = sum(1 for p in seq.pages[first:pages_for(positions, self.page_size)] if refcount(p) > 1)
+        return max(0, pages_for(positions, self.page_size) - len(seq.pages)) + cow
+
     def _hold_pages(self, seq: SequenceRecord, positions: int) -> bool:
-        need = pages_for(positions, self.page_size) - len(seq.pages)
-        if need <= 0:
+        """Own every page positions computed..positions touch (allocate, or copy-on-write a shared one)."""
+        need = self._pages_needed(seq, positions)
+        if need == 0:
             return True
         if need > self.pool.allocator.num_free:
             return False
-        seq.pages.extend(self.pool.allocator.allocate(need))
+        first = seq.computed // self.page_size
+        for i in range(first, min(len(seq.pages), pages_for(positions, self.page_size))):
+            private = self.pool.writable(seq.pages[i])
+            if private != seq.pages[i]:
+                seq.pages[i] = private
+                seq.pages_epoch += 1  # an entry changed: cached graph block-table rows are stale
+        seq.pages.extend(self.pool.allocator.allocate(pages_for(positions, self.page_size) - len(seq.pages)))
         return True
 
     def _settle_pages(self, seq: SequenceRecord) -> None:
@@ -215,7 +246,7 @@ class Qwen35Program:
                                    f"remaining, {seq.generated} generated)")
             if seq.computed + 1 > self.max_model_len:
                 raise ProgramError(f"sequence {seq.id} is at max_model_len {self.max_model_len}")
-        missing = sum(max(0, pages_for(s.computed + 1, self.page_size) - len(s.pages)) for s in seqs)
+        missing = sum(self._pages_needed(s, s.computed + 1) for s in seqs)
         if missing > self.pool.allocator.num_free:
             raise PoolExhausted(f"decode of {len(ids)} rows needs {missing} unreserved KV pages, "
                                 f"{self.pool.allocator.num_free} free")
