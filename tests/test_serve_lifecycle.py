@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import signal
 import time
@@ -13,6 +14,8 @@ import httpx
 import pytest
 
 from ninfer_serve.testing import ServerProcess, scrape, tiny_model
+
+DEVICE = os.environ.get("NINFER_SERVE_TEST_DEVICE", "cpu")  # "cuda" to run these on the GPU machine
 
 
 def _tiny_model(tmp_path_factory) -> str:
@@ -66,7 +69,7 @@ def test_64_streaming_clients_a_third_leaving(tmp_path_factory):
     rng = random.Random(7)
     leaving = set(rng.sample(range(64), 64 // 3))
     with ServerProcess(_tiny_model(tmp_path_factory), "--model-id", "tiny", "--max-concurrency", "4",
-                       "--device", "cpu", "--max-queue", "64", "--queue-timeout", "300") as srv:
+                       "--device", DEVICE, "--max-queue", "64", "--queue-timeout", "300") as srv:
 
         async def main():
             limits = httpx.Limits(max_connections=100, max_keepalive_connections=0)
@@ -95,7 +98,7 @@ def test_64_streaming_clients_a_third_leaving(tmp_path_factory):
 
 def test_overload_429_and_queue_timeout_503(tmp_path_factory):
     with ServerProcess(_tiny_model(tmp_path_factory), "--model-id", "tiny", "--max-concurrency", "1",
-                       "--device", "cpu", "--max-queue", "1", "--queue-timeout", "0.5",
+                       "--device", DEVICE, "--max-queue", "1", "--queue-timeout", "0.5",
                        "--max-model-len", "4096") as srv:
 
         async def main():
@@ -132,7 +135,7 @@ def test_overload_429_and_queue_timeout_503(tmp_path_factory):
 
 
 def test_sigterm_lets_the_in_flight_stream_finish(tmp_path_factory):
-    srv = ServerProcess(_tiny_model(tmp_path_factory), "--model-id", "tiny", "--device", "cpu",
+    srv = ServerProcess(_tiny_model(tmp_path_factory), "--model-id", "tiny", "--device", DEVICE,
                         "--max-model-len", "4096").start()
     try:
         chunks, done = [], False

@@ -4,6 +4,7 @@ converted with the real converter), driven by the official ``openai`` client and
 from __future__ import annotations
 
 import json
+import os
 from importlib import resources
 
 import httpx
@@ -13,6 +14,7 @@ import pytest
 from ninfer_serve.testing import ServerProcess, scrape, tiny_model
 
 MODEL_ID = "tiny"
+DEVICE = os.environ.get("NINFER_SERVE_TEST_DEVICE", "cpu")  # "cuda" to run these on the GPU machine
 HI = [{"role": "user", "content": "Say hello."}]
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 TOOLS = [{"type": "function", "function": {
@@ -28,7 +30,7 @@ QWEN35_TEMPLATE = str(resources.files("ninfer.models.common.qwen") / "templates"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     with ServerProcess(tiny_model(tmp_path_factory.getbasetemp()), "--model-id", MODEL_ID, "--max-concurrency", "4",
-                       "--device", "cpu", "--max-model-len", "2048", "--chat-template", QWEN35_TEMPLATE) as srv:
+                       "--device", DEVICE, "--max-model-len", "2048", "--chat-template", QWEN35_TEMPLATE) as srv:
         yield srv
 
 
