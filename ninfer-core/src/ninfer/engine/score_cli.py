@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 DEFAULT_WINDOW = 4096
 
@@ -75,12 +76,15 @@ def _score(args: argparse.Namespace, text: str) -> int:
     ids = instance.frontend.prepare(TextInput(text=text)).token_ids
     window = args.window if args.window is not None else min(DEFAULT_WINDOW, program.max_model_len)
     core = CausalScoreCore(program, window=window, stride=args.stride)
+    t0 = time.perf_counter()
     result = core.score(ids)
+    seconds = time.perf_counter() - t0
     if args.json:
         print(json.dumps({
             "model": name, "tokens": len(ids), "scored": result.num_scored, "windows": result.windows,
             "window": core.window, "stride": core.stride, "total_nll": result.total_nll,
-            "mean_nll": result.mean_nll, "perplexity": result.perplexity, "token_ids": list(ids),
+            "mean_nll": result.mean_nll, "perplexity": result.perplexity, "device": device, "seconds": seconds,
+            "token_ids": list(ids),
             "token_logprobs": [None, *result.logprobs]}))
         return 0
     if args.tokens:
@@ -93,4 +97,5 @@ def _score(args: argparse.Namespace, text: str) -> int:
     print(f"total NLL   {result.total_nll:.4f} nats")
     print(f"mean NLL    {result.mean_nll:.4f} nats/token")
     print(f"perplexity  {result.perplexity:.4f}")
+    print(f"time        {seconds:.2f} s on {device} ({len(ids) / max(seconds, 1e-9):.0f} tokens/s)")
     return 0
