@@ -204,3 +204,20 @@ def test_cuda_graph_replay_matches_eager(parts, seeded):
         settled(eng)
         eng.close()
     assert tokens[True] == tokens[False]
+
+
+def test_logprobs_are_published_with_the_accepted_tokens(parts):
+    eng = make_engine(parts)
+    h = eng.submit(req([5, 6, 7], max_tokens=6, logprobs=True, top_logprobs=3))
+    evs = list(h)
+    res = evs[-1]
+    entries = [lp for e in evs[1:-1] for lp in e.logprobs]
+    assert [lp.token_id for lp in entries] == list(res.token_ids)
+    for lp in entries:
+        assert len(lp.top) == 3 and lp.top[0][0] == lp.token_id  # greedy: the most likely token
+        assert lp.logprob == pytest.approx(lp.top[0][2], abs=1e-5) and lp.logprob <= 0
+        assert lp.top[0][2] >= lp.top[1][2] >= lp.top[2][2]
+    plain = eng.generate(req([5, 6, 7], max_tokens=6))
+    assert plain.token_ids == res.token_ids
+    settled(eng)
+    eng.close()

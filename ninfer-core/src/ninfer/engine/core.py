@@ -22,6 +22,8 @@ import time
 from collections.abc import Sequence
 from typing import Literal
 
+import attrs
+
 from ninfer.contract.batch import PendingBatch, RowDecision
 from ninfer.contract.events import (
     FinishReason,
@@ -29,6 +31,7 @@ from ninfer.contract.events import (
     GenerationStart,
     OutputDelta,
     Timings,
+    TokenLogprob,
     Usage,
 )
 from ninfer.contract.model import Frontend, Preview, Program
@@ -71,6 +74,7 @@ class EngineCore:
         self.prefill_chunk = prefill_chunk
         self.pause_mode = pause_mode
         self.device = device
+        self.token_text = _token_text_fn(frontend)
         self.scheduler = Scheduler(max_concurrency=max_concurrency,
                                    bypass_limit=max_concurrency if bypass_limit is None else bypass_limit)
         self.metrics = MetricsRecorder()
@@ -474,6 +478,8 @@ class EngineCore:
                 self._finish(rec, FinishReason.ERROR, _frontend_error(rec))
                 continue
             rec.token_ids.extend(accepted)
+            if row.logprobs is not None:
+                delta = attrs.evolve(delta, logprobs=delta.logprobs + self._logprobs(row, d.accepted))
             self._publish_delta(rec, delta)
             if reason is not None:
                 self._finish(rec, reason)
@@ -481,6 +487,14 @@ class EngineCore:
                 # The Program may drop a row's physical frontier (e.g. after a partial accept); it then
                 # reports the accepted history as input to rebuild, and the row replays before decoding.
                 self._set_input_state(rec)
+
+    def _logprobs(self, row, accepted: int) -> tuple[TokenLogprob, ...]:
+        """The Program's per-token logprobs of the accepted tokens, with token text for the gateway."""
+        text = self.token_text
+        top = row.top_logprobs
+        return tuple(TokenLogprob(token_id=t, token=text(t), logprob=row.logprobs[k],
+                                  top=tuple((i, text(i), lp) for i, lp in top[k]) if top else ())
+                     for k, t in enumerate(row.tokens[:accepted]))
 
     def _room(self, rec: RequestRecord) -> int:
         room = self.max_model_len - len(rec.prompt) - rec.generated
@@ -498,7 +512,7 @@ class EngineCore:
         return None
 
     def _publish_delta(self, rec: RequestRecord, delta: OutputDelta) -> None:
-        if not (delta.content or delta.reasoning or delta.token_ids or delta.tool_calls):
+        if not (delta.content or delta.reasoning or delta.token_ids or delta.tool_calls or delta.logprobs):
             return
         rec.content.append(delta.content)
         rec.reasoning.append(delta.reasoning)
@@ -581,6 +595,17 @@ class EngineCore:
         s.paused.clear()
         s.protected = None
         self.by_seq.clear()
+
+
+def _token_text_fn(frontend: Frontend):
+    """Token text for logprob reports: ``frontend.token_text`` if offered, else its tokenizer's decode."""
+    fn = getattr(frontend, "token_text", None)
+    if callable(fn):
+        return fn
+    decode = getattr(getattr(frontend, "tokenizer", None), "decode", None)
+    if callable(decode):
+        return lambda t: decode([t])
+    return str
 
 
 def _frontend_error(rec: RequestRecord) -> BaseException | None:
