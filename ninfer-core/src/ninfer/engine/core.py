@@ -96,6 +96,7 @@ class EngineCore:
         self.changed = False
         self.stopped = False
         self.calls: list[tuple] = []
+        self.kv_pages = self._kv_pages()
         self.thread = threading.Thread(target=self._run, name="ninfer-engine-worker", daemon=True)
         self.thread.start()
 
@@ -178,11 +179,7 @@ class EngineCore:
 
     def snapshot_metrics(self) -> EngineMetrics:
         s = self.scheduler
-        try:
-            u = self.on_worker(self.program.usage, timeout=5.0)
-            used, total = u.kv_pages_used, u.kv_pages_total
-        except Exception:  # a failed or busy Program still lets /metrics answer
-            used = total = 0
+        used, total = self.kv_pages  # as of the worker's last cycle: /metrics never waits for a unit
         with self.cond:
             inbox, outstanding, failed = len(self.inbox), self.outstanding, self.failed is not None
         return self.metrics.snapshot(queue_depth=len(s.waiting) + inbox, running=len(s.residents),
@@ -208,6 +205,7 @@ class EngineCore:
                     self._settle_all(EngineClosed("engine closed before the request finished"))
                     return
                 progressed = self._cycle()
+                self.kv_pages = self._kv_pages()
                 if closing and not self._busy():
                     return
                 if not progressed:
@@ -219,6 +217,10 @@ class EngineCore:
             with self.cond:
                 self.stopped = True
             self._serve_calls()
+
+    def _kv_pages(self) -> tuple[int, int]:
+        u = self.program.usage()
+        return u.kv_pages_used, u.kv_pages_total
 
     def _busy(self) -> bool:
         s = self.scheduler
