@@ -99,7 +99,11 @@ def build(artifact: Any, *, device: Any = None, features: StartupFeatures = Star
     executor = Qwen35Model(params)
 
     layout = state_layout(config, dtype_name(compute))
-    (pool_spec,) = kv_pools(config, page_size=page_size, dtype=dtype_name(compute))
+    pools = kv_pools(config, page_size=page_size, dtype=dtype_name(compute))
+    if len(pools) != 1:
+        raise StartupError(f"this Program runs exactly one KV pool (the attention layers); the config gives "
+                           f"{len(pools)}")
+    (pool_spec,) = pools
     plan = plan_capacity(config, dev, compute=compute, weight_bytes=_resident_bytes(weights, params),
                          state_bytes=layout.nbytes_per_slot * (max_concurrency + 1),
                          page_bytes=PagedKVPool.page_bytes(pool_spec), page_size=page_size,
