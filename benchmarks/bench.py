@@ -1,0 +1,544 @@
+"""The single performance harness: ceilings, the public ``ninfer.Engine`` and HF transformers, same run.
+
+Per shape: random weights in published naming are written once as a Hugging Face checkpoint
+(safetensors) and converted with the real converter; ``ninfer.Engine`` then runs on that artifact:
+
+- decode tokens/s at B = 1, 2, 4, 8 concurrent requests for each context (random token-id prompts,
+  greedy, ``ignore_eos``), measured from the consumer's arrival time of each token, only while all B
+  rows decode (prefill excluded);
+- prefill tokens/s and model-FLOP utilisation (model FLOPs over the measured bf16 matmul rate) for
+  single prompts;
+- TTFT and inter-token latency (median, p90) for the B concurrent streams of every decode run;
+- peak device memory (``torch.cuda.max_memory_allocated``).
+
+Ceilings from ``benchmarks/ceilings.py`` in the same run (copy bandwidth, bf16 matmul, the cuBLAS
+matrix-vector chain over the shape's decode weights) and transformers ``generate`` on the written
+checkpoint (``benchmarks/hf_baseline.py``) make every figure also a ratio.
+
+    python -m benchmarks.bench --shape 0.8b 9b --quick --json out.json           # on the GPU machine
+    python -m benchmarks.bench --shape tiny --device cpu --contexts 8 24 ...      # CPU smoke run (tested)
+
+``--quick`` runs long contexts only at B=1 and the largest B, two prefill repetitions, and no 16k
+prefill unless ``--prefill`` names it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.load_throughput import _host, _import_paths, write_source
+from benchmarks.shapes import SHAPES, decode_weight_shapes
+
+HF_MODEL_TYPE = "qwen3_5_text"  # lets transformers' AutoModel read the written config.json
+
+# Issue 9 targets (9B shape, bf16, one H200; 0.8B decode B=1): checked and printed, never enforced.
+TARGETS = {
+    "9b": {"decode_b1_tokens_per_s": 185.0, "decode_b1_over_chain": 0.90, "decode_b8_tokens_per_s": 1450.0,
+           "decode_b1_over_hf": 20.0, "prefill_4096_mfu": 0.50},
+    "0.8b": {"decode_b1_tokens_per_s": 1000.0},
+}
+
+
+# -- small helpers ------------------------------------------------------------------------------------
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated quantile (q in [0, 1]); None for no values."""
+    if not values:
+        return None
+    v = sorted(values)
+    pos = q * (len(v) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def device_info(device: str) -> dict:
+    import torch
+
+    info = {"device": device, "python": platform.python_version(), "torch": torch.__version__}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if device.startswith("cuda"):
+        info["name"] = torch.cuda.get_device_name(device)
+        info["cuda"] = torch.version.cuda
+        info["memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
+        try:
+            info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                            capture_output=True, text=True, timeout=20).stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            info["driver"] = None
+    else:
+        info["name"] = platform.processor() or platform.machine()
+        info["threads"] = torch.get_num_threads()
+    return info
+
+
+# -- model arithmetic ---------------------------------------------------------------------------------
+
+def model_figures(cfg: dict) -> dict:
+    """Parameters, decode bytes and the per-token / per-position FLOP terms of a config.json dict."""
+    shapes = decode_weight_shapes(cfg)
+    head = shapes[-1]
+    layer_params = sum(o * i for o, i in shapes[:-1])
+    n = cfg["num_hidden_layers"]
+    n_full = sum(1 for i in range(n) if (i + 1) % cfg["full_attention_interval"] == 0)
+    return {
+        "layer_matmul_params": layer_params,
+        "lm_head_params": head[0] * head[1],
+        "embedding_params": cfg["vocab_size"] * cfg["hidden_size"],
+        "decode_weight_bytes": 2 * (layer_params + head[0] * head[1]),
+        "full_attention_layers": n_full,
+        "gdn_layers": n - n_full,
+    }
+
+
+def prefill_flops(cfg: dict, tokens: int) -> float:
+    """Model FLOPs of one prompt of ``tokens`` from position 0: 2 x matmul params x tokens for the layers,
+    the lm_head once (only the last position is sampled), causal attention (QK^T and PV over the
+    prefix) and the GDN recurrence (about 6 Dk*Dv per token and value head: read-out, delta, update)."""
+    f = model_figures(cfg)
+    attn = 2 * 2 * cfg["num_attention_heads"] * cfg["head_dim"] * tokens * (tokens + 1) / 2 * f["full_attention_layers"]
+    gdn = 6 * cfg["linear_num_value_heads"] * cfg["linear_key_head_dim"] * cfg["linear_value_head_dim"] * tokens \
+        * f["gdn_layers"]
+    return 2 * f["layer_matmul_params"] * tokens + 2 * f["lm_head_params"] + attn + gdn
+
+
+def decode_bytes(cfg: dict, batch: int, context: int, dtype: str = "bfloat16") -> int:
+    """Bytes one decode step must move: every decode weight once, each row's StateImage slot read and
+    written, each row's KV prefix read."""
+    from ninfer.core.kv_pool import PagedKVPool
+    from ninfer_qwen35.config import parse_config
+    from ninfer_qwen35.state import kv_pools, state_layout
+
+    config = parse_config(dict(cfg))
+    state = state_layout(config, dtype).nbytes_per_slot
+    pools = kv_pools(config, 16, dtype)
+    kv_per_token = sum(PagedKVPool.page_bytes(p) for p in pools) // 16
+    return model_figures(cfg)["decode_weight_bytes"] + batch * (2 * state + context * kv_per_token)
+
+
+# -- ceilings -----------------------------------------------------------------------------------------
+
+def _host_time_ms(fn, iters: int) -> float:
+    for _ in range(2):  # first calls pay one-time library setup
+        fn()
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def measure_ceilings(shapes: list[str], batches: list[int], device: str) -> dict:
+    """Copy bandwidth, bf16 matmul rate and the matvec chain per shape (CUDA: ``benchmarks.ceilings``;
+    CPU: the same quantities at small sizes, timed on the host, for the smoke run)."""
+    import torch
+
+    if device.startswith("cuda"):
+        from benchmarks import ceilings
+
+        res = {"copy_tb_s": ceilings.copy_bandwidth(), "matmul_tflops": ceilings.matmul_rate(),
+               "matmul_dtype": "bfloat16", "chain_ms": {}}
+        for s in shapes:
+            res["chain_ms"][s] = {str(b): ms for b, ms in ceilings.matvec_chain(s, batches).items()}
+        return res
+    src = torch.empty(1 << 26, dtype=torch.uint8).random_()
+    dst = torch.empty_like(src)
+    copy_ms = _host_time_ms(lambda: dst.copy_(src), 5)
+    n = 512
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    mm_ms = _host_time_ms(lambda: a @ b, 5)
+    res = {"copy_tb_s": 2 * src.numel() / (copy_ms * 1e-3) / 1e12, "matmul_tflops": 2 * n**3 / (mm_ms * 1e-3) / 1e12,
+           "matmul_dtype": "float32", "chain_ms": {}}
+    for s in shapes:
+        weights = [torch.randn(o, i) * 0.02 for o, i in decode_weight_shapes(SHAPES[s])]
+        res["chain_ms"][s] = {}
+        for B in batches:
+            xs = {w.shape[1]: torch.randn(B, w.shape[1]) for w in weights}
+            res["chain_ms"][s][str(B)] = _host_time_ms(
+                lambda xs=xs, ws=weights: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in ws], 3)
+    return res
+
+
+# -- running requests through the public Engine ---------------------------------------------------------
+
+def run_streams(engine, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+    """Submit every prompt at once (greedy, ignore_eos) and record each token's arrival time at the
+    consumer. Returns per stream: submit time, token arrival times, the final result."""
+    from ninfer.contract.events import FinishReason, GenerationResult, OutputDelta
+    from ninfer.contract.prompt import TextInput
+    from ninfer.contract.request import GenerationRequest, SamplingParams
+
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+    async def consume(handle) -> tuple[list[float], GenerationResult | None]:
+        times, final = [], None
+        async for ev in handle:
+            now = time.perf_counter()
+            if isinstance(ev, OutputDelta) and ev.token_ids:
+                times.extend([now] * len(ev.token_ids))
+            elif isinstance(ev, GenerationResult):
+                final = ev
+        return times, final
+
+    async def main():
+        submitted, handles = [], []
+        for p in prompts:
+            submitted.append(time.perf_counter())
+            handles.append(engine.submit(GenerationRequest(input=TextInput(token_ids=tuple(p)), sampling=sampling)))
+        return submitted, await asyncio.gather(*(consume(h) for h in handles))
+
+    submitted, outs = asyncio.run(main())
+    streams = []
+    for t_sub, (times, final) in zip(submitted, outs, strict=True):
+        if final is None or final.finish_reason is not FinishReason.LENGTH or len(times) != max_tokens:
+            reason = final.error if final is not None and final.error else (final and final.finish_reason)
+            raise RuntimeError(f"benchmark request ended early: {reason} after {len(times)} of {max_tokens} tokens")
+        streams.append({"submitted": t_sub, "times": times, "result": final})
+    return streams
+
+
+def steady_decode(streams: list[dict]) -> dict:
+    """Decode rate while every stream decodes: the window from the last stream's first token to the
+    first stream's last token; per stream, tokens in the window over the time they span."""
+    t0 = max(s["times"][0] for s in streams)
+    t1 = min(s["times"][-1] for s in streams)
+    rates, steps = [], []
+    for s in streams:
+        inside = [t for t in s["times"] if t0 <= t <= t1]
+        if len(inside) < 3 or inside[-1] <= inside[0]:
+            raise RuntimeError(f"too few tokens while all {len(streams)} rows decode ({len(inside)}); "
+                               f"raise --steps")
+        step = (inside[-1] - inside[0]) / (len(inside) - 1)
+        steps.append(step)
+        rates.append(1.0 / step)
+    ttft = [s["times"][0] - s["submitted"] for s in streams]
+    gaps = [b - a for s in streams for a, b in zip(s["times"], s["times"][1:], strict=False)]
+    return {"tokens_per_s": sum(rates), "ms_per_step": statistics.mean(steps) * 1e3,
+            "window_s": t1 - t0, "window_steps": min(len([t for t in s["times"] if t0 <= t <= t1]) for s in streams),
+            "ttft_ms_median": _quantile(ttft, 0.5) * 1e3, "ttft_ms_p90": _quantile(ttft, 0.9) * 1e3,
+            "itl_ms_median": _quantile(gaps, 0.5) * 1e3, "itl_ms_p90": _quantile(gaps, 0.9) * 1e3}
+
+
+def _prompts(vocab: int, batch: int, length: int, seed: int) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, length), generator=g).tolist()
+
+
+def decode_plan(batches: list[int], contexts: list[int], quick: bool) -> list[tuple[int, int]]:
+    """(B, context) pairs; --quick keeps longer contexts only at B=1 and the largest B."""
+    pairs = []
+    for i, ctx in enumerate(contexts):
+        for B in batches:
+            if quick and i > 0 and B not in (min(batches), max(batches)):
+                continue
+            pairs.append((B, ctx))
+    return pairs
+
+
+def bench_engine(artifact: Path, cfg: dict, args, device: str, chain_ms: dict[str, float] | None) -> dict:
+    import torch
+
+    import ninfer
+
+    B_max = max(args.batches)
+    pairs = decode_plan(args.batches, args.contexts, args.quick)
+    decode_tokens = {(B, ctx): args.steps + B * -(-ctx // args.prefill_chunk) + 2 for B, ctx in pairs}
+    max_len = max([ctx + n for (_, ctx), n in decode_tokens.items()] + [p + 1 for p in args.prefill]) + 1
+    page_size = 16
+    num_pages = B_max * -(-max_len // page_size) + 1
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(device)
+    t = time.perf_counter()
+    engine = ninfer.Engine(artifact, max_concurrency=B_max, device=device, max_model_len=max_len,
+                           prefill_chunk=args.prefill_chunk, page_size=page_size, num_pages=num_pages)
+    _sync(device)
+    res: dict = {"start_s": time.perf_counter() - t, "max_model_len": max_len, "prefill_chunk": args.prefill_chunk,
+                 "graphs": getattr(engine.instance.program, "graphs", None) is not None}
+    plan = getattr(engine.instance.program, "plan", None)
+    if plan is not None:
+        import attrs
+
+        res["plan"] = attrs.asdict(plan)
+    vocab = cfg["vocab_size"]
+    try:
+        t = time.perf_counter()
+        # Warm-up: Triton compilation for the chunk and decode shapes used below.
+        run_streams(engine, _prompts(vocab, B_max, args.prefill_chunk + 5, 1), 4)
+        run_streams(engine, _prompts(vocab, 1, 7, 2), 4)
+        res["warmup_s"] = time.perf_counter() - t
+        res["decode"] = []
+        for i, (B, ctx) in enumerate(pairs):
+            streams = run_streams(engine, _prompts(vocab, B, ctx, 100 + i), decode_tokens[(B, ctx)])
+            row = {"batch": B, "context": ctx, **steady_decode(streams),
+                   "bytes_per_step": decode_bytes(cfg, B, ctx)}
+            if chain_ms and str(B) in chain_ms:
+                row["chain_ms"] = chain_ms[str(B)]
+                row["over_chain"] = row["tokens_per_s"] / (B * 1e3 / chain_ms[str(B)])
+            res["decode"].append(row)
+            print(f"#   decode B={B} ctx={ctx}: {row['ms_per_step']:.3f} ms/step, {row['tokens_per_s']:.1f} tok/s",
+                  flush=True)
+        res["prefill"] = []
+        for i, P in enumerate(args.prefill):
+            ttfts = []
+            for r in range(args.prefill_reps):
+                (s,) = run_streams(engine, _prompts(vocab, 1, P, 500 + 10 * i + r), 1)
+                ttfts.append(s["times"][0] - s["submitted"])
+            best = min(ttfts)
+            row = {"tokens": P, "seconds": best, "seconds_all": ttfts, "tokens_per_s": P / best,
+                   "model_tflops": prefill_flops(cfg, P) / best / 1e12}
+            res["prefill"].append(row)
+            print(f"#   prefill {P}: {best:.4f} s, {row['tokens_per_s']:.0f} tok/s, {row['model_tflops']:.1f} TFLOP/s",
+                  flush=True)
+        m = engine.metrics()
+        res["engine_metrics"] = {"preemptions": m.preemptions, "generated_tokens": m.generated_tokens,
+                                 "prompt_tokens": m.prompt_tokens, "requests_finished": m.requests_finished}
+        if device.startswith("cuda"):
+            res["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
+    finally:
+        engine.close()
+        if engine.artifact is not None:
+            engine.artifact.close()
+        del engine
+        gc.collect()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+            res["left_allocated_bytes"] = torch.cuda.memory_allocated(device)
+    return res
+
+
+# -- one shape end to end -------------------------------------------------------------------------------
+
+def bench_shape(shape: str, args, device: str, ceilings: dict | None) -> dict:
+    import torch
+
+    from benchmarks import hf_baseline
+    from ninfer_convert.convert import convert_checkpoint
+
+    cfg = dict(SHAPES[shape], dtype="bfloat16", mtp_num_hidden_layers=0, model_type=HF_MODEL_TYPE)
+    res: dict = {"shape": shape, "config": cfg, **model_figures(cfg)}
+    workdir = Path(tempfile.mkdtemp(prefix=f"ninfer-bench-{shape}-", dir=args.workdir))
+    src, out = workdir / "hf", workdir / f"{shape}.ninfer"
+    try:
+        t = time.perf_counter()
+        res["checkpoint_bytes"] = write_source(src, cfg, device)
+        res["write_s"] = time.perf_counter() - t
+        summary = convert_checkpoint(src, out, host=_host())
+        res["convert_s"] = summary.seconds
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        chain = ceilings["chain_ms"].get(shape) if ceilings else None
+        res["engine"] = bench_engine(out, cfg, args, device, chain)
+        out.unlink()
+        if args.hf:
+            try:
+                res["hf"] = hf_baseline.run(src, device=device, prompt=args.hf_prompt, new_tokens=args.hf_new_tokens,
+                                            batches=tuple(args.hf_batches))
+            except Exception as exc:  # the baseline is a comparison, not the measurement: keep ours
+                res["hf"] = {"error": f"{type(exc).__name__}: {exc}"}
+                print(f"# {shape}: transformers baseline failed: {res['hf']['error']}", file=sys.stderr)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    res["ratios"] = ratios(res, ceilings)
+    if shape in TARGETS:
+        res["targets"] = check_targets(TARGETS[shape], res["ratios"])
+    return res
+
+
+def ratios(res: dict, ceilings: dict | None) -> dict:
+    """Ours over the ceilings and over transformers (the figures the targets name)."""
+    out: dict = {}
+    eng = res["engine"]
+    first_ctx = eng["decode"][0]["context"] if eng["decode"] else None
+    hf_rows = {r["batch"]: r for r in res.get("hf", {}).get("rows", [])}
+    for row in eng["decode"]:
+        if row["context"] != first_ctx:
+            continue
+        B = row["batch"]
+        out[f"decode_b{B}_tokens_per_s"] = row["tokens_per_s"]
+        if "over_chain" in row:
+            out[f"decode_b{B}_over_chain"] = row["over_chain"]
+        if B in hf_rows:
+            out[f"decode_b{B}_over_hf"] = row["tokens_per_s"] / hf_rows[B]["decode_tokens_per_s"]
+    if ceilings:
+        for row in eng["prefill"]:
+            out[f"prefill_{row['tokens']}_mfu"] = row["model_tflops"] / ceilings["matmul_tflops"]
+    if 1 in hf_rows:
+        for row in eng["prefill"]:
+            if row["tokens"] == res["hf"]["prompt"]:
+                out[f"prefill_{row['tokens']}_over_hf"] = row["tokens_per_s"] / hf_rows[1]["prefill_tokens_per_s"]
+    return out
+
+
+def check_targets(targets: dict, got: dict) -> dict:
+    return {k: {"target": v, "measured": got.get(k), "met": None if got.get(k) is None else got[k] >= v}
+            for k, v in targets.items()}
+
+
+# -- report ---------------------------------------------------------------------------------------------
+
+def _f(x, spec: str = ".1f", none: str = "-") -> str:
+    return none if x is None else format(x, spec)
+
+
+def markdown(result: dict) -> str:
+    ce = result.get("ceilings")
+    lines = [f"# ninfer bench on {result['device']['name']} ({result['device']['device']}), "
+             f"torch {result['device']['torch']}, triton {result['device']['triton']}"]
+    if ce:
+        lines.append(f"Ceilings: copy {ce['copy_tb_s']:.2f} TB/s, matmul ({ce['matmul_dtype']}) "
+                     f"{ce['matmul_tflops']:.1f} TFLOP/s")
+    for shape, r in result["shapes"].items():
+        eng, hf = r["engine"], r.get("hf", {})
+        hf_rows = {x["batch"]: x for x in hf.get("rows", [])}
+        lines += ["", f"## {shape}: {(r['layer_matmul_params'] + r['lm_head_params']) / 1e9:.2f} B matmul parameters, "
+                  f"decode reads {r['decode_weight_bytes'] / 1e9:.2f} GB of weights; engine start {eng['start_s']:.1f} s, "
+                  f"CUDA graphs {eng['graphs']}", "",
+                  "| B | context | ms/step | tokens/s | bytes floor ms | chain ms | ours/chain | HF tokens/s | ours/HF |"
+                  " TTFT med / p90 ms | ITL med / p90 ms |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for d in eng["decode"]:
+            floor = d["bytes_per_step"] / (ce["copy_tb_s"] * 1e12) * 1e3 if ce else None
+            h = hf_rows.get(d["batch"])
+            lines.append(
+                f"| {d['batch']} | {d['context']} | {d['ms_per_step']:.3f} | {d['tokens_per_s']:.1f} | {_f(floor, '.3f')} "
+                f"| {_f(d.get('chain_ms'), '.3f')} | {_f(d.get('over_chain'), '.2f')} "
+                f"| {_f(h and h['decode_tokens_per_s'])} | {_f(h and d['tokens_per_s'] / h['decode_tokens_per_s'])} "
+                f"| {d['ttft_ms_median']:.1f} / {d['ttft_ms_p90']:.1f} | {d['itl_ms_median']:.2f} / {d['itl_ms_p90']:.2f} |")
+        lines += ["", "| prompt | prefill s | tokens/s | model TFLOP/s | MFU % | HF tokens/s (B=1) | ours/HF |",
+                  "|---|---|---|---|---|---|---|"]
+        for p in eng["prefill"]:
+            mfu = p["model_tflops"] / ce["matmul_tflops"] * 100 if ce else None
+            h = hf_rows.get(1) if hf.get("prompt") == p["tokens"] else None
+            lines.append(f"| {p['tokens']} | {p['seconds']:.4f} | {p['tokens_per_s']:.0f} | {p['model_tflops']:.2f} "
+                         f"| {_f(mfu)} | {_f(h and h['prefill_tokens_per_s'], '.0f')} "
+                         f"| {_f(h and p['tokens_per_s'] / h['prefill_tokens_per_s'])} |")
+        if "peak_memory_bytes" in eng:
+            lines.append(f"\nPeak device memory {eng['peak_memory_bytes'] / 2**30:.2f} GiB "
+                         f"(KV pool sized for the runs: {eng.get('plan', {}).get('kv_pages', '?')} pages)")
+        if "error" in hf:
+            lines.append(f"\ntransformers baseline failed: {hf['error']}")
+        elif hf:
+            lines.append(f"\ntransformers {hf['transformers']} (fla {hf['fla']}), {hf['prompt']}-token prompt, "
+                         f"{hf['new_tokens']} new tokens: " + ", ".join(
+                             f"B={x['batch']} {x['decode_ms_per_step']:.1f} ms/step" for x in hf["rows"]))
+        for k, t in r.get("targets", {}).items():
+            lines.append(f"- target {k} >= {t['target']}: measured {_f(t['measured'], '.2f')} -> "
+                         f"{'met' if t['met'] else 'NOT met' if t['met'] is not None else 'not measured'}")
+    return "\n".join(lines)
+
+
+# -- entry point ----------------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", nargs="+", default=["9b"], choices=sorted(SHAPES))
+    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
+    p.add_argument("--quick", action="store_true", help="fewer repetitions and long contexts at B=1 and max B only")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192], help="decode context lengths")
+    p.add_argument("--steps", type=int, default=None, help="decode steps timed per run (default 128, quick 48)")
+    p.add_argument("--prefill", type=int, nargs="+", default=None,
+                   help="prefill prompt lengths (default 512 4096 16384, quick 512 4096)")
+    p.add_argument("--prefill-reps", type=int, default=None, help="repetitions per prompt, best kept (3, quick 2)")
+    p.add_argument("--prefill-chunk", type=int, default=2048, help="the engine's prefill chunk")
+    p.add_argument("--hf-prompt", type=int, default=512)
+    p.add_argument("--hf-new-tokens", type=int, default=64)
+    p.add_argument("--hf-batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers baseline")
+    p.add_argument("--no-ceilings", dest="ceilings", action="store_false")
+    p.add_argument("--workdir", default=None, help="folder for the checkpoint and artifact (default: temp dir)")
+    p.add_argument("--json", default=None, help="write every figure here")
+    args = p.parse_args(argv)
+    args.steps = args.steps or (48 if args.quick else 128)
+    args.prefill = args.prefill or ([512, 4096] if args.quick else [512, 4096, 16384])
+    args.prefill_reps = args.prefill_reps or (2 if args.quick else 3)
+    return args
+
+
+def _validate(args) -> str | None:
+    if not all(1 <= b <= 8 for b in args.batches):
+        return "--batches values must be in 1..8 (the engine's max_concurrency range)"
+    for name in ("contexts", "prefill", "hf_batches"):
+        if min(getattr(args, name)) < 1:
+            return f"--{name.replace('_', '-')} values must be >= 1"
+    if args.steps < 3 or args.prefill_reps < 1 or args.prefill_chunk < 1 or args.hf_prompt < 1:
+        return "--steps must be >= 3; --prefill-reps, --prefill-chunk and --hf-prompt >= 1"
+    if args.hf_new_tokens < 2:
+        return "--hf-new-tokens must be >= 2"
+    return None
+
+
+def main(argv=None) -> int:
+    _import_paths()
+    extra = [m for m in os.environ.get("NINFER_EXTRA_PLUGINS", "").split(",") if m]
+    if "ninfer_qwen35.plugin" not in extra:  # no package metadata on the GPU machine
+        os.environ["NINFER_EXTRA_PLUGINS"] = ",".join([*extra, "ninfer_qwen35.plugin"])
+    args = parse_args(argv)
+    if (err := _validate(args)) is not None:
+        print(f"bench: {err}", file=sys.stderr)
+        return 2
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        print("bench: no CUDA device; use --device cpu", file=sys.stderr)
+        return 2
+    base = Path(args.workdir or tempfile.gettempdir())
+    base.mkdir(parents=True, exist_ok=True)
+    args.workdir = str(base)
+    for s in args.shape:  # source + artifact coexist until the engine ran
+        need = 2.05 * 2 * sum(model_figures(SHAPES[s])[k] for k in ("layer_matmul_params", "lm_head_params",
+                                                                      "embedding_params"))
+        if shutil.disk_usage(base).free < need:
+            print(f"bench: {base} has {shutil.disk_usage(base).free / 1e9:.1f} GB free, shape {s} needs about "
+                  f"{need / 1e9:.1f} GB; pass --workdir", file=sys.stderr)
+            return 2
+    t0 = time.perf_counter()
+    result: dict = {"device": device_info(device), "args": {k: v for k, v in vars(args).items()}}
+    if args.ceilings:
+        print("# ceilings", flush=True)
+        result["ceilings"] = measure_ceilings(args.shape, sorted(set(args.batches)), device)
+    result["shapes"] = {}
+    for s in args.shape:
+        print(f"# shape {s}", flush=True)
+        result["shapes"][s] = bench_shape(s, args, device, result.get("ceilings"))
+        if args.json:  # keep what is measured even if a later shape fails
+            Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+    result["wall_s"] = time.perf_counter() - t0
+    print(markdown(result))
+    print(f"\n# wall time {result['wall_s']:.1f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

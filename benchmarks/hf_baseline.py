@@ -1,0 +1,112 @@
+"""Hugging Face transformers ``generate`` on a written Qwen3.5 checkpoint: the baseline every ninfer figure
+is also divided by.
+
+Greedy, random token-id prompts, a fixed number of new tokens (EOS suppressed with ``min_new_tokens``).
+Per batch size: ``generate(max_new_tokens=1)`` times the prefill (plus one sample), ``generate(N)`` the
+whole run; the decode step is their difference over N - 1 steps. fla kernels are used by transformers when
+``fla`` is importable (reported as ``fla``).
+
+    python -m benchmarks.hf_baseline CHECKPOINT_DIR [--device cuda] [--prompt 512] [--new-tokens 64] [--batch 1 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run(checkpoint: str | Path, *, device: str, prompt: int = 512, new_tokens: int = 64,
+        batches: tuple[int, ...] = (1, 8), dtype: str = "bfloat16", seed: int = 0) -> dict:
+    """Load ``checkpoint`` with ``from_pretrained`` and time greedy ``generate`` at each batch size."""
+    import torch
+    import transformers
+
+    if new_tokens < 2:
+        raise ValueError(f"new_tokens must be >= 2 (the decode step is (T(N) - T(1)) / (N - 1)), got {new_tokens}")
+    if prompt < 1 or not batches or min(batches) < 1:
+        raise ValueError(f"prompt and batch sizes must be >= 1, got prompt {prompt}, batches {batches}")
+    t0 = time.perf_counter()
+    # Straight onto the GPU (device_map) rather than through host memory: 18 GB for the 9B shape.
+    placement = {"device_map": device} if device.startswith("cuda") else {}
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=getattr(torch, dtype),
+                                                              **placement)
+    model.to(device).eval()
+    _sync(device)
+    load_s = time.perf_counter() - t0
+    vocab = model.config.get_text_config().vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    res = {"transformers": transformers.__version__, "fla": importlib.util.find_spec("fla") is not None,
+           "device": device, "dtype": dtype, "prompt": prompt, "new_tokens": new_tokens, "load_s": load_s,
+           "rows": []}
+
+    def generate(model, ids: torch.Tensor, n: int) -> float:
+        _sync(device)
+        t = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, pad_token_id=0)
+        _sync(device)
+        if out.shape[1] != ids.shape[1] + n:
+            raise RuntimeError(f"transformers generated {out.shape[1] - ids.shape[1]} tokens, expected {n}")
+        return time.perf_counter() - t
+
+    with torch.inference_mode():
+        for B in batches:
+            ids = torch.randint(0, vocab, (B, prompt), generator=gen).to(device)
+            generate(model, ids, 2)  # warm-up: kernel compilation (fla, Triton) at exactly these shapes
+            prefill_s = generate(model, ids, 1)
+            total_s = generate(model, ids, new_tokens)
+            step_ms = (total_s - prefill_s) / (new_tokens - 1) * 1e3
+            res["rows"].append({"batch": B, "prefill_s": prefill_s, "total_s": total_s, "decode_ms_per_step": step_ms,
+                                "decode_tokens_per_s": B / step_ms * 1e3,
+                                "prefill_tokens_per_s": B * prompt / prefill_s})
+    del model
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return res
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint", help="a Hugging Face checkpoint folder (config.json + safetensors)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if not (Path(args.checkpoint) / "config.json").is_file():
+        print(f"hf_baseline: {args.checkpoint} has no config.json", file=sys.stderr)
+        return 2
+    try:
+        res = run(args.checkpoint, device=device, prompt=args.prompt, new_tokens=args.new_tokens,
+                  batches=tuple(args.batch), dtype="bfloat16" if device.startswith("cuda") else "float32")
+    except ValueError as exc:
+        print(f"hf_baseline: {exc}", file=sys.stderr)
+        return 2
+    print(f"transformers {res['transformers']} (fla: {res['fla']}) on {device}, {args.prompt}-token prompt, "
+          f"{args.new_tokens} new tokens")
+    print("| B | prefill s | decode ms/step | decode tokens/s |")
+    print("|---|---|---|---|")
+    for r in res["rows"]:
+        print(f"| {r['batch']} | {r['prefill_s']:.3f} | {r['decode_ms_per_step']:.1f} | {r['decode_tokens_per_s']:.1f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

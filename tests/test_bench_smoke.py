@@ -1,0 +1,86 @@
+"""benchmarks/bench.py end to end on CPU with the tiny shape: checkpoint written, converted, run through the
+public Engine and through transformers, every JSON field the GPU run reports is present and sane."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("ninfer_qwen35")
+pytest.importorskip("ninfer_convert")
+pytest.importorskip("transformers")
+
+from benchmarks import bench  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_cpu_thread():
+    """Tiny CPU models run fastest single-threaded, above all on a shared, loaded machine."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_bench_tiny_cpu(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    argv = ["--shape", "tiny", "--device", "cpu", "--quick", "--batches", "1", "2", "4", "--contexts", "8", "24",
+            "--prefill", "16", "40", "--steps", "3", "--prefill-chunk", "16", "--hf-prompt", "16",
+            "--hf-new-tokens", "2", "--hf-batches", "1", "--workdir", str(tmp_path), "--json", str(out)]
+    assert bench.main(argv) == 0
+    res = json.loads(out.read_text())
+    assert res["device"]["device"] == "cpu" and res["wall_s"] > 0
+    ce = res["ceilings"]
+    assert ce["copy_tb_s"] > 0 and ce["matmul_tflops"] > 0 and set(ce["chain_ms"]["tiny"]) == {"1", "2", "4"}
+
+    tiny = res["shapes"]["tiny"]
+    eng = tiny["engine"]
+    # --quick: the longer context only at B=1 and the largest B.
+    assert [(d["batch"], d["context"]) for d in eng["decode"]] == [(1, 8), (2, 8), (4, 8), (1, 24), (4, 24)]
+    for d in eng["decode"]:
+        assert d["tokens_per_s"] > 0 and d["ms_per_step"] > 0 and d["window_steps"] >= 3
+        assert d["ttft_ms_median"] > 0 and d["ttft_ms_p90"] >= d["ttft_ms_median"]
+        assert d["itl_ms_p90"] >= d["itl_ms_median"] > 0
+        assert d["bytes_per_step"] > tiny["decode_weight_bytes"] and d["over_chain"] > 0
+    assert [p["tokens"] for p in eng["prefill"]] == [16, 40]
+    assert all(p["tokens_per_s"] > 0 and len(p["seconds_all"]) == 2 for p in eng["prefill"])
+    assert eng["engine_metrics"]["preemptions"] == 0
+    assert eng["plan"]["max_model_len"] >= eng["max_model_len"]
+
+    hf = tiny["hf"]
+    assert "error" not in hf, hf
+    assert [r["batch"] for r in hf["rows"]] == [1] and hf["rows"][0]["decode_tokens_per_s"] > 0
+    r = tiny["ratios"]
+    assert {"decode_b1_over_chain", "decode_b1_over_hf", "prefill_16_mfu", "prefill_16_over_hf"} <= set(r)
+    assert list(tmp_path.iterdir()) == [out]  # checkpoint and artifact removed
+    text = capsys.readouterr().out
+    assert "| B | context | ms/step |" in text and "| prompt | prefill s |" in text
+
+
+def test_prefill_flops_counts_the_head_once_and_causal_attention():
+    cfg = bench.SHAPES["9b"]
+    f = bench.model_figures(cfg)
+    assert round(f["decode_weight_bytes"] / 1e9, 2) == 15.87  # measured_h200.md: 15.87 GB per decode step
+    one, two = bench.prefill_flops(cfg, 1), bench.prefill_flops(cfg, 2)
+    per_token = two - one
+    assert 2 * f["layer_matmul_params"] < per_token < 2 * f["layer_matmul_params"] * 1.01
+    assert one > 2 * (f["layer_matmul_params"] + f["lm_head_params"])
+
+
+def test_steady_decode_uses_only_the_window_where_all_rows_decode():
+    a = {"submitted": 0.0, "times": [1.0, 1.1, 1.2, 1.3, 1.4, 1.5]}
+    b = {"submitted": 0.0, "times": [1.25, 1.3, 1.4, 1.5, 1.6, 1.7]}
+    d = bench.steady_decode([a, b])
+    # window [1.25, 1.5]: a has 1.3..1.5 (0.1 s steps), b has 1.25..1.5 (1.25, 1.3, 1.4, 1.5).
+    assert d["window_s"] == pytest.approx(0.25)
+    assert d["tokens_per_s"] == pytest.approx(1 / 0.1 + 3 / 0.25)
+    assert d["ttft_ms_median"] == pytest.approx(1125.0)
+
+
+@pytest.mark.parametrize("argv", [["--batches", "9"], ["--steps", "2"], ["--prefill", "0"], ["--hf-new-tokens", "1"]])
+def test_bad_arguments_are_refused(argv, capsys):
+    assert bench.main(["--shape", "tiny", "--device", "cpu", *argv]) == 2
+    assert "bench:" in capsys.readouterr().err
