@@ -655,3 +655,23 @@ def test_a_request_that_can_never_fit_ends_with_a_capacity_error():
         assert r1.extra["error_kind"] == "capacity" and r1.usage.completion_tokens == 0
         assert r2.extra["error_kind"] == "capacity" and 1 <= r2.usage.completion_tokens <= 7
         drained(eng)
+
+
+def test_a_closed_consumer_loop_does_not_hurt_the_engine():
+    import asyncio
+
+    with long_engine(max_concurrency=1) as eng:
+        h = eng.submit(req([1, 2, 3], max_tokens=10**6, ignore_eos=True))
+
+        async def first_then_leave():
+            it = h.__aiter__()
+            await it.__anext__()  # GenerationStart
+            h._channel.events.clear()
+            h._channel._waiters.append((asyncio.get_running_loop(), asyncio.get_running_loop().create_future()))
+
+        asyncio.run(first_then_leave())  # the loop closes with a waiter registered
+        time.sleep(0.05)
+        h.cancel()
+        assert h.result(timeout=10).finish_reason is FinishReason.CANCELLED
+        assert not eng.failed
+        drained(eng)

@@ -49,7 +49,10 @@ class ResponseChannel:
             self.cond.notify_all()
             waiters, self._waiters = self._waiters, []
         for loop, fut in waiters:
-            loop.call_soon_threadsafe(_wake, fut)
+            try:
+                loop.call_soon_threadsafe(_wake, fut)
+            except RuntimeError:  # the consumer's event loop is closed: nobody waits any more
+                pass
         if self.response_done:
             self._maybe_release()
 
