@@ -90,13 +90,6 @@ def test_thinking_on_and_off(server):
     assert on["reasoning_content"] and on["reasoning"] == on["reasoning_content"]
 
 
-# The Program samples logprobs (PendingRow.logprobs / top_logprobs) but the engine does not yet carry them
-# into OutputDelta.logprobs, so the gateway receives none; the gateway's side is covered in
-# ninfer-serve/tests (test_app.py). Remove these marks once the engine publishes TokenLogprob entries.
-LOGPROBS_GAP = pytest.mark.xfail(reason="engine does not publish OutputDelta.logprobs yet", strict=False)
-
-
-@LOGPROBS_GAP
 def test_chat_logprobs(client):
     r = chat(client, logprobs=True, top_logprobs=3, extra_body={**NO_THINK, "ignore_eos": True})
     content = r.choices[0].logprobs.content
@@ -151,7 +144,6 @@ def test_completions_text_tokens_stream(client):
     assert ids.usage.prompt_tokens == 4
 
 
-@LOGPROBS_GAP
 def test_completions_logprobs(client):
     r = client.completions.create(model=MODEL_ID, prompt="Once upon a time", max_tokens=6, temperature=0,
                                   logprobs=2, extra_body={"ignore_eos": True})
