@@ -89,6 +89,11 @@ class LedgerProgram:
         self.gate.set()
         self.close_gate_on_pause = False
         self.paused_once = threading.Event()
+        self.prefill_gate = threading.Event()  # prefill waits here (open unless a test closes it)
+        self.prefill_gate.set()
+        self.in_unit = threading.Event()       # set while a prefill/decode unit waits at its gate
+        self.cancelled_rows = 0                # rows committed with a cancelled decision
+        self.recovering: set[int] = set()      # resumed sequences without a new token yet
 
     def _call(self, name: str) -> None:
         self.threads.add(threading.get_ident())
@@ -136,6 +141,9 @@ class LedgerProgram:
 
     def prefill(self, sequence_id: int, max_tokens: int) -> PendingBatch | None:
         self._call("prefill")
+        if not self.prefill_gate.is_set():
+            self.in_unit.set()
+            self.prefill_gate.wait()
         s = self.seqs[sequence_id]
         n = min(max_tokens, s.feed_len - s.frontier)
         assert n > 0 and s.frontier + n <= s.reserved_to, "prefill without reservation"
@@ -148,7 +156,9 @@ class LedgerProgram:
 
     def decode(self, sequence_ids: Sequence[int]) -> PendingBatch:
         self._call("decode")
-        self.gate.wait()
+        if not self.gate.is_set():
+            self.in_unit.set()
+            self.gate.wait()
         assert len(set(sequence_ids)) == len(sequence_ids)
         rows, native = [], []
         for sid in sequence_ids:
@@ -166,9 +176,11 @@ class LedgerProgram:
         for (sid, before), row, d in zip(batch.native, batch.rows, decisions, strict=True):
             s = self.seqs[sid]
             if d.cancelled:
+                self.cancelled_rows += 1
                 s.frontier = before if batch.kind == "decode" else s.frontier
             else:
                 s.inputs.extend(row.tokens[:d.accepted])
+                self.recovering.discard(sid)
             self._trim(s)
 
     def abort_pending(self, batch: PendingBatch) -> None:
@@ -183,6 +195,7 @@ class LedgerProgram:
     def pause(self, sequence_id: int, mode: str) -> Resume:
         self._call("pause")
         s = self.seqs.pop(sequence_id)
+        self.recovering.discard(sequence_id)
         self._trim(s)
         self.free_pages += s.pages
         host = 0
@@ -214,6 +227,8 @@ class LedgerProgram:
         sid, self.next_id = self.next_id, self.next_id + 1
         self.seqs[sid] = s
         self.log.append(("resume", tuple(s.inputs[:s.prompt_len])))
+        assert not self.recovering, "a second protected recovery started before the first made progress"
+        self.recovering.add(sid)
         return sid
 
     def discard(self, r: Resume) -> None:
@@ -224,6 +239,7 @@ class LedgerProgram:
 
     def release(self, sequence_id: int) -> None:
         self._call("release")
+        self.recovering.discard(sequence_id)
         s = self.seqs.pop(sequence_id)
         self.free_pages += s.pages
 
@@ -675,3 +691,69 @@ def test_a_closed_consumer_loop_does_not_hurt_the_engine():
         assert h.result(timeout=10).finish_reason is FinishReason.CANCELLED
         assert not eng.failed
         drained(eng)
+
+
+def _wait_until(cond, timeout=10.0):
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.002)
+
+
+def test_cancellation_in_every_state():
+    eng = long_engine(max_concurrency=2, prefill_chunk=1)
+    prog = eng.instance.program
+    # Decode, cancelled while its PendingBatch is provisional: the row accepts zero tokens.
+    prog.gate.clear()
+    decoding = eng.submit(req([1, 2], max_tokens=10**6, ignore_eos=True))
+    assert prog.in_unit.wait(10)
+    prog.in_unit.clear()
+    decoding.cancel()
+    prog.gate.set()
+    r = decoding.result(timeout=10)
+    assert r.finish_reason is FinishReason.CANCELLED and prog.cancelled_rows == 1
+    assert len(r.token_ids) == 1  # only the prefill's first token was committed and published
+    # Waiting behind two long residents, then Prefill (held inside a chunk), then finished (no effect).
+    blockers = [eng.submit(req([3, 4], max_tokens=10**6, ignore_eos=True)) for _ in range(2)]
+    waiting = eng.submit(req([5, 6], max_tokens=4))
+    waiting.cancel()
+    r = waiting.result(timeout=10)
+    assert r.finish_reason is FinishReason.CANCELLED and r.usage.completion_tokens == 0
+    assert r.timings.time_to_first_token_s is None
+    for b in blockers:
+        b.cancel()
+        assert b.result(timeout=10).finish_reason is FinishReason.CANCELLED
+    prog.prefill_gate.clear()
+    prefilling = eng.submit(req(list(range(1, 40)), max_tokens=4))
+    assert prog.in_unit.wait(10)
+    prefilling.cancel()
+    prog.prefill_gate.set()
+    r = prefilling.result(timeout=10)
+    assert r.finish_reason is FinishReason.CANCELLED and r.usage.completion_tokens == 0
+    done = eng.submit(req([7], max_tokens=2))
+    assert done.result(timeout=10).finish_reason is FinishReason.LENGTH
+    done.cancel()  # after the end: nothing happens
+    drained(eng)
+    eng.close()
+
+
+def test_cancellation_while_paused_discards_the_resume_state():
+    eng = make_engine(max_concurrency=4, pages=62, host_bytes=1 << 20)
+    prog = eng.instance.program
+    prog.gate.clear()
+    prog.close_gate_on_pause = True
+    a = eng.submit(req([1, 2, 3, 4], max_tokens=200, ignore_eos=True))
+    b = eng.submit(req(list(range(1, 41)), max_tokens=200, ignore_eos=True))
+    prog.gate.set()
+    assert prog.paused_once.wait(10)  # B is paused (Snapshot: host room allows) and the worker is held
+    published = b._channel.events.copy()
+    b.cancel()
+    prog.gate.set()
+    rb, ra = b.result(timeout=10), a.result(timeout=10)
+    assert rb.finish_reason is FinishReason.CANCELLED and rb.timings.preemptions == 1
+    assert ra.finish_reason is FinishReason.LENGTH
+    assert [t for e in published if hasattr(e, "token_ids") and not isinstance(e, GenerationResult)
+            for t in e.token_ids] == list(rb.token_ids)  # nothing published after the pause
+    assert prog.resumes and all(r.settled for r in prog.resumes) and prog.host_used == 0
+    drained(eng)
+    eng.close()
