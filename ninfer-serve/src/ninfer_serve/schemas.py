@@ -321,3 +321,5 @@ def parse_json(raw: bytes) -> Any:
         return json.loads(raw)
     except (UnicodeDecodeError, ValueError) as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply") from None
