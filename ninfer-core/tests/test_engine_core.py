@@ -757,3 +757,15 @@ def test_cancellation_while_paused_discards_the_resume_state():
     assert prog.resumes and all(r.settled for r in prog.resumes) and prog.host_used == 0
     drained(eng)
     eng.close()
+
+
+def test_worker_binds_an_explicit_cuda_ordinal_only(monkeypatch):
+    import torch
+
+    from ninfer.engine.core import bind_device
+
+    seen = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: seen.append(d))
+    for device in (None, "cpu", "cuda", "cuda:1"):
+        bind_device(device)
+    assert seen == [torch.device("cuda:1")]

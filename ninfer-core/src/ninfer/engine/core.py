@@ -189,9 +189,7 @@ class EngineCore:
     # == worker ======================================================================================
     def _run(self) -> None:
         try:
-            if self.device is not None and str(self.device).startswith("cuda"):
-                import torch
-                torch.cuda.set_device(torch.device(self.device))
+            bind_device(self.device)
             while True:
                 with self.cond:
                     new, self.inbox = self.inbox, []
@@ -597,6 +595,17 @@ class EngineCore:
         s.paused.clear()
         s.protected = None
         self.by_seq.clear()
+
+
+def bind_device(device) -> None:
+    """The worker binds its CUDA device before executing ("cuda" alone keeps the current device)."""
+    if device is None or not str(device).startswith("cuda"):
+        return
+    import torch
+
+    dev = torch.device(device)
+    if dev.index is not None:
+        torch.cuda.set_device(dev)
 
 
 def _token_text_fn(frontend: Frontend):
