@@ -221,3 +221,10 @@ def test_logprobs_are_published_with_the_accepted_tokens(parts):
     assert plain.token_ids == res.token_ids
     settled(eng)
     eng.close()
+
+
+def test_engine_refuses_more_lanes_than_the_program_has(parts):
+    eng = make_engine(parts, max_concurrency=2)
+    with pytest.raises(ValueError, match="built for 2 concurrent sequences"):
+        Engine.from_instance(eng.instance, max_concurrency=4, device="cpu")
+    eng.close()

@@ -79,6 +79,10 @@ class Engine:
                pause_mode: PauseChoice) -> None:
         if instance.program is None:
             raise ValueError("the ModelInstance has no Program; generation needs one")
+        slots = getattr(instance.program, "max_concurrency", None)
+        if slots is not None and slots < max_concurrency:
+            raise ValueError(f"the Program was built for {slots} concurrent sequences; the engine asks for "
+                             f"max_concurrency={max_concurrency}")
         self.instance = instance
         self.model_name = name
         self.frontend = instance.frontend
