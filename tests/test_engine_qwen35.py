@@ -131,11 +131,12 @@ def alone(parts):
     return out
 
 
+@pytest.mark.parametrize("seeded", [False, True])
 @pytest.mark.parametrize("concurrency", [1, 2, 8])
-def test_concurrent_residents_match_running_alone(parts, alone, concurrency):
+def test_concurrent_residents_match_running_alone(parts, alone, concurrency, seeded):
     eng = make_engine(parts, max_concurrency=concurrency)
-    results = run(eng, workload(8, 11))
-    assert [r.token_ids for r in results] == alone[False]
+    results = run(eng, workload(8, 11, seeded=seeded))
+    assert [r.token_ids for r in results] == alone[seeded]
     assert all(r.finish_reason is FinishReason.LENGTH for r in results)
     settled(eng)
     eng.close()
