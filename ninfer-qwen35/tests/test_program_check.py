@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from benchmarks.program_check import main
 
 
@@ -13,3 +15,12 @@ def test_program_check_smoke_on_cpu(tmp_path, capsys):
     assert summary["ok"] and not summary["graphs"] and [r["B"] for r in summary["results"]] == [1, 2]
     assert all(r["tokens_equal"] for r in summary["results"])
     assert "B=2: graph vs static tokens equal" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+def test_program_graphs_equal_static_decode_on_cuda(tmp_path):
+    out = tmp_path / "check.json"
+    assert main(["--shape", "tiny", "--device", "cuda", "--steps", "4", "--batch", "1", "2", "3",
+                 "--json", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    assert summary["graphs"], summary["graph_error"]
