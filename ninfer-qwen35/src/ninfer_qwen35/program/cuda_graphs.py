@@ -92,20 +92,18 @@ class DecodeGraphs:
         unchanged since the last step only had pages appended, so only the new entries are written.
         """
         B = len(tokens)
-        h = self._host  # [max_batch, 5]: token, position, seq_len, slot, flat KV index
-        h[:B, 0] = torch.tensor(tokens)
-        h[:B, 1] = torch.tensor(positions)
-        h[:B, 2] = h[:B, 1] + 1
-        h[:B, 3] = torch.tensor(slots)
+        ps = self.page_size
+        # [max_batch, 5]: token, position, seq_len, slot, flat KV index, built in Python and written in
+        # one op: small host tensor ops cost more than the arithmetic (host time per step matters).
+        self._host[:B] = torch.tensor([(t, p, p + 1, s, pages[p // ps] * ps + p % ps) for t, p, s, pages in
+                                       zip(tokens, positions, slots, tables, strict=True)], dtype=torch.int64)
+        h = self._host
         ht = self._host_tables  # entries past a row's pages hold stale but valid page ids, never read
         for i, (pages, key) in enumerate(zip(tables, keys, strict=True)):
             start = self._row_len[i] if self._row_key[i] == key and len(pages) >= self._row_len[i] else 0
             if len(pages) > start:
                 ht[i, start:len(pages)] = torch.tensor(pages[start:], dtype=torch.int32)
             self._row_key[i], self._row_len[i] = key, len(pages)
-        pos = h[:B, 1]
-        page = ht[torch.arange(B), pos // self.page_size].long()
-        h[:B, 4] = page * self.page_size + pos % self.page_size
         # The previous step's copies from these pinned buffers have finished: its tokens were read on the host.
         dev = h[:B].to(self.device, non_blocking=True)
         self.input_ids[:B].copy_(dev[:, 0])
