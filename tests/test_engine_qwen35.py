@@ -100,7 +100,7 @@ def workload(n, seed, *, seeded=False):
     out = []
     for _ in range(n):
         p = [rng.randrange(0, 400) for _ in range(rng.randint(1, 14))]
-        s = dict(max_tokens=rng.randint(2, 7))
+        s = dict(max_tokens=rng.randint(10, 14))  # long enough for 8 rows to decode together
         if seeded:
             s.update(temperature=1.0, top_k=0, top_p=1.0, seed=rng.randrange(1 << 30))
         out.append((p, s))
@@ -135,8 +135,17 @@ def alone(parts):
 @pytest.mark.parametrize("concurrency", [1, 2, 8])
 def test_concurrent_residents_match_running_alone(parts, alone, concurrency, seeded):
     eng = make_engine(parts, max_concurrency=concurrency)
+    prog, seen = eng.instance.program, []
+    decode = prog.decode
+
+    def watched(ids):  # runs on the worker: how many requests are resident, how many rows decode
+        seen.append((len(eng._core.scheduler.residents), len(ids)))
+        return decode(ids)
+
+    prog.decode = watched
     results = run(eng, workload(8, 11, seeded=seeded))
     assert [r.token_ids for r in results] == alone[seeded]
+    assert max(r for r, _ in seen) == concurrency and max(b for _, b in seen) == concurrency
     assert all(r.finish_reason is FinishReason.LENGTH for r in results)
     settled(eng)
     eng.close()
@@ -145,7 +154,7 @@ def test_concurrent_residents_match_running_alone(parts, alone, concurrency, see
 @pytest.mark.parametrize("mode", ["snapshot", "replay"])
 @pytest.mark.parametrize("seeded", [False, True])
 def test_forced_preemption_matches_no_preemption(parts, alone, mode, seeded):
-    # 10 pages of 4 positions cannot hold 4 residents of up to 21 positions: pauses are forced.
+    # 10 pages of 4 positions cannot hold 4 residents of up to 28 positions: pauses are forced.
     eng = make_engine(parts, max_concurrency=4, pages=10, pause_mode=mode, prefill_chunk=8,
                       host_bytes=(1 << 24) if mode == "snapshot" else 0)
     results = run(eng, workload(8, 11, seeded=seeded))
