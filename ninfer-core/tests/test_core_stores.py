@@ -106,3 +106,16 @@ def test_state_store_per_step_copies_and_exhaustion():
     store.allocate()
     with pytest.raises(PoolExhausted, match="all 1 StateImage slots"):
         store.allocate()
+
+
+def test_kv_pool_transfers_in_blocks():
+    spec = KVPoolSpec(name="main", layers=1, kv_heads=1, head_dim=2, dtype="float32", page_size=2)
+    pool = PagedKVPool(spec, num_pages=7, device=CPU)
+    pool.transfer_block_bytes = 3 * pool.nbytes_per_page
+    pool.storage.copy_(torch.arange(pool.storage.numel(), dtype=torch.float32).view_as(pool.storage))
+    pages = [6, 0, 3, 5, 1, 2, 4]
+    host = torch.empty(pool.host_shape(7))
+    pool.read_pages(pages, host)
+    assert torch.equal(host, pool.storage[:, :, pages])
+    pool.write_pages(pages[::-1], host)
+    assert torch.equal(pool.storage[:, :, pages[::-1]], host)

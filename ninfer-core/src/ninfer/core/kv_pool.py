@@ -131,19 +131,25 @@ class PagedKVPool:
         self.allocator.free([page])
         return new
 
+    # Host transfers go through device temporaries of at most this size (a pause under memory pressure
+    # must not need a second copy of a long history on the device).
+    transfer_block_bytes = 64 << 20
+
+    def _blocks(self, n: int):
+        step = max(1, self.transfer_block_bytes // self.nbytes_per_page)
+        return ((i, min(i + step, n)) for i in range(0, n, step))
+
     def read_pages(self, pages: Sequence[int], out: torch.Tensor) -> None:
         """Copy ``pages`` (all layers, K and V) into ``out`` [layers, 2, len(pages), page, heads, dim]."""
-        if not pages:
-            return
-        idx = torch.tensor(list(pages), dtype=torch.int64, device=self.storage.device)
-        out.copy_(self.storage.index_select(2, idx))
+        for lo, hi in self._blocks(len(pages)):
+            idx = torch.tensor(list(pages[lo:hi]), dtype=torch.int64, device=self.storage.device)
+            out[:, :, lo:hi].copy_(self.storage.index_select(2, idx))
 
     def write_pages(self, pages: Sequence[int], data: torch.Tensor) -> None:
         """Inverse of :meth:`read_pages`."""
-        if not pages:
-            return
-        idx = torch.tensor(list(pages), dtype=torch.int64, device=self.storage.device)
-        self.storage.index_copy_(2, idx, data.to(self.storage.device))
+        for lo, hi in self._blocks(len(pages)):
+            idx = torch.tensor(list(pages[lo:hi]), dtype=torch.int64, device=self.storage.device)
+            self.storage.index_copy_(2, idx, data[:, :, lo:hi].to(self.storage.device))
 
     def host_shape(self, n_pages: int) -> tuple[int, ...]:
         s = self.spec
