@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,6 +48,7 @@ from ninfer_qwen35.program.batching import RowInput, build_forward_batch
 from ninfer_qwen35.program.resume import ReplayResume, SnapshotResume
 from ninfer_qwen35.program.sequence import RowSampling, SequenceRecord, draw_seed
 
+log = logging.getLogger(__name__)
 _program_ids = itertools.count(1)
 
 
@@ -497,6 +499,7 @@ class Qwen35Program:
                 graphs.capture()
         except Exception as exc:  # an op without a capturable path (e.g. a host sync): stay eager, say why
             self.graph_error = f"{type(exc).__name__}: {exc}"
+            log.warning("decode CUDA graphs not captured, decoding eagerly: %s", self.graph_error)
             try:
                 torch.cuda.synchronize(self.device.torch)
             except RuntimeError as sync_exc:
