@@ -296,9 +296,14 @@ def bench_engine(artifact: Path, cfg: dict, args, device: str, chain_ms: dict[st
         res["warmup_s"] = time.perf_counter() - t
         res["decode"] = []
         for i, (B, ctx) in enumerate(pairs):
+            before = engine.metrics().inter_token
             streams = run_streams(engine, _prompts(vocab, B, ctx, 100 + i), decode_tokens[(B, ctx)])
+            after = engine.metrics().inter_token
             row = {"batch": B, "context": ctx, **steady_decode(streams),
-                   "bytes_per_step": decode_bytes(cfg, B, ctx)}
+                   "bytes_per_step": decode_bytes(cfg, B, ctx),
+                   # the worker's own view (gaps between commits, prefill interleaving included): a check
+                   # that the consumer's timestamps do not hide or add time
+                   "engine_itl_ms_mean": (after.total - before.total) / max(after.count - before.count, 1) * 1e3}
             if chain_ms and str(B) in chain_ms:
                 row["chain_ms"] = chain_ms[str(B)]
                 row["over_chain"] = row["tokens_per_s"] / (B * 1e3 / chain_ms[str(B)])

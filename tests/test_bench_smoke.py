@@ -44,7 +44,7 @@ def test_bench_tiny_cpu(tmp_path, capsys):
         assert d["tokens_per_s"] > 0 and d["ms_per_step"] > 0 and d["window_steps"] >= 3
         assert d["ttft_ms_median"] > 0 and d["ttft_ms_p90"] >= d["ttft_ms_median"]
         assert d["itl_ms_p90"] >= d["itl_ms_median"] > 0
-        assert d["bytes_per_step"] > tiny["decode_weight_bytes"] and d["over_chain"] > 0
+        assert d["bytes_per_step"] > tiny["decode_weight_bytes"] and d["over_chain"] > 0 and d["engine_itl_ms_mean"] > 0
     assert [p["tokens"] for p in eng["prefill"]] == [16, 40]
     assert all(p["tokens_per_s"] > 0 and len(p["seconds_all"]) == 2 for p in eng["prefill"])
     assert eng["engine_metrics"]["preemptions"] == 0
