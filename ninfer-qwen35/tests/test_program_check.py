@@ -20,7 +20,8 @@ def test_program_check_smoke_on_cpu(tmp_path, capsys):
 @pytest.mark.gpu
 def test_program_graphs_equal_static_decode_on_cuda(tmp_path):
     out = tmp_path / "check.json"
-    assert main(["--shape", "tiny", "--device", "cuda", "--steps", "4", "--batch", "1", "2", "3",
+    # a published shape: the Triton kernels were validated at real head sizes, not the tiny test ones
+    assert main(["--shape", "0.8b", "--device", "cuda", "--steps", "4", "--batch", "1", "2", "8",
                  "--json", str(out)]) == 0
     summary = json.loads(out.read_text())
     assert summary["graphs"], summary["graph_error"]
