@@ -769,3 +769,44 @@ def test_worker_binds_an_explicit_cuda_ordinal_only(monkeypatch):
     for device in (None, "cpu", "cuda", "cuda:1"):
         bind_device(device)
     assert seen == [torch.device("cuda:1")]
+
+
+def test_many_threads_submit_consume_cancel_and_abandon():
+    import concurrent.futures
+
+    eng = make_engine(max_concurrency=3, pages=30, host_bytes=4 * PAGE_BYTES, max_queue=8)
+    overloaded = []
+
+    def client(seed):
+        rng = random.Random(seed)
+        outcomes = []
+        for _ in range(12):
+            p = [rng.randrange(1, 47) for _ in range(rng.randint(1, 12))]
+            try:
+                h = eng.submit(req(p, max_tokens=rng.randint(1, 20), ignore_eos=True))
+            except Overloaded:
+                overloaded.append(seed)
+                continue
+            action = rng.random()
+            if action < 0.2:
+                h.cancel()
+                outcomes.append(h.result(timeout=30).finish_reason)
+            elif action < 0.35:
+                del h  # abandoned mid-flight
+            else:
+                evs = list(h)
+                assert isinstance(evs[-1], GenerationResult)
+                exp = reference_tokens(p, SamplingParams(max_tokens=evs[-1].usage.completion_tokens or 1,
+                                                         ignore_eos=True, temperature=0.0))
+                assert list(evs[-1].token_ids) == exp[:len(evs[-1].token_ids)]
+                outcomes.append(evs[-1].finish_reason)
+        return outcomes
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        outcomes = [o for f in [pool.submit(client, s) for s in range(6)] for o in f.result()]
+    assert FinishReason.ERROR not in outcomes
+    import gc
+
+    gc.collect()
+    drained(eng)
+    eng.close()
