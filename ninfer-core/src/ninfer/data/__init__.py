@@ -1,0 +1,1 @@
+"""Package data: the embedded default model (default.ninfer, see docs/embedded-model.md)."""
