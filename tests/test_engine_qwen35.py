@@ -179,22 +179,31 @@ def test_events_and_text_through_the_qwen_frontend(parts):
     eng.close()
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
 def test_randomized_lifecycle_on_the_real_program(parts, seed):
+    """Arrivals, cancellations, deadlines and a tiny KV pool forcing pauses, through the real Program."""
     rng = random.Random(seed)
+    work = workload(10, 100 + seed, seeded=seed % 2 == 1)
+    solo = make_engine(parts, max_concurrency=1)
+    reference = [solo.generate(req(p, **s), timeout=120).token_ids for p, s in work]
+    solo.close()
     eng = make_engine(parts, max_concurrency=rng.choice([2, 4]), pages=rng.choice([7, 10]),
                       host_bytes=rng.choice([0, 1 << 24]), prefill_chunk=rng.choice([3, 8]), bypass_limit=1)
     hs = []
-    for p, s in workload(10, 100 + seed, seeded=rng.random() < 0.5):
-        hs.append(eng.submit(GenerationRequest(input=TextInput(token_ids=tuple(p)), sampling=SamplingParams(
-            temperature=0.0, ignore_eos=True, **{k: v for k, v in s.items() if k != "temperature"}),
-            deadline_s=rng.choice([None, None, 0.3]))))
+    for p, s in work:
+        sampling = SamplingParams(**{"temperature": 0.0, "ignore_eos": True, **s})
+        hs.append(eng.submit(GenerationRequest(input=TextInput(token_ids=tuple(p)), sampling=sampling,
+                                               deadline_s=rng.choice([None, None, 0.3]))))
         if rng.random() < 0.3:
             rng.choice(hs).cancel()
-    for h in hs:
+    for h, ref in zip(hs, reference, strict=True):
         evs = list(h)
         assert sum(isinstance(e, GenerationResult) for e in evs) == 1 and isinstance(evs[-1], GenerationResult)
-        assert evs[-1].finish_reason in (FinishReason.LENGTH, FinishReason.CANCELLED, FinishReason.DEADLINE), evs[-1]
+        res = evs[-1]
+        assert res.finish_reason in (FinishReason.LENGTH, FinishReason.CANCELLED, FinishReason.DEADLINE), res
+        assert res.token_ids == ref[:len(res.token_ids)]  # published output is always the solo output's prefix
+        if res.finish_reason is FinishReason.LENGTH:
+            assert res.token_ids == ref
     settled(eng)
     assert eng._core.scheduler.max_bypass_seen <= 1
     eng.close()
