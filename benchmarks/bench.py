@@ -187,23 +187,38 @@ def measure_ceilings(shapes: list[str], batches: list[int], device: str) -> dict
 
 # -- running requests through the public Engine ---------------------------------------------------------
 
-def run_streams(engine, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+def run_streams(engine, prompts: list[list[int]], max_tokens: int, on_steady=None, on_end=None) -> list[dict]:
     """Submit every prompt at once (greedy, ignore_eos) and record each token's arrival time at the
-    consumer. Returns per stream: submit time, token arrival times, the final result."""
+    consumer. Returns per stream: submit time, token arrival times, the final result.
+
+    ``on_steady()`` runs once when every stream has its first token (all rows decode from then on),
+    ``on_end()`` once when the first stream ends (the profiler's window)."""
     from ninfer.contract.events import FinishReason, GenerationResult, OutputDelta
     from ninfer.contract.prompt import TextInput
     from ninfer.contract.request import GenerationRequest, SamplingParams
 
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
+    started, hooks = [0], {"steady": on_steady, "end": on_end}
+
+    def fire(name: str) -> None:
+        fn = hooks.pop(name, None)
+        if fn is not None:
+            fn()
+
     async def consume(handle) -> tuple[list[float], GenerationResult | None]:
         times, final = [], None
         async for ev in handle:
             now = time.perf_counter()
             if isinstance(ev, OutputDelta) and ev.token_ids:
+                if not times:
+                    started[0] += 1
+                    if started[0] == len(prompts):
+                        fire("steady")
                 times.extend([now] * len(ev.token_ids))
             elif isinstance(ev, GenerationResult):
                 final = ev
+                fire("end")
         return times, final
 
     async def main():
@@ -245,6 +260,40 @@ def steady_decode(streams: list[dict]) -> dict:
             "itl_ms_median": _quantile(gaps, 0.5) * 1e3, "itl_ms_p90": _quantile(gaps, 0.9) * 1e3}
 
 
+def profile_decode(engine, vocab: int, B: int, ctx: int, steps: int, chunk: int, device: str,
+                   path: Path | None) -> dict:
+    """torch.profiler over the steady decode window of B rows: device-kernel time per step (CUDA) or
+    host op time (CPU), the top entries, and the full table written to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.startswith("cuda")
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+    # Started and stopped on the engine's worker between cycles: the profiler records the ops of the
+    # thread that starts it, and the worker is the thread that runs the steps.
+    worker = engine._core.on_worker
+    streams = run_streams(engine, _prompts(vocab, B, ctx, 900 + B), steps + B * -(-ctx // chunk) + 4,
+                          on_steady=lambda: worker(prof.start),
+                          on_end=lambda: worker(lambda: (_sync(device), prof.stop())))
+    d = steady_decode(streams)
+    n = d["window_steps"]
+    events = prof.key_averages()
+    if cuda:  # device-side entries only (kernels, copies): a CPU op's device time repeats its kernels'
+        kernels = [e for e in events if e.device_type.name == "CUDA"]
+        key = "self_device_time_total"
+    else:
+        kernels = list(events)
+        key = "self_cpu_time_total"
+    kernels.sort(key=lambda e: getattr(e, key), reverse=True)
+    busy_us = sum(getattr(e, key) for e in kernels) if cuda else None
+    if path is not None:
+        path.write_text(f"# decode B={B} context={ctx}: {n} steps in the window, {d['ms_per_step']:.3f} ms/step "
+                        f"under the profiler\n" + events.table(sort_by=key, row_limit=60))
+    return {"batch": B, "context": ctx, "window_steps": n, "ms_per_step_profiled": d["ms_per_step"],
+            "device_busy_ms_per_step": None if busy_us is None else busy_us / n / 1e3,
+            "top": [{"name": e.key[:120], "ms_per_step": getattr(e, key) / n / 1e3, "calls_per_step": e.count / n}
+                    for e in kernels[:20]]}
+
+
 def _prompts(vocab: int, batch: int, length: int, seed: int) -> list[list[int]]:
     import torch
 
@@ -263,7 +312,7 @@ def decode_plan(batches: list[int], contexts: list[int], quick: bool) -> list[tu
     return pairs
 
 
-def bench_engine(artifact: Path, cfg: dict, args, device: str, chain_ms: dict[str, float] | None) -> dict:
+def bench_engine(artifact: Path, shape: str, cfg: dict, args, device: str, chain_ms: dict[str, float] | None) -> dict:
     import torch
 
     import ninfer
@@ -310,6 +359,14 @@ def bench_engine(artifact: Path, cfg: dict, args, device: str, chain_ms: dict[st
             res["decode"].append(row)
             print(f"#   decode B={B} ctx={ctx}: {row['ms_per_step']:.3f} ms/step, {row['tokens_per_s']:.1f} tok/s",
                   flush=True)
+        if args.profile:
+            res["profile"] = []
+            for B in sorted({min(args.batches), B_max}):
+                path = Path(args.profile) / f"profile-{shape}-b{B}.txt"
+                res["profile"].append(profile_decode(engine, vocab, B, args.contexts[0], args.steps,
+                                                     args.prefill_chunk, device, path))
+                busy = res["profile"][-1]["device_busy_ms_per_step"]
+                print(f"#   profiled B={B}: device busy {_f(busy, '.3f')} ms/step -> {path}", flush=True)
         res["prefill"] = []
         for i, P in enumerate(args.prefill):
             ttfts = []
@@ -360,7 +417,7 @@ def bench_shape(shape: str, args, device: str, ceilings: dict | None) -> dict:
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
         chain = ceilings["chain_ms"].get(shape) if ceilings else None
-        res["engine"] = bench_engine(out, cfg, args, device, chain)
+        res["engine"] = bench_engine(out, shape, cfg, args, device, chain)
         out.unlink()
         if args.hf:
             try:
@@ -445,6 +502,13 @@ def markdown(result: dict) -> str:
             lines.append(f"| {p['tokens']} | {p['seconds']:.4f} | {p['tokens_per_s']:.0f} | {p['model_tflops']:.2f} "
                          f"| {_f(mfu)} | {_f(h and h['prefill_tokens_per_s'], '.0f')} "
                          f"| {_f(h and p['tokens_per_s'] / h['prefill_tokens_per_s'])} |")
+        for pr in eng.get("profile", []):
+            same = [d for d in eng["decode"] if (d["batch"], d["context"]) == (pr["batch"], pr["context"])]
+            busy = pr["device_busy_ms_per_step"]
+            gap = same[0]["ms_per_step"] - busy if same and busy is not None else None
+            lines.append(f"\nProfile B={pr['batch']} context {pr['context']}: device busy {_f(busy, '.3f')} ms/step, "
+                         f"idle (host) {_f(gap, '.3f')} ms/step; top: " + ", ".join(
+                             f"{t['name'][:48]} {t['ms_per_step']:.3f}" for t in pr["top"][:6]))
         if "peak_memory_bytes" in eng:
             lines.append(f"\nPeak device memory {eng['peak_memory_bytes'] / 2**30:.2f} GiB "
                          f"(KV pool sized for the runs: {eng.get('plan', {}).get('kv_pages', '?')} pages)")
@@ -479,6 +543,9 @@ def parse_args(argv=None):
     p.add_argument("--hf-batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers baseline")
     p.add_argument("--no-ceilings", dest="ceilings", action="store_false")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="also profile the steady decode window at the smallest and largest B (torch.profiler); "
+                        "tables go to DIR/profile-SHAPE-bB.txt")
     p.add_argument("--workdir", default=None, help="folder for the checkpoint and artifact (default: temp dir)")
     p.add_argument("--json", default=None, help="write every figure here")
     args = p.parse_args(argv)

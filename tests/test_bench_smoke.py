@@ -27,9 +27,12 @@ def _one_cpu_thread():
 
 def test_bench_tiny_cpu(tmp_path, capsys):
     out = tmp_path / "bench.json"
+    prof = tmp_path / "profiles"
+    prof.mkdir()
     argv = ["--shape", "tiny", "--device", "cpu", "--quick", "--batches", "1", "2", "4", "--contexts", "8", "24",
             "--prefill", "16", "40", "--steps", "3", "--prefill-chunk", "16", "--hf-prompt", "16",
-            "--hf-new-tokens", "2", "--hf-batches", "1", "--workdir", str(tmp_path), "--json", str(out)]
+            "--hf-new-tokens", "2", "--hf-batches", "1", "--workdir", str(tmp_path), "--json", str(out),
+            "--profile", str(prof)]
     assert bench.main(argv) == 0
     res = json.loads(out.read_text())
     assert res["device"]["device"] == "cpu" and res["wall_s"] > 0
@@ -55,7 +58,11 @@ def test_bench_tiny_cpu(tmp_path, capsys):
     assert [r["batch"] for r in hf["rows"]] == [1] and hf["rows"][0]["decode_tokens_per_s"] > 0
     r = tiny["ratios"]
     assert {"decode_b1_over_chain", "decode_b1_over_hf", "prefill_16_mfu", "prefill_16_over_hf"} <= set(r)
-    assert list(tmp_path.iterdir()) == [out]  # checkpoint and artifact removed
+    assert sorted(tmp_path.iterdir()) == [out, prof]  # checkpoint and artifact removed
+    # steady-window profiles at the smallest and largest B, with the full table beside the JSON
+    assert [(p["batch"], p["context"]) for p in eng["profile"]] == [(1, 8), (4, 8)]
+    assert all(p["window_steps"] >= 3 and p["top"] and p["top"][0]["ms_per_step"] > 0 for p in eng["profile"])
+    assert sorted(f.name for f in prof.iterdir()) == ["profile-tiny-b1.txt", "profile-tiny-b4.txt"]
     text = capsys.readouterr().out
     assert "| B | context | ms/step |" in text and "| prompt | prefill s |" in text
 
