@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 from benchmarks.load_throughput import _host, _import_paths, write_source
@@ -187,7 +188,8 @@ def measure_ceilings(shapes: list[str], batches: list[int], device: str) -> dict
 
 # -- running requests through the public Engine ---------------------------------------------------------
 
-def run_streams(engine, prompts: list[list[int]], max_tokens: int, on_steady=None, on_end=None) -> list[dict]:
+def run_streams(engine, prompts: list[list[int]], max_tokens: int, on_steady=None, on_end=None,
+                timeout: float = 600.0) -> list[dict]:
     """Submit every prompt at once (greedy, ignore_eos) and record each token's arrival time at the
     consumer. Returns per stream: submit time, token arrival times, the final result.
 
@@ -228,7 +230,13 @@ def run_streams(engine, prompts: list[list[int]], max_tokens: int, on_steady=Non
             handles.append(engine.submit(GenerationRequest(input=TextInput(token_ids=tuple(p)), sampling=sampling)))
         return submitted, await asyncio.gather(*(consume(h) for h in handles))
 
-    submitted, outs = asyncio.run(main())
+    async def bounded():
+        try:
+            return await asyncio.wait_for(main(), timeout)
+        except TimeoutError:
+            raise TimeoutError(f"benchmark requests did not finish within {timeout} s") from None
+
+    submitted, outs = asyncio.run(bounded())
     streams = []
     for t_sub, (times, final) in zip(submitted, outs, strict=True):
         if final is None or final.finish_reason is not FinishReason.LENGTH or len(times) != max_tokens:
@@ -478,6 +486,9 @@ def markdown(result: dict) -> str:
         lines.append(f"Ceilings: copy {ce['copy_tb_s']:.2f} TB/s, matmul ({ce['matmul_dtype']}) "
                      f"{ce['matmul_tflops']:.1f} TFLOP/s")
     for shape, r in result["shapes"].items():
+        if "error" in r:
+            lines += ["", f"## {shape}: FAILED: {r['error']}"]
+            continue
         eng, hf = r["engine"], r.get("hf", {})
         hf_rows = {x["batch"]: x for x in hf.get("rows", [])}
         lines += ["", f"## {shape}: {(r['layer_matmul_params'] + r['lm_head_params']) / 1e9:.2f} B matmul parameters, "
@@ -599,17 +610,26 @@ def main(argv=None) -> int:
         print("# ceilings", flush=True)
         result["ceilings"] = measure_ceilings(args.shape, sorted(set(args.batches)), device)
     result["shapes"] = {}
+    failed = []
     for s in args.shape:
         print(f"# shape {s}", flush=True)
-        result["shapes"][s] = bench_shape(s, args, device, result.get("ceilings"))
+        try:
+            result["shapes"][s] = bench_shape(s, args, device, result.get("ceilings"))
+        except Exception as exc:  # one shape's failure must not lose the others' figures
+            traceback.print_exc()
+            result["shapes"][s] = {"shape": s, "error": f"{type(exc).__name__}: {exc}"}
+            failed.append(s)
+            gc.collect()
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
         if args.json:  # keep what is measured even if a later shape fails
             Path(args.json).write_text(json.dumps(result, indent=2, default=str))
     result["wall_s"] = time.perf_counter() - t0
     print(markdown(result))
-    print(f"\n# wall time {result['wall_s']:.1f} s")
+    print(f"\n# wall time {result['wall_s']:.1f} s" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2, default=str))
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -91,3 +91,16 @@ def test_steady_decode_uses_only_the_window_where_all_rows_decode():
 def test_bad_arguments_are_refused(argv, capsys):
     assert bench.main(["--shape", "tiny", "--device", "cpu", *argv]) == 2
     assert "bench:" in capsys.readouterr().err
+
+
+def test_a_failing_shape_is_reported_and_cleaned_up(tmp_path, monkeypatch, capsys):
+    def broken(*a, **k):
+        raise RuntimeError("engine exploded")
+
+    monkeypatch.setattr(bench, "bench_engine", broken)
+    out = tmp_path / "bench.json"
+    assert bench.main(["--shape", "tiny", "--device", "cpu", "--no-ceilings", "--no-hf", "--workdir", str(tmp_path),
+                       "--json", str(out)]) == 1
+    assert json.loads(out.read_text())["shapes"]["tiny"]["error"] == "RuntimeError: engine exploded"
+    assert list(tmp_path.iterdir()) == [out]
+    assert "FAILED: tiny" in capsys.readouterr().out
