@@ -39,6 +39,7 @@ def test_engine_serves_a_converted_artifact(artifact):
 
     with ninfer.Engine(artifact, device="cpu", max_concurrency=2, max_model_len=256) as eng:
         assert eng.model_name and eng.max_model_len == 256
+        assert eng.instance.program.max_model_len == 256  # Startup planned the KV pool for it
         chat = ChatInput(messages=[{"role": "user", "content": "Hello there"}])
         hs = [eng.submit(GenerationRequest(input=chat, sampling=SamplingParams(max_tokens=6, seed=s)))
               for s in (1, 1, 2)]

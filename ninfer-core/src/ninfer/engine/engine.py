@@ -56,7 +56,7 @@ class Engine:
             program_options["chat_template"] = chat_template
         instance, name, self.artifact = build_instance(
             model, device=device, features=features, max_concurrency=max_concurrency,
-            device_budget_bytes=device_budget_bytes, program_options=program_options)
+            device_budget_bytes=device_budget_bytes, program_options=program_options, max_model_len=max_model_len)
         self._start(instance, name=name, max_concurrency=max_concurrency, max_queue=max_queue,
                     max_model_len=max_model_len, device=device, prefill_chunk=prefill_chunk,
                     bypass_limit=bypass_limit, pause_mode=pause_mode)

@@ -6,6 +6,7 @@ Program directly.
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Any
 
@@ -37,7 +38,8 @@ def artifact_name(artifact: Any, architecture: str) -> str:
 
 def build_instance(model: str | os.PathLike, *, device: str, features: StartupFeatures, max_concurrency: int,
                    device_budget_bytes: int | None, program_options: dict[str, Any],
-                   host: PluginHost | None = None) -> tuple[ModelInstance, str, Any]:
+                   max_model_len: int | None = None, host: PluginHost | None = None
+                   ) -> tuple[ModelInstance, str, Any]:
     """Open ``model`` (a .ninfer artifact), find its plugin and build the ModelInstance.
 
     Returns the instance, its public name and the opened artifact (the engine keeps it alive: loaded
@@ -52,8 +54,18 @@ def build_instance(model: str | os.PathLike, *, device: str, features: StartupFe
     entry = (host or default_host()).architecture(arch)
     startup = entry.spec.load("startup")
     build = getattr(startup, "build", startup)
+    if max_model_len is not None and _accepts(build, "max_model_len"):
+        program_options = {**program_options, "max_model_len": max_model_len}  # the capacity plan sizes for it
     instance = build(artifact, device=device, features=features, max_concurrency=max_concurrency,
                      device_budget_bytes=device_budget_bytes, **program_options)
     if instance.program is None:
         raise ValueError(f"architecture {arch!r} built no Program; generation needs one")
     return instance, artifact_name(artifact, arch), artifact
+
+
+def _accepts(fn: Any, name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
