@@ -1,6 +1,12 @@
 """Model-level numerics on the GPU: a Qwen3.5 model of a published shape in bf16 (Triton kernels) against
 the same weights in fp32 (pure-torch reference ops), logit by logit.
 
+bf16 itself moves the logits of a deep random-weight model a lot (measured: 9.8e-2 relative error and
+78% top-1 agreement for the 0.8B shape with the pure-torch bf16 references on CPU; 1.18e-1 and 67% for the
+9B shape with the Triton kernels on the H200). So the check also runs the bf16 pure-torch reference path and
+states its tolerance against it: the kernels may add at most 25% to the bf16 reference's error and lose at
+most 5 points of top-1 agreement.
+
 The weights are random (one fp32 set, cast to bf16 for the fast path), the prompt is random token ids, and
 both paths run the real Program's prefill (``score_window``-style packing) and the model's lm_head for every
 position. Reported: relative error of the logits ‖bf16 - fp32‖ / ‖fp32‖ per position (max and median), the
@@ -22,10 +28,9 @@ import torch
 
 from benchmarks.shapes import SHAPES
 
-# bf16 weights and activations against fp32 over a deep random model: stated tolerance for all logits together
-# (‖bf16 - fp32‖ / ‖fp32‖ over every position) and for top-1 agreement.
-REL_TOL = 5e-2
-TOP1_MIN = 0.9
+# Stated tolerances, relative to the bf16 pure-torch reference path (‖x - fp32‖ / ‖fp32‖ over every position).
+REL_FACTOR = 1.25
+TOP1_SLACK = 0.05
 
 
 def _weights(shape: str, device: str, seed: int):
@@ -82,6 +87,15 @@ def _logits(config, weights, dtype: torch.dtype, device: str, tokens: list[int])
     return out
 
 
+def _errors(x: torch.Tensor, ref: torch.Tensor, ids: list[int]) -> dict:
+    rel = ((x - ref).norm(dim=-1) / ref.norm(dim=-1)).cpu()
+    target = torch.tensor(ids[1:] + [ids[0]], device=ref.device)[:, None]
+    lp_diff = (ref.log_softmax(-1).gather(1, target) - x.log_softmax(-1).gather(1, target)).abs().max().item()
+    return {"rel_all": ((x - ref).norm() / ref.norm()).item(), "rel_max": rel.max().item(),
+            "rel_median": rel.median().item(), "top1_agree": (x.argmax(-1) == ref.argmax(-1)).float().mean().item(),
+            "max_token_logprob_diff": lp_diff}
+
+
 def run(shape: str, device: str, tokens: int, seed: int = 0) -> dict:
     config, weights = _weights(shape, device, seed)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -90,26 +104,19 @@ def run(shape: str, device: str, tokens: int, seed: int = 0) -> dict:
     try:
         os.environ["NINFER_OPS"] = "torch"
         ref = _logits(config, weights, torch.float32, device, ids)
-        if saved is None:
-            os.environ.pop("NINFER_OPS")
-        else:
-            os.environ["NINFER_OPS"] = saved
+        ref_bf16 = _logits(config, weights, torch.bfloat16, device, ids)
+        os.environ.pop("NINFER_OPS")
         fast = _logits(config, weights, torch.bfloat16, device, ids)
     finally:
         if saved is None:
             os.environ.pop("NINFER_OPS", None)
         else:
             os.environ["NINFER_OPS"] = saved
-    rel = ((fast - ref).norm(dim=-1) / ref.norm(dim=-1)).cpu()
-    top1 = (fast.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    lp_ref, lp_fast = ref.log_softmax(-1), fast.log_softmax(-1)
-    target = torch.tensor(ids[1:] + [ids[0]], device=ref.device)[:, None]
-    lp_diff = (lp_ref.gather(1, target) - lp_fast.gather(1, target)).abs().max().item()
-    rel_all = ((fast - ref).norm() / ref.norm()).item()
-    res = {"shape": shape, "device": device, "tokens": tokens, "rel_all": rel_all, "rel_max": rel.max().item(),
-           "rel_median": rel.median().item(), "top1_agree": top1, "max_token_logprob_diff": lp_diff,
-           "rel_tol": REL_TOL, "top1_min": TOP1_MIN}
-    res["ok"] = bool(rel_all <= REL_TOL and top1 >= TOP1_MIN and math.isfinite(res["rel_max"]))
+    res = {"shape": shape, "device": device, "tokens": tokens, "fast_bf16": _errors(fast, ref, ids),
+           "reference_bf16": _errors(ref_bf16, ref, ids), "rel_factor": REL_FACTOR, "top1_slack": TOP1_SLACK}
+    f, r = res["fast_bf16"], res["reference_bf16"]
+    res["ok"] = bool(math.isfinite(f["rel_all"]) and f["rel_all"] <= REL_FACTOR * r["rel_all"] + 1e-3
+                     and f["top1_agree"] >= r["top1_agree"] - TOP1_SLACK)
     return res
 
 
@@ -121,11 +128,14 @@ def main(argv=None) -> int:
     p.add_argument("--json")
     args = p.parse_args(argv)
     res = run(args.shape, args.device, args.tokens)
-    print(f"| shape | tokens | logits rel err all (tol {REL_TOL}) | per position max / median | "
-          f"top-1 agree (min {TOP1_MIN}) | max token logprob diff | ok |")
+    print("| shape | tokens | path | logits rel err all | per position max / median | top-1 agree | "
+          "max token logprob diff |")
     print("|---|---|---|---|---|---|---|")
-    print(f"| {res['shape']} | {res['tokens']} | {res['rel_all']:.2e} | {res['rel_max']:.2e} / {res['rel_median']:.2e} | "
-          f"{res['top1_agree']:.3f} | {res['max_token_logprob_diff']:.3f} | {res['ok']} |")
+    for path in ("reference_bf16", "fast_bf16"):
+        e = res[path]
+        print(f"| {res['shape']} | {res['tokens']} | {path} vs fp32 | {e['rel_all']:.2e} | {e['rel_max']:.2e} / "
+              f"{e['rel_median']:.2e} | {e['top1_agree']:.3f} | {e['max_token_logprob_diff']:.3f} |")
+    print(f"ok={res['ok']} (fast error <= {REL_FACTOR} x reference error, top-1 within {TOP1_SLACK})")
     print(json.dumps(res))
     if args.json:
         with open(args.json, "w") as f:
