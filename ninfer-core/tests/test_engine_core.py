@@ -20,7 +20,7 @@ import attrs
 import pytest
 
 from ninfer.contract.batch import PendingBatch, PendingRow, RowDecision
-from ninfer.contract.events import FinishReason, GenerationResult, GenerationStart, OutputDelta
+from ninfer.contract.events import FinishReason, GenerationResult, GenerationStart, OutputDelta, ToolCall
 from ninfer.contract.model import ModelInstance, Preview, ResourceUsage
 from ninfer.contract.prompt import ChatInput, PreparedPrompt, TextInput
 from ninfer.contract.request import GenerationRequest, SamplingParams
@@ -376,6 +376,31 @@ def test_single_request_event_order_and_settlement():
         assert res.usage.completion_tokens == len(expect) and res.usage.prompt_tokens == 3
         assert res.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
         assert res.timings.time_to_first_token_s is not None and res.timings.end_to_end_s > 0
+        drained(eng)
+
+
+class ToolCallSession(TokenSession):
+    """Streams one tool call as fragments: the first names the call, later ones append argument text."""
+
+    def commit(self, preview: Preview) -> OutputDelta:
+        delta = super().commit(preview)
+        frags = tuple(ToolCall(index=0, id="call_0" if len(self.committed) == n + 1 else "",
+                               name="lookup" if len(self.committed) == n + 1 else "", arguments=f"{t},")
+                      for n, t in zip(range(len(self.committed) - len(delta.token_ids), len(self.committed)),
+                                      delta.token_ids, strict=True))
+        return attrs.evolve(delta, tool_calls=frags)
+
+
+def test_final_result_merges_streamed_tool_call_fragments():
+    with make_engine() as eng:
+        eng.frontend.open_session = lambda prompt, sampling: ToolCallSession(sampling)
+        h = eng.submit(req([5, 6, 7], max_tokens=6))
+        events = list(h)
+        res = events[-1]
+        frags = [c for e in events[1:-1] for c in e.tool_calls]
+        assert len(frags) == len(res.token_ids) > 1
+        assert res.tool_calls == (ToolCall(index=0, id="call_0", name="lookup",
+                                           arguments="".join(f"{t}," for t in res.token_ids)),)
         drained(eng)
 
 

@@ -33,6 +33,7 @@ from ninfer.contract.events import (
     Timings,
     TokenLogprob,
     Usage,
+    merge_tool_call_fragments,
 )
 from ninfer.contract.model import Frontend, Preview, Program
 from ninfer.engine.errors import (
@@ -558,7 +559,7 @@ class EngineCore:
                             else rec.first_token_at - rec.submitted_at,
                             end_to_end_s=now - rec.submitted_at, preemptions=rec.preemptions),
             content="".join(rec.content), reasoning="".join(rec.reasoning), token_ids=tuple(rec.token_ids),
-            tool_calls=tuple(rec.tool_calls), error=None if error is None else str(error),
+            tool_calls=merge_tool_call_fragments(rec.tool_calls), error=None if error is None else str(error),
             extra={} if error is None else {"error_kind": getattr(error, "kind", "internal")})
         self.metrics.finished_request(reason.value, now - rec.submitted_at)
         rec.channel.publish(result)
