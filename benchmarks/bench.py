@@ -292,7 +292,7 @@ def profile_decode(engine, vocab: int, B: int, ctx: int, steps: int, chunk: int,
         kernels = list(events)
         key = "self_cpu_time_total"
     kernels.sort(key=lambda e: getattr(e, key), reverse=True)
-    busy_us = sum(getattr(e, key) for e in kernels) if cuda else None
+    busy_us = sum(getattr(e, key) for e in kernels) if cuda and kernels else None  # None: no kernel seen
     if path is not None:
         path.write_text(f"# decode B={B} context={ctx}: {n} steps in the window, {d['ms_per_step']:.3f} ms/step "
                         f"under the profiler\n" + events.table(sort_by=key, row_limit=60))
@@ -367,14 +367,6 @@ def bench_engine(artifact: Path, shape: str, cfg: dict, args, device: str, chain
             res["decode"].append(row)
             print(f"#   decode B={B} ctx={ctx}: {row['ms_per_step']:.3f} ms/step, {row['tokens_per_s']:.1f} tok/s",
                   flush=True)
-        if args.profile:
-            res["profile"] = []
-            for B in sorted({min(args.batches), B_max}):
-                path = Path(args.profile) / f"profile-{shape}-b{B}.txt"
-                res["profile"].append(profile_decode(engine, vocab, B, args.contexts[0], args.steps,
-                                                     args.prefill_chunk, device, path))
-                busy = res["profile"][-1]["device_busy_ms_per_step"]
-                print(f"#   profiled B={B}: device busy {_f(busy, '.3f')} ms/step -> {path}", flush=True)
         res["prefill"] = []
         for i, P in enumerate(args.prefill):
             ttfts = []
@@ -387,6 +379,20 @@ def bench_engine(artifact: Path, shape: str, cfg: dict, args, device: str, chain
             res["prefill"].append(row)
             print(f"#   prefill {P}: {best:.4f} s, {row['tokens_per_s']:.0f} tok/s, {row['model_tflops']:.1f} TFLOP/s",
                   flush=True)
+        if args.profile:  # last, and never fatal: the figures above stand without it
+            res["profile"] = []
+            for B in sorted({min(args.batches), B_max}):
+                path = Path(args.profile) / f"profile-{shape}-b{B}.txt"
+                try:
+                    res["profile"].append(profile_decode(engine, vocab, B, args.contexts[0], args.steps,
+                                                         args.prefill_chunk, device, path))
+                except Exception as exc:
+                    res["profile"].append({"batch": B, "context": args.contexts[0],
+                                           "error": f"{type(exc).__name__}: {exc}"})
+                    print(f"#   profile B={B} failed: {exc}", file=sys.stderr, flush=True)
+                    break
+                busy = res["profile"][-1]["device_busy_ms_per_step"]
+                print(f"#   profiled B={B}: device busy {_f(busy, '.3f')} ms/step -> {path}", flush=True)
         m = engine.metrics()
         res["engine_metrics"] = {"preemptions": m.preemptions, "generated_tokens": m.generated_tokens,
                                  "prompt_tokens": m.prompt_tokens, "requests_finished": m.requests_finished}
@@ -514,6 +520,9 @@ def markdown(result: dict) -> str:
                          f"| {_f(mfu)} | {_f(h and h['prefill_tokens_per_s'], '.0f')} "
                          f"| {_f(h and p['tokens_per_s'] / h['prefill_tokens_per_s'])} |")
         for pr in eng.get("profile", []):
+            if "error" in pr:
+                lines.append(f"\nProfile B={pr['batch']} failed: {pr['error']}")
+                continue
             same = [d for d in eng["decode"] if (d["batch"], d["context"]) == (pr["batch"], pr["context"])]
             busy = pr["device_busy_ms_per_step"]
             gap = same[0]["ms_per_step"] - busy if same and busy is not None else None
