@@ -24,6 +24,14 @@ _LAZY = {
 }
 
 
+def default_model_path() -> str | None:
+    """The embedded default model (a tiny Qwen3.5 trained on Shakespeare) shipped as package data, if present."""
+    from pathlib import Path
+
+    path = Path(__file__).parent / "data" / "default.ninfer"
+    return str(path) if path.is_file() else None
+
+
 def __getattr__(name):
     module = _LAZY.get(name)
     if module is None:
@@ -34,4 +42,4 @@ def __getattr__(name):
     return value
 
 
-__all__ = ["ArchitectureSpec", "__version__", "hookimpl", *_LAZY]
+__all__ = ["ArchitectureSpec", "__version__", "default_model_path", "hookimpl", *_LAZY]
