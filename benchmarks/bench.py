@@ -279,7 +279,7 @@ def profile_decode(engine, vocab: int, B: int, ctx: int, steps: int, chunk: int,
     # Started and stopped on the engine's worker between cycles: the profiler records the ops of the
     # thread that starts it, and the worker is the thread that runs the steps.
     worker = engine._core.on_worker
-    streams = run_streams(engine, _prompts(vocab, B, ctx, 900 + B), steps + B * -(-ctx // chunk) + 4,
+    streams = run_streams(engine, _prompts(vocab, B, ctx, 900 + B), decode_tokens(steps, B, ctx, chunk),
                           on_steady=lambda: worker(prof.start),
                           on_end=lambda: worker(lambda: (_sync(device), prof.stop())))
     d = steady_decode(streams)
@@ -309,6 +309,12 @@ def _prompts(vocab: int, batch: int, length: int, seed: int) -> list[list[int]]:
     return torch.randint(0, vocab, (batch, length), generator=g).tolist()
 
 
+def decode_tokens(steps: int, B: int, ctx: int, chunk: int) -> int:
+    """max_tokens per request of a decode run: the timed steps plus one token per prefill chunk of the
+    B prompts (the first rows decode while later rows prefill) plus the first token."""
+    return steps + B * -(-ctx // chunk) + 2
+
+
 def decode_plan(batches: list[int], contexts: list[int], quick: bool) -> list[tuple[int, int]]:
     """(B, context) pairs; --quick keeps longer contexts only at B=1 and the largest B."""
     pairs = []
@@ -327,8 +333,8 @@ def bench_engine(artifact: Path, shape: str, cfg: dict, args, device: str, chain
 
     B_max = max(args.batches)
     pairs = decode_plan(args.batches, args.contexts, args.quick)
-    decode_tokens = {(B, ctx): args.steps + B * -(-ctx // args.prefill_chunk) + 2 for B, ctx in pairs}
-    max_len = max([ctx + n for (_, ctx), n in decode_tokens.items()] + [p + 1 for p in args.prefill]) + 1
+    budgets = {(B, ctx): decode_tokens(args.steps, B, ctx, args.prefill_chunk) for B, ctx in pairs}
+    max_len = max([ctx + n for (_, ctx), n in budgets.items()] + [p + 1 for p in args.prefill]) + 1
     page_size = 16
     num_pages = B_max * -(-max_len // page_size) + 1
     if device.startswith("cuda"):
@@ -354,7 +360,7 @@ def bench_engine(artifact: Path, shape: str, cfg: dict, args, device: str, chain
         res["decode"] = []
         for i, (B, ctx) in enumerate(pairs):
             before = engine.metrics().inter_token
-            streams = run_streams(engine, _prompts(vocab, B, ctx, 100 + i), decode_tokens[(B, ctx)])
+            streams = run_streams(engine, _prompts(vocab, B, ctx, 100 + i), budgets[(B, ctx)])
             after = engine.metrics().inter_token
             row = {"batch": B, "context": ctx, **steady_decode(streams),
                    "bytes_per_step": decode_bytes(cfg, B, ctx),
