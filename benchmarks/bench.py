@@ -609,6 +609,8 @@ def main(argv=None) -> int:
     if device.startswith("cuda") and not torch.cuda.is_available():
         print("bench: no CUDA device; use --device cpu", file=sys.stderr)
         return 2
+    if args.profile:
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
     base = Path(args.workdir or tempfile.gettempdir())
     base.mkdir(parents=True, exist_ok=True)
     args.workdir = str(base)

@@ -27,8 +27,7 @@ def _one_cpu_thread():
 
 def test_bench_tiny_cpu(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    prof = tmp_path / "profiles"
-    prof.mkdir()
+    prof = tmp_path / "profiles"  # made by the harness
     argv = ["--shape", "tiny", "--device", "cpu", "--quick", "--batches", "1", "2", "4", "--contexts", "8", "24",
             "--prefill", "16", "40", "--steps", "3", "--prefill-chunk", "16", "--hf-prompt", "16",
             "--hf-new-tokens", "2", "--hf-batches", "1", "--workdir", str(tmp_path), "--json", str(out),
