@@ -103,3 +103,37 @@ def test_a_failing_shape_is_reported_and_cleaned_up(tmp_path, monkeypatch, capsy
     assert json.loads(out.read_text())["shapes"]["tiny"]["error"] == "RuntimeError: engine exploded"
     assert list(tmp_path.iterdir()) == [out]
     assert "FAILED: tiny" in capsys.readouterr().out
+
+
+def test_gpu_only_report_paths_format_a_9b_result():
+    """Peak memory, device-busy profiles and the issue's targets appear only in GPU runs: check their
+    report paths on a result shaped like one (figures made up for the formatting, not measurements)."""
+    decode = [{"batch": B, "context": 1024, "ms_per_step": 5.0 + B * 0.01, "tokens_per_s": B * 1000 / (5.0 + B * 0.01),
+               "bytes_per_step": bench.decode_bytes(bench.SHAPES["9b"], B, 1024), "chain_ms": 4.9,
+               "over_chain": 4.9 / (5.0 + B * 0.01), "ttft_ms_median": 90.0, "ttft_ms_p90": 120.0,
+               "itl_ms_median": 5.0, "itl_ms_p90": 5.5} for B in (1, 8)]
+    shape = {"shape": "9b", **bench.model_figures(bench.SHAPES["9b"]),
+             "engine": {"start_s": 12.0, "graphs": True, "decode": decode,
+                        "prefill": [{"tokens": 512, "seconds": 0.02, "tokens_per_s": 25600.0, "model_tflops": 357.0},
+                                    {"tokens": 4096, "seconds": 0.12, "tokens_per_s": 34133.0, "model_tflops": 484.0}],
+                        "profile": [{"batch": 1, "context": 1024, "device_busy_ms_per_step": 4.6,
+                                     "top": [{"name": "gemv", "ms_per_step": 3.9, "calls_per_step": 96}]},
+                                    {"batch": 8, "context": 1024, "error": "RuntimeError: CUPTI"}],
+                        "peak_memory_bytes": 20 << 30, "plan": {"kv_pages": 1100}},
+             "hf": {"transformers": "5.17.0", "fla": True, "prompt": 512, "new_tokens": 64,
+                    "rows": [{"batch": 1, "decode_ms_per_step": 136.0, "decode_tokens_per_s": 7.35,
+                              "prefill_tokens_per_s": 4200.0},
+                             {"batch": 8, "decode_ms_per_step": 112.0, "decode_tokens_per_s": 71.0,
+                              "prefill_tokens_per_s": 26000.0}]}}
+    ceilings = {"copy_tb_s": 4.3, "matmul_tflops": 790.0, "matmul_dtype": "bfloat16", "chain_ms": {"9b": {"1": 4.9}}}
+    shape["ratios"] = bench.ratios(shape, ceilings)
+    shape["targets"] = bench.check_targets(bench.TARGETS["9b"], shape["ratios"])
+    assert shape["targets"]["decode_b1_tokens_per_s"]["met"] is True
+    assert shape["targets"]["decode_b8_tokens_per_s"]["met"] is True
+    assert shape["targets"]["prefill_4096_mfu"]["met"] is True
+    assert shape["ratios"]["decode_b1_over_hf"] == pytest.approx(decode[0]["tokens_per_s"] / 7.35)
+    text = bench.markdown({"device": {"name": "NVIDIA H200", "device": "cuda", "torch": "2.11", "triton": "3.6"},
+                           "ceilings": ceilings, "shapes": {"9b": shape, "0.8b": {"shape": "0.8b", "error": "OOM"}}})
+    assert "Peak device memory 20.00 GiB" in text and "device busy 4.600 ms/step" in text
+    assert "Profile B=8 failed" in text and "## 0.8b: FAILED: OOM" in text
+    assert "target prefill_4096_mfu >= 0.5: measured 0.61 -> met" in text
