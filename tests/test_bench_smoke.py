@@ -13,16 +13,7 @@ pytest.importorskip("transformers")
 
 from benchmarks import bench  # noqa: E402
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread():
-    """Tiny CPU models run fastest single-threaded, above all on a shared, loaded machine."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 def test_bench_tiny_cpu(tmp_path, capsys):

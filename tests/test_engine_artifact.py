@@ -15,15 +15,7 @@ pytest.importorskip("ninfer_qwen35")
 pytest.importorskip("ninfer_convert")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread():
-    """Tiny CPU models run fastest single-threaded, above all on a shared, loaded machine."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 @pytest.fixture(scope="module")

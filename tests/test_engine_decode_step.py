@@ -10,16 +10,7 @@ pytest.importorskip("ninfer_qwen35")
 
 from benchmarks.decode_step import main  # noqa: E402
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread():
-    """Tiny CPU models run fastest single-threaded, above all on a shared, loaded machine."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 def test_decode_step_benchmark_smoke(tmp_path, capsys):

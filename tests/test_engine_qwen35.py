@@ -36,15 +36,7 @@ VOCAB = 416  # the tiny tokenizer's 413 ids, padded like published embeddings
 PAGE = 4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread():
-    """Tiny CPU models run fastest single-threaded, above all on a shared, loaded machine."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 @pytest.fixture(scope="module")
