@@ -374,3 +374,30 @@ def test_fork_shares_pages_copy_on_write(tiny):
     assert got_a == generate(make_program(tiny), PROMPTS[0], 11)  # the parent is untouched by its fork
     assert got_b == alone_b  # and the fork by its parent's writes
     assert got_b != got_a[4:10]  # the fork samples its own continuation
+
+
+def test_revoked_snapshot_resumes_by_replay_with_identical_continuation(tiny):
+    sampling = SamplingParams(temperature=0.8, seed=11)
+    prog = make_program(tiny)
+    ref = generate(prog, PROMPTS[0], 14, sampling)
+    sid = prog.open_sequence(PreparedPrompt(token_ids=PROMPTS[0]), sampling)
+    got = prefill_all(prog, sid, chunk=4) + decode_steps(prog, [sid], 5)[sid]
+    cost = prog.snapshot_cost(sid)
+    assert cost.replay_positions == len(PROMPTS[0]) + len(got) - 1  # the last token is not fed yet
+    snap = prog.pause(sid, "snapshot")
+    assert snap.host_bytes == cost.host_bytes == prog.usage().host_bytes_used > 0
+    state = prog.demote(snap)
+    assert type(state) is ReplayResume and state.ledger == snap.ledger and state.frontier == snap.frontier
+    assert prog.usage().host_bytes_used == 0
+    with pytest.raises(ProgramError, match="already resumed or discarded"):
+        prog.resume(snap)  # the revoked Snapshot is no longer valid
+    with pytest.raises(ProgramError, match="no Snapshot to revoke"):
+        prog.demote(state)
+    sid = prog.resume(state)
+    assert prog.input_remaining(sid) == cost.replay_positions
+    got += prefill_all(prog, sid, chunk=7)
+    got += decode_steps(prog, [sid], 14 - len(got))[sid]
+    assert got == ref
+    # a revoked Snapshot can also be discarded; every byte comes back
+    prog.discard(prog.demote(prog.pause(sid, "snapshot")))
+    assert prog.usage().all_free

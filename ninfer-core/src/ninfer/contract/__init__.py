@@ -20,6 +20,7 @@ from ninfer.contract.model import (
     Preview,
     Program,
     ResourceUsage,
+    SnapshotCost,
     Startup,
     StartupFeatures,
 )
@@ -31,6 +32,6 @@ from ninfer.contract.state import KVPoolSpec, StateField, StateImageLayout
 __all__ = [
     "ChatInput", "FinishReason", "Frontend", "FrontendResources", "GenerationRequest", "GenerationResult", "GenerationStart",
     "KVPoolSpec", "MediaItem", "MediaSpan", "ModelInstance", "OutputDelta", "OutputSession", "PendingBatch",
-    "PendingRow", "PreparedPrompt", "Preview", "Program", "ResourceUsage", "RowDecision", "SamplingParams", "StateField", "StateImageLayout",
+    "PendingRow", "PreparedPrompt", "Preview", "Program", "ResourceUsage", "RowDecision", "SamplingParams", "SnapshotCost", "StateField", "StateImageLayout",
     "Startup", "StartupFeatures", "TextInput", "Timings", "Usage",
 ]

@@ -40,11 +40,20 @@ class ResourceUsage:
     kv_pages_used: int
     host_bytes_used: int = 0
     reserved_pages: int = 0
+    host_bytes_total: int = 0  # the host budget for paused Snapshots (0: every pause is a Replay)
 
     @property
     def all_free(self) -> bool:
         return self.state_slots_used == 0 and self.kv_pages_used == 0 and self.host_bytes_used == 0 \
             and self.reserved_pages == 0
+
+
+@attrs.frozen(kw_only=True)
+class SnapshotCost:
+    """What one Snapshot holds on the host, and the Replay work it saves (the engine weighs revocations by it)."""
+
+    host_bytes: int        # host memory the Snapshot holds (StateImage + KV pages of its frontier)
+    replay_positions: int  # positions a Replay resume would re-run instead (the frontier at pause)
 
 
 @runtime_checkable
@@ -92,6 +101,13 @@ class Program(Protocol):
 
     def discard(self, resume_state: Any) -> None:
         """Free what a paused request's ResumeState holds (host bytes) without resuming it."""
+
+    def snapshot_cost(self, sequence_id: int) -> SnapshotCost:
+        """What pausing this resident sequence by Snapshot would hold on the host now, and the Replay it saves."""
+
+    def demote(self, resume_state: Any) -> Any:
+        """Revoke a Snapshot ResumeState: free its host copy and return a Replay ResumeState of the same
+        accepted ledger, so the request still resumes exactly. ``resume_state`` is invalid afterwards."""
 
     def release(self, sequence_id: int) -> None:
         """Free everything the sequence holds."""

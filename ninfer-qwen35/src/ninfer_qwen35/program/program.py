@@ -36,7 +36,7 @@ import attrs
 import torch
 
 from ninfer.contract.batch import PendingBatch, PendingBatchError, PendingRow, RowDecision
-from ninfer.contract.model import PauseMode, ResourceUsage
+from ninfer.contract.model import PauseMode, ResourceUsage, SnapshotCost
 from ninfer.contract.prompt import PreparedPrompt
 from ninfer.contract.request import SamplingParams
 from ninfer.contract.state import KVPoolSpec, StateImageLayout
@@ -377,6 +377,9 @@ class Qwen35Program:
     def can_snapshot(self, sequence_id: int) -> bool:
         return self.host_bytes_used + self.snapshot_bytes(sequence_id) <= self.host_budget_bytes
 
+    def snapshot_cost(self, sequence_id: int) -> SnapshotCost:
+        return SnapshotCost(host_bytes=self.snapshot_bytes(sequence_id), replay_positions=self._seq(sequence_id).computed)
+
     def pause(self, sequence_id: int, mode: PauseMode) -> ReplayResume:
         """Release the sequence's device resources at its committed boundary; returns an owning ResumeState."""
         seq = self._seq(sequence_id)
@@ -422,6 +425,17 @@ class Qwen35Program:
         state = self._take_paused(resume_state, remove=True)
         self.host_bytes_used -= state.host_bytes
 
+    def demote(self, resume_state: ReplayResume) -> ReplayResume:
+        """Revoke a Snapshot: drop its host copies, keep the ledger and frontier (Replay rebuilds them exactly)."""
+        state = self._take_paused(resume_state, remove=False)
+        if not isinstance(state, SnapshotResume):
+            raise ProgramError("ResumeState holds no Snapshot to revoke (it already resumes by Replay)")
+        del self._paused[id(state)]
+        self.host_bytes_used -= state.host_bytes
+        replay = state.as_replay()
+        self._paused[id(replay)] = replay
+        return replay
+
     def _take_paused(self, resume_state: Any, *, remove: bool) -> ReplayResume:
         if not isinstance(resume_state, ReplayResume) or resume_state.program_id != self.id:
             raise ProgramError("ResumeState was not produced by this Program")
@@ -437,7 +451,8 @@ class Qwen35Program:
         reserved = sum(max(0, len(s.pages) - pages_for(s.computed, self.page_size)) for s in self._seqs.values())
         return ResourceUsage(state_slots_total=self.states.num_slots - 1, state_slots_used=self.states.num_used - 1,
                              kv_pages_total=self.pool.num_pages - 1, kv_pages_used=self.pool.allocator.num_used - 1,
-                             host_bytes_used=self.host_bytes_used, reserved_pages=reserved)
+                             host_bytes_used=self.host_bytes_used, reserved_pages=reserved,
+                             host_bytes_total=self.host_budget_bytes)
 
     # -- causal scoring ----------------------------------------------------------------------------
     def score_window(self, token_ids: Sequence[int], score_from: int = 1, *, chunk: int = 1024,

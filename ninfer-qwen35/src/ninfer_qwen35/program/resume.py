@@ -26,6 +26,11 @@ class ReplayResume:
     def host_bytes(self) -> int:
         return 0
 
+    def as_replay(self) -> ReplayResume:
+        """The same accepted history without host copies (what a revoked Snapshot becomes)."""
+        return ReplayResume(program_id=self.program_id, ledger=self.ledger, prompt_len=self.prompt_len,
+                            sampling=self.sampling, frontier=self.frontier)
+
 
 @attrs.frozen(kw_only=True, eq=False)
 class SnapshotResume(ReplayResume):
