@@ -47,7 +47,7 @@ def random_parameters(shape: str, device: str, dtype: torch.dtype, seed: int = 0
 
 
 def build_program(shape: str, device: str, *, max_batch: int, context: int, steps: int, graphs: bool,
-                  dtype: torch.dtype):
+                  dtype: torch.dtype, static_decode: bool = False):
     from ninfer_qwen35.execution.model import Qwen35Model
     from ninfer_qwen35.program.program import Qwen35Program
     from ninfer_qwen35.state import kv_pools, state_layout
@@ -58,7 +58,8 @@ def build_program(shape: str, device: str, *, max_batch: int, context: int, step
     return config, Qwen35Program(
         Qwen35Model(params), state_layout=state_layout(config, "bfloat16" if dtype == torch.bfloat16 else "float32"),
         kv_pool=pool, device=device, max_concurrency=max_batch, num_pages=max_batch * pages_per_seq,
-        vocab_size=config.vocab_size, max_model_len=context + steps + 8, cuda_graphs=graphs)
+        vocab_size=config.vocab_size, max_model_len=context + steps + 8, cuda_graphs=graphs,
+        static_decode=static_decode)
 
 
 def _sync(device: str) -> None:

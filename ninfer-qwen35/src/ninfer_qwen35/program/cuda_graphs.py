@@ -12,13 +12,27 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from ninfer_qwen35.execution.forward_batch import ForwardBatch
 
+# A step's table upload is folded into the one packed copy while the span up to the last changed
+# entry stays below this (a DMA of it costs about one extra launch); longer spans copy each changed
+# row segment on its own (a long max_model_len makes full table rows large).
+ONE_COPY_BYTES = 64 << 10
+
 
 class DecodeGraphs:
-    """Static input buffers plus one captured graph (and its logits output) per batch size."""
+    """Static input buffers plus one captured graph (and its logits output) per batch size.
+
+    Every per-step input lives in one device buffer, mirrored by one host staging buffer (pinned
+    on CUDA) with the same byte layout, so staging a step is one host->device copy:
+    [input_ids | positions | state_slots | slot_mapping] int64 [max_batch] each, seq_lens int32
+    [max_batch] (padded to 8 bytes), then block_tables int32 [max_batch, max_pages]. The input
+    tensors the graphs read are typed views into the device buffer; the host side is written
+    through numpy views (far cheaper per step than small torch ops).
+    """
 
     def __init__(self, run: Callable[[ForwardBatch], torch.Tensor], *, max_batch: int, max_pages: int,
                  page_size: int, scratch_slot: int, scratch_page: int, device: torch.device) -> None:
@@ -30,22 +44,27 @@ class DecodeGraphs:
         self.scratch_page = scratch_page
         self.device = device
         B = max_batch
-        self.input_ids = torch.zeros(B, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(B, dtype=torch.int64, device=device)
+        self._seq_lens_at = 4 * 8 * B
+        self._tables_at = self._seq_lens_at + 8 * -(-B // 2)
+        size = self._tables_at + 4 * B * max_pages
+        self._packed = torch.zeros(size, dtype=torch.uint8, device=device)
+        self._staging = torch.zeros(size, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        cols = self._packed[:self._seq_lens_at].view(torch.int64).view(4, B)
+        self.input_ids, self.positions, self.state_slots, self.slot_mapping = cols.unbind(0)
+        self.seq_lens = self._packed[self._seq_lens_at:self._seq_lens_at + 4 * B].view(torch.int32)
+        self.block_tables = self._packed[self._tables_at:].view(torch.int32).view(B, max_pages)
+        staging = self._staging.numpy()
+        self._h_cols = staging[:self._seq_lens_at].view(np.int64).reshape(4, B)
+        self._h_seq_lens = staging[self._seq_lens_at:self._seq_lens_at + 4 * B].view(np.int32)
+        self._h_tables = staging[self._tables_at:].view(np.int32).reshape(B, max_pages)
+        # Inputs no decode step changes.
         self.query_start_loc = torch.arange(B + 1, dtype=torch.int32, device=device)
-        self.seq_lens = torch.ones(B, dtype=torch.int32, device=device)
-        self.state_slots = torch.full((B,), scratch_slot, dtype=torch.int64, device=device)
         self.has_initial_state = torch.ones(B, dtype=torch.bool, device=device)
-        self.block_tables = torch.full((B, max_pages), scratch_page, dtype=torch.int32, device=device)
-        self.slot_mapping = torch.full((B,), scratch_page * page_size, dtype=torch.int64, device=device)
         self.logits_indices = torch.arange(B, dtype=torch.int64, device=device)
-        # One host staging row per buffer, written then copied up in one transfer per step.
-        self._host = torch.zeros((B, 5), dtype=torch.int64, pin_memory=device.type == "cuda")
-        self._host_tables = torch.full((B, max_pages), scratch_page, dtype=torch.int32,
-                                       pin_memory=device.type == "cuda")
-        self._upload = torch.empty(B * max_pages, dtype=torch.int32, pin_memory=device.type == "cuda")
+        # Per row: the page list (key) and length whose entries the device table already holds.
         self._row_key: list[object] = [None] * B
         self._row_len = [0] * B
+        self._point_at_scratch()
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def batch(self, B: int) -> ForwardBatch:
@@ -57,12 +76,17 @@ class DecodeGraphs:
             max_seq_len=self.max_pages * self.page_size, all_initial_state=True)
 
     def _point_at_scratch(self) -> None:
-        self.input_ids.zero_()
-        self.positions.zero_()
-        self.seq_lens.fill_(1)
-        self.state_slots.fill_(self.scratch_slot)
-        self.block_tables.fill_(self.scratch_page)
-        self.slot_mapping.fill_(self.scratch_page * self.page_size)
+        """Every row at the scratch slot and page (warmup, capture): host staging and device alike."""
+        B = self.max_batch
+        self._h_cols[0] = 0
+        self._h_cols[1] = 0
+        self._h_cols[2] = self.scratch_slot
+        self._h_cols[3] = self.scratch_page * self.page_size
+        self._h_seq_lens[:] = 1
+        self._h_tables[:] = self.scratch_page
+        self._packed.copy_(self._staging)
+        self._row_key = [None] * B
+        self._row_len = [0] * B
 
     def capture(self) -> None:
         """Warm every B on a side stream, then capture largest B first into one shared memory pool."""
@@ -86,37 +110,38 @@ class DecodeGraphs:
 
     def load(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int],
              tables: Sequence[Sequence[int]], keys: Sequence[object]) -> None:
-        """Write B = len(tokens) decode rows into the static input buffers.
+        """Write B = len(tokens) decode rows into the static input buffers (one host->device copy).
 
         ``keys`` identify each row's page list (sequence id and truncation epoch): a row whose key is
         unchanged since the last step only had pages appended, so only the new entries are written.
         """
         B = len(tokens)
         ps = self.page_size
-        # [max_batch, 5]: token, position, seq_len, slot, flat KV index, built in Python and written in
-        # one op: small host tensor ops cost more than the arithmetic (host time per step matters).
-        self._host[:B] = torch.tensor([(t, p, p + 1, s, pages[p // ps] * ps + p % ps) for t, p, s, pages in
-                                       zip(tokens, positions, slots, tables, strict=True)], dtype=torch.int64)
-        h = self._host
-        ht = self._host_tables  # entries past a row's pages hold stale but valid page ids, never read
+        h = self._h_cols  # rows: token, position, slot, flat KV index of the position
+        h[:, :B] = (tokens, positions, slots,
+                    [pages[p // ps] * ps + p % ps for p, pages in zip(positions, tables, strict=True)])
+        np.add(h[1, :B], 1, out=self._h_seq_lens[:B], casting="unsafe")
+        ht = self._h_tables  # entries past a row's pages hold stale but valid page ids, never read
+        row_key, row_len, width = self._row_key, self._row_len, self.max_pages
+        spans = []  # changed table entries, as flat int32 index ranges
         for i, (pages, key) in enumerate(zip(tables, keys, strict=True)):
-            start = self._row_len[i] if self._row_key[i] == key and len(pages) >= self._row_len[i] else 0
-            if len(pages) > start:
-                ht[i, start:len(pages)] = torch.tensor(pages[start:], dtype=torch.int32)
-            self._row_key[i], self._row_len[i] = key, len(pages)
-        # The previous step's copies from these pinned buffers have finished: its tokens were read on the host.
-        dev = h[:B].to(self.device, non_blocking=True)
-        self.input_ids[:B].copy_(dev[:, 0])
-        self.positions[:B].copy_(dev[:, 1])
-        self.seq_lens[:B].copy_(dev[:, 2].to(torch.int32))
-        self.state_slots[:B].copy_(dev[:, 3])
-        self.slot_mapping[:B].copy_(dev[:, 4])
-        # Upload only the columns in use (a long max_model_len makes the full table large); the
-        # device entries past them keep stale but valid page ids that no kernel reads.
-        w = max(len(pages) for pages in tables)
-        staged = self._upload[:B * w].view(B, w)
-        staged.copy_(ht[:B, :w])
-        self.block_tables[:B, :w].copy_(staged, non_blocking=True)
+            n = len(pages)
+            start = row_len[i] if row_key[i] == key and n >= row_len[i] else 0
+            if n > start:
+                ht[i, start:n] = pages[start:]
+                spans.append((i * width + start, i * width + n))
+        end = self._tables_at + 4 * spans[-1][1] if spans else self._tables_at
+        if end <= ONE_COPY_BYTES:
+            spans = []
+        else:
+            end = self._tables_at
+        # The previous step's copies from the pinned staging have finished: its tokens were read on the host.
+        self._packed[:end].copy_(self._staging[:end], non_blocking=True)
+        for lo, hi in spans:
+            lo, hi = self._tables_at + 4 * lo, self._tables_at + 4 * hi
+            self._packed[lo:hi].copy_(self._staging[lo:hi], non_blocking=True)
+        for i, (pages, key) in enumerate(zip(tables, keys, strict=True)):
+            row_key[i], row_len[i] = key, len(pages)
 
     def replay(self, B: int) -> torch.Tensor:
         """Run the graph for B loaded rows; returns its logits buffer [B, V] (valid until the next replay).

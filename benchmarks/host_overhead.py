@@ -1,0 +1,283 @@
+"""Host time per decode step, broken down, through the static-buffer decode path (CPU-measurable).
+
+The decode graphs replay a captured forward; everything around the replay is host work that the GPU
+waits for. ``static_decode=True`` runs the graphs' exact input path (``DecodeGraphs.load`` into the
+static buffers, then the forward over them, uncaptured), so on CPU every part but the model call is
+the host work of a GPU step. Two views, per B:
+
+- Program: ``reserve_units`` per row + ``Program.decode`` + ``Program.commit``, as the engine calls
+  them; parts: reserve, load (stage inputs), model (the forward + logits; replaced by one graph
+  replay on the GPU), sample (sampling and the one device->host sync of the tokens), decode_other
+  (validation and reservation checks inside ``decode``), commit.
+- Engine: the same B rows through ``ninfer.Engine``; per steady decode cycle (B rows, no prefill
+  chunk): decode (as above), frontend (OutputSession preview + commit), program commit, publish
+  (events to the handles), cycle_other (scheduler, permits, accounting) and loop (the worker loop
+  between cycles: inbox, calls, KV usage read).
+
+``host`` = step total minus the model call. Medians over the timed steps (the VM is shared: medians
+are stable, means are not). ``load_ops`` counts the torch ops ``DecodeGraphs.load`` issues per step
+(each one a launch or a copy on the GPU).
+
+    python -m benchmarks.host_overhead --batch 1 8 --steps 300 [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from benchmarks.decode_step import build_program
+
+
+class Parts:
+    """Accumulates perf_counter time per named part; ``wrap`` times one bound method under a name."""
+
+    def __init__(self) -> None:
+        self.acc: dict[str, float] = defaultdict(float)
+
+    def wrap(self, obj, attr: str, name: str) -> None:
+        fn = getattr(obj, attr)
+        acc = self.acc
+        clock = time.perf_counter
+
+        def timed(*args, **kwargs):
+            t0 = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                acc[name] += clock() - t0
+
+        setattr(obj, attr, timed)
+
+    def take(self) -> dict[str, float]:
+        out = dict(self.acc)
+        self.acc.clear()
+        return out
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket.__name__))
+        return func(*args, **(kwargs or {}))
+
+
+def _median_us(rows: list[dict[str, float]], key: str) -> float:
+    return statistics.median(r.get(key, 0.0) for r in rows) * 1e6
+
+
+def _prefilled(program, config, B: int, context: int, seed: int) -> list[int]:
+    from ninfer.contract.batch import RowDecision
+    from ninfer.contract.prompt import PreparedPrompt
+    from ninfer.contract.request import SamplingParams
+
+    gen = torch.Generator().manual_seed(seed)
+    seqs = []
+    for _ in range(B):
+        prompt = PreparedPrompt(token_ids=torch.randint(0, config.vocab_size, (context,), generator=gen).tolist())
+        sid = program.open_sequence(prompt, SamplingParams(temperature=0.0))
+        while program.input_remaining(sid):
+            n = program.input_remaining(sid)
+            assert program.reserve_units(sid, n)
+            batch = program.prefill(sid, n)
+            if batch is not None:
+                program.commit(batch, [RowDecision(accepted=1)])
+        seqs.append(sid)
+    return seqs
+
+
+def _instrument_program(program, parts: Parts) -> None:
+    parts.wrap(program.graphs, "load", "load")
+    parts.wrap(program.graphs, "replay", "model")
+    parts.wrap(program, "_sample", "sample")
+    parts.wrap(program, "decode", "decode")
+    parts.wrap(program, "commit", "commit")
+    parts.wrap(program, "reserve_units", "reserve")
+
+
+def measure_program(program, config, B: int, *, context: int, steps: int, warmup: int = 20) -> dict:
+    from ninfer.contract.batch import RowDecision
+
+    seqs = _prefilled(program, config, B, context, seed=B)
+    parts = Parts()
+    _instrument_program(program, parts)
+    decisions = [RowDecision(accepted=1)] * B
+    rows = []
+    clock = time.perf_counter
+    for i in range(warmup + steps):
+        parts.take()
+        t0 = clock()
+        for sid in seqs:
+            if not program.reserve_units(sid, 1):
+                raise RuntimeError("KV pool too small for the benchmark")
+        batch = program.decode(seqs)
+        program.commit(batch, decisions)
+        total = clock() - t0
+        p = parts.take()
+        if i >= warmup:
+            p["total"] = total
+            rows.append(p)
+    # One more step under an op counter: what load issues (each op a launch or copy on the GPU).
+    counter = _OpCounter()
+    load = program.graphs.load
+    for sid in seqs:
+        program.reserve_units(sid, 1)
+
+    def counted_load(*args, **kwargs):
+        with counter:
+            return load(*args, **kwargs)
+
+    program.graphs.load = counted_load
+    program.commit(program.decode(seqs), decisions)
+    for attr in ("load", "replay"):
+        vars(program.graphs).pop(attr, None)
+    for attr in ("_sample", "decode", "commit", "reserve_units"):
+        vars(program).pop(attr, None)
+    for sid in seqs:
+        program.release(sid)
+    out = {"batch": B, "steps": steps}
+    for key in ("total", "reserve", "load", "model", "sample", "commit"):
+        out[f"{key}_us"] = _median_us(rows, key)
+    out["decode_other_us"] = statistics.median(
+        r["decode"] - r["load"] - r["model"] - r["sample"] for r in rows) * 1e6
+    out["host_us"] = statistics.median(r["total"] - r["model"] for r in rows) * 1e6
+    out["load_ops"] = len(counter.ops)
+    out["load_op_names"] = sorted(set(counter.ops))
+    return out
+
+
+def measure_engine(program, config, B: int, *, context: int, steps: int, warmup: int = 20) -> dict:
+    from ninfer.contract.model import ModelInstance
+    from ninfer.contract.prompt import TextInput
+    from ninfer.contract.request import GenerationRequest, SamplingParams
+    from ninfer.contract.resources import FrontendResources
+    from ninfer.engine.engine import Engine
+    from ninfer.models.common.qwen.frontend import QwenFrontend
+    from ninfer.models.common.qwen.output_session import QwenOutputSession
+    from ninfer.testing.checkpoints import make_tokenizer_json
+
+    frontend = QwenFrontend.from_resources(FrontendResources(tokenizer_json=make_tokenizer_json()[0],
+                                                             embedding_vocab=config.vocab_size))
+    inst = ModelInstance(architecture="qwen35", config=config, model=program.model, parameters=None,
+                         frontend=frontend, program=program)
+    parts = Parts()
+    _instrument_program(program, parts)
+    saved = {a: QwenOutputSession.__dict__[a] for a in ("preview", "commit")}
+    for a in saved:  # class-level: every request's session
+        parts.wrap(QwenOutputSession, a, "frontend")
+    cycles: list[dict[str, float]] = []
+    gen = torch.Generator().manual_seed(100 + B)
+    try:
+        with Engine.from_instance(inst, max_concurrency=program.max_concurrency, device="cpu",
+                                  prefill_chunk=context) as engine:
+            core = engine._core
+            # Instrument the worker from the worker itself, between cycles (it owns the core).
+            core.on_worker(lambda: _instrument_core(core, parts, cycles, B))
+            handles = [engine.submit(GenerationRequest(
+                input=TextInput(token_ids=tuple(torch.randint(0, config.vocab_size, (context,),
+                                                              generator=gen).tolist())),
+                sampling=SamplingParams(max_tokens=warmup + steps + 2, temperature=0.0, ignore_eos=True)))
+                for _ in range(B)]
+            for h in handles:
+                h.result()
+    finally:
+        for a, fn in saved.items():
+            setattr(QwenOutputSession, a, fn)
+        for attr in ("load", "replay"):
+            vars(program.graphs).pop(attr, None)
+        for attr in ("_sample", "decode", "commit", "reserve_units"):
+            vars(program).pop(attr, None)
+    steady = cycles[warmup:warmup + steps]
+    if not steady:
+        raise RuntimeError("no steady decode cycles were recorded")
+    out = {"batch": B, "steps": len(steady)}
+    for key in ("step", "cycle", "decode", "load", "model", "sample", "frontend", "commit", "publish", "loop"):
+        out[f"engine_{key}_us"] = _median_us(steady, key)
+    out["engine_cycle_other_us"] = statistics.median(
+        r["cycle"] - r["decode"] - r.get("frontend", 0.0) - r["commit"] - r.get("publish", 0.0) for r in steady) * 1e6
+    out["engine_host_us"] = statistics.median(r["step"] - r["model"] for r in steady) * 1e6
+    return out
+
+
+def _instrument_core(core, parts: Parts, cycles: list, B: int) -> None:
+    """Time every worker cycle; keep the ones that ran exactly one decode of B rows and no prefill chunk."""
+    parts.wrap(core, "_publish_delta", "publish")
+    parts.wrap(core, "_run_prefill", "prefill")
+    decode = core.program.decode
+
+    def counted_decode(ids):
+        parts.acc["rows"] = len(ids)
+        return decode(ids)
+
+    core.program.decode = counted_decode
+    cycle = core._cycle
+    clock = time.perf_counter
+    prev_end: list[float | None] = [None]
+
+    def timed_cycle():
+        parts.acc.clear()
+        t0 = clock()
+        out = cycle()
+        t1 = clock()
+        p = dict(parts.acc)
+        if prev_end[0] is not None and "prefill" not in p and p.get("rows") == B:
+            p.update(cycle=t1 - t0, loop=t0 - prev_end[0], step=t1 - prev_end[0])
+            cycles.append(p)
+        prev_end[0] = t1
+        return out
+
+    core._cycle = timed_cycle
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--context", type=int, default=32, help="prompt tokens per row before timing")
+    ap.add_argument("--no-engine", action="store_true", help="only the Program view")
+    ap.add_argument("--json", default=None, help="also write the rows to this file")
+    args = ap.parse_args(argv)
+    if not all(1 <= b <= 8 for b in args.batch) or args.steps < 1:
+        print("host_overhead: --batch values must be in 1..8 and --steps >= 1", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)
+    config, program = build_program("tiny", "cpu", max_batch=max(args.batch), context=args.context,
+                                    steps=args.steps + 64, graphs=False, dtype=torch.float32, static_decode=True)
+    rows = []
+    print("# tiny shape on CPU through the static decode buffers; medians in us per step")
+    hdr = f"{'B':>2} {'host':>7} {'reserve':>8} {'load':>7} {'decode_o':>9} {'sample':>7} {'commit':>7} " \
+          f"{'model':>8} {'ops':>4}"
+    if not args.no_engine:
+        hdr += f" | {'e.host':>7} {'decode':>7} {'front':>6} {'commit':>7} {'publish':>8} {'cycle_o':>8} {'loop':>6}"
+    print(hdr)
+    for B in args.batch:
+        r = measure_program(program, config, B, context=args.context, steps=args.steps)
+        line = (f"{B:>2} {r['host_us']:>7.1f} {r['reserve_us']:>8.1f} {r['load_us']:>7.1f} "
+                f"{r['decode_other_us']:>9.1f} {r['sample_us']:>7.1f} {r['commit_us']:>7.1f} {r['model_us']:>8.1f} "
+                f"{r['load_ops']:>4}")
+        if not args.no_engine:
+            e = measure_engine(program, config, B, context=args.context, steps=args.steps)
+            r.update(e)
+            line += (f" | {e['engine_host_us']:>7.1f} {e['engine_decode_us'] - e['engine_model_us']:>7.1f} "
+                     f"{e['engine_frontend_us']:>6.1f} {e['engine_commit_us']:>7.1f} {e['engine_publish_us']:>8.1f} "
+                     f"{e['engine_cycle_other_us']:>8.1f} {e['engine_loop_us']:>6.1f}")
+        rows.append(r)
+        print(line, flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"shape": "tiny", "device": "cpu", "context": args.context, "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
