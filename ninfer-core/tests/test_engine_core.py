@@ -21,7 +21,7 @@ import pytest
 
 from ninfer.contract.batch import PendingBatch, PendingRow, RowDecision
 from ninfer.contract.events import FinishReason, GenerationResult, GenerationStart, OutputDelta, ToolCall
-from ninfer.contract.model import ModelInstance, Preview, ResourceUsage
+from ninfer.contract.model import ModelInstance, Preview, ResourceUsage, SnapshotCost
 from ninfer.contract.prompt import ChatInput, PreparedPrompt, TextInput
 from ninfer.contract.request import GenerationRequest, SamplingParams
 from ninfer.contract.state import KVPoolSpec, StateField, StateImageLayout
@@ -94,6 +94,7 @@ class LedgerProgram:
         self.in_unit = threading.Event()       # set while a prefill/decode unit waits at its gate
         self.cancelled_rows = 0                # rows committed with a cancelled decision
         self.recovering: set[int] = set()      # resumed sequences without a new token yet
+        self.demoted: list[SnapshotCost] = []  # Snapshots revoked to Replay, in order
 
     def _call(self, name: str) -> None:
         self.threads.add(threading.get_ident())
@@ -190,7 +191,22 @@ class LedgerProgram:
                 self.seqs[sid].frontier = before
 
     def can_snapshot(self, sequence_id: int) -> bool:
-        return self.host_used + self.seqs[sequence_id].pages * PAGE_BYTES <= self.host_limit
+        return self.host_used + self.snapshot_cost(sequence_id).host_bytes <= self.host_limit
+
+    def snapshot_cost(self, sequence_id: int) -> SnapshotCost:
+        s = self.seqs[sequence_id]  # a pause keeps the pages of the built frontier (the reservation is freed)
+        return SnapshotCost(host_bytes=self._pages_for(s.frontier) * PAGE_BYTES, replay_positions=s.frontier)
+
+    def demote(self, r: Resume) -> Resume:
+        self._call("demote")
+        assert not r.settled and r.mode == "snapshot", "demote of a ResumeState that holds no live Snapshot"
+        self.host_used -= r.host_bytes
+        r.settled = True
+        self.demoted.append(SnapshotCost(host_bytes=r.host_bytes, replay_positions=r.seq.frontier))
+        r.seq.frontier = 0  # Replay rebuilds the accepted history from the start
+        replay = Resume(mode="replay", seq=r.seq, host_bytes=0)
+        self.resumes.append(replay)
+        return replay
 
     def pause(self, sequence_id: int, mode: str) -> Resume:
         self._call("pause")
@@ -247,7 +263,8 @@ class LedgerProgram:
         reserved = sum(self._pages_for(s.reserved_to) - self._pages_for(s.frontier) for s in self.seqs.values())
         return ResourceUsage(state_slots_total=self.slots, state_slots_used=len(self.seqs),
                              kv_pages_total=self.total_pages, kv_pages_used=self.total_pages - self.free_pages,
-                             host_bytes_used=self.host_used, reserved_pages=max(0, reserved))
+                             host_bytes_used=self.host_used, reserved_pages=max(0, reserved),
+                             host_bytes_total=self.host_limit)
 
 
 class TokenSession:
@@ -655,6 +672,43 @@ def test_fresh_admission_bypasses_a_paused_request_at_most_the_bound(limit):
     assert eng._core.scheduler.max_bypass_seen == limit
     drained(eng)
     eng.close()
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+@pytest.mark.parametrize("snapshots", [1, 2])
+def test_host_pressure_revokes_paused_snapshots_and_outputs_stay_exact(seeded, snapshots):
+    rng = random.Random(7)
+    ps = prompts(8, rng, 3, 20)
+    samp = [dict(max_tokens=rng.randint(10, 30), ignore_eos=True, **(
+        dict(temperature=0.8, seed=rng.randrange(1000)) if seeded else {})) for _ in ps]
+    expected = [reference_tokens(p, SamplingParams(**{"temperature": 0.0, **s})) for p, s in zip(ps, samp, strict=True)]
+    # 14 pages force pauses; the host holds about `snapshots` Snapshots, so later pauses compete for it.
+    with make_engine(max_concurrency=4, pages=14, host_bytes=snapshots * 6 * PAGE_BYTES) as eng:
+        core, prog = eng._core, eng.instance.program
+        decisions = []
+        revoke = core._revoke_snapshots
+
+        def watched(need):  # runs on the worker: the host shortfall, and what the engine revoked for it
+            u, before = prog.usage(), len(prog.demoted)
+            revoke(need)
+            revoked = prog.demoted[before:]
+            decisions.append((need, u.host_bytes_used + need.host_bytes - u.host_bytes_total, revoked))
+            if revoked:  # the pause that revoked keeps its own Snapshot
+                assert prog.host_used + need.host_bytes <= prog.host_limit
+
+        core._revoke_snapshots = watched
+        handles = [eng.submit(req(p, **s)) for p, s in zip(ps, samp, strict=True)]
+        events = [list(h) for h in handles]
+        m = eng.metrics()
+        drained(eng)
+    for evs, exp in zip(events, expected, strict=True):
+        assert sum(isinstance(e, GenerationResult) for e in evs) == 1 and isinstance(evs[-1], GenerationResult)
+        assert evs[-1].finish_reason is FinishReason.LENGTH and list(evs[-1].token_ids) == exp
+    assert m.snapshots_revoked == len(prog.demoted) > 0
+    for need, shortfall, revoked in decisions:
+        if revoked:  # it made room, and lost less replay than the new Snapshot saves
+            assert sum(c.host_bytes for c in revoked) >= shortfall > 0
+            assert sum(c.replay_positions for c in revoked) < need.replay_positions
 
 
 def test_frontend_failure_ends_only_that_request():

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ninfer.contract.model import SnapshotCost
 from ninfer.contract.prompt import PreparedPrompt
 from ninfer.contract.request import GenerationRequest, SamplingParams
 from ninfer.engine.handle import ResponseChannel
@@ -81,6 +82,48 @@ def test_fresh_admission_closes_at_the_bypass_bound(limit, fresh):
     s.make_resident(paused)  # resuming reopens admission; the next pause counts afresh
     s.make_paused(paused)
     assert paused.bypassed == 0 and s.fresh_admission_open() == (limit > 0)
+
+
+def paused_snapshots(s: Scheduler, costs) -> list[RequestRecord]:
+    """Paused records (tickets 0..) holding Snapshots of (host_bytes, replay_positions); None: a Replay pause."""
+    recs = []
+    for t, cost in enumerate(costs):
+        rec = record(t, RequestState.DECODE_READY)
+        s.make_resident(rec)
+        s.make_paused(rec)
+        rec.snapshot = None if cost is None else SnapshotCost(host_bytes=cost[0], replay_positions=cost[1])
+        recs.append(rec)
+    return recs
+
+
+def test_revocation_takes_the_shortest_replays_first_and_only_when_it_gains():
+    s = Scheduler(max_concurrency=8, bypass_limit=2)
+    a, b, c, d, e = paused_snapshots(s, [(130, 30), (60, 10), None, (60, 10), (80, 20)])
+    assert s.revocations_for(50, saves=40) == [d]              # equal replay: the youngest goes
+    assert s.revocations_for(100, saves=40) == [d, b]          # then the next shortest
+    assert s.revocations_for(150, saves=41) == [d, b, e]       # loses 40 < 41
+    assert s.revocations_for(150, saves=40) == []              # would lose 40 to save 40: keep them
+    assert s.revocations_for(400, saves=10**6) == []           # all of them cannot make room
+    assert s.revocations_for(0, saves=10**6) == []             # nothing short: nothing to revoke
+    assert c not in s.revocations_for(330, saves=10**6) and len(s.revocations_for(330, saves=10**6)) == 4
+
+
+@given(st.lists(st.one_of(st.none(), st.tuples(st.integers(1, 500), st.integers(0, 100))), max_size=8),
+       st.integers(-50, 2000), st.integers(0, 300))
+def test_revocation_rule_properties(costs, shortfall, saves):
+    s = Scheduler(max_concurrency=8, bypass_limit=2)
+    recs = paused_snapshots(s, costs)
+    held = [r for r in recs if r.snapshot is not None]
+    chosen = s.revocations_for(shortfall, saves)
+    if not chosen:
+        return
+    assert all(r.snapshot is not None for r in chosen) and len(set(map(id, chosen))) == len(chosen)
+    freed = sum(r.snapshot.host_bytes for r in chosen)
+    assert freed >= shortfall > 0                                         # it makes room
+    assert freed - chosen[-1].snapshot.host_bytes < shortfall             # and no more than needed
+    assert sum(r.snapshot.replay_positions for r in chosen) < saves       # and gains replay work
+    longest = max(r.snapshot.replay_positions for r in chosen)
+    assert all(r.snapshot.replay_positions >= longest for r in held if r not in chosen)
 
 
 def test_bad_settings_are_rejected():

@@ -7,7 +7,8 @@ One worker cycle (design document, "worker cycle"):
 1. take new submissions; settle cancellations, deadlines and queue timeouts at this stable boundary;
 2. on a capacity event, try the oldest paused request's full resume (one protected recovery at a time);
 3. unit permits per resident row, protected recovery first, then ticket order; pressure pauses the
-   youngest resident (Snapshot when host room allows, else Replay);
+   youngest resident (Snapshot when host room allows, possibly after revoking cheaper paused
+   Snapshots, else Replay);
 4. fresh admission in submission order with what is left (bounded bypass of paused requests);
 5. one compact decode batch of the actual B, then one prefill/Replay chunk.
 Every PendingBatch is consumed whole: Frontend preview -> Program.commit -> accounting ->
@@ -35,7 +36,7 @@ from ninfer.contract.events import (
     Usage,
     merge_tool_call_fragments,
 )
-from ninfer.contract.model import Frontend, Preview, Program
+from ninfer.contract.model import Frontend, Preview, Program, SnapshotCost
 from ninfer.engine.errors import (
     CapacityExhausted,
     EngineClosed,
@@ -298,7 +299,7 @@ class EngineCore:
                         f"request {rec.request_id} cannot be resumed: its history exceeds the Program's capacity"))
                 return
             self._pause(victim)
-        rec.resume_state = None
+        rec.resume_state = rec.snapshot = None
         self._bind(rec, seq)
         s.protected = rec
         self.admission_event = True
@@ -358,17 +359,39 @@ class EngineCore:
     def _pause(self, rec: RequestRecord) -> None:
         seq = rec.sequence_id
         mode = self.pause_mode
+        cost = None if mode == "replay" else self.program.snapshot_cost(seq)
         if mode == "auto":
+            if not self.program.can_snapshot(seq):
+                self._revoke_snapshots(cost)
             mode = "snapshot" if self.program.can_snapshot(seq) else "replay"
         rec.resume_state = self.program.pause(seq, mode)
+        rec.snapshot = cost if mode == "snapshot" else None
         del self.by_seq[seq]
         rec.sequence_id = None
         rec.state = RequestState.PAUSED
         rec.preemptions += 1
         self.scheduler.make_paused(rec)
+        self._check_host_bytes()
         self.metrics.preempted(mode)
         self.capacity_event = self.changed = True
         self.admission_event = False  # the room just freed belongs to the row under pressure
+
+    def _revoke_snapshots(self, need: SnapshotCost) -> None:
+        """Host pressure on a pause: demote paused Snapshots to Replay when the Scheduler's rule says the
+        new Snapshot is worth more than what they save (their device side is already free)."""
+        u = self.program.usage()
+        shortfall = u.host_bytes_used + need.host_bytes - u.host_bytes_total
+        for victim in self.scheduler.revocations_for(shortfall, need.replay_positions):
+            victim.resume_state = self.program.demote(victim.resume_state)
+            victim.snapshot = None
+            self.metrics.snapshot_revoked()
+
+    def _check_host_bytes(self) -> None:
+        """The Program's host bytes are exactly the Snapshots the paused requests hold."""
+        held = sum(r.snapshot.host_bytes for r in self.scheduler.paused.values() if r.snapshot is not None)
+        used = self.program.usage().host_bytes_used
+        if used != held:
+            raise InvariantBroken(f"Program holds {used} host bytes, paused Snapshots account for {held}")
 
     # -- 4. fresh admission ----------------------------------------------------------------------
     def _admit_fresh(self) -> None:
@@ -532,7 +555,7 @@ class EngineCore:
             rec.sequence_id = None
         elif rec.state is RequestState.PAUSED:
             self.program.discard(rec.resume_state)
-            rec.resume_state = None
+            rec.resume_state = rec.snapshot = None
         was_admitted = rec.state is not RequestState.WAITING
         self.scheduler.remove(rec)
         rec.state = RequestState.FINISHED

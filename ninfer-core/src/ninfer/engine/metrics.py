@@ -62,6 +62,7 @@ class EngineMetrics:
     preemptions: int
     preemptions_snapshot: int
     preemptions_replay: int
+    snapshots_revoked: int = 0  # paused Snapshots demoted to Replay under host pressure
     prompt_tokens: int
     generated_tokens: int
     requests_finished: dict[str, int]
@@ -81,6 +82,7 @@ class MetricsRecorder:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.preemptions = {"snapshot": 0, "replay": 0}
+        self.revoked = 0
         self.prompt_tokens = 0
         self.generated_tokens = 0
         self.finished: dict[str, int] = {}
@@ -93,6 +95,10 @@ class MetricsRecorder:
     def preempted(self, mode: str) -> None:
         with self.lock:
             self.preemptions[mode] += 1
+
+    def snapshot_revoked(self) -> None:
+        with self.lock:
+            self.revoked += 1
 
     def rejected_request(self, kind: str) -> None:
         with self.lock:
@@ -124,7 +130,8 @@ class MetricsRecorder:
             return EngineMetrics(
                 queue_depth=queue_depth, running=running, paused=paused, outstanding=outstanding,
                 preemptions=sum(self.preemptions.values()), preemptions_snapshot=self.preemptions["snapshot"],
-                preemptions_replay=self.preemptions["replay"], prompt_tokens=self.prompt_tokens,
+                preemptions_replay=self.preemptions["replay"], snapshots_revoked=self.revoked,
+                prompt_tokens=self.prompt_tokens,
                 generated_tokens=self.generated_tokens, requests_finished=dict(self.finished),
                 requests_rejected=dict(self.rejected), kv_pages_used=kv_pages_used, kv_pages_total=kv_pages_total,
                 ttft=self.ttft.snapshot(), inter_token=self.inter_token.snapshot(),

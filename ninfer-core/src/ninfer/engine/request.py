@@ -13,7 +13,7 @@ from typing import Any
 import attrs
 
 from ninfer.contract.events import FinishReason, ToolCall
-from ninfer.contract.model import OutputSession
+from ninfer.contract.model import OutputSession, SnapshotCost
 from ninfer.contract.prompt import PreparedPrompt
 from ninfer.contract.request import GenerationRequest, SamplingParams
 from ninfer.engine.handle import ResponseChannel
@@ -44,6 +44,7 @@ class RequestRecord:
     state: RequestState = RequestState.WAITING
     sequence_id: int | None = None
     resume_state: Any = None
+    snapshot: SnapshotCost | None = None  # while paused by Snapshot: the host bytes its ResumeState holds
     # Output accounting: what was committed and published (never re-counted after a resume).
     generated: int = 0
     token_ids: list[int] = attrs.field(factory=list)

@@ -10,6 +10,8 @@ Rules (design document, "Scheduler"):
 - Fresh admission may overtake paused requests at most ``bypass_limit`` times per pause; then fresh
   admission closes until the paused request resumes.
 - Prefill/Replay chunks rotate round robin among residents, the protected recovery first.
+- Host pressure on a pause revokes paused Snapshots shortest replay first (youngest on ties), only when
+  that makes room and loses fewer replay positions than the new Snapshot saves.
 """
 
 from __future__ import annotations
@@ -79,6 +81,26 @@ class Scheduler:
         """The youngest resident younger than ``needy`` that may be paused (never the protected one)."""
         cands = [r for t, r in self.residents.items() if t > needy.ticket and r is not self.protected]
         return max(cands, key=lambda r: r.ticket) if cands else None
+
+    def revocations_for(self, shortfall: int, saves: int) -> list[RequestRecord]:
+        """Paused Snapshots to demote to Replay so that ``shortfall`` more host bytes are free, or [] when
+        that cannot make room or would lose at least the ``saves`` replay positions the new Snapshot saves.
+
+        Every Snapshot holds a fixed StateImage plus KV in proportion to its frontier, so the shortest
+        replay also loses least per byte freed; among equals the youngest goes (it resumes last).
+        """
+        held = sorted((r for r in self.paused.values() if r.snapshot is not None),
+                      key=lambda r: (r.snapshot.replay_positions, -r.ticket))
+        chosen, freed, lost = [], 0, 0
+        for rec in held:
+            if freed >= shortfall:
+                break
+            chosen.append(rec)
+            freed += rec.snapshot.host_bytes
+            lost += rec.snapshot.replay_positions
+        if shortfall <= 0 or freed < shortfall or lost >= saves:
+            return []
+        return chosen
 
     def oldest_paused(self) -> RequestRecord | None:
         return self.paused[min(self.paused)] if self.paused else None
