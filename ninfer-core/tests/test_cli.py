@@ -2,9 +2,14 @@
 
 import argparse
 import json
+import os
+import subprocess
+import sys
+
+import pytest
 
 from ninfer import hookimpl
-from ninfer.cli import main
+from ninfer.cli import EXIT_BROKEN_PIPE, main
 from ninfer.plugins import make_plugin_host
 
 
@@ -40,3 +45,41 @@ def test_unknown_command_exits_2(capsys):
     else:
         raise AssertionError("argparse should exit")
     assert isinstance(argparse.ArgumentParser, type)
+
+
+# -- a reader that leaves early (`ninfer inspect x | head`) ends the command quietly, as Unix tools do -------
+
+def _closed_pipe() -> int:
+    """The write end of a pipe whose reader is already gone: every write fails with EPIPE, deterministically."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    return write_end
+
+
+@pytest.mark.parametrize("command", [["archs"], ["inspect", "{model}", "--objects"]])
+def test_closed_stdout_exits_quietly_in_a_real_process(command):
+    from ninfer import default_model_path
+
+    write_end = _closed_pipe()
+    try:
+        argv = [a.format(model=default_model_path()) for a in command]
+        proc = subprocess.run([sys.executable, "-m", "ninfer", *argv], stdout=write_end, stderr=subprocess.PIPE,
+                              text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert proc.stderr == ""  # no traceback, no "Exception ignored" from the interpreter's last flush
+    assert proc.returncode == EXIT_BROKEN_PIPE
+
+
+@pytest.mark.parametrize("command", [
+    ["generate", "--prompt", "ROMEO:", "--max-tokens", "3", "--device", "cpu"],
+    ["score", "{model}", "To be, or not to be.", "--tokens", "--device", "cpu"]])
+def test_commands_that_catch_os_errors_let_a_closed_stdout_through(command, monkeypatch, capsys):
+    from ninfer import default_model_path
+
+    write_end = _closed_pipe()
+    with open(write_end, "w", encoding="utf-8", buffering=1) as out:  # line-buffered: the first line fails
+        monkeypatch.setattr(sys, "stdout", out)
+        assert main([a.format(model=default_model_path()) for a in command]) == EXIT_BROKEN_PIPE
+        monkeypatch.undo()
+    assert "Broken pipe" not in capsys.readouterr().err  # not reported as a failed command

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -81,13 +83,37 @@ def build_parser(host: PluginHost) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None, host: PluginHost | None = None) -> int:
-    host = host or default_host()
-    args = build_parser(host).parse_args(argv)
+# What a shell reports for a tool stopped by SIGPIPE (128 + 13); Python ignores the signal, so we say it.
+EXIT_BROKEN_PIPE = 141
+
+
+def _discard_stdout() -> None:
+    """Point stdout at the null device, so the interpreter's last flush of what is still buffered cannot
+    fail a second time (with an "Exception ignored" message) after the reader has gone."""
     try:
-        return int(args.func(args) or 0)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        return
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        pass  # stdout is not a file descriptor (replaced in-process): nothing will flush to the pipe
+    finally:
+        os.close(devnull)
+
+
+def main(argv: Sequence[str] | None = None, host: PluginHost | None = None) -> int:
+    try:
+        host = host or default_host()
+        args = build_parser(host).parse_args(argv)
+        status = int(args.func(args) or 0)
+        sys.stdout.flush()  # a reader that left shows here, not in the interpreter's exit
+        return status
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `ninfer inspect x | head`: the reader has what it wanted; stop quietly
+        _discard_stdout()
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

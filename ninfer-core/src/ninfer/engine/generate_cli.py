@@ -106,6 +106,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("\nninfer generate: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        raise  # the reader of stdout left: ninfer.cli.main ends quietly
     except (OSError, ValueError, TypeError, LookupError, RuntimeError) as exc:
         print(f"ninfer generate: {exc}", file=sys.stderr)
         return 2

@@ -51,6 +51,8 @@ def cmd_score(args: argparse.Namespace) -> int:
         if not text:
             raise ValueError("the text to score is empty")
         return _score(args, text)
+    except BrokenPipeError:
+        raise  # the reader of stdout left: ninfer.cli.main ends quietly
     except (OSError, ValueError, TypeError, LookupError, RuntimeError) as exc:
         print(f"ninfer score: {exc}", file=sys.stderr)
         return 2
