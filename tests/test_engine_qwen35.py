@@ -158,6 +158,27 @@ def test_forced_preemption_matches_no_preemption(parts, alone, mode, seeded):
     eng.close()
 
 
+@pytest.mark.parametrize("snapshots", [1, 2])
+@pytest.mark.parametrize("seeded", [False, True])
+def test_host_pressure_revokes_paused_snapshots_and_matches_running_alone(parts, alone, seeded, snapshots):
+    """A host budget of about one or two Snapshots (StateImage + 5 KV pages): later pauses revoke earlier
+    Snapshots to Replay, and every request still produces exactly its solo tokens."""
+    probe = make_engine(parts, max_concurrency=4, pages=10)
+    prog = probe.instance.program
+    snapshot = prog.states.image_bytes + 5 * prog.pool.nbytes_per_page
+    probe.close()
+    eng = make_engine(parts, max_concurrency=4, pages=10, prefill_chunk=8, host_bytes=snapshots * snapshot)
+    hs = [eng.submit(req(p, **s)) for p, s in workload(8, 11, seeded=seeded)]
+    events = [list(h) for h in hs]
+    for evs in events:
+        assert sum(isinstance(e, GenerationResult) for e in evs) == 1 and isinstance(evs[-1], GenerationResult)
+    assert [evs[-1].token_ids for evs in events] == alone[seeded]
+    m = eng.metrics()
+    assert m.snapshots_revoked > 0 and m.preemptions_snapshot > 0
+    settled(eng)
+    eng.close()
+
+
 def test_events_and_text_through_the_qwen_frontend(parts):
     eng = make_engine(parts)
     h = eng.submit(req([1, 2, 3, 4], max_tokens=5))

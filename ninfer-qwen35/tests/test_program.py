@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -393,6 +395,9 @@ def test_revoked_snapshot_resumes_by_replay_with_identical_continuation(tiny):
         prog.resume(snap)  # the revoked Snapshot is no longer valid
     with pytest.raises(ProgramError, match="no Snapshot to revoke"):
         prog.demote(state)
+    host_copy = weakref.ref(snap.kv_pages)
+    del snap
+    assert host_copy() is None  # the Program keeps no reference: the host copy is freed with the old state
     sid = prog.resume(state)
     assert prog.input_remaining(sid) == cost.replay_positions
     got += prefill_all(prog, sid, chunk=7)
