@@ -66,8 +66,11 @@ class EngineCollector(Collector):
             yield gauge("ninfer:kv_cache_pages_reserved", "KV pages reserved for the next units.",
                         usage.reserved_pages)
             yield gauge("ninfer:host_bytes_used", "Host memory holding paused requests.", usage.host_bytes_used)
+            yield gauge("ninfer:host_bytes_total", "Host budget for paused Snapshots.", usage.host_bytes_total)
         yield gauge("ninfer:engine_failed", "1 when the engine has failed and accepts no work.", float(m.failed))
         yield counter("ninfer:num_preemptions", "Preemptions (pauses) of running requests.", m.preemptions)
+        yield counter("ninfer:num_snapshots_revoked", "Paused Snapshots demoted to Replay under host pressure.",
+                      m.snapshots_revoked)
         yield counter("ninfer:prompt_tokens", "Prompt tokens admitted.", m.prompt_tokens)
         yield counter("ninfer:generation_tokens", "Tokens generated.", m.generated_tokens)
         success = CounterMetricFamily("ninfer:request_success", "Finished requests by finish reason.",
