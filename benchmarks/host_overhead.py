@@ -14,7 +14,10 @@ the host work of a GPU step. Two views, per B:
   (events to the handles), cycle_other (scheduler, permits, accounting) and loop (the worker loop
   between cycles: inbox, calls, KV usage read).
 
-``host`` = step total minus the model call. Medians over the timed steps (the VM is shared: medians
+``host`` = step total minus the model call. On CPU the forward evicts the caches the host code then
+runs from, which inflates every part; ``--no-forward`` measures the same host path with warm caches,
+as on the GPU where the forward is one graph launch: after one real forward per B, the replay
+returns that forward's logits (a captured graph's output buffer) instead of recomputing them. Medians over the timed steps (the VM is shared: medians
 are stable, means are not). ``load_ops`` counts the torch ops ``DecodeGraphs.load`` issues per step
 (each one a launch or a copy on the GPU).
 
@@ -96,7 +99,16 @@ def _prefilled(program, config, B: int, context: int, seed: int) -> list[int]:
     return seqs
 
 
-def _instrument_program(program, parts: Parts) -> None:
+def _instrument_program(program, parts: Parts, no_forward: bool = False) -> None:
+    if no_forward:
+        replay, out = program.graphs.replay, {}
+
+        def replay_once(B: int):
+            if B not in out:
+                out[B] = replay(B).clone()
+            return out[B]
+
+        program.graphs.replay = replay_once
     parts.wrap(program.graphs, "load", "load")
     parts.wrap(program.graphs, "replay", "model")
     parts.wrap(program, "_sample", "sample")
@@ -105,12 +117,13 @@ def _instrument_program(program, parts: Parts) -> None:
     parts.wrap(program, "reserve_units", "reserve")
 
 
-def measure_program(program, config, B: int, *, context: int, steps: int, warmup: int = 20) -> dict:
+def measure_program(program, config, B: int, *, context: int, steps: int, warmup: int = 20,
+                    no_forward: bool = False) -> dict:
     from ninfer.contract.batch import RowDecision
 
     seqs = _prefilled(program, config, B, context, seed=B)
     parts = Parts()
-    _instrument_program(program, parts)
+    _instrument_program(program, parts, no_forward)
     decisions = [RowDecision(accepted=1)] * B
     rows = []
     clock = time.perf_counter
@@ -156,7 +169,8 @@ def measure_program(program, config, B: int, *, context: int, steps: int, warmup
     return out
 
 
-def measure_engine(program, config, B: int, *, context: int, steps: int, warmup: int = 20) -> dict:
+def measure_engine(program, config, B: int, *, context: int, steps: int, warmup: int = 20,
+                   no_forward: bool = False) -> dict:
     from ninfer.contract.model import ModelInstance
     from ninfer.contract.prompt import TextInput
     from ninfer.contract.request import GenerationRequest, SamplingParams
@@ -171,7 +185,7 @@ def measure_engine(program, config, B: int, *, context: int, steps: int, warmup:
     inst = ModelInstance(architecture="qwen35", config=config, model=program.model, parameters=None,
                          frontend=frontend, program=program)
     parts = Parts()
-    _instrument_program(program, parts)
+    _instrument_program(program, parts, no_forward)
     saved = {a: QwenOutputSession.__dict__[a] for a in ("preview", "commit")}
     for a in saved:  # class-level: every request's session
         parts.wrap(QwenOutputSession, a, "frontend")
@@ -245,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--context", type=int, default=32, help="prompt tokens per row before timing")
     ap.add_argument("--no-engine", action="store_true", help="only the Program view")
+    ap.add_argument("--no-forward", action="store_true",
+                    help="after one real forward per B, replay returns its logits (warm-cache host timing)")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     args = ap.parse_args(argv)
     if not all(1 <= b <= 8 for b in args.batch) or args.steps < 1:
@@ -254,19 +270,22 @@ def main(argv: list[str] | None = None) -> int:
     config, program = build_program("tiny", "cpu", max_batch=max(args.batch), context=args.context,
                                     steps=args.steps + 64, graphs=False, dtype=torch.float32, static_decode=True)
     rows = []
-    print("# tiny shape on CPU through the static decode buffers; medians in us per step")
+    print("# tiny shape on CPU through the static decode buffers; medians in us per step"
+          + ("; forward run once per B (--no-forward)" if args.no_forward else ""))
     hdr = f"{'B':>2} {'host':>7} {'reserve':>8} {'load':>7} {'decode_o':>9} {'sample':>7} {'commit':>7} " \
           f"{'model':>8} {'ops':>4}"
     if not args.no_engine:
         hdr += f" | {'e.host':>7} {'decode':>7} {'front':>6} {'commit':>7} {'publish':>8} {'cycle_o':>8} {'loop':>6}"
     print(hdr)
     for B in args.batch:
-        r = measure_program(program, config, B, context=args.context, steps=args.steps)
+        r = measure_program(program, config, B, context=args.context, steps=args.steps,
+                            no_forward=args.no_forward)
         line = (f"{B:>2} {r['host_us']:>7.1f} {r['reserve_us']:>8.1f} {r['load_us']:>7.1f} "
                 f"{r['decode_other_us']:>9.1f} {r['sample_us']:>7.1f} {r['commit_us']:>7.1f} {r['model_us']:>8.1f} "
                 f"{r['load_ops']:>4}")
         if not args.no_engine:
-            e = measure_engine(program, config, B, context=args.context, steps=args.steps)
+            e = measure_engine(program, config, B, context=args.context, steps=args.steps,
+                               no_forward=args.no_forward)
             r.update(e)
             line += (f" | {e['engine_host_us']:>7.1f} {e['engine_decode_us'] - e['engine_model_us']:>7.1f} "
                      f"{e['engine_frontend_us']:>6.1f} {e['engine_commit_us']:>7.1f} {e['engine_publish_us']:>8.1f} "
@@ -275,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         print(line, flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"shape": "tiny", "device": "cpu", "context": args.context, "rows": rows}, f, indent=2)
+            json.dump({"shape": "tiny", "device": "cpu", "context": args.context, "no_forward": args.no_forward,
+                       "rows": rows}, f, indent=2)
     return 0
 
 

@@ -248,12 +248,13 @@ class Qwen35Program:
                                    f"remaining, {seq.generated} generated)")
             if seq.computed + 1 > self.max_model_len:
                 raise ProgramError(f"sequence {seq.id} is at max_model_len {self.max_model_len}")
-        missing = sum(self._pages_needed(s, s.computed + 1) for s in seqs)
-        if missing > self.pool.allocator.num_free:
-            raise PoolExhausted(f"decode of {len(ids)} rows needs {missing} unreserved KV pages, "
+        needs = [self._pages_needed(s, s.computed + 1) for s in seqs]  # 0 for rows the engine reserved
+        if sum(needs) > self.pool.allocator.num_free:
+            raise PoolExhausted(f"decode of {len(ids)} rows needs {sum(needs)} unreserved KV pages, "
                                 f"{self.pool.allocator.num_free} free")
-        for seq in seqs:
-            self._hold_pages(seq, seq.computed + 1)
+        for seq, need in zip(seqs, needs, strict=True):
+            if need:
+                self._hold_pages(seq, seq.computed + 1)
         with self._unit(seqs), torch.inference_mode():
             if self.graphs is not None:
                 self.graphs.load([s.ledger[s.computed] for s in seqs], [s.computed for s in seqs],
