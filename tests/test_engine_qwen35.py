@@ -32,7 +32,7 @@ from ninfer_qwen35.program import Qwen35Program  # noqa: E402
 from ninfer_qwen35.source_mapping import fused_parents  # noqa: E402
 from ninfer_qwen35.state import kv_pools, state_layout  # noqa: E402
 
-VOCAB = 416  # the tiny tokenizer's 413 ids, padded like published embeddings
+VOCAB = 448  # the tiny tokenizer's 433 ids, padded like published embeddings
 PAGE = 4
 
 

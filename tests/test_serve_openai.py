@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-from importlib import resources
 
 import httpx
 import openai
@@ -22,15 +21,10 @@ TOOLS = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 
 
-# The tiny checkpoint's own template is minimal; serve with the project's Qwen3.5 template (thinking switch,
-# tools, tool turns) passed the way a user would, with --chat-template.
-QWEN35_TEMPLATE = str(resources.files("ninfer.models.common.qwen") / "templates" / "qwen3_5.jinja")
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     with ServerProcess(tiny_model(tmp_path_factory.getbasetemp()), "--model-id", MODEL_ID, "--max-concurrency", "4",
-                       "--device", DEVICE, "--max-model-len", "2048", "--chat-template", QWEN35_TEMPLATE) as srv:
+                       "--device", DEVICE, "--max-model-len", "2048") as srv:
         yield srv
 
 

@@ -126,6 +126,34 @@ def test_frontend_resources(converted):
         assert art.metadata.source_digest.startswith("blake2b:")
 
 
+def test_frontend_has_the_real_qwen35_format(converted):
+    """Same added tokens, order and special / non-special split as the real Qwen3.5 tokenizer, and the project's
+    Qwen3.5 chat template, so thinking and tool-call markers reach the output as they do with a real model."""
+    from ninfer.models.common.qwen import QwenFrontend, builtin_template
+    from ninfer.testing.qwen_vocab import qwen35_tokenizer_json
+
+    def added(tokenizer_json: str) -> list[dict]:
+        tokens = json.loads(tokenizer_json)["added_tokens"]
+        first = tokens[0]["id"]
+        assert [t["id"] for t in tokens] == list(range(first, first + len(tokens)))  # contiguous, in order
+        return [{k: v for k, v in t.items() if k != "id"} for t in tokens]
+
+    _, _, path = converted
+    with open_artifact(path) as art:
+        fe = art.frontend
+    assert added(fe.tokenizer_json) == added(qwen35_tokenizer_json())
+    assert "<think>" not in fe.special_tokens and "<tool_call>" not in fe.special_tokens
+    assert fe.chat_template == builtin_template("qwen3_5")
+    frontend = QwenFrontend.from_resources(fe)
+    hi = [{"role": "user", "content": "Hi"}]
+    assert frontend.render(hi).endswith("<|im_start|>assistant\n<think>\n")
+    assert frontend.render(hi, enable_thinking=False).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    assert '"name": "get_weather"' in frontend.render(hi, tools=[tool])
+    markers = "<think>x</think><tool_call><tool_response></tool_response></tool_call><|im_end|>"
+    assert frontend.tokenizer.decode(frontend.tokenizer.encode(markers), skip_special=True) == markers[:-len("<|im_end|>")]
+
+
 def test_inspect_cli(converted, capsys):
     layout, _, path = converted
     assert ninfer_main(["inspect", str(path), "--verify", "--json"]) == 0

@@ -15,7 +15,7 @@ def tiny(tmp_path_factory):
 
 def test_chat_streams_reasoning_apart_and_reports_speed(tiny, capsys):
     rc = main(["generate", tiny, "--chat", "Hello there", "--max-tokens", "12", "--temperature", "0",
-               "--ignore-eos", "--device", "cpu", "--chat-template", "builtin:qwen3_5"])
+               "--ignore-eos", "--device", "cpu"])
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert out.startswith("[thinking]\n")  # the Qwen3.5 prompt opens <think>: output starts as reasoning
@@ -23,7 +23,7 @@ def test_chat_streams_reasoning_apart_and_reports_speed(tiny, capsys):
     assert "TTFT" in err and "tokens/s" in err
     # greedy is reproducible
     assert main(["generate", tiny, "--chat", "Hello there", "--max-tokens", "12", "--temperature", "0",
-                 "--ignore-eos", "--device", "cpu", "--chat-template", "builtin:qwen3_5"]) == 0
+                 "--ignore-eos", "--device", "cpu"]) == 0
     assert capsys.readouterr().out == out
 
 
@@ -32,7 +32,7 @@ def test_raw_prompt_with_thinking_disabled_chat_and_errors(tiny, capsys, tmp_pat
                  "--device", "cpu"]) == 0
     assert "5 generated tokens" in capsys.readouterr().err
     assert main(["generate", tiny, "--chat", "Hi", "--no-think", "--max-tokens", "6", "--temperature", "0",
-                 "--ignore-eos", "--device", "cpu", "--chat-template", "builtin:qwen3_5"]) == 0
+                 "--ignore-eos", "--device", "cpu"]) == 0
     out, _ = capsys.readouterr()
     assert "[thinking]" not in out  # the template pre-filled an empty think block
     assert main(["generate", str(tmp_path / "missing.ninfer"), "--prompt", "x"]) == 2

@@ -5,8 +5,10 @@
 
 ``layout="text"`` writes ``Qwen3_5ForCausalLM`` (flat ``model.layers.*`` names), ``layout="vl"`` writes
 ``Qwen3_5ForConditionalGeneration`` (``model.language_model.*``, ``model.visual.*``). Both get random
-``mtp.*`` tensors (``mtp_num_hidden_layers: 1``), a tiny byte-level BPE tokenizer.json with the Qwen3.5
-special tokens, a minimal ChatML template, generation_config.json and (VL) preprocessor_config.json.
+``mtp.*`` tensors (``mtp_num_hidden_layers: 1``), a tiny byte-level BPE tokenizer.json in the Qwen3.5 format
+(its pre-tokenizer, then the Qwen3.5 added tokens in their published order: ``<think>``, ``<tool_call>`` and
+friends are added but not special, as in the real tokenizer), the project's Qwen3.5 chat template (thinking
+switch, tools, tool turns), generation_config.json and (VL) preprocessor_config.json.
 Weights are bf16 except ``A_log`` and the GDN gated-norm weight, which stay fp32 as in published checkpoints.
 """
 
@@ -16,20 +18,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>",
-                  "</tool_call>", "<tool_response>", "</tool_response>", "<|vision_start|>", "<|vision_end|>",
-                  "<|image_pad|>", "<|video_pad|>")
+from ninfer.models.common.qwen.chat_template import builtin_template
+from ninfer.testing.qwen_vocab import QWEN35_ADDED_TOKENS, add_qwen35_added_tokens, set_qwen35_text_pipeline
 
-# Qwen3.5's pre-tokenizer split (letters include combining marks; digits one by one).
-QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
-              r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+ADDED_TOKENS = tuple(content for content, _ in QWEN35_ADDED_TOKENS)
+# The ones decoding may skip; <think>, <tool_call>, <tool_response> and the FIM tokens are not among them.
+SPECIAL_TOKENS = tuple(content for content, special in QWEN35_ADDED_TOKENS if special)
 
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}"
-)
+CHAT_TEMPLATE = builtin_template("qwen3_5")
 
 TINY_TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8,
@@ -47,29 +43,16 @@ _SENTENCES = [
 
 
 def make_tokenizer_json(vocab_size: int = 400) -> tuple[str, dict[str, int]]:
-    """A byte-level BPE trained on a few sentences, plus the Qwen3.5 special tokens; (json, special ids)."""
-    from tokenizers import (
-        AddedToken,
-        Regex,
-        Tokenizer,
-        decoders,
-        models,
-        normalizers,
-        pre_tokenizers,
-        trainers,
-    )
+    """A byte-level BPE trained on a few sentences, then the Qwen3.5 added tokens; (json, {added token: id})."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
+    set_qwen35_text_pipeline(tok)
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(_SENTENCES * 4, trainer)
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    return tok.to_str(), {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    ids = add_qwen35_added_tokens(tok)
+    return tok.to_str(), ids
 
 
 def _randomize(model, seed: int) -> None:
@@ -112,20 +95,20 @@ def make_tiny_checkpoint(directory: str | Path, *, layout: str = "text", mtp: bo
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     sharded = layout == "vl" if sharded is None else sharded
-    tokenizer_json, special = make_tokenizer_json()
+    tokenizer_json, added = make_tokenizer_json()
     vision = dict(TINY_VISION, **config_overrides.pop("vision_config", {}))
     text = dict(TINY_TEXT, **config_overrides)
     text["tie_word_embeddings"] = tie_word_embeddings
-    text["eos_token_id"] = special["<|endoftext|>"]
+    text["eos_token_id"] = added["<|endoftext|>"]
     torch.manual_seed(seed)
     if layout == "text":
         model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text))
     else:
         vision["out_hidden_size"] = text["hidden_size"]
         cfg = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=tie_word_embeddings,
-                            image_token_id=special["<|image_pad|>"], video_token_id=special["<|video_pad|>"],
-                            vision_start_token_id=special["<|vision_start|>"],
-                            vision_end_token_id=special["<|vision_end|>"])
+                            image_token_id=added["<|image_pad|>"], video_token_id=added["<|video_pad|>"],
+                            vision_start_token_id=added["<|vision_start|>"],
+                            vision_end_token_id=added["<|vision_end|>"])
         model = Qwen3_5ForConditionalGeneration(cfg)
     _randomize(model, seed)
     _to_checkpoint_dtypes(model)
@@ -147,7 +130,7 @@ def make_tiny_checkpoint(directory: str | Path, *, layout: str = "text", mtp: bo
         "tokenizer_class": "Qwen2Tokenizer", "chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>", "add_bos_token": False, "model_max_length": 4096}, indent=2))
     (out / "generation_config.json").write_text(json.dumps({
-        "eos_token_id": [special["<|im_end|>"], special["<|endoftext|>"]], "pad_token_id": special["<|endoftext|>"],
+        "eos_token_id": [added["<|im_end|>"], added["<|endoftext|>"]], "pad_token_id": added["<|endoftext|>"],
         "do_sample": True, "temperature": 1.0, "top_p": 0.95, "top_k": 20}, indent=2))
     if layout == "vl":
         (out / "preprocessor_config.json").write_text(json.dumps({

@@ -94,7 +94,7 @@ def _merge_of(token: bytes, rank: int, ranks: dict[bytes, int]) -> tuple[bytes, 
 
 
 def _build(ranks: dict[bytes, int]) -> str:
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import Tokenizer, models
 
     alphabet = byte_to_unicode()
 
@@ -108,18 +108,38 @@ def _build(ranks: dict[bytes, int]) -> str:
         if pair is not None:
             merges.append((text(pair[0]), text(pair[1])))
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
+    set_qwen35_text_pipeline(tok)
+    if add_qwen35_added_tokens(tok)["<|endoftext|>"] != QWEN35_FIRST_ADDED_ID:
+        raise ValueError(f"the added tokens do not start at id {QWEN35_FIRST_ADDED_ID}")
+    return tok.to_str()
+
+
+def set_qwen35_text_pipeline(tok) -> None:
+    """Give a ``tokenizers.Tokenizer`` Qwen3.5's NFC normaliser, pre-tokenizer split and byte-level decoder."""
+    from tokenizers import Regex, decoders, normalizers, pre_tokenizers
+
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(QWEN35_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
+
+
+def add_qwen35_added_tokens(tok) -> dict[str, int]:
+    """Append the Qwen3.5 added tokens right after the BPE vocabulary, in their published order and with their
+    special / non-special split; returns {content: id}."""
+    from tokenizers import AddedToken
+
+    first = tok.get_vocab_size(with_added_tokens=True)
+    ids = {}
     for i, (content, special) in enumerate(QWEN35_ADDED_TOKENS):
         added = AddedToken(content, special=special, normalized=False, single_word=False, lstrip=False, rstrip=False)
         n = tok.add_special_tokens([added]) if special else tok.add_tokens([added])
-        if n != 1 or tok.token_to_id(content) != QWEN35_FIRST_ADDED_ID + i:
-            raise ValueError(f"added token {content!r} did not land on id {QWEN35_FIRST_ADDED_ID + i}")
-    return tok.to_str()
+        if n != 1 or tok.token_to_id(content) != first + i:
+            raise ValueError(f"added token {content!r} did not land on id {first + i}")
+        ids[content] = first + i
+    return ids
 
 
 def _cache_dir() -> Path:
