@@ -95,6 +95,21 @@ def test_token_ids_are_checked(frontend):
     assert session.commit(session.preview([248300])).content == ""
 
 
+def test_fixture_resources_are_what_the_converter_reads_from_the_same_files(tmp_path):
+    import json
+
+    read_frontend = pytest.importorskip("ninfer_convert.frontend").read_frontend
+    from ninfer.testing.qwen_vocab import QWEN35_GENERATION_CONFIG, qwen35_tokenizer_json
+
+    (tmp_path / "tokenizer.json").write_text(qwen35_tokenizer_json(), encoding="utf-8")
+    (tmp_path / "generation_config.json").write_text(json.dumps(QWEN35_GENERATION_CONFIG))
+    converted = read_frontend(tmp_path, {}, with_media=False)
+    resources = qwen35_frontend_resources()
+    assert resources.special_tokens == converted.special_tokens  # <think>, <tool_call>... are not special
+    assert resources.eos_token_ids == converted.eos_token_ids
+    assert resources.generation_config == converted.generation_config
+
+
 def test_artifact_special_tokens_must_match_the_tokenizer():
     import attrs
 

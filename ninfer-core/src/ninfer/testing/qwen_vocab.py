@@ -176,7 +176,8 @@ def qwen35_frontend_resources(*, chat_template: str | None = None):
         tokenizer_json=qwen35_tokenizer_json(),
         chat_template=chat_template,
         generation_config=dict(QWEN35_GENERATION_CONFIG),
-        special_tokens={content: QWEN35_FIRST_ADDED_ID + i for i, (content, _) in enumerate(QWEN35_ADDED_TOKENS)},
+        special_tokens={content: QWEN35_FIRST_ADDED_ID + i  # the converter lists only the special ones
+                        for i, (content, special) in enumerate(QWEN35_ADDED_TOKENS) if special},
         eos_token_ids=QWEN35_EOS_TOKEN_IDS,
         embedding_vocab=QWEN35_EMBEDDING_VOCAB,
     )
