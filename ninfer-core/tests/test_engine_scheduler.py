@@ -25,12 +25,18 @@ def record(ticket: int, state: RequestState = RequestState.WAITING) -> RequestRe
 tickets = st.lists(st.integers(0, 1000), min_size=1, max_size=8, unique=True)
 
 
-@given(tickets, st.data())
-def test_permit_order_is_protected_first_then_oldest(ts, data):
+def resident(ts: list[int], state: RequestState) -> tuple[Scheduler, list[RequestRecord]]:
+    """A scheduler (8 places, bypass limit 2) holding one resident record in ``state`` per ticket."""
     s = Scheduler(max_concurrency=8, bypass_limit=2)
-    recs = [record(t, RequestState.DECODE_READY) for t in ts]
+    recs = [record(t, state) for t in ts]
     for r in recs:
         s.make_resident(r)
+    return s, recs
+
+
+@given(tickets, st.data())
+def test_permit_order_is_protected_first_then_oldest(ts, data):
+    s, recs = resident(ts, RequestState.DECODE_READY)
     s.protected = data.draw(st.sampled_from([None, *recs]))
     order = s.permit_order()
     rest = [r for r in order if r is not s.protected]
@@ -41,10 +47,7 @@ def test_permit_order_is_protected_first_then_oldest(ts, data):
 
 @given(tickets, st.data())
 def test_victim_is_the_youngest_younger_resident_never_the_protected(ts, data):
-    s = Scheduler(max_concurrency=8, bypass_limit=2)
-    recs = [record(t, RequestState.DECODE_READY) for t in ts]
-    for r in recs:
-        s.make_resident(r)
+    s, recs = resident(ts, RequestState.DECODE_READY)
     s.protected = data.draw(st.sampled_from([None, *recs]))
     needy = data.draw(st.sampled_from(recs))
     victim = s.victim_for(needy)
@@ -55,10 +58,7 @@ def test_victim_is_the_youngest_younger_resident_never_the_protected(ts, data):
 @settings(max_examples=50)
 @given(tickets, st.integers(1, 30))
 def test_prefill_rotation_serves_every_candidate_within_one_round(ts, rounds):
-    s = Scheduler(max_concurrency=8, bypass_limit=2)
-    recs = [record(t, RequestState.PREFILL) for t in ts]
-    for r in recs:
-        s.make_resident(r)
+    s, recs = resident(ts, RequestState.PREFILL)
     picks = [s.pick_prefill(s.prefill_candidates()).ticket for _ in range(rounds * len(recs))]
     for i in range(0, len(picks), len(recs)):
         window = picks[i:i + len(recs)]
