@@ -110,18 +110,20 @@ class Gateway:
 
     # -- generation ------------------------------------------------------------------------------------
     async def chat_completions(self, request: Request) -> Response:
-        req = structure(parse_json(await request.body()), ChatCompletionRequest)
-        self._check_model(req.model)
-        gen, options = chat_request(req, queue_timeout_s=self.queue_timeout_s)
-        self._check_budget(gen)
-        return await self._generate(request, "chat", gen, options, ChatResponse)
+        return await self._endpoint(request, "chat", ChatCompletionRequest, chat_request, ChatResponse)
 
     async def completions(self, request: Request) -> Response:
-        req = structure(parse_json(await request.body()), CompletionRequest)
+        return await self._endpoint(request, "completions", CompletionRequest, completion_request,
+                                    CompletionResponse)
+
+    async def _endpoint(self, request: Request, endpoint: str, schema: type, translate: Any,
+                        builder_cls: Any) -> Response:
+        """Parse and check the body against ``schema``, translate it into engine requests and generate."""
+        req = structure(parse_json(await request.body()), schema)
         self._check_model(req.model)
-        gen, options = completion_request(req, queue_timeout_s=self.queue_timeout_s)
+        gen, options = translate(req, queue_timeout_s=self.queue_timeout_s)
         self._check_budget(gen)
-        return await self._generate(request, "completions", gen, options, CompletionResponse)
+        return await self._generate(request, endpoint, gen, options, builder_cls)
 
     def _check_budget(self, gen: Any) -> None:
         """A generation budget that cannot fit the context even after a one-token prompt is out of range."""
