@@ -20,17 +20,12 @@ from ninfer.contract.request import GenerationRequest, SamplingParams
 from ninfer.contract.resources import FrontendResources
 from ninfer.engine.engine import Engine
 from ninfer.models.common.qwen.frontend import QwenFrontend
-from ninfer.models.common.weights import WeightSet
 from ninfer.testing.checkpoints import make_tokenizer_json
 
 transformers = pytest.importorskip("transformers")
 
-from ninfer_qwen35.config import parse_config  # noqa: E402
 from ninfer_qwen35.execution.model import Qwen35Model  # noqa: E402
-from ninfer_qwen35.execution.parameters import Qwen35Parameters  # noqa: E402
-from ninfer_qwen35.program import Qwen35Program  # noqa: E402
-from ninfer_qwen35.source_mapping import fused_parents  # noqa: E402
-from ninfer_qwen35.state import kv_pools, state_layout  # noqa: E402
+from ninfer_qwen35.testing import float32_program, model_from_hf  # noqa: E402
 
 VOCAB = 448  # the tiny tokenizer's 433 ids, padded like published embeddings
 PAGE = 4
@@ -53,28 +48,24 @@ def parts():
         for p in hf.parameters():
             if p.dim() >= 2:
                 p.copy_(torch.randn(p.shape, generator=gen) * (1.5 / math.sqrt(math.prod(p.shape[1:]))))
-    cfg = parse_config(hf_cfg.to_dict())
-    weights = WeightSet.from_tensors(hf.state_dict(), fused_parents(cfg))
     resources = FrontendResources(tokenizer_json=tokenizer_json, eos_token_ids=(special["<|im_end|>"],),
                                   embedding_vocab=VOCAB)
     models: dict[str, Qwen35Model] = {}
 
     def model_on(device: str) -> Qwen35Model:
         if device not in models:
-            models[device] = Qwen35Model(Qwen35Parameters.from_weights(cfg, weights, torch.float32, device))
+            models[device] = model_from_hf(hf, device=device)
         return models[device]
 
-    return cfg, model_on, resources
+    return model_on("cpu").config, model_on, resources
 
 
 def make_engine(parts, *, max_concurrency=2, pages=64, host_bytes=1 << 24, pause_mode="auto", prefill_chunk=16,
                 bypass_limit=None, device="cpu", cuda_graphs=False) -> Engine:
     cfg, model_on, resources = parts
     model = model_on(device)
-    prog = Qwen35Program(model, state_layout=state_layout(cfg, "float32"),
-                         kv_pool=kv_pools(cfg, page_size=PAGE, dtype="float32")[0], device=device,
-                         max_concurrency=max_concurrency, num_pages=pages, vocab_size=VOCAB,
-                         host_budget_bytes=host_bytes, max_model_len=128, cuda_graphs=cuda_graphs)
+    prog = float32_program(model, page_size=PAGE, num_pages=pages, device=device, max_concurrency=max_concurrency,
+                           host_budget_bytes=host_bytes, max_model_len=128, cuda_graphs=cuda_graphs)
     inst = ModelInstance(architecture="qwen35", config=cfg, model=model, parameters=model.params,
                          frontend=QwenFrontend.from_resources(resources), program=prog)
     return Engine.from_instance(inst, max_concurrency=max_concurrency, device=device,

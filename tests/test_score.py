@@ -10,17 +10,12 @@ import torch
 from ninfer.contract.prompt import PreparedPrompt
 from ninfer.contract.request import SamplingParams
 from ninfer.engine.scoring import CausalScoreCore
-from ninfer.models.common.weights import WeightSet
 
 transformers = pytest.importorskip("transformers")
 qwen35 = pytest.importorskip("ninfer_qwen35")
 
-from ninfer_qwen35.config import parse_config  # noqa: E402
-from ninfer_qwen35.execution.model import Qwen35Model  # noqa: E402
-from ninfer_qwen35.execution.parameters import Qwen35Parameters  # noqa: E402
-from ninfer_qwen35.program import ProgramError, Qwen35Program  # noqa: E402
-from ninfer_qwen35.source_mapping import fused_parents  # noqa: E402
-from ninfer_qwen35.state import kv_pools, state_layout  # noqa: E402
+from ninfer_qwen35.program import ProgramError  # noqa: E402
+from ninfer_qwen35.testing import float32_program, model_from_hf  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -31,12 +26,7 @@ def tiny():
         num_key_value_heads=1, head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8,
         linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=256, tie_word_embeddings=True)
     hf = transformers.Qwen3_5ForCausalLM(hf_cfg).eval()
-    cfg = parse_config(hf_cfg.to_dict())
-    model = Qwen35Model(Qwen35Parameters.from_weights(cfg, WeightSet.from_tensors(hf.state_dict(),
-                                                                                   fused_parents(cfg)), torch.float32))
-    prog = Qwen35Program(model, state_layout=state_layout(cfg, "float32"),
-                         kv_pool=kv_pools(cfg, page_size=8, dtype="float32")[0], device="cpu", max_concurrency=1,
-                         num_pages=32, vocab_size=cfg.vocab_size)
+    prog = float32_program(model_from_hf(hf), page_size=8, num_pages=32)
     return hf, prog
 
 

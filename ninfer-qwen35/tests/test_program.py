@@ -12,13 +12,8 @@ from ninfer.contract.model import Program
 from ninfer.contract.prompt import PreparedPrompt
 from ninfer.contract.request import SamplingParams
 from ninfer.core.kv_pool import PoolExhausted
-from ninfer.models.common.weights import WeightSet
-from ninfer_qwen35.config import parse_config
-from ninfer_qwen35.execution.model import Qwen35Model
-from ninfer_qwen35.execution.parameters import Qwen35Parameters
-from ninfer_qwen35.program import ProgramError, Qwen35Program, ReplayResume, SnapshotResume
-from ninfer_qwen35.source_mapping import fused_parents
-from ninfer_qwen35.state import kv_pools, state_layout
+from ninfer_qwen35.program import ProgramError, ReplayResume, SnapshotResume
+from ninfer_qwen35.testing import float32_program, model_from_hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -35,17 +30,14 @@ def tiny():
         num_key_value_heads=2, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
         linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=512)
     hf = transformers.Qwen3_5ForCausalLM(hf_cfg).eval()
-    cfg = parse_config(hf_cfg.to_dict())
-    weights = WeightSet.from_tensors(hf.state_dict(), fused_parents(cfg))
-    return hf, cfg, Qwen35Model(Qwen35Parameters.from_weights(cfg, weights, torch.float32))
+    model = model_from_hf(hf)
+    return hf, model.config, model
 
 
 def make_program(tiny, *, max_concurrency=3, num_pages=64, host_budget_bytes=1 << 24, page_size=4, **options):
-    _, cfg, model = tiny
-    return Qwen35Program(model, state_layout=state_layout(cfg, "float32"),
-                         kv_pool=kv_pools(cfg, page_size=page_size, dtype="float32")[0], device="cpu",
-                         max_concurrency=max_concurrency, num_pages=num_pages, vocab_size=cfg.vocab_size,
-                         host_budget_bytes=host_budget_bytes, **options)
+    _, _, model = tiny
+    return float32_program(model, page_size=page_size, num_pages=num_pages, max_concurrency=max_concurrency,
+                           host_budget_bytes=host_budget_bytes, **options)
 
 
 def prefill_all(prog, sid, chunk=64):
@@ -325,9 +317,7 @@ class _FailingOnce:
 def test_failed_unit_rolls_back_and_recovers(tiny):
     ref = generate(make_program(tiny), PROMPTS[0], 6)
     _, cfg, model = tiny
-    prog = Qwen35Program(_FailingOnce(model, fail_at=3), state_layout=state_layout(cfg, "float32"),
-                         kv_pool=kv_pools(cfg, page_size=4, dtype="float32")[0], device="cpu", max_concurrency=1,
-                         num_pages=32, vocab_size=cfg.vocab_size)
+    prog = float32_program(_FailingOnce(model, fail_at=3), config=cfg, page_size=4, num_pages=32)
     sid = prog.open_sequence(PreparedPrompt(token_ids=PROMPTS[0]), GREEDY)
     got = prefill_all(prog, sid) + decode_steps(prog, [sid], 1)[sid]  # forward calls 1 and 2
     with pytest.raises(RuntimeError, match="injected"):

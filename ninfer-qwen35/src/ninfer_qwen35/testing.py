@@ -1,0 +1,39 @@
+"""Test helpers: our Qwen3.5 model over a ``transformers`` model's own tensors, and a float32 Program on it.
+
+    hf = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(...)).eval()
+    model = model_from_hf(hf)                          # same numbers, our layout (fused parents)
+    prog = float32_program(model, page_size=4, num_pages=64)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ninfer.models.common.weights import WeightSet
+from ninfer_qwen35.config import Qwen35Config, parse_config
+from ninfer_qwen35.execution.model import Qwen35Model
+from ninfer_qwen35.execution.parameters import Qwen35Parameters
+from ninfer_qwen35.program import Qwen35Program
+from ninfer_qwen35.source_mapping import fused_parents
+from ninfer_qwen35.state import kv_pools, state_layout
+
+
+def model_from_hf(hf_model: Any, *, dtype: torch.dtype = torch.float32,
+                  device: torch.device | str | None = None) -> Qwen35Model:
+    """Our model bound to ``hf_model``'s state dict (a ``Qwen3_5ForCausalLM``), fused as the converter lays it out."""
+    config = parse_config(hf_model.config.to_dict())
+    weights = WeightSet.from_tensors(hf_model.state_dict(), fused_parents(config))
+    return Qwen35Model(Qwen35Parameters.from_weights(config, weights, dtype, device))
+
+
+def float32_program(model: Any, *, page_size: int, num_pages: int, device: str = "cpu", max_concurrency: int = 1,
+                    config: Qwen35Config | None = None, **options: Any) -> Qwen35Program:
+    """A Qwen35Program over ``model`` with float32 state and KV pages. ``config`` defaults to ``model.config``
+    (give it when ``model`` wraps ours); ``options`` go to the Program as they are."""
+    config = config if config is not None else model.config
+    return Qwen35Program(model, state_layout=state_layout(config, "float32"),
+                         kv_pool=kv_pools(config, page_size=page_size, dtype="float32")[0], device=device,
+                         max_concurrency=max_concurrency, num_pages=num_pages, vocab_size=config.vocab_size,
+                         **options)
