@@ -454,6 +454,17 @@ def _attn_ref(ctx: Ctx, args):
     return paged_attention_ref(q.float(), kc.float(), vc.float(), *rest)
 
 
+def _attn_run(ctx: Ctx, seqs):
+    """Fresh paged inputs for ``seqs`` and paged_attention's output on them (written over poison)."""
+    from ninfer.ops.triton.attention import paged_attention
+
+    args = _paged_inputs(ctx, seqs)
+    out = torch.empty_like(args[0])
+    poison(out)
+    paged_attention(*args, out=out)
+    return args, out
+
+
 def _attn_call(ctx: Ctx, seqs, **kw):
     from ninfer.ops.triton.attention import paged_attention
 
@@ -463,7 +474,7 @@ def _attn_call(ctx: Ctx, seqs, **kw):
 
 @check("paged_attention_decode")
 def check_paged_attention_decode(ctx: Ctx) -> None:
-    from ninfer.ops.triton.attention import _decode_splits, paged_attention
+    from ninfer.ops.triton.attention import _decode_splits
 
     sz = sizes(ctx)
     cases = [[(1, c - 1)] * b for b in sz["batches"] for c in sz["contexts"]]
@@ -471,10 +482,7 @@ def check_paged_attention_decode(ctx: Ctx) -> None:
     longest = max(sz["contexts"])
     cases.append([(1, int(torch.randint(0, longest, (1,), generator=gen))) for _ in range(max(sz["batches"]))])
     for seqs in cases:
-        args = _paged_inputs(ctx, seqs)
-        out = torch.empty_like(args[0])
-        poison(out)
-        paged_attention(*args, out=out)
+        args, out = _attn_run(ctx, seqs)
         moved, _ = _attn_cost(ctx, seqs)
         splits = _decode_splits(len(seqs), args[1].shape[2], args[7], 32)
         label = f"B={len(seqs)} ctx={'mixed' if len({c for _, c in seqs}) > 1 else seqs[0][1] + 1}"
@@ -487,15 +495,10 @@ def check_paged_attention_decode(ctx: Ctx) -> None:
 
 @check("paged_attention_prefill")
 def check_paged_attention_prefill(ctx: Ctx) -> None:
-    from ninfer.ops.triton.attention import paged_attention
-
     sz = sizes(ctx)
     cases = [[c] for c in sz["prefill"]] + [sz["mixed"]]
     for seqs in cases:
-        args = _paged_inputs(ctx, seqs)
-        out = torch.empty_like(args[0])
-        poison(out)
-        paged_attention(*args, out=out)
+        args, out = _attn_run(ctx, seqs)
         moved, flops = _attn_cost(ctx, seqs)
         label = " + ".join(f"q{q}@{c}" for q, c in seqs)
         ctx.record(label, out, _attn_ref(ctx, args), 1e-2, make=lambda seqs=seqs: _attn_call(ctx, seqs),
