@@ -217,3 +217,29 @@ def test_bad_input_left_the_engine_healthy(server, client):
     m = scrape(server.url)
     assert m["ninfer:engine_failed"] == 0
     assert m["ninfer:num_requests_running"] == m["ninfer:num_requests_waiting"] == 0
+
+
+def test_chat_template_flag_replaces_the_artifacts_template(tmp_path_factory, tmp_path):
+    from ninfer.artifact import open_artifact
+    from ninfer.contract import ChatInput
+    from ninfer.models.common.qwen import QwenFrontend
+
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                        "<|im_start|>assistant\n")
+    model = tiny_model(tmp_path_factory.getbasetemp())
+    with open_artifact(model) as art:
+        resources = art.frontend
+
+    def prompt_tokens(override: str | None) -> int:
+        frontend = QwenFrontend.from_resources(resources, chat_template_override=override)
+        return len(frontend.prepare(ChatInput(messages=HI)).token_ids)
+
+    expected = prompt_tokens(template.read_text())
+    assert expected != prompt_tokens(None)  # the artifact's own template opens a <think> block
+    with ServerProcess(model, "--model-id", MODEL_ID, "--device", DEVICE, "--no-warmup",
+                       "--chat-template", str(template)) as srv:
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=120,
+                       json={"model": MODEL_ID, "messages": HI, "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == expected
