@@ -304,22 +304,35 @@ class Qwen35Program:
             tokens = logits.argmax(-1)  # what sample() does for temperature 0, without its per-row setup
         else:
             # one host->device copy for every row's knobs (top_k is exact in fp32 below 2**24)
+            # (non_blocking: a blocking upload would wait for the forward before sampling is even launched)
             knobs = torch.tensor([[p.temperature, p.top_p, p.min_p, min(p.top_k, 1 << 24)] for p in sp],
-                                 dtype=torch.float32).to(dev)
+                                 dtype=torch.float32).to(dev, non_blocking=True)
             tokens = sample(logits, knobs[:, 0], knobs[:, 3].long(), knobs[:, 1], knobs[:, 2],
                             [None if p.greedy else self._generator(s) for s, p in zip(seqs, sp, strict=True)])
         want = [i for i, p in enumerate(sp) if p.logprobs]
         lp: dict[int, tuple[float, tuple[tuple[int, float], ...]]] = {}
         if want:
             top_n = max(sp[i].top_logprobs for i in want)
-            idx = torch.tensor(want, device=dev)
-            chosen, top_ids, top_lp = logprobs(logits[idx], tokens[idx], top_n)
-            chosen, top_ids, top_lp = chosen.tolist(), top_ids.tolist(), top_lp.tolist()
+            if len(want) == len(sp):
+                chosen, top_ids, top_lp = logprobs(logits, tokens, top_n)
+            else:
+                idx = torch.tensor(want).to(dev, non_blocking=True)
+                chosen, top_ids, top_lp = logprobs(logits[idx], tokens[idx], top_n)
+            # One device->host copy for the tokens and every logprob (the step's one sync): fp64 holds
+            # the token ids and the fp32 logprobs exactly.
+            W = len(want)
+            flat = torch.cat([tokens.double(), chosen.double(), top_ids.double().flatten(),
+                              top_lp.double().flatten()]).tolist()
+            token_list = [int(t) for t in flat[:len(sp)]]
+            chosen_l, ids_l = flat[len(sp):len(sp) + W], flat[len(sp) + W:len(sp) + W + W * top_n]
+            lps_l = flat[len(sp) + W + W * top_n:]
             for j, i in enumerate(want):
-                n = sp[i].top_logprobs
-                lp[i] = (chosen[j], tuple(zip(top_ids[j][:n], top_lp[j][:n], strict=True)))
+                a, n = j * top_n, sp[i].top_logprobs
+                lp[i] = (chosen_l[j], tuple(zip([int(t) for t in ids_l[a:a + n]], lps_l[a:a + n], strict=True)))
+        else:
+            token_list = tokens.tolist()
         rows = []
-        for i, (seq, tok) in enumerate(zip(seqs, tokens.tolist(), strict=True)):
+        for i, (seq, tok) in enumerate(zip(seqs, token_list, strict=True)):
             seq.pending = True
             rows.append(PendingRow(sequence_id=seq.id, tokens=(tok,),
                                    logprobs=(lp[i][0],) if i in lp else None,
