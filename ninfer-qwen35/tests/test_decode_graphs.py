@@ -26,6 +26,15 @@ def _check(g: DecodeGraphs, tokens, positions, slots, tables) -> None:
         assert b.block_tables[i, :len(t)].tolist() == t
 
 
+@pytest.mark.parametrize("max_batch", [1, 3, 8])
+def test_inputs_are_aligned_views_of_one_buffer(max_batch):
+    g = _graphs(max_pages=7, max_batch=max_batch)
+    base = g._packed.data_ptr()
+    inputs = (g.input_ids, g.positions, g.state_slots, g.slot_mapping, g.seq_lens, g.block_tables)
+    assert all(t.is_contiguous() and (t.data_ptr() - base) % 64 == 0 for t in inputs)
+    assert all(t.untyped_storage().data_ptr() == g._packed.untyped_storage().data_ptr() for t in inputs)
+
+
 @pytest.mark.parametrize("max_pages", [8, 5000])  # one packed copy / table segments copied on their own
 def test_load_tracks_rows_across_steps(max_pages):
     g = _graphs(max_pages)

@@ -21,6 +21,7 @@ from ninfer_qwen35.execution.forward_batch import ForwardBatch
 # entry stays below this (a DMA of it costs about one extra launch); longer spans copy each changed
 # row segment on its own (a long max_model_len makes full table rows large).
 ONE_COPY_BYTES = 64 << 10
+_ALIGN = 64  # bytes; kernels (Triton specializes on 16-byte pointer alignment) see aligned inputs
 
 
 class DecodeGraphs:
@@ -29,9 +30,9 @@ class DecodeGraphs:
     Every per-step input lives in one device buffer, mirrored by one host staging buffer (pinned
     on CUDA) with the same byte layout, so staging a step is one host->device copy:
     [input_ids | positions | state_slots | slot_mapping] int64 [max_batch] each, seq_lens int32
-    [max_batch] (padded to 8 bytes), then block_tables int32 [max_batch, max_pages]. The input
-    tensors the graphs read are typed views into the device buffer; the host side is written
-    through numpy views (far cheaper per step than small torch ops).
+    [max_batch], then block_tables int32 [max_batch, max_pages], each starting on a 64-byte
+    boundary. The input tensors the graphs read are typed views into the device buffer; the host
+    side is written through numpy views (far cheaper per step than small torch ops).
     """
 
     def __init__(self, run: Callable[[ForwardBatch], torch.Tensor], *, max_batch: int, max_pages: int,
@@ -44,17 +45,18 @@ class DecodeGraphs:
         self.scratch_page = scratch_page
         self.device = device
         B = max_batch
-        self._seq_lens_at = 4 * 8 * B
-        self._tables_at = self._seq_lens_at + 8 * -(-B // 2)
+        col = -(-8 * B // _ALIGN) * _ALIGN  # each input starts aligned, as separate allocations would
+        self._seq_lens_at = 4 * col
+        self._tables_at = self._seq_lens_at + -(-4 * B // _ALIGN) * _ALIGN
         size = self._tables_at + 4 * B * max_pages
         self._packed = torch.zeros(size, dtype=torch.uint8, device=device)
         self._staging = torch.zeros(size, dtype=torch.uint8, pin_memory=device.type == "cuda")
-        cols = self._packed[:self._seq_lens_at].view(torch.int64).view(4, B)
+        cols = self._packed[:4 * col].view(torch.int64).view(4, col // 8)[:, :B]
         self.input_ids, self.positions, self.state_slots, self.slot_mapping = cols.unbind(0)
         self.seq_lens = self._packed[self._seq_lens_at:self._seq_lens_at + 4 * B].view(torch.int32)
         self.block_tables = self._packed[self._tables_at:].view(torch.int32).view(B, max_pages)
         staging = self._staging.numpy()
-        self._h_cols = staging[:self._seq_lens_at].view(np.int64).reshape(4, B)
+        self._h_cols = staging[:4 * col].view(np.int64).reshape(4, col // 8)[:, :B]
         self._h_seq_lens = staging[self._seq_lens_at:self._seq_lens_at + 4 * B].view(np.int32)
         self._h_tables = staging[self._tables_at:].view(np.int32).reshape(B, max_pages)
         # The usual step's copy (no table change), sliced once: slicing costs about as much as the copy call.
