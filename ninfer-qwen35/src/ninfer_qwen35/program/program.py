@@ -241,12 +241,13 @@ class Qwen35Program:
         if len(ids) > self.max_concurrency:
             raise ProgramError(f"decode of {len(ids)} rows exceeds max_concurrency {self.max_concurrency}")
         seqs = [self._seq(i) for i in ids]
-        for seq in seqs:
+        for seq in seqs:  # per row per step: the frontier arithmetic inline rather than through properties
             self._check_idle(seq)
-            if seq.input_remaining != 0 or seq.generated == 0:
+            n = len(seq.ledger)
+            if n <= seq.prompt_len or seq.computed != n - 1:
                 raise ProgramError(f"sequence {seq.id} is not decode-ready ({seq.input_remaining} input positions "
                                    f"remaining, {seq.generated} generated)")
-            if seq.computed + 1 > self.max_model_len:
+            if n > self.max_model_len:  # the input goes at position computed = n - 1
                 raise ProgramError(f"sequence {seq.id} is at max_model_len {self.max_model_len}")
         needs = [self._pages_needed(s, s.computed + 1) for s in seqs]  # 0 for rows the engine reserved
         if sum(needs) > self.pool.allocator.num_free:
@@ -331,12 +332,14 @@ class Qwen35Program:
                 lp[i] = (chosen_l[j], tuple(zip([int(t) for t in ids_l[a:a + n]], lps_l[a:a + n], strict=True)))
         else:
             token_list = tokens.tolist()
-        rows = []
-        for i, (seq, tok) in enumerate(zip(seqs, token_list, strict=True)):
+        for seq in seqs:
             seq.pending = True
-            rows.append(PendingRow(sequence_id=seq.id, tokens=(tok,),
-                                   logprobs=(lp[i][0],) if i in lp else None,
-                                   top_logprobs=(lp[i][1],) if i in lp else None))
+        if lp:
+            rows = [PendingRow(sequence_id=seq.id, tokens=(tok,), logprobs=(lp[i][0],) if i in lp else None,
+                               top_logprobs=(lp[i][1],) if i in lp else None)
+                    for i, (seq, tok) in enumerate(zip(seqs, token_list, strict=True))]
+        else:
+            rows = [PendingRow(sequence_id=seq.id, tokens=(tok,)) for seq, tok in zip(seqs, token_list, strict=True)]
         return PendingBatch(kind=kind, rows=rows, native=_BatchNative(program_id=self.id, consumed=consumed))
 
     # -- settlement --------------------------------------------------------------------------------
