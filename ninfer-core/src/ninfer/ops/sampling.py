@@ -34,9 +34,9 @@ def _filtered_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: tor
 
 def sample_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                min_p: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    # Greedy rows are selected at the end rather than by an early return on all(temperature <= 0), which
+    # would sync the host with the device every step; callers with an all-greedy batch take argmax directly.
     greedy = logits.argmax(-1)
-    if bool((temperature <= 0).all()):
-        return greedy
     probs = _filtered_logits(logits, temperature, top_k, top_p, min_p).softmax(-1)
     noise = torch.empty_like(probs)
     for row, gen in enumerate(generators):
