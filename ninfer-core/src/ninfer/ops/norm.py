@@ -37,3 +37,36 @@ def rms_norm_gated(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     if kernel is not None:
         return kernel(x, z, weight, eps)
     return rms_norm_gated_ref(x, z, weight, eps)
+
+
+def _check_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> None:
+    # A mismatch would silently broadcast in `residual + x`; say what is wrong instead.
+    if x.shape != residual.shape or x.dtype != residual.dtype:
+        raise ValueError(f"add_rms_norm: x {tuple(x.shape)} {x.dtype} and residual {tuple(residual.shape)} "
+                         f"{residual.dtype} must have the same shape and dtype")
+    if x.shape[-1:] != weight.shape:
+        raise ValueError(f"add_rms_norm: last dimension {x.shape[-1]} does not match the weight's "
+                         f"{tuple(weight.shape)}")
+
+
+def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                     one_plus: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_add_rms_norm(x, residual, weight)
+    new_residual = residual + x  # rounded to the model dtype before the norm reads it, as the unfused model
+    return rms_norm_ref(new_residual, weight, eps, one_plus=one_plus), new_residual
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                 one_plus: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream step of a decoder layer: (rms_norm(residual + x), residual + x).
+
+    The sum is rounded to the model dtype before it is normed. Without the fused kernel this is exactly
+    the unfused sequence (a torch add, then the dispatched ``rms_norm``), so CUDA runs are unchanged
+    until ``norm.add_rms_norm`` is listed in ``TRITON_OPS``.
+    """
+    kernel = triton_kernel("norm", "add_rms_norm", x)
+    if kernel is not None:
+        return kernel(x, residual, weight, eps, one_plus=one_plus)
+    _check_add_rms_norm(x, residual, weight)
+    new_residual = residual + x
+    return rms_norm(new_residual, weight, eps, one_plus=one_plus), new_residual

@@ -73,3 +73,70 @@ def rms_norm(x, weight, eps: float, *, one_plus: bool = True, out=None):
 def rms_norm_gated(x, z, weight, eps: float, *, out=None):
     """Qwen3.5 GDN output norm: (w * normed(x).to(dtype)) * silu(z.float()), cast to x.dtype."""
     return _launch(x, z, weight, eps, False, True, out)
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, R, s_xr, s_rr, s_yr, s_sr, D, eps,
+    ONE_PLUS: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    rr = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    dd = tl.arange(0, BLOCK_D)
+    mask = (rr < R)[:, None] & (dd < D)[None, :]
+    x = tl.load(x_ptr + rr[:, None] * s_xr + dd[None, :], mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(r_ptr + rr[:, None] * s_rr + dd[None, :], mask=mask, other=0.0)
+    # The sum is rounded to the residual dtype first: the norm reads the rounded stream, as the unfused model.
+    s = (r.to(tl.float32) + x).to(s_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + dd, mask=dd < D, other=0.0).to(tl.float32)
+    sf = s.to(tl.float32)
+    normed = sf * tl.rsqrt(tl.sum(sf * sf, axis=1) / D + eps)[:, None]
+    if ONE_PLUS:
+        y = normed * (1.0 + w[None, :])
+    else:
+        y = normed * w[None, :]
+    # Every row is fully read above before either store, so residual_out may be the residual itself.
+    tl.store(s_ptr + rr[:, None] * s_sr + dd[None, :], s, mask=mask)
+    tl.store(y_ptr + rr[:, None] * s_yr + dd[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _out_rows(buf, like, what: str):
+    if buf.shape != like.shape or buf.dtype != like.dtype or buf.device != like.device:
+        raise ValueError(f"add_rms_norm: {what} {tuple(buf.shape)} {buf.dtype} must match x {tuple(like.shape)} "
+                         f"{like.dtype} on {like.device}")
+    try:
+        rows = buf.view(-1, like.shape[-1])  # written through, so it must be a view, never a copy
+    except RuntimeError:
+        rows = None
+    if rows is None or rows.stride(-1) != 1:
+        raise ValueError(f"add_rms_norm: {what} must be viewable as rows with a contiguous last dimension")
+    return rows
+
+
+def add_rms_norm(x, residual, weight, eps: float, *, one_plus: bool = True, out=None, residual_out=None):
+    """(rms_norm(residual + x), residual + x) in one pass: x and residual read once, both results written once.
+
+    ``residual_out=residual`` updates the residual stream in place; ``out`` takes the normed rows.
+    """
+    D = weight.shape[0]
+    if x.shape != residual.shape or x.dtype != residual.dtype:
+        raise ValueError(f"add_rms_norm: x {tuple(x.shape)} {x.dtype} and residual {tuple(residual.shape)} "
+                         f"{residual.dtype} must have the same shape and dtype")
+    x2 = _rows(x, D, "add_rms_norm")
+    r2 = _rows(residual, D, "add_rms_norm")
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if residual_out is None:
+        residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y2 = _out_rows(out, x, "out")
+    s2 = _out_rows(residual_out, x, "residual_out")
+    R = x2.shape[0]
+    if R == 0:
+        return out, residual_out
+    block_d = triton.next_power_of_2(D)
+    rows = max(1, min(16, 2048 // block_d))
+    _add_rms_norm_kernel[(triton.cdiv(R, rows),)](
+        x2, r2, weight, y2, s2, R, x2.stride(0), r2.stride(0), y2.stride(0), s2.stride(0), D, eps,
+        ONE_PLUS=bool(one_plus), ROWS=rows, BLOCK_D=block_d,
+        num_warps=8 if block_d >= 4096 else 4,
+    )
+    return out, residual_out
