@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ninfer.ops import rms_norm, rope_cos_sin
+from ninfer.ops import add_rms_norm, rms_norm, rope_cos_sin
 from ninfer_qwen35.execution.forward_batch import ForwardBatch, ModelStateViews
 from ninfer_qwen35.execution.layers import GDNPlan, attention_mixer, gdn_mixer, mlp
 from ninfer_qwen35.execution.parameters import GDNParams, Qwen35Parameters
@@ -26,20 +26,24 @@ class Qwen35Model:
         """
         c, p = self.config, self.params
         self._check(batch, state)
-        x = F.embedding(batch.input_ids, p.embed)
+        x = F.embedding(batch.input_ids, p.embed)  # the residual stream
         cos, sin = rope_cos_sin(batch.positions, c.rotary_dim, c.rope_theta, x.dtype)
         plan = self._gdn_plan(batch)
-        for layer in p.layers:
-            h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
+        # Each sublayer's output joins the stream in the op of the norm after it (one kernel once enabled):
+        # the mixer's with the post-attention norm, the MLP's with the next layer's input norm or the final norm.
+        eps = c.rms_norm_eps
+        h = rms_norm(x, p.layers[0].input_norm, eps)
+        next_norms = [layer.input_norm for layer in p.layers[1:]] + [p.final_norm]
+        for layer, next_norm in zip(p.layers, next_norms, strict=True):
             if isinstance(layer.mixer, GDNParams):
                 i = layer.state_index
                 h = gdn_mixer(c, layer.mixer, h, batch, plan, state.conv[:, i], state.recurrent[:, i])
             else:
                 k_cache, v_cache = state.kv[layer.state_index]
                 h = attention_mixer(c, layer.mixer, h, batch, cos, sin, k_cache, v_cache)
-            x = x + h
-            x = x + mlp(layer.mlp, rms_norm(x, layer.post_norm, c.rms_norm_eps))
-        return rms_norm(x, p.final_norm, c.rms_norm_eps)
+            h, x = add_rms_norm(h, x, layer.post_norm, eps)
+            h, x = add_rms_norm(mlp(layer.mlp, h), x, next_norm, eps)
+        return h
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
