@@ -1,4 +1,5 @@
-"""Gated DeltaNet: gates, chunked prefill with initial/final state, and the one-step decode update.
+"""Gated DeltaNet: gates, chunked prefill with initial/final state, the one-step decode update, and the
+fused decode step (conv update + gates + recurrent step).
 
 Per value head h (key head h // (HV // HK)), with q and k L2-normalised and q scaled by Dk^-1/2:
     S <- exp(g_t) S;   S <- S + k_t (beta_t (v_t - S^T k_t))^T;   o_t = S^T q_t
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ninfer.ops._dispatch import triton_kernel
+from ninfer.ops.conv1d import causal_conv1d_decode
 
 CHUNK = 64
 
@@ -135,3 +137,62 @@ def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     if kernel is not None:
         return kernel(q, k, v, g, beta, states, slots)
     return gdn_decode_ref(q, k, v, g, beta, states, slots)
+
+
+def _fused_head_counts(mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor,
+                       conv_states: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                       states: torch.Tensor, slots: torch.Tensor) -> tuple[int, int, int, int]:
+    """(HK, HV, Dk, Dv) read off the shapes, or a ValueError naming what does not fit."""
+    def bad(why: str) -> ValueError:
+        return ValueError(f"gdn_decode_fused: {why} (mixed_qkv {tuple(mixed_qkv.shape)}, a {tuple(a.shape)}, "
+                          f"b {tuple(b.shape)}, conv_weight {tuple(conv_weight.shape)}, conv_states "
+                          f"{tuple(conv_states.shape)}, A_log {tuple(A_log.shape)}, dt_bias {tuple(dt_bias.shape)}, "
+                          f"states {tuple(states.shape)}, slots {tuple(slots.shape)})")
+
+    if mixed_qkv.dim() != 2 or states.dim() != 4 or conv_weight.dim() != 2:
+        raise bad("mixed_qkv must be [B, conv_dim], conv_weight [conv_dim, K] and states [S, HV, Dk, Dv]")
+    B, conv_dim = mixed_qkv.shape
+    _, hv, dk, dv = states.shape
+    if states.dtype != torch.float32:
+        raise bad(f"states must be fp32, got {states.dtype}")
+    if a.shape != (B, hv) or b.shape != (B, hv) or A_log.shape != (hv,) or dt_bias.shape != (hv,):
+        raise bad("a and b must be [B, HV], A_log and dt_bias [HV]")
+    if slots.shape != (B,):
+        raise bad("slots must be [B]")
+    if conv_weight.shape[0] != conv_dim or conv_states.shape[1:] != (conv_dim, conv_weight.shape[1] - 1):
+        raise bad("conv_weight must be [conv_dim, K] and conv_states [S, conv_dim, K-1]")
+    key_channels = conv_dim - hv * dv
+    hk = key_channels // (2 * dk) if key_channels > 0 else 0
+    if hk == 0 or 2 * hk * dk != key_channels or hv % hk:
+        raise bad("conv_dim must be 2 * HK * Dk + HV * Dv with HV a multiple of HK")
+    return hk, hv, dk, dv
+
+
+def gdn_decode_fused_ref(mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor,
+                         conv_states: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                         states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    # Exactly the unfused sequence through the public (dispatching) ops, so on CUDA this runs the validated
+    # kernels: GPU behaviour is unchanged until the fused kernel itself is listed in TRITON_OPS.
+    hk, hv, dk, dv = _fused_head_counts(mixed_qkv, a, b, conv_weight, conv_states, A_log, dt_bias, states, slots)
+    B = mixed_qkv.shape[0]
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
+    qkv = causal_conv1d_decode(mixed_qkv, conv_weight, conv_states, slots)
+    q, k, v = qkv.split((hk * dk, hk * dk, hv * dv), dim=-1)
+    return gdn_decode(q.reshape(B, hk, dk), k.reshape(B, hk, dk), v.reshape(B, hv, dv), g, beta, states, slots)
+
+
+def gdn_decode_fused(mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor,
+                     conv_states: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                     states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The whole GDN decode step between in_proj and the gated norm, one token per row.
+
+    mixed_qkv [B, conv_dim] (q | k | v channels, conv_dim = 2 HK Dk + HV Dv), a, b [B, HV]; conv_weight
+    [conv_dim, K]; conv_states [S, conv_dim, K-1] and states [S, HV, Dk, Dv] fp32 are (strided) views whose
+    rows slots[b] are read and updated in place. Runs the causal conv1d update (+SiLU), the gates and the
+    recurrent step; returns o [B, HV, Dv] in mixed_qkv.dtype.
+    """
+    _fused_head_counts(mixed_qkv, a, b, conv_weight, conv_states, A_log, dt_bias, states, slots)
+    kernel = triton_kernel("gdn", "gdn_decode_fused", mixed_qkv)
+    if kernel is not None:
+        return kernel(mixed_qkv, a, b, conv_weight, conv_states, A_log, dt_bias, states, slots)
+    return gdn_decode_fused_ref(mixed_qkv, a, b, conv_weight, conv_states, A_log, dt_bias, states, slots)

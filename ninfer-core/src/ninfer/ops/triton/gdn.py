@@ -1,4 +1,5 @@
-"""Gated DeltaNet on the GPU: the one-token recurrent decode kernel (ours) and chunked prefill (fla-core).
+"""Gated DeltaNet on the GPU: the one-token recurrent decode kernel (ours), the fused decode step (conv update +
+gates + recurrent step, ours) and chunked prefill (fla-core).
 
 Decode is bandwidth-bound: each step reads and writes the whole fp32 state [HV, Dk, Dv] of every row once
 (2 MiB per row and layer for Qwen3.5), so one program owns a [Dk, BV] column block of one value head, keeps
@@ -87,6 +88,104 @@ def gdn_decode(q, k, v, g, beta, states, slots, *, out=None, block_v: int | None
         DK ** -0.5,
         DK=DK, DV=DV, HV_PER_HK=HV // HK,
         BLOCK_K=triton.next_power_of_2(DK), BLOCK_V=block_v, num_warps=num_warps,
+    )
+    return out
+
+
+@triton.jit
+def _conv_step(x_row, w_ptr, cs_row, cc, c_ok, s_xc, s_wc, s_wk, s_csc, s_csk,
+               KW: tl.constexpr, BLOCK_W: tl.constexpr):
+    """silu(causal conv) of one row over channels cc, shifting their conv state in place; returned in fp32
+    after rounding to the input dtype, as the unfused conv op stores it."""
+    ww = tl.arange(0, BLOCK_W)
+    # Window [state_0 .. state_{K-2}, x]: the state holds the K-1 previous inputs, oldest first.
+    win = tl.load(cs_row + cc[:, None] * s_csc + ww[None, :] * s_csk,
+                  mask=c_ok[:, None] & (ww[None, :] < KW - 1), other=0.0).to(tl.float32)
+    x = tl.load(x_row + cc * s_xc, mask=c_ok, other=0.0)
+    win = tl.where(ww[None, :] == KW - 1, x.to(tl.float32)[:, None], win)
+    w = tl.load(w_ptr + cc[:, None] * s_wc + ww[None, :] * s_wk, mask=c_ok[:, None] & (ww[None, :] < KW),
+                other=0.0).to(tl.float32)
+    acc = tl.sum(win * w, axis=1)
+    y = acc * tl.sigmoid(acc)
+    # These channels belong to this program alone, so the in-place shift races with no other reader.
+    for j in tl.static_range(KW - 1):
+        val = tl.sum(tl.where(ww[None, :] == j + 1, win, 0.0), axis=1)
+        tl.store(cs_row + cc * s_csc + j * s_csk, val.to(cs_row.dtype.element_ty), mask=c_ok)
+    return y.to(x_row.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _gdn_decode_fused_kernel(
+    x_ptr, a_ptr, b_ptr, w_ptr, cs_ptr, alog_ptr, dtb_ptr, state_ptr, slot_ptr, o_ptr,
+    s_xb, s_xc, s_ab, s_ah, s_bb, s_bh, s_wc, s_wk, s_css, s_csc, s_csk,
+    s_ss, s_sh, s_sk, s_sv, s_ob, s_oh, s_od,
+    scale,
+    HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, HV_PER_HK: tl.constexpr, KW: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    # One program per (key head, row): it owns the conv channels of its q, k and of the v of all its value
+    # heads, so the conv-state update in place needs no cross-program ordering.
+    hk = tl.program_id(0)
+    b = tl.program_id(1)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    x_row = x_ptr + b.to(tl.int64) * s_xb
+    cs_row = cs_ptr + slot * s_css
+
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_k = offs_k < DK
+    q = _conv_step(x_row, w_ptr, cs_row, hk * DK + offs_k, mask_k, s_xc, s_wc, s_wk, s_csc, s_csk, KW, BLOCK_W)
+    k = _conv_step(x_row, w_ptr, cs_row, (HK + hk) * DK + offs_k, mask_k, s_xc, s_wc, s_wk, s_csc, s_csk,
+                   KW, BLOCK_W)
+    # L2 norm over Dk (eps inside the rsqrt, as the reference), then the 1/sqrt(Dk) query scale.
+    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+
+    for j in tl.static_range(HV_PER_HK):
+        h = hk * HV_PER_HK + j
+        # Gates: g = -exp(A_log) softplus(a + dt_bias) with torch's softplus threshold of 20, beta = sigmoid(b).
+        x = tl.load(a_ptr + b * s_ab + h * s_ah).to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32)
+        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+        g = -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * softplus
+        beta = tl.sigmoid(tl.load(b_ptr + b * s_bb + h * s_bh).to(tl.float32))
+        decay = tl.exp(g)
+        s_head = state_ptr + slot * s_ss + h * s_sh
+        for v0 in tl.range(0, DV, BLOCK_V):
+            offs_v = v0 + tl.arange(0, BLOCK_V)
+            mask_v = offs_v < DV
+            v = _conv_step(x_row, w_ptr, cs_row, 2 * HK * DK + h * DV + offs_v, mask_v, s_xc, s_wc, s_wk,
+                           s_csc, s_csk, KW, BLOCK_W)
+            # The state streaming of _gdn_decode_kernel: one [Dk, BLOCK_V] block read and written once.
+            s_ptrs = s_head + offs_k[:, None] * s_sk + offs_v[None, :] * s_sv
+            s_mask = mask_k[:, None] & mask_v[None, :]
+            state = tl.load(s_ptrs, mask=s_mask, other=0.0) * decay
+            delta = (v - tl.sum(state * k[:, None], axis=0)) * beta
+            state = state + k[:, None] * delta[None, :]
+            o = tl.sum(state * q[:, None], axis=0)
+            tl.store(s_ptrs, state, mask=s_mask)
+            tl.store(o_ptr + b * s_ob + h * s_oh + offs_v * s_od, o.to(o_ptr.dtype.element_ty), mask=mask_v)
+
+
+def gdn_decode_fused(mixed_qkv, a, b, conv_weight, conv_states, A_log, dt_bias, states, slots, *, out=None,
+                     block_v: int = 32, num_warps: int = 4):
+    """Conv update (+SiLU), gates and recurrent step of one decode token per row in one launch; conv_states
+    and states are updated in place at slots; returns o [B, HV, Dv] in mixed_qkv.dtype."""
+    from ninfer.ops.gdn import _fused_head_counts
+
+    HK, HV, DK, DV = _fused_head_counts(mixed_qkv, a, b, conv_weight, conv_states, A_log, dt_bias, states, slots)
+    B = mixed_qkv.shape[0]
+    KW = conv_weight.shape[1]
+    if out is None:
+        out = torch.empty((B, HV, DV), dtype=mixed_qkv.dtype, device=mixed_qkv.device)
+    if B == 0:
+        return out
+    _gdn_decode_fused_kernel[(HK, B)](
+        mixed_qkv, a, b, conv_weight, conv_states, A_log, dt_bias, states, slots, out,
+        *mixed_qkv.stride(), *a.stride(), *b.stride(), *conv_weight.stride(), *conv_states.stride(),
+        *states.stride(), *out.stride(),
+        DK ** -0.5,
+        HK=HK, DK=DK, DV=DV, HV_PER_HK=HV // HK, KW=KW,
+        BLOCK_K=triton.next_power_of_2(DK), BLOCK_V=min(block_v, triton.next_power_of_2(DV)),
+        BLOCK_W=triton.next_power_of_2(KW), num_warps=num_warps,
     )
     return out
 
