@@ -294,6 +294,47 @@ def check_rms_norm_gated(ctx: Ctx) -> None:
                    make=lambda inputs=inputs, run=run: partial(run, *inputs()), nbytes=nbytes(x, z, w, out))
 
 
+@check("add_rms_norm")
+def check_add_rms_norm(ctx: Ctx) -> None:
+    """Residual add + RMSNorm in one kernel (x and the residual read once, both results written once), with the
+    unfused torch add + rms_norm kernel timed on the same bytes for comparison."""
+    from ninfer.ops.norm import add_rms_norm_ref
+    from ninfer.ops.triton.norm import add_rms_norm, rms_norm
+
+    d = dims(ctx.cfg)
+    H, eps = d["hidden"], d["eps"]
+    for n in sizes(ctx)["tokens"]:
+        def inputs(n=n):
+            x = ctx.randn(n, H)
+            return x, ctx.randn(n, H), ctx.randn(H, scale=0.1), torch.empty_like(x), torch.empty_like(x)
+
+        def run(x, r, w, out, r_out):
+            return add_rms_norm(x, r, w, eps, out=out, residual_out=r_out)
+
+        def unfused(x, r, w, out, r_out):
+            torch.add(r, x, out=r_out)
+            return rms_norm(r_out, w, eps, out=out)
+
+        x, r, w, out, r_out = inputs()
+        poison(out, r_out)
+        run(x, r, w, out, r_out)
+        moved = nbytes(x, r, w, out, r_out)
+        ctx.record(f"x,res[{n},{H}]", (out, r_out), add_rms_norm_ref(*fp32(x, r, w), eps), 5e-3,
+                   make=lambda inputs=inputs, run=run: partial(run, *inputs()), nbytes=moved)
+        ctx.timing(f"unfused add + rms_norm [{n},{H}]", make=lambda inputs=inputs, f=unfused: partial(f, *inputs()),
+                   nbytes=moved, note="bytes of the fused op")
+
+        # In place into a residual stream that is a row slice of a wider buffer: the rows around it stay as they were.
+        image = ctx.randn(n + 2, H)
+        r = image[1:n + 1]
+        ref = add_rms_norm_ref(*fp32(x, r, w), eps)
+        edges = image[[0, -1]].clone()
+        poison(out)
+        add_rms_norm(x, r, w, eps, out=out, residual_out=r)
+        ctx.record(f"in place, res rows 1..{n} of [{n + 2},{H}]", (out, r), ref, 5e-3,
+                   extra_ok=torch.equal(image[[0, -1]], edges))
+
+
 @check("silu_and_mul")
 def check_silu_and_mul(ctx: Ctx) -> None:
     from ninfer.ops.activation import silu_and_mul_ref
