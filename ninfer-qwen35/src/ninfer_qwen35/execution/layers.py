@@ -11,9 +11,8 @@ import torch.nn.functional as F
 
 from ninfer.ops import (
     apply_rope,
-    causal_conv1d_decode,
     causal_conv1d_prefill,
-    gdn_decode,
+    gdn_decode_fused,
     gdn_gates,
     gdn_prefill,
     paged_attention,
@@ -46,7 +45,6 @@ def gdn_mixer(c: Qwen35Config, p: GDNParams, x: torch.Tensor, batch: ForwardBatc
     N = x.shape[0]
     hk, hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
     mixed, z, b, a = p.in_proj(x)
-    g, beta = gdn_gates(a, b, p.A_log, p.dt_bias)
 
     def heads(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = qkv.split((c.key_dim, c.key_dim, c.value_dim), dim=-1)
@@ -54,9 +52,10 @@ def gdn_mixer(c: Qwen35Config, p: GDNParams, x: torch.Tensor, batch: ForwardBatc
         return q.reshape(T, hk, dk), k.reshape(T, hk, dk), v.reshape(T, hv, dv)
 
     if plan.decode:
-        q, k, v = heads(causal_conv1d_decode(mixed, p.conv, conv, batch.state_slots))
-        o = gdn_decode(q, k, v, g, beta, recurrent, batch.state_slots)
+        # Conv update, gates and recurrent step as one op (one launch once its kernel is validated).
+        o = gdn_decode_fused(mixed, a, b, p.conv, conv, p.A_log, p.dt_bias, recurrent, batch.state_slots)
     else:
+        g, beta = gdn_gates(a, b, p.A_log, p.dt_bias)
         o = mixed.new_empty(N, hv, dv)
         for lo, hi, slot, initial in plan.seqs:
             q, k, v = heads(causal_conv1d_prefill(mixed[lo:hi], p.conv, conv[slot], initial))
