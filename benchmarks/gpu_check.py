@@ -454,6 +454,71 @@ def check_gdn_decode(ctx: Ctx) -> None:
                                                                        block_v=bv, num_warps=w))
 
 
+@check("gdn_decode_fused")
+def check_gdn_decode_fused(ctx: Ctx) -> None:
+    """The fused GDN decode step (conv update + gates + recurrent step, one launch) against fp32 references,
+    with the unfused kernel sequence it replaces (gates, conv, gdn_decode) timed on the same bytes."""
+    from ninfer.ops.conv1d import causal_conv1d_decode_ref
+    from ninfer.ops.gdn import gdn_decode_ref, gdn_gates_ref
+    from ninfer.ops.triton.conv1d import causal_conv1d_decode
+    from ninfer.ops.triton.gdn import gdn_decode, gdn_decode_fused, gdn_gates
+
+    d = dims(ctx.cfg)
+    hk, hv, dk, dv, C, K = d["hk"], d["hv"], d["dk"], d["dv"], d["conv_dim"], d["conv_k"]
+    batches = sizes(ctx)["batches"] if ctx.tiny else [1, 2, 4, 8]
+    per_slot = (hv, dk, dv)
+
+    def inputs(B, S):
+        # mixed, b and a are column slices of one in_proj output row, as the model hands them over.
+        proj = ctx.randn(B, C + 2 * hv, scale=2.0)
+        conv_image = ctx.randn(S, C, K + 1)
+        image, states = _state_image(ctx, S, per_slot, 32, torch.float32)
+        return (image, conv_image), (
+            proj[:, :C], proj[:, C + hv:], proj[:, C:C + hv], ctx.randn(C, K, scale=0.5), conv_image[:, :, 1:K],
+            ctx.randn(hv, dtype=torch.float32), ctx.randn(hv, dtype=torch.float32), states,
+            torch.randperm(S, device=ctx.device)[:B], torch.empty(B, hv, dv, dtype=ctx.dtype, device=ctx.device))
+
+    def unfused(mixed, a, b, w, conv_states, a_log, dt_bias, states, slots, out):
+        B = mixed.shape[0]
+        g, beta = gdn_gates(a, b, a_log, dt_bias)
+        y = causal_conv1d_decode(mixed, w, conv_states, slots)
+        q, k, v = y.split((hk * dk, hk * dk, hv * dv), dim=-1)
+        return gdn_decode(q.view(B, hk, dk), k.view(B, hk, dk), v.view(B, hv, dv), g, beta, states, slots, out=out)
+
+    for B in batches:
+        S = 3 * B + 2
+        (image, conv_image), args = inputs(B, S)
+        mixed, a, b, w, conv_states, a_log, dt_bias, states, slots, out = args
+        ref_image, ref_conv_image = image.clone(), conv_image.clone()
+        ref_states = ref_image[:, 32:32 + math.prod(per_slot)].view(S, *per_slot)
+        # fp32 references on the upcast inputs; the conv output is rounded to the activation dtype, where the
+        # unfused conv kernel stores it and the fused kernel rounds it.
+        g, beta = gdn_gates_ref(a.float(), b.float(), a_log, dt_bias)
+        y = causal_conv1d_decode_ref(mixed.float(), w.float(), ref_conv_image[:, :, 1:K], slots).to(ctx.dtype).float()
+        q, k, v = y.split((hk * dk, hk * dk, hv * dv), dim=-1)
+        o_ref = gdn_decode_ref(q.view(B, hk, dk), k.view(B, hk, dk), v.view(B, hv, dv), g, beta, ref_states, slots)
+        poison(out)
+        gdn_decode_fused(*args[:-1], out=out)
+        others = torch.ones(S, dtype=torch.bool, device=ctx.device)
+        others[slots] = False
+        untouched = torch.equal(image[others], ref_image[others])
+        conv_exact = torch.equal(conv_image, ref_conv_image)
+        ctx.record(f"B={B} state (others untouched: {untouched})", image[slots], ref_image[slots], 1e-4,
+                   extra_ok=untouched)
+        ctx.record(f"B={B} conv state (exact: {conv_exact})", conv_image, ref_conv_image, 0.0, extra_ok=conv_exact)
+        moved = (2 * B * math.prod(per_slot) * 4 + 2 * B * C * (K - 1) * conv_image.element_size()
+                 + nbytes(mixed, a, b, w, a_log, dt_bias, out))
+        ctx.record(f"B={B} out", out, o_ref, 5e-3, nbytes=moved,
+                   make=lambda B=B: partial(gdn_decode_fused, *inputs(B, B)[1][:-1]), note="block_v 32 warps 4")
+        ctx.timing(f"B={B} unfused gates+conv+gdn_decode", nbytes=moved, note="bytes of the fused op",
+                   make=lambda B=B: partial(unfused, *inputs(B, B)[1]))
+        for block_v in (16, 32, 64):
+            for warps in (2, 4, 8):
+                ctx.timing(f"B={B} block_v {block_v} warps {warps}", nbytes=moved,
+                           make=lambda B=B, bv=block_v, wp=warps: partial(
+                               gdn_decode_fused, *inputs(B, B)[1][:-1], block_v=bv, num_warps=wp))
+
+
 def _paged_inputs(ctx: Ctx, seqs: list[tuple[int, int]]):
     """Paged K/V for sequences given as (query length, earlier context), pages scattered at random."""
     d = dims(ctx.cfg)
