@@ -461,7 +461,7 @@ def check_gdn_decode_fused(ctx: Ctx) -> None:
     from ninfer.ops.conv1d import causal_conv1d_decode_ref
     from ninfer.ops.gdn import gdn_decode_ref, gdn_gates_ref
     from ninfer.ops.triton.conv1d import causal_conv1d_decode
-    from ninfer.ops.triton.gdn import gdn_decode, gdn_decode_fused, gdn_gates
+    from ninfer.ops.triton.gdn import _default_block_v, gdn_decode, gdn_decode_fused, gdn_gates
 
     d = dims(ctx.cfg)
     hk, hv, dk, dv, C, K = d["hk"], d["hv"], d["dk"], d["dv"], d["conv_dim"], d["conv_k"]
@@ -490,6 +490,7 @@ def check_gdn_decode_fused(ctx: Ctx) -> None:
         (image, conv_image), args = inputs(B, S)
         mixed, a, b, w, conv_states, a_log, dt_bias, states, slots, out = args
         ref_image, ref_conv_image = image.clone(), conv_image.clone()
+        image_before, conv_before = image.clone(), conv_image.clone()
         ref_states = ref_image[:, 32:32 + math.prod(per_slot)].view(S, *per_slot)
         # fp32 references on the upcast inputs; the conv output is rounded to the activation dtype, where the
         # unfused conv kernel stores it and the fused kernel rounds it.
@@ -509,14 +510,56 @@ def check_gdn_decode_fused(ctx: Ctx) -> None:
         moved = (2 * B * math.prod(per_slot) * 4 + 2 * B * C * (K - 1) * conv_image.element_size()
                  + nbytes(mixed, a, b, w, a_log, dt_bias, out))
         ctx.record(f"B={B} out", out, o_ref, 5e-3, nbytes=moved,
-                   make=lambda B=B: partial(gdn_decode_fused, *inputs(B, B)[1][:-1]), note="block_v 32 warps 4")
+                   make=lambda B=B: partial(gdn_decode_fused, *inputs(B, B)[1][:-1]),
+                   note=f"block_v {_default_block_v(B, hv, dv)}")
+        # The per-key-head variant (no arrival counters, HK * B programs), checked on the same inputs.
+        (image2, conv_image2), args2 = inputs(B, S)
+        image2.copy_(image_before)
+        conv_image2.copy_(conv_before)
+        out2 = args2[-1]
+        poison(out2)
+        gdn_decode_fused(*args[:2], *args[2:4], conv_image2[:, :, 1:K], *args[5:7],
+                         image2[:, 32:32 + math.prod(per_slot)].view(S, *per_slot), slots, out=out2, per_key_head=True)
+        same = torch.equal(image2, image) and torch.equal(out2, out)
+        conv_exact = torch.equal(conv_image2, ref_conv_image)
+        ctx.record(f"B={B} per_key_head state (== default bitwise: {same})", image2[slots], ref_image[slots], 1e-4,
+                   extra_ok=torch.equal(image2[others], ref_image[others]))
+        ctx.record(f"B={B} per_key_head out (conv state exact: {conv_exact})", out2, o_ref, 5e-3, extra_ok=conv_exact)
         ctx.timing(f"B={B} unfused gates+conv+gdn_decode", nbytes=moved, note="bytes of the fused op",
                    make=lambda B=B: partial(unfused, *inputs(B, B)[1]))
-        for block_v in (16, 32, 64):
-            for warps in (2, 4, 8):
-                ctx.timing(f"B={B} block_v {block_v} warps {warps}", nbytes=moved,
-                           make=lambda B=B, bv=block_v, wp=warps: partial(
-                               gdn_decode_fused, *inputs(B, B)[1][:-1], block_v=bv, num_warps=wp))
+        for per_key_head in (False, True):
+            for block_v in (16, 32, 64):
+                for warps in (2, 4, 8):
+                    ctx.timing(f"B={B} {'per_key_head ' if per_key_head else ''}block_v {block_v} warps {warps}",
+                               nbytes=moved, make=lambda B=B, bv=block_v, wp=warps, pk=per_key_head: partial(
+                                   gdn_decode_fused, *inputs(B, B)[1][:-1], block_v=bv, num_warps=wp,
+                                   per_key_head=pk))
+    if not ctx.gpu:
+        return
+    # Captured once in a CUDA graph, replayed on new inputs and slots: the same bits as eager calls (the arrival
+    # counters are left at zero by every launch, so replays start from the same counter state).
+    B = batches[-1]
+    S = 3 * B + 2
+    (image, conv_image), args = inputs(B, S)
+    mixed, a, b, slots, out = args[0], args[1], args[2], args[8], args[9]
+    gdn_decode_fused(*args[:-1], out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gdn_decode_fused(*args[:-1], out=out)
+    for seed in (1, 2):
+        gen = torch.Generator(device=ctx.device).manual_seed(seed)
+        for t in (mixed, a, b):
+            t.copy_(torch.randn(t.shape, generator=gen, device=ctx.device))
+        slots.copy_(torch.randperm(S, generator=gen, device=ctx.device)[:B])
+        before = (image.clone(), conv_image.clone())
+        graph.replay()
+        got = (out.clone(), image.clone(), conv_image.clone())
+        image.copy_(before[0])
+        conv_image.copy_(before[1])
+        gdn_decode_fused(*args[:-1], out=out)
+        same = all(torch.equal(x, y) for x, y in zip(got, (out, image, conv_image), strict=True))
+        ctx.record(f"graph replay {seed} B={B}: == eager bitwise: {same}", got[0], out, 0.0, extra_ok=same)
 
 
 def _paged_inputs(ctx: Ctx, seqs: list[tuple[int, int]]):

@@ -93,12 +93,11 @@ def gdn_decode(q, k, v, g, beta, states, slots, *, out=None, block_v: int | None
 
 
 @triton.jit
-def _conv_step(x_row, w_ptr, cs_row, cc, c_ok, s_xc, s_wc, s_wk, s_csc, s_csk,
-               KW: tl.constexpr, BLOCK_W: tl.constexpr):
-    """silu(causal conv) of one row over channels cc, shifting their conv state in place; returned in fp32
-    after rounding to the input dtype, as the unfused conv op stores it."""
+def _conv_window(x_row, w_ptr, cs_row, cc, c_ok, s_xc, s_wc, s_wk, s_csc, s_csk,
+                 KW: tl.constexpr, BLOCK_W: tl.constexpr):
+    """(window, y) of one row over channels cc: the window [state_0 .. state_{K-2}, x] (the state holds the K-1
+    previous inputs, oldest first) and silu(conv) in fp32, rounded to the input dtype as the unfused op stores it."""
     ww = tl.arange(0, BLOCK_W)
-    # Window [state_0 .. state_{K-2}, x]: the state holds the K-1 previous inputs, oldest first.
     win = tl.load(cs_row + cc[:, None] * s_csc + ww[None, :] * s_csk,
                   mask=c_ok[:, None] & (ww[None, :] < KW - 1), other=0.0).to(tl.float32)
     x = tl.load(x_row + cc * s_xc, mask=c_ok, other=0.0)
@@ -107,15 +106,87 @@ def _conv_step(x_row, w_ptr, cs_row, cc, c_ok, s_xc, s_wc, s_wk, s_csc, s_csk,
                 other=0.0).to(tl.float32)
     acc = tl.sum(win * w, axis=1)
     y = acc * tl.sigmoid(acc)
-    # These channels belong to this program alone, so the in-place shift races with no other reader.
+    return win, y.to(x_row.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _conv_shift(cs_row, cc, mask, win, s_csc, s_csk, KW: tl.constexpr, BLOCK_W: tl.constexpr):
+    """New conv state j = window j + 1, stored where mask holds."""
+    ww = tl.arange(0, BLOCK_W)
     for j in tl.static_range(KW - 1):
         val = tl.sum(tl.where(ww[None, :] == j + 1, win, 0.0), axis=1)
-        tl.store(cs_row + cc * s_csc + j * s_csk, val.to(cs_row.dtype.element_ty), mask=c_ok)
-    return y.to(x_row.dtype.element_ty).to(tl.float32)
+        tl.store(cs_row + cc * s_csc + j * s_csk, val.to(cs_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, b, h, s_ab, s_ah, s_bb, s_bh):
+    """(exp(g), beta) of row b, value head h: g = -exp(A_log) softplus(a + dt_bias) with torch's softplus
+    threshold of 20, beta = sigmoid(b)."""
+    x = tl.load(a_ptr + b * s_ab + h * s_ah).to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32)
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+    g = -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * softplus
+    return tl.exp(g), tl.sigmoid(tl.load(b_ptr + b * s_bb + h * s_bh).to(tl.float32))
+
+
+@triton.jit
+def _state_step(s_head, offs_k, mask_k, offs_v, mask_v, s_sk, s_sv, q, k, v, decay, beta):
+    """The state streaming of _gdn_decode_kernel: one fp32 [Dk, BLOCK_V] block read and written once; returns o."""
+    s_ptrs = s_head + offs_k[:, None] * s_sk + offs_v[None, :] * s_sv
+    s_mask = mask_k[:, None] & mask_v[None, :]
+    state = tl.load(s_ptrs, mask=s_mask, other=0.0) * decay
+    delta = (v - tl.sum(state * k[:, None], axis=0)) * beta
+    state = state + k[:, None] * delta[None, :]
+    tl.store(s_ptrs, state, mask=s_mask)
+    return tl.sum(state * q[:, None], axis=0)
 
 
 @triton.jit
 def _gdn_decode_fused_kernel(
+    x_ptr, a_ptr, b_ptr, w_ptr, cs_ptr, alog_ptr, dtb_ptr, state_ptr, slot_ptr, o_ptr, arrive_ptr,
+    s_xb, s_xc, s_ab, s_ah, s_bb, s_bh, s_wc, s_wk, s_css, s_csc, s_csk,
+    s_ss, s_sh, s_sk, s_sv, s_ob, s_oh, s_od,
+    scale,
+    HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, HV_PER_HK: tl.constexpr, KW: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    # Programs as _gdn_decode_kernel: (Dv block, value head, row). Each owns the conv channels of its v block;
+    # the q/k channels of a key head are read by all HV_PER_HK * n_blocks programs of that head, so the last
+    # one to arrive (an acq_rel counter per row and key head, left at 0 again) shifts their conv state.
+    pid_v = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    hk = h // HV_PER_HK
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    x_row = x_ptr + b.to(tl.int64) * s_xb
+    cs_row = cs_ptr + slot * s_css
+
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_k = offs_k < DK
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_v = offs_v < DV
+    q_ch, k_ch, v_ch = hk * DK + offs_k, (HK + hk) * DK + offs_k, 2 * HK * DK + h * DV + offs_v
+    q_win, q = _conv_window(x_row, w_ptr, cs_row, q_ch, mask_k, s_xc, s_wc, s_wk, s_csc, s_csk, KW, BLOCK_W)
+    k_win, k = _conv_window(x_row, w_ptr, cs_row, k_ch, mask_k, s_xc, s_wc, s_wk, s_csc, s_csk, KW, BLOCK_W)
+    v_win, v = _conv_window(x_row, w_ptr, cs_row, v_ch, mask_v, s_xc, s_wc, s_wk, s_csc, s_csk, KW, BLOCK_W)
+    _conv_shift(cs_row, v_ch, mask_v, v_win, s_csc, s_csk, KW, BLOCK_W)
+    # L2 norm over Dk (eps inside the rsqrt, as the reference), then the 1/sqrt(Dk) query scale.
+    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+    decay, beta = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, b, h, s_ab, s_ah, s_bb, s_bh)
+    o = _state_step(state_ptr + slot * s_ss + h * s_sh, offs_k, mask_k, offs_v, mask_v, s_sk, s_sv,
+                    q, k, v, decay, beta)
+    tl.store(o_ptr + b * s_ob + h * s_oh + offs_v * s_od, o.to(o_ptr.dtype.element_ty), mask=mask_v)
+
+    counter = arrive_ptr + b * HK + hk
+    tl.debug_barrier()  # every thread's reads of the q/k windows are done before the arrival is published
+    last = tl.atomic_add(counter, 1, sem="acq_rel") == HV_PER_HK * tl.num_programs(0) - 1
+    _conv_shift(cs_row, q_ch, mask_k & last, q_win, s_csc, s_csk, KW, BLOCK_W)
+    _conv_shift(cs_row, k_ch, mask_k & last, k_win, s_csc, s_csk, KW, BLOCK_W)
+    tl.store(counter, 0, mask=last)
+
+
+@triton.jit
+def _gdn_decode_fused_head_kernel(
     x_ptr, a_ptr, b_ptr, w_ptr, cs_ptr, alog_ptr, dtb_ptr, state_ptr, slot_ptr, o_ptr,
     s_xb, s_xc, s_ab, s_ah, s_bb, s_bh, s_wc, s_wk, s_css, s_csc, s_csk,
     s_ss, s_sh, s_sk, s_sv, s_ob, s_oh, s_od,
@@ -123,8 +194,8 @@ def _gdn_decode_fused_kernel(
     HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, HV_PER_HK: tl.constexpr, KW: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
-    # One program per (key head, row): it owns the conv channels of its q, k and of the v of all its value
-    # heads, so the conv-state update in place needs no cross-program ordering.
+    # One program per (key head, row), looping over its value heads and Dv blocks: it owns every conv channel
+    # it reads, so no counter is needed, but there are only HK * B programs (the variant to compare against).
     hk = tl.program_id(0)
     b = tl.program_id(1)
     slot = tl.load(slot_ptr + b).to(tl.int64)
@@ -133,42 +204,48 @@ def _gdn_decode_fused_kernel(
 
     offs_k = tl.arange(0, BLOCK_K)
     mask_k = offs_k < DK
-    q = _conv_step(x_row, w_ptr, cs_row, hk * DK + offs_k, mask_k, s_xc, s_wc, s_wk, s_csc, s_csk, KW, BLOCK_W)
-    k = _conv_step(x_row, w_ptr, cs_row, (HK + hk) * DK + offs_k, mask_k, s_xc, s_wc, s_wk, s_csc, s_csk,
-                   KW, BLOCK_W)
-    # L2 norm over Dk (eps inside the rsqrt, as the reference), then the 1/sqrt(Dk) query scale.
+    q_ch, k_ch = hk * DK + offs_k, (HK + hk) * DK + offs_k
+    q_win, q = _conv_window(x_row, w_ptr, cs_row, q_ch, mask_k, s_xc, s_wc, s_wk, s_csc, s_csk, KW, BLOCK_W)
+    k_win, k = _conv_window(x_row, w_ptr, cs_row, k_ch, mask_k, s_xc, s_wc, s_wk, s_csc, s_csk, KW, BLOCK_W)
+    _conv_shift(cs_row, q_ch, mask_k, q_win, s_csc, s_csk, KW, BLOCK_W)
+    _conv_shift(cs_row, k_ch, mask_k, k_win, s_csc, s_csk, KW, BLOCK_W)
     q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
     k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
 
     for j in tl.static_range(HV_PER_HK):
         h = hk * HV_PER_HK + j
-        # Gates: g = -exp(A_log) softplus(a + dt_bias) with torch's softplus threshold of 20, beta = sigmoid(b).
-        x = tl.load(a_ptr + b * s_ab + h * s_ah).to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32)
-        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-        g = -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * softplus
-        beta = tl.sigmoid(tl.load(b_ptr + b * s_bb + h * s_bh).to(tl.float32))
-        decay = tl.exp(g)
-        s_head = state_ptr + slot * s_ss + h * s_sh
+        decay, beta = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, b, h, s_ab, s_ah, s_bb, s_bh)
         for v0 in tl.range(0, DV, BLOCK_V):
             offs_v = v0 + tl.arange(0, BLOCK_V)
             mask_v = offs_v < DV
-            v = _conv_step(x_row, w_ptr, cs_row, 2 * HK * DK + h * DV + offs_v, mask_v, s_xc, s_wc, s_wk,
-                           s_csc, s_csk, KW, BLOCK_W)
-            # The state streaming of _gdn_decode_kernel: one [Dk, BLOCK_V] block read and written once.
-            s_ptrs = s_head + offs_k[:, None] * s_sk + offs_v[None, :] * s_sv
-            s_mask = mask_k[:, None] & mask_v[None, :]
-            state = tl.load(s_ptrs, mask=s_mask, other=0.0) * decay
-            delta = (v - tl.sum(state * k[:, None], axis=0)) * beta
-            state = state + k[:, None] * delta[None, :]
-            o = tl.sum(state * q[:, None], axis=0)
-            tl.store(s_ptrs, state, mask=s_mask)
+            v_ch = 2 * HK * DK + h * DV + offs_v
+            v_win, v = _conv_window(x_row, w_ptr, cs_row, v_ch, mask_v, s_xc, s_wc, s_wk, s_csc, s_csk, KW, BLOCK_W)
+            _conv_shift(cs_row, v_ch, mask_v, v_win, s_csc, s_csk, KW, BLOCK_W)
+            o = _state_step(state_ptr + slot * s_ss + h * s_sh, offs_k, mask_k, offs_v, mask_v, s_sk, s_sv,
+                            q, k, v, decay, beta)
             tl.store(o_ptr + b * s_ob + h * s_oh + offs_v * s_od, o.to(o_ptr.dtype.element_ty), mask=mask_v)
 
 
+# Arrival counters of _gdn_decode_fused_kernel per device, all zero between launches. Outgrown buffers are
+# kept, not freed: a captured CUDA graph may still point at them.
+_ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    held = _ARRIVALS.setdefault(device, [])
+    if not held or held[-1].numel() < n:
+        held.append(torch.zeros(max(n, 1024), dtype=torch.int32, device=device))
+    return held[-1]
+
+
 def gdn_decode_fused(mixed_qkv, a, b, conv_weight, conv_states, A_log, dt_bias, states, slots, *, out=None,
-                     block_v: int = 32, num_warps: int = 4):
+                     block_v: int | None = None, num_warps: int = 4, per_key_head: bool = False):
     """Conv update (+SiLU), gates and recurrent step of one decode token per row in one launch; conv_states
-    and states are updated in place at slots; returns o [B, HV, Dv] in mixed_qkv.dtype."""
+    and states are updated in place at slots; returns o [B, HV, Dv] in mixed_qkv.dtype.
+
+    By default the programs are those of ``gdn_decode`` (Dv block, value head, row); ``per_key_head`` runs one
+    program per (key head, row) instead. Launches on one device must not overlap (the default shares counters).
+    """
     from ninfer.ops.gdn import _fused_head_counts
 
     HK, HV, DK, DV = _fused_head_counts(mixed_qkv, a, b, conv_weight, conv_states, A_log, dt_bias, states, slots)
@@ -178,15 +255,17 @@ def gdn_decode_fused(mixed_qkv, a, b, conv_weight, conv_states, A_log, dt_bias, 
         out = torch.empty((B, HV, DV), dtype=mixed_qkv.dtype, device=mixed_qkv.device)
     if B == 0:
         return out
-    _gdn_decode_fused_kernel[(HK, B)](
-        mixed_qkv, a, b, conv_weight, conv_states, A_log, dt_bias, states, slots, out,
-        *mixed_qkv.stride(), *a.stride(), *b.stride(), *conv_weight.stride(), *conv_states.stride(),
-        *states.stride(), *out.stride(),
-        DK ** -0.5,
-        HK=HK, DK=DK, DV=DV, HV_PER_HK=HV // HK, KW=KW,
-        BLOCK_K=triton.next_power_of_2(DK), BLOCK_V=min(block_v, triton.next_power_of_2(DV)),
-        BLOCK_W=triton.next_power_of_2(KW), num_warps=num_warps,
-    )
+    block_v = min(block_v or (32 if per_key_head else _default_block_v(B, HV, DV)), triton.next_power_of_2(DV))
+    args = (mixed_qkv, a, b, conv_weight, conv_states, A_log, dt_bias, states, slots, out)
+    strides = (*mixed_qkv.stride(), *a.stride(), *b.stride(), *conv_weight.stride(), *conv_states.stride(),
+               *states.stride(), *out.stride(), DK ** -0.5)
+    meta = dict(HK=HK, DK=DK, DV=DV, HV_PER_HK=HV // HK, KW=KW, BLOCK_K=triton.next_power_of_2(DK),
+                BLOCK_V=block_v, BLOCK_W=triton.next_power_of_2(KW), num_warps=num_warps)
+    if per_key_head:
+        _gdn_decode_fused_head_kernel[(HK, B)](*args, *strides, **meta)
+    else:
+        arrivals = _arrival_counters(mixed_qkv.device, B * HK)
+        _gdn_decode_fused_kernel[(triton.cdiv(DV, block_v), HV, B)](*args, arrivals, *strides, **meta)
     return out
 
 
