@@ -742,8 +742,7 @@ def check_cuda_graph(ctx: Ctx) -> None:
     if not ctx.gpu:
         return
     from ninfer.ops.triton.attention import paged_attention, write_kv
-    from ninfer.ops.triton.conv1d import causal_conv1d_decode
-    from ninfer.ops.triton.gdn import gdn_decode, gdn_gates
+    from ninfer.ops.triton.gdn import gdn_decode_fused
 
     d = dims(ctx.cfg)
     B, S, page, ctx_cap = 8, 32, sizes(ctx)["page"], 8192
@@ -766,12 +765,8 @@ def check_cuda_graph(ctx: Ctx) -> None:
     seq_lens = torch.ones(B, dtype=torch.int32, device=ctx.device)
     qsl = torch.arange(B + 1, dtype=torch.int32, device=ctx.device)
 
-    def step():
-        g, beta = gdn_gates(ab[:, :d["hv"]], ab[:, d["hv"]:], a_log, dt_bias)
-        y = causal_conv1d_decode(x, conv_w, conv_img, slots)
-        qk = y[:, :2 * d["hk"] * d["dk"]].view(B, 2, d["hk"], d["dk"])
-        v = y[:, 2 * d["hk"] * d["dk"]:].view(B, d["hv"], d["dv"])
-        o = gdn_decode(qk[:, 0], qk[:, 1], v, g, beta, rec, slots)
+    def step():  # the model's decode sequence: fused GDN step (conv + gates + recurrence), KV write, attention
+        o = gdn_decode_fused(x, ab[:, :d["hv"]], ab[:, d["hv"]:], conv_w, conv_img, a_log, dt_bias, rec, slots)
         write_kv(kv_new[0], kv_new[1], k_cache, v_cache, slot_mapping)
         a = paged_attention(q, k_cache, v_cache, block_tables, seq_lens, qsl, 1, ctx_cap, d["head_dim"] ** -0.5)
         return o, a
@@ -804,7 +799,7 @@ def check_cuda_graph(ctx: Ctx) -> None:
         want = (o_e, a_e, conv_img, rec)
         same = all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
         ctx.record(f"replay {seed}: graph == eager bitwise: {same}", got[:2], want[:2], 0.0, extra_ok=same)
-    ctx.timing("replay: gates+conv+gdn+write_kv+attention B=8", fn=graph.replay)
+    ctx.timing("replay: gdn_decode_fused+write_kv+attention B=8", fn=graph.replay)
 
 
 @check("gdn_prefill")
