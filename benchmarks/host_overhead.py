@@ -114,10 +114,13 @@ def _instrument_program(program, parts: Parts, no_forward: bool = False) -> None
         program.graphs.replay = replay_once
     parts.wrap(program.graphs, "load", "load")
     parts.wrap(program.graphs, "replay", "model")
-    parts.wrap(program, "_sample", "sample")
-    parts.wrap(program, "decode", "decode")
+    parts.wrap(program, "_sample_launch", "sample")
+    parts.wrap(program, "_sample_collect", "sample")
     parts.wrap(program, "commit", "commit")
     parts.wrap(program, "reserve_units", "reserve")
+
+
+_WRAPPED = ("_sample_launch", "_sample_collect", "decode", "launch_decode", "collect", "commit", "reserve_units")
 
 
 def measure_program(program, config, B: int, *, context: int, steps: int, warmup: int = 20,
@@ -127,6 +130,7 @@ def measure_program(program, config, B: int, *, context: int, steps: int, warmup
     seqs = _prefilled(program, config, B, context, seed=B)
     parts = Parts()
     _instrument_program(program, parts, no_forward)
+    parts.wrap(program, "decode", "decode")
     decisions = [RowDecision(accepted=1)] * B
     rows = []
     clock = time.perf_counter
@@ -157,7 +161,7 @@ def measure_program(program, config, B: int, *, context: int, steps: int, warmup
     program.commit(program.decode(seqs), decisions)
     for attr in ("load", "replay"):
         vars(program.graphs).pop(attr, None)
-    for attr in ("_sample", "decode", "commit", "reserve_units"):
+    for attr in _WRAPPED:
         vars(program).pop(attr, None)
     for sid in seqs:
         program.release(sid)
@@ -214,7 +218,7 @@ def measure_engine(program, config, B: int, *, context: int, steps: int, warmup:
             setattr(QwenOutputSession, a, fn)
         for attr in ("load", "replay"):
             vars(program.graphs).pop(attr, None)
-        for attr in ("_sample", "decode", "commit", "reserve_units"):
+        for attr in _WRAPPED:
             vars(program).pop(attr, None)
     steady = cycles[warmup:warmup + steps]
     if not steady:
@@ -232,13 +236,15 @@ def _instrument_core(core, parts: Parts, cycles: list, B: int) -> None:
     """Time every worker cycle; keep the ones that ran exactly one decode of B rows and no prefill chunk."""
     parts.wrap(core, "_publish_delta", "publish")
     parts.wrap(core, "_run_prefill", "prefill")
-    decode = core.program.decode
+    launch = core.program.launch_decode
 
-    def counted_decode(ids):
+    def counted_launch(ids, **kwargs):
         parts.acc["rows"] = len(ids)
-        return decode(ids)
+        return launch(ids, **kwargs)
 
-    core.program.decode = counted_decode
+    core.program.launch_decode = counted_launch
+    parts.wrap(core.program, "launch_decode", "decode")  # launch (maybe chained) + collect of the step before
+    parts.wrap(core.program, "collect", "decode")
     cycle = core._cycle
     clock = time.perf_counter
     prev_end: list[float | None] = [None]

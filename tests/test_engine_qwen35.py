@@ -119,16 +119,18 @@ def alone(parts):
 def test_concurrent_residents_match_running_alone(parts, alone, concurrency, seeded):
     eng = make_engine(parts, max_concurrency=concurrency)
     prog, seen = eng.instance.program, []
-    decode = prog.decode
+    launch = prog.launch_decode
 
-    def watched(ids):  # runs on the worker: how many requests are resident, how many rows decode
-        seen.append((len(eng._core.scheduler.residents), len(ids)))
-        return decode(ids)
+    def watched(ids, *, after=None):  # on the worker: requests resident, rows decoding, chained or not
+        seen.append((len(eng._core.scheduler.residents), len(ids), after is not None))
+        return launch(ids, after=after)
 
-    prog.decode = watched
+    prog.launch_decode = watched
     results = run(eng, workload(8, 11, seeded=seeded))
     assert [r.token_ids for r in results] == alone[seeded]
-    assert max(r for r, _ in seen) == concurrency and max(b for _, b in seen) == concurrency
+    assert max(r for r, _, _ in seen) == concurrency and max(b for _, b, _ in seen) == concurrency
+    # Steady decode phases queue the next step behind the uncollected one (PipelinedDecode).
+    assert any(chained for _, _, chained in seen)
     assert all(r.finish_reason is FinishReason.LENGTH for r in results)
     settled(eng)
     eng.close()
@@ -250,4 +252,23 @@ def test_engine_refuses_more_lanes_than_the_program_has(parts):
     eng = make_engine(parts, max_concurrency=2)
     with pytest.raises(ValueError, match="built for 2 concurrent sequences"):
         Engine.from_instance(eng.instance, max_concurrency=4, device="cpu")
+    eng.close()
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_stop_token_inside_a_pipelined_decode_phase(parts, alone, seeded):
+    """Requests that end on a stop token while the next step is already launched: each result is its
+    solo output cut at the stop token, the chained rows of ended requests are dropped, nothing leaks."""
+    work = workload(8, 11, seeded=seeded)
+    eng = make_engine(parts, max_concurrency=4)
+    hs = []
+    cuts = []
+    for (p, s), solo in zip(work, alone[seeded], strict=True):
+        stop = solo[len(solo) // 2]  # a token the request is known to produce mid-way
+        cuts.append(solo[:solo.index(stop) + 1])
+        hs.append(eng.submit(req(p, **s, stop_token_ids=(stop,))))
+    results = [list(h)[-1] for h in hs]
+    assert [r.token_ids for r in results] == cuts
+    assert all(r.finish_reason is FinishReason.STOP for r in results)
+    settled(eng)
     eng.close()

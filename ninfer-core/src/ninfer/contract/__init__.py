@@ -4,7 +4,7 @@ Data crossing a contract boundary is frozen attrs classes; behaviour is typing.P
 See docs/architecture.md for how these map onto the design document.
 """
 
-from ninfer.contract.batch import PendingBatch, PendingRow, RowDecision
+from ninfer.contract.batch import LaunchedUnit, PendingBatch, PendingRow, RowDecision
 from ninfer.contract.events import (
     FinishReason,
     GenerationResult,
@@ -17,6 +17,7 @@ from ninfer.contract.model import (
     Frontend,
     ModelInstance,
     OutputSession,
+    PipelinedDecode,
     Preview,
     Program,
     ResourceUsage,
@@ -31,7 +32,7 @@ from ninfer.contract.state import KVPoolSpec, StateField, StateImageLayout
 
 __all__ = [
     "ChatInput", "FinishReason", "Frontend", "FrontendResources", "GenerationRequest", "GenerationResult", "GenerationStart",
-    "KVPoolSpec", "MediaItem", "MediaSpan", "ModelInstance", "OutputDelta", "OutputSession", "PendingBatch",
-    "PendingRow", "PreparedPrompt", "Preview", "Program", "ResourceUsage", "RowDecision", "SamplingParams", "SnapshotCost", "StateField", "StateImageLayout",
+    "KVPoolSpec", "LaunchedUnit", "MediaItem", "MediaSpan", "ModelInstance", "OutputDelta", "OutputSession", "PendingBatch",
+    "PendingRow", "PipelinedDecode", "PreparedPrompt", "Preview", "Program", "ResourceUsage", "RowDecision", "SamplingParams", "SnapshotCost", "StateField", "StateImageLayout",
     "Startup", "StartupFeatures", "TextInput", "Timings", "Usage",
 ]

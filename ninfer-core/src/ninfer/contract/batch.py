@@ -72,6 +72,21 @@ class PendingBatch:
         self.consumed = True
 
 
+@attrs.define(eq=False)
+class LaunchedUnit:
+    """A decode unit queued on the device whose provisional tokens the host has not read yet.
+
+    ``Program.collect`` turns it into a PendingBatch exactly once (waiting for the tokens). While it is
+    outstanding the next step can already be queued behind it (``Program.launch_decode(after=...)``),
+    its input being this unit's device-resident tokens: the host settles step n while step n+1 runs.
+    """
+
+    kind: str
+    sequence_ids: tuple[int, ...] = attrs.field(converter=tuple)
+    native: Any = attrs.field(default=None, repr=False)
+    collected: bool = attrs.field(default=False, init=False)
+
+
 def check_decision(row: PendingRow, d: RowDecision) -> None:
     if d.cancelled:
         if d.accepted != 0:

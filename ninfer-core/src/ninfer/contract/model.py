@@ -13,7 +13,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import attrs
 
-from ninfer.contract.batch import PendingBatch, RowDecision
+from ninfer.contract.batch import LaunchedUnit, PendingBatch, RowDecision
 from ninfer.contract.events import FinishReason, OutputDelta
 from ninfer.contract.prompt import ChatInput, PreparedPrompt, TextInput
 from ninfer.contract.request import SamplingParams
@@ -113,6 +113,25 @@ class Program(Protocol):
         """Free everything the sequence holds."""
 
     def usage(self) -> ResourceUsage: ...
+
+
+@runtime_checkable
+class PipelinedDecode(Protocol):
+    """Optional Program capability: decode steps queued ahead of the host reading their tokens.
+
+    With it the engine keeps the device busy while it settles the previous step (preview, commit,
+    publish): in a steady decode phase step n+1 is launched on step n's device-resident tokens before
+    step n is collected. A row whose step-n token turns out terminal (or is rolled back) makes its
+    step-n+1 row void; ``collect`` leaves void rows and rows of released sequences out of the batch.
+    """
+
+    def launch_decode(self, sequence_ids: Sequence[int], *, after: LaunchedUnit | None = None) -> LaunchedUnit:
+        """Queue one decode step over exactly these sequences. Without ``after`` every sequence must be
+        decode-ready and idle; with it, ``sequence_ids`` equal ``after.sequence_ids`` and each row's input is
+        ``after``'s (uncollected) provisional token. Positions must be reserved (``reserve_units``) first."""
+
+    def collect(self, unit: LaunchedUnit) -> PendingBatch:
+        """Wait for a launched unit's tokens; its rows for sequences still live and not voided."""
 
 
 @attrs.frozen(kw_only=True)

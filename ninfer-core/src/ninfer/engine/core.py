@@ -25,7 +25,7 @@ from typing import Literal
 
 import attrs
 
-from ninfer.contract.batch import PendingBatch, RowDecision
+from ninfer.contract.batch import LaunchedUnit, PendingBatch, RowDecision
 from ninfer.contract.events import (
     FinishReason,
     GenerationResult,
@@ -36,7 +36,7 @@ from ninfer.contract.events import (
     Usage,
     merge_tool_call_fragments,
 )
-from ninfer.contract.model import Frontend, Preview, Program, SnapshotCost
+from ninfer.contract.model import Frontend, PipelinedDecode, Preview, Program, SnapshotCost
 from ninfer.engine.errors import (
     CapacityExhausted,
     EngineClosed,
@@ -95,6 +95,9 @@ class EngineCore:
         self.capacity_event = False
         self.admission_event = False
         self.inflight: PendingBatch | None = None
+        # A decode step launched but not collected, with its rows (PipelinedDecode Programs only).
+        self.ahead: tuple[LaunchedUnit, list[RequestRecord]] | None = None
+        self.pipelined = isinstance(program, PipelinedDecode)
         self.changed = False
         self.stopped = False
         self.calls: list[tuple] = []
@@ -202,6 +205,7 @@ class EngineCore:
                     self.scheduler.enqueue(rec)
                     self.admission_event = True
                 if closing and not drain:
+                    self._drop_ahead()
                     self._settle_all(EngineClosed("engine closed before the request finished"))
                     return
                 progressed = self._cycle()
@@ -224,7 +228,7 @@ class EngineCore:
 
     def _busy(self) -> bool:
         s = self.scheduler
-        return bool(s.waiting or s.residents or s.paused)
+        return bool(s.waiting or s.residents or s.paused or self.ahead)
 
     def _idle_wait(self) -> None:
         timeout = self._next_timer()
@@ -245,6 +249,9 @@ class EngineCore:
 
     def _cycle(self) -> bool:
         self.changed = False
+        if self.ahead is not None:
+            self._advance_pipeline()
+            return True
         self._settle_cancellations()
         self._try_resume()
         decode_rows = self._grant_decode_permits()
@@ -253,7 +260,11 @@ class EngineCore:
         decode_rows = [r for r in decode_rows if r.state is RequestState.DECODE_READY and r.sequence_id is not None]
         progressed = False
         if decode_rows:
-            self._run_unit(self.program.decode([r.sequence_id for r in decode_rows]), decode_rows)
+            ids = [r.sequence_id for r in decode_rows]
+            if self.pipelined and prefill_rec is None:  # collected next cycle, maybe behind a chained step
+                self.ahead = (self.program.launch_decode(ids), decode_rows)
+            else:
+                self._run_unit(self.program.decode(ids), decode_rows)
             progressed = True
         if prefill_rec is not None and prefill_rec.resident:
             self._run_prefill(prefill_rec)
@@ -424,6 +435,33 @@ class EngineCore:
             rec.channel.publish(GenerationStart(request_id=rec.request_id, prompt_tokens=len(rec.prompt)))
 
     # -- 5. execution and PendingBatch consumption --------------------------------------------------
+    def _advance_pipeline(self) -> None:
+        """Collect the launched decode step; when the decode phase is steady, first queue the next step
+        behind it on its device-resident tokens, so the device runs while the host settles this one."""
+        unit, rows = self.ahead
+        self.ahead = None
+        nxt = self.program.launch_decode(unit.sequence_ids, after=unit) if self._steady(rows) else None
+        if nxt is not None:
+            self.ahead = (nxt, rows)
+        batch = self.program.collect(unit)
+        self._run_unit(batch, [self.by_seq[i] for i in batch.sequence_ids()])
+
+    def _steady(self, rows: list[RequestRecord]) -> bool:
+        """Whether the next cycle would decode exactly these rows again, assuming none of them ends now.
+
+        Anything else pending (arrivals, waiting or paused requests, prefill, cancellation, a deadline,
+        the last token of a row's budget, a full KV pool, closing) lets the pipeline drain first.
+        """
+        s = self.scheduler
+        if self.inbox or self.closing or self.calls or s.waiting or s.paused or len(s.residents) != len(rows):
+            return False
+        for rec in rows:
+            if rec.state is not RequestState.DECODE_READY or self._cancel_reason(rec) is not None \
+                    or self._room(rec) < 2:  # room still counts the launched token
+                return False
+        # Reservations for the chained positions (atomic per row; a refusal leaves the rest to settle).
+        return all(self.program.reserve_units(rec.sequence_id, 1) for rec in rows)
+
     def _run_prefill(self, rec: RequestRecord) -> None:
         n = min(self.prefill_chunk, self.program.input_remaining(rec.sequence_id))
         batch = self.program.prefill(rec.sequence_id, n)
@@ -587,6 +625,13 @@ class EngineCore:
         self.metrics.finished_request(reason.value, now - rec.submitted_at)
         rec.channel.publish(result)
 
+    def _drop_ahead(self) -> None:
+        """Abandon a launched step (shutdown): its rows return to their committed frontier."""
+        if self.ahead is not None:
+            unit, _ = self.ahead
+            self.ahead = None
+            self.program.abort_pending(self.program.collect(unit))
+
     def _settle_all(self, error: EngineError) -> None:
         """Clean shutdown: end every request with ``error`` after releasing what it holds."""
         s = self.scheduler
@@ -603,6 +648,9 @@ class EngineCore:
         if self.inflight is not None and not self.inflight.consumed:
             _quietly(self.program.abort_pending, self.inflight)
         self.inflight = None
+        if self.ahead is not None and not self.ahead[0].collected:
+            _quietly(lambda unit: self.program.abort_pending(self.program.collect(unit)), self.ahead[0])
+        self.ahead = None
         s = self.scheduler
         recs = sorted([*new, *s.waiting, *s.residents.values(), *s.paused.values()], key=lambda r: r.ticket)
         for rec in recs:

@@ -5,7 +5,8 @@ device buffers that each step overwrites before replay, so one graph per B serve
 membership. Warmup and capture point every row at a scratch StateImage slot and a scratch KV
 page that no sequence owns, so neither touches real state. Kernels get ``max_seq_len`` fixed at the
 Program's longest sequence (grids from host ints, no host sync inside the graph). Sampling runs
-eagerly after replay, with each row's own generator.
+eagerly after replay, with each row's own generator. A chained step (``PipelinedDecode``) takes its
+token ids from the previous step's device-resident samples instead of the host.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ class DecodeGraphs:
         # Per row: the page list (key) and length whose entries the device table already holds.
         self._row_key: list[object] = [None] * B
         self._row_len = [0] * B
+        self._staged: torch.cuda.Event | None = None  # recorded after the last copy out of the staging buffer
         self._point_at_scratch()
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
@@ -113,13 +115,19 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
 
     def load(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-             tables: Sequence[Sequence[int]], keys: Sequence[object]) -> None:
+             tables: Sequence[Sequence[int]], keys: Sequence[object], *,
+             device_tokens: torch.Tensor | None = None) -> None:
         """Write B = len(tokens) decode rows into the static input buffers (one host->device copy).
 
         ``keys`` identify each row's page list (sequence id and truncation epoch): a row whose key is
         unchanged since the last step only had pages appended, so only the new entries are written.
+        ``device_tokens`` [B], when given, replace ``tokens`` (a chained step's inputs, still on the device).
         """
         B = len(tokens)
+        if self._staged is not None:
+            # The staging buffer is rewritten below: the previous step's copies out of it must have run.
+            # (Usually long done; with chained steps the host may be one step ahead of the device.)
+            self._staged.synchronize()
         ps = self.page_size
         h = self._h_cols  # rows: token, position, slot, flat KV index of the position
         h[:, :B] = (tokens, positions, slots,
@@ -134,7 +142,6 @@ class DecodeGraphs:
             if n > start:
                 ht[i, start:n] = pages[start:]
                 spans.append((i * width + start, i * width + n))
-        # The previous step's copies from the pinned staging have finished: its tokens were read on the host.
         end = self._tables_at + 4 * spans[-1][1] if spans else 0
         if 0 < end <= ONE_COPY_BYTES:
             self._packed[:end].copy_(self._staging[:end], non_blocking=True)
@@ -144,6 +151,11 @@ class DecodeGraphs:
         for lo, hi in spans:
             lo, hi = self._tables_at + 4 * lo, self._tables_at + 4 * hi
             self._packed[lo:hi].copy_(self._staging[lo:hi], non_blocking=True)
+        if self._packed.is_cuda:
+            self._staged = torch.cuda.Event()
+            self._staged.record()
+        if device_tokens is not None:  # after the packed copy, which wrote placeholders there
+            self.input_ids[:B].copy_(device_tokens)
         for i, (pages, key) in enumerate(zip(tables, keys, strict=True)):
             row_key[i], row_len[i] = key, len(pages)
 

@@ -35,7 +35,7 @@ from typing import Any
 import attrs
 import torch
 
-from ninfer.contract.batch import PendingBatch, PendingBatchError, PendingRow, RowDecision
+from ninfer.contract.batch import LaunchedUnit, PendingBatch, PendingBatchError, PendingRow, RowDecision
 from ninfer.contract.model import PauseMode, ResourceUsage, SnapshotCost
 from ninfer.contract.prompt import PreparedPrompt
 from ninfer.contract.request import SamplingParams
@@ -62,6 +62,25 @@ class _BatchNative:
 
     program_id: int
     consumed: tuple[int, ...]  # input positions each row ran in this unit
+
+
+@attrs.frozen(kw_only=True)
+class _Readback:
+    """A unit's sampled tokens (and logprobs) on their way to the host: one copy, one event."""
+
+    tokens: torch.Tensor            # device [B] int64: the next step's inputs when it is chained
+    host: torch.Tensor              # the host copy (pinned on CUDA) of tokens, or of the fp64 pack with logprobs
+    event: torch.cuda.Event | None  # recorded after the copy (CUDA)
+    want: tuple[int, ...]           # rows that report logprobs
+    top_n: int
+
+
+@attrs.frozen(kw_only=True)
+class _LaunchNative:
+    program_id: int
+    seqs: tuple[SequenceRecord, ...]
+    readback: _Readback
+    chained: bool  # its rows' inputs are the previous unit's provisional tokens
 
 
 class Qwen35Program:
@@ -159,6 +178,8 @@ class Qwen35Program:
         seq = self._seq(sequence_id)
         if seq.pending:
             raise ProgramError(f"sequence {sequence_id} has an unconsumed PendingBatch row; commit or abort it first")
+        # A launched (uncollected) row may still be in flight: its writes to this slot and these pages are
+        # queued before any later use of them on the same stream, and collect leaves the row out.
         self.pool.allocator.free(seq.pages)
         self.states.free(seq.slot)
         self._generators.pop(seq.id, None)
@@ -235,18 +256,37 @@ class Qwen35Program:
 
     def decode(self, sequence_ids: Sequence[int]) -> PendingBatch:
         """One step over exactly these decode-ready sequences (B = len(sequence_ids))."""
+        return self.collect(self.launch_decode(sequence_ids))
+
+    def launch_decode(self, sequence_ids: Sequence[int], *, after: LaunchedUnit | None = None) -> LaunchedUnit:
+        """Queue one decode step (forward, logits, sampling, the tokens' copy to the host) without waiting.
+
+        ``after``: an uncollected unit over the same sequences, in the same order; each row's input is its
+        provisional token, still on the device, at the position after it (see ``PipelinedDecode``).
+        """
         ids = list(sequence_ids)
         if not ids or len(set(ids)) != len(ids):
             raise ProgramError(f"decode needs distinct sequence ids, got {ids}")
         if len(ids) > self.max_concurrency:
             raise ProgramError(f"decode of {len(ids)} rows exceeds max_concurrency {self.max_concurrency}")
         seqs = [self._seq(i) for i in ids]
+        prev = None
+        if after is not None:
+            prev = self._launch_native(after)
+            if tuple(ids) != after.sequence_ids:
+                raise ProgramError(f"a chained decode runs the rows of the unit it follows, {list(after.sequence_ids)}, "
+                                   f"in order; got {ids}")
         for seq in seqs:  # per row per step: the frontier arithmetic inline rather than through properties
-            self._check_idle(seq)
             n = len(seq.ledger)
-            if n <= seq.prompt_len or seq.computed != n - 1:
+            if prev is None:
+                self._check_idle(seq)
+                ready = n > seq.prompt_len and seq.computed == n - 1
+            else:  # the previous unit's token (not in the ledger yet) is this row's input
+                ready = seq.launched == 1 and not seq.pending and seq.computed == n
+                n += 1
+            if not ready:
                 raise ProgramError(f"sequence {seq.id} is not decode-ready ({seq.input_remaining} input positions "
-                                   f"remaining, {seq.generated} generated)")
+                                   f"remaining, {seq.generated} generated, {seq.launched} launched)")
             if n > self.max_model_len:  # the input goes at position computed = n - 1
                 raise ProgramError(f"sequence {seq.id} is at max_model_len {self.max_model_len}")
         needs = [self._pages_needed(s, s.computed + 1) for s in seqs]  # 0 for rows the engine reserved
@@ -256,18 +296,54 @@ class Qwen35Program:
         for seq, need in zip(seqs, needs, strict=True):
             if need:
                 self._hold_pages(seq, seq.computed + 1)
+        # A chained row's input is on the device: a placeholder goes through the host path, then the copy.
+        inputs = [0] * len(seqs) if prev is not None else [s.ledger[s.computed] for s in seqs]
         with self._unit(seqs), torch.inference_mode():
             if self.graphs is not None:
-                self.graphs.load([s.ledger[s.computed] for s in seqs], [s.computed for s in seqs],
-                                 [s.slot for s in seqs], [s.pages for s in seqs], [(s.id, s.pages_epoch) for s in seqs])
+                self.graphs.load(inputs, [s.computed for s in seqs], [s.slot for s in seqs], [s.pages for s in seqs],
+                                 [(s.id, s.pages_epoch) for s in seqs],
+                                 device_tokens=None if prev is None else prev.readback.tokens)
                 logits = self.graphs.replay(len(seqs))
             else:
-                logits = self._decode_logits(build_forward_batch(
-                    [RowInput(tokens=[s.ledger[s.computed]], start=s.computed, slot=s.slot, pages=s.pages,
-                              want_logits=True) for s in seqs], self.page_size, self.device.torch))
+                batch = build_forward_batch(
+                    [RowInput(tokens=[t], start=s.computed, slot=s.slot, pages=s.pages, want_logits=True)
+                     for s, t in zip(seqs, inputs, strict=True)], self.page_size, self.device.torch)
+                if prev is not None:
+                    batch.input_ids.copy_(prev.readback.tokens)
+                logits = self._decode_logits(batch)
+            # The token sampled from input position p is generated token number p + 1 - prompt_len.
+            readback = self._sample_launch(seqs, logits, [s.computed + 1 - s.prompt_len for s in seqs])
             for seq in seqs:
                 seq.computed += 1
-            return self._sample("decode", seqs, logits, consumed=(1,) * len(seqs))
+                seq.launched += 1
+        return LaunchedUnit(kind="decode", sequence_ids=ids,
+                            native=_LaunchNative(program_id=self.id, seqs=tuple(seqs), readback=readback,
+                                                 chained=prev is not None))
+
+    def collect(self, unit: LaunchedUnit) -> PendingBatch:
+        """Wait for a launched unit's tokens; rows of released or voided sequences are left out."""
+        native = self._launch_native(unit)
+        unit.collected = True
+        live = []
+        for seq in native.seqs:
+            if self._seqs.get(seq.id) is not seq:  # released while its row was in flight
+                continue
+            seq.launched -= 1
+            if seq.void_ahead and seq.launched == 0:  # its input token was not accepted
+                seq.void_ahead = False
+                continue
+            live.append(seq)
+        token_list, lp = self._sample_collect(native.readback)
+        index = {seq.id: i for i, seq in enumerate(native.seqs)}
+        return self._pending("decode", live, [index[s.id] for s in live], token_list, lp, (1,) * len(live))
+
+    def _launch_native(self, unit: LaunchedUnit) -> _LaunchNative:
+        native = unit.native
+        if not isinstance(native, _LaunchNative) or native.program_id != self.id:
+            raise ProgramError("LaunchedUnit was not produced by this Program")
+        if unit.collected:
+            raise ProgramError("LaunchedUnit collected twice")
+        return native
 
     @contextlib.contextmanager
     def _unit(self, seqs: list[SequenceRecord]):
@@ -285,18 +361,27 @@ class Qwen35Program:
         return self.model.logits(self.model.forward(batch, self.views)[batch.logits_indices])
 
     def _check_idle(self, seq: SequenceRecord) -> None:
-        if seq.pending:
-            raise ProgramError(f"sequence {seq.id} has an unconsumed PendingBatch row")
+        if seq.pending or seq.launched:
+            raise ProgramError(f"sequence {seq.id} has an unconsumed PendingBatch or LaunchedUnit row")
 
-    def _generator(self, seq: SequenceRecord) -> torch.Generator:
+    def _generator(self, seq: SequenceRecord, index: int) -> torch.Generator:
+        """The generator of the sequence's ``index``-th sampled token (counter-based: see ``draw_seed``)."""
         gen = self._generators.get(seq.id)
         if gen is None:
             gen = self._generators[seq.id] = torch.Generator(device=self.device.torch)
-        gen.manual_seed(draw_seed(seq.sampling.seed, seq.generated))
+        gen.manual_seed(draw_seed(seq.sampling.seed, index))
         return gen
 
     def _sample(self, kind: str, seqs: list[SequenceRecord], logits: torch.Tensor,
                 consumed: tuple[int, ...]) -> PendingBatch:
+        """Sample and read back at once (prefill's first token)."""
+        readback = self._sample_launch(seqs, logits, [s.generated for s in seqs])
+        token_list, lp = self._sample_collect(readback)
+        return self._pending(kind, seqs, range(len(seqs)), token_list, lp, consumed)
+
+    def _sample_launch(self, seqs: Sequence[SequenceRecord], logits: torch.Tensor,
+                       indices: Sequence[int]) -> _Readback:
+        """Queue sampling (and logprobs) of every row, then one device->host copy of the results."""
         from ninfer.ops.sampling import logprobs, sample
 
         dev = logits.device
@@ -309,37 +394,61 @@ class Qwen35Program:
             knobs = torch.tensor([[p.temperature, p.top_p, p.min_p, min(p.top_k, 1 << 24)] for p in sp],
                                  dtype=torch.float32).to(dev, non_blocking=True)
             tokens = sample(logits, knobs[:, 0], knobs[:, 3].long(), knobs[:, 1], knobs[:, 2],
-                            [None if p.greedy else self._generator(s) for s, p in zip(seqs, sp, strict=True)])
-        want = [i for i, p in enumerate(sp) if p.logprobs]
-        lp: dict[int, tuple[float, tuple[tuple[int, float], ...]]] = {}
+                            [None if p.greedy else self._generator(s, i)
+                             for s, p, i in zip(seqs, sp, indices, strict=True)])
+        want = tuple(i for i, p in enumerate(sp) if p.logprobs)
+        top_n = max((sp[i].top_logprobs for i in want), default=0)
         if want:
-            top_n = max(sp[i].top_logprobs for i in want)
             if len(want) == len(sp):
                 chosen, top_ids, top_lp = logprobs(logits, tokens, top_n)
             else:
                 idx = torch.tensor(want).to(dev, non_blocking=True)
                 chosen, top_ids, top_lp = logprobs(logits[idx], tokens[idx], top_n)
-            # One device->host copy for the tokens and every logprob (the step's one sync): fp64 holds
-            # the token ids and the fp32 logprobs exactly.
-            W = len(want)
-            flat = torch.cat([tokens.double(), chosen.double(), top_ids.double().flatten(),
-                              top_lp.double().flatten()]).tolist()
-            token_list = [int(t) for t in flat[:len(sp)]]
-            chosen_l, ids_l = flat[len(sp):len(sp) + W], flat[len(sp) + W:len(sp) + W + W * top_n]
-            lps_l = flat[len(sp) + W + W * top_n:]
-            for j, i in enumerate(want):
-                a, n = j * top_n, sp[i].top_logprobs
-                lp[i] = (chosen_l[j], tuple(zip([int(t) for t in ids_l[a:a + n]], lps_l[a:a + n], strict=True)))
+            # One copy for the tokens and every logprob: fp64 holds the ids and the fp32 logprobs exactly.
+            pack = torch.cat([tokens.double(), chosen.double(), top_ids.double().flatten(), top_lp.double().flatten()])
         else:
-            token_list = tokens.tolist()
-        for seq in seqs:
+            pack = tokens
+        event = None
+        if dev.type == "cuda":
+            host = torch.empty(pack.shape, dtype=pack.dtype, pin_memory=True)
+            host.copy_(pack, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = pack
+        return _Readback(tokens=tokens, host=host, event=event, want=want, top_n=top_n)
+
+    @staticmethod
+    def _sample_collect(rb: _Readback) -> tuple[list[int], dict[int, tuple[float, tuple[tuple[int, float], ...]]]]:
+        """Wait for a readback: every row's token, and (chosen logprob, top list) of the rows that want them."""
+        if rb.event is not None:
+            rb.event.synchronize()
+        flat = rb.host.tolist()
+        B = rb.tokens.shape[0]
+        if not rb.want:
+            return flat, {}
+        W, top_n = len(rb.want), rb.top_n
+        chosen_l, ids_l, lps_l = flat[B:B + W], flat[B + W:B + W + W * top_n], flat[B + W + W * top_n:]
+        lp = {}
+        for j, i in enumerate(rb.want):
+            a = j * top_n
+            lp[i] = (chosen_l[j], (ids_l[a:a + top_n], lps_l[a:a + top_n]))
+        return [int(t) for t in flat[:B]], lp
+
+    def _pending(self, kind: str, seqs: Sequence[SequenceRecord], rows_at: Sequence[int], token_list: list[int],
+                 lp: dict, consumed: tuple[int, ...]) -> PendingBatch:
+        """The PendingBatch of ``seqs``, whose results are row ``rows_at[k]`` of the sampled unit."""
+        rows = []
+        for seq, i in zip(seqs, rows_at, strict=True):
             seq.pending = True
-        if lp:
-            rows = [PendingRow(sequence_id=seq.id, tokens=(tok,), logprobs=(lp[i][0],) if i in lp else None,
-                               top_logprobs=(lp[i][1],) if i in lp else None)
-                    for i, (seq, tok) in enumerate(zip(seqs, token_list, strict=True))]
-        else:
-            rows = [PendingRow(sequence_id=seq.id, tokens=(tok,)) for seq, tok in zip(seqs, token_list, strict=True)]
+            if i in lp:
+                chosen, (ids, lps) = lp[i]
+                n = seq.sampling.top_logprobs
+                top = tuple(zip([int(t) for t in ids[:n]], lps[:n], strict=True))
+                rows.append(PendingRow(sequence_id=seq.id, tokens=(token_list[i],), logprobs=(chosen,),
+                                       top_logprobs=(top,)))
+            else:
+                rows.append(PendingRow(sequence_id=seq.id, tokens=(token_list[i],)))
         return PendingBatch(kind=kind, rows=rows, native=_BatchNative(program_id=self.id, consumed=consumed))
 
     # -- settlement --------------------------------------------------------------------------------
@@ -363,6 +472,8 @@ class Qwen35Program:
         batch.take(decisions)
         for seq, row, d in zip(seqs, batch.rows, decisions, strict=True):
             seq.pending = False
+            if seq.launched and (d.accepted < row.produced or d.terminal):
+                seq.void_ahead = True  # the chained row's input is not (or is the last) accepted token
             if d.accepted == 0:
                 self._rollback(seq)
                 continue
@@ -380,6 +491,7 @@ class Qwen35Program:
         batch.take(None)
         for seq in seqs:
             seq.pending = False
+            seq.void_ahead = seq.launched > 0
             self._rollback(seq)
 
     def _rollback(self, seq: SequenceRecord) -> None:

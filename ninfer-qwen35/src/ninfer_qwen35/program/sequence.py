@@ -70,7 +70,9 @@ class SequenceRecord:
     sampling: RowSampling
     computed: int = 0
     pages: list[int] = attrs.field(factory=list)
-    pending: bool = False  # a PendingBatch row is outstanding: no other unit until it is consumed
+    pending: bool = False  # a collected PendingBatch row awaits commit/abort: no other unit until then
+    launched: int = 0      # LaunchedUnits holding a row of this sequence, not collected yet (0..2)
+    void_ahead: bool = False  # the chained (second) launched row lost its input: collect drops it
     pages_epoch: int = 0   # bumped whenever ``pages`` is truncated (graph block-table rows are cached by it)
 
     @property
@@ -84,4 +86,5 @@ class SequenceRecord:
 
     @property
     def input_remaining(self) -> int:
-        return self.target - self.computed
+        # Negative while a launched row runs ahead of the ledger (its input is not accepted yet): nothing to run.
+        return max(0, self.target - self.computed)
