@@ -79,8 +79,9 @@ def test_split_copies_only_changed_segments(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_cuda_graph_decode_step_syncs_once():
-    """A graph decode step (load, replay, greedy sampling with and without logprobs) syncs the host once."""
+def test_cuda_graph_decode_step_syncs_once(monkeypatch):
+    """A graph decode step (load, replay, greedy sampling with and without logprobs) never syncs while it is
+    launched, and collecting it waits on one event: the tokens' copy to the host."""
     import warnings
 
     from benchmarks.decode_step import build_program
@@ -99,6 +100,9 @@ def test_cuda_graph_decode_step_syncs_once():
         assert program.reserve_units(sid, 16)
         program.commit(program.prefill(sid, 16), [RowDecision(accepted=1)])
         sids.append(sid)
+    waits = []
+    event_sync = torch.cuda.Event.synchronize
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", lambda ev: (waits.append(ev), event_sync(ev))[1])
     for rows in (sids, sids[:1], sids[1:], sids):  # across page boundaries and memberships
         for _ in range(6):
             for sid in rows:
@@ -108,9 +112,11 @@ def test_cuda_graph_decode_step_syncs_once():
             try:
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
-                    batch = program.decode(rows)
+                    unit = program.launch_decode(rows)
+                    waits.clear()
+                    batch = program.collect(unit)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
             syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
-            assert len(syncs) == 1, syncs
+            assert syncs == [] and len(waits) == 1, (syncs, waits)
             program.commit(batch, [RowDecision(accepted=1)] * len(rows))
