@@ -5,7 +5,6 @@ nothing behind."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from ninfer.contract.batch import RowDecision
 from ninfer.contract.model import PipelinedDecode
@@ -22,18 +21,13 @@ SEEDED = SamplingParams(temperature=0.9, top_p=0.9, seed=11, logprobs=True, top_
 
 
 @pytest.fixture(scope="module")
-def hf():
-    torch.manual_seed(0)
-    hf_cfg = transformers.Qwen3_5TextConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
-        linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=512)
-    return transformers.Qwen3_5ForCausalLM(hf_cfg).eval()
+def hf(tiny):
+    return tiny[0]
 
 
 @pytest.fixture(scope="module")
-def model(hf):
-    return model_from_hf(hf)
+def model(tiny):
+    return tiny[2]
 
 
 def program(model, **options):
@@ -88,19 +82,22 @@ def chained(prog, sids, steps):
     return out
 
 
+def compare_run(prog, run, sampling, steps):
+    """First tokens and ``steps`` decode steps of every prompt through ``run``; everything freed after."""
+    assert isinstance(prog, PipelinedDecode)
+    sids, first = open_ready(prog, sampling)
+    out = (first, run(prog, sids, steps))
+    for s in sids:
+        prog.release(s)
+    assert prog.usage().all_free
+    return out
+
+
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("static_decode", [False, True], ids=["eager", "graph-buffers"])
 def test_chained_steps_equal_sequential_decode(model, sampling, static_decode):
-    results = []
-    for run in (sequential, chained):
-        prog = program(model, static_decode=static_decode)
-        assert isinstance(prog, PipelinedDecode)
-        sids, first = open_ready(prog, sampling)
-        results.append((first, run(prog, sids, 7)))
-        for s in sids:
-            prog.release(s)
-        assert prog.usage().all_free
-    assert results[0] == results[1]
+    runs = [compare_run(program(model, static_decode=static_decode), run, sampling, 7) for run in (sequential, chained)]
+    assert runs[0] == runs[1]
 
 
 @pytest.mark.gpu
@@ -109,16 +106,12 @@ def test_chained_graph_replays_equal_sequential_decode_on_cuda(hf, sampling):
     """On the GPU the chained step's inputs are the previous step's device tokens copied into the captured
     graph's input buffer, and the host reads each step's tokens through a pinned copy and an event."""
     model = model_from_hf(hf, device="cuda")
-    results = []
+    runs = []
     for run in (sequential, chained):
         prog = program(model, device="cuda", cuda_graphs=True)
         assert prog.graphs is not None and prog.graphs.graphs, prog.graph_error
-        sids, first = open_ready(prog, sampling)
-        results.append((first, run(prog, sids, 12)))
-        for s in sids:
-            prog.release(s)
-        assert prog.usage().all_free
-    assert results[0] == results[1]
+        runs.append(compare_run(prog, run, sampling, 12))
+    assert runs[0] == runs[1]
 
 
 def test_terminal_cancelled_and_released_rows_are_left_out(model):

@@ -13,25 +13,13 @@ from ninfer.contract.prompt import PreparedPrompt
 from ninfer.contract.request import SamplingParams
 from ninfer.core.kv_pool import PoolExhausted
 from ninfer_qwen35.program import ProgramError, ReplayResume, SnapshotResume
-from ninfer_qwen35.testing import float32_program, model_from_hf
+from ninfer_qwen35.testing import float32_program
 
 transformers = pytest.importorskip("transformers")
 
 PROMPTS = ([5, 17, 33, 2, 99, 100, 7, 8, 9, 10, 11], [200, 3, 3, 41], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
                                                                       16, 17, 18, 19, 20, 21])
 GREEDY = SamplingParams(temperature=0.0)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    torch.manual_seed(0)
-    hf_cfg = transformers.Qwen3_5TextConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
-        linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=512)
-    hf = transformers.Qwen3_5ForCausalLM(hf_cfg).eval()
-    model = model_from_hf(hf)
-    return hf, model.config, model
 
 
 def make_program(tiny, *, max_concurrency=3, num_pages=64, host_budget_bytes=1 << 24, page_size=4, **options):
