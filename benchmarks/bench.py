@@ -569,7 +569,7 @@ def parse_args(argv=None):
     p.add_argument("--prefill", type=int, nargs="+", default=None,
                    help="prefill prompt lengths (default 512 4096 16384, quick 512 4096)")
     p.add_argument("--prefill-reps", type=int, default=None, help="repetitions per prompt, best kept (3, quick 2)")
-    p.add_argument("--prefill-chunk", type=int, default=2048, help="the engine's prefill chunk")
+    p.add_argument("--prefill-chunk", type=int, default=4096, help="the engine's prefill chunk (a 4k prompt in one)")
     p.add_argument("--hf-prompt", type=int, default=512)
     p.add_argument("--hf-new-tokens", type=int, default=64)
     p.add_argument("--hf-batches", type=int, nargs="+", default=[1, 8])

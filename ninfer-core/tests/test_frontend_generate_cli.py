@@ -45,3 +45,22 @@ def test_raw_prompt_with_thinking_disabled_chat_and_errors(tiny, capsys, tmp_pat
     bad.write_text("{{ raise_exception('nope') }}")
     assert main(["generate", tiny, "--chat", "x", "--chat-template", str(bad), "--device", "cpu"]) == 1
     assert "nope" in capsys.readouterr().err
+
+
+def test_prefill_chunk_option(tiny, capsys):
+    """A prompt split into 2-token prefill units generates what one unit does; 0 is a clear error."""
+    args = ["generate", tiny, "--prompt", "The quick brown fox", "--max-tokens", "6", "--temperature", "0",
+            "--ignore-eos", "--device", "cpu"]
+    assert main(args) == 0
+    whole = capsys.readouterr().out
+    assert main([*args, "--prefill-chunk", "2"]) == 0
+    assert capsys.readouterr().out == whole
+    assert main([*args, "--prefill-chunk", "0"]) == 2
+    assert "prefill_chunk must be >= 1" in capsys.readouterr().err
+
+
+def test_default_prefill_chunk_by_device():
+    from ninfer.engine.engine import default_prefill_chunk
+
+    assert default_prefill_chunk("cuda") == default_prefill_chunk("cuda:1") == 2048
+    assert default_prefill_chunk("cpu") == 512

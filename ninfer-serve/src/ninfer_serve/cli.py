@@ -22,6 +22,8 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
                    help="a request not admitted within this time gets 503 (default 60)")
     p.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
     p.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
+    p.add_argument("--prefill-chunk", type=int, metavar="TOKENS",
+                   help="prompt tokens per prefill unit (default: 2048 on a GPU, 512 on the CPU)")
     p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template replacing the artifact's")
     p.add_argument("--graceful-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="how long in-flight requests may run on after SIGTERM (default 30)")
@@ -79,6 +81,8 @@ def run_serve(args: argparse.Namespace) -> int:
         options["max_model_len"] = args.max_model_len
     if args.device is not None:
         options["device"] = args.device
+    if args.prefill_chunk is not None:
+        options["prefill_chunk"] = args.prefill_chunk
     if chat_template is not None:
         options["chat_template"] = chat_template
     try:

@@ -31,6 +31,13 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def default_prefill_chunk(device: str) -> int:
+    """Prompt tokens per prefill unit. On a GPU, 2048: a 9B chunk then runs the matmuls near their peak
+    rate (512 reached 21 % of it on the H200, 4096 75 %) while a decode row waits at most one chunk
+    (about 55 ms at 9B); on the CPU, 512 keeps other rows' inter-token gaps short."""
+    return 2048 if str(device).startswith("cuda") else 512
+
+
 def merge_sampling(defaults: SamplingParams, request: SamplingParams) -> SamplingParams:
     """Request fields left ``None`` take the model's defaults; everything else is the request's."""
     changes = {f.name: getattr(defaults, f.name) for f in attrs.fields(SamplingParams)
@@ -44,14 +51,17 @@ class Engine:
     def __init__(self, model: str | os.PathLike, *, purpose: str = "generation", max_concurrency: int = 4,
                  features: StartupFeatures = StartupFeatures(), device: str | None = None,
                  device_budget_bytes: int | None = None, max_queue: int = 64, max_model_len: int | None = None,
-                 chat_template: str | None = None, prefill_chunk: int = 512, bypass_limit: int | None = None,
+                 chat_template: str | None = None, prefill_chunk: int | None = None, bypass_limit: int | None = None,
                  pause_mode: PauseChoice = "auto", **program_options: Any) -> None:
+        """``prefill_chunk``: prompt tokens per prefill unit (default ``default_prefill_chunk(device)``)."""
         from ninfer.engine.startup import build_instance
 
         _check_purpose(purpose)
         if not 1 <= max_concurrency <= 8:
             raise ValueError(f"max_concurrency must be in 1..8, got {max_concurrency}")
         device = device or _default_device()
+        if prefill_chunk is None:
+            prefill_chunk = default_prefill_chunk(device)
         if chat_template is not None:
             program_options["chat_template"] = chat_template
         instance, name, self.artifact = build_instance(

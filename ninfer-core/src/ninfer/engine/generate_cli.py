@@ -34,6 +34,8 @@ def add_generate_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--chat-template", help="chat template file (or builtin:qwen3_5) replacing the artifact's")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
+    p.add_argument("--prefill-chunk", type=int, metavar="TOKENS",
+                   help="prompt tokens per prefill unit (default: 2048 on a GPU, 512 on the CPU)")
     p.set_defaults(func=cmd_generate)
 
 
@@ -143,7 +145,7 @@ def _generate(args: argparse.Namespace) -> int:
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
     options = {"max_concurrency": 1, "device": args.device, "max_model_len": args.max_model_len,
-               "chat_template": _template_arg(args.chat_template)}
+               "chat_template": _template_arg(args.chat_template), "prefill_chunk": args.prefill_chunk}
     try:
         with Engine(model, **{k: v for k, v in options.items() if v is not None}) as engine:
             handle = engine.submit(GenerationRequest(input=request_input, sampling=sampling))
