@@ -261,7 +261,7 @@ class EngineCore:
         progressed = False
         if decode_rows:
             ids = [r.sequence_id for r in decode_rows]
-            if self.pipelined and prefill_rec is None:  # collected next cycle, maybe behind a chained step
+            if self.pipelined:  # collected next cycle (after this cycle's prefill chunk is queued behind it)
                 self.ahead = (self.program.launch_decode(ids), decode_rows)
             else:
                 self._run_unit(self.program.decode(ids), decode_rows)
