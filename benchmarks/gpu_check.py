@@ -335,6 +335,46 @@ def check_add_rms_norm(ctx: Ctx) -> None:
                    extra_ok=torch.equal(image[[0, -1]], edges))
 
 
+@check("linear")
+def check_linear(ctx: Ctx) -> None:
+    """The few-row linear (decode projections) against fp32 references at every distinct decode weight shape,
+    timed beside cuBLAS on the same bytes, with a configuration sweep at 1 and 8 rows."""
+    import torch.nn.functional as F
+
+    from benchmarks.shapes import decode_weight_shapes
+    from ninfer.ops.triton.linear import default_config, linear
+
+    shapes = sorted(set(decode_weight_shapes(ctx.cfg)))
+    rows = [1, 3] if ctx.tiny else [1, 2, 4, 8]
+    for N, K in shapes:
+        def inputs(M, N=N, K=K):
+            return ctx.randn(M, K), ctx.randn(N, K, scale=K ** -0.5)
+
+        lm_head = N == ctx.cfg["vocab_size"]
+        for M in rows:
+            x, w = inputs(M)
+            moved = nbytes(x, w) + M * N * x.element_size()
+            ref = F.linear(x.float(), w.float())
+            y = linear(x, w)
+            # Row 0 without neighbours is bitwise the same on the Triton path (its configuration ignores M);
+            # fp32 (the CPU smoke run) goes to cuBLAS/BLAS, which promises nothing of the kind.
+            same = torch.equal(linear(x[:1], w), y[:1])
+            ctx.record(f"[{N}x{K}] M={M} (row alone bitwise: {same})", y, ref, 5e-3, nbytes=moved,
+                       make=lambda M=M: partial(linear, *inputs(M)), note=f"cfg {default_config(N, K)}",
+                       extra_ok=same or x.dtype == torch.float32)
+            ctx.timing(f"[{N}x{K}] M={M} cuBLAS F.linear", nbytes=moved, make=lambda M=M: partial(F.linear, *inputs(M)))
+            if lm_head or M not in (1, 8) or ctx.tiny:
+                continue
+            for bn in (16, 32, 64):
+                for bk in (128, 256):
+                    for split in (1, 2, 4, 8):
+                        if K // split < bk:
+                            continue
+                        ctx.timing(f"[{N}x{K}] M={M} block_n {bn} block_k {bk} split {split}", nbytes=moved,
+                                   make=lambda M=M, bn=bn, bk=bk, sp=split: partial(
+                                       linear, *inputs(M), block_n=bn, block_k=bk, split_k=sp))
+
+
 @check("silu_and_mul")
 def check_silu_and_mul(ctx: Ctx) -> None:
     from ninfer.ops.activation import silu_and_mul_ref

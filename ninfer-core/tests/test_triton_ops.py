@@ -178,3 +178,31 @@ def test_launch_heuristics_depend_on_shapes_only():
             assert s & (s - 1) == 0 and 1 <= s <= 64 and s <= max(1, -(-ctx_len // 64))
     assert t_attention._decode_splits(1, 4, 8192, 32) == 64 and t_attention._decode_splits(8, 4, 8192, 32) == 32
     assert t_gdn._default_block_v(1, 32, 128) == 16 and t_gdn._default_block_v(8, 32, 128) == 32
+
+
+def test_linear_rows_kernel():
+    """The few-row linear (fp16 inputs) against an fp32 F.linear: one pass and split-K (last arrival reduces), ragged N
+    and K, a row's result independent of its neighbours, counters back at zero, prefill rows via cuBLAS."""
+    from ninfer.ops.linear import linear_ref
+    from ninfer.ops.triton import linear as t_linear
+    from ninfer.ops.triton._arrivals import arrival_counters
+
+    gen = _gen(7)
+    N, K = 50, 200
+    w = _randn(N, K, gen=gen, dtype=torch.float16) * 0.1
+    x = _randn(5, K, gen=gen, dtype=torch.float16)
+    ref = linear_ref(x.float(), w.float())
+    for split in (1, 3):
+        y = t_linear.linear(x, w, block_n=16, block_k=32, split_k=split)
+        assert y.dtype == torch.float16 and y.shape == (5, N)
+        _close(y, ref, 2e-3)
+        # Row 2 alone gives bitwise what it gave among five rows (the configuration ignores M).
+        assert torch.equal(t_linear.linear(x[2:3], w, block_n=16, block_k=32, split_k=split), y[2:3])
+    assert int(arrival_counters(x.device, 1).abs().sum()) == 0
+    x3 = _randn(2, 3, K, gen=gen, dtype=torch.float16)  # leading dims are rows
+    _close(t_linear.linear(x3, w, block_n=16, block_k=64), linear_ref(x3.float(), w.float()), 2e-3)
+    many = _randn(t_linear.MAX_ROWS + 1, K, gen=gen, dtype=torch.float16)
+    if DEV == "cuda":  # cuBLAS path for prefill-sized inputs (the CPU has no fp16 F.linear kernel everywhere)
+        _close(t_linear.linear(many, w), linear_ref(many.float(), w.float()), 2e-3)
+    cfg = t_linear.default_config(4096, 4096)
+    assert cfg[2] > 1 and t_linear.default_config(248320, 4096)[2] == 1  # small N splits K, the lm_head does not

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import attrs
 import torch
-import torch.nn.functional as F
 
 from ninfer.ops import (
     apply_rope,
@@ -15,6 +14,7 @@ from ninfer.ops import (
     gdn_decode_fused,
     gdn_gates,
     gdn_prefill,
+    linear,
     paged_attention,
     rms_norm,
     rms_norm_gated,
@@ -61,7 +61,7 @@ def gdn_mixer(c: Qwen35Config, p: GDNParams, x: torch.Tensor, batch: ForwardBatc
             q, k, v = heads(causal_conv1d_prefill(mixed[lo:hi], p.conv, conv[slot], initial))
             o[lo:hi] = gdn_prefill(q, k, v, g[lo:hi], beta[lo:hi], recurrent[slot], initial)
     o = rms_norm_gated(o, z.reshape(N, hv, dv), p.norm, c.rms_norm_eps)
-    return F.linear(o.reshape(N, c.value_dim), p.out_proj)
+    return linear(o.reshape(N, c.value_dim), p.out_proj)
 
 
 def attention_mixer(c: Qwen35Config, p: AttentionParams, x: torch.Tensor, batch: ForwardBatch,
@@ -80,8 +80,8 @@ def attention_mixer(c: Qwen35Config, p: AttentionParams, x: torch.Tensor, batch:
     o = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
                         batch.max_query_len, batch.max_seq_len, d ** -0.5)
     o = o * torch.sigmoid(gate)
-    return F.linear(o.reshape(N, nh * d), p.o_proj)
+    return linear(o.reshape(N, nh * d), p.o_proj)
 
 
 def mlp(p: MLPParams, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(silu_and_mul(p.gate_up.matmul(x)), p.down)
+    return linear(silu_and_mul(p.gate_up.matmul(x)), p.down)

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 
 import attrs
 import torch
-import torch.nn.functional as F
 
 from ninfer.models.common.weights import WeightSet
+from ninfer.ops import linear
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -43,7 +43,7 @@ class LinearSplit:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """The unsplit output [..., sum(sizes)] (e.g. [gate | up] for silu_and_mul)."""
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.matmul(x).split(self.sizes, dim=-1)

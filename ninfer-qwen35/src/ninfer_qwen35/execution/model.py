@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ninfer.ops import add_rms_norm, rms_norm, rope_cos_sin
+from ninfer.ops import add_rms_norm, linear, rms_norm, rope_cos_sin
 from ninfer_qwen35.execution.forward_batch import ForwardBatch, ModelStateViews
 from ninfer_qwen35.execution.layers import GDNPlan, attention_mixer, gdn_mixer, mlp
 from ninfer_qwen35.execution.parameters import GDNParams, Qwen35Parameters
@@ -48,7 +48,7 @@ class Qwen35Model:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [M, V] for final-normed hidden rows [M, H] (tied head = the embedding)."""
-        return F.linear(hidden, self.params.lm_head).float()
+        return linear(hidden, self.params.lm_head).float()
 
     @staticmethod
     def _gdn_plan(batch: ForwardBatch) -> GDNPlan:

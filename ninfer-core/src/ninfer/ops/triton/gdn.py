@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.ops.triton._arrivals import arrival_counters as _arrival_counters
+
 
 @triton.jit
 def _gdn_decode_kernel(
@@ -226,16 +228,6 @@ def _gdn_decode_fused_head_kernel(
             tl.store(o_ptr + b * s_ob + h * s_oh + offs_v * s_od, o.to(o_ptr.dtype.element_ty), mask=mask_v)
 
 
-# Arrival counters of _gdn_decode_fused_kernel per device, all zero between launches. Outgrown buffers are
-# kept, not freed: a captured CUDA graph may still point at them.
-_ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    held = _ARRIVALS.setdefault(device, [])
-    if not held or held[-1].numel() < n:
-        held.append(torch.zeros(max(n, 1024), dtype=torch.int32, device=device))
-    return held[-1]
 
 
 def gdn_decode_fused(mixed_qkv, a, b, conv_weight, conv_states, A_log, dt_bias, states, slots, *, out=None,
