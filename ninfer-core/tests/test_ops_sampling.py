@@ -49,6 +49,29 @@ def test_a_row_depends_only_on_its_own_seed():
     assert run([0, 1, 2], [11, 12, 13]) == together
 
 
+def test_top_k_candidates_path_draws_what_the_full_sort_draws():
+    """With every sampled row's top_k <= max_top_k, filtering the top-k candidates gives the same tokens as
+    sorting the vocabulary (same noise, same race), rows with different settings and greedy rows mixed."""
+    torch.manual_seed(3)
+    B, V = 5, 3000
+    logits = torch.randn(B, V) * 3
+    temperature = torch.tensor([0.7, 1.0, 0.0, 1.3, 0.9])
+    top_k = torch.tensor([5, 40, 0, 40, 17])
+    top_p = torch.tensor([1.0, 0.9, 1.0, 0.5, 0.95])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.1, 0.02])
+    for seed in range(40):
+        def draw(**kw):
+            gens = [torch.Generator().manual_seed(seed * 10 + r) for r in range(B)]
+            return sample(logits, temperature, top_k, top_p, min_p, gens, **kw)
+
+        full = draw()
+        assert torch.equal(draw(max_top_k=40), full), seed
+        assert torch.equal(draw(max_top_k=64), full), seed  # a looser bound changes nothing
+        assert full[2] == logits[2].argmax()
+    with pytest.raises(ValueError, match="max_top_k"):
+        sample(logits, temperature, top_k, top_p, min_p, [None] * B, max_top_k=0)
+
+
 def test_logprobs_use_the_raw_distribution():
     logits = torch.randn(2, 30)
     tokens = torch.tensor([3, 7])

@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 PROMPTS = ([5, 17, 33, 2, 99, 100, 7, 8, 9, 10, 11], [200, 3, 3, 41], [1, 2, 3, 4, 5, 6, 7, 8, 9])
 GREEDY = SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.9, seed=11, logprobs=True, top_logprobs=2)
+TOP_K = SamplingParams(temperature=0.8, top_k=20, top_p=0.95, seed=5)  # sampled from top-k candidates
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +94,7 @@ def compare_run(prog, run, sampling, steps):
     return out
 
 
-@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED, TOP_K], ids=["greedy", "seeded", "top-k"])
 @pytest.mark.parametrize("static_decode", [False, True], ids=["eager", "graph-buffers"])
 def test_chained_steps_equal_sequential_decode(model, sampling, static_decode):
     runs = [compare_run(program(model, static_decode=static_decode), run, sampling, 7) for run in (sequential, chained)]
@@ -101,7 +102,7 @@ def test_chained_steps_equal_sequential_decode(model, sampling, static_decode):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED, TOP_K], ids=["greedy", "seeded", "top-k"])
 def test_chained_graph_replays_equal_sequential_decode_on_cuda(hf, sampling):
     """On the GPU the chained step's inputs are the previous step's device tokens copied into the captured
     graph's input buffer, and the host reads each step's tokens through a pinned copy and an event."""

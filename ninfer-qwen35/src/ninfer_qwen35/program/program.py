@@ -83,6 +83,17 @@ class _LaunchNative:
     chained: bool  # its rows' inputs are the previous unit's provisional tokens
 
 
+_TOPK_PATH = 1024  # largest top_k sampled from its top-k candidates; wider (or none) sorts the vocabulary
+
+
+def _upload(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """A small host tensor on ``dev`` without waiting for the device: pinned, then an async copy (a copy
+    from pageable memory may synchronize with the stream, which would stall a pipelined launch)."""
+    if dev.type != "cuda":
+        return t.to(dev)
+    return t.pin_memory().to(dev, non_blocking=True)
+
+
 class Qwen35Program:
     """Implements ``ninfer.contract.Program`` for Qwen3.5 over the native model (``forward`` / ``logits``)."""
 
@@ -390,19 +401,21 @@ class Qwen35Program:
             tokens = logits.argmax(-1)  # what sample() does for temperature 0, without its per-row setup
         else:
             # one host->device copy for every row's knobs (top_k is exact in fp32 below 2**24)
-            # (non_blocking: a blocking upload would wait for the forward before sampling is even launched)
-            knobs = torch.tensor([[p.temperature, p.top_p, p.min_p, min(p.top_k, 1 << 24)] for p in sp],
-                                 dtype=torch.float32).to(dev, non_blocking=True)
+            knobs = _upload(torch.tensor([[p.temperature, p.top_p, p.min_p, min(p.top_k, 1 << 24)] for p in sp],
+                                         dtype=torch.float32), dev)
+            drawn = [p for p in sp if not p.greedy]
+            narrow = all(0 < p.top_k <= _TOPK_PATH for p in drawn)  # filter top-k candidates, no vocabulary sort
             tokens = sample(logits, knobs[:, 0], knobs[:, 3].long(), knobs[:, 1], knobs[:, 2],
                             [None if p.greedy else self._generator(s, i)
-                             for s, p, i in zip(seqs, sp, indices, strict=True)])
+                             for s, p, i in zip(seqs, sp, indices, strict=True)],
+                            max_top_k=max(p.top_k for p in drawn) if narrow else None)
         want = tuple(i for i, p in enumerate(sp) if p.logprobs)
         top_n = max((sp[i].top_logprobs for i in want), default=0)
         if want:
             if len(want) == len(sp):
                 chosen, top_ids, top_lp = logprobs(logits, tokens, top_n)
             else:
-                idx = torch.tensor(want).to(dev, non_blocking=True)
+                idx = _upload(torch.tensor(want), dev)
                 chosen, top_ids, top_lp = logprobs(logits[idx], tokens[idx], top_n)
             # One copy for the tokens and every logprob: fp64 holds the ids and the fp32 logprobs exactly.
             pack = torch.cat([tokens.double(), chosen.double(), top_ids.double().flatten(), top_lp.double().flatten()])
