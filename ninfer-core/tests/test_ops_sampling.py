@@ -60,7 +60,7 @@ def test_top_k_candidates_path_draws_what_the_full_sort_draws():
     top_p = torch.tensor([1.0, 0.9, 1.0, 0.5, 0.95])
     min_p = torch.tensor([0.0, 0.0, 0.0, 0.1, 0.02])
     for seed in range(40):
-        def draw(**kw):
+        def draw(seed=seed, **kw):
             gens = [torch.Generator().manual_seed(seed * 10 + r) for r in range(B)]
             return sample(logits, temperature, top_k, top_p, min_p, gens, **kw)
 
