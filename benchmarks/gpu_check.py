@@ -271,6 +271,14 @@ def check_rms_norm(ctx: Ctx) -> None:
             run(x, w, out)
             ctx.record(f"x{list(shape)}", out, rms_norm_ref(*fp32(x, w), d["eps"]), 5e-3,
                        make=lambda inputs=inputs, run=run: partial(run, *inputs()), nbytes=nbytes(x, w, out))
+        # The model's q: the query half of each head's [query | gate] block, read in place (no copy).
+        qg = ctx.randn(n, d["heads"], 2 * d["head_dim"])
+        q, w = qg[..., :d["head_dim"]], ctx.randn(d["head_dim"], scale=0.1)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        poison(out)
+        rms_norm(q, w, d["eps"], out=out)
+        ctx.record(f"q of [query|gate] [{n},{d['heads']},{2 * d['head_dim']}]", out,
+                   rms_norm_ref(*fp32(q, w), d["eps"]), 5e-3)
 
 
 @check("rms_norm_gated")
@@ -292,6 +300,14 @@ def check_rms_norm_gated(ctx: Ctx) -> None:
         run(x, z, w, out)
         ctx.record(f"x,z[{n},{d['hv']},{d['dv']}]", out, rms_norm_gated_ref(*fp32(x, z, w), d["eps"]), 5e-3,
                    make=lambda inputs=inputs, run=run: partial(run, *inputs()), nbytes=nbytes(x, z, w, out))
+        # z as the model passes it: a column slice of the in_proj output row, viewed per value head.
+        C, V = d["conv_dim"], d["hv"] * d["dv"]
+        proj = ctx.randn(n, C + V + 2 * d["hv"])
+        z = proj[:, C:C + V].reshape(n, d["hv"], d["dv"])
+        poison(out)
+        run(x, z, w, out)
+        ctx.record(f"z sliced from in_proj [{n},{C + V + 2 * d['hv']}]", out,
+                   rms_norm_gated_ref(*fp32(x, z, w), d["eps"]), 5e-3)
 
 
 @check("add_rms_norm")

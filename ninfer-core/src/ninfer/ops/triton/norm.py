@@ -9,14 +9,18 @@ import triton.language as tl
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, w_ptr, z_ptr, y_ptr, R, s_xr, s_zr, s_yr, D, eps,
+    x_ptr, w_ptr, z_ptr, y_ptr, R, H1, s_x0, s_x1, s_z0, s_z1, s_yr, D, eps,
     ONE_PLUS: tl.constexpr, GATED: tl.constexpr, ROUND_WN: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
+    # Row r of x (and z) is [r // H1, r % H1] of a [R / H1, H1, D] strided view: per-head rows of a slice of
+    # a wider projection output are read in place, with no copy to make them contiguous.
     rr = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    r0 = rr // H1
+    r1 = rr - r0 * H1
     dd = tl.arange(0, BLOCK_D)
     mask = (rr < R)[:, None] & (dd < D)[None, :]
-    x = tl.load(x_ptr + rr[:, None] * s_xr + dd[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + (r0 * s_x0 + r1 * s_x1)[:, None] + dd[None, :], mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + dd, mask=dd < D, other=0.0).to(tl.float32)
     normed = x * tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
     if GATED:
@@ -26,7 +30,7 @@ def _rms_norm_kernel(
         y = w[None, :] * normed.to(dt).to(tl.float32)
         if ROUND_WN:
             y = y.to(dt).to(tl.float32)
-        z = tl.load(z_ptr + rr[:, None] * s_zr + dd[None, :], mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + (r0 * s_z0 + r1 * s_z1)[:, None] + dd[None, :], mask=mask, other=0.0).to(tl.float32)
         y = y * (z * tl.sigmoid(z))
     elif ONE_PLUS:
         y = normed * (1.0 + w[None, :])
@@ -42,22 +46,33 @@ def _rows(x, D: int, what: str):
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
+def _heads(x, D: int, what: str):
+    """x [..., D] as a [A, H1, D] view (H1 = the second-to-last dim) with a contiguous last dim; a copy only
+    when the leading dims cannot merge or the last dim is strided."""
+    if x.shape[-1] != D:
+        raise ValueError(f"{what}: last dimension {x.shape[-1]} does not match the weight's {D}")
+    x3 = x.reshape(-1, x.shape[-2] if x.dim() >= 2 else 1, D)
+    return x3 if x3.stride(-1) == 1 else x3.contiguous()
+
+
 def _launch(x, z, weight, eps, one_plus, gated, out):
     D = weight.shape[0]
-    x2 = _rows(x, D, "rms_norm")
-    z2 = _rows(z, D, "rms_norm_gated") if gated else x2
-    if gated and z2.shape != x2.shape:
-        raise ValueError(f"rms_norm_gated: x {tuple(x.shape)} and z {tuple(z.shape)} differ")
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.numel() == 0:  # no rows (and no head dim to view them by)
+        return out
+    x3 = _heads(x, D, "rms_norm")
+    z3 = _heads(z, D, "rms_norm_gated") if gated else x3
+    if gated and z3.shape != x3.shape:
+        raise ValueError(f"rms_norm_gated: x {tuple(x.shape)} and z {tuple(z.shape)} differ")
     y2 = out.view(-1, D)
-    R = x2.shape[0]
+    R, H1 = x3.shape[0] * x3.shape[1], x3.shape[1]
     if R == 0:
         return out
     block_d = triton.next_power_of_2(D)
     rows = max(1, min(16, 2048 // block_d))
     _rms_norm_kernel[(triton.cdiv(R, rows),)](
-        x2, weight, z2, y2, R, x2.stride(0), z2.stride(0), y2.stride(0), D, eps,
+        x3, weight, z3, y2, R, H1, x3.stride(0), x3.stride(1), z3.stride(0), z3.stride(1), y2.stride(0), D, eps,
         ONE_PLUS=bool(one_plus), GATED=gated, ROUND_WN=torch.promote_types(weight.dtype, x.dtype) == x.dtype,
         ROWS=rows, BLOCK_D=block_d,
         num_warps=8 if block_d >= 4096 else 4,
