@@ -272,3 +272,41 @@ def test_stop_token_inside_a_pipelined_decode_phase(parts, alone, seeded):
     assert all(r.finish_reason is FinishReason.STOP for r in results)
     settled(eng)
     eng.close()
+
+
+def test_queue_timeout_and_waiting_cancel_settle_while_a_resident_decodes(parts):
+    """With every lane taken the resident's decode stays pipelined, yet requests waiting for a lane still
+    time out and cancel on time, and the resident's output is what it gives alone."""
+    from ninfer.engine.errors import QueueTimeout
+
+    alone = make_engine(parts, max_concurrency=1)
+    solo = alone.generate(req([5, 6, 7], max_tokens=100), timeout=120).token_ids
+    alone.close()
+    eng = make_engine(parts, max_concurrency=1)
+    prog, chained_with_queue = eng.instance.program, []
+    launch = prog.launch_decode
+
+    def watched(ids, *, after=None):  # on the worker
+        if after is not None and eng._core.scheduler.waiting:
+            chained_with_queue.append(len(ids))
+        return launch(ids, after=after)
+
+    prog.launch_decode = watched
+    long = eng.submit(req([5, 6, 7], max_tokens=100))
+    events = iter(long)
+    assert isinstance(next(events), GenerationStart)
+    next(events)  # its first token: it is resident and decoding
+    queued = eng.submit(GenerationRequest(input=TextInput(token_ids=(1, 2)),
+                                          sampling=SamplingParams(max_tokens=4), queue_timeout_s=0.05))
+    leaver = eng.submit(req([3, 4], max_tokens=4))
+    leaver.cancel()
+    assert queued.result(timeout=30).finish_reason is FinishReason.ERROR
+    assert isinstance(queued.exception(), QueueTimeout)
+    assert leaver.result(timeout=30).finish_reason is FinishReason.CANCELLED
+    waiter = eng.submit(req([3, 4], max_tokens=4))  # waits for the lane until the long request ends
+    rest = list(events)
+    assert isinstance(rest[-1], GenerationResult) and rest[-1].token_ids == solo
+    assert len(waiter.result(timeout=30).token_ids) == 4
+    assert chained_with_queue  # a full house with a queue still decodes pipelined
+    settled(eng)
+    eng.close()

@@ -440,6 +440,9 @@ class EngineCore:
         behind it on its device-resident tokens, so the device runs while the host settles this one."""
         unit, rows = self.ahead
         self.ahead = None
+        # Cancellations, deadlines and queue timeouts settle every cycle, pipelined or not (a resident ended
+        # here is released; its launched row is left out when the unit is collected).
+        self._settle_cancellations()
         nxt = self.program.launch_decode(unit.sequence_ids, after=unit) if self._steady(rows) else None
         if nxt is not None:
             self.ahead = (nxt, rows)
@@ -449,11 +452,15 @@ class EngineCore:
     def _steady(self, rows: list[RequestRecord]) -> bool:
         """Whether the next cycle would decode exactly these rows again, assuming none of them ends now.
 
-        Anything else pending (arrivals, waiting or paused requests, prefill, cancellation, a deadline,
-        the last token of a row's budget, a full KV pool, closing) lets the pipeline drain first.
+        Anything else that could happen (an arrival, an admission into a free lane, a resume after a
+        capacity event, a prefill, a cancellation or deadline, the last token of a row's budget, a full KV
+        pool, a worker call, closing) lets the pipeline drain first. Requests waiting for a lane, or paused
+        with no capacity event since, do not: the next cycle could not start them either.
         """
         s = self.scheduler
-        if self.inbox or self.closing or self.calls or s.waiting or s.paused or len(s.residents) != len(rows):
+        if self.inbox or self.closing or self.calls or len(s.residents) != len(rows):
+            return False
+        if (s.waiting and s.free_lanes > 0) or (s.paused and (self.capacity_event or s.protected is not None)):
             return False
         for rec in rows:
             if rec.state is not RequestState.DECODE_READY or self._cancel_reason(rec) is not None \
