@@ -271,14 +271,22 @@ def check_rms_norm(ctx: Ctx) -> None:
             run(x, w, out)
             ctx.record(f"x{list(shape)}", out, rms_norm_ref(*fp32(x, w), d["eps"]), 5e-3,
                        make=lambda inputs=inputs, run=run: partial(run, *inputs()), nbytes=nbytes(x, w, out))
-        # The model's q: the query half of each head's [query | gate] block, read in place (no copy).
+        # The model's q: the query half of each head's [query | gate] block, read in place (heads=True) or
+        # copied to rows first (the default until STRIDED_HEADS is set after this check).
         qg = ctx.randn(n, d["heads"], 2 * d["head_dim"])
         q, w = qg[..., :d["head_dim"]], ctx.randn(d["head_dim"], scale=0.1)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        poison(out)
-        rms_norm(q, w, d["eps"], out=out)
-        ctx.record(f"q of [query|gate] [{n},{d['heads']},{2 * d['head_dim']}]", out,
-                   rms_norm_ref(*fp32(q, w), d["eps"]), 5e-3)
+        for heads in (False, True):
+            poison(out)
+            rms_norm(q, w, d["eps"], out=out, heads=heads)
+            ctx.record(f"q of [query|gate] [{n},{d['heads']},{2 * d['head_dim']}] heads={heads}", out,
+                       rms_norm_ref(*fp32(q, w), d["eps"]), 5e-3,
+                       make=lambda n=n, h=heads: partial(rms_norm, ctx.randn(n, d["heads"], 2 * d["head_dim"])[
+                           ..., :d["head_dim"]], ctx.randn(d["head_dim"]), d["eps"], heads=h))
+        for heads in (False, True):  # plain rows through both addressings
+            x, w = ctx.randn(n, d["hidden"]), ctx.randn(d["hidden"], scale=0.1)
+            ctx.record(f"x[{n},{d['hidden']}] heads={heads}", rms_norm(x, w, d["eps"], heads=heads),
+                       rms_norm_ref(*fp32(x, w), d["eps"]), 5e-3)
 
 
 @check("rms_norm_gated")
@@ -304,10 +312,11 @@ def check_rms_norm_gated(ctx: Ctx) -> None:
         C, V = d["conv_dim"], d["hv"] * d["dv"]
         proj = ctx.randn(n, C + V + 2 * d["hv"])
         z = proj[:, C:C + V].reshape(n, d["hv"], d["dv"])
-        poison(out)
-        run(x, z, w, out)
-        ctx.record(f"z sliced from in_proj [{n},{C + V + 2 * d['hv']}]", out,
-                   rms_norm_gated_ref(*fp32(x, z, w), d["eps"]), 5e-3)
+        for heads in (False, True):
+            poison(out)
+            rms_norm_gated(x, z, w, d["eps"], out=out, heads=heads)
+            ctx.record(f"z sliced from in_proj [{n},{C + V + 2 * d['hv']}] heads={heads}", out,
+                       rms_norm_gated_ref(*fp32(x, z, w), d["eps"]), 5e-3)
 
 
 @check("add_rms_norm")

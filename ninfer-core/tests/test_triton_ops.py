@@ -59,11 +59,13 @@ def test_rms_norms(dtype, tol):
     # model hands them over: [N, heads, D] views whose rows cannot be flattened without a copy.
     proj = _randn(3, 4 * 96 + 20, gen=gen, dtype=dtype)
     q = proj[:, :4 * 96].view(3, 4, 96)[..., :48]
-    _close(t_norm.rms_norm(q, w, 1e-6), norm.rms_norm_ref(q, w, 1e-6), tol)
     zs = proj[:, 20:20 + 4 * 48].reshape(3, 4, 48)
     xs = _randn(3, 4, 48, gen=gen, dtype=dtype)
-    _close(t_norm.rms_norm_gated(xs, zs, w, 1e-6), norm.rms_norm_gated_ref(xs, zs, w, 1e-6), tol)
-    assert t_norm.rms_norm(x[:0], w, 1e-6).shape == (0, 5, 48)
+    for heads in (False, True):  # copied to rows first, or read in place
+        _close(t_norm.rms_norm(q, w, 1e-6, heads=heads), norm.rms_norm_ref(q, w, 1e-6), tol)
+        _close(t_norm.rms_norm_gated(xs, zs, w, 1e-6, heads=heads), norm.rms_norm_gated_ref(xs, zs, w, 1e-6), tol)
+        _close(t_norm.rms_norm(x, w, 1e-6, heads=heads), norm.rms_norm_ref(x, w, 1e-6), tol)
+        assert t_norm.rms_norm(x[:0], w, 1e-6, heads=heads).shape == (0, 5, 48)
 
 
 def test_silu_and_mul_rope_and_gates():

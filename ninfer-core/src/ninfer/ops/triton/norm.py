@@ -7,20 +7,31 @@ import triton
 import triton.language as tl
 
 
+# Per-head rows read in place (HEADS): written in session 2 after the H200 check of this kernel; until
+# scripts/gpu-pending linear re-checks it on the GPU, inputs that do not flatten to rows are copied (as before).
+STRIDED_HEADS = False
+
+
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, w_ptr, z_ptr, y_ptr, R, H1, s_x0, s_x1, s_z0, s_z1, s_yr, D, eps,
     ONE_PLUS: tl.constexpr, GATED: tl.constexpr, ROUND_WN: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, HEADS: tl.constexpr,
 ):
-    # Row r of x (and z) is [r // H1, r % H1] of a [R / H1, H1, D] strided view: per-head rows of a slice of
-    # a wider projection output are read in place, with no copy to make them contiguous.
     rr = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-    r0 = rr // H1
-    r1 = rr - r0 * H1
+    if HEADS:
+        # Row r of x (and z) is [r // H1, r % H1] of a [R / H1, H1, D] strided view: per-head rows of a slice
+        # of a wider projection output are read in place, with no copy to make them contiguous.
+        r0 = rr // H1
+        r1 = rr - r0 * H1
+        x_off = r0 * s_x0 + r1 * s_x1
+        z_off = r0 * s_z0 + r1 * s_z1
+    else:  # rows of a [R, D] view (strides s_x1, s_z1)
+        x_off = rr * s_x1
+        z_off = rr * s_z1
     dd = tl.arange(0, BLOCK_D)
     mask = (rr < R)[:, None] & (dd < D)[None, :]
-    x = tl.load(x_ptr + (r0 * s_x0 + r1 * s_x1)[:, None] + dd[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + x_off[:, None] + dd[None, :], mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + dd, mask=dd < D, other=0.0).to(tl.float32)
     normed = x * tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
     if GATED:
@@ -30,7 +41,7 @@ def _rms_norm_kernel(
         y = w[None, :] * normed.to(dt).to(tl.float32)
         if ROUND_WN:
             y = y.to(dt).to(tl.float32)
-        z = tl.load(z_ptr + (r0 * s_z0 + r1 * s_z1)[:, None] + dd[None, :], mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + z_off[:, None] + dd[None, :], mask=mask, other=0.0).to(tl.float32)
         y = y * (z * tl.sigmoid(z))
     elif ONE_PLUS:
         y = normed * (1.0 + w[None, :])
@@ -55,14 +66,16 @@ def _heads(x, D: int, what: str):
     return x3 if x3.stride(-1) == 1 else x3.contiguous()
 
 
-def _launch(x, z, weight, eps, one_plus, gated, out):
+def _launch(x, z, weight, eps, one_plus, gated, out, heads):
     D = weight.shape[0]
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.numel() == 0:  # no rows (and no head dim to view them by)
         return out
-    x3 = _heads(x, D, "rms_norm")
-    z3 = _heads(z, D, "rms_norm_gated") if gated else x3
+    heads = STRIDED_HEADS if heads is None else heads
+    view = _heads if heads else (lambda t, D, what: _rows(t, D, what)[None])  # [1, R, D]: rows, stride s_x1
+    x3 = view(x, D, "rms_norm")
+    z3 = view(z, D, "rms_norm_gated") if gated else x3
     if gated and z3.shape != x3.shape:
         raise ValueError(f"rms_norm_gated: x {tuple(x.shape)} and z {tuple(z.shape)} differ")
     y2 = out.view(-1, D)
@@ -73,6 +86,7 @@ def _launch(x, z, weight, eps, one_plus, gated, out):
     rows = max(1, min(16, 2048 // block_d))
     _rms_norm_kernel[(triton.cdiv(R, rows),)](
         x3, weight, z3, y2, R, H1, x3.stride(0), x3.stride(1), z3.stride(0), z3.stride(1), y2.stride(0), D, eps,
+        HEADS=bool(heads),
         ONE_PLUS=bool(one_plus), GATED=gated, ROUND_WN=torch.promote_types(weight.dtype, x.dtype) == x.dtype,
         ROWS=rows, BLOCK_D=block_d,
         num_warps=8 if block_d >= 4096 else 4,
@@ -80,14 +94,15 @@ def _launch(x, z, weight, eps, one_plus, gated, out):
     return out
 
 
-def rms_norm(x, weight, eps: float, *, one_plus: bool = True, out=None):
-    """y = x * rsqrt(mean(x^2) + eps) * (1 + w) (or * w), in fp32, cast to x.dtype."""
-    return _launch(x, None, weight, eps, one_plus, False, out)
+def rms_norm(x, weight, eps: float, *, one_plus: bool = True, out=None, heads: bool | None = None):
+    """y = x * rsqrt(mean(x^2) + eps) * (1 + w) (or * w), in fp32, cast to x.dtype. ``heads``: read per-head
+    rows in place (default ``STRIDED_HEADS``)."""
+    return _launch(x, None, weight, eps, one_plus, False, out, heads)
 
 
-def rms_norm_gated(x, z, weight, eps: float, *, out=None):
+def rms_norm_gated(x, z, weight, eps: float, *, out=None, heads: bool | None = None):
     """Qwen3.5 GDN output norm: (w * normed(x).to(dtype)) * silu(z.float()), cast to x.dtype."""
-    return _launch(x, z, weight, eps, False, True, out)
+    return _launch(x, z, weight, eps, False, True, out, heads)
 
 
 @triton.jit
