@@ -6,7 +6,6 @@ import torch
 import triton
 import triton.language as tl
 
-
 # Per-head rows read in place (HEADS): written in session 2 after the H200 check of this kernel; until
 # scripts/gpu-pending linear re-checks it on the GPU, inputs that do not flatten to rows are copied (as before).
 STRIDED_HEADS = False
