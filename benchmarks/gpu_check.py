@@ -400,6 +400,52 @@ def check_linear(ctx: Ctx) -> None:
                                        linear, *inputs(M), block_n=bn, block_k=bk, split_k=sp))
 
 
+@check("linear_fused")
+def check_linear_fused(ctx: Ctx) -> None:
+    """The MLP's down projection with silu_and_mul fused in and o_proj with attention's sigmoid gate fused in,
+    against fp32 and against the unfused kernels they replace (timed side by side)."""
+    import torch.nn.functional as F
+
+    from ninfer.ops.linear import linear_sigmoid_gate_ref, linear_silu_mul_ref
+    from ninfer.ops.triton.activation import silu_and_mul
+    from ninfer.ops.triton.linear import linear, linear_sigmoid_gate, linear_silu_mul
+
+    d = dims(ctx.cfg)
+    H, inter, nh, hd = ctx.cfg["hidden_size"], d["inter"], ctx.cfg["num_attention_heads"], d["head_dim"]
+    for M in ([1, 3] if ctx.tiny else [1, 8]):
+        def mlp_inputs(M=M):
+            return ctx.randn(M, 2 * inter), ctx.randn(H, inter, scale=inter ** -0.5)
+
+        gate_up, w = mlp_inputs()
+        moved = nbytes(gate_up, w) + M * H * gate_up.element_size()
+        y = linear_silu_mul(gate_up, w)
+        same = torch.equal(y, linear(silu_and_mul(gate_up), w))
+        ctx.record(f"silu_mul [{H}x{inter}] M={M} (== unfused bitwise: {same})", y,
+                   linear_silu_mul_ref(gate_up.float(), w.float()), 5e-3, nbytes=moved,
+                   make=lambda f=mlp_inputs: partial(linear_silu_mul, *f()),
+                   extra_ok=same or gate_up.dtype == torch.float32)  # fp32 (CPU smoke) is unfused torch
+        ctx.timing(f"silu_mul [{H}x{inter}] M={M} unfused Triton", nbytes=moved,
+                   make=lambda f=mlp_inputs: partial(lambda a, b: linear(silu_and_mul(a), b), *f()))
+        ctx.timing(f"silu_mul [{H}x{inter}] M={M} unfused cuBLAS", nbytes=moved,
+                   make=lambda f=mlp_inputs: partial(lambda a, b: F.linear(silu_and_mul(a), b), *f()))
+
+        def attn_inputs(M=M):
+            q_gate = ctx.randn(M, nh, 2 * hd)  # each head's block is [query | gate]
+            return ctx.randn(M, nh, hd), q_gate[..., hd:], ctx.randn(H, nh * hd, scale=(nh * hd) ** -0.5)
+
+        x, gate, w = attn_inputs()
+        moved = nbytes(x, w) + x.numel() * x.element_size() + M * H * x.element_size()
+        y = linear_sigmoid_gate(x, gate, w)
+        unfused = linear((x * torch.sigmoid(gate)).flatten(-2), w)
+        ctx.record(f"sigmoid_gate [{H}x{nh * hd}] M={M} (max |fused - unfused| "
+                   f"{(y.float() - unfused.float()).abs().max().item():.1e})", y,
+                   linear_sigmoid_gate_ref(x.float(), gate.float(), w.float()), 5e-3, nbytes=moved,
+                   make=lambda f=attn_inputs: partial(linear_sigmoid_gate, *f()))
+        ctx.timing(f"sigmoid_gate [{H}x{nh * hd}] M={M} unfused Triton", nbytes=moved,
+                   make=lambda f=attn_inputs: partial(
+                       lambda a, g, b: linear((a * torch.sigmoid(g)).flatten(-2), b), *f()))
+
+
 @check("silu_and_mul")
 def check_silu_and_mul(ctx: Ctx) -> None:
     from ninfer.ops.activation import silu_and_mul_ref

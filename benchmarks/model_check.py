@@ -2,10 +2,15 @@
 the same weights in fp32 (pure-torch reference ops), logit by logit.
 
 bf16 itself moves the logits of a deep random-weight model a lot (measured: 9.8e-2 relative error and
-78% top-1 agreement for the 0.8B shape with the pure-torch bf16 references on CPU; 1.18e-1 and 67% for the
-9B shape with the Triton kernels on the H200). So the check also runs the bf16 pure-torch reference path and
-states its tolerance against it: the kernels may add at most 25% to the bf16 reference's error and lose at
-most 5 points of top-1 agreement.
+78% top-1 agreement for the 0.8B shape with the pure-torch bf16 references on CPU; 1.18e-1 and 67-73% for
+the 9B shape with the Triton kernels on the H200). So the check also runs the bf16 pure-torch reference path
+and states its tolerance against it: the kernels may add at most 25% to the bf16 reference's logit error
+and to its top-1 regret (+0.01 nats), the mean fp32 log-probability lost by taking the path's argmax instead
+of fp32's. Top-1 agreement is reported but not judged: a random model's top logits are near ties, and the
+same 9B fast path measured 67% and 73% in two runs with the same logit error.
+
+The fast path runs twice: the prompt in one prefill (projections on cuBLAS) and in 8-token chunks (the
+few-row Triton linear and the chunked-prefill state hand-over, as in decode at B=8).
 
 The weights are random (one fp32 set, cast to bf16 for the fast path), the prompt is random token ids, and
 both paths run the real Program's prefill (``score_window``-style packing) and the model's lm_head for every
@@ -30,7 +35,8 @@ from benchmarks.shapes import SHAPES
 
 # Stated tolerances, relative to the bf16 pure-torch reference path (‖x - fp32‖ / ‖fp32‖ over every position).
 REL_FACTOR = 1.25
-TOP1_SLACK = 0.05
+REGRET_SLACK = 0.01  # nats
+CHUNK = 8
 
 
 def _weights(shape: str, device: str, seed: int):
@@ -56,7 +62,8 @@ def _weights(shape: str, device: str, seed: int):
     return config, WeightSet.from_tensors(tensors, fused_parents(config))
 
 
-def _logits(config, weights, dtype: torch.dtype, device: str, tokens: list[int]) -> torch.Tensor:
+def _logits(config, weights, dtype: torch.dtype, device: str, tokens: list[int], chunk: int | None = None
+            ) -> torch.Tensor:
     from ninfer_qwen35.execution.model import Qwen35Model
     from ninfer_qwen35.execution.parameters import Qwen35Parameters
     from ninfer_qwen35.program import Qwen35Program
@@ -74,9 +81,14 @@ def _logits(config, weights, dtype: torch.dtype, device: str, tokens: list[int])
     pages = program.pool.allocator.allocate(-(-n // pool.page_size))
     try:
         with torch.inference_mode():
-            batch = build_forward_batch([RowInput(tokens=tokens, start=0, slot=slot, pages=pages, want_logits=False)],
-                                        pool.page_size, torch.device(device))
-            hidden = program.model.forward(batch, program.views)
+            step = chunk or n
+            hidden = []
+            for s in range(0, n, step):
+                batch = build_forward_batch(
+                    [RowInput(tokens=tokens[s:s + step], start=s, slot=slot, pages=pages, want_logits=False)],
+                    pool.page_size, torch.device(device))
+                hidden.append(program.model.forward(batch, program.views))
+            hidden = torch.cat(hidden)
             out = torch.cat([model.logits(hidden[i:i + 64]).float() for i in range(0, n, 64)])
     finally:
         program.pool.allocator.free(pages)
@@ -90,9 +102,12 @@ def _logits(config, weights, dtype: torch.dtype, device: str, tokens: list[int])
 def _errors(x: torch.Tensor, ref: torch.Tensor, ids: list[int]) -> dict:
     rel = ((x - ref).norm(dim=-1) / ref.norm(dim=-1)).cpu()
     target = torch.tensor(ids[1:] + [ids[0]], device=ref.device)[:, None]
-    lp_diff = (ref.log_softmax(-1).gather(1, target) - x.log_softmax(-1).gather(1, target)).abs().max().item()
+    ref_lp = ref.log_softmax(-1)
+    lp_diff = (ref_lp.gather(1, target) - x.log_softmax(-1).gather(1, target)).abs().max().item()
+    regret = ref_lp.max(-1).values - ref_lp.gather(1, x.argmax(-1, keepdim=True))[:, 0]
     return {"rel_all": ((x - ref).norm() / ref.norm()).item(), "rel_max": rel.max().item(),
             "rel_median": rel.median().item(), "top1_agree": (x.argmax(-1) == ref.argmax(-1)).float().mean().item(),
+            "top1_regret": regret.mean().item(), "top1_regret_max": regret.max().item(),
             "max_token_logprob_diff": lp_diff}
 
 
@@ -107,16 +122,19 @@ def run(shape: str, device: str, tokens: int, seed: int = 0) -> dict:
         ref_bf16 = _logits(config, weights, torch.bfloat16, device, ids)
         os.environ.pop("NINFER_OPS")
         fast = _logits(config, weights, torch.bfloat16, device, ids)
+        fast_chunked = _logits(config, weights, torch.bfloat16, device, ids, chunk=CHUNK)
     finally:
         if saved is None:
             os.environ.pop("NINFER_OPS", None)
         else:
             os.environ["NINFER_OPS"] = saved
     res = {"shape": shape, "device": device, "tokens": tokens, "fast_bf16": _errors(fast, ref, ids),
-           "reference_bf16": _errors(ref_bf16, ref, ids), "rel_factor": REL_FACTOR, "top1_slack": TOP1_SLACK}
-    f, r = res["fast_bf16"], res["reference_bf16"]
-    res["ok"] = bool(math.isfinite(f["rel_all"]) and f["rel_all"] <= REL_FACTOR * r["rel_all"] + 1e-3
-                     and f["top1_agree"] >= r["top1_agree"] - TOP1_SLACK)
+           f"fast_bf16_chunk{CHUNK}": _errors(fast_chunked, ref, ids), "reference_bf16": _errors(ref_bf16, ref, ids),
+           "rel_factor": REL_FACTOR, "regret_slack": REGRET_SLACK}
+    r = res["reference_bf16"]
+    res["ok"] = all(math.isfinite(f["rel_all"]) and f["rel_all"] <= REL_FACTOR * r["rel_all"] + 1e-3
+                    and f["top1_regret"] <= REL_FACTOR * r["top1_regret"] + REGRET_SLACK
+                    for f in (res["fast_bf16"], res[f"fast_bf16_chunk{CHUNK}"]))
     return res
 
 
@@ -128,14 +146,16 @@ def main(argv=None) -> int:
     p.add_argument("--json")
     args = p.parse_args(argv)
     res = run(args.shape, args.device, args.tokens)
-    print("| shape | tokens | path | logits rel err all | per position max / median | top-1 agree | "
-          "max token logprob diff |")
-    print("|---|---|---|---|---|---|---|")
-    for path in ("reference_bf16", "fast_bf16"):
+    print("| shape | tokens | path | logits rel err all | per position max / median | top-1 regret mean / max "
+          "(nats) | top-1 agree | max token logprob diff |")
+    print("|---|---|---|---|---|---|---|---|")
+    for path in ("reference_bf16", "fast_bf16", f"fast_bf16_chunk{CHUNK}"):
         e = res[path]
         print(f"| {res['shape']} | {res['tokens']} | {path} vs fp32 | {e['rel_all']:.2e} | {e['rel_max']:.2e} / "
-              f"{e['rel_median']:.2e} | {e['top1_agree']:.3f} | {e['max_token_logprob_diff']:.3f} |")
-    print(f"ok={res['ok']} (fast error <= {REL_FACTOR} x reference error, top-1 within {TOP1_SLACK})")
+              f"{e['rel_median']:.2e} | {e['top1_regret']:.4f} / {e['top1_regret_max']:.3f} | "
+              f"{e['top1_agree']:.3f} | {e['max_token_logprob_diff']:.3f} |")
+    print(f"ok={res['ok']} (fast paths: logit error and top-1 regret <= {REL_FACTOR} x the bf16 reference's, "
+          f"regret + {REGRET_SLACK})")
     print(json.dumps(res))
     if args.json:
         with open(args.json, "w") as f:

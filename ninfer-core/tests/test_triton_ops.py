@@ -217,3 +217,34 @@ def test_linear_rows_kernel():
         _close(t_linear.linear(many, w), linear_ref(many.float(), w.float()), 2e-3)
     cfg = t_linear.default_config(4096, 4096)
     assert cfg[2] > 1 and t_linear.default_config(248320, 4096)[2] == 1  # small N splits K, the lm_head does not
+
+
+@pytest.mark.parametrize("split", [1, 3])
+def test_linear_fused_prologues(split):
+    """linear_silu_mul == silu_and_mul then linear (bitwise: the same roundings and tl.sigmoid), and
+    linear_sigmoid_gate == x * sigmoid(gate) then linear with the gate a strided per-head slice, both near an
+    fp32 reference; more rows than MAX_ROWS take the unfused ops."""
+    from ninfer.ops.linear import linear_sigmoid_gate_ref, linear_silu_mul_ref
+    from ninfer.ops.triton import linear as t_linear
+
+    gen = _gen(11)
+    N, K = 40, 192
+    cfg = dict(block_n=16, block_k=32, split_k=split)
+    w = _randn(N, K, gen=gen, dtype=torch.float16) * 0.1
+    gate_up = _randn(5, 2 * K, gen=gen, dtype=torch.float16)
+    fused = t_linear.linear_silu_mul(gate_up, w, **cfg)
+    assert torch.equal(fused, t_linear.linear(t_activation.silu_and_mul(gate_up), w, **cfg))
+    _close(fused, linear_silu_mul_ref(gate_up.float(), w.float()), 5e-3)
+    assert torch.equal(t_linear.linear_silu_mul(gate_up[3:4], w, **cfg), fused[3:4])  # rows stay independent
+
+    heads, D = 4, K // 4
+    q_gate = _randn(5, heads, 2 * D, gen=gen, dtype=torch.float16)  # each head's block is [query | gate]
+    x, gate = _randn(5, heads, D, gen=gen, dtype=torch.float16), q_gate[..., D:]
+    fused = t_linear.linear_sigmoid_gate(x, gate, w, **cfg)
+    _close(fused, t_linear.linear((x * torch.sigmoid(gate)).flatten(-2), w, **cfg), 2e-3)
+    _close(fused, linear_sigmoid_gate_ref(x.float(), gate.float(), w.float()), 5e-3)
+    if DEV == "cuda":  # prefill-sized: the unfused ops (cuBLAS), which the CPU lacks for fp16 everywhere
+        many = _randn(t_linear.MAX_ROWS + 1, 2 * K, gen=gen, dtype=torch.float16)
+        _close(t_linear.linear_silu_mul(many, w), linear_silu_mul_ref(many.float(), w.float()), 5e-3)
+    with pytest.raises(ValueError, match="gate"):
+        t_linear.linear_silu_mul(gate_up[:, :K], w)

@@ -15,10 +15,11 @@ from ninfer.ops import (
     gdn_gates,
     gdn_prefill,
     linear,
+    linear_sigmoid_gate,
+    linear_silu_mul,
     paged_attention,
     rms_norm,
     rms_norm_gated,
-    silu_and_mul,
     write_kv,
 )
 from ninfer_qwen35.config import Qwen35Config
@@ -79,9 +80,8 @@ def attention_mixer(c: Qwen35Config, p: AttentionParams, x: torch.Tensor, batch:
     write_kv(k, v.view(N, kvh, d), k_cache, v_cache, batch.slot_mapping)
     o = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
                         batch.max_query_len, batch.max_seq_len, d ** -0.5)
-    o = o * torch.sigmoid(gate)
-    return linear(o.reshape(N, nh * d), p.o_proj)
+    return linear_sigmoid_gate(o.reshape(N, nh, d), gate, p.o_proj)
 
 
 def mlp(p: MLPParams, x: torch.Tensor) -> torch.Tensor:
-    return linear(silu_and_mul(p.gate_up.matmul(x)), p.down)
+    return linear_silu_mul(p.gate_up.matmul(x), p.down)

@@ -6,9 +6,10 @@ import torch
 import triton
 import triton.language as tl
 
-# Per-head rows read in place (HEADS): written in session 2 after the H200 check of this kernel; until
-# scripts/gpu-pending linear re-checks it on the GPU, inputs that do not flatten to rows are copied (as before).
-STRIDED_HEADS = False
+# Per-head rows of column slices (q of [query|gate], GDN's z) are read in place (HEADS) rather than copied
+# to contiguous rows first; checked on the H200 by scripts/gpu-pending linear (2026-11-29, every heads=True row
+# equal in error to the copying path). False restores the copy.
+STRIDED_HEADS = True
 
 
 @triton.jit
