@@ -400,50 +400,59 @@ def check_linear(ctx: Ctx) -> None:
                                        linear, *inputs(M), block_n=bn, block_k=bk, split_k=sp))
 
 
-@check("linear_fused")
-def check_linear_fused(ctx: Ctx) -> None:
-    """The MLP's down projection with silu_and_mul fused in and o_proj with attention's sigmoid gate fused in,
-    against fp32 and against the unfused kernels they replace (timed side by side)."""
+@check("swiglu")
+def check_swiglu(ctx: Ctx) -> None:
+    """The MLP's gate_up projection with silu_and_mul as its epilogue, against fp32 and against the unfused
+    kernels it replaces (timed side by side)."""
     import torch.nn.functional as F
 
-    from ninfer.ops.linear import linear_sigmoid_gate_ref, linear_silu_mul_ref
+    from ninfer.ops.linear import swiglu_ref
     from ninfer.ops.triton.activation import silu_and_mul
-    from ninfer.ops.triton.linear import linear, linear_sigmoid_gate, linear_silu_mul
+    from ninfer.ops.triton.linear import linear, swiglu
 
-    d = dims(ctx.cfg)
-    H, inter, nh, hd = ctx.cfg["hidden_size"], d["inter"], ctx.cfg["num_attention_heads"], d["head_dim"]
-    for M in ([1, 3] if ctx.tiny else [1, 8]):
-        def mlp_inputs(M=M):
-            return ctx.randn(M, 2 * inter), ctx.randn(H, inter, scale=inter ** -0.5)
+    H, inter = ctx.cfg["hidden_size"], dims(ctx.cfg)["inter"]
+    for M in ([1, 3] if ctx.tiny else [1, 2, 4, 8]):
+        def inputs(M=M):
+            return ctx.randn(M, H), ctx.randn(2 * inter, H, scale=H ** -0.5)
 
-        gate_up, w = mlp_inputs()
-        moved = nbytes(gate_up, w) + M * H * gate_up.element_size()
-        y = linear_silu_mul(gate_up, w)
-        same = torch.equal(y, linear(silu_and_mul(gate_up), w))
-        ctx.record(f"silu_mul [{H}x{inter}] M={M} (== unfused bitwise: {same})", y,
-                   linear_silu_mul_ref(gate_up.float(), w.float()), 5e-3, nbytes=moved,
-                   make=lambda f=mlp_inputs: partial(linear_silu_mul, *f()),
-                   extra_ok=same or gate_up.dtype == torch.float32)  # fp32 (CPU smoke) is unfused torch
-        ctx.timing(f"silu_mul [{H}x{inter}] M={M} unfused Triton", nbytes=moved,
-                   make=lambda f=mlp_inputs: partial(lambda a, b: linear(silu_and_mul(a), b), *f()))
-        ctx.timing(f"silu_mul [{H}x{inter}] M={M} unfused cuBLAS", nbytes=moved,
-                   make=lambda f=mlp_inputs: partial(lambda a, b: F.linear(silu_and_mul(a), b), *f()))
+        x, w = inputs()
+        moved = nbytes(x, w) + M * inter * x.element_size()
+        y = swiglu(x, w)
+        same = torch.equal(y, silu_and_mul(linear(x, w)))
+        ctx.record(f"[{2 * inter}x{H}] M={M} (== unfused bitwise: {same})", y, swiglu_ref(x.float(), w.float()),
+                   5e-3, nbytes=moved, make=lambda f=inputs: partial(swiglu, *f()))
+        ctx.timing(f"[{2 * inter}x{H}] M={M} unfused Triton", nbytes=moved,
+                   make=lambda f=inputs: partial(lambda a, b: silu_and_mul(linear(a, b)), *f()))
+        if M in (1, 8):
+            ctx.timing(f"[{2 * inter}x{H}] M={M} unfused cuBLAS", nbytes=moved,
+                       make=lambda f=inputs: partial(lambda a, b: silu_and_mul(F.linear(a, b)), *f()))
+            for bn in (16, 32, 64):
+                ctx.timing(f"[{2 * inter}x{H}] M={M} block_n {bn}", nbytes=moved,
+                           make=lambda f=inputs, bn=bn: partial(swiglu, *f(), block_n=bn))
 
-        def attn_inputs(M=M):
-            q_gate = ctx.randn(M, nh, 2 * hd)  # each head's block is [query | gate]
-            return ctx.randn(M, nh, hd), q_gate[..., hd:], ctx.randn(H, nh * hd, scale=(nh * hd) ** -0.5)
 
-        x, gate, w = attn_inputs()
-        moved = nbytes(x, w) + x.numel() * x.element_size() + M * H * x.element_size()
-        y = linear_sigmoid_gate(x, gate, w)
-        unfused = linear((x * torch.sigmoid(gate)).flatten(-2), w)
-        ctx.record(f"sigmoid_gate [{H}x{nh * hd}] M={M} (max |fused - unfused| "
-                   f"{(y.float() - unfused.float()).abs().max().item():.1e})", y,
-                   linear_sigmoid_gate_ref(x.float(), gate.float(), w.float()), 5e-3, nbytes=moved,
-                   make=lambda f=attn_inputs: partial(linear_sigmoid_gate, *f()))
-        ctx.timing(f"sigmoid_gate [{H}x{nh * hd}] M={M} unfused Triton", nbytes=moved,
-                   make=lambda f=attn_inputs: partial(
-                       lambda a, g, b: linear((a * torch.sigmoid(g)).flatten(-2), b), *f()))
+@check("paged_attention_gated")
+def check_paged_attention_gated(ctx: Ctx) -> None:
+    """Attention with Qwen3.5's output gate as its epilogue (the gate a strided slice of [query | gate]),
+    against the fp32 reference times the gate, timed beside the plain kernel plus torch's gate ops."""
+    from ninfer.ops.triton.attention import paged_attention, paged_attention_gated
+
+    sz = sizes(ctx)
+    for seqs in [[(1, sz["contexts"][0] - 1)] * b for b in sz["batches"]] + [[sz["prefill"][0]]]:
+        def inputs(seqs=seqs):
+            args = _paged_inputs(ctx, seqs)
+            q = args[0]
+            return args, ctx.randn(q.shape[0], q.shape[1], 2 * q.shape[2])[..., q.shape[2]:]
+
+        args, gate = inputs()
+        moved, _ = _attn_cost(ctx, seqs)
+        y = paged_attention_gated(*args, gate)
+        ref = _attn_ref(ctx, args) * torch.sigmoid(gate.float())
+        label = f"B={len(seqs)} q={seqs[0][0]} ctx={seqs[0][1] + seqs[0][0]}"
+        ctx.record(label, y, ref, 1e-2, nbytes=moved, make=lambda f=inputs: partial(
+            lambda a, g: paged_attention_gated(*a, g), *f()))
+        ctx.timing(f"{label} unfused (kernel, sigmoid, mul)", nbytes=moved, make=lambda f=inputs: partial(
+            lambda a, g: paged_attention(*a) * torch.sigmoid(g), *f()))
 
 
 @check("silu_and_mul")

@@ -42,6 +42,11 @@ def test_prefill_chunks_and_decode_over_scattered_pages():
     for i in range(3):
         lo, hi = qsl[i].item(), qsl[i + 1].item()
         torch.testing.assert_close(o[lo:hi], dense(q[lo:hi], ks[i], vs[i], D ** -0.5))
+    # Qwen3.5's output gate: the same attention times sigmoid(gate), the gate a per-head slice.
+    gate = torch.randn(sum(qlens), H, 2 * D)[..., D:]
+    gated = paged_attention(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32), qsl,
+                            max(qlens), max(lens), D ** -0.5, gate=gate)
+    torch.testing.assert_close(gated, o * torch.sigmoid(gate))
 
 
 def test_bad_geometry_is_named():

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from ninfer.ops import apply_rope, rms_norm, rms_norm_gated, rope_cos_sin, silu_and_mul
+from ninfer.ops import apply_rope, rms_norm, rms_norm_gated, rope_cos_sin, silu_and_mul, swiglu
 
 
 def test_import_does_not_load_triton():
@@ -40,6 +40,14 @@ def test_silu_and_mul():
     torch.testing.assert_close(silu_and_mul(x), g / (1 + torch.exp(-g)) * u)
     with pytest.raises(ValueError, match="even"):
         silu_and_mul(torch.randn(2, 3))
+
+
+def test_swiglu_is_linear_then_silu_and_mul():
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 12), torch.randn(2 * 7, 12)  # [gate; up] rows
+    torch.testing.assert_close(swiglu(x, w), silu_and_mul(x @ w.T))
+    with pytest.raises(ValueError, match="gate; up"):
+        swiglu(x, w[1:])
 
 
 def test_partial_rope_matches_complex_rotation():

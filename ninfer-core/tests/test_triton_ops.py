@@ -132,6 +132,27 @@ def test_paged_attention_decode_with_splits_and_prefill_with_context():
     _close(t_attention.paged_attention(*half, tile_n=16), attention.paged_attention_ref(*half), 2e-3)
 
 
+@pytest.mark.parametrize("splits", [1, 4])
+def test_paged_attention_gated_epilogue(splits):
+    """The output gate applied by the attention kernel (its epilogue, or the split merge's) == o * sigmoid(gate)
+    after the plain kernel, for a gate that is a strided per-head slice ([query | gate] blocks)."""
+    gen = _gen(13)
+    case = _paged_case(gen, [9, 30, 1], [1, 1, 1], dtype=torch.float16)
+    q = case[0]
+    q_gate = _randn(q.shape[0], q.shape[1], 2 * q.shape[2], gen=gen, dtype=torch.float16)
+    gate = q_gate[..., q.shape[2]:]
+    plain = t_attention.paged_attention(*case, num_splits=splits, tile_n=16)
+    gated = t_attention.paged_attention_gated(*case, gate, num_splits=splits, tile_n=16)
+    _close(gated, plain * torch.sigmoid(gate), 1e-3)
+    assert gated.dtype == q.dtype
+    prefill = _paged_case(gen, [12, 5], [3, 5], dtype=torch.float16)
+    g2 = _randn(*prefill[0].shape, gen=gen, dtype=torch.float16)
+    _close(t_attention.paged_attention_gated(*prefill, g2, tile_n=16),
+           t_attention.paged_attention(*prefill, tile_n=16) * torch.sigmoid(g2), 1e-3)
+    with pytest.raises(ValueError, match="gate"):
+        t_attention.paged_attention_gated(*case, gate[:1])
+
+
 def test_write_kv_touches_only_its_slots():
     gen = _gen(4)
     k_cache = _randn(5, 4, 2, 8, gen=gen)
@@ -220,31 +241,26 @@ def test_linear_rows_kernel():
 
 
 @pytest.mark.parametrize("split", [1, 3])
-def test_linear_fused_prologues(split):
-    """linear_silu_mul == silu_and_mul then linear (bitwise: the same roundings and tl.sigmoid), and
-    linear_sigmoid_gate == x * sigmoid(gate) then linear with the gate a strided per-head slice, both near an
-    fp32 reference; more rows than MAX_ROWS take the unfused ops."""
-    from ninfer.ops.linear import linear_sigmoid_gate_ref, linear_silu_mul_ref
+def test_swiglu_kernel(split):
+    """swiglu (gate_up projection with silu_and_mul as its epilogue) == linear then silu_and_mul on the same
+    configuration (bitwise: the same sums and roundings), near an fp32 reference, rows independent; more rows
+    than MAX_ROWS take the unfused ops."""
+    from ninfer.ops.linear import swiglu_ref
     from ninfer.ops.triton import linear as t_linear
 
     gen = _gen(11)
-    N, K = 40, 192
-    cfg = dict(block_n=16, block_k=32, split_k=split)
-    w = _randn(N, K, gen=gen, dtype=torch.float16) * 0.1
-    gate_up = _randn(5, 2 * K, gen=gen, dtype=torch.float16)
-    fused = t_linear.linear_silu_mul(gate_up, w, **cfg)
-    assert torch.equal(fused, t_linear.linear(t_activation.silu_and_mul(gate_up), w, **cfg))
-    _close(fused, linear_silu_mul_ref(gate_up.float(), w.float()), 5e-3)
-    assert torch.equal(t_linear.linear_silu_mul(gate_up[3:4], w, **cfg), fused[3:4])  # rows stay independent
-
-    heads, D = 4, K // 4
-    q_gate = _randn(5, heads, 2 * D, gen=gen, dtype=torch.float16)  # each head's block is [query | gate]
-    x, gate = _randn(5, heads, D, gen=gen, dtype=torch.float16), q_gate[..., D:]
-    fused = t_linear.linear_sigmoid_gate(x, gate, w, **cfg)
-    _close(fused, t_linear.linear((x * torch.sigmoid(gate)).flatten(-2), w, **cfg), 2e-3)
-    _close(fused, linear_sigmoid_gate_ref(x.float(), gate.float(), w.float()), 5e-3)
+    inter, K = 40, 192
+    w = _randn(2 * inter, K, gen=gen, dtype=torch.float16) * 0.1
+    x = _randn(5, K, gen=gen, dtype=torch.float16)
+    y = t_linear.swiglu(x, w, block_n=16, block_k=32, split_k=split)
+    assert y.shape == (5, inter)
+    unfused = t_activation.silu_and_mul(t_linear.linear(x, w, block_n=16, block_k=32, split_k=split))
+    assert torch.equal(y, unfused)
+    _close(y, swiglu_ref(x.float(), w.float()), 5e-3)
+    assert torch.equal(t_linear.swiglu(x[3:4], w, block_n=16, block_k=32, split_k=split), y[3:4])
+    _close(t_linear.swiglu(x, w), swiglu_ref(x.float(), w.float()), 5e-3)  # default configuration
     if DEV == "cuda":  # prefill-sized: the unfused ops (cuBLAS), which the CPU lacks for fp16 everywhere
-        many = _randn(t_linear.MAX_ROWS + 1, 2 * K, gen=gen, dtype=torch.float16)
-        _close(t_linear.linear_silu_mul(many, w), linear_silu_mul_ref(many.float(), w.float()), 5e-3)
-    with pytest.raises(ValueError, match="gate"):
-        t_linear.linear_silu_mul(gate_up[:, :K], w)
+        many = _randn(t_linear.MAX_ROWS + 1, K, gen=gen, dtype=torch.float16)
+        _close(t_linear.swiglu(many, w), swiglu_ref(many.float(), w.float()), 5e-3)
+    with pytest.raises(ValueError, match="gate; up"):
+        t_linear.swiglu(x, w[1:])

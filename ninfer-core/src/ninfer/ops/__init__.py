@@ -8,14 +8,14 @@ from ninfer.ops.activation import silu_and_mul
 from ninfer.ops.attention import paged_attention, write_kv
 from ninfer.ops.conv1d import causal_conv1d_decode, causal_conv1d_prefill
 from ninfer.ops.gdn import gdn_decode, gdn_decode_fused, gdn_gates, gdn_prefill
-from ninfer.ops.linear import linear, linear_sigmoid_gate, linear_silu_mul
+from ninfer.ops.linear import linear, swiglu
 from ninfer.ops.norm import add_rms_norm, rms_norm, rms_norm_gated
 from ninfer.ops.rope import apply_rope, rope_cos_sin
 from ninfer.ops.sampling import logprobs, sample
 
 __all__ = [
     "add_rms_norm", "apply_rope", "causal_conv1d_decode", "causal_conv1d_prefill", "gdn_decode", "gdn_gates",
-    "gdn_decode_fused", "gdn_prefill", "linear", "linear_sigmoid_gate", "linear_silu_mul",
+    "gdn_decode_fused", "gdn_prefill", "linear",
     "logprobs", "paged_attention", "rms_norm", "rms_norm_gated", "rope_cos_sin", "sample", "silu_and_mul",
-    "write_kv",
+    "swiglu", "write_kv",
 ]

@@ -57,12 +57,13 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
-                    scale: float) -> torch.Tensor:
+                    scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
     """o[N, H, D] for packed queries q[N, H, D] (sequence i owns rows query_start_loc[i]:[i+1]).
 
     Query j of sequence i sits at position seq_lens[i] - qlen_i + j and attends keys 0..that position of
     the same sequence (its K/V already written with write_kv). Softmax in fp32. Covers decode (qlen 1),
-    whole prompts and prefill chunks with earlier context.
+    whole prompts and prefill chunks with earlier context. With ``gate`` [N, H, D] the result is
+    o * sigmoid(gate) (Qwen3.5's output gate), the same as applying it to the plain output.
     """
     B = seq_lens.shape[0]
     if q.dim() != 3 or q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2] \
@@ -70,6 +71,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError(f"paged_attention: q {tuple(q.shape)}, cache {tuple(k_cache.shape)}, block_tables "
                          f"{tuple(block_tables.shape)}, seq_lens {tuple(seq_lens.shape)}, query_start_loc "
                          f"{tuple(query_start_loc.shape)} do not fit")
+    if gate is not None:
+        if gate.shape != q.shape:
+            raise ValueError(f"paged_attention: gate {tuple(gate.shape)} must have q's shape {tuple(q.shape)}")
+        kernel = triton_kernel("attention", "paged_attention_gated", q)
+        if kernel is not None:
+            return kernel(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
+                          max_seq_len, scale, gate)
+        o = paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
+                            max_seq_len, scale)
+        return o * torch.sigmoid(gate)
     kernel = triton_kernel("attention", "paged_attention", q)
     if kernel is not None:
         return kernel(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len,

@@ -29,35 +29,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return linear_ref(x, weight)
 
 
-# Projections with their input's last elementwise op fused in (few rows on the GPU: one kernel instead of two,
-# and the input is never written out). Each equals the composition of the public ops it replaces.
 
-def linear_silu_mul_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return linear_ref(silu_and_mul_ref(x), weight)
+def swiglu_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return silu_and_mul_ref(linear_ref(x, weight))
 
 
-def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """linear(silu_and_mul(x), weight) for x [..., 2K] = [gate | up] (the MLP's down projection)."""
-    if weight.dim() != 2 or x.shape[-1] != 2 * weight.shape[1]:
-        raise ValueError(f"linear_silu_mul: input {tuple(x.shape)} is not [gate | up] for weight "
-                         f"{tuple(weight.shape)}")
-    kernel = triton_kernel("linear", "linear_silu_mul", x)
+def swiglu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu_and_mul(linear(x, weight)) for weight [2I, K] = [gate; up] stacked: the MLP's first half, [..., I].
+    On the GPU, few rows run it as one kernel (the activation is the projection's epilogue)."""
+    if weight.dim() != 2 or weight.shape[0] % 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"swiglu: input {tuple(x.shape)} does not match a [gate; up] weight {tuple(weight.shape)}")
+    kernel = triton_kernel("linear", "swiglu", x)
     if kernel is not None:
         return kernel(x, weight)
-    return linear(silu_and_mul(x), weight)
-
-
-def linear_sigmoid_gate_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return linear_ref((x * torch.sigmoid(gate)).flatten(-2), weight)
-
-
-def linear_sigmoid_gate(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """linear((x * sigmoid(gate)) flattened over its last two dims, weight) for x, gate [..., heads, D]
-    (attention's output gate before o_proj; gate may be a strided per-head slice)."""
-    if weight.dim() != 2 or x.shape != gate.shape or x.shape[-2] * x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"linear_sigmoid_gate: x {tuple(x.shape)}, gate {tuple(gate.shape)} and weight "
-                         f"{tuple(weight.shape)} do not match")
-    kernel = triton_kernel("linear", "linear_sigmoid_gate", x)
-    if kernel is not None:
-        return kernel(x, gate, weight)
-    return linear((x * torch.sigmoid(gate)).flatten(-2), weight)
+    return silu_and_mul(linear(x, weight))

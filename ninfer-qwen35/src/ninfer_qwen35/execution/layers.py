@@ -15,11 +15,10 @@ from ninfer.ops import (
     gdn_gates,
     gdn_prefill,
     linear,
-    linear_sigmoid_gate,
-    linear_silu_mul,
     paged_attention,
     rms_norm,
     rms_norm_gated,
+    swiglu,
     write_kv,
 )
 from ninfer_qwen35.config import Qwen35Config
@@ -79,9 +78,9 @@ def attention_mixer(c: Qwen35Config, p: AttentionParams, x: torch.Tensor, batch:
     k = apply_rope(k, cos, sin, c.rotary_dim)
     write_kv(k, v.view(N, kvh, d), k_cache, v_cache, batch.slot_mapping)
     o = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
-                        batch.max_query_len, batch.max_seq_len, d ** -0.5)
-    return linear_sigmoid_gate(o.reshape(N, nh, d), gate, p.o_proj)
+                        batch.max_query_len, batch.max_seq_len, d ** -0.5, gate=gate)
+    return linear(o.reshape(N, nh * d), p.o_proj)
 
 
 def mlp(p: MLPParams, x: torch.Tensor) -> torch.Tensor:
-    return linear_silu_mul(p.gate_up.matmul(x), p.down)
+    return linear(swiglu(x, p.gate_up.weight), p.down)

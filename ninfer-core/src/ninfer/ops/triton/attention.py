@@ -65,14 +65,14 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping):
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr,
-    s_qn, s_qh, s_qd,
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr, g_ptr,
+    s_qn, s_qh, s_qd, s_gn, s_gh,
     s_kcp, s_kco, s_kch, s_kcd, s_vcp, s_vco, s_vch, s_vcd,
     s_btb, s_on, s_oh, s_od,
     s_pon, s_poh, s_pos, s_pmn, s_pmh,
     page_size, qk_scale_log2,
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, GATED: tl.constexpr,
 ):
     qblk = tl.program_id(0)
     b = tl.program_id(1)
@@ -131,6 +131,10 @@ def _paged_attention_kernel(
         out_mask = row_ok[:, None] & d_ok[None, :]
         if NUM_SPLITS == 1:
             o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            if GATED:
+                g = tl.load(g_ptr + tok[:, None] * s_gn + head[:, None] * s_gh + dd[None, :], mask=out_mask,
+                            other=0.0)
+                o = _gate(o, g, o_ptr.dtype.element_ty)
             tl.store(o_ptr + tok[:, None] * s_on + head[:, None] * s_oh + dd[None, :] * s_od,
                      o.to(o_ptr.dtype.element_ty), mask=out_mask)
         else:
@@ -142,10 +146,17 @@ def _paged_attention_kernel(
 
 
 @triton.jit
+def _gate(o, g, dtype: tl.constexpr):
+    """o * sigmoid(g) rounded as the unfused torch ops round: o to dtype, sigmoid(g) to dtype, the product."""
+    s = tl.sigmoid(g.to(tl.float32)).to(dtype).to(tl.float32)
+    return o.to(dtype).to(tl.float32) * s
+
+
+@triton.jit
 def _merge_splits_kernel(
-    po_ptr, pm_ptr, pl_ptr, o_ptr,
-    s_pon, s_poh, s_pos, s_pmn, s_pmh, s_on, s_oh, s_od,
-    NUM_SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    po_ptr, pm_ptr, pl_ptr, o_ptr, g_ptr,
+    s_pon, s_poh, s_pos, s_pmn, s_pmh, s_on, s_oh, s_od, s_gn, s_gh,
+    NUM_SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, GATED: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -160,6 +171,8 @@ def _merge_splits_kernel(
     o = tl.sum(acc * w[:, None], axis=0)
     denom = tl.sum(l_ * w, axis=0)
     o = o / tl.where(denom > 0, denom, 1.0)
+    if GATED:
+        o = _gate(o, tl.load(g_ptr + n * s_gn + h * s_gh + dd, mask=dd < D, other=0.0), o_ptr.dtype.element_ty)
     tl.store(o_ptr + n * s_on + h * s_oh + dd * s_od, o.to(o_ptr.dtype.element_ty), mask=dd < D)
 
 
@@ -177,9 +190,10 @@ def _decode_splits(batch: int, kv_heads: int, max_seq_len: int, tile_n: int, num
 def paged_attention(
     q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len: int, max_seq_len: int,
     scale: float, *, out=None, num_splits: int | None = None, block_q: int | None = None,
-    tile_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+    tile_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None, gate=None,
 ):
-    """Causal attention of packed queries over their paged history (see ``ninfer.ops.attention``)."""
+    """Causal attention of packed queries over their paged history (see ``ninfer.ops.attention``); with
+    ``gate`` [N, H, D] (unit stride inside a head) the output is o * sigmoid(gate), applied as the epilogue."""
     N, H, D = q.shape
     P, page_size, KVH, Dk = k_cache.shape
     B = seq_lens.shape[0]
@@ -190,10 +204,14 @@ def paged_attention(
         raise ValueError("paged_attention: query_start_loc must be [B+1] and block_tables [B, Pmax]")
     if block_tables.stride(1) != 1:
         raise ValueError("paged_attention: block_tables rows must be contiguous")
+    if gate is not None and (tuple(gate.shape) != (N, H, D) or gate.stride(2) != 1):
+        raise ValueError(f"paged_attention: gate {tuple(gate.shape)} must be [N, H, D] = {(N, H, D)} with unit "
+                         "stride in a head")
     if out is None:
         out = torch.empty_like(q)
     if N == 0 or B == 0:
         return out
+    g_arg, s_gn, s_gh = (gate, gate.stride(0), gate.stride(1)) if gate is not None else (out, 0, 0)
     G = H // KVH
     decode = max_query_len <= 1
     tile_n = tile_n or (32 if decode else 64)
@@ -222,18 +240,27 @@ def paged_attention(
         part_o = part_m = part_l = out  # unused by the kernel
     grid = (triton.cdiv(max(max_query_len, 1), block_q), B, KVH * num_splits)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_o, part_m, part_l,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_o, part_m, part_l, g_arg,
+        *q.stride(), s_gn, s_gh, *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
         part_o.stride(0), part_o.stride(1), part_o.stride(2) if num_splits > 1 else 0,
         part_m.stride(0), part_m.stride(1),
         page_size, scale * 1.4426950408889634,
         G=G, D=D, BLOCK_D=block_d, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n, NUM_SPLITS=num_splits,
-        DOT_PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
+        DOT_PRECISION=precision, GATED=gate is not None, num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(N, H)](
-            part_o, part_m, part_l, out,
+            part_o, part_m, part_l, out, g_arg,
             part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1),
-            *out.stride(), NUM_SPLITS=num_splits, D=D, BLOCK_D=block_d, num_warps=4,
+            *out.stride(), s_gn, s_gh, NUM_SPLITS=num_splits, D=D, BLOCK_D=block_d, GATED=gate is not None,
+            num_warps=4,
         )
     return out
+
+
+def paged_attention_gated(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len: int,
+                          max_seq_len: int, scale: float, gate, **config):
+    """paged_attention(...) * sigmoid(gate) in one pass (attention's output gate as the epilogue); dispatched
+    under its own name so the plain kernel's validation does not cover it."""
+    return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
+                           max_seq_len, scale, gate=gate, **config)
