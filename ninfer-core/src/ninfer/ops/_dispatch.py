@@ -35,6 +35,9 @@ TRITON_OPS: frozenset[str] = frozenset({
     # scripts/gpu-pending linear, 2026-11-29 (session 3): 316/316 rows at 9B, 271/271 at 0.8B shapes; with the
     # measured configurations 11.3-47.3 us vs cuBLAS 12.9-48.0 us at 9B, 4.8 vs 12.9 us for 0.8B's [1024x2048].
     "linear.linear",
+    # scripts/gpu-pending fused, 2026-11-29 (session 3): 23/23 rows; swiglu 47.7 vs 49.0 us unfused at B=1 (bitwise
+    # equal to it), gated attention 10.6 vs 15.2 us at B=1 ctx 1k; 9B B=1 217.5 tok/s with both.
+    "linear.swiglu", "attention.paged_attention_gated",
 })
 
 
