@@ -105,7 +105,8 @@ def check_batch(programs: dict, config, B: int, *, context: int, steps: int, dev
     graph_vs_eager = _compare(tokens["graph"], tokens["eager"], logprobs["graph"], logprobs["eager"])
     out = {"B": B, "tokens_equal": graph_vs_static[0] is None, "first_divergence_step": graph_vs_static[0],
            "max_logprob_diff": graph_vs_static[1], "eager_tokens_equal": graph_vs_eager[0] is None,
-           "eager_first_divergence_step": graph_vs_eager[0], "eager_max_logprob_diff": graph_vs_eager[1]}
+           "eager_first_divergence_step": graph_vs_eager[0], "eager_max_logprob_diff": graph_vs_eager[1],
+           "tokens": tokens["graph"], "logprobs": logprobs["graph"]}
     for path in PATHS:
         out[f"{path}_ms"] = statistics.median(times[path][1:] or times[path])
     return out
@@ -120,7 +121,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=48, help="prompt tokens per row (row b gets context + b)")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--json", default=None, help="write the results here as JSON")
+    ap.add_argument("--same-as", default=None, metavar="JSON",
+                    help="an earlier run's --json: the graph path's tokens and logprobs must equal it bit for bit "
+                         "(e.g. the same kernels launched another way, NINFER_PDL=1 against off)")
     args = ap.parse_args(argv)
+    reference = None
+    if args.same_as:
+        with open(args.same_as) as f:
+            reference = {r["B"]: r for r in json.load(f)["results"]}
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     max_batch = max(args.batch)
     config, programs = _programs(args.shape, args.device, dtype, max_batch=max_batch,
@@ -133,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         for B in args.batch:
             r = check_batch(programs, config, B, context=args.context, steps=args.steps, device=args.device)
+            if reference is not None and B in reference:
+                ref = reference[B]
+                r["same_as_reference"] = r["tokens"] == ref["tokens"] and r["logprobs"] == ref["logprobs"]
+                print(f"  B={B}: graph tokens and logprobs {'bitwise equal to' if r['same_as_reference'] else 'DIFFER from'}"
+                      f" {args.same_as}")
             results.append(r)
             same = "equal" if r["tokens_equal"] else f"DIFFER from step {r['first_divergence_step']}"
             eager = "equal" if r["eager_tokens_equal"] else f"differ from step {r['eager_first_divergence_step']}"
@@ -140,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"vs eager {eager} (max |dlogprob| {r['eager_max_logprob_diff']:.2e}); step ms eager "
                   f"{r['eager_ms']:.2f}, static {r['static_ms']:.2f}, graph {r['graph_ms']:.2f}")
     expect_graphs = args.device.startswith("cuda")
-    ok = all(r["tokens_equal"] for r in results) and (graphs_on or not expect_graphs)
+    ok = all(r["tokens_equal"] and r.get("same_as_reference", True) for r in results) \
+        and (graphs_on or not expect_graphs) and (reference is None or any("same_as_reference" in r for r in results))
     summary = {"check": "program_graphs", "ok": ok, "shape": args.shape, "device": args.device, "dtype": args.dtype,
                "graphs": graphs_on, "graph_error": graph.graph_error, "results": results}
     if args.json:

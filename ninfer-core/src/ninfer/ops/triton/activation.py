@@ -6,9 +6,14 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.ops.triton._pdl import pdl_args
+
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, y_ptr, s_xr, s_yr, inter, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, y_ptr, s_xr, s_yr, inter, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    if USE_PDL:  # _pdl: wait for the previous kernel, then let the next one be scheduled
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     r = tl.program_id(0).to(tl.int64)
     cc = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cc < inter
@@ -35,5 +40,5 @@ def silu_and_mul(x, *, out=None, block: int = 1024):
         return out
     block = min(block, triton.next_power_of_2(inter))
     _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
-        x2, y2, x2.stride(0), y2.stride(0), inter, BLOCK=block, num_warps=4)
+        x2, y2, x2.stride(0), y2.stride(0), inter, BLOCK=block, num_warps=4, **pdl_args(x2.device))
     return out

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.ops.triton._pdl import pdl_args
+
 _NUM_SMS_H200 = 132
 
 
@@ -30,7 +32,11 @@ def _write_kv_kernel(
     s_kcp, s_kco, s_kch, s_kcd, s_vcp, s_vco, s_vch, s_vcd,
     page_size,
     KVH: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    if USE_PDL:  # _pdl: wait for the previous kernel, then let the next one be scheduled
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     n = tl.program_id(0)
     slot = tl.load(slot_ptr + n).to(tl.int64)
     page = slot // page_size
@@ -59,7 +65,7 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping):
         *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
         k_cache.shape[1],
         KVH=KVH, D=D, BLOCK_H=triton.next_power_of_2(KVH), BLOCK_D=triton.next_power_of_2(D),
-        num_warps=4,
+        num_warps=4, **pdl_args(k.device)
     )
 
 
@@ -73,7 +79,11 @@ def _paged_attention_kernel(
     page_size, qk_scale_log2,
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, GATED: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    if USE_PDL:  # _pdl: wait for the previous kernel, then let the next one be scheduled
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     qblk = tl.program_id(0)
     b = tl.program_id(1)
     kvh = tl.program_id(2) // NUM_SPLITS
@@ -157,7 +167,11 @@ def _merge_splits_kernel(
     po_ptr, pm_ptr, pl_ptr, o_ptr, g_ptr,
     s_pon, s_poh, s_pos, s_pmn, s_pmh, s_on, s_oh, s_od, s_gn, s_gh,
     NUM_SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, GATED: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    if USE_PDL:  # _pdl: wait for the previous kernel, then let the next one be scheduled
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     sp = tl.arange(0, NUM_SPLITS)
@@ -247,13 +261,14 @@ def paged_attention(
         page_size, scale * 1.4426950408889634,
         G=G, D=D, BLOCK_D=block_d, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n, NUM_SPLITS=num_splits,
         DOT_PRECISION=precision, GATED=gate is not None, num_warps=num_warps, num_stages=num_stages,
+        **pdl_args(q.device)
     )
     if num_splits > 1:
         _merge_splits_kernel[(N, H)](
             part_o, part_m, part_l, out, g_arg,
             part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1),
             *out.stride(), s_gn, s_gh, NUM_SPLITS=num_splits, D=D, BLOCK_D=block_d, GATED=gate is not None,
-            num_warps=4,
+            num_warps=4, **pdl_args(q.device)
         )
     return out
 

@@ -6,13 +6,18 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.ops.triton._pdl import pdl_args
+
 
 @triton.jit
 def _conv1d_decode_kernel(
     x_ptr, w_ptr, cs_ptr, slot_ptr, y_ptr,
     s_xb, s_xc, s_wc, s_wk, s_css, s_csc, s_csk, s_yb, s_yc,
-    C, KW: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
+    C, KW: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    if USE_PDL:  # _pdl: wait for the previous kernel, then let the next one be scheduled
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(1)
     cc = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = cc < C
@@ -50,7 +55,7 @@ def causal_conv1d_decode(x, weight, conv_states, slots, *, out=None, block_c: in
     _conv1d_decode_kernel[grid](
         x, weight, conv_states, slots, out,
         *x.stride(), *weight.stride(), *conv_states.stride(), *out.stride(),
-        C, KW=KW, BLOCK_C=block_c, BLOCK_K=triton.next_power_of_2(KW), num_warps=4,
+        C, KW=KW, BLOCK_C=block_c, BLOCK_K=triton.next_power_of_2(KW), num_warps=4, **pdl_args(x.device)
     )
     return out
 
@@ -60,7 +65,11 @@ def _conv1d_prefill_kernel(
     x_ptr, w_ptr, cs_ptr, y_ptr,
     s_xt, s_xc, s_wc, s_wk, s_csc, s_csk, s_yt, s_yc,
     T, C, HAS_STATE: tl.constexpr, KW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    if USE_PDL:  # _pdl: wait for the previous kernel, then let the next one be scheduled
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid_t = tl.program_id(0)
     tt = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     cc = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -91,7 +100,11 @@ def _conv1d_prefill_kernel(
 def _conv1d_state_kernel(
     x_ptr, cs_ptr, s_xt, s_xc, s_csc, s_csk,
     T, C, HAS_STATE: tl.constexpr, KW: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    if USE_PDL:  # _pdl: wait for the previous kernel, then let the next one be scheduled
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # New state column j = input at time T - (KW-1) + j, from x, else from the old state (short inputs).
     cc = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = cc < C
@@ -124,10 +137,11 @@ def causal_conv1d_prefill(x, weight, conv_state, has_initial_state: bool, *, out
     _conv1d_prefill_kernel[(triton.cdiv(T, block_t), triton.cdiv(C, block_c))](
         x, weight, conv_state, out, *x.stride(), *weight.stride(), *conv_state.stride(), *out.stride(),
         T, C, HAS_STATE=bool(has_initial_state), KW=KW, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=8,
+        **pdl_args(x.device)
     )
     # A second launch, so every read of the old state above happens before it is overwritten.
     _conv1d_state_kernel[(triton.cdiv(C, 256),)](
         x, conv_state, *x.stride(), *conv_state.stride(), T, C, HAS_STATE=bool(has_initial_state), KW=KW,
-        BLOCK_K=triton.next_power_of_2(max(KW - 1, 1)), BLOCK_C=256, num_warps=4,
+        BLOCK_K=triton.next_power_of_2(max(KW - 1, 1)), BLOCK_C=256, num_warps=4, **pdl_args(x.device)
     )
     return out

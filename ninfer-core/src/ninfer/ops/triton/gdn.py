@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from ninfer.ops.triton._arrivals import arrival_counters as _arrival_counters
+from ninfer.ops.triton._pdl import pdl_args
 
 
 @triton.jit
@@ -26,8 +27,11 @@ def _gdn_decode_kernel(
     s_ob, s_oh, s_od,
     scale,
     DK: tl.constexpr, DV: tl.constexpr, HV_PER_HK: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    if USE_PDL:  # _pdl: wait for the previous kernel, then let the next one be scheduled
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid_v = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -89,7 +93,7 @@ def gdn_decode(q, k, v, g, beta, states, slots, *, out=None, block_v: int | None
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *states.stride(), *out.stride(),
         DK ** -0.5,
         DK=DK, DV=DV, HV_PER_HK=HV // HK,
-        BLOCK_K=triton.next_power_of_2(DK), BLOCK_V=block_v, num_warps=num_warps,
+        BLOCK_K=triton.next_power_of_2(DK), BLOCK_V=block_v, num_warps=num_warps, **pdl_args(q.device)
     )
     return out
 
@@ -149,8 +153,11 @@ def _gdn_decode_fused_kernel(
     s_ss, s_sh, s_sk, s_sv, s_ob, s_oh, s_od,
     scale,
     HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, HV_PER_HK: tl.constexpr, KW: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    if USE_PDL:  # _pdl: wait for the previous kernel, then let the next one be scheduled
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # Programs as _gdn_decode_kernel: (Dv block, value head, row). Each owns the conv channels of its v block;
     # the q/k channels of a key head are read by all HV_PER_HK * n_blocks programs of that head, so the last
     # one to arrive (an acq_rel counter per row and key head, left at 0 again) shifts their conv state.
@@ -194,8 +201,11 @@ def _gdn_decode_fused_head_kernel(
     s_ss, s_sh, s_sk, s_sv, s_ob, s_oh, s_od,
     scale,
     HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, HV_PER_HK: tl.constexpr, KW: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    if USE_PDL:  # _pdl: wait for the previous kernel, then let the next one be scheduled
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # One program per (key head, row), looping over its value heads and Dv blocks: it owns every conv channel
     # it reads, so no counter is needed, but there are only HK * B programs (the variant to compare against).
     hk = tl.program_id(0)
@@ -254,16 +264,21 @@ def gdn_decode_fused(mixed_qkv, a, b, conv_weight, conv_states, A_log, dt_bias, 
     meta = dict(HK=HK, DK=DK, DV=DV, HV_PER_HK=HV // HK, KW=KW, BLOCK_K=triton.next_power_of_2(DK),
                 BLOCK_V=block_v, BLOCK_W=triton.next_power_of_2(KW), num_warps=num_warps)
     if per_key_head:
-        _gdn_decode_fused_head_kernel[(HK, B)](*args, *strides, **meta)
+        _gdn_decode_fused_head_kernel[(HK, B)](*args, *strides, **meta, **pdl_args(mixed_qkv.device))
     else:
         arrivals = _arrival_counters(mixed_qkv.device, B * HK)
-        _gdn_decode_fused_kernel[(triton.cdiv(DV, block_v), HV, B)](*args, arrivals, *strides, **meta)
+        _gdn_decode_fused_kernel[(triton.cdiv(DV, block_v), HV, B)](*args, arrivals, *strides, **meta,
+                                                                      **pdl_args(mixed_qkv.device))
     return out
 
 
 @triton.jit
 def _gdn_gates_kernel(a_ptr, b_ptr, alog_ptr, dtb_ptr, g_ptr, beta_ptr, N, HV, s_an, s_bn,
-                      BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr = False,
+):
+    if USE_PDL:  # _pdl: wait for the previous kernel, then let the next one be scheduled
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     nn = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     hh = tl.arange(0, BLOCK_H)
     mask = (nn < N)[:, None] & (hh < HV)[None, :]
@@ -295,7 +310,7 @@ def gdn_gates(a, b, A_log, dt_bias, *, out=None):
     block_n = max(1, 1024 // block_h)
     _gdn_gates_kernel[(triton.cdiv(N, block_n),)](
         a, b, A_log, dt_bias, g, beta, N, HV, a.stride(0), b.stride(0), BLOCK_N=block_n, BLOCK_H=block_h,
-        num_warps=4)
+        num_warps=4, **pdl_args(a.device))
     return g, beta
 
 

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ninfer.ops.triton._arrivals import arrival_counters
+from ninfer.ops.triton._pdl import pdl_args
 
 MAX_ROWS = 16
 _DTYPES = (torch.bfloat16, torch.float16)  # fp32 stays on cuBLAS (tl.dot would round its inputs to tf32)
@@ -33,7 +34,7 @@ _DTYPES = (torch.bfloat16, torch.float16)  # fp32 stays on cuBLAS (tl.dot would 
 def _linear_rows_kernel(
     x_ptr, w_ptr, y_ptr, part_ptr, arrive_ptr, M, N, K, K_SPLIT, s_xm, s_wn, s_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    SWIGLU: tl.constexpr,
+    SWIGLU: tl.constexpr, USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
 ):
     # N output columns; with SWIGLU, W holds 2N rows [gate; up] and column n pairs rows n and N + n.
     pid_n = tl.program_id(0)
@@ -47,6 +48,17 @@ def _linear_rows_kernel(
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo = pid_k * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    if USE_PDL:  # _pdl
+        # W never depends on the previous kernel: pull this program's first PREFETCH tiles towards L2 while that
+        # kernel finishes; then wait for it before touching x, y, the partials or the shared counters.
+        rows_in = w_ptr + tl.minimum(nn, N - 1).to(tl.int64)[:, None] * s_wn
+        for t in tl.static_range(PREFETCH):
+            lines = tl.minimum(k_lo + t * BLOCK_K + tl.arange(0, BLOCK_K // 64) * 64, K - 1)  # one per 128 B
+            _prefetch_l2(rows_in + lines[None, :])
+            if SWIGLU:
+                _prefetch_l2(rows_in + N * s_wn + lines[None, :])
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         mask_k = kk < k_hi
@@ -84,6 +96,13 @@ def _linear_rows_kernel(
 
 
 @triton.jit
+def _prefetch_l2(ptrs):
+    """A hint to fetch the 128-byte lines at ``ptrs`` into L2 (callers keep the addresses in bounds)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def _finish(acc, acc_up, dtype: tl.constexpr, SWIGLU: tl.constexpr):
     if SWIGLU:  # round as linear then silu_and_mul do: the projections, silu(gate), the product
         g = acc.to(dtype).to(tl.float32)
@@ -106,6 +125,7 @@ _MEASURED = {
     (7168, 1024): (32, 256, 1),     # 6.6 us  [6.6]    0.8B gate|up
     (8224, 1024): (32, 256, 1),     # 6.9 us  [6.9]    0.8B GDN in_proj
 }
+PREFETCH_TILES = 2  # under PDL (ops/triton/_pdl.py): weight tiles per program hinted into L2 before the wait
 _PROGRAMS_TARGET = 256  # about two per SM of an H200: fewer leave bandwidth unused, many more add partial traffic
 
 
@@ -152,6 +172,11 @@ def swiglu(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = 
     return _launch(x, weight, out, (block_n, block_k, split_k, num_warps, num_stages), swiglu=True)
 
 
+def _with_prefetch(pdl: dict, tiles: int) -> dict:
+    """Under PDL, the weight tiles a program hints into L2 before waiting for the previous kernel."""
+    return {**pdl, "PREFETCH": min(PREFETCH_TILES, tiles)} if pdl.get("USE_PDL") else pdl
+
+
 def _unfused(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Inputs for cuBLAS and the unfused ops: prefill-sized, a strided weight, fp32 or mixed dtypes."""
     rows = x.numel() // max(x.shape[-1], 1)
@@ -180,5 +205,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, kno
     arrive = arrival_counters(x.device, blocks_n) if split > 1 else y2
     _linear_rows_kernel[(blocks_n, split)](
         x2, weight, y2, part, arrive, M, N, K, k_split, x2.stride(0), weight.stride(0), y2.stride(0),
-        BLOCK_M=MAX_ROWS, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, SWIGLU=swiglu, num_warps=warps, num_stages=stages)
+        BLOCK_M=MAX_ROWS, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, SWIGLU=swiglu, num_warps=warps, num_stages=stages,
+        **_with_prefetch(pdl_args(x2.device), k_split // bk))
     return out

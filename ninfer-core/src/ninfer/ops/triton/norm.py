@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.ops.triton._pdl import pdl_args
+
 # Per-head rows of column slices (q of [query|gate], GDN's z) are read in place (HEADS) rather than copied
 # to contiguous rows first; checked on the H200 by scripts/gpu-pending linear (2026-11-29, every heads=True row
 # equal in error to the copying path). False restores the copy.
@@ -16,8 +18,11 @@ STRIDED_HEADS = True
 def _rms_norm_kernel(
     x_ptr, w_ptr, z_ptr, y_ptr, R, H1, s_x0, s_x1, s_z0, s_z1, s_yr, D, eps,
     ONE_PLUS: tl.constexpr, GATED: tl.constexpr, ROUND_WN: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_D: tl.constexpr, HEADS: tl.constexpr,
+    BLOCK_D: tl.constexpr, HEADS: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    if USE_PDL:  # _pdl: wait for the previous kernel, then let the next one be scheduled
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     rr = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     if HEADS:
         # Row r of x (and z) is [r // H1, r % H1] of a [R / H1, H1, D] strided view: per-head rows of a slice
@@ -89,7 +94,7 @@ def _launch(x, z, weight, eps, one_plus, gated, out, heads):
         HEADS=bool(heads),
         ONE_PLUS=bool(one_plus), GATED=gated, ROUND_WN=torch.promote_types(weight.dtype, x.dtype) == x.dtype,
         ROWS=rows, BLOCK_D=block_d,
-        num_warps=8 if block_d >= 4096 else 4,
+        num_warps=8 if block_d >= 4096 else 4, **pdl_args(x.device)
     )
     return out
 
@@ -108,8 +113,11 @@ def rms_norm_gated(x, z, weight, eps: float, *, out=None, heads: bool | None = N
 @triton.jit
 def _add_rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, R, s_xr, s_rr, s_yr, s_sr, D, eps,
-    ONE_PLUS: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+    ONE_PLUS: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    if USE_PDL:  # _pdl: wait for the previous kernel, then let the next one be scheduled
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     rr = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     dd = tl.arange(0, BLOCK_D)
     mask = (rr < R)[:, None] & (dd < D)[None, :]
@@ -167,6 +175,6 @@ def add_rms_norm(x, residual, weight, eps: float, *, one_plus: bool = True, out=
     _add_rms_norm_kernel[(triton.cdiv(R, rows),)](
         x2, r2, weight, y2, s2, R, x2.stride(0), r2.stride(0), y2.stride(0), s2.stride(0), D, eps,
         ONE_PLUS=bool(one_plus), ROWS=rows, BLOCK_D=block_d,
-        num_warps=8 if block_d >= 4096 else 4,
+        num_warps=8 if block_d >= 4096 else 4, **pdl_args(x.device)
     )
     return out, residual_out

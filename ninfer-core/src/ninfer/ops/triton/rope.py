@@ -6,12 +6,17 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.ops.triton._pdl import pdl_args
+
 
 @triton.jit
 def _apply_rope_kernel(
     x_ptr, cos_ptr, sin_ptr, y_ptr, s_xn, s_xh, s_xd, s_cn, s_sn, s_yn, s_yh, s_yd,
-    H, D, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    H, D, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    if USE_PDL:  # _pdl: wait for the previous kernel, then let the next one be scheduled
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     n = tl.program_id(0).to(tl.int64)
     hh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     dd = tl.arange(0, BLOCK_D)
@@ -48,6 +53,6 @@ def apply_rope(x, cos, sin, rotary_dim: int, *, out=None):
     block_h = max(1, min(triton.next_power_of_2(H), 4096 // block_d))
     _apply_rope_kernel[(N, triton.cdiv(H, block_h))](
         x, cos, sin, out, *x.stride(), cos.stride(0), sin.stride(0), *out.stride(),
-        H, D, HALF=half, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
+        H, D, HALF=half, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4, **pdl_args(x.device)
     )
     return out

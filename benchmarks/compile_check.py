@@ -1,0 +1,171 @@
+"""Compile every Triton kernel of ``ninfer.ops.triton`` for a GPU architecture on any machine, GPU or not.
+
+Each public wrapper is called once per kernel variant on small bf16 CPU tensors with the launch itself
+intercepted: the launch's arguments give the kernel's signature and constexprs, which ``triton.compile``
+then lowers to a cubin for the target (Triton ships ptxas). With ``--pdl`` every kernel is built with its
+programmatic-dependent-launch prologue (``ops/triton/_pdl.py``), the variant the CPU interpreter never runs.
+It proves the kernels compile for Hopper, not that they are right: that is ``scripts/gpu-check``'s job.
+
+    python -m benchmarks.compile_check --pdl          # sm_90, every kernel, PDL on (needs no GPU)
+
+Run without ``TRITON_INTERPRET`` (the interpreter replaces ``triton.jit`` with a Python emulation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import sys
+import time
+
+import torch
+
+_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+          torch.int64: "i64", torch.bool: "i1", torch.uint8: "u8"}
+
+
+def _calls(gen: torch.Generator) -> list[tuple[str, callable]]:
+    """(name, thunk) per kernel variant: each thunk calls a public wrapper once on small bf16 inputs."""
+    from ninfer.ops.rope import rope_cos_sin
+    from ninfer.ops.triton import activation, attention, conv1d, gdn, linear, norm, rope
+
+    bf = torch.bfloat16
+
+    def randn(*shape, dtype=bf):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    x, w = randn(3, 256), randn(96, 256)
+    q_gate = randn(3, 4, 128)  # [query | gate] per head, D = 64
+    pages, page, kvh, D = 8, 16, 2, 64
+    kc, vc = randn(pages, page, kvh, D), randn(pages, page, kvh, D)
+    tables = torch.arange(pages, dtype=torch.int32).view(2, 4)
+    decode = (randn(2, 4, D), kc, vc, tables, torch.tensor([40, 17], dtype=torch.int32),
+              torch.tensor([0, 1, 2], dtype=torch.int32), 1, 40, D ** -0.5)
+    prefill = (randn(9, 4, D), kc, vc, tables, torch.tensor([9, 30], dtype=torch.int32),
+               torch.tensor([0, 4, 9], dtype=torch.int32), 5, 30, D ** -0.5)
+    HK, HV, DK, DV, KW, S = 2, 4, 16, 32, 4, 6
+    conv_dim = 2 * HK * DK + HV * DV
+    fused = (randn(3, conv_dim), randn(3, HV), randn(3, HV), randn(conv_dim, KW), randn(S, conv_dim, KW - 1),
+             randn(HV, dtype=torch.float32), randn(HV, dtype=torch.float32),
+             randn(S, HV, DK, DV, dtype=torch.float32), torch.tensor([4, 0, 2]))
+    cos, sin = rope_cos_sin(torch.arange(3), 16, 1e7, torch.float32)
+    return [
+        ("linear", lambda: linear.linear(x, w)),
+        ("linear split-K", lambda: linear.linear(x, w, split_k=2, block_k=64)),
+        ("swiglu", lambda: linear.swiglu(x, randn(192, 256))),
+        ("swiglu split-K", lambda: linear.swiglu(x, randn(192, 256), split_k=2, block_k=64)),
+        ("rms_norm rows", lambda: norm.rms_norm(x, randn(256), 1e-6)),
+        ("rms_norm heads", lambda: norm.rms_norm(q_gate[..., :64], randn(64), 1e-6, heads=True)),
+        ("rms_norm_gated heads", lambda: norm.rms_norm_gated(randn(3, 4, 64), q_gate[..., 64:], randn(64), 1e-6,
+                                                            heads=True)),
+        ("add_rms_norm", lambda: norm.add_rms_norm(x, randn(3, 256), randn(256), 1e-6)),
+        ("silu_and_mul", lambda: activation.silu_and_mul(randn(3, 256))),
+        ("apply_rope", lambda: rope.apply_rope(randn(3, 4, 64), cos, sin, 16)),
+        ("write_kv", lambda: attention.write_kv(randn(3, kvh, D), randn(3, kvh, D), kc, vc, torch.tensor([1, 5, 9]))),
+        ("paged_attention decode splits", lambda: attention.paged_attention(*decode, num_splits=4)),
+        ("paged_attention_gated decode splits", lambda: attention.paged_attention_gated(
+            *decode, q_gate[:2, :, 64:], num_splits=4)),
+        ("paged_attention_gated prefill", lambda: attention.paged_attention_gated(*prefill, randn(9, 4, D))),
+        ("gdn_decode_fused", lambda: gdn.gdn_decode_fused(*fused)),
+        ("gdn_decode_fused per key head", lambda: gdn.gdn_decode_fused(*fused, per_key_head=True)),
+        ("gdn_decode", lambda: gdn.gdn_decode(randn(3, HK, DK), randn(3, HK, DK), randn(3, HV, DV),
+                                              randn(3, HV, dtype=torch.float32), randn(3, HV, dtype=torch.float32),
+                                              fused[7], fused[8])),
+        ("gdn_gates", lambda: gdn.gdn_gates(randn(3, HV), randn(3, HV), fused[5], fused[6])),
+        ("causal_conv1d_decode", lambda: conv1d.causal_conv1d_decode(fused[0], fused[3], fused[4], fused[8])),
+        ("causal_conv1d_prefill", lambda: conv1d.causal_conv1d_prefill(randn(20, conv_dim), fused[3],
+                                                                        randn(conv_dim, KW - 1), True)),
+    ]
+
+
+def _signature(fn, args: tuple, kwargs: dict, pdl: bool) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, options) for triton.compile from one intercepted launch."""
+    import triton.language as tl
+
+    params = inspect.signature(fn).parameters
+    bound = dict(zip(params, args, strict=False))
+    bound.update({k: v for k, v in kwargs.items() if k in params})
+    options = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages")}
+    signature, constexprs = {}, {}
+    for i, (name, p) in enumerate(params.items()):
+        value = bound.get(name, p.default)
+        if "constexpr" in str(p.annotation):
+            if pdl and name == "USE_PDL":
+                value = True
+            elif pdl and name == "PREFETCH":
+                value = 2
+            signature[name] = "constexpr"
+            constexprs[(i,)] = value.value if isinstance(value, tl.constexpr) else value
+        elif isinstance(value, torch.Tensor):
+            signature[name] = "*" + _TYPES[value.dtype]
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        elif isinstance(value, int):
+            signature[name] = "i64" if abs(value) >= 2 ** 31 else "i32"
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            raise TypeError(f"{fn.__name__}: argument {name} = {value!r} has no Triton type here")
+    return signature, constexprs, options
+
+
+def run(arch: int, pdl: bool) -> list[dict]:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("compile_check needs real triton.jit functions: unset TRITON_INTERPRET")
+    launches = []
+
+    def intercept(self, *args, grid, warmup, **kwargs):
+        launches.append((self, args, kwargs))
+
+    original = JITFunction.run
+    JITFunction.run = intercept
+    try:
+        calls = _calls(torch.Generator().manual_seed(0))
+        captured = []
+        for name, thunk in calls:
+            before = len(launches)
+            thunk()
+            captured += [(name, *launch) for launch in launches[before:]]
+            if len(launches) == before:
+                raise AssertionError(f"{name}: no Triton kernel was launched (took a torch path?)")
+    finally:
+        JITFunction.run = original
+    target = GPUTarget("cuda", arch, 32)
+    results = []
+    for name, kernel, args, kwargs in captured:
+        signature, constexprs, options = _signature(kernel.fn, args, kwargs, pdl)
+        t0 = time.perf_counter()
+        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=target,
+                                  options=options)
+        ptx = compiled.asm["ptx"]
+        results.append({"case": name, "kernel": kernel.fn.__name__, "seconds": time.perf_counter() - t0,
+                        "cubin_bytes": len(compiled.asm["cubin"]), "gdc_wait": "griddepcontrol.wait" in ptx,
+                        "gdc_launch_dependents": "griddepcontrol.launch_dependents" in ptx,
+                        "l2_prefetch": "prefetch.global.L2" in ptx})
+    return results
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", type=int, default=90, help="compute capability x10 (90 = H100/H200)")
+    p.add_argument("--pdl", action="store_true", help="build the programmatic-dependent-launch variants")
+    args = p.parse_args(argv)
+    results = run(args.arch, args.pdl)
+    for r in results:
+        flags = " ".join(k for k in ("gdc_wait", "gdc_launch_dependents", "l2_prefetch") if r[k])
+        print(f"{r['case']:<40} {r['kernel']:<32} sm_{args.arch} cubin {r['cubin_bytes']:>7} B "
+              f"{r['seconds']:5.1f} s  {flags}")
+    missing = [r["case"] for r in results if args.pdl and not (r["gdc_wait"] and r["gdc_launch_dependents"])]
+    print(f"{len(results)} kernel builds for sm_{args.arch}" + (f"; without the PDL prologue: {missing}"
+                                                                   if missing else ""))
+    return 1 if missing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
