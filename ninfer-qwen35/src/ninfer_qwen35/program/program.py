@@ -369,7 +369,11 @@ class Qwen35Program:
 
     def _decode_logits(self, batch: ForwardBatch) -> torch.Tensor:
         """The graphed part of a decode step: forward + logits of every row."""
-        return self.model.logits(self.model.forward(batch, self.views)[batch.logits_indices])
+        hidden = self.model.forward(batch, self.views)
+        if batch.logits_indices.shape[0] != hidden.shape[0]:
+            hidden = hidden[batch.logits_indices]
+        # else every new token wants logits: the indices are 0..N-1 and the gather (a kernel) is the identity
+        return self.model.logits(hidden)
 
     def _check_idle(self, seq: SequenceRecord) -> None:
         if seq.pending or seq.launched:
