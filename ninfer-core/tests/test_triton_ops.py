@@ -209,7 +209,8 @@ def test_launch_heuristics_depend_on_shapes_only():
             s = t_attention._decode_splits(batch, 4, ctx_len, 32)
             assert s & (s - 1) == 0 and 1 <= s <= 64 and s <= max(1, -(-ctx_len // 64))
     assert t_attention._decode_splits(1, 4, 8192, 32) == 64 and t_attention._decode_splits(8, 4, 8192, 32) == 32
-    assert t_gdn._default_block_v(1, 32, 128) == 16 and t_gdn._default_block_v(8, 32, 128) == 32
+    assert t_gdn._default_block_v(1, 32, 128) == 16 and t_gdn._default_block_v(2, 32, 128) == 16
+    assert t_gdn._default_block_v(4, 32, 128) == 32 and t_gdn._default_block_v(8, 32, 128) == 32
 
 
 def test_linear_rows_kernel():
