@@ -265,3 +265,18 @@ def test_swiglu_kernel(split):
         _close(t_linear.swiglu(many, w), swiglu_ref(many.float(), w.float()), 5e-3)
     with pytest.raises(ValueError, match="gate; up"):
         t_linear.swiglu(x, w[1:])
+
+
+def test_pdl_only_on_capable_cuda_devices(monkeypatch):
+    """Programmatic dependent launch is requested only when enabled and on a CUDA device of sm_90 or newer;
+    the CPU interpreter never gets the launch keyword."""
+    from ninfer.ops.triton import _pdl
+
+    monkeypatch.setattr(_pdl, "ENABLED", True)
+    assert _pdl.pdl_args(torch.device("cpu")) == {"USE_PDL": False}
+    monkeypatch.setattr(_pdl, "_capable", lambda index: False)
+    assert _pdl.pdl_args(torch.device("cuda", 0)) == {"USE_PDL": False}
+    monkeypatch.setattr(_pdl, "_capable", lambda index: True)
+    assert _pdl.pdl_args(torch.device("cuda", 0)) == {"USE_PDL": True, "launch_pdl": True}
+    monkeypatch.setattr(_pdl, "ENABLED", False)
+    assert _pdl.pdl_args(torch.device("cuda", 0)) == {"USE_PDL": False}
