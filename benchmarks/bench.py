@@ -32,6 +32,7 @@ import math
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -340,7 +341,9 @@ def bench_engine(artifact: Path, shape: str, cfg: dict, args, device: str, chain
     B_max = max(args.batches)
     pairs = decode_plan(args.batches, args.contexts, args.quick)
     budgets = {(B, ctx): decode_tokens(args.steps, B, ctx, args.prefill_chunk) for B, ctx in pairs}
-    max_len = max([ctx + n for (_, ctx), n in budgets.items()] + [p + 1 for p in args.prefill]) + 1
+    warmup_len = args.prefill_chunk + 5  # one prompt just past a chunk: both prefill kernels compiled
+    max_len = max([ctx + n for (_, ctx), n in budgets.items()] + [p + 1 for p in args.prefill]
+                  + [warmup_len + 4]) + 1
     page_size = 16
     num_pages = B_max * -(-max_len // page_size) + 1
     if device.startswith("cuda"):
@@ -360,7 +363,7 @@ def bench_engine(artifact: Path, shape: str, cfg: dict, args, device: str, chain
     try:
         t = time.perf_counter()
         # Warm-up: Triton compilation for the chunk and decode shapes used below.
-        run_streams(engine, _prompts(vocab, B_max, args.prefill_chunk + 5, 1), 4)
+        run_streams(engine, _prompts(vocab, B_max, warmup_len, 1), 4)
         run_streams(engine, _prompts(vocab, 1, 7, 2), 4)
         res["warmup_s"] = time.perf_counter() - t
         res["decode"] = []
@@ -600,7 +603,14 @@ def _validate(args) -> str | None:
     return None
 
 
+def _terminated(signum, frame):
+    # A timeout's SIGTERM unwinds like an exception: each shape's ``finally`` removes its multi-GB workdir,
+    # which the next run would otherwise find filling the disk.
+    raise SystemExit(128 + signum)
+
+
 def main(argv=None) -> int:
+    signal.signal(signal.SIGTERM, _terminated)
     _import_paths()
     extra = [m for m in os.environ.get("NINFER_EXTRA_PLUGINS", "").split(",") if m]
     if "ninfer_qwen35.plugin" not in extra:  # no package metadata on the GPU machine

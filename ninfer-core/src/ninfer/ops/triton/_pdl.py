@@ -19,6 +19,8 @@ import os
 import torch
 
 ENABLED = os.environ.get("NINFER_PDL", "").strip() == "1"
+# Weight tiles per program the few-row linear hints into L2 before its wait (NINFER_PDL_PREFETCH to measure).
+PREFETCH_TILES = int(os.environ.get("NINFER_PDL_PREFETCH", "2"))
 
 
 @functools.cache

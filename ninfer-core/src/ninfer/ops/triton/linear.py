@@ -23,6 +23,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ninfer.ops.triton import _pdl
 from ninfer.ops.triton._arrivals import arrival_counters
 from ninfer.ops.triton._pdl import pdl_args
 
@@ -125,7 +126,6 @@ _MEASURED = {
     (7168, 1024): (32, 256, 1),     # 6.6 us  [6.6]    0.8B gate|up
     (8224, 1024): (32, 256, 1),     # 6.9 us  [6.9]    0.8B GDN in_proj
 }
-PREFETCH_TILES = 2  # under PDL (ops/triton/_pdl.py): weight tiles per program hinted into L2 before the wait
 _PROGRAMS_TARGET = 256  # about two per SM of an H200: fewer leave bandwidth unused, many more add partial traffic
 
 
@@ -174,7 +174,7 @@ def swiglu(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = 
 
 def _with_prefetch(pdl: dict, tiles: int) -> dict:
     """Under PDL, the weight tiles a program hints into L2 before waiting for the previous kernel."""
-    return {**pdl, "PREFETCH": min(PREFETCH_TILES, tiles)} if pdl.get("USE_PDL") else pdl
+    return {**pdl, "PREFETCH": min(_pdl.PREFETCH_TILES, tiles)} if pdl.get("USE_PDL") else pdl
 
 
 def _unfused(x: torch.Tensor, weight: torch.Tensor) -> bool:
