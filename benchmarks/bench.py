@@ -437,17 +437,29 @@ def bench_shape(shape: str, args, device: str, ceilings: dict | None) -> dict:
     res: dict = {"shape": shape, "config": cfg, **model_figures(cfg)}
     workdir = Path(tempfile.mkdtemp(prefix=f"ninfer-bench-{shape}-", dir=args.workdir))
     src, out = workdir / "hf", workdir / f"{shape}.ninfer"
+    cached = Path(args.artifact_cache) / f"{shape}.ninfer" if args.artifact_cache and not args.hf else None
     try:
-        t = time.perf_counter()
-        res["checkpoint_bytes"] = write_source(src, cfg, device)
-        res["write_s"] = time.perf_counter() - t
-        summary = convert_checkpoint(src, out, host=_host())
-        res["convert_s"] = summary.seconds
+        if cached is not None and cached.exists():  # the seeded random weights of an earlier run: the same model
+            out = cached
+            res["artifact_reused"] = str(cached)
+        else:
+            t = time.perf_counter()
+            res["checkpoint_bytes"] = write_source(src, cfg, device)
+            res["write_s"] = time.perf_counter() - t
+            summary = convert_checkpoint(src, out, host=_host())
+            res["convert_s"] = summary.seconds
+            if not args.hf:  # only the baseline reads the checkpoint
+                shutil.rmtree(src)
+            if cached is not None:
+                cached.parent.mkdir(parents=True, exist_ok=True)
+                out = Path(shutil.move(out, cached.with_suffix(".partial")))
+                out = out.rename(cached)  # complete or absent: a killed run leaves no half artifact to reuse
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
         chain = ceilings["chain_ms"].get(shape) if ceilings else None
         res["engine"] = bench_engine(out, shape, cfg, args, device, chain)
-        out.unlink()
+        if cached is None:
+            out.unlink()
         if args.hf:
             try:
                 res["hf"] = hf_baseline.run(src, device=device, prompt=args.hf_prompt, new_tokens=args.hf_new_tokens,
@@ -582,6 +594,9 @@ def parse_args(argv=None):
                    help="also profile the steady decode window at the smallest and largest B (torch.profiler); "
                         "tables go to DIR/profile-SHAPE-bB.txt")
     p.add_argument("--workdir", default=None, help="folder for the checkpoint and artifact (default: temp dir)")
+    p.add_argument("--artifact-cache", default=None, metavar="DIR",
+                   help="keep each shape's artifact in DIR and reuse it in later runs (not with the HF baseline, "
+                        "which reads the checkpoint)")
     p.add_argument("--json", default=None, help="write every figure here")
     args = p.parse_args(argv)
     args.steps = args.steps or (48 if args.quick else 128)
@@ -631,6 +646,8 @@ def main(argv=None) -> int:
     base.mkdir(parents=True, exist_ok=True)
     args.workdir = str(base)
     for s in args.shape:  # source + artifact coexist until the engine ran
+        if args.artifact_cache and not args.hf and (Path(args.artifact_cache) / f"{s}.ninfer").exists():
+            continue
         need = 2.05 * 2 * sum(model_figures(SHAPES[s])[k] for k in ("layer_matmul_params", "lm_head_params",
                                                                       "embedding_params"))
         if shutil.disk_usage(base).free < need:

@@ -28,7 +28,7 @@ _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", 
 def _calls(gen: torch.Generator) -> list[tuple[str, callable]]:
     """(name, thunk) per kernel variant: each thunk calls a public wrapper once on small bf16 inputs."""
     from ninfer.ops.rope import rope_cos_sin
-    from ninfer.ops.triton import activation, attention, conv1d, gdn, linear, norm, rope
+    from ninfer.ops.triton import activation, attention, conv1d, gdn, linear, norm, rope, sampling
 
     bf = torch.bfloat16
 
@@ -53,6 +53,8 @@ def _calls(gen: torch.Generator) -> list[tuple[str, callable]]:
     return [
         ("linear", lambda: linear.linear(x, w)),
         ("linear split-K", lambda: linear.linear(x, w, split_k=2, block_k=64)),
+        ("linear fp32 out", lambda: linear.linear(x, w, out_dtype=torch.float32)),
+        ("linear fp32 out split-K", lambda: linear.linear(x, w, out_dtype=torch.float32, split_k=2, block_k=64)),
         ("swiglu", lambda: linear.swiglu(x, randn(192, 256))),
         ("swiglu split-K", lambda: linear.swiglu(x, randn(192, 256), split_k=2, block_k=64)),
         ("rms_norm rows", lambda: norm.rms_norm(x, randn(256), 1e-6)),
@@ -63,6 +65,9 @@ def _calls(gen: torch.Generator) -> list[tuple[str, callable]]:
         ("silu_and_mul", lambda: activation.silu_and_mul(randn(3, 256))),
         ("apply_rope", lambda: rope.apply_rope(randn(3, 4, 64), cos, sin, 16)),
         ("write_kv", lambda: attention.write_kv(randn(3, kvh, D), randn(3, kvh, D), kc, vc, torch.tensor([1, 5, 9]))),
+        ("norm_rope_write_kv", lambda: attention.norm_rope_write_kv(
+            q_gate[..., :D], randn(3, kvh, D), randn(3, kvh, D), randn(D), randn(D), 1e-6, torch.arange(3),
+            torch.rand(8), kc, vc, torch.tensor([1, 5, 9]))),
         ("paged_attention decode splits", lambda: attention.paged_attention(*decode, num_splits=4)),
         ("paged_attention_gated decode splits", lambda: attention.paged_attention_gated(
             *decode, q_gate[:2, :, 64:], num_splits=4)),
@@ -76,6 +81,8 @@ def _calls(gen: torch.Generator) -> list[tuple[str, callable]]:
         ("causal_conv1d_decode", lambda: conv1d.causal_conv1d_decode(fused[0], fused[3], fused[4], fused[8])),
         ("causal_conv1d_prefill", lambda: conv1d.causal_conv1d_prefill(randn(20, conv_dim), fused[3],
                                                                         randn(conv_dim, KW - 1), True)),
+        ("greedy fp32 split rows", lambda: sampling.greedy(randn(2, 5000, dtype=torch.float32))),
+        ("greedy bf16 one chunk", lambda: sampling.greedy(randn(2, 300))),
     ]
 
 

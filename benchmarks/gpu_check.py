@@ -431,6 +431,75 @@ def check_swiglu(ctx: Ctx) -> None:
                            make=lambda f=inputs, bn=bn: partial(swiglu, *f(), block_n=bn))
 
 
+@check("linear_fp32_out")
+def check_linear_fp32_out(ctx: Ctx) -> None:
+    """The lm_head with fp32 logits straight from the kernel's accumulator, against fp32 references; rounded to
+    bf16 it must be bitwise the bf16 kernel's result. Timed beside the bf16 kernel + .float() it replaces."""
+    import torch.nn.functional as F
+
+    from ninfer.ops.triton.linear import default_config, linear
+
+    hiddens = [ctx.cfg["hidden_size"]] if ctx.tiny else [1024, 4096]  # Qwen3.5-0.8B, -9B
+    V = ctx.cfg["vocab_size"]
+    for K in hiddens:
+        for M in ([1, 3] if ctx.tiny else [1, 8]):
+            def inputs(M=M, K=K):
+                return ctx.randn(M, K), ctx.randn(V, K, scale=K ** -0.5)
+
+            x, w = inputs()
+            out = torch.empty(M, V, dtype=torch.float32, device=ctx.device)
+            poison(out)
+            linear(x, w, out=out)
+            same = torch.equal(out.to(x.dtype), linear(x, w))
+            moved = nbytes(x, w, out)
+            ctx.record(f"[{V}x{K}] M={M} fp32 out (rounded == bf16 out: {same})", out,
+                       F.linear(x.float(), w.float()), 1e-5, nbytes=moved, extra_ok=same,
+                       make=lambda f=inputs: partial(linear, *f(), out_dtype=torch.float32),
+                       note=f"cfg {default_config(V, K)}")
+            ctx.timing(f"[{V}x{K}] M={M} bf16 out + .float()", nbytes=moved,
+                       make=lambda f=inputs: partial(lambda a, b: linear(a, b).float(), *f()))
+
+
+@check("greedy")
+def check_greedy(ctx: Ctx) -> None:
+    """The split-row argmax against torch.argmax, bitwise (token ids), on random logits, planted ties (the first
+    index must win) and special rows (-inf rows, NaN above +inf, -0.0 tying +0.0); timed beside torch.argmax."""
+    from ninfer.ops.triton.sampling import greedy
+
+    vocabs = [ctx.cfg["vocab_size"], 3001] if ctx.tiny else [248320, 151936]  # Qwen3.5, Qwen3
+    dtypes = [torch.bfloat16, torch.float32] if ctx.gpu else [torch.float16, torch.float32]
+    for V in vocabs:
+        for dtype in dtypes:
+            name = str(dtype).removeprefix("torch.")
+            for B in ([1, 3] if ctx.tiny else [1, 2, 4, 8]):
+                def inputs(B=B, V=V, dtype=dtype):
+                    return (ctx.randn(B, V, scale=3.0, dtype=dtype),)
+
+                x, = inputs()
+                tied = x.clone()
+                at = torch.randint(0, V, (B, 3), device=ctx.device)
+                tied.scatter_(1, at, (tied.float().amax(-1, keepdim=True) + 1).to(dtype).expand(B, 3))
+                for label, logits in (("random", x), ("3 tied maxima", tied)):
+                    out = torch.full((B,), -1, dtype=torch.int64, device=ctx.device)
+                    greedy(logits, out=out)
+                    ref = logits.argmax(-1)
+                    ctx.record(f"{name} [{B}x{V}] {label}", out, ref, 0.0, extra_ok=torch.equal(out, ref),
+                               nbytes=nbytes(x), make=(lambda f=inputs: partial(greedy, *f())) if label == "random"
+                               else None)
+                ctx.timing(f"{name} [{B}x{V}] torch.argmax", nbytes=nbytes(x),
+                           make=lambda f=inputs: partial(lambda t: t.argmax(-1), *f()))
+            special = torch.randn(4, V, device=ctx.device).to(dtype)
+            special[0] = float("-inf")
+            special[1, [V // 2, V - 1]] = float("nan")
+            special[1, 7] = float("inf")
+            special[2] = 0.0
+            special[2, :V // 3] = -0.0
+            special[3, V // 2:] = float("nan")
+            out, ref = greedy(special), special.argmax(-1)
+            ctx.record(f"{name} [4x{V}] -inf, NaN, -0.0 rows {out.tolist()}", out, ref, 0.0,
+                       extra_ok=torch.equal(out, ref))
+
+
 @check("paged_attention_gated")
 def check_paged_attention_gated(ctx: Ctx) -> None:
     """Attention with Qwen3.5's output gate as its epilogue (the gate a strided slice of [query | gate]),
@@ -800,6 +869,60 @@ def check_write_kv(ctx: Ctx) -> None:
         exact = torch.equal(k_cache, rk) and torch.equal(v_cache, rv)
         ctx.record(f"N={n} (exact, rest untouched: {exact})", (k_cache, v_cache), (rk, rv), 0.0, extra_ok=exact,
                    make=lambda inputs=inputs: partial(write_kv, *inputs()), nbytes=2 * nbytes(k, v) + nbytes(slots))
+
+
+@check("norm_rope_write_kv")
+def check_norm_rope_write_kv(ctx: Ctx) -> None:
+    from ninfer.ops.attention import norm_rope_write_kv_ref
+    from ninfer.ops.rope import rope_angles_cos_sin, rope_inv_freq
+    from ninfer.ops.triton.attention import norm_rope_write_kv, write_kv
+    from ninfer.ops.triton.norm import rms_norm
+    from ninfer.ops.triton.rope import apply_rope
+
+    d = dims(ctx.cfg)
+    H, KVH, D, eps = d["heads"], d["kv_heads"], d["head_dim"], d["eps"]
+    page = sizes(ctx)["page"]
+    inv_freq = rope_inv_freq(d["rotary_dim"], ctx.cfg.get("rope_theta", 1e7), ctx.device)
+    for n in sizes(ctx)["tokens"]:
+        def inputs(n=n):
+            # As the model hands them over: q of per-head [query | gate] blocks, k and v slices of one row.
+            q = ctx.randn(n, H, 2 * D)[..., :D]
+            kv = ctx.randn(n, 2 * KVH * D)
+            n_pages = -(-n // page) * 2 + 4
+            return (q, kv[:, :KVH * D].view(n, KVH, D), kv[:, KVH * D:].view(n, KVH, D),
+                    ctx.randn(D, scale=0.1), ctx.randn(D, scale=0.1),
+                    torch.randint(0, 200_000, (n,), device=ctx.device), inv_freq,
+                    ctx.randn(n_pages, page, KVH, D), ctx.randn(n_pages, page, KVH, D),
+                    torch.randperm(n_pages * page, device=ctx.device)[:n])
+
+        def unfused(q, k, v, qw, kw, pos, inv, kc, vc, slots):
+            cos, sin = rope_angles_cos_sin(pos, inv, q.dtype)
+            out = apply_rope(rms_norm(q, qw, eps), cos, sin, d["rotary_dim"])
+            write_kv(apply_rope(rms_norm(k, kw, eps), cos, sin, d["rotary_dim"]), v, kc, vc, slots)
+            return out
+
+        args = list(inputs())
+        kc0, vc0 = args[7].clone(), args[8].clone()
+        ref_args = [t.float() if t.is_floating_point() and t is not inv_freq else t for t in args]
+        ref_q = norm_rope_write_kv_ref(*ref_args[:5], eps, *ref_args[5:])
+        out = norm_rope_write_kv(*args[:5], eps, *args[5:])
+        untouched = torch.ones(kc0.shape[0] * page, dtype=torch.bool, device=ctx.device)
+        untouched[args[9]] = False
+        kept = torch.equal(args[7].flatten(0, 1)[untouched], kc0.flatten(0, 1)[untouched]) \
+            and torch.equal(args[8].flatten(0, 1)[untouched], vc0.flatten(0, 1)[untouched])
+        moved = nbytes(args[0], args[1], args[2]) * 2 + nbytes(args[5])
+        ctx.record(f"N={n} H={H} KVH={KVH} vs fp32 (rest untouched: {kept})", (out, args[7], args[8]),
+                   (ref_q, ref_args[7], ref_args[8]), 1e-2, extra_ok=kept,
+                   make=lambda inputs=inputs: partial(lambda a: norm_rope_write_kv(*a[:5], eps, *a[5:]),
+                                                      inputs()), nbytes=moved)
+        # Against the five kernels (and the cos/sin table) it replaces, in the same dtype: rounding-level only.
+        args2 = list(inputs())
+        c2 = [args2[7].clone(), args2[8].clone()]
+        want = unfused(*args2[:7], *c2, args2[9])
+        got = norm_rope_write_kv(*args2[:5], eps, *args2[5:])
+        ctx.record(f"N={n} vs the unfused kernels", (got, args2[7], args2[8]), (want, *c2), 4e-3,
+                   make=lambda inputs=inputs: partial(lambda a: unfused(*a), inputs()), nbytes=moved,
+                   note="timing: unfused")
 
 
 @check("causal_conv1d_decode")

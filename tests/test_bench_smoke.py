@@ -96,6 +96,21 @@ def test_a_failing_shape_is_reported_and_cleaned_up(tmp_path, monkeypatch, capsy
     assert "FAILED: tiny" in capsys.readouterr().out
 
 
+def test_artifact_cache_is_built_once_and_reused(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    argv = ["--shape", "tiny", "--device", "cpu", "--no-ceilings", "--no-hf", "--quick", "--batches", "1",
+            "--contexts", "8", "--prefill", "16", "--steps", "3", "--prefill-chunk", "16",
+            "--workdir", str(tmp_path / "work"), "--artifact-cache", str(cache), "--json", str(tmp_path / "a.json")]
+    assert bench.main(argv) == 0
+    first = json.loads((tmp_path / "a.json").read_text())["shapes"]["tiny"]
+    assert "artifact_reused" not in first and [f.name for f in cache.iterdir()] == ["tiny.ninfer"]
+    monkeypatch.setattr(bench, "write_source", lambda *a, **k: pytest.fail("the cached artifact was rebuilt"))
+    assert bench.main(argv) == 0
+    second = json.loads((tmp_path / "a.json").read_text())["shapes"]["tiny"]
+    assert second["artifact_reused"] == str(cache / "tiny.ninfer") and second["engine"]["decode"]
+    assert list((tmp_path / "work").iterdir()) == []  # the per-run folders are removed, the cache stays
+
+
 def test_gpu_only_report_paths_format_a_9b_result():
     """Peak memory, device-busy profiles and the issue's targets appear only in GPU runs: check their
     report paths on a result shaped like one (figures made up for the formatting, not measurements)."""

@@ -57,3 +57,25 @@ def test_bad_geometry_is_named():
     with pytest.raises(ValueError, match="write_kv"):
         write_kv(torch.randn(2, 2, 8), torch.randn(2, 2, 8), torch.zeros(2, 4, 2, 8), torch.zeros(2, 4, 2, 8),
                  torch.tensor([1]))
+
+
+def test_norm_rope_write_kv_is_the_unfused_sequence():
+    from ninfer.ops import apply_rope, norm_rope_write_kv, rms_norm, rope_cos_sin, rope_inv_freq
+    from ninfer.ops.attention import norm_rope_write_kv_ref
+
+    torch.manual_seed(1)
+    N, H, KVH, D, rot = 3, 4, 2, 32, 8
+    q, k, v = torch.randn(N, H, D).bfloat16(), torch.randn(N, KVH, D).bfloat16(), torch.randn(N, KVH, D).bfloat16()
+    qw, kw = torch.randn(D).bfloat16() * 0.1, torch.randn(D).bfloat16() * 0.1
+    positions, slots = torch.tensor([4, 0, 9000]), torch.tensor([5, 0, 13])
+    caches = [torch.zeros(4, 4, KVH, D, dtype=torch.bfloat16) for _ in range(4)]
+    cos, sin = rope_cos_sin(positions, rot, 1e6, torch.bfloat16)
+    want_q = apply_rope(rms_norm(q, qw, 1e-6), cos, sin, rot)
+    write_kv(apply_rope(rms_norm(k, kw, 1e-6), cos, sin, rot), v, caches[0], caches[1], slots)
+    inv_freq = rope_inv_freq(rot, 1e6)
+    got_q = norm_rope_write_kv(q, k, v, qw, kw, 1e-6, positions, inv_freq, caches[2], caches[3], slots)
+    assert torch.equal(got_q, want_q) and torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+    assert torch.equal(norm_rope_write_kv_ref(q, k, v, qw, kw, 1e-6, positions, inv_freq, caches[2], caches[3],
+                                              slots), want_q)
+    with pytest.raises(ValueError, match="norm_rope_write_kv"):
+        norm_rope_write_kv(q, k, v, qw, kw, 1e-6, positions[:2], inv_freq, caches[2], caches[3], slots)

@@ -1,4 +1,4 @@
-"""Norms, SwiGLU and RoPE references against their straightforward definitions."""
+"""Norms, linear, SwiGLU and RoPE references against their straightforward definitions."""
 
 import math
 import subprocess
@@ -6,8 +6,9 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from ninfer.ops import apply_rope, rms_norm, rms_norm_gated, rope_cos_sin, silu_and_mul, swiglu
+from ninfer.ops import apply_rope, linear, rms_norm, rms_norm_gated, rope_cos_sin, silu_and_mul, swiglu
 
 
 def test_import_does_not_load_triton():
@@ -48,6 +49,17 @@ def test_swiglu_is_linear_then_silu_and_mul():
     torch.testing.assert_close(swiglu(x, w), silu_and_mul(x @ w.T))
     with pytest.raises(ValueError, match="gate; up"):
         swiglu(x, w[1:])
+
+
+def test_linear_fp32_out_is_the_cast_reference():
+    """On the reference path an fp32 result is the input-dtype product cast (the Triton path is more precise)."""
+    torch.manual_seed(0)
+    x, w = torch.randn(3, 32, dtype=torch.bfloat16), torch.randn(40, 32, dtype=torch.bfloat16)
+    y = linear(x, w, out_dtype=torch.float32)
+    assert y.dtype == torch.float32 and torch.equal(y, F.linear(x, w).float())
+    assert torch.equal(linear(x, w, out_dtype=torch.bfloat16), linear(x, w))
+    with pytest.raises(ValueError, match="out_dtype"):
+        linear(x, w, out_dtype=torch.float16)
 
 
 def test_partial_rope_matches_complex_rotation():

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from ninfer.ops import logprobs, sample
+from ninfer.ops.sampling import greedy
 
 
 def params(B, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
@@ -14,6 +15,20 @@ def params(B, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
 def test_greedy_is_argmax():
     logits = torch.randn(4, 50)
     assert torch.equal(sample(logits, *params(4, temperature=0.0), [None] * 4), logits.argmax(-1))
+
+
+def test_greedy_op_is_argmax():
+    """The first index of the maximum, NaN counting as the maximum (torch's argmax), in any float dtype."""
+    torch.manual_seed(0)
+    logits = torch.randn(5, 300)
+    logits[1, [7, 3, 200]] = 5.0
+    logits[2] = float("-inf")
+    logits[3, [250, 40]] = float("nan")
+    logits[4, 9] = float("inf")
+    assert greedy(logits).tolist() == [int(logits[0].argmax()), 3, 0, 40, 9]
+    assert torch.equal(greedy(logits.bfloat16()), logits.bfloat16().argmax(-1))
+    with pytest.raises(ValueError, match="greedy"):
+        greedy(logits[0])
 
 
 def test_filters_restrict_the_support():

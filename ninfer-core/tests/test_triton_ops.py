@@ -280,3 +280,68 @@ def test_pdl_only_on_capable_cuda_devices(monkeypatch):
     assert _pdl.pdl_args(torch.device("cuda", 0)) == {"USE_PDL": True, "launch_pdl": True}
     monkeypatch.setattr(_pdl, "ENABLED", False)
     assert _pdl.pdl_args(torch.device("cuda", 0)) == {"USE_PDL": False}
+
+
+@pytest.mark.parametrize("split", [1, 3])
+def test_linear_fp32_out(split):
+    """An fp32 result from fp16 inputs is the kernel's fp32 accumulator: near an fp32 F.linear, and rounding it
+    gives bitwise the fp16 result of the same configuration (the same sums); split-K's last arrival stores it
+    too; swiglu keeps the input dtype; prefill-sized inputs go to cuBLAS and cast."""
+    from ninfer.ops.linear import linear_ref
+    from ninfer.ops.triton import linear as t_linear
+    from ninfer.ops.triton._arrivals import arrival_counters
+
+    gen = _gen(13)
+    N, K = 50, 200
+    w = _randn(N, K, gen=gen, dtype=torch.float16) * 0.1
+    x = _randn(5, K, gen=gen, dtype=torch.float16)
+    cfg = {"block_n": 16, "block_k": 32, "split_k": split}
+    y = t_linear.linear(x, w, out_dtype=torch.float32, **cfg)
+    assert y.dtype == torch.float32 and y.shape == (5, N)
+    _close(y, linear_ref(x.float(), w.float()), 1e-5)
+    half = t_linear.linear(x, w, **cfg)
+    assert torch.equal(y.half(), half)
+    _close(y, half, 2e-3)
+    out = torch.full((5, N), float("nan"), device=DEV)
+    assert t_linear.linear(x, w, out=out, **cfg) is out and torch.equal(out, y)
+    assert int(arrival_counters(x.device, 1).abs().sum()) == 0
+    assert t_linear.swiglu(x, torch.cat([w, w]), **cfg).dtype == torch.float16
+    many = _randn(t_linear.MAX_ROWS + 1, K, gen=gen, dtype=torch.bfloat16)  # cuBLAS (CPU: BLAS) rounds, then casts
+    wb = w.to(torch.bfloat16)
+    assert torch.equal(t_linear.linear(many, wb, out_dtype=torch.float32), linear_ref(many, wb).float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_greedy_kernel(dtype):
+    """The split-row argmax == torch.argmax bitwise: V below one block, not a multiple of it, over several chunks
+    and loop steps per chunk; B = 1..5; ties (the first index wins, across chunks and lanes, -0.0 == +0.0), -inf
+    rows, NaN (the first NaN wins, above +inf), strided rows; the arrival counters are back at zero."""
+    from ninfer.ops.triton import sampling as t_sampling
+    from ninfer.ops.triton._arrivals import arrival_counters
+
+    gen = _gen(17)
+    for V, batches in [(5, (1, 3)), (2048, (2,)), (3001, (1, 4)), (5 * 2048 + 7, (5,)), (270_001, (1,))]:
+        for B in batches:
+            x = _randn(B, V, gen=gen, dtype=dtype)
+            assert torch.equal(t_sampling.greedy(x), x.argmax(-1)), (V, B)
+    chunk, S = t_sampling.splits(270_001)
+    assert S > 1 and chunk > t_sampling._BLOCK  # that row took more than one loop step per chunk
+    V = 3 * 2048 + 100
+    x = _randn(7, V, gen=gen, dtype=dtype)
+    x[0, [5000, 70, 2100, 6000]] = 9.0  # ties across chunks: the first index
+    x[1, [2047, 2048, 1]] = 9.0
+    x[2] = float("-inf")
+    x[3, [4000, 100]] = float("nan")  # NaN is the maximum, above +inf
+    x[3, 50] = float("inf")
+    x[4, 3000] = float("inf")
+    x[5] = 0.0
+    x[5, :3000] = -0.0  # -0.0 ties +0.0
+    x[6, 10:] = float("-inf")
+    x[6, :10] = float("nan")
+    assert torch.equal(t_sampling.greedy(x), x.argmax(-1))
+    assert t_sampling.greedy(x).tolist() == [70, 1, 0, 100, 3000, 0, 0]
+    wide = _randn(3, V + 40, gen=gen, dtype=dtype)
+    assert torch.equal(t_sampling.greedy(wide[:, 40:]), wide[:, 40:].argmax(-1))
+    assert int(arrival_counters(x.device, 8).abs().sum()) == 0
+    with pytest.raises(ValueError, match="greedy"):
+        t_sampling.greedy(x[0])

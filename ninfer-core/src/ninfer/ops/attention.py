@@ -31,6 +31,55 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     return write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
 
 
+def _check_norm_rope_write_kv(q, k, v, q_weight, k_weight, positions, inv_freq, k_cache, slot_mapping) -> None:
+    N, D = q.shape[0], q.shape[-1]
+    if q.dim() != 3 or k.shape != v.shape or k.dim() != 3 or k.shape[0] != N or k.shape[1:] != k_cache.shape[2:] \
+            or k.shape[2] != D or q_weight.shape != (D,) or k_weight.shape != (D,) \
+            or positions.shape != (N,) or slot_mapping.shape != (N,) or 2 * inv_freq.numel() > D:
+        raise ValueError(f"norm_rope_write_kv: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                         f"norm weights {tuple(q_weight.shape)} / {tuple(k_weight.shape)}, positions "
+                         f"{tuple(positions.shape)}, inv_freq {tuple(inv_freq.shape)}, cache "
+                         f"{tuple(k_cache.shape)}, slot_mapping {tuple(slot_mapping.shape)} do not fit")
+
+
+def norm_rope_write_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
+                           k_weight: torch.Tensor, eps: float, positions: torch.Tensor, inv_freq: torch.Tensor,
+                           k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    from ninfer.ops.norm import rms_norm_ref
+    from ninfer.ops.rope import apply_rope_ref, rope_angles_cos_sin
+
+    _check_norm_rope_write_kv(q, k, v, q_weight, k_weight, positions, inv_freq, k_cache, slot_mapping)
+    cos, sin = rope_angles_cos_sin(positions, inv_freq, q.dtype)
+    rot = 2 * inv_freq.numel()
+    q = apply_rope_ref(rms_norm_ref(q, q_weight, eps), cos, sin, rot)
+    write_kv_ref(apply_rope_ref(rms_norm_ref(k, k_weight, eps), cos, sin, rot), v, k_cache, v_cache, slot_mapping)
+    return q
+
+
+def norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
+                       k_weight: torch.Tensor, eps: float, positions: torch.Tensor, inv_freq: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """The attention inputs of Qwen3.5 in one op: the per-head (1 + w) RMSNorm of q [N, H, D] and k [N, KVH, D],
+    rotary embedding at ``positions`` (rates ``inv_freq``, the first 2 * len(inv_freq) dims), and the store of
+    the new k and v [N, KVH, D] at ``slot_mapping``. Returns the new q [N, H, D]. Normed values and cos/sin are
+    rounded to q's dtype before the rotation, as the unfused sequence does.
+
+    Without the fused kernel this is that sequence of dispatched ops (rms_norm, apply_rope, write_kv).
+    """
+    kernel = triton_kernel("attention", "norm_rope_write_kv", q)
+    if kernel is not None:
+        return kernel(q, k, v, q_weight, k_weight, eps, positions, inv_freq, k_cache, v_cache, slot_mapping)
+    from ninfer.ops.norm import rms_norm
+    from ninfer.ops.rope import apply_rope, rope_angles_cos_sin
+
+    _check_norm_rope_write_kv(q, k, v, q_weight, k_weight, positions, inv_freq, k_cache, slot_mapping)
+    cos, sin = rope_angles_cos_sin(positions, inv_freq, q.dtype)
+    rot = 2 * inv_freq.numel()
+    q = apply_rope(rms_norm(q, q_weight, eps), cos, sin, rot)
+    write_kv(apply_rope(rms_norm(k, k_weight, eps), cos, sin, rot), v, k_cache, v_cache, slot_mapping)
+    return q
+
+
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                         seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
                         max_seq_len: int, scale: float) -> torch.Tensor:

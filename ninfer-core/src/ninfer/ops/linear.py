@@ -15,19 +15,25 @@ from ninfer.ops._dispatch import triton_kernel
 from ninfer.ops.activation import silu_and_mul, silu_and_mul_ref
 
 
-def linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, weight)
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    y = F.linear(x, weight)
+    return y if out_dtype is None else y.to(out_dtype)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ weight[N, K].T -> [..., N] in x.dtype."""
+def linear(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K].T -> [..., N] in x.dtype, or in out_dtype = torch.float32 (the lm_head's logits).
+
+    The reference (and cuBLAS, for many rows) rounds the product to x.dtype and then casts; the Triton kernel
+    stores its fp32 accumulator directly, which skips a cast kernel and is more precise (not rounded to bf16):
+    the two differ by up to x.dtype's rounding."""
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"linear: input {tuple(x.shape)} does not match weight {tuple(weight.shape)}")
+    if out_dtype not in (None, x.dtype, torch.float32):
+        raise ValueError(f"linear: out_dtype must be the input's {x.dtype} or torch.float32, got {out_dtype}")
     kernel = triton_kernel("linear", "linear", x)
     if kernel is not None:
-        return kernel(x, weight)
-    return linear_ref(x, weight)
-
+        return kernel(x, weight, out_dtype=out_dtype)
+    return linear_ref(x, weight, out_dtype=out_dtype)
 
 
 def swiglu_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

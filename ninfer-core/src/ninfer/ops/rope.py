@@ -10,15 +10,25 @@ import torch
 from ninfer.ops._dispatch import triton_kernel
 
 
+def rope_inv_freq(rotary_dim: int, theta: float, device: torch.device | str | None = None) -> torch.Tensor:
+    """fp32 [rotary_dim // 2]: the rotation rate of each dim pair, theta ** (-2i / rotary_dim) (as HF)."""
+    if rotary_dim <= 0 or rotary_dim % 2:
+        raise ValueError(f"rotary_dim must be positive and even, got {rotary_dim}")
+    exponent = torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim
+    return 1.0 / (theta ** exponent)
+
+
+def rope_angles_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
+                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [N, len(inv_freq)] of the fp32 angles positions * inv_freq, rounded to ``dtype``."""
+    angles = positions.to(torch.float32)[:, None] * inv_freq.to(positions.device)[None, :]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
 def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [N, rotary_dim // 2] for int64 positions [N] (angles computed in fp32)."""
-    if rotary_dim <= 0 or rotary_dim % 2:
-        raise ValueError(f"rotary_dim must be positive and even, got {rotary_dim}")
-    exponent = torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=positions.device) / rotary_dim
-    inv_freq = 1.0 / (theta ** exponent)
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    return rope_angles_cos_sin(positions, rope_inv_freq(rotary_dim, theta, positions.device), dtype)
 
 
 def apply_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:

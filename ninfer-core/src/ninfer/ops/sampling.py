@@ -45,12 +45,27 @@ def _noise(shape: tuple[int, int], device: torch.device, generators: list[torch.
     return noise
 
 
+def greedy_ref(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(-1)
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """tokens[B] int64 from logits[B, V]: each row's argmax, as torch's (the first index of the maximum; NaN
+    counts as the maximum, so the first NaN wins). On the GPU one kernel splits each row over many programs."""
+    if logits.dim() != 2 or logits.shape[-1] == 0:
+        raise ValueError(f"greedy: logits {tuple(logits.shape)} is not [B, V] with V > 0")
+    kernel = triton_kernel("sampling", "greedy", logits)
+    if kernel is not None:
+        return kernel(logits)
+    return greedy_ref(logits)
+
+
 def sample_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                min_p: torch.Tensor, generators: list[torch.Generator | None], *,
                max_top_k: int | None = None) -> torch.Tensor:
     # Greedy rows are selected at the end rather than by an early return on all(temperature <= 0), which
-    # would sync the host with the device every step; callers with an all-greedy batch take argmax directly.
-    greedy = logits.argmax(-1)
+    # would sync the host with the device every step; callers with an all-greedy batch call greedy() directly.
+    best = greedy(logits)
     B, V = logits.shape
     noise = _noise((B, V), logits.device, generators)
     if max_top_k is not None and max_top_k < V:
@@ -63,7 +78,7 @@ def sample_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Ten
     else:
         probs = _filtered_logits(logits, temperature, top_k, top_p, min_p).softmax(-1)
         drawn = (probs / noise).argmax(-1)
-    return torch.where(temperature.to(logits.device) <= 0, greedy, drawn)
+    return torch.where(temperature.to(logits.device) <= 0, best, drawn)
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

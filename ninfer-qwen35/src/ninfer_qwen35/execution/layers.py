@@ -9,17 +9,15 @@ import attrs
 import torch
 
 from ninfer.ops import (
-    apply_rope,
     causal_conv1d_prefill,
     gdn_decode_fused,
     gdn_gates,
     gdn_prefill,
     linear,
+    norm_rope_write_kv,
     paged_attention,
-    rms_norm,
     rms_norm_gated,
     swiglu,
-    write_kv,
 )
 from ninfer_qwen35.config import Qwen35Config
 from ninfer_qwen35.execution.forward_batch import ForwardBatch
@@ -65,18 +63,14 @@ def gdn_mixer(c: Qwen35Config, p: GDNParams, x: torch.Tensor, batch: ForwardBatc
 
 
 def attention_mixer(c: Qwen35Config, p: AttentionParams, x: torch.Tensor, batch: ForwardBatch,
-                    cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor) -> torch.Tensor:
+                    rope_inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
     """Gated full attention: x [N, H] -> [N, H], writing this batch's K/V into the paged caches first."""
     N, nh, kvh, d = x.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
     q_gate, k, v = p.qkv(x)
     q_gate = q_gate.view(N, nh, 2 * d)  # each head's block is [query | gate]
-    q = rms_norm(q_gate[..., :d], p.q_norm, c.rms_norm_eps)
     gate = q_gate[..., d:]
-    k = rms_norm(k.view(N, kvh, d), p.k_norm, c.rms_norm_eps)
-    q = apply_rope(q, cos, sin, c.rotary_dim)
-    k = apply_rope(k, cos, sin, c.rotary_dim)
-    write_kv(k, v.view(N, kvh, d), k_cache, v_cache, batch.slot_mapping)
+    q = norm_rope_write_kv(q_gate[..., :d], k.view(N, kvh, d), v.view(N, kvh, d), p.q_norm, p.k_norm,
+                           c.rms_norm_eps, batch.positions, rope_inv_freq, k_cache, v_cache, batch.slot_mapping)
     o = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
                         batch.max_query_len, batch.max_seq_len, d ** -0.5, gate=gate)
     return linear(o.reshape(N, nh * d), p.o_proj)

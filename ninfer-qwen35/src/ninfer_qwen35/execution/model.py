@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ninfer.ops import add_rms_norm, linear, rms_norm, rope_cos_sin
+from ninfer.ops import add_rms_norm, linear, rms_norm, rope_inv_freq
 from ninfer_qwen35.execution.forward_batch import ForwardBatch, ModelStateViews
 from ninfer_qwen35.execution.layers import GDNPlan, attention_mixer, gdn_mixer, mlp
 from ninfer_qwen35.execution.parameters import GDNParams, Qwen35Parameters
@@ -17,6 +17,8 @@ class Qwen35Model:
     def __init__(self, params: Qwen35Parameters) -> None:
         self.params = params
         self.config = params.config
+        # Rotary rates, made once: a decode graph reads them, and per-forward cos/sin tables cost launches.
+        self.rope_inv_freq = rope_inv_freq(self.config.rotary_dim, self.config.rope_theta, params.embed.device)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, state: ModelStateViews) -> torch.Tensor:
@@ -27,7 +29,6 @@ class Qwen35Model:
         c, p = self.config, self.params
         self._check(batch, state)
         x = F.embedding(batch.input_ids, p.embed)  # the residual stream
-        cos, sin = rope_cos_sin(batch.positions, c.rotary_dim, c.rope_theta, x.dtype)
         plan = self._gdn_plan(batch)
         # Each sublayer's output joins the stream in the op of the norm after it (one kernel once enabled):
         # the mixer's with the post-attention norm, the MLP's with the next layer's input norm or the final norm.
@@ -40,15 +41,16 @@ class Qwen35Model:
                 h = gdn_mixer(c, layer.mixer, h, batch, plan, state.conv[:, i], state.recurrent[:, i])
             else:
                 k_cache, v_cache = state.kv[layer.state_index]
-                h = attention_mixer(c, layer.mixer, h, batch, cos, sin, k_cache, v_cache)
+                h = attention_mixer(c, layer.mixer, h, batch, self.rope_inv_freq, k_cache, v_cache)
             h, x = add_rms_norm(h, x, layer.post_norm, eps)
             h, x = add_rms_norm(mlp(layer.mlp, h), x, next_norm, eps)
         return h
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [M, V] for final-normed hidden rows [M, H] (tied head = the embedding)."""
-        return linear(hidden, self.params.lm_head).float()
+        """fp32 logits [M, V] for final-normed hidden rows [M, H] (tied head = the embedding). Few rows on the GPU
+        get the projection's fp32 accumulator (no bf16 rounding, no cast kernel); otherwise the product is cast."""
+        return linear(hidden, self.params.lm_head, out_dtype=torch.float32)
 
     @staticmethod
     def _gdn_plan(batch: ForwardBatch) -> GDNPlan:

@@ -397,12 +397,12 @@ class Qwen35Program:
     def _sample_launch(self, seqs: Sequence[SequenceRecord], logits: torch.Tensor,
                        indices: Sequence[int]) -> _Readback:
         """Queue sampling (and logprobs) of every row, then one device->host copy of the results."""
-        from ninfer.ops.sampling import logprobs, sample
+        from ninfer.ops.sampling import greedy, logprobs, sample
 
         dev = logits.device
         sp = [s.sampling for s in seqs]
         if all(p.greedy for p in sp):
-            tokens = logits.argmax(-1)  # what sample() does for temperature 0, without its per-row setup
+            tokens = greedy(logits)  # what sample() does for temperature 0, without its per-row setup
         else:
             # one host->device copy for every row's knobs (top_k is exact in fp32 below 2**24)
             knobs = _upload(torch.tensor([[p.temperature, p.top_p, p.min_p, min(p.top_k, 1 << 24)] for p in sp],

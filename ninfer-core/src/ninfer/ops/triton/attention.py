@@ -70,6 +70,89 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping):
 
 
 @triton.jit
+def _norm_rope_write_kv_kernel(
+    q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, inv_ptr, qo_ptr, kc_ptr, vc_ptr, slot_ptr,
+    s_qn, s_qh, s_kn, s_kh, s_vn, s_vh, s_qon, s_qoh,
+    s_kcp, s_kco, s_kch, s_vcp, s_vco, s_vch,
+    page_size, eps,
+    H: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False,
+):
+    if USE_PDL:  # _pdl: wait for the previous kernel, then let the next one be scheduled
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    # One program per (token, head): heads 0..H-1 are query heads, H.. the key heads (each also stores its v).
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    dd = tl.arange(0, BLOCK_D)
+    inside = dd < D
+    rot = dd < 2 * HALF
+    first = dd < HALF
+    partner = tl.where(first, dd + HALF, dd - HALF)  # rotate_half's partner of each rotated dim
+    if h < H:
+        row = q_ptr + n * s_qn + h * s_qh
+        w_ptr = qw_ptr
+    else:
+        row = k_ptr + n * s_kn + (h - H) * s_kh
+        w_ptr = kw_ptr
+    x = tl.load(row + dd, mask=inside, other=0.0).to(tl.float32)
+    xp = tl.load(row + partner, mask=rot, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + dd, mask=inside, other=0.0).to(tl.float32)
+    wp = tl.load(w_ptr + partner, mask=rot, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    # The normed values and cos/sin are rounded to the model dtype before the rotation, as the unfused ops do.
+    dt = qo_ptr.dtype.element_ty
+    normed = (x * rstd * (1.0 + w)).to(dt).to(tl.float32)
+    normed_p = (xp * rstd * (1.0 + wp)).to(dt).to(tl.float32)
+    angle = tl.load(pos_ptr + n).to(tl.float32) * tl.load(inv_ptr + tl.where(first, dd, dd - HALF), mask=rot,
+                                                          other=0.0)
+    # tl.cos/sin compile to libdevice's precise cosf/sinf (not the .approx instructions, wrong for angles of
+    # 1e5 rad and more; checked in the sm_90 PTX), the functions torch's CUDA cos/sin use.
+    c = tl.cos(angle).to(dt).to(tl.float32)
+    s = tl.sin(angle).to(dt).to(tl.float32)
+    y = tl.where(rot, normed * c + tl.where(first, -normed_p, normed_p) * s, normed)
+    if h < H:
+        tl.store(qo_ptr + n * s_qon + h * s_qoh + dd, y.to(dt), mask=inside)
+    else:
+        slot = tl.load(slot_ptr + n).to(tl.int64)
+        page = slot // page_size
+        off = slot % page_size
+        tl.store(kc_ptr + page * s_kcp + off * s_kco + (h - H) * s_kch + dd, y.to(kc_ptr.dtype.element_ty),
+                 mask=inside)
+        v = tl.load(v_ptr + n * s_vn + (h - H) * s_vh + dd, mask=inside)
+        tl.store(vc_ptr + page * s_vcp + off * s_vco + (h - H) * s_vch + dd, v.to(vc_ptr.dtype.element_ty),
+                 mask=inside)
+
+
+def norm_rope_write_kv(q, k, v, q_weight, k_weight, eps, positions, inv_freq, k_cache, v_cache, slot_mapping, *,
+                       out=None):
+    """Per-head (1 + w) RMSNorm + rotary embedding of q and k, and the K/V store, in one launch (see
+    ``ninfer.ops.attention.norm_rope_write_kv``); q, k, v may be strided per token and head."""
+    N, H, D = q.shape
+    KVH = k.shape[1]
+    half = inv_freq.numel()
+    if k.shape != (N, KVH, D) or v.shape != k.shape or tuple(k_cache.shape[2:]) != (KVH, D) \
+            or v_cache.shape != k_cache.shape or tuple(slot_mapping.shape) != (N,) or positions.shape != (N,) \
+            or 2 * half > D or q_weight.shape != (D,) or k_weight.shape != (D,):
+        raise ValueError(f"norm_rope_write_kv: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                         f"caches {tuple(k_cache.shape)}, positions {tuple(positions.shape)}, inv_freq "
+                         f"{tuple(inv_freq.shape)} do not fit")
+    if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("norm_rope_write_kv: the head dim of q, k, v and the caches must be contiguous")
+    if out is None:
+        out = torch.empty((N, H, D), dtype=q.dtype, device=q.device)
+    if N == 0:
+        return out
+    _norm_rope_write_kv_kernel[(N, H + KVH)](
+        q, k, v, q_weight, k_weight, positions, inv_freq.to(torch.float32), out, k_cache, v_cache, slot_mapping,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), k_cache.shape[1], eps,
+        H=H, D=D, HALF=half, BLOCK_D=triton.next_power_of_2(D), num_warps=2, **pdl_args(q.device)
+    )
+    return out
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr, g_ptr,
     s_qn, s_qh, s_qd, s_gn, s_gh,

@@ -3,7 +3,8 @@
 Each program owns a block of BLOCK_N output columns for every row (rows padded to 16 for the tensor
 cores) and one of SPLIT_K slices of K. With SPLIT_K > 1 the programs of a column block write fp32
 partial sums to a workspace and the last to arrive adds them up in slice order and stores y, so one
-launch does the whole product (no separate reduction kernel). The configuration depends on (N, K)
+launch does the whole product (no separate reduction kernel). y is stored in its own dtype: an fp32 y
+from bf16/fp16 inputs receives the unrounded fp32 accumulator. The configuration depends on (N, K)
 only, never on the number of rows: a row's result is then bitwise the same whatever its batch
 neighbours are. More than MAX_ROWS rows (prefill) and fp32 go to cuBLAS.
 
@@ -144,16 +145,22 @@ def default_config(N: int, K: int) -> tuple[int, int, int, int, int]:
     return block_n, 256 if split == 1 else 128, split, 4, 3
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None, block_n: int | None = None,
-           block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None,
-           num_stages: int | None = None) -> torch.Tensor:
-    """x [..., K] @ weight[N, K].T -> [..., N]; more than MAX_ROWS rows (or a strided weight) use cuBLAS."""
+def linear(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None, block_n: int | None = None, block_k: int | None = None,
+           split_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K].T -> [..., N]; more than MAX_ROWS rows (or a strided weight) use cuBLAS.
+
+    The result has out's dtype, else out_dtype, else x's. An fp32 result from bf16/fp16 inputs is the kernel's
+    fp32 accumulator itself (not rounded to the input dtype; the lm_head's fp32 logits without a cast kernel);
+    cuBLAS rounds to the input dtype, then casts."""
     if _unfused(x, weight):
         y = F.linear(x, weight)
         if out is None:
-            return y
+            return y if out_dtype is None else y.to(out_dtype)
         out.copy_(y.view(out.shape))
         return out
+    if out is None and out_dtype is not None:
+        out = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=out_dtype, device=x.device)
     return _launch(x, weight, out, (block_n, block_k, split_k, num_warps, num_stages), swiglu=False)
 
 
