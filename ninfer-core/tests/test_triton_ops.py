@@ -282,6 +282,20 @@ def test_pdl_only_on_capable_cuda_devices(monkeypatch):
     assert _pdl.pdl_args(torch.device("cuda", 0)) == {"USE_PDL": False}
 
 
+def test_pdl_preference_by_layer_size_and_environment(monkeypatch):
+    """Small layers ask for PDL, large ones do not; NINFER_PDL=0/1 overrides the model's preference."""
+    from ninfer.ops.triton import _pdl
+
+    monkeypatch.setattr(_pdl, "ENABLED", False)
+    monkeypatch.setattr(_pdl, "_FORCED", None)
+    assert _pdl.prefer_for_layer_bytes(60e6) is True and _pdl.ENABLED
+    assert _pdl.prefer_for_layer_bytes(600e6) is False and not _pdl.ENABLED
+    monkeypatch.setattr(_pdl, "_FORCED", True)
+    assert _pdl.prefer_for_layer_bytes(600e6) is True
+    monkeypatch.setattr(_pdl, "_FORCED", False)
+    assert _pdl.prefer_for_layer_bytes(60e6) is False
+
+
 @pytest.mark.parametrize("split", [1, 3])
 def test_linear_fp32_out(split):
     """An fp32 result from fp16 inputs is the kernel's fp32 accumulator: near an fp32 F.linear, and rounding it

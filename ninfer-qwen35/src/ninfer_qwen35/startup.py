@@ -97,6 +97,10 @@ def build(artifact: Any, *, device: Any = None, features: StartupFeatures = Star
         raise StartupError(f"compute dtype must be float32, bfloat16 or float16, got {compute}")
     params = Qwen35Parameters.from_weights(config, weights, compute, dev.torch)
     executor = Qwen35Model(params)
+    if dev.torch.type == "cuda":  # before the Program captures its graphs
+        from ninfer.ops.triton._pdl import prefer_for_layer_bytes
+
+        prefer_for_layer_bytes(_resident_bytes(weights, params) / config.num_hidden_layers)
 
     layout = state_layout(config, dtype_name(compute))
     pools = kv_pools(config, page_size=page_size, dtype=dtype_name(compute))
