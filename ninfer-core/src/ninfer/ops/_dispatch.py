@@ -40,7 +40,7 @@ TRITON_OPS: frozenset[str] = frozenset({
     "linear.swiglu", "attention.paged_attention_gated",
     # scripts/gpu-pending fuse2, 2026-11-29 (session 4): 67/67 rows at 9B, 15/15 at 0.8B shapes. norm_rope_write_kv
     # 2.7 vs 13.1 us for the five kernels it replaces (0.8B, N=1), bitwise equal to them at N=1 and 8; greedy
-    # bitwise equal to torch.argmax (ties, NaN, -inf, -0.0), 4.6 vs 8.2 us for one fp32 248320-wide row.
+    # bitwise equal to torch.argmax (ties, NaN, -inf, -0.0), 4.6 vs 9.7 us for one fp32 248320-wide row.
     "attention.norm_rope_write_kv", "sampling.greedy",
 })
 
