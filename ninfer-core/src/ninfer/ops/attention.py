@@ -42,18 +42,26 @@ def _check_norm_rope_write_kv(q, k, v, q_weight, k_weight, positions, inv_freq, 
                          f"{tuple(k_cache.shape)}, slot_mapping {tuple(slot_mapping.shape)} do not fit")
 
 
-def norm_rope_write_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
-                           k_weight: torch.Tensor, eps: float, positions: torch.Tensor, inv_freq: torch.Tensor,
-                           k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
-    from ninfer.ops.norm import rms_norm_ref
-    from ninfer.ops.rope import apply_rope_ref, rope_angles_cos_sin
+def _norm_rope_write_kv_steps(norm, rope, store, q, k, v, q_weight, k_weight, eps, positions, inv_freq, k_cache,
+                              v_cache, slot_mapping) -> torch.Tensor:
+    """The op as its unfused sequence, with the given rms_norm / apply_rope / write_kv implementations."""
+    from ninfer.ops.rope import rope_angles_cos_sin
 
     _check_norm_rope_write_kv(q, k, v, q_weight, k_weight, positions, inv_freq, k_cache, slot_mapping)
     cos, sin = rope_angles_cos_sin(positions, inv_freq, q.dtype)
     rot = 2 * inv_freq.numel()
-    q = apply_rope_ref(rms_norm_ref(q, q_weight, eps), cos, sin, rot)
-    write_kv_ref(apply_rope_ref(rms_norm_ref(k, k_weight, eps), cos, sin, rot), v, k_cache, v_cache, slot_mapping)
-    return q
+    store(rope(norm(k, k_weight, eps), cos, sin, rot), v, k_cache, v_cache, slot_mapping)
+    return rope(norm(q, q_weight, eps), cos, sin, rot)
+
+
+def norm_rope_write_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
+                           k_weight: torch.Tensor, eps: float, positions: torch.Tensor, inv_freq: torch.Tensor,
+                           k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    from ninfer.ops.norm import rms_norm_ref
+    from ninfer.ops.rope import apply_rope_ref
+
+    return _norm_rope_write_kv_steps(rms_norm_ref, apply_rope_ref, write_kv_ref, q, k, v, q_weight, k_weight, eps,
+                                     positions, inv_freq, k_cache, v_cache, slot_mapping)
 
 
 def norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
@@ -70,14 +78,10 @@ def norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weig
     if kernel is not None:
         return kernel(q, k, v, q_weight, k_weight, eps, positions, inv_freq, k_cache, v_cache, slot_mapping)
     from ninfer.ops.norm import rms_norm
-    from ninfer.ops.rope import apply_rope, rope_angles_cos_sin
+    from ninfer.ops.rope import apply_rope
 
-    _check_norm_rope_write_kv(q, k, v, q_weight, k_weight, positions, inv_freq, k_cache, slot_mapping)
-    cos, sin = rope_angles_cos_sin(positions, inv_freq, q.dtype)
-    rot = 2 * inv_freq.numel()
-    q = apply_rope(rms_norm(q, q_weight, eps), cos, sin, rot)
-    write_kv(apply_rope(rms_norm(k, k_weight, eps), cos, sin, rot), v, k_cache, v_cache, slot_mapping)
-    return q
+    return _norm_rope_write_kv_steps(rms_norm, apply_rope, write_kv, q, k, v, q_weight, k_weight, eps, positions,
+                                     inv_freq, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
