@@ -27,6 +27,9 @@ ENABLED = bool(_FORCED)  # what launches use now: the model's preference, or the
 SMALL_LAYER_BYTES = 128 << 20
 # Weight tiles per program the few-row linear hints into L2 before its wait (NINFER_PDL_PREFETCH to measure).
 PREFETCH_TILES = int(os.environ.get("NINFER_PDL_PREFETCH", "2"))
+# The few-row linear lets its successor be scheduled after its K loop rather than at its start (an experiment:
+# early-placed successor programs may unbalance long bandwidth-bound kernels; NINFER_PDL_LATE=1 to measure).
+LATE_TRIGGER = os.environ.get("NINFER_PDL_LATE", "").strip() == "1"
 
 
 @functools.cache

@@ -37,6 +37,7 @@ def _linear_rows_kernel(
     x_ptr, w_ptr, y_ptr, part_ptr, arrive_ptr, M, N, K, K_SPLIT, s_xm, s_wn, s_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     SWIGLU: tl.constexpr, USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+    LATE_TRIGGER: tl.constexpr = False,
 ):
     # N output columns; with SWIGLU, W holds 2N rows [gate; up] and column n pairs rows n and N + n.
     pid_n = tl.program_id(0)
@@ -60,7 +61,8 @@ def _linear_rows_kernel(
             if SWIGLU:
                 _prefetch_l2(rows_in + N * s_wn + lines[None, :])
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if not LATE_TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
     for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         mask_k = kk < k_hi
@@ -71,6 +73,8 @@ def _linear_rows_kernel(
         if SWIGLU:
             w_up = tl.load(w_rows + N * s_wn + kk[None, :], mask=mask_w, other=0.0)
             acc_up += tl.dot(x, tl.trans(w_up))
+    if USE_PDL and LATE_TRIGGER:  # _pdl: the successor is scheduled once this program has streamed its W
+        tl.extra.cuda.gdc_launch_dependents()
     out = y_ptr + mm.to(tl.int64)[:, None] * s_ym + nn[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K > 1:
@@ -181,7 +185,9 @@ def swiglu(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = 
 
 def _with_prefetch(pdl: dict, tiles: int) -> dict:
     """Under PDL, the weight tiles a program hints into L2 before waiting for the previous kernel."""
-    return {**pdl, "PREFETCH": min(_pdl.PREFETCH_TILES, tiles)} if pdl.get("USE_PDL") else pdl
+    if not pdl.get("USE_PDL"):
+        return pdl
+    return {**pdl, "PREFETCH": min(_pdl.PREFETCH_TILES, tiles), "LATE_TRIGGER": _pdl.LATE_TRIGGER}
 
 
 def _unfused(x: torch.Tensor, weight: torch.Tensor) -> bool:
