@@ -184,7 +184,8 @@ def swiglu(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = 
 
 
 def _with_prefetch(pdl: dict, tiles: int) -> dict:
-    """Under PDL, the weight tiles a program hints into L2 before waiting for the previous kernel."""
+    """Under PDL: the weight tiles a program hints into L2 before waiting for the previous kernel, and where it
+    lets its successor be scheduled (start, or after its K loop: ``_pdl.LATE_TRIGGER``)."""
     if not pdl.get("USE_PDL"):
         return pdl
     return {**pdl, "PREFETCH": min(_pdl.PREFETCH_TILES, tiles), "LATE_TRIGGER": _pdl.LATE_TRIGGER}
