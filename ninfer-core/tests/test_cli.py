@@ -83,3 +83,17 @@ def test_commands_that_catch_os_errors_let_a_closed_stdout_through(command, monk
         assert main([a.format(model=default_model_path()) for a in command]) == EXIT_BROKEN_PIPE
         monkeypatch.undo()
     assert "Broken pipe" not in capsys.readouterr().err  # not reported as a failed command
+
+
+def test_model_argument_names_the_embedded_model(tmp_path, monkeypatch):
+    import ninfer
+
+    assert "Engine" in dir(ninfer)
+    embedded = ninfer.default_model_path()
+    assert ninfer.resolve_model_path(None) == embedded
+    assert ninfer.resolve_model_path("default") == embedded
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "default").write_bytes(b"x")  # a file of that name is taken as given
+    assert ninfer.resolve_model_path("default") == "default"
+    with pytest.raises(ValueError, match="model file not found: missing.ninfer"):
+        ninfer.resolve_model_path("missing.ninfer")

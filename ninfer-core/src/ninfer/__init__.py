@@ -32,6 +32,26 @@ def default_model_path() -> str | None:
     return str(path) if path.is_file() else None
 
 
+DEFAULT_MODEL_NAME = "default"
+
+
+def resolve_model_path(arg: str | None) -> str:
+    """The artifact a command's model argument names: no argument or ``"default"`` is the embedded model
+    (a file of that name in the working directory wins); anything else must be an existing file.
+    Raises ValueError with a message fit for the user."""
+    import os
+
+    if arg is None or (arg == DEFAULT_MODEL_NAME and not os.path.exists(arg)):
+        path = default_model_path()
+        if path is None:
+            raise ValueError("no model given and no embedded default model is available in this installation; "
+                             "pass the path of a .ninfer artifact")
+        return path
+    if not os.path.exists(arg):
+        raise ValueError(f"model file not found: {arg}")
+    return arg
+
+
 def __getattr__(name):
     module = _LAZY.get(name)
     if module is None:
@@ -42,4 +62,9 @@ def __getattr__(name):
     return value
 
 
-__all__ = ["ArchitectureSpec", "__version__", "default_model_path", "hookimpl", *_LAZY]
+def __dir__():
+    return sorted({*globals(), *_LAZY})
+
+
+__all__ = ["DEFAULT_MODEL_NAME", "ArchitectureSpec", "__version__", "default_model_path", "hookimpl",
+           "resolve_model_path", *_LAZY]
