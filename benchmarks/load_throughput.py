@@ -4,7 +4,9 @@ Writes a Hugging Face style source checkpoint (config.json, safetensors shards +
 with random bf16 weights (A_log and the GDN norm in fp32, as published), converts it with the real
 converter (timed: converter GB/s), reads the artifact once to warm the page cache (a full checksum pass,
 also timed), then times ``load_weights(features=("text",))`` onto the device several times
-(warm page cache -> device memory, GB/s). Prints a table and one JSON line.
+(warm page cache -> device memory, GB/s): with checksum verification (the default load, keys ``load_*``)
+and without it (``verify=False``, keys ``load_no_verify_*``), alternating so both see the same machine
+state. ``--verify on|off`` times one of them only. Prints a table and one JSON line.
 
     python -m benchmarks.load_throughput --shape 9b --device cuda [--workdir DIR] [--json out.json]
     python -m benchmarks.load_throughput --shape tiny --device cpu      # CPU smoke run (tested)
@@ -92,7 +94,12 @@ def write_source(directory: Path, config: dict, device: str, shard_bytes: int = 
     return total
 
 
-def run(shape: str, device: str, workdir: Path, repeats: int) -> dict:
+# --verify choice -> the load modes timed: (verify, result key prefix, table label)
+VERIFY_MODES = {"on": ((True, "load", "verified"),), "off": ((False, "load_no_verify", "no verify"),)}
+VERIFY_MODES["both"] = VERIFY_MODES["on"] + VERIFY_MODES["off"]
+
+
+def run(shape: str, device: str, workdir: Path, repeats: int, verify: str = "both") -> dict:
     import torch
 
     from benchmarks.shapes import SHAPES
@@ -115,22 +122,27 @@ def run(shape: str, device: str, workdir: Path, repeats: int) -> dict:
         art.verify()  # reads every byte: warms the page cache
         res["verify_s"] = time.perf_counter() - t0
         res["verify_gb_s"] = res["artifact_bytes"] / res["verify_s"] / 1e9
-        times, loaded = [], 0
+        modes = VERIFY_MODES[verify]
+        times: dict[str, list[float]] = {key: [] for _, key, _ in modes}
+        loaded = 0
         for _ in range(repeats):
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            weights, report = load_weights(art, features=("text",), device=device, host=host)
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-            loaded = report.total_bytes_uploaded
-            assert weights.resident_bytes() == loaded
-            del weights
-            if device.startswith("cuda"):
-                torch.cuda.empty_cache()
-    res.update(load_bytes=loaded, load_s=times, load_best_gb_s=loaded / min(times) / 1e9,
-               load_median_gb_s=loaded / statistics.median(times) / 1e9)
+            for check, key, _ in modes:  # alternating: both modes see the same page cache and clocks
+                if device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                weights, report = load_weights(art, features=("text",), device=device, host=host, verify=check)
+                if device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                times[key].append(time.perf_counter() - t0)
+                loaded = report.total_bytes_uploaded
+                assert weights.resident_bytes() == loaded and report.verified == check
+                del weights
+                if device.startswith("cuda"):
+                    torch.cuda.empty_cache()
+    res["load_bytes"] = loaded
+    for _, key, _ in modes:
+        res.update({f"{key}_s": times[key], f"{key}_best_gb_s": loaded / min(times[key]) / 1e9,
+                    f"{key}_median_gb_s": loaded / statistics.median(times[key]) / 1e9})
     if device.startswith("cuda"):
         res["gpu"] = torch.cuda.get_device_name()
     return res
@@ -145,6 +157,9 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
     p.add_argument("--workdir", help="folder for the source checkpoint and the artifact (default: a temp dir)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--verify", choices=sorted(VERIFY_MODES), default="both",
+                   help="time loads with checksum verification (on), without (off) or both, alternating "
+                        "(default both)")
     p.add_argument("--keep", action="store_true", help="keep the artifact")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
@@ -168,7 +183,7 @@ def main(argv=None) -> int:
               f"pass --workdir", file=sys.stderr)
         return 2
     try:
-        res = run(args.shape, args.device, workdir, args.repeats)
+        res = run(args.shape, args.device, workdir, args.repeats, args.verify)
     finally:
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -179,10 +194,12 @@ def main(argv=None) -> int:
           f"{res['convert_gb_s']:.2f} |")
     print(f"| verify checksums (cold -> warm page cache) | {res['artifact_bytes'] / 1e9:.2f} | {res['verify_s']:.2f} | "
           f"{res['verify_gb_s']:.2f} |")
-    print(f"| load text, warm page cache -> {res['device']} (best of {len(res['load_s'])}) | {gb:.2f} | "
-          f"{min(res['load_s']):.2f} | {res['load_best_gb_s']:.2f} |")
-    print(f"| load text, median | {gb:.2f} | {statistics.median(res['load_s']):.2f} | "
-          f"{res['load_median_gb_s']:.2f} |")
+    for _, key, label in VERIFY_MODES[args.verify]:
+        runs = res[f"{key}_s"]
+        print(f"| load text ({label}), warm page cache -> {res['device']} (best of {len(runs)}) | {gb:.2f} | "
+              f"{min(runs):.2f} | {res[f'{key}_best_gb_s']:.2f} |")
+        print(f"| load text ({label}), median | {gb:.2f} | {statistics.median(runs):.2f} | "
+              f"{res[f'{key}_median_gb_s']:.2f} |")
     print(json.dumps(res))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))

@@ -36,7 +36,7 @@ def test_score_json_and_windows(artifact_path, capsys, tmp_path):
     # the same text from a file, with short strided windows: more windows, every token still scored once
     path = tmp_path / "text.txt"
     path.write_text(TEXT, encoding="utf-8")
-    rc, out, _ = run(capsys, artifact_path, str(path), "--json", "--dtype", "float32", "--window", "8",
+    rc, out, _ = run(capsys, artifact_path, "--file", str(path), "--json", "--dtype", "float32", "--window", "8",
                      "--stride", "4")
     strided = json.loads(out)
     assert rc == 0 and strided["windows"] > 1 and strided["scored"] == full["scored"]
@@ -49,10 +49,10 @@ def test_score_human_output_and_errors(artifact_path, capsys, tmp_path):
     rc, out, _ = run(capsys, artifact_path, TEXT, "--tokens")
     assert rc == 0 and "perplexity" in out and "total NLL" in out
     rc, _, err = run(capsys, str(tmp_path / "missing.ninfer"), TEXT)
-    assert rc == 2 and "does not exist" in err
+    assert rc == 2 and "model file not found" in err
     rc, _, err = run(capsys, artifact_path, "x", "--window", "8", "--stride", "8")
     assert rc == 2 and "stride must be" in err
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"\xff\xfe\xfa")
-    rc, _, err = run(capsys, artifact_path, str(bad))
+    rc, _, err = run(capsys, artifact_path, "--file", str(bad))
     assert rc == 2 and "not UTF-8" in err

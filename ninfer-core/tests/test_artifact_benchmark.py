@@ -24,5 +24,7 @@ def test_load_throughput_tiny_cpu(tmp_path):
     res = json.loads(out.read_text())
     assert res["load_bytes"] == res["source_bytes"] > 0 and len(res["load_s"]) == 2
     assert res["convert_gb_s"] > 0 and res["load_best_gb_s"] > 0
-    assert "| convert" in proc.stdout and "| load text" in proc.stdout
+    assert len(res["load_no_verify_s"]) == 2 and res["load_no_verify_best_gb_s"] > 0  # side by side
+    assert "| convert" in proc.stdout and "| load text (verified)" in proc.stdout
+    assert "| load text (no verify)" in proc.stdout
     assert [p.name for p in tmp_path.iterdir()] == ["res.json"]  # workdir cleaned up

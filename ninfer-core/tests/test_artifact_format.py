@@ -161,7 +161,9 @@ def test_object_checksum_mismatch(toy):
             art.verify()
         with pytest.raises(ChecksumError, match="'gate_up'"):
             load_weights(art, verify=True)
-        weights, _ = load_weights(art, features=("text",))  # without verify the bytes load as stored
+        with pytest.raises(ChecksumError, match="'gate_up'"):
+            load_weights(art, features=("text",))  # verified by default
+        weights, _ = load_weights(art, features=("text",), verify=False)  # opted out: the bytes load as stored
         assert not torch.equal(weights["gate.weight"], src["gate.weight"])
 
 

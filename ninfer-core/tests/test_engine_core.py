@@ -549,7 +549,7 @@ def test_async_iteration():
 def test_engine_failure_completes_every_response_and_refuses_work(where):
     eng = long_engine(max_concurrency=3)
     handles = [eng.submit(req([1, 2, 3 + i], max_tokens=10**6, ignore_eos=True)) for i in range(2)]
-    next(iter(handles[0]))  # GenerationStart: the engine is running
+    assert isinstance(handles[0].next_event(timeout=10), GenerationStart)  # the engine is running
     eng.instance.program.fail_on = where
     for i in range(2, 5):
         try:

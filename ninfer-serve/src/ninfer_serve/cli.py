@@ -29,6 +29,7 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
                    help="how long in-flight requests may run on after SIGTERM (default 30)")
     p.add_argument("--no-warmup", action="store_true", help="skip the warmup requests before serving")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request to stderr")
+    p.add_argument("--no-verify", action="store_true", help="load without checking the artifact's checksums")
     p.set_defaults(func=run_serve)
 
 
@@ -76,7 +77,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from ninfer_serve.server import serve
     from ninfer_serve.warmup import WarmupFailed, warmup
 
-    options = {"max_concurrency": args.max_concurrency, "max_queue": args.max_queue}
+    options = {"max_concurrency": args.max_concurrency, "max_queue": args.max_queue, "verify": not args.no_verify}
     if args.max_model_len is not None:
         options["max_model_len"] = args.max_model_len
     if args.device is not None:

@@ -1,4 +1,6 @@
-"""``ninfer inspect FILE.ninfer``: metadata, config summary, features, objects and bytes per feature."""
+"""``ninfer inspect [FILE.ninfer]``: metadata, config summary, features, objects and bytes per feature.
+
+Without a file (or with ``default``) it shows the embedded model."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ _CONFIG_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", 
 
 def add_inspect_command(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("inspect", help="show what a .ninfer artifact holds")
-    p.add_argument("file", help=".ninfer file")
+    p.add_argument("file", nargs="?", help="a .ninfer file, or 'default' (default: the embedded model)")
     p.add_argument("--verify", action="store_true", help="also check every object's checksum")
     p.add_argument("--objects", action="store_true", help="list every physical object")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -94,15 +96,16 @@ def _print_text(d: dict) -> None:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    from ninfer.artifact import ArtifactError, open_artifact
+    import ninfer
+    from ninfer.artifact import open_artifact
 
     try:
-        with open_artifact(args.file) as art:
+        with open_artifact(ninfer.resolve_model_path(args.file)) as art:
             d = describe(art, with_objects=args.objects)
             if args.verify:
                 art.verify()
                 d["verified"] = True
-    except ArtifactError as exc:
+    except ValueError as exc:  # an ArtifactError, a missing file, no embedded model
         print(f"ninfer inspect: {exc}", file=sys.stderr)
         return 2
     if args.json:

@@ -2,8 +2,11 @@
 
 CPU loads pread straight into owned host memory (closing the artifact never invalidates weights). CUDA
 loads stream through a small ring of pinned staging buffers: parallel preads fill the next slots while
-one slot uploads on a side stream. Logical parameters are then views (whole or row ranges) of the
-resident parents, assembled into a ``WeightSet``.
+one slot uploads on a side stream. Verification (on by default) is part of each read: the reading
+thread takes the crc32 of the chunk it just read while the other threads read on, and the chunk crcs
+are joined per object at the end (``checksum.ChunkChecksums``); the bytes are never read twice.
+Logical parameters are then views (whole or row ranges) of the resident parents, assembled into a
+``WeightSet``.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import attrs
 
 from ninfer.artifact.binder import LoadPlan, bind
+from ninfer.artifact.checksum import ChunkChecksums
 from ninfer.artifact.format import ArtifactError, PhysicalObject
 from ninfer.artifact.placement import ResolvedLoad, resolve_load
 from ninfer.artifact.reader import Artifact
@@ -67,7 +71,8 @@ class Materializer:
         self.chunk = max(1 << 20, chunk_bytes)
         self.threads = max(1, threads)
 
-    def run(self, *, verify: bool = False):
+    def run(self, *, verify: bool | None = None):
+        """Read, verify (default: the artifact's ``verify_on_load``) and place every planned object."""
         import torch
 
         from ninfer.models.common.weights import BoundParameter, WeightSet
@@ -78,8 +83,17 @@ class Materializer:
                 raise ArtifactError(f"object {o.id!r} has format {o.format!r}; only dense objects are "
                                     f"materialized so far")
         start = time.perf_counter()
-        if verify:
-            self.artifact.verify(plan.objects, threads=self.threads)
+        if verify is None:
+            verify = self.artifact.verify_on_load
+        sums = ChunkChecksums(self.artifact.path) if verify else None
+        # Hashing takes part of each reader's time: more readers keep the file streaming meanwhile.
+        workers = self.threads * 2 if verify else self.threads
+
+        def read_chunk(o: PhysicalObject, pos: int, out: memoryview) -> None:
+            self.artifact.read_into(o, pos, out)
+            if sums is not None:
+                sums.add(o, pos, out)
+
         placement = {p.object: p.device for p in self.resolved.placements}
         read: dict[str, int] = defaultdict(int)
         raw: dict[str, torch.Tensor] = {}
@@ -89,13 +103,15 @@ class Materializer:
             raw[o.id] = torch.empty(o.nbytes, dtype=torch.uint8, device=device)
             (host_jobs if device.type == "cpu" else device_jobs).append((o, raw[o.id]))
             read[o.feature] += o.nbytes
-        with ThreadPoolExecutor(max_workers=self.threads) as pool:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
             # Host backing: pread straight into the owned tensor, in parallel chunks.
-            list(pool.map(lambda job: self.artifact.read_into(job[0], job[1], job[2]),
+            list(pool.map(lambda job: read_chunk(*job),
                           [(o, pos, memoryview(t.numpy())[pos:pos + self.chunk])
                            for o, t in host_jobs for pos in range(0, o.nbytes, self.chunk)]))
             if device_jobs:
-                _upload(self.artifact, device_jobs, pool, self.chunk, depth=self.threads + 1)
+                _upload(read_chunk, device_jobs, pool, self.chunk, depth=workers + 1)
+        if sums is not None:
+            sums.check(plan.objects)  # before any weight is handed out
         parents = {oid: _typed(self.artifact.objects[oid], t) for oid, t in raw.items()}
         params = []
         for b in plan.bindings:
@@ -115,11 +131,12 @@ def _typed(o: PhysicalObject, flat):
     return flat.view(torch_dtype(o.dtype)).view(o.shape)
 
 
-def _upload(artifact: Artifact, jobs, pool: ThreadPoolExecutor, chunk: int, depth: int) -> None:
-    """File -> ring of pinned staging buffers (parallel preads) -> device on a side stream.
+def _upload(read, jobs, pool: ThreadPoolExecutor, chunk: int, depth: int) -> None:
+    """File -> ring of pinned staging buffers (parallel ``read(obj, pos, out)``) -> device on a side stream.
 
     Chunk i reuses the slot of chunk i - depth only after that chunk's upload finished, so up to ``depth - 1``
-    reads run while one upload is in flight. Small objects are one chunk each.
+    reads (each with its crc32 when verifying) run while one upload is in flight. Small objects are one
+    chunk each.
     """
     import torch
 
@@ -145,7 +162,7 @@ def _upload(artifact: Artifact, jobs, pool: ThreadPoolExecutor, chunk: int, dept
             if len(pending) == depth:
                 issue(pending.popleft())
             done[slot].synchronize()  # the slot's previous upload has finished reading it
-            future = pool.submit(artifact.read_into, o, pos, views[slot][:m])
+            future = pool.submit(read, o, pos, views[slot][:m])
             pending.append((future, (o, dst, pos, m), slot))
         while pending:
             issue(pending.popleft())
@@ -177,12 +194,14 @@ def _expected(artifact: Artifact, features: tuple[str, ...], host) -> dict[str, 
     return {name: shape for name, (_, shape) in mapping.expected_parameters(wanted).items()}
 
 
-def load_weights(artifact: Artifact, *, features=("text",), device="cpu", verify: bool = False,
+def load_weights(artifact: Artifact, *, features=("text",), device="cpu", verify: bool | None = None,
                  budget_bytes: int | None = None, check_expected: bool = True, host=None):
     """Bind, place and materialize the selected features: returns ``(WeightSet, LoadReport)``.
 
     Only the selected features' Uses, their Bindings and the objects behind them are read, each object once.
-    ``verify`` checks the crc32 of every object read (``ninfer inspect --verify`` checks the whole file).
+    ``verify`` (default: the artifact's ``verify_on_load``, itself on unless opened with ``verify=False``)
+    checks the crc32 of every object read, as it is read; a mismatch raises ChecksumError naming the object
+    (``ninfer inspect --verify`` checks the whole file).
     """
     plan = plan_load(artifact, features, check_expected=check_expected, host=host)
     resolved = resolve_load(plan, device, budget_bytes=budget_bytes)

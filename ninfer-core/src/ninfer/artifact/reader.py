@@ -1,7 +1,9 @@
 """Open a .ninfer file: mmap it, validate framing, bounds, overlaps and references; never unpickle.
 
-Every access to object bytes goes through ``Artifact.object_buffer`` so that ``bytes_read`` counts
-exactly what a load touched, per feature.
+Every access to object bytes goes through ``Artifact.object_buffer`` or ``read_into`` so that
+``bytes_read`` counts exactly what a load touched, per feature. With ``verify`` (the default) every
+object a load reads is checked against its checksum: weights by the Materializer as it reads them,
+Frontend resources here, when they are read.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ninfer.artifact.checksum import check_bytes, mismatch
 from ninfer.artifact.format import (
     DTYPE_SIZES,
     FEATURES,
@@ -43,10 +46,14 @@ _CRC_CHUNK = 64 << 20
 
 
 class Artifact:
-    """An open, validated .ninfer file. Use as a context manager or call ``close()``."""
+    """An open, validated .ninfer file. Use as a context manager or call ``close()``.
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    ``verify``: check the checksum of every object a load reads (``load_weights``, ``frontend``).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, verify: bool = True) -> None:
         self.path = Path(path)
+        self.verify_on_load = verify
         self._file = None
         self._mm: mmap.mmap | None = None
         self.bytes_read: dict[str, int] = defaultdict(int)
@@ -151,6 +158,8 @@ class Artifact:
     def resource_text(self, object_id: str) -> str:
         obj = self.objects[object_id]
         with self.object_buffer(obj) as buf:
+            if self.verify_on_load:
+                check_bytes(self.path, obj, buf)
             try:
                 return bytes(buf).decode("utf-8")
             except UnicodeDecodeError as exc:
@@ -184,8 +193,7 @@ class Artifact:
         with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
             for obj, got in pool.map(crc, todo):
                 if got != obj.checksum:
-                    raise ChecksumError(f"{self.path}: object {obj.id!r} (feature {obj.feature}) checksum "
-                                        f"{got} != recorded {obj.checksum} (corrupted data)")
+                    raise mismatch(self.path, obj, got)
 
     def bytes_by_feature(self) -> dict[str, int]:
         out: dict[str, int] = defaultdict(int)
@@ -215,9 +223,12 @@ class Artifact:
                 f"architecture={self.metadata.architecture!r}, features={self.features})")
 
 
-def open_artifact(path: str | os.PathLike[str]) -> Artifact:
-    """Open and validate a .ninfer v3 file (framing, bounds, overlaps, references; checksums with verify())."""
-    return Artifact(path)
+def open_artifact(path: str | os.PathLike[str], *, verify: bool = True) -> Artifact:
+    """Open and validate a .ninfer v3 file (framing, bounds, overlaps, references, the header's crc32).
+
+    Object checksums: with ``verify`` (default) each object is checked when a load reads it;
+    ``Artifact.verify()`` checks them all now."""
+    return Artifact(path, verify=verify)
 
 
 def _validate(h: ArtifactHeader, path: Path) -> None:

@@ -37,6 +37,7 @@ from ninfer.contract.events import (
     merge_tool_call_fragments,
 )
 from ninfer.contract.model import Frontend, PipelinedDecode, Preview, Program, SnapshotCost
+from ninfer.engine import exit_hook
 from ninfer.engine.errors import (
     CapacityExhausted,
     EngineClosed,
@@ -103,6 +104,7 @@ class EngineCore:
         self.calls: list[tuple] = []
         self.kv_pages = self._kv_pages()
         self.thread = threading.Thread(target=self._run, name="ninfer-engine-worker", daemon=True)
+        exit_hook.track(self)  # interpreter exit closes it: a daemon worker frozen inside torch aborts the exit
         self.thread.start()
 
     # == ingress side (any thread) ===================================================================

@@ -52,8 +52,9 @@ class Engine:
                  features: StartupFeatures = StartupFeatures(), device: str | None = None,
                  device_budget_bytes: int | None = None, max_queue: int = 64, max_model_len: int | None = None,
                  chat_template: str | None = None, prefill_chunk: int | None = None, bypass_limit: int | None = None,
-                 pause_mode: PauseChoice = "auto", **program_options: Any) -> None:
-        """``prefill_chunk``: prompt tokens per prefill unit (default ``default_prefill_chunk(device)``)."""
+                 pause_mode: PauseChoice = "auto", verify: bool = True, **program_options: Any) -> None:
+        """``prefill_chunk``: prompt tokens per prefill unit (default ``default_prefill_chunk(device)``).
+        ``verify``: check every object's checksum as the artifact is read (``False`` skips it)."""
         from ninfer.engine.startup import build_instance
 
         _check_purpose(purpose)
@@ -66,7 +67,8 @@ class Engine:
             program_options["chat_template"] = chat_template
         instance, name, self.artifact = build_instance(
             model, device=device, features=features, max_concurrency=max_concurrency,
-            device_budget_bytes=device_budget_bytes, program_options=program_options, max_model_len=max_model_len)
+            device_budget_bytes=device_budget_bytes, program_options=program_options, max_model_len=max_model_len,
+            verify=verify)
         self._start(instance, name=name, max_concurrency=max_concurrency, max_queue=max_queue,
                     max_model_len=max_model_len, device=device, prefill_chunk=prefill_chunk,
                     bypass_limit=bypass_limit, pause_mode=pause_mode)

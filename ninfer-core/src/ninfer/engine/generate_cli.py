@@ -1,8 +1,10 @@
-"""``ninfer generate [MODEL] --prompt TEXT | --chat TEXT``: stream one generation to the terminal.
+"""``ninfer generate [MODEL] --prompt TEXT | --prompt-file PATH | --chat TEXT | --chat-file PATH``.
 
-Reasoning is printed apart from the answer (dimmed on a terminal, under its own header), tool calls as
-name + JSON arguments; the end prints time to first token and tokens/s to stderr. Imports stay lazy so
-``ninfer --help`` does not load torch.
+Streams one generation to the terminal. A raw prompt's continuation is printed as is; chat output is
+printed in sections: reasoning apart from the answer (dimmed on a terminal, under its own header), tool
+calls as name + JSON arguments. The end prints time to first token and tokens/s to stderr, on a line
+of its own. Text arguments are always text: files (or stdin, ``-``) are read only through the ``-file``
+options. Imports stay lazy so ``ninfer --help`` does not load torch.
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ def add_generate_command(subparsers: argparse._SubParsersAction) -> None:
                               description="Generate with a .ninfer model and stream the output to the terminal. "
                                           "--prompt sends raw text; --chat renders one user message (and "
                                           "--system) with the model's chat template.")
-    p.add_argument("model", nargs="?", help="a .ninfer artifact (default: the embedded model, when installed)")
+    p.add_argument("model", nargs="?", help="a .ninfer artifact, or 'default' (default: the embedded model)")
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--prompt", help="raw completion prompt (text, a UTF-8 file path, or - for stdin)")
-    source.add_argument("--chat", help="a user message for the chat template (text, file path, or -)")
-    p.add_argument("--system", help="system message for --chat")
+    source.add_argument("--prompt", metavar="TEXT", help="raw completion prompt, taken literally")
+    source.add_argument("--prompt-file", metavar="PATH", help="raw completion prompt from a UTF-8 file (- for stdin)")
+    source.add_argument("--chat", metavar="TEXT", help="a user message for the chat template, taken literally")
+    source.add_argument("--chat-file", metavar="PATH", help="the user message from a UTF-8 file (- for stdin)")
+    p.add_argument("--system", help="system message for --chat or --chat-file")
     p.add_argument("--no-think", action="store_true", help="chat with thinking disabled (enable_thinking=false)")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most (default 256)")
     p.add_argument("--temperature", type=float, help="0 = greedy (default: the model's generation config)")
@@ -33,19 +37,26 @@ def add_generate_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's end-of-sequence tokens")
     p.add_argument("--chat-template", help="chat template file (or builtin:qwen3_5) replacing the artifact's")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
+    p.add_argument("--no-verify", action="store_true", help="load without checking the artifact's checksums")
     p.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
     p.add_argument("--prefill-chunk", type=int, metavar="TOKENS",
                    help="prompt tokens per prefill unit (default: 2048 on a GPU, 512 on the CPU)")
     p.set_defaults(func=cmd_generate)
 
 
-def _read(arg: str) -> str:
-    if arg == "-":
+def read_text_file(path: str, option: str) -> str:
+    """The UTF-8 text of ``path`` (``-``: stdin) for ``option``; a missing or non-UTF-8 file is a ValueError."""
+    if path == "-":
         return sys.stdin.read()
-    if os.path.isfile(arg):
-        with open(arg, encoding="utf-8") as f:
+    try:
+        with open(path, encoding="utf-8") as f:
             return f.read()
-    return arg
+    except FileNotFoundError:
+        raise ValueError(f"{option}: file not found: {path}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{option}: {path} is not UTF-8 text: {exc}") from None
+    except OSError as exc:
+        raise ValueError(f"{option}: cannot read {path}: {exc.strerror or exc}") from None
 
 
 def _template_arg(arg: str | None) -> str | None:
@@ -57,49 +68,54 @@ def _template_arg(arg: str | None) -> str | None:
         return f.read()
 
 
-def _default_model() -> str | None:
-    import ninfer
-
-    helper = getattr(ninfer, "default_model_path", None)
-    return helper() if callable(helper) else None
-
-
 class _Printer:
-    """Writes reasoning and answer as separate sections; styles only on a terminal."""
+    """Writes reasoning, answer and tool calls as separate sections; styles only on a terminal.
 
-    def __init__(self, out: TextIO) -> None:
+    ``labels=False`` (a raw prompt) prints the answer as a plain continuation, without a header, unless
+    another section came before it."""
+
+    def __init__(self, out: TextIO, *, labels: bool = True) -> None:
         self.out = out
         self.tty = out.isatty()
+        self.labels = labels
         self.section: str | None = None
+        self.at_line_start = True
+
+    def _write(self, text: str) -> None:
+        if text:
+            self.out.write(text)
+            self.at_line_start = text.endswith("\n")
 
     def _enter(self, section: str) -> None:
         if section == self.section:
             return
-        if self.section is not None:
-            self.out.write("\n")
-        header = {"reasoning": "[thinking]", "content": "[answer]", "tool": "[tool call]"}[section]
-        self.out.write(f"\x1b[1m{header}\x1b[0m\n" if self.tty else f"{header}\n")
+        if not self.at_line_start:
+            self._write("\n")
+        if self.labels or self.section is not None or section != "content":
+            header = {"reasoning": "[thinking]", "content": "[answer]", "tool": "[tool call]"}[section]
+            self._write(f"\x1b[1m{header}\x1b[0m\n" if self.tty else f"{header}\n")
         self.section = section
 
     def reasoning(self, text: str) -> None:
         self._enter("reasoning")
-        self.out.write(f"\x1b[2m{text}\x1b[0m" if self.tty else text)
+        self._write(f"\x1b[2m{text}\x1b[0m" if self.tty else text)
         self.out.flush()
 
     def content(self, text: str) -> None:
         self._enter("content")
-        self.out.write(text)
+        self._write(text)
         self.out.flush()
 
     def tool_call(self, name: str, arguments: str) -> None:
         self._enter("tool")
-        self.out.write(f"{name} {arguments}\n")
+        self._write(f"{name} {arguments}\n")
         self.out.flush()
 
     def end(self) -> None:
-        if self.section is not None:
-            self.out.write("\n")
-            self.out.flush()
+        """Finish the last line, so what comes next on the terminal (the stats on stderr) starts its own."""
+        if not self.at_line_start:
+            self._write("\n")
+        self.out.flush()
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -116,6 +132,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    import ninfer
     from ninfer.contract import (
         ChatInput,
         GenerationRequest,
@@ -128,48 +145,62 @@ def _generate(args: argparse.Namespace) -> int:
     from ninfer.engine.engine import Engine
     from ninfer.engine.errors import EngineError
 
-    model = args.model or _default_model()
-    if model is None:
-        raise ValueError("no model given and no embedded default model is available in this installation")
-    if not os.path.exists(model):
-        raise ValueError(f"model file not found: {model}")
-    if args.chat is not None:
+    model = ninfer.resolve_model_path(args.model)
+    chat = args.chat is not None or args.chat_file is not None
+    if chat:
+        message = args.chat if args.chat is not None else read_text_file(args.chat_file, "--chat-file")
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-            {"role": "user", "content": _read(args.chat)}]
+            {"role": "user", "content": message}]
         kwargs = {"enable_thinking": False} if args.no_think else {}
         request_input = ChatInput(messages=messages, template_kwargs=kwargs)
     else:
         if args.system or args.no_think:
-            raise ValueError("--system and --no-think apply to --chat only")
-        request_input = TextInput(text=_read(args.prompt))
+            raise ValueError("--system and --no-think apply to --chat only (and --chat-file)")
+        prompt = args.prompt if args.prompt is not None else read_text_file(args.prompt_file, "--prompt-file")
+        request_input = TextInput(text=prompt)
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
     options = {"max_concurrency": 1, "device": args.device, "max_model_len": args.max_model_len,
-               "chat_template": _template_arg(args.chat_template), "prefill_chunk": args.prefill_chunk}
+               "chat_template": _template_arg(args.chat_template), "prefill_chunk": args.prefill_chunk,
+               "verify": not args.no_verify}
     try:
         with Engine(model, **{k: v for k, v in options.items() if v is not None}) as engine:
+            check_max_tokens(args.max_tokens, engine.max_model_len)
             handle = engine.submit(GenerationRequest(input=request_input, sampling=sampling))
-            return _stream(handle, sys.stdout, GenerationResult, OutputDelta, merge_tool_call_fragments)
+            return _stream(handle, sys.stdout, GenerationResult, OutputDelta, merge_tool_call_fragments,
+                           labels=chat)
     except EngineError as exc:
         print(f"ninfer generate: {exc}", file=sys.stderr)
         return 1
 
 
-def _stream(handle, out: TextIO, result_type, delta_type, merge) -> int:
-    printer = _Printer(out)
+def check_max_tokens(max_tokens: int, max_model_len: int) -> None:
+    """The server's rule (400 there): at least one context position must hold the prompt."""
+    if max_tokens > max_model_len - 1:
+        raise ValueError(f"--max-tokens {max_tokens} exceeds the context: at most {max_model_len - 1} tokens can "
+                         f"be generated (context limit {max_model_len}; --max-model-len sets it)")
+
+
+def _stream(handle, out: TextIO, result_type, delta_type, merge, *, labels: bool) -> int:
+    printer = _Printer(out, labels=labels)
     fragments = []
-    for event in handle:
-        if isinstance(event, delta_type):
-            if event.reasoning:
-                printer.reasoning(event.reasoning)
-            if event.content:
-                printer.content(event.content)
-            fragments.extend(event.tool_calls)
-        elif isinstance(event, result_type):
-            for call in merge(fragments):
-                printer.tool_call(call.name, call.arguments)
-            printer.end()
-            return _report(event)
+    try:
+        for event in handle:
+            if isinstance(event, delta_type):
+                if event.reasoning:
+                    printer.reasoning(event.reasoning)
+                if event.content:
+                    printer.content(event.content)
+                fragments.extend(event.tool_calls)
+            elif isinstance(event, result_type):
+                for call in merge(fragments):
+                    printer.tool_call(call.name, call.arguments)
+                printer.end()
+                return _report(event)
+    finally:
+        printer.end()  # also when interrupted: a message on stderr starts its own line
     return 1
 
 

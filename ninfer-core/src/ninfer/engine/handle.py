@@ -1,7 +1,8 @@
 """GenerationHandle: the consumer's side of one request's response stream.
 
 The worker writes into a ResponseChannel; the handle reads it. The worker never holds the handle
-itself, so dropping the last reference to a handle is seen (``__del__``) and cancels the request.
+itself, so dropping the last reference to a handle is seen (``__del__``) and cancels the request; so does
+leaving an iteration before the final result (``break``, closing the iterator, asyncio task cancellation).
 Errors never raise out of iteration: the last event is a ``GenerationResult`` with
 ``finish_reason=ERROR``, ``error`` (message) and ``extra["error_kind"]`` (the error's ``kind``);
 ``handle.exception()`` returns the error object itself.
@@ -109,6 +110,16 @@ def _wake(fut: asyncio.Future) -> None:
         fut.set_result(None)
 
 
+def _leave(ch: ResponseChannel, finished: bool) -> None:
+    """End of one iteration over a handle. Reaching the final result releases the consumer side; leaving
+    before it (``break``, ``close()``/``aclose()`` of the iterator, an exception, asyncio task cancellation)
+    abandons the response: the request is cancelled at once, so its slots and pages come back even while
+    the handle object itself stays referenced."""
+    if not finished:
+        ch.cancel()
+    ch.release_consumer()
+
+
 class GenerationHandle:
     """Iterate (sync or async) over GenerationStart, OutputDelta*, then one GenerationResult."""
 
@@ -118,24 +129,26 @@ class GenerationHandle:
 
     def __iter__(self) -> Iterator[Event]:
         ch = self._channel
+        finished = False
         try:
             while (ev := ch.next_event()) is not None:
                 yield ev
+            finished = True
         finally:
-            if ch.response_done and not ch.events:
-                ch.release_consumer()
+            _leave(ch, finished)
 
     def __aiter__(self) -> AsyncIterator[Event]:
         return self._aiter()
 
     async def _aiter(self) -> AsyncIterator[Event]:
         ch = self._channel
+        finished = False
         try:
             while (ev := await ch.next_event_async()) is not None:
                 yield ev
-        finally:
-            if ch.response_done and not ch.events:
-                ch.release_consumer()
+            finished = True
+        finally:  # also on task cancellation (CancelledError at the await) and on aclose()
+            _leave(ch, finished)
 
     def next_event(self, timeout: float | None = None) -> Event | None:
         """One event (blocking up to ``timeout`` seconds); None after the final result."""

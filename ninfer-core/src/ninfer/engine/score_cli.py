@@ -1,4 +1,7 @@
-"""``ninfer score MODEL.ninfer TEXT_OR_FILE``: per-token logprobs, total NLL and perplexity (CausalScoring).
+"""``ninfer score [MODEL] TEXT | [MODEL] --file PATH``: per-token logprobs, total NLL and perplexity.
+
+TEXT is always the text itself (``-`` reads stdin); a file is read only through ``--file``. Without a
+model (or with ``default``) the embedded model scores.
 
 The model is started for the CausalScoring purpose only: one temporary State slot and Main KV,
 no generation scheduler, no CUDA graphs. Imports stay lazy so ``ninfer --help`` does not load torch.
@@ -8,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
@@ -17,11 +19,16 @@ DEFAULT_WINDOW = 4096
 
 def add_score_command(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("score", help="per-token logprobs, total NLL and perplexity of a text",
+                              usage="ninfer score [-h] [options] [MODEL] (TEXT | --file PATH)",
                               description="Score a text with a model: each token's log-probability given the "
                                           "tokens before it (within a sliding window), the total negative "
-                                          "log-likelihood in nats, and the perplexity.")
-    p.add_argument("model", help="a .ninfer artifact")
-    p.add_argument("text", help="the text to score, a path to a UTF-8 text file, or - for stdin")
+                                          "log-likelihood in nats, and the perplexity. With one positional "
+                                          "argument and no --file, that argument is the text and the embedded "
+                                          "model scores it.")
+    p.add_argument("model", nargs="?", metavar="MODEL",
+                   help="a .ninfer artifact, or 'default' (default: the embedded model)")
+    p.add_argument("text", nargs="?", metavar="TEXT", help="the text to score, taken literally (- reads stdin)")
+    p.add_argument("--file", metavar="PATH", help="score the contents of this UTF-8 text file (- for stdin)")
     p.add_argument("--window", type=int, default=None,
                    help=f"tokens of context per window (default: min({DEFAULT_WINDOW}, the model's max length))")
     p.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: window // 2)")
@@ -30,27 +37,32 @@ def add_score_command(subparsers: argparse._SubParsersAction) -> None:
                    help="compute dtype (default: the artifact's)")
     p.add_argument("--tokens", action="store_true", help="also print every scored token with its logprob")
     p.add_argument("--json", action="store_true", help="machine-readable output (includes per-token logprobs)")
+    p.add_argument("--no-verify", action="store_true", help="load without checking the artifact's checksums")
     p.set_defaults(func=cmd_score)
 
 
-def _read_text(arg: str) -> str:
-    if arg == "-":
-        return sys.stdin.read()
-    if os.path.isfile(arg):
-        try:
-            with open(arg, encoding="utf-8") as f:
-                return f.read()
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"{arg} is not UTF-8 text: {exc}") from None
-    return arg
+def _model_and_text(args: argparse.Namespace) -> tuple[str | None, str]:
+    """Split the positionals: ``[MODEL] TEXT``, or ``[MODEL]`` with ``--file``."""
+    from ninfer.engine.generate_cli import read_text_file
+
+    if args.file is not None:
+        if args.text is not None:
+            raise ValueError(f"give the text or --file, not both (extra argument {args.text!r})")
+        return args.model, read_text_file(args.file, "--file")
+    if args.model is None:
+        raise ValueError("no text to score: give TEXT (- reads stdin) or --file PATH")
+    model, text = (args.model, args.text) if args.text is not None else (None, args.model)
+    return model, sys.stdin.read() if text == "-" else text
 
 
 def cmd_score(args: argparse.Namespace) -> int:
     try:
-        text = _read_text(args.text)
+        model, text = _model_and_text(args)
         if not text:
             raise ValueError("the text to score is empty")
-        return _score(args, text)
+        import ninfer
+
+        return _score(args, ninfer.resolve_model_path(model), text)
     except BrokenPipeError:
         raise  # the reader of stdout left: ninfer.cli.main ends quietly
     except (OSError, ValueError, TypeError, LookupError, RuntimeError) as exc:
@@ -58,7 +70,7 @@ def cmd_score(args: argparse.Namespace) -> int:
         return 2
 
 
-def _score(args: argparse.Namespace, text: str) -> int:
+def _score(args: argparse.Namespace, model: str, text: str) -> int:
     import torch
 
     from ninfer.contract.model import StartupFeatures
@@ -71,9 +83,9 @@ def _score(args: argparse.Namespace, text: str) -> int:
     if args.dtype:
         options["dtype"] = args.dtype
     # the artifact stays referenced while scoring: loaded weights may borrow its mapping
-    instance, name, artifact = build_instance(args.model, device=device, features=StartupFeatures(),
+    instance, name, artifact = build_instance(model, device=device, features=StartupFeatures(),
                                               max_concurrency=1, device_budget_bytes=None,
-                                              program_options=options, host=args.host)
+                                              program_options=options, host=args.host, verify=not args.no_verify)
     program = instance.program
     ids = instance.frontend.prepare(TextInput(text=text)).token_ids
     window = args.window if args.window is not None else min(DEFAULT_WINDOW, program.max_model_len)

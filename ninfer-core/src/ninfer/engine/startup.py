@@ -38,9 +38,11 @@ def artifact_name(artifact: Any, architecture: str) -> str:
 
 def build_instance(model: str | os.PathLike, *, device: str, features: StartupFeatures, max_concurrency: int,
                    device_budget_bytes: int | None, program_options: dict[str, Any],
-                   max_model_len: int | None = None, host: PluginHost | None = None
+                   max_model_len: int | None = None, host: PluginHost | None = None, verify: bool = True
                    ) -> tuple[ModelInstance, str, Any]:
     """Open ``model`` (a .ninfer artifact), find its plugin and build the ModelInstance.
+
+    ``verify``: check the checksum of every object the load reads (weights and Frontend resources).
 
     Returns the instance, its public name and the opened artifact (the engine keeps it alive: loaded
     weights may borrow its mapping)."""
@@ -49,7 +51,7 @@ def build_instance(model: str | os.PathLike, *, device: str, features: StartupFe
     path = os.fspath(model)
     if not os.path.exists(path):
         raise FileNotFoundError(f"model artifact {path!r} does not exist")
-    artifact = open_artifact(path)
+    artifact = open_artifact(path, verify=verify)
     arch = artifact_architecture(artifact)
     entry = (host or default_host()).architecture(arch)
     startup = entry.spec.load("startup")
