@@ -137,7 +137,7 @@ class ChatTemplate:
 
     def render_normalized(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]],
                           add_generation_prompt: bool, kwargs: Mapping[str, Any]) -> str:
-        """``render`` of messages and tools already normalized (``normalize_messages``/``normalize_tools``)."""
+        """``render`` of messages and tools already normalized (``normalize_inputs``)."""
         reserved = {"messages", "tools", "add_generation_prompt"} & kwargs.keys()
         if reserved:
             raise TemplateError(f"template kwargs may not set {sorted(reserved)}")
