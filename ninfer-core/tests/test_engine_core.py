@@ -296,7 +296,8 @@ def _text(tokens: Sequence[int]) -> str:
 
 
 class TokenFrontend:
-    def prepare(self, input: TextInput | ChatInput | PreparedPrompt) -> PreparedPrompt:
+    def prepare(self, input: TextInput | ChatInput | PreparedPrompt, *, max_tokens: int | None = None
+                ) -> PreparedPrompt:
         if isinstance(input, PreparedPrompt):
             return input
         if isinstance(input, TextInput) and input.token_ids is not None:

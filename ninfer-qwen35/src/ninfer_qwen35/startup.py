@@ -70,8 +70,9 @@ def build(artifact: Any, *, device: Any = None, features: StartupFeatures = Star
           max_concurrency: int = 4, device_budget_bytes: int | None = None, chat_template: str | None = None,
           dtype: str | None = None, page_size: int = 16, num_pages: int | None = None,
           host_budget_bytes: int | None = None, max_model_len: int | None = None,
-          cuda_graphs: bool = True) -> ModelInstance:
-    """Build the Qwen3.5 ModelInstance for an opened artifact (``ninfer.contract.Startup``)."""
+          cuda_graphs: bool = True, special_tokens_in_content: bool = False) -> ModelInstance:
+    """Build the Qwen3.5 ModelInstance for an opened artifact (``ninfer.contract.Startup``).
+    ``special_tokens_in_content``: the Frontend reads special-token strings in chat messages as control tokens."""
     from ninfer.artifact import load_weights
     from ninfer.models.common.qwen import QwenFrontend
     from ninfer_qwen35.execution.model import Qwen35Model
@@ -89,7 +90,8 @@ def build(artifact: Any, *, device: Any = None, features: StartupFeatures = Star
         raise StartupError(f"page_size must be >= 1, got {page_size}")
     dev = Device.parse(device)
     config = parse_config(artifact.config)
-    frontend = QwenFrontend.from_resources(artifact.frontend, chat_template_override=chat_template)
+    frontend = QwenFrontend.from_resources(artifact.frontend, chat_template_override=chat_template,
+                                           special_tokens_in_content=special_tokens_in_content)
 
     weights, report = load_weights(artifact, features=("text",), device=str(dev))
     compute = torch_dtype(dtype) if dtype is not None else weights["model.embed_tokens.weight"].dtype

@@ -25,6 +25,9 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-chunk", type=int, metavar="TOKENS",
                    help="prompt tokens per prefill unit (default: 2048 on a GPU, 512 on the CPU)")
     p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template replacing the artifact's")
+    p.add_argument("--special-tokens-in-content", action="store_true",
+                   help="read special-token strings in chat messages (e.g. <|im_end|>) as control tokens; by "
+                        "default they are plain text, so a message cannot end its turn or open another")
     p.add_argument("--graceful-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="how long in-flight requests may run on after SIGTERM (default 30)")
     p.add_argument("--no-warmup", action="store_true", help="skip the warmup requests before serving")
@@ -86,6 +89,8 @@ def run_serve(args: argparse.Namespace) -> int:
         options["prefill_chunk"] = args.prefill_chunk
     if chat_template is not None:
         options["chat_template"] = chat_template
+    if args.special_tokens_in_content:
+        options["special_tokens_in_content"] = True
     try:
         engine = Engine(model, **options)
     except Exception as exc:  # a bad artifact or device must read as a message, not a traceback

@@ -12,6 +12,7 @@ from typing import Any
 import attrs
 
 from ninfer.contract import ChatInput, GenerationRequest, SamplingParams, TextInput
+from ninfer.contract.request import MAX_STOP_CHARS
 from ninfer_serve.errors import bad_request
 from ninfer_serve.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 
@@ -71,6 +72,10 @@ def _sampling(req: Any, *, max_tokens: int | None, logprobs: bool, top_logprobs:
         raise bad_request(f"'stop' holds at most {MAX_STOP_STRINGS} strings, got {len(stop)}", param="stop")
     if any(not s for s in stop):
         raise bad_request("'stop' strings must not be empty", param="stop")
+    longest = max(map(len, stop), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise bad_request(f"'stop' strings may hold at most {MAX_STOP_CHARS} characters each, got one of {longest}",
+                          param="stop")
     stop_ids = list(req.stop_token_ids or [])
     if any(t < 0 for t in stop_ids):
         raise bad_request("'stop_token_ids' must be non-negative token ids", param="stop_token_ids")

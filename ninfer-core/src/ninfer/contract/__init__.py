@@ -5,6 +5,7 @@ See docs/architecture.md for how these map onto the design document.
 """
 
 from ninfer.contract.batch import LaunchedUnit, PendingBatch, PendingRow, RowDecision
+from ninfer.contract.errors import PromptTooLong
 from ninfer.contract.events import (
     FinishReason,
     GenerationResult,
@@ -33,6 +34,6 @@ from ninfer.contract.state import KVPoolSpec, StateField, StateImageLayout
 __all__ = [
     "ChatInput", "FinishReason", "Frontend", "FrontendResources", "GenerationRequest", "GenerationResult", "GenerationStart",
     "KVPoolSpec", "LaunchedUnit", "MediaItem", "MediaSpan", "ModelInstance", "OutputDelta", "OutputSession", "PendingBatch",
-    "PendingRow", "PipelinedDecode", "PreparedPrompt", "Preview", "Program", "ResourceUsage", "RowDecision", "SamplingParams", "SnapshotCost", "StateField", "StateImageLayout",
+    "PendingRow", "PipelinedDecode", "PreparedPrompt", "Preview", "Program", "PromptTooLong", "ResourceUsage", "RowDecision", "SamplingParams", "SnapshotCost", "StateField", "StateImageLayout",
     "Startup", "StartupFeatures", "TextInput", "Timings", "Usage",
 ]

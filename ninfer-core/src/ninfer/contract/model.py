@@ -168,7 +168,10 @@ class OutputSession(Protocol):
 class Frontend(Protocol):
     """Tokenizer, chat template and PreparedPrompt construction for one model."""
 
-    def prepare(self, input: TextInput | ChatInput | PreparedPrompt) -> PreparedPrompt: ...
+    def prepare(self, input: TextInput | ChatInput | PreparedPrompt, *, max_tokens: int | None = None
+                ) -> PreparedPrompt:
+        """Tokenize (and render) ``input``. A prompt of more than ``max_tokens`` tokens raises
+        ``ninfer.contract.errors.PromptTooLong``, preferably before tokenizing all of it."""
 
     def sampling_defaults(self) -> SamplingParams:
         """The model's generation defaults (from the artifact, never from the architecture name)."""

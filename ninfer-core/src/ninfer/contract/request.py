@@ -8,6 +8,11 @@ from attrs import validators as v
 from ninfer.contract._validate import finite, token_ids
 from ninfer.contract.prompt import ChatInput, PreparedPrompt, TextInput
 
+# Longest stop string, in characters. Stop strings are markers ("</answer>", "\n\nUser:"); 1024 is far above
+# any real one, and it bounds what a request makes the output session hold back (at most this - 1 characters)
+# and the matcher it builds (linear in the total length of the stop strings).
+MAX_STOP_CHARS = 1024
+
 
 @attrs.frozen(kw_only=True)
 class SamplingParams:
@@ -34,6 +39,8 @@ class SamplingParams:
         for s in value:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+            if len(s) > MAX_STOP_CHARS:
+                raise ValueError(f"a stop string may hold at most {MAX_STOP_CHARS} characters, got one of {len(s)}")
 
 
 @attrs.frozen(kw_only=True)

@@ -14,6 +14,7 @@ from typing import Any
 
 import attrs
 
+from ninfer.contract.errors import PromptTooLong
 from ninfer.contract.model import ModelInstance, ResourceUsage, StartupFeatures
 from ninfer.contract.prompt import PreparedPrompt
 from ninfer.contract.request import GenerationRequest, SamplingParams
@@ -52,9 +53,13 @@ class Engine:
                  features: StartupFeatures = StartupFeatures(), device: str | None = None,
                  device_budget_bytes: int | None = None, max_queue: int = 64, max_model_len: int | None = None,
                  chat_template: str | None = None, prefill_chunk: int | None = None, bypass_limit: int | None = None,
-                 pause_mode: PauseChoice = "auto", verify: bool = True, **program_options: Any) -> None:
+                 pause_mode: PauseChoice = "auto", verify: bool = True, special_tokens_in_content: bool = False,
+                 **program_options: Any) -> None:
         """``prefill_chunk``: prompt tokens per prefill unit (default ``default_prefill_chunk(device)``).
-        ``verify``: check every object's checksum as the artifact is read (``False`` skips it)."""
+        ``verify``: check every object's checksum as the artifact is read (``False`` skips it).
+        ``special_tokens_in_content``: special-token strings inside chat messages (``"<|im_end|>"``) are read
+        as control tokens; by default they are plain text, so a message cannot end its turn or open another
+        (raw text prompts always read them as tokens)."""
         from ninfer.engine.startup import build_instance
 
         _check_purpose(purpose)
@@ -65,6 +70,8 @@ class Engine:
             prefill_chunk = default_prefill_chunk(device)
         if chat_template is not None:
             program_options["chat_template"] = chat_template
+        if special_tokens_in_content:  # only when asked: the default needs no support from the plugin
+            program_options["special_tokens_in_content"] = True
         instance, name, self.artifact = build_instance(
             model, device=device, features=features, max_concurrency=max_concurrency,
             device_budget_bytes=device_budget_bytes, program_options=program_options, max_model_len=max_model_len,
@@ -147,9 +154,13 @@ class Engine:
 
     def _prepare(self, request: GenerationRequest) -> PreparedPrompt:
         try:
-            prompt = self.frontend.prepare(request.input)
+            prompt = self.frontend.prepare(request.input, max_tokens=self.max_model_len - 1)
         except RequestRejected:
             raise
+        except PromptTooLong as exc:  # found by the Frontend, possibly before tokenizing all of it
+            amount = exc.tokens if exc.exact else f"at least {exc.tokens}"
+            raise InputTooLong(f"prompt has {amount} tokens{exc.detail}; the context limit is {self.max_model_len} "
+                               f"(at least one token must remain for generation)") from exc
         except Exception as exc:  # template, tokenizer, media or token-range errors name the problem
             raise Unrepresentable(f"request cannot be represented: {exc}") from exc
         if len(prompt) >= self.max_model_len:

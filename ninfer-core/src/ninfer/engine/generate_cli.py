@@ -36,6 +36,9 @@ def add_generate_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's end-of-sequence tokens")
     p.add_argument("--chat-template", help="chat template file (or builtin:qwen3_5) replacing the artifact's")
+    p.add_argument("--special-tokens-in-content", action="store_true",
+                   help="read special-token strings in --chat/--system text (e.g. <|im_end|>) as control tokens "
+                        "(default: plain text)")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--no-verify", action="store_true", help="load without checking the artifact's checksums")
     p.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
@@ -164,7 +167,7 @@ def _generate(args: argparse.Namespace) -> int:
                               top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
     options = {"max_concurrency": 1, "device": args.device, "max_model_len": args.max_model_len,
                "chat_template": _template_arg(args.chat_template), "prefill_chunk": args.prefill_chunk,
-               "verify": not args.no_verify}
+               "verify": not args.no_verify, "special_tokens_in_content": args.special_tokens_in_content or None}
     try:
         with Engine(model, **{k: v for k, v in options.items() if v is not None}) as engine:
             check_max_tokens(args.max_tokens, engine.max_model_len)

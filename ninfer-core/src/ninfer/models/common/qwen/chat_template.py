@@ -104,6 +104,17 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
     return out
 
 
+def normalize_inputs(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]
+                     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``normalize_messages`` and deep copies of the tool definitions, as ``render_normalized`` takes them."""
+    try:
+        return normalize_messages(messages), [copy.deepcopy(dict(t)) for t in tools]
+    except TemplateError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise TemplateError(f"the conversation cannot be copied for rendering: {type(e).__name__}: {e}") from e
+
+
 class ChatTemplate:
     """One compiled chat template; ``render`` is thread-safe and never mutates its inputs."""
 
@@ -120,14 +131,20 @@ class ChatTemplate:
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] = (),
                add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        messages, tools = normalize_inputs(messages, tools)
+        return self.render_normalized(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                      kwargs=kwargs)
+
+    def render_normalized(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]],
+                          add_generation_prompt: bool, kwargs: Mapping[str, Any]) -> str:
+        """``render`` of messages and tools already normalized (``normalize_inputs``)."""
         reserved = {"messages", "tools", "add_generation_prompt"} & kwargs.keys()
         if reserved:
             raise TemplateError(f"template kwargs may not set {sorted(reserved)}")
         context = {**self._defaults, **kwargs}
         try:
-            return self._template.render(
-                messages=normalize_messages(messages), tools=[copy.deepcopy(dict(t)) for t in tools] or None,
-                add_generation_prompt=add_generation_prompt, **context)
+            return self._template.render(messages=messages, tools=tools or None,
+                                         add_generation_prompt=add_generation_prompt, **context)
         except TemplateError:
             raise
         except jinja2.exceptions.SecurityError as e:

@@ -3,6 +3,11 @@
 Everything model-specific comes from the artifact's FrontendResources (tokenizer.json, chat template,
 generation_config, eos ids, embedding vocabulary) or a startup override of the template; nothing is inferred
 from an architecture name.
+
+Special-token strings inside chat messages are plain text unless ``special_tokens_in_content`` is set
+(``literal_specials``); a raw text prompt is the user's own, so its special-token strings are tokens.
+A prompt that cannot fit ``max_tokens`` is rejected before tokenizing: each token stands for at most
+``tokenizer.longest_token_bytes`` bytes of text.
 """
 
 from __future__ import annotations
@@ -10,11 +15,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ninfer.contract.errors import PromptTooLong
 from ninfer.contract.prompt import ChatInput, PreparedPrompt, TextInput
 from ninfer.contract.request import SamplingParams
 from ninfer.contract.resources import FrontendResources
-from ninfer.models.common.qwen.chat_template import ChatTemplate, builtin_template
+from ninfer.models.common.qwen.chat_template import ChatTemplate, builtin_template, normalize_inputs
 from ninfer.models.common.qwen.errors import FrontendInputError, TemplateError
+from ninfer.models.common.qwen.literal_specials import LiteralSpecials, Rendered, client_strings
 from ninfer.models.common.qwen.output_session import THINK_CLOSE, THINK_OPEN, QwenOutputSession
 from ninfer.models.common.qwen.tokenizer import QwenTokenizer
 
@@ -48,8 +55,10 @@ class QwenFrontend:
     """``ninfer.contract.Frontend`` for the Qwen family (shared by Qwen3.5 and Qwen4Exp)."""
 
     def __init__(self, tokenizer: QwenTokenizer, *, chat_template: str | None, eos_token_ids: tuple[int, ...],
-                 generation_config: Mapping[str, Any]) -> None:
+                 generation_config: Mapping[str, Any], special_tokens_in_content: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.special_tokens_in_content = special_tokens_in_content
+        self._literal = None if special_tokens_in_content else LiteralSpecials(tokenizer)
         self.eos_token_ids = tuple(eos_token_ids)
         tokenizer.check_ids(self.eos_token_ids)
         self.generation_config = dict(generation_config)
@@ -67,10 +76,12 @@ class QwenFrontend:
         self._vision_pads = {i for i in (tokenizer.token_id(t) for t in _VISION_PADS) if i is not None}
 
     @classmethod
-    def from_resources(cls, resources: FrontendResources, *, chat_template_override: str | None = None
-                       ) -> QwenFrontend:
+    def from_resources(cls, resources: FrontendResources, *, chat_template_override: str | None = None,
+                       special_tokens_in_content: bool = False) -> QwenFrontend:
         """Build from an artifact's FrontendResources. ``chat_template_override``: template text, or
-        ``"builtin:qwen3_5"`` for the project's own Qwen3.5 template; it replaces the artifact's template."""
+        ``"builtin:qwen3_5"`` for the project's own Qwen3.5 template; it replaces the artifact's template.
+        ``special_tokens_in_content``: special-token strings in chat messages are control tokens (by default
+        they are plain text)."""
         template = chat_template_override if chat_template_override is not None else resources.chat_template
         if template is not None and template.startswith(BUILTIN_PREFIX):
             try:
@@ -83,25 +94,32 @@ class QwenFrontend:
                 raise ValueError(f"the artifact lists special token {text!r} as id {token_id}, but its "
                                  f"tokenizer.json has {tokenizer.token_id(text)}")
         eos = tuple(resources.eos_token_ids) or _eos_from_generation_config(resources.generation_config)
-        return cls(tokenizer, chat_template=template, eos_token_ids=eos, generation_config=resources.generation_config)
+        return cls(tokenizer, chat_template=template, eos_token_ids=eos, generation_config=resources.generation_config,
+                   special_tokens_in_content=special_tokens_in_content)
 
     # -- Frontend contract ----------------------------------------------------------------------------
 
-    def prepare(self, input: TextInput | ChatInput | PreparedPrompt) -> PreparedPrompt:
+    def prepare(self, input: TextInput | ChatInput | PreparedPrompt, *, max_tokens: int | None = None
+                ) -> PreparedPrompt:
+        """The PreparedPrompt for ``input``; more than ``max_tokens`` tokens raise PromptTooLong (text
+        that cannot fit is rejected before it is rendered or tokenized)."""
         if isinstance(input, PreparedPrompt):
+            self._check_count(len(input.token_ids), max_tokens)
             self.tokenizer.check_ids(input.token_ids)
             return input
         if isinstance(input, TextInput):
             if input.token_ids is not None:
                 ids = list(input.token_ids)
+                self._check_count(len(ids), max_tokens)
                 self.tokenizer.check_ids(ids)
             else:
+                self._check_bytes(self.tokenizer.text_bytes(input.text), max_tokens, "text")
                 ids = self.tokenizer.encode(input.text)
             if not ids:
                 raise FrontendInputError("the prompt is empty (no tokens)")
             return PreparedPrompt(token_ids=ids, reasoning_open=self._reasoning_open(ids), text=input.text)
         if isinstance(input, ChatInput):
-            return self._prepare_chat(input)
+            return self._prepare_chat(input, max_tokens)
         raise FrontendInputError(f"unsupported input type {type(input).__name__}")
 
     def sampling_defaults(self) -> SamplingParams:
@@ -126,13 +144,12 @@ class QwenFrontend:
         kwargs = {} if reasoning_open else {"enable_thinking": False}
         query = [{"role": "user", "content": "?"}]
         try:
-            before = self.render(query, add_generation_prompt=True, **kwargs)
-            after = self.render([*query, message], add_generation_prompt=False, **kwargs)
+            before, ids_before = self._encode_chat(query, (), add_generation_prompt=True, kwargs=kwargs)
+            after, ids_after = self._encode_chat([*query, message], (), add_generation_prompt=False, kwargs=kwargs)
         except TemplateError:
             return None
         if not after.startswith(before):
             return False
-        ids_before, ids_after = self.tokenizer.encode(before), self.tokenizer.encode(after)
         n = len(ids_before)
         return ids_after[:n] == ids_before and ids_after[n:n + len(output_ids)] == list(output_ids)
 
@@ -140,13 +157,55 @@ class QwenFrontend:
 
     def render(self, messages, *, tools=(), add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
         """The chat template's text for a conversation (what ``prepare`` tokenizes)."""
+        text, rendered = self._render(messages, tools, add_generation_prompt=add_generation_prompt,
+                                      kwargs=template_kwargs)
+        return text if rendered is None else rendered.text
+
+    def _render(self, messages, tools, *, add_generation_prompt: bool, kwargs: Mapping[str, Any],
+                max_tokens: int | None = None) -> tuple[str, Rendered | None]:
+        """The template's output; with special-token strings in client strings kept literal, also its split
+        at the template's own special tokens (``literal_specials``)."""
         if self.template is None:
             raise TemplateError("this model has no chat template (the artifact carries none and no override "
                                 "was given at startup); send a raw text prompt instead")
-        return self.template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                    **template_kwargs)
+        messages, tools = normalize_inputs(messages, tools)
+        if max_tokens is not None:  # before rendering: the client's text alone may be too much
+            values = [[m.values() for m in messages], tools, list(kwargs.values())]
+            self._check_bytes(sum(self.tokenizer.text_bytes(s) for s in client_strings(values, keys=False)),
+                              max_tokens, "conversation text")
+        protected = None if self._literal is None else self._literal.protect(messages, tools, kwargs)
+        if protected is None:
+            return self.template.render_normalized(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                                   kwargs=kwargs), None
+        text = self.template.render_normalized(protected.messages, tools=protected.tools,
+                                               add_generation_prompt=add_generation_prompt, kwargs=protected.kwargs)
+        return text, self._literal.split(text, protected)
 
-    def _prepare_chat(self, chat: ChatInput) -> PreparedPrompt:
+    def _encode_chat(self, messages, tools, *, add_generation_prompt: bool, kwargs: Mapping[str, Any],
+                     max_tokens: int | None = None) -> tuple[str, list[int]]:
+        text, rendered = self._render(messages, tools, add_generation_prompt=add_generation_prompt, kwargs=kwargs,
+                                      max_tokens=max_tokens)
+        if rendered is not None:
+            text = rendered.text
+        self._check_bytes(self.tokenizer.text_bytes(text), max_tokens, "rendered conversation")
+        return text, self.tokenizer.encode(text) if rendered is None else self._literal.encode(rendered)
+
+    def _check_bytes(self, nbytes: int, max_tokens: int | None, what: str) -> None:
+        """PromptTooLong when ``nbytes`` of text must be more than ``max_tokens`` tokens."""
+        if max_tokens is None:
+            return
+        per_token = self.tokenizer.longest_token_bytes
+        at_least = -(-nbytes // per_token)
+        if at_least > max_tokens:
+            raise PromptTooLong(tokens=at_least, limit=max_tokens, exact=False,
+                                detail=f" ({what} of {nbytes} bytes, a token stands for at most {per_token})")
+
+    @staticmethod
+    def _check_count(tokens: int, max_tokens: int | None) -> None:
+        if max_tokens is not None and tokens > max_tokens:
+            raise PromptTooLong(tokens=tokens, limit=max_tokens, exact=True)
+
+    def _prepare_chat(self, chat: ChatInput, max_tokens: int | None) -> PreparedPrompt:
         if chat.media:
             raise FrontendInputError("image and video input needs the vision feature, which this frontend "
                                      "does not provide yet")
@@ -158,9 +217,8 @@ class QwenFrontend:
                 raise FrontendInputError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}")
         if not isinstance(chat.template_kwargs, Mapping) or not all(isinstance(k, str) for k in chat.template_kwargs):
             raise FrontendInputError("template kwargs must be an object with string keys")
-        text = self.render(chat.messages, tools=chat.tools, add_generation_prompt=chat.add_generation_prompt,
-                           **chat.template_kwargs)
-        ids = self.tokenizer.encode(text)
+        text, ids = self._encode_chat(chat.messages, chat.tools, add_generation_prompt=chat.add_generation_prompt,
+                                      kwargs=chat.template_kwargs, max_tokens=max_tokens)
         if not ids:
             raise TemplateError("the chat template rendered an empty prompt")
         if self._vision_pads.intersection(ids):

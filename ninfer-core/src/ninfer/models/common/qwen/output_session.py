@@ -6,8 +6,9 @@ nothing; ``commit`` swaps the previewed state in:
 
 1. stop tokens (model side eos ids and the request's ``stop_token_ids``) end the output at that token;
 2. UTF-8 assembly: bytes of incomplete characters wait for the next token, never emitted broken;
-3. stop strings: text that could still become a stop string is held back; a match ends the output
-   before the stop string (the token completing it is the last accepted one);
+3. stop strings (``stop_strings.StopMatcher``, linear): text that could still become a stop string is held
+   back; the first stop string to complete ends the output before it (the token completing it is the last
+   accepted one);
 4. channels: ``<think>``/``</think>`` split reasoning from content, ``<tool_call>`` blocks become tool-call
    fragments (only when the request offered tools); partial markers are held back.
 
@@ -27,6 +28,7 @@ import attrs
 from ninfer.contract.events import FinishReason, OutputDelta, ToolCall, merge_tool_call_fragments
 from ninfer.contract.model import Preview
 from ninfer.models.common.qwen import tool_calls as tc
+from ninfer.models.common.qwen.stop_strings import StopMatcher
 from ninfer.models.common.qwen.tokenizer import QwenTokenizer
 
 THINK_OPEN = "<think>"
@@ -54,14 +56,15 @@ class _State:
     """Where the output stands after the committed tokens. Previews work on a ``copy()``; the committed
     state is never mutated, so a preview changes nothing."""
 
-    __slots__ = ("generated", "finished", "utf8_pending", "stop_held", "mode", "at_start", "trim_lead", "held",
-                 "call", "calls", "ends_with_calls")
+    __slots__ = ("generated", "finished", "utf8_pending", "stop_held", "stop_state", "mode", "at_start",
+                 "trim_lead", "held", "call", "calls", "ends_with_calls")
 
     def __init__(self, mode: str, trim_lead: bool) -> None:
         self.generated = 0
         self.finished: FinishReason | None = None
         self.utf8_pending = b""     # bytes of an incomplete UTF-8 character
         self.stop_held = ""         # text that may still become a stop string
+        self.stop_state = 0         # the stop matcher's state after it
         self.mode = mode
         self.at_start = True        # nothing routed yet: a leading <think> opens reasoning
         self.trim_lead = trim_lead  # drop whitespace before the next text of this channel
@@ -72,8 +75,8 @@ class _State:
 
     def copy(self) -> _State:
         new = _State.__new__(_State)
-        new.generated, new.finished, new.utf8_pending, new.stop_held = (
-            self.generated, self.finished, self.utf8_pending, self.stop_held)
+        new.generated, new.finished, new.utf8_pending, new.stop_held, new.stop_state = (
+            self.generated, self.finished, self.utf8_pending, self.stop_held, self.stop_state)
         new.mode, new.at_start, new.trim_lead, new.held = self.mode, self.at_start, self.trim_lead, self.held
         new.call, new.calls, new.ends_with_calls = self.call, self.calls, self.ends_with_calls
         return new
@@ -115,9 +118,7 @@ class QwenOutputSession:
                  turn_check: Callable[[Mapping[str, Any], Sequence[int]], bool | None] | None = None) -> None:
         self._tok = tokenizer
         self._stop_ids = frozenset(stop_token_ids)
-        self._stop = tuple(stop)
-        self._stop_prefixes = frozenset(s[:i] for s in self._stop for i in range(1, len(s)))
-        self._stop_longest = max(map(len, self._stop), default=0)
+        self._stop = StopMatcher(stop) if stop else None
         self._tools = tuple(tools)
         self._markers = (THINK_CLOSE, tc.TOOL_CALL_OPEN) if self._tools else (THINK_CLOSE,)
         self._turn_end = turn_end_id
@@ -155,7 +156,7 @@ class QwenOutputSession:
                 break
             text = self._decode(st, b"" if tok in self._special else self._tok.token_bytes(tok), final=False)
             stopped = False
-            if self._stop:
+            if self._stop is not None and text:
                 text, stopped = self._stop_strings(st, text)
             self._route(st, text, out, final=False)
             if stopped:  # whatever follows the stop string, complete or not, is dropped
@@ -256,20 +257,14 @@ class QwenOutputSession:
         return text
 
     def _stop_strings(self, st: _State, text: str) -> tuple[str, bool]:
-        buf = st.stop_held + text
-        hits = [i for i in (buf.find(s) for s in self._stop) if i >= 0]
-        if hits:
-            st.stop_held = ""
-            return buf[:min(hits)], True
-        keep = next((k for k in range(min(len(buf), self._stop_longest - 1), 0, -1)
-                     if buf[-k:] in self._stop_prefixes), 0)
-        st.stop_held = buf[len(buf) - keep:]
-        return buf[:len(buf) - keep], False
+        step = self._stop.advance(st.stop_held, st.stop_state, text)
+        st.stop_held, st.stop_state = step.held, step.state
+        return step.released, step.matched
 
     def _flush(self, st: _State, out: _Out, reason: FinishReason) -> None:
         """Terminal: undecodable bytes become U+FFFD, held stop-string prefixes are text, channels close."""
         text = st.stop_held + self._decode(st, b"", final=True)
-        st.stop_held = ""
+        st.stop_held, st.stop_state = "", 0
         self._route(st, text, out, final=True)
         if reason == FinishReason.STOP and st.ends_with_calls:
             reason = FinishReason.TOOL_CALLS

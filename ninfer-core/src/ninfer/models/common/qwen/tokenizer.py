@@ -4,11 +4,16 @@ that streaming detokenization needs."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+import unicodedata
+from collections.abc import Iterable, Sequence
 
-from tokenizers import Tokenizer, decoders
+from tokenizers import Tokenizer, decoders, normalizers
 
 from ninfer.models.common.qwen.errors import FrontendInputError
+
+# Texts at least this long are encoded through ``encode_batch_fast``, which releases the GIL while it runs
+# (``encode`` holds it: a long prompt would stall every other Python thread, streams included).
+LONG_TEXT_CHARS = 16_384
 
 
 def _byte_level_decoding() -> dict[str, int]:
@@ -32,6 +37,23 @@ def _load(tokenizer_json: str) -> Tokenizer:
         raise ValueError(f"the artifact's tokenizer.json does not load: {e}") from e
 
 
+@functools.lru_cache(maxsize=4)
+def _longest_token_bytes(tokenizer_json: str) -> int:
+    tok = _load(tokenizer_json)
+    added = {i: t.content for i, t in tok.get_added_tokens_decoder().items()}
+    # a byte-level piece has one character per byte; an added token is its UTF-8 text
+    return max(len(added[i].encode()) if i in added else len(piece)
+               for piece, i in tok.get_vocab(with_added_tokens=True).items())
+
+
+@functools.lru_cache(maxsize=4)
+def _load_specials_as_text(tokenizer_json: str) -> Tokenizer:
+    """A separate instance that reads special-token strings as plain text (the shared one is never toggled)."""
+    tok = Tokenizer.from_str(tokenizer_json)
+    tok.encode_special_tokens = True
+    return tok
+
+
 class QwenTokenizer:
     """Encodes text (special tokens recognised, no BOS) and maps each id to its exact bytes.
 
@@ -40,6 +62,7 @@ class QwenTokenizer:
     """
 
     def __init__(self, tokenizer_json: str, *, embedding_vocab: int | None = None) -> None:
+        self._json = tokenizer_json
         self._tok = _load(tokenizer_json)
         if not isinstance(self._tok.decoder, decoders.ByteLevel):
             raise ValueError("the Qwen frontend needs a byte-level BPE tokenizer.json (decoder type ByteLevel)")
@@ -49,11 +72,43 @@ class QwenTokenizer:
         added = self._tok.get_added_tokens_decoder()
         self._added_text = {i: t.content for i, t in added.items()}
         self.special_ids = frozenset(i for i, t in added.items() if t.special)
+        self.special_tokens = {t.content: i for i, t in added.items() if t.special}  # text -> id
         self._bytes: dict[int, bytes] = {}
+        self._normalizer = self._tok.normalizer
+        self._nfc = isinstance(self._normalizer, normalizers.NFC)
+        # The most bytes one token stands for (added tokens included): bounds a text's token count from below.
+        self.longest_token_bytes = _longest_token_bytes(tokenizer_json)
 
     def encode(self, text: str) -> list[int]:
         """Token ids for ``text``; added tokens written in the text become their ids (as in a chat prompt)."""
-        return self._tok.encode(text, add_special_tokens=False).ids
+        if len(text) < LONG_TEXT_CHARS:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        return self._tok.encode_batch_fast([text], add_special_tokens=False)[0].ids
+
+    def encode_specials_as_text(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids for each text with special-token strings read as plain text (non-special added tokens such
+        as ``<think>`` still become their ids). One batch call, which releases the GIL."""
+        if not texts:
+            return []
+        tok = _load_specials_as_text(self._json)
+        return [e.ids for e in tok.encode_batch_fast(list(texts), add_special_tokens=False)]
+
+    def text_bytes(self, text: str) -> int:
+        """UTF-8 bytes of ``text`` after the tokenizer's normalizer, counted without tokenizing.
+
+        Every token stands for at most ``longest_token_bytes`` of them, so ``ceil(text_bytes / longest)`` is a
+        lower bound on the token count. NFC text is counted as it is (checked quickly, and a newer Unicode
+        version can only decompose further); other text goes through the normalizer itself."""
+        unchanged = self._normalizer is None or (
+            self._nfc and (text.isascii() or unicodedata.is_normalized("NFC", text)))
+        if unchanged and text.isascii():
+            return len(text)
+        if not unchanged:
+            try:
+                text = self._normalizer.normalize_str(text)
+            except Exception:  # noqa: BLE001 - text tokenizers cannot take (lone surrogates): encode names it
+                return 0
+        return len(text.encode("utf-8", "surrogatepass"))
 
     def token_id(self, text: str) -> int | None:
         return self._tok.token_to_id(text)
