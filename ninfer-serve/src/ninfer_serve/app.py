@@ -22,7 +22,7 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -344,6 +344,9 @@ def create_app(engine: Any, *, model_id: str | None = None, queue_timeout_s: flo
                 response = exc.response()
             except HTTPException as exc:
                 response = _http_error(exc).response()
+            except ClientDisconnect:  # left while sending the body: nobody to answer
+                gw.metrics.disconnects.labels(endpoint).inc()
+                response = Response(status_code=499)
             except Exception:  # details to the log under the request id; the client gets the id only
                 log.exception("request %s: unhandled error in %s %s", rid, request.method, request.url.path)
                 response = internal_error(rid).response()
