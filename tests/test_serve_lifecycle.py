@@ -98,7 +98,7 @@ def test_load_with_disconnects_returns_every_gauge_to_zero(tmp_path_factory):
 def test_overload_429_and_queue_timeout_503(tmp_path_factory):
     """One long stream holds the only slot; each step waits on /metrics for the state it needs."""
     with ServerProcess(_tiny_model(tmp_path_factory), "--model-id", "tiny", "--max-concurrency", "1",
-                       "--device", DEVICE, "--max-queue", "1", "--queue-timeout", "0.5",
+                       "--device", DEVICE, "--max-queue", "1", "--queue-timeout", "3",
                        "--max-model-len", "4096") as srv:
 
         async def main():
@@ -117,7 +117,7 @@ def test_overload_429_and_queue_timeout_503(tmp_path_factory):
                                                            json=_body("Wait.", 4, stream=False)))
                 await _until(client, lambda m: m["ninfer:num_requests_waiting"] == 1, "one request queued")
                 over = await client.post("/v1/chat/completions", json=_body("No room.", 4, stream=False))
-                timed_out = await queued  # 0.5 s in the queue behind a 4000-token stream
+                timed_out = await queued  # 3 s in the queue behind a 4000-token stream (~17 s on a CPU core)
                 # a non-streaming client that leaves while its request waits in the queue cancels it
                 leaver = asyncio.ensure_future(client.post("/v1/chat/completions", json=_body("Bye.", 4, stream=False)))
                 await _until(client, lambda m: m["ninfer:num_requests_waiting"] == 1, "the leaver queued")

@@ -93,7 +93,7 @@ def test_open_connections_are_capped(engine):
     app = create_app(engine, body_timeout_s=GUARD_S)
     head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
             b"content-length: 100\r\n\r\n{")
-    with running(app, max_connections=3) as (port, listener):
+    with running(app, max_connections=3, keep_alive_timeout_s=GUARD_S) as (port, listener):
         held = [connect(port) for _ in range(3)]
         try:
             for s in held:
