@@ -3,6 +3,7 @@
 
 import json
 
+import pytest
 from starlette.testclient import TestClient
 
 from ninfer.contract.events import (
@@ -20,8 +21,20 @@ from ninfer_serve.app import create_app
 CHAT = {"model": "tiny-test", "messages": [{"role": "user", "content": "hi"}]}
 
 
-def client(engine, **kw):
-    return TestClient(create_app(engine, **kw))
+@pytest.fixture
+def client():
+    """``client(engine, **create_app_options)``: a started TestClient (lifespan run), closed after the test,
+    which shuts the app's TaskPool down."""
+    opened = []
+
+    def make(engine, **kw):
+        c = TestClient(create_app(engine, **kw))
+        c.__enter__()
+        opened.append(c)
+        return c
+    yield make
+    for c in opened:
+        c.__exit__(None, None, None)
 
 
 def sse_events(text):
@@ -31,7 +44,7 @@ def sse_events(text):
     return [json.loads(f[6:]) for f in frames[:-1]]
 
 
-def test_chat_whole(engine, script):
+def test_chat_whole(engine, script, client):
     engine.next = lambda r: script.Handle("r1", script.text("r1", 5, ["Hel", "lo"]))
     r = client(engine).post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 200, r.text
@@ -43,7 +56,7 @@ def test_chat_whole(engine, script):
     assert engine.handles[0].closed
 
 
-def test_chat_stream_framing_reasoning_tools_usage(engine, script):
+def test_chat_stream_framing_reasoning_tools_usage(engine, script, client):
     lp = (TokenLogprob(token_id=10, token="x", logprob=-0.5, top=((10, "x", -0.5), (11, "y", -1.5))),)
     events = script.text("r2", 3, [])[:1] + [
         OutputDelta(reasoning="think", token_ids=(1,), logprobs=lp),
@@ -69,7 +82,7 @@ def test_chat_stream_framing_reasoning_tools_usage(engine, script):
     assert all(c["object"] == "chat.completion.chunk" and c["id"] == "chatcmpl-r2" for c in chunks)
 
 
-def test_completion_stream_and_logprobs(engine, script):
+def test_completion_stream_and_logprobs(engine, script, client):
     lp = (TokenLogprob(token_id=10, token="a", logprob=-0.25, top=((10, "a", -0.25),)),)
     engine.next = lambda r: script.Handle("r3", script.text("r3", 2, ["a", "a"], logprobs=lp))
     c = client(engine)
@@ -84,7 +97,7 @@ def test_completion_stream_and_logprobs(engine, script):
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
-def test_rejections_map_to_status(engine, script):
+def test_rejections_map_to_status(engine, script, client):
     c = client(engine)
     engine.next = Overloaded("queue full")
     r = c.post("/v1/chat/completions", json=CHAT)
@@ -107,7 +120,7 @@ def test_rejections_map_to_status(engine, script):
     assert all(h.closed for h in engine.handles)
 
 
-def test_bad_input_never_reaches_the_engine(engine):
+def test_bad_input_never_reaches_the_engine(engine, client):
     c = client(engine)
     cases = [(b"{not json", 400), (json.dumps({**CHAT, "temperature": 9}).encode(), 400),
              (json.dumps({**CHAT, "surprise": 1}).encode(), 400), (json.dumps({**CHAT, "n": 40}).encode(), 400),
@@ -122,7 +135,7 @@ def test_bad_input_never_reaches_the_engine(engine):
     assert engine.submitted == []
 
 
-def test_models_health_metrics(engine, script):
+def test_models_health_metrics(engine, script, client):
     c = client(engine, model_id="alias")
     data = c.get("/v1/models").json()["data"]
     assert [m["id"] for m in data] == ["alias"] and data[0]["max_model_len"] == 128
@@ -137,7 +150,7 @@ def test_models_health_metrics(engine, script):
         assert name in text, name
 
 
-def test_n_choices_whole_and_streamed(engine, script):
+def test_n_choices_whole_and_streamed(engine, script, client):
     pieces = {0: ["a", "b"], 1: ["c"]}
     counter = iter(range(100))
 
@@ -163,7 +176,7 @@ def test_n_choices_whole_and_streamed(engine, script):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
 
 
-def test_n_choices_all_or_none(engine, script):
+def test_n_choices_all_or_none(engine, script, client):
     calls = []
 
     def next_handle(req):

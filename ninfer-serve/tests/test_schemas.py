@@ -48,7 +48,7 @@ def test_body_must_be_an_object_and_json():
     assert "JSON object" in err(structure, [1], ChatCompletionRequest).message
     assert "not valid JSON" in err(parse_json, b"{nope").message
     assert "not valid JSON" in err(parse_json, b"\xff\xfe").message
-    assert "nested too deeply" in err(parse_json, b"[" * 100000 + b"]" * 100000).message
+    assert "nested more than 64 levels" in err(parse_json, b"[" * 100000 + b"]" * 100000).message
 
 
 @pytest.mark.parametrize("kw,param", [

@@ -1,30 +1,38 @@
 """The Starlette application: routes, request flow and connection lifecycle around one ``ninfer.Engine``.
 
-Flow of a generation request: parse and validate (400 on anything wrong) -> ``engine.submit`` in a
-worker thread (it tokenizes; rejections map to 429 / 400 / 503) -> wait for the first output while
-watching the connection (a queue timeout still answers 503, a client that leaves cancels) -> answer
-whole or as SSE. Whatever way the exchange ends, the handle is closed, which cancels unfinished work.
+Flow of a generation request: read the JSON body within the body timeout (408 otherwise), parse and
+validate it (400 on anything wrong) -> ``engine.submit`` as a task of the gateway's own TaskPool (it
+renders the template and tokenizes; a full pool queue answers 429, engine rejections 429 / 400 / 503)
+-> wait for the first output while watching the connection (a queue timeout still answers 503, a
+client that leaves cancels) -> answer whole or as SSE. Whatever way the exchange ends, the handles are
+closed, which cancels unfinished work.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ninfer.contract.events import FinishReason, GenerationResult, GenerationStart, OutputDelta
-from ninfer_serve.errors import APIError, from_engine_error, from_error_result
+from ninfer.core.task_pool import PoolClosed, Task, TaskPool
+from ninfer_serve.access import access_middleware
+from ninfer_serve.errors import APIError, from_engine_error, from_error_result, internal_error, new_request_id
 from ninfer_serve.metrics import GatewayMetrics
+from ninfer_serve.openapi import openapi_document
 from ninfer_serve.responses import DONE, ChatResponse, CompletionResponse
 from ninfer_serve.schemas import ChatCompletionRequest, CompletionRequest, parse_json, structure
 from ninfer_serve.translate import chat_request, choices, completion_request
@@ -62,24 +70,71 @@ async def _unless_disconnected(request: Request, coro: Any) -> Any:
             await asyncio.wait(pending)
 
 
-def _error_of(handle: Any, result: GenerationResult) -> APIError:
+def _error_of(handle: Any, result: GenerationResult, request_id: str) -> APIError:
     exc = handle.exception() if hasattr(handle, "exception") else None
     if exc is not None:
-        return from_engine_error(exc)
-    return from_error_result(result.error, result.extra.get("error_kind"))
+        return from_engine_error(exc, request_id=request_id)
+    return from_error_result(result.error, result.extra.get("error_kind"), request_id=request_id)
+
+
+def _require_json(request: Request) -> None:
+    """Bodies must be declared JSON: a browser's cross-site "simple" request (text/plain, a form, or no
+    type at all) then fails here instead of reaching the engine."""
+    declared = request.headers.get("content-type")
+    if (declared or "").split(";", 1)[0].strip().lower() != "application/json":
+        got = f"{declared!r}" if declared else "none"
+        raise APIError(415, f"request bodies must be JSON sent with 'Content-Type: application/json' (got {got})",
+                       code="unsupported_media_type")
+
+
+def _submit_each(engine: Any, gens: list[Any]) -> list[Any]:
+    """Submit every choice (in a pool thread: this renders templates and tokenizes); all or none."""
+    handles: list[Any] = []
+    try:
+        for gen in gens:
+            handles.append(engine.submit(gen))
+    except BaseException:
+        _close_all(handles)
+        raise
+    return handles
+
+
+def _close_all(handles: list[Any]) -> None:
+    for h in handles:
+        h.close()
+
+
+class InFlight:
+    """Counts ``/v1`` requests from arrival until the response, streamed ones included, is over."""
+
+    def __init__(self, app: ASGIApp, gauge: Any) -> None:
+        self.app = app
+        self.gauge = gauge
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        self.gauge.inc()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.gauge.dec()
 
 
 class Gateway:
     """Request handling bound to one engine; ``create_app`` wires it into Starlette routes."""
 
     def __init__(self, engine: Any, *, model_id: str | None, queue_timeout_s: float | None,
-                 retry_after_s: int) -> None:
+                 retry_after_s: int, body_timeout_s: float, pool: TaskPool) -> None:
         self.engine = engine
         self.model_id = model_id or engine.model_name
         self.aliases = {self.model_id, engine.model_name}
         self.queue_timeout_s = queue_timeout_s
         self.retry_after_s = retry_after_s
-        self.metrics = GatewayMetrics(engine, self.model_id)
+        self.body_timeout_s = body_timeout_s
+        self.pool = pool
+        self.metrics = GatewayMetrics(engine, self.model_id, pool)
         self.created = int(time.time())
 
     # -- plain endpoints -------------------------------------------------------------------------------
@@ -119,11 +174,22 @@ class Gateway:
     async def _endpoint(self, request: Request, endpoint: str, schema: type, translate: Any,
                         builder_cls: Any) -> Response:
         """Parse and check the body against ``schema``, translate it into engine requests and generate."""
-        req = structure(parse_json(await request.body()), schema)
+        _require_json(request)
+        req = structure(parse_json(await self._read_body(request)), schema)
         self._check_model(req.model)
-        gen, options = translate(req, queue_timeout_s=self.queue_timeout_s)
+        rid = request.state.request_id
+        gen, options = translate(req, queue_timeout_s=self.queue_timeout_s, request_id=rid)
         self._check_budget(gen)
-        return await self._generate(request, endpoint, gen, options, builder_cls)
+        return await self._generate(request, endpoint, gen, options, builder_cls, rid)
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The whole body within ``body_timeout_s`` of the headers: a client that stalls gets 408 and the
+        connection is closed, so a stalled body cannot hold a connection open."""
+        try:
+            return await asyncio.wait_for(request.body(), self.body_timeout_s)
+        except TimeoutError:
+            raise APIError(408, f"the request body was not received within {self.body_timeout_s:g} s",
+                           code="body_timeout", headers={"Connection": "close"}) from None
 
     def _check_budget(self, gen: Any) -> None:
         """A generation budget that cannot fit the context even after a one-token prompt is out of range."""
@@ -133,27 +199,33 @@ class Gateway:
             raise APIError(400, f"max_tokens {wanted} does not fit this model's context limit of {limit} tokens "
                            f"(at most {limit - 1} with a one-token prompt)", param="max_tokens")
 
-    async def _submit(self, gen: Any) -> Any:
+    async def _submit_all(self, request: Request, gens: list[Any], rid: str) -> list[Any]:
+        """Submit every choice through the gateway's TaskPool; a full pool queue answers 429. A client
+        that leaves meanwhile abandons the task: it never runs, or its handles are closed."""
+        task: Task[list[Any]] = Task(lambda: _submit_each(self.engine, gens), on_abandon=_close_all)
+        retry = {"Retry-After": str(self.retry_after_s)}
         try:
-            return await run_in_threadpool(self.engine.submit, gen)
-        except APIError:
+            accepted = self.pool.try_submit(task)
+        except PoolClosed:
+            raise APIError(503, "the server is shutting down", type="service_unavailable", code="closed",
+                           headers=retry) from None
+        if not accepted:
+            raise APIError(429, f"too many requests are waiting to be prepared (at most {self.pool.max_queued}); "
+                           "retry later", type="rate_limit_error", code="overload", headers=retry)
+        try:
+            return await _unless_disconnected(request, task.wait())
+        except (APIError, ClientGone):
             raise
         except Exception as exc:  # RequestRejected, EngineFailed, EngineClosed, anything else
-            raise from_engine_error(exc, retry_after_s=self.retry_after_s) from None
+            raise from_engine_error(exc, request_id=rid, retry_after_s=self.retry_after_s) from None
 
-    async def _submit_all(self, gens: list[Any]) -> list[Any]:
-        handles: list[Any] = []
+    async def _generate(self, request: Request, endpoint: str, gen: Any, options: Any, builder_cls: Any,
+                        rid: str) -> Response:
         try:
-            for gen in gens:
-                handles.append(await self._submit(gen))
-        except BaseException:
-            for h in handles:  # all choices or none
-                h.close()
-            raise
-        return handles
-
-    async def _generate(self, request: Request, endpoint: str, gen: Any, options: Any, builder_cls: Any) -> Response:
-        handles = await self._submit_all(choices(gen, options.n))
+            handles = await self._submit_all(request, choices(gen, options.n), rid)
+        except ClientGone:
+            self.metrics.disconnects.labels(endpoint).inc()
+            return Response(status_code=499)
         streams = [h.__aiter__() for h in handles]
         builder = builder_cls(handles[0].request_id, self.model_id, options)
         streaming = False
@@ -167,11 +239,11 @@ class Gateway:
                 return Response(status_code=499)
             for h, ev in zip(handles, firsts, strict=True):
                 if isinstance(ev, GenerationResult) and ev.finish_reason is FinishReason.ERROR:
-                    raise _error_of(h, ev)
+                    raise _error_of(h, ev, rid)
             headers = {"X-Request-Id": handles[0].request_id}
             if options.stream:
                 streaming = True
-                return StreamingResponse(self._stream(endpoint, handles, streams, builder, firsts),
+                return StreamingResponse(self._stream(endpoint, handles, streams, builder, firsts, rid),
                                          media_type="text/event-stream", headers=SSE_HEADERS | headers)
             rest = asyncio.gather(*(self._rest(streams[i], builder, firsts[i], i) for i in range(len(streams))))
             try:
@@ -181,7 +253,7 @@ class Gateway:
                 return Response(status_code=499)
             for h, result in zip(handles, results, strict=True):
                 if result.finish_reason is FinishReason.ERROR:
-                    raise _error_of(h, result)
+                    raise _error_of(h, result, rid)
             return JSONResponse(builder.whole(results), headers=headers)
         finally:
             if not streaming:
@@ -200,7 +272,7 @@ class Gateway:
         return ev
 
     async def _stream(self, endpoint: str, handles: list[Any], streams: list[AsyncIterator[Any]], builder: Any,
-                      firsts: list[Any]) -> AsyncIterator[str]:
+                      firsts: list[Any], rid: str) -> AsyncIterator[str]:
         """SSE over every choice's events as they come (one pump task per choice feeding one queue)."""
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -227,7 +299,7 @@ class Gateway:
                 elif isinstance(ev, OutputDelta):
                     frames = builder.delta(ev, i)
                 elif ev.finish_reason is FinishReason.ERROR:
-                    frames, open_choices = [_error_of(handles[i], ev).sse()], 0
+                    frames, open_choices = [_error_of(handles[i], ev, rid).sse()], 0
                 else:
                     frames = builder.finish(ev, i)
                     open_choices -= 1
@@ -247,37 +319,85 @@ class Gateway:
 
 
 def create_app(engine: Any, *, model_id: str | None = None, queue_timeout_s: float | None = 60.0,
-               retry_after_s: int = 1, max_body_bytes: int = 32 << 20) -> Starlette:
-    """An ASGI app serving ``engine``; the caller owns the engine (and closes it after serving)."""
-    gw = Gateway(engine, model_id=model_id, queue_timeout_s=queue_timeout_s, retry_after_s=retry_after_s)
+               retry_after_s: int = 1, max_body_bytes: int = 32 << 20, body_timeout_s: float = 30.0,
+               http_threads: int = 4, http_queue: int = 64, api_key: str | None = None,
+               allowed_hosts: Sequence[str] | None = None,
+               allowed_origins: Sequence[str] | None = None) -> Starlette:
+    """An ASGI app serving ``engine``; the caller owns the engine (and closes it after serving).
+
+    The app owns a TaskPool (``http_threads`` threads, ``http_queue`` waiting requests) for
+    ``engine.submit``; its lifespan shuts the pool down (drained and joined) when the server stops.
+    ``allowed_hosts=None`` accepts any Host header; ``api_key`` guards every ``/v1`` route;
+    ``allowed_origins`` turns CORS on for those origins (off by default).
+    """
+    pool = TaskPool("ninfer-http", threads=http_threads, max_queued=http_queue)
+    gw = Gateway(engine, model_id=model_id, queue_timeout_s=queue_timeout_s, retry_after_s=retry_after_s,
+                 body_timeout_s=body_timeout_s, pool=pool)
+    openapi = openapi_document(title="ninfer", version=_version())
 
     def counted(endpoint: str, handler: Any) -> Any:
         async def wrapped(request: Request) -> Response:
+            rid = request.state.request_id = new_request_id()
             try:
                 response = await handler(request)
             except APIError as exc:
                 response = exc.response()
+            except HTTPException as exc:
+                response = _http_error(exc).response()
+            except ClientDisconnect:  # left while sending the body: nobody to answer
+                gw.metrics.disconnects.labels(endpoint).inc()
+                response = Response(status_code=499)
+            except Exception:  # details to the log under the request id; the client gets the id only
+                log.exception("request %s: unhandled error in %s %s", rid, request.method, request.url.path)
+                response = internal_error(rid).response()
             gw.metrics.http_requests.labels(endpoint, str(response.status_code)).inc()
             return response
         return wrapped
 
-    async def http_error(request: Request, exc: HTTPException) -> Response:
+    def _http_error(exc: HTTPException) -> APIError:
         etype = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), type=etype).response()
+        return APIError(exc.status_code, str(exc.detail), type=etype, headers=dict(exc.headers or {}))
 
-    async def internal_error(request: Request, exc: Exception) -> Response:
-        log.exception("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
-        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="internal_server_error").response()
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        return _http_error(exc).response()
+
+    async def unhandled(request: Request, exc: Exception) -> Response:
+        rid = new_request_id()
+        log.error("request %s: unhandled error in %s %s", rid, request.method, request.url.path, exc_info=exc)
+        return internal_error(rid).response()
+
+    async def openapi_json(request: Request) -> Response:
+        return JSONResponse(openapi)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:  # after the server's graceful wait: accepted preparations finish, then the threads end
+            await run_in_threadpool(pool.shutdown)
 
     routes = [
         Route("/health", counted("health", gw.health), methods=["GET"]),
         Route("/metrics", gw.prometheus, methods=["GET"]),
+        Route("/openapi.json", openapi_json, methods=["GET"]),
         Route("/v1/models", counted("models", gw.models), methods=["GET"]),
         Route("/v1/models/{model:path}", counted("models", gw.model), methods=["GET"]),
         Route("/v1/chat/completions", counted("chat", gw.chat_completions), methods=["POST"]),
         Route("/v1/completions", counted("completions", gw.completions), methods=["POST"]),
     ]
-    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: internal_error},
+    middleware = [Middleware(InFlight, gauge=gw.metrics.in_flight),
+                  *access_middleware(allowed_hosts=allowed_hosts, api_key=api_key, allowed_origins=allowed_origins)]
+    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
+                    exception_handlers={HTTPException: http_error, Exception: unhandled},
                     max_body_size=max_body_bytes)
     app.state.gateway = gw
     return app
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ninfer-serve")
+    except PackageNotFoundError:
+        return "0"

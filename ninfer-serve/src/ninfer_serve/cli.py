@@ -5,21 +5,57 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from importlib import resources
+
+API_KEY_ENV = "NINFER_API_KEY"
+
+DESCRIPTION = """\
+Serve one .ninfer model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
+/v1/models; /health, /metrics and /openapi.json). The address is bound first, then the model loads and
+warms up, then requests are answered. Without MODEL (or with the name 'default') the embedded model is
+served. See docs/serving.md."""
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Shows each option's default, except where there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _names(text: str) -> list[str]:
+    return [n.strip() for n in text.split(",") if n.strip()]
 
 
 def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("serve", help="serve a .ninfer model over an OpenAI-compatible HTTP API")
-    p.add_argument("model", nargs="?", help="path to a .ninfer artifact (default: the embedded model)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p = subparsers.add_parser("serve", help="serve a .ninfer model over an OpenAI-compatible HTTP API",
+                              description=DESCRIPTION, formatter_class=_HelpFormatter)
+    p.add_argument("model", nargs="?",
+                   help="path to a .ninfer artifact, or 'default' (default: the embedded model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
     p.add_argument("--model-id", help="public model name (default: the artifact's metadata.name)")
     p.add_argument("--max-concurrency", type=int, default=4, choices=range(1, 9), metavar="1..8",
                    help="requests resident on the device at once")
     p.add_argument("--max-queue", type=int, default=64,
-                   help="requests waiting for admission before new ones get 429 (default 64)")
+                   help="requests waiting for admission before new ones get 429")
     p.add_argument("--queue-timeout", type=float, default=60.0, metavar="SECONDS",
-                   help="a request not admitted within this time gets 503 (default 60)")
+                   help="a request not admitted within this time gets 503")
     p.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
     p.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--prefill-chunk", type=int, metavar="TOKENS",
@@ -29,23 +65,36 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
                    help="read special-token strings in chat messages (e.g. <|im_end|>) as control tokens; by "
                         "default they are plain text, so a message cannot end its turn or open another")
     p.add_argument("--graceful-timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="how long in-flight requests may run on after SIGTERM (default 30)")
+                   help="how long in-flight requests may run on after SIGTERM")
     p.add_argument("--no-warmup", action="store_true", help="skip the warmup requests before serving")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request to stderr")
     p.add_argument("--no-verify", action="store_true", help="load without checking the artifact's checksums")
+    limits = p.add_argument_group("request preparation and slow or many clients")
+    limits.add_argument("--http-threads", type=_positive_int, default=4, metavar="N",
+                        help="threads that prepare requests for the engine (chat template, tokenization)")
+    limits.add_argument("--http-queue", type=int, default=64, metavar="N",
+                        help="requests waiting for a preparation thread before new ones get 429")
+    limits.add_argument("--body-timeout", type=_positive_float, default=30.0, metavar="SECONDS",
+                        help="a request body not received within this time after its headers gets 408 and "
+                             "the connection is closed")
+    limits.add_argument("--keep-alive-timeout", type=_positive_float, default=5.0, metavar="SECONDS",
+                        help="a connection must send complete request headers within this time; also how "
+                             "long an idle connection stays open between requests")
+    limits.add_argument("--max-connections", type=_positive_int, default=512, metavar="N",
+                        help="open connections; one more is answered 503 and closed")
+    limits.add_argument("--backlog", type=_positive_int, default=128, metavar="N",
+                        help="connections the kernel queues before the server accepts them")
+    access = p.add_argument_group("access")
+    access.add_argument("--api-key", metavar="KEY",
+                        help=f"require 'Authorization: Bearer KEY' on every /v1 route (/health, /metrics and "
+                             f"/openapi.json stay open); also read from ${API_KEY_ENV}, which keeps the key "
+                             "out of the process list")
+    access.add_argument("--allowed-hosts", type=_names, metavar="NAMES",
+                        help="comma-separated Host header names accepted ('*.example.com' and '*' allowed; "
+                             "default: the loopback names when bound to loopback, otherwise any)")
+    access.add_argument("--allowed-origins", type=_names, metavar="ORIGINS",
+                        help="comma-separated browser origins allowed by CORS (default: none, CORS off)")
     p.set_defaults(func=run_serve)
-
-
-def default_model_path() -> str | None:
-    """The embedded default model, when this installation carries one."""
-    import ninfer
-
-    helper = getattr(ninfer, "default_model_path", None)
-    if helper is not None:
-        path = helper()
-        return None if path is None else os.fspath(path)
-    candidate = resources.files("ninfer").joinpath("data/default.ninfer")
-    return os.fspath(candidate) if candidate.is_file() else None
 
 
 def _fail(message: str) -> int:
@@ -54,14 +103,16 @@ def _fail(message: str) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    model = args.model or default_model_path()
-    if model is None:
-        return _fail("no model given and no embedded default model is available in this installation; "
-                     "pass the path of a .ninfer artifact")
-    if not os.path.exists(model):
-        return _fail(f"model file not found: {model}")
+    import ninfer
+
+    try:
+        model = ninfer.resolve_model_path(args.model)
+    except ValueError as exc:
+        return _fail(str(exc))
     if args.max_queue < 1:
         return _fail(f"--max-queue must be >= 1, got {args.max_queue}")
+    if args.http_queue < 0:
+        return _fail(f"--http-queue must be >= 0, got {args.http_queue}")
     if not args.queue_timeout > 0:
         return _fail(f"--queue-timeout must be > 0, got {args.queue_timeout}")
     chat_template = None
@@ -72,12 +123,27 @@ def run_serve(args: argparse.Namespace) -> int:
         except OSError as exc:
             return _fail(f"cannot read --chat-template: {exc}")
 
+    from ninfer_serve.access import default_allowed_hosts
+    from ninfer_serve.listener import bind_listener
+
+    # The address first: a busy port is one line before any model work, and nothing can take it later.
+    try:
+        listener = bind_listener(args.host, args.port, max_connections=args.max_connections, backlog=args.backlog)
+    except OSError as exc:  # address in use, permission denied, unknown host
+        return _fail(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}")
+    with listener:
+        return _load_and_serve(args, model, chat_template, listener,
+                               allowed_hosts=args.allowed_hosts or list(default_allowed_hosts(args.host)))
+
+
+def _load_and_serve(args: argparse.Namespace, model: str, chat_template: str | None, listener: object, *,
+                    allowed_hosts: list[str]) -> int:
     try:
         from ninfer import Engine
     except ImportError as exc:
         return _fail(f"the generation engine is not available: {exc}")
     from ninfer_serve.app import create_app
-    from ninfer_serve.server import serve
+    from ninfer_serve.server import ServerOptions, serve
     from ninfer_serve.warmup import WarmupFailed, warmup
 
     options = {"max_concurrency": args.max_concurrency, "max_queue": args.max_queue, "verify": not args.no_verify}
@@ -102,11 +168,16 @@ def run_serve(args: argparse.Namespace) -> int:
             except WarmupFailed as exc:
                 return _fail(str(exc))
             print(f"ninfer serve: warmup done in {seconds:.2f} s", file=sys.stderr)
-        app = create_app(engine, model_id=args.model_id, queue_timeout_s=args.queue_timeout)
-        print(f"ninfer serve: serving {args.model_id or engine.model_name} on http://{args.host}:{args.port}",
+        app = create_app(engine, model_id=args.model_id, queue_timeout_s=args.queue_timeout,
+                         body_timeout_s=args.body_timeout, http_threads=args.http_threads,
+                         http_queue=args.http_queue, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+                         allowed_hosts=None if "*" in allowed_hosts else allowed_hosts,
+                         allowed_origins=args.allowed_origins)
+        host, port = listener.getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        print(f"ninfer serve: serving {args.model_id or engine.model_name} on http://{shown}:{port}",
               file=sys.stderr, flush=True)
-        try:
-            serve(app, args.host, args.port, graceful_timeout_s=args.graceful_timeout, access_log=args.access_log)
-        except OSError as exc:  # address in use, permission denied
-            return _fail(f"cannot listen on {args.host}:{args.port}: {exc}")
+        serve(app, listener, ServerOptions(graceful_timeout_s=args.graceful_timeout,
+                                           keep_alive_timeout_s=args.keep_alive_timeout, backlog=args.backlog,
+                                           access_log=args.access_log))
     return 0

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
@@ -90,12 +90,19 @@ class EngineCollector(Collector):
 
 
 class GatewayMetrics:
-    """The app's registry: the engine collector plus HTTP-level counters the gateway itself owns."""
+    """The app's registry: the engine collector plus HTTP-level metrics the gateway itself owns."""
 
-    def __init__(self, engine: Any, model_name: str) -> None:
+    def __init__(self, engine: Any, model_name: str, pool: Any) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(engine, model_name))
         self.http_requests = Counter("ninfer:http_requests", "HTTP requests by endpoint and status.",
                                      ["endpoint", "status"], registry=self.registry)
         self.disconnects = Counter("ninfer:client_disconnects", "Requests cancelled because the client left.",
                                    ["endpoint"], registry=self.registry)
+        self.in_flight = Gauge("ninfer:http_requests_in_flight", "/v1 requests being read, prepared or answered.",
+                               registry=self.registry)
+        queued = Gauge("ninfer:http_prepare_queued", "Requests waiting for a thread to prepare them "
+                       "(template and tokenization).", registry=self.registry)
+        queued.set_function(lambda: pool.queued)
+        running = Gauge("ninfer:http_prepare_running", "Requests being prepared now.", registry=self.registry)
+        running.set_function(lambda: pool.running)

@@ -193,8 +193,9 @@ class ChatResponse(_Response):
             self._settle(result, i)
             content, reasoning = "".join(choice.content), "".join(choice.reasoning)
             message = {"role": "assistant", "content": content or (None if choice.tools.calls else ""),
-                       "reasoning_content": reasoning or None, "reasoning": reasoning or None,
-                       "tool_calls": choice.tools.calls}
+                       "reasoning_content": reasoning or None, "reasoning": reasoning or None}
+            if choice.tools.calls:  # absent when there are none, as in OpenAI's responses
+                message["tool_calls"] = choice.tools.calls
             out.append({"index": i, "message": message,
                         "logprobs": chat_logprobs(choice.logprobs) if self.options.logprobs else None,
                         "finish_reason": self._finish_reason(result, i)})

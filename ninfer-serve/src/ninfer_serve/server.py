@@ -1,28 +1,65 @@
-"""Hypercorn served programmatically; SIGTERM / SIGINT stop accepting and let in-flight streams finish."""
+"""Hypercorn served programmatically on a socket bound beforehand; SIGTERM / SIGINT stop accepting and let
+in-flight streams finish.
+
+Slow clients are bounded in three places: a connection must send complete request headers within
+``keep_alive_timeout`` (hypercorn's idle timer runs from accept until the headers are parsed, and
+between requests), the app answers 408 to a body not received within its body timeout, and the
+listener caps open connections. Hypercorn's ``read_timeout`` stays off: it bounds every read of the
+connection, so it would also cut a long stream to a client that has nothing more to send.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
+import sys
 from typing import Any
 
-from hypercorn.asyncio import serve as hypercorn_serve
-from hypercorn.config import Config
+import attrs
+from hypercorn.asyncio.run import worker_serve
+from hypercorn.config import Config, Sockets
+from hypercorn.utils import wrap_app
+
+from ninfer_serve.listener import LimitedListener
 
 
-def hypercorn_config(host: str, port: int, *, graceful_timeout_s: float = 30.0, access_log: bool = False) -> Config:
+@attrs.frozen(kw_only=True)
+class ServerOptions:
+    graceful_timeout_s: float = 30.0  # in-flight requests get this long after SIGTERM
+    keep_alive_timeout_s: float = 5.0  # complete headers within this long; idle time between requests
+    max_header_bytes: int = 16 * 1024  # an incomplete request head larger than this is refused
+    backlog: int = 128
+    access_log: bool = False
+
+
+def access_logger() -> logging.Logger:
+    """Access lines go to stderr, with the server's other messages (hypercorn's "-" would be stdout)."""
+    logger = logging.getLogger("ninfer_serve.access")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "[%Y-%m-%d %H:%M:%S %z]"))
+    logger.handlers = [handler]
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    return logger
+
+
+def hypercorn_config(options: ServerOptions) -> Config:
     cfg = Config()
-    cfg.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
-    cfg.graceful_timeout = graceful_timeout_s  # in-flight requests get this long after SIGTERM
+    cfg.graceful_timeout = options.graceful_timeout_s
+    cfg.keep_alive_timeout = options.keep_alive_timeout_s
+    cfg.h11_max_incomplete_size = options.max_header_bytes
+    cfg.backlog = options.backlog
     cfg.startup_timeout = 600  # lifespan startup does no model loading, but stay generous
-    cfg.accesslog = "-" if access_log else None
-    cfg.errorlog = "-"
+    cfg.accesslog = access_logger() if options.access_log else None
+    cfg.errorlog = "-"  # stderr
     return cfg
 
 
-async def serve_async(app: Any, cfg: Config, *, stop: asyncio.Event | None = None) -> None:
-    """Serve until SIGTERM/SIGINT (or ``stop`` is set); hypercorn then closes the listening socket,
-    waits up to ``graceful_timeout`` for open requests and runs the lifespan shutdown."""
+async def serve_async(app: Any, listener: LimitedListener, options: ServerOptions, *,
+                      stop: asyncio.Event | None = None) -> None:
+    """Serve on ``listener`` until SIGTERM/SIGINT (or ``stop`` is set); hypercorn then closes the listening
+    socket, waits up to ``graceful_timeout`` for open requests and runs the lifespan shutdown."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     installed = []
@@ -32,13 +69,17 @@ async def serve_async(app: Any, cfg: Config, *, stop: asyncio.Event | None = Non
             installed.append(sig)
         except (NotImplementedError, RuntimeError, ValueError):  # not the main thread / not supported
             pass
+    cfg = hypercorn_config(options)
+    listener.setblocking(False)
     try:
-        await hypercorn_serve(app, cfg, shutdown_trigger=stop.wait)
+        await worker_serve(wrap_app(app, cfg.wsgi_max_body_size, "asgi"), cfg,
+                           sockets=Sockets(secure_sockets=[], insecure_sockets=[listener], quic_sockets=[]),
+                           shutdown_trigger=stop.wait)
     finally:
         for sig in installed:
             loop.remove_signal_handler(sig)
+        listener.close()
 
 
-def serve(app: Any, host: str, port: int, *, graceful_timeout_s: float = 30.0, access_log: bool = False) -> None:
-    asyncio.run(serve_async(app, hypercorn_config(host, port, graceful_timeout_s=graceful_timeout_s,
-                                                  access_log=access_log)))
+def serve(app: Any, listener: LimitedListener, options: ServerOptions) -> None:
+    asyncio.run(serve_async(app, listener, options))

@@ -15,7 +15,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -86,11 +86,9 @@ class ServerProcess:
             self._log.close()
 
 
-def scrape(url: str) -> dict[str, float]:
-    """``/metrics`` as {sample name with labels stripped: value} (summed over label sets)."""
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text as {sample name with labels stripped: value} (summed over label sets)."""
     out: dict[str, float] = {}
-    with urllib.request.urlopen(url + "/metrics", timeout=10.0) as r:
-        text = r.read().decode()
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
@@ -98,6 +96,36 @@ def scrape(url: str) -> dict[str, float]:
         name = name_labels.split("{", 1)[0]
         out[name] = out.get(name, 0.0) + float(value)
     return out
+
+
+def scrape(url: str) -> dict[str, float]:
+    """``/metrics`` of the server at ``url``, parsed by ``parse_metrics``."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10.0) as r:
+        return parse_metrics(r.read().decode())
+
+
+# Every gauge that must read zero once no request is in flight: the engine's queue, slots, pages and host
+# bytes, and the gateway's own in-flight requests and preparation pool.
+IDLE_GAUGES = ("ninfer:num_requests_running", "ninfer:num_requests_waiting", "ninfer:num_requests_paused",
+               "ninfer:num_requests_outstanding", "ninfer:kv_cache_pages_used", "ninfer:kv_cache_pages_reserved",
+               "ninfer:state_slots_used", "ninfer:host_bytes_used", "ninfer:http_requests_in_flight",
+               "ninfer:http_prepare_queued", "ninfer:http_prepare_running")
+
+
+def wait_idle(read: Callable[[], dict[str, float]], *, timeout_s: float = 60.0) -> dict[str, float]:
+    """Poll ``read()`` (parsed metrics) until every IDLE_GAUGES entry is present and zero; ``timeout_s`` is a
+    hang guard, not an expectation. Returns the last reading."""
+    end = time.monotonic() + timeout_s
+    while True:
+        m = read()
+        missing = [k for k in IDLE_GAUGES if k not in m]
+        assert not missing, f"gauges missing from /metrics: {missing}"
+        busy = {k: m[k] for k in IDLE_GAUGES if m[k] != 0}
+        if not busy:
+            return m
+        if time.monotonic() > end:
+            raise AssertionError(f"not idle after {timeout_s} s: {busy}")
+        time.sleep(0.05)
 
 
 def tiny_model(directory: str | os.PathLike) -> str:

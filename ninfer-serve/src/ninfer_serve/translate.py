@@ -225,10 +225,12 @@ def completion_request(req: CompletionRequest, *, queue_timeout_s: float | None 
 
 
 def choices(gen: GenerationRequest, n: int) -> list[GenerationRequest]:
-    """The ``n`` engine requests behind ``n`` choices: one each; a seeded request seeds choice i with seed + i
-    (so the choices differ yet each is reproducible); greedy choices are identical by definition."""
+    """The ``n`` engine requests behind ``n`` choices: one each (choice i > 0 has request id ``<id>-<i>``);
+    a seeded request seeds choice i with seed + i (so the choices differ yet each is reproducible);
+    greedy choices are identical by definition."""
     if n == 1:
         return [gen]
-    seed = gen.sampling.seed
-    return [attrs.evolve(gen, sampling=attrs.evolve(gen.sampling, seed=None if seed is None else (seed + i) % 2**63))
+    seed, rid = gen.sampling.seed, gen.request_id
+    return [attrs.evolve(gen, sampling=attrs.evolve(gen.sampling, seed=None if seed is None else (seed + i) % 2**63),
+                         request_id=rid if i == 0 or rid is None else f"{rid}-{i}")
             for i in range(n)]
