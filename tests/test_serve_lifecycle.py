@@ -28,8 +28,10 @@ def _body(prompt: str, max_tokens: int, **kw) -> dict:
             "chat_template_kwargs": {"enable_thinking": False}, **kw}
 
 
-async def _stream(client: httpx.AsyncClient, body: dict, *, leave_after: int | None = None) -> str | None:
-    """Run one streaming chat; returns the text, or None when it left after ``leave_after`` chunks."""
+async def _stream(client: httpx.AsyncClient, body: dict, *, leave_after: int | None = None,
+                  started: asyncio.Event | None = None) -> str | None:
+    """Run one streaming chat; returns the text, or None when it left after ``leave_after`` chunks.
+    ``started`` is set at the first chunk (the request is admitted and generating)."""
     text, n = [], 0
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200, await r.aread()
@@ -41,6 +43,8 @@ async def _stream(client: httpx.AsyncClient, body: dict, *, leave_after: int | N
                 return "".join(text)
             chunk = json.loads(line[6:])
             assert "error" not in chunk, chunk
+            if started is not None:
+                started.set()
             for c in chunk["choices"]:
                 text.append(c["delta"].get("content") or "")
             n += 1
@@ -49,7 +53,15 @@ async def _stream(client: httpx.AsyncClient, body: dict, *, leave_after: int | N
     raise AssertionError("stream ended without [DONE]")
 
 
-def _wait_idle(url: str, timeout_s: float = 30.0) -> dict[str, float]:
+async def _until(url: str, name: str, value: float, timeout_s: float = 120.0) -> None:
+    """Poll ``/metrics`` until the sample ``name`` equals ``value`` (the timeout is only a hang guard)."""
+    end = time.monotonic() + timeout_s
+    while scrape(url).get(name, 0.0) != value:
+        assert time.monotonic() < end, f"{name} never reached {value}"
+        await asyncio.sleep(0.02)
+
+
+def _wait_idle(url: str, timeout_s: float = 120.0) -> dict[str, float]:
     end = time.monotonic() + timeout_s
     while True:
         m = scrape(url)
@@ -75,8 +87,11 @@ def test_64_streaming_clients_a_third_leaving(tmp_path_factory):
             limits = httpx.Limits(max_connections=100, max_keepalive_connections=0)
             async with httpx.AsyncClient(base_url=srv.url, timeout=300, limits=limits) as client:
                 alone = [await _stream(client, _body(p, 16)) for p in prompts]
-                tasks = [_stream(client, _body(prompts[i % len(prompts)], 16),
-                                 leave_after=rng.randint(1, 4) if i in leaving else None) for i in range(64)]
+                # A leaving client asks for far more tokens than it reads, so it is always still generating
+                # when it leaves, however the two processes are scheduled.
+                tasks = [_stream(client, _body(prompts[i % len(prompts)], 2000),
+                                 leave_after=rng.randint(1, 4)) if i in leaving
+                         else _stream(client, _body(prompts[i % len(prompts)], 16)) for i in range(64)]
                 return alone, await asyncio.gather(*tasks)
 
         alone, results = asyncio.run(main())
@@ -86,52 +101,86 @@ def test_64_streaming_clients_a_third_leaving(tmp_path_factory):
             assert out == alone[i % len(prompts)], f"client {i} differs from running alone"
         m = _wait_idle(srv.url)
         # the leaving clients really left mid-stream, and the engine cancelled their requests
-        assert len(leaving) // 2 <= m["ninfer:client_disconnects_total"] <= len(leaving)
+        assert m["ninfer:client_disconnects_total"] == len(leaving)
         text = httpx.get(srv.url + "/metrics").text
         cancelled = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                      if line.startswith("ninfer:request_success_total{") and 'finished_reason="cancelled"' in line]
-        assert cancelled and 1 <= cancelled[0] <= m["ninfer:client_disconnects_total"]
+        assert cancelled == [len(leaving)]
         assert m["ninfer:kv_cache_pages_total"] > 0
         assert m["ninfer:engine_failed"] == 0
         assert m["ninfer:request_success_total"] >= 64 + len(prompts)
 
 
-def test_overload_429_and_queue_timeout_503(tmp_path_factory):
+# A request that holds the only lane: 4000 tokens take seconds on a CPU (and longer than the queue timeouts
+# below on a GPU), and the tests cancel it once they are done.
+HOLD_TOKENS = 4000
+
+
+async def _hold_the_lane(client: httpx.AsyncClient) -> asyncio.Future:
+    """Start a stream that takes the only lane, and return once it is generating."""
+    started = asyncio.Event()
+    long_run = asyncio.ensure_future(_stream(client, _body("Keep talking.", HOLD_TOKENS), started=started))
+    await started.wait()
+    return long_run
+
+
+async def _leave(stream: asyncio.Future) -> None:
+    stream.cancel()  # closes the connection: the server cancels the request
+    try:
+        await stream
+    except asyncio.CancelledError:
+        pass
+
+
+def test_queue_timeout_503(tmp_path_factory):
     with ServerProcess(_tiny_model(tmp_path_factory), "--model-id", "tiny", "--max-concurrency", "1",
-                       "--device", DEVICE, "--max-queue", "1", "--queue-timeout", "0.5",
+                       "--device", DEVICE, "--max-queue", "1", "--queue-timeout", "0.1",
                        "--max-model-len", "4096") as srv:
 
         async def main():
             async with httpx.AsyncClient(base_url=srv.url, timeout=300) as client:
-                long_run = asyncio.ensure_future(_stream(client, _body("Keep talking.", 3000)))
-                await asyncio.sleep(0.3)  # it is admitted and generating
-                queued = asyncio.ensure_future(client.post("/v1/chat/completions",
-                                                           json=_body("Wait.", 4, stream=False)))
-                await asyncio.sleep(0.1)
-                over = await client.post("/v1/chat/completions", json=_body("No room.", 4, stream=False))
-                timed_out = await queued
-                # a non-streaming client that leaves while its request waits in the queue cancels it
-                leaver = asyncio.ensure_future(client.post("/v1/chat/completions", json=_body("Bye.", 4, stream=False)))
-                await asyncio.sleep(0.2)
-                leaver.cancel()
-                await asyncio.sleep(0.1)
-                long_run.cancel()  # leave: the server cancels the long request
-                try:
-                    await long_run
-                except asyncio.CancelledError:
-                    pass
-                return over, timed_out
+                long_run = await _hold_the_lane(client)
+                timed_out = await client.post("/v1/chat/completions", json=_body("Wait.", 4, stream=False))
+                await _leave(long_run)
+                return timed_out
 
-        over, timed_out = asyncio.run(main())
-        assert over.status_code == 429, over.text
-        assert over.headers["retry-after"] and over.json()["error"]["code"] == "overload"
+        timed_out = asyncio.run(main())
         assert timed_out.status_code == 503, timed_out.text
         assert timed_out.headers["retry-after"] and timed_out.json()["error"]["code"] == "queue_timeout"
         m = _wait_idle(srv.url)
+        assert m["ninfer:client_disconnects_total"] == 1  # the long stream
+        assert 'ninfer:http_requests_total{endpoint="chat",status="503"} 1.0' in httpx.get(srv.url + "/metrics").text
+
+
+def test_overload_429_and_a_client_leaving_the_queue(tmp_path_factory):
+    """A full queue answers 429 at once; a non-streaming client that leaves while its request waits in the
+    queue cancels it (the queue timeout is long, so only the client's leaving can end it)."""
+    with ServerProcess(_tiny_model(tmp_path_factory), "--model-id", "tiny", "--max-concurrency", "1",
+                       "--device", DEVICE, "--max-queue", "1", "--queue-timeout", "300",
+                       "--max-model-len", "4096") as srv:
+
+        async def main():
+            async with httpx.AsyncClient(base_url=srv.url, timeout=300) as client:
+                long_run = await _hold_the_lane(client)
+                leaver = asyncio.ensure_future(client.post("/v1/chat/completions", json=_body("Bye.", 4, stream=False)))
+                await _until(srv.url, "ninfer:num_requests_waiting", 1)
+                over = await client.post("/v1/chat/completions", json=_body("No room.", 4, stream=False))
+                leaver.cancel()  # closes its connection while the request waits for the lane
+                await _until(srv.url, "ninfer:client_disconnects_total", 1)
+                await _until(srv.url, "ninfer:num_requests_waiting", 0)  # cancelled, never admitted
+                await _leave(long_run)
+                return over
+
+        over = asyncio.run(main())
+        assert over.status_code == 429, over.text
+        assert over.headers["retry-after"] and over.json()["error"]["code"] == "overload"
+        m = _wait_idle(srv.url)
         assert m["ninfer:client_disconnects_total"] == 2  # the queued leaver and the long stream
         text = httpx.get(srv.url + "/metrics").text
-        for status in ("429", "503"):
-            assert f'ninfer:http_requests_total{{endpoint="chat",status="{status}"}} 1.0' in text
+        assert 'ninfer:http_requests_total{endpoint="chat",status="429"} 1.0' in text
+        cancelled = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                     if line.startswith("ninfer:request_success_total{") and 'finished_reason="cancelled"' in line]
+        assert cancelled == [2.0]
 
 
 def test_sigterm_lets_the_in_flight_stream_finish(tmp_path_factory):
