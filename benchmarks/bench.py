@@ -4,8 +4,8 @@ Per shape: random weights in published naming are written once as a Hugging Face
 (safetensors) and converted with the real converter; ``ninfer.Engine`` then runs on that artifact:
 
 - decode tokens/s at B = 1, 2, 4, 8 concurrent requests for each context (random token-id prompts,
-  greedy, ``ignore_eos``), measured from the consumer's arrival time of each token, only while all B
-  rows decode (prefill excluded);
+  greedy, ``ignore_eos``, all submitted between two engine cycles), timed as the engine publishes each
+  token, only while all B rows decode (prefill excluded);
 - prefill tokens/s and model-FLOP utilisation (model FLOPs over the measured bf16 matmul rate) for
   single prompts;
 - TTFT and inter-token latency (median, p90) for the B concurrent streams of every decode run;
@@ -45,6 +45,9 @@ from benchmarks.load_throughput import _host, _import_paths, write_source
 from benchmarks.shapes import SHAPES, decode_weight_shapes
 
 HF_MODEL_TYPE = "qwen3_5_text"  # lets transformers' AutoModel read the written config.json
+
+# Every figure is timed with this monotonic clock (seconds); the CPU smoke test substitutes a deterministic one.
+clock = time.perf_counter
 
 # Issue 9 targets (9B shape, bf16, one H200; 0.8B decode B=1): checked and printed, never enforced.
 TARGETS = {
@@ -150,9 +153,9 @@ def _host_time_ms(fn, iters: int) -> float:
         fn()
     times = []
     for _ in range(iters):
-        t = time.perf_counter()
+        t = clock()
         fn()
-        times.append((time.perf_counter() - t) * 1e3)
+        times.append((clock() - t) * 1e3)
     return statistics.median(times)
 
 
@@ -191,59 +194,73 @@ def measure_ceilings(shapes: list[str], batches: list[int], device: str) -> dict
 
 def run_streams(engine, prompts: list[list[int]], max_tokens: int, on_steady=None, on_end=None,
                 timeout: float = 600.0) -> list[dict]:
-    """Submit every prompt at once (greedy, ignore_eos) and record each token's arrival time at the
-    consumer. Returns per stream: submit time, token arrival times, the final result.
+    """Submit every prompt at once (greedy, ignore_eos) and record when the engine publishes each token.
+    Returns per stream: submit time, token times, the final result.
 
-    ``on_steady()`` runs once when every stream has its first token (all rows decode from then on),
-    ``on_end()`` once when the first stream ends (the profiler's window)."""
+    The prompts are submitted on the engine's worker between two of its cycles, so the scheduler sees
+    all of them together, and each token is timed on the worker as it is published to its stream: the
+    figures describe the engine's schedule, not how promptly this process's consumer thread ran (a
+    consumer that falls behind on a busy host would see tokens in bursts and blur every window).
+
+    ``on_steady()`` runs on the worker once every stream has its first token (all rows decode from then
+    on), ``on_end()`` once the first stream ends (the profiler's window)."""
     from ninfer.contract.events import FinishReason, GenerationResult, OutputDelta
     from ninfer.contract.prompt import TextInput
     from ninfer.contract.request import GenerationRequest, SamplingParams
 
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-
-    started, hooks = [0], {"steady": on_steady, "end": on_end}
+    hooks = {"steady": on_steady, "end": on_end}
+    streams = [{"submitted": None, "times": []} for _ in prompts]
+    started = [0]
 
     def fire(name: str) -> None:
         fn = hooks.pop(name, None)
         if fn is not None:
             fn()
 
-    async def consume(handle) -> tuple[list[float], GenerationResult | None]:
-        times, final = [], None
-        async for ev in handle:
-            now = time.perf_counter()
-            if isinstance(ev, OutputDelta) and ev.token_ids:
-                if not times:
+    def timed(stream: dict, publish):
+        def publish_timed(event) -> None:
+            if isinstance(event, OutputDelta) and event.token_ids:
+                if not stream["times"]:
                     started[0] += 1
                     if started[0] == len(prompts):
                         fire("steady")
-                times.extend([now] * len(ev.token_ids))
-            elif isinstance(ev, GenerationResult):
-                final = ev
+                stream["times"].extend([clock()] * len(event.token_ids))
+            elif isinstance(event, GenerationResult):
                 fire("end")
-        return times, final
+            publish(event)
+        return publish_timed
 
-    async def main():
-        submitted, handles = [], []
-        for p in prompts:
-            submitted.append(time.perf_counter())
-            handles.append(engine.submit(GenerationRequest(input=TextInput(token_ids=tuple(p)), sampling=sampling)))
-        return submitted, await asyncio.gather(*(consume(h) for h in handles))
+    def submit_all() -> list:  # on the worker: nothing is scheduled until every request is in
+        handles = []
+        for p, stream in zip(prompts, streams, strict=True):
+            stream["submitted"] = clock()
+            h = engine.submit(GenerationRequest(input=TextInput(token_ids=tuple(p)), sampling=sampling))
+            channel = h._channel  # the worker publishes through it; timed before the worker's next cycle
+            channel.publish = timed(stream, channel.publish)
+            handles.append(h)
+        return handles
 
-    async def bounded():
-        try:
-            return await asyncio.wait_for(main(), timeout)
+    async def consume(handle) -> GenerationResult | None:  # streams as a server does: the worker wakes it
+        final = None
+        async for event in handle:
+            if isinstance(event, GenerationResult):
+                final = event
+        return final
+
+    async def consume_all(handles: list) -> list:
+        try:  # a hang guard in real time, whatever ``clock`` is
+            return await asyncio.wait_for(asyncio.gather(*(consume(h) for h in handles)), timeout)
         except TimeoutError:
             raise TimeoutError(f"benchmark requests did not finish within {timeout} s") from None
 
-    submitted, outs = asyncio.run(bounded())
-    streams = []
-    for t_sub, (times, final) in zip(submitted, outs, strict=True):
+    finals = asyncio.run(consume_all(engine._core.on_worker(submit_all)))
+    for stream, final in zip(streams, finals, strict=True):
+        times = stream["times"]
         if final is None or final.finish_reason is not FinishReason.LENGTH or len(times) != max_tokens:
             reason = final.error if final is not None and final.error else (final and final.finish_reason)
             raise RuntimeError(f"benchmark request ended early: {reason} after {len(times)} of {max_tokens} tokens")
-        streams.append({"submitted": t_sub, "times": times, "result": final})
+        stream["result"] = final
     return streams
 
 
@@ -277,16 +294,15 @@ def profile_decode(engine, vocab: int, B: int, ctx: int, steps: int, chunk: int,
 
     cuda = device.startswith("cuda")
     prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
-    # Started and stopped on the engine's worker between cycles: the profiler records the ops of the
-    # thread that starts it, and the worker is the thread that runs the steps.
-    worker = engine._core.on_worker
+    # run_streams calls both hooks on the engine's worker (as it publishes): the profiler records the ops
+    # of the thread that starts it, and the worker is the thread that runs the steps.
     streams = run_streams(engine, _prompts(vocab, B, ctx, 900 + B), decode_tokens(steps, B, ctx, chunk),
-                          on_steady=lambda: worker(prof.start),
-                          on_end=lambda: worker(lambda: (_sync(device), prof.stop())))
+                          on_steady=prof.start, on_end=lambda: (_sync(device), prof.stop()))
     d = steady_decode(streams)
     events = prof.key_averages()
-    # Per forward: the profiler's window (worker cycles) and the consumer's token window differ by a
-    # step or two, so divide by the decode graph launches it recorded when there are any.
+    # Per forward: the profiler's window (from the last first token to the first final result) and the
+    # token window differ by a step or two, so divide by the decode graph launches it recorded when there
+    # are any.
     launches = sum(e.count for e in events if e.key == "cudaGraphLaunch")
     n = launches or d["window_steps"]
     if cuda:  # device-side entries only (kernels, copies): a CPU op's device time repeats its kernels'
@@ -298,7 +314,7 @@ def profile_decode(engine, vocab: int, B: int, ctx: int, steps: int, chunk: int,
     kernels.sort(key=lambda e: getattr(e, key), reverse=True)
     busy_us = sum(getattr(e, key) for e in kernels) if cuda and kernels else None  # None: no kernel seen
     if path is not None:
-        path.write_text(f"# decode B={B} context={ctx}: {d['window_steps']} token steps in the consumer's window, "
+        path.write_text(f"# decode B={B} context={ctx}: {d['window_steps']} token steps in the token window, "
                         f"{launches} graph launches in the profiler's, {d['ms_per_step']:.3f} ms/step "
                         f"under the profiler; per-step figures divide by {n}\n"
                         + events.table(sort_by=key, row_limit=60))
@@ -348,11 +364,11 @@ def bench_engine(artifact: Path, shape: str, cfg: dict, args, device: str, chain
     num_pages = B_max * -(-max_len // page_size) + 1
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(device)
-    t = time.perf_counter()
+    t = clock()
     engine = ninfer.Engine(artifact, max_concurrency=B_max, device=device, max_model_len=max_len,
                            prefill_chunk=args.prefill_chunk, page_size=page_size, num_pages=num_pages)
     _sync(device)
-    res: dict = {"start_s": time.perf_counter() - t, "max_model_len": max_len, "prefill_chunk": args.prefill_chunk,
+    res: dict = {"start_s": clock() - t, "max_model_len": max_len, "prefill_chunk": args.prefill_chunk,
                  "graphs": getattr(engine.instance.program, "graphs", None) is not None}
     plan = getattr(engine.instance.program, "plan", None)
     if plan is not None:
@@ -361,11 +377,11 @@ def bench_engine(artifact: Path, shape: str, cfg: dict, args, device: str, chain
         res["plan"] = attrs.asdict(plan)
     vocab = cfg["vocab_size"]
     try:
-        t = time.perf_counter()
+        t = clock()
         # Warm-up: Triton compilation for the chunk and decode shapes used below.
         run_streams(engine, _prompts(vocab, B_max, warmup_len, 1), 4)
         run_streams(engine, _prompts(vocab, 1, 7, 2), 4)
-        res["warmup_s"] = time.perf_counter() - t
+        res["warmup_s"] = clock() - t
         res["decode"] = []
         for i, (B, ctx) in enumerate(pairs):
             before = engine.metrics().inter_token
@@ -374,7 +390,7 @@ def bench_engine(artifact: Path, shape: str, cfg: dict, args, device: str, chain
             row = {"batch": B, "context": ctx, **steady_decode(streams),
                    "bytes_per_step": decode_bytes(cfg, B, ctx),
                    # the worker's own view (gaps between commits, prefill interleaving included): a check
-                   # that the consumer's timestamps do not hide or add time
+                   # that the publish timestamps do not hide or add time
                    "engine_itl_ms_mean": (after.total - before.total) / max(after.count - before.count, 1) * 1e3}
             if chain_ms and str(B) in chain_ms:
                 row["chain_ms"] = chain_ms[str(B)]
@@ -443,9 +459,9 @@ def bench_shape(shape: str, args, device: str, ceilings: dict | None) -> dict:
             out = cached
             res["artifact_reused"] = str(cached)
         else:
-            t = time.perf_counter()
+            t = clock()
             res["checkpoint_bytes"] = write_source(src, cfg, device)
-            res["write_s"] = time.perf_counter() - t
+            res["write_s"] = clock() - t
             summary = convert_checkpoint(src, out, host=_host())
             res["convert_s"] = summary.seconds
             if not args.hf:  # only the baseline reads the checkpoint
@@ -463,7 +479,7 @@ def bench_shape(shape: str, args, device: str, ceilings: dict | None) -> dict:
         if args.hf:
             try:
                 res["hf"] = hf_baseline.run(src, device=device, prompt=args.hf_prompt, new_tokens=args.hf_new_tokens,
-                                            batches=tuple(args.hf_batches))
+                                            batches=tuple(args.hf_batches), clock=clock)
             except Exception as exc:  # the baseline is a comparison, not the measurement: keep ours
                 res["hf"] = {"error": f"{type(exc).__name__}: {exc}"}
                 print(f"# {shape}: transformers baseline failed: {res['hf']['error']}", file=sys.stderr)
@@ -654,7 +670,7 @@ def main(argv=None) -> int:
             print(f"bench: {base} has {shutil.disk_usage(base).free / 1e9:.1f} GB free, shape {s} needs about "
                   f"{need / 1e9:.1f} GB; pass --workdir", file=sys.stderr)
             return 2
-    t0 = time.perf_counter()
+    t0 = clock()
     result: dict = {"device": device_info(device), "args": {k: v for k, v in vars(args).items()}}
     if args.ceilings:
         print("# ceilings", flush=True)
@@ -674,7 +690,7 @@ def main(argv=None) -> int:
                 torch.cuda.empty_cache()
         if args.json:  # keep what is measured even if a later shape fails
             Path(args.json).write_text(json.dumps(result, indent=2, default=str))
-    result["wall_s"] = time.perf_counter() - t0
+    result["wall_s"] = clock() - t0
     print(markdown(result))
     print(f"\n# wall time {result['wall_s']:.1f} s" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
     if args.json:

@@ -202,13 +202,20 @@ def measure_engine(program, config, B: int, *, context: int, steps: int, warmup:
         with Engine.from_instance(inst, max_concurrency=program.max_concurrency, device="cpu",
                                   prefill_chunk=context) as engine:
             core = engine._core
-            # Instrument the worker from the worker itself, between cycles (it owns the core).
-            core.on_worker(lambda: _instrument_core(core, parts, cycles, B))
-            handles = [engine.submit(GenerationRequest(
+            requests = [GenerationRequest(
                 input=TextInput(token_ids=tuple(torch.randint(0, config.vocab_size, (context,),
                                                               generator=gen).tolist())),
-                sampling=SamplingParams(max_tokens=warmup + steps + 2, temperature=0.0, ignore_eos=True)))
+                sampling=SamplingParams(max_tokens=warmup + steps + 2, temperature=0.0, ignore_eos=True))
                 for _ in range(B)]
+
+            def instrument_and_submit() -> list:
+                # On the worker between cycles (it owns the core), and every request submitted before the
+                # next cycle: the B rows start together, so the steady B-row cycles do not depend on how
+                # promptly this thread ran.
+                _instrument_core(core, parts, cycles, B)
+                return [engine.submit(r) for r in requests]
+
+            handles = core.on_worker(instrument_and_submit)
             while poll and not all(h.done for h in handles):
                 time.sleep(0.05)
             for h in handles:

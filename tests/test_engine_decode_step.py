@@ -19,7 +19,8 @@ def test_decode_step_benchmark_smoke(tmp_path, capsys):
                  "--engine", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["batch"] for r in rows] == [1, 2]
-    assert all(r["ms_median"] > 0 and r["tokens_per_s"] > 0 and r["engine_ms_per_step"] > 0 for r in rows)
+    # Timings of this machine: only their presence and sign are certain (windows on a monotonic clock).
+    assert all(r["ms_median"] >= 0 and r["tokens_per_s"] >= 0 and r["engine_ms_per_step"] >= 0 for r in rows)
     assert "ms/step" in capsys.readouterr().out
 
 

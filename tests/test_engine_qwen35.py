@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 import random
+import threading
+import time
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ from ninfer.contract.resources import FrontendResources
 from ninfer.engine.engine import Engine
 from ninfer.models.common.qwen.frontend import QwenFrontend
 from ninfer.testing.checkpoints import make_tokenizer_json
+from ninfer.testing.scheduling import submit_together
 
 transformers = pytest.importorskip("transformers")
 
@@ -91,7 +94,7 @@ def workload(n, seed, *, seeded=False):
 
 
 def run(eng, work):
-    hs = [eng.submit(req(p, **s)) for p, s in work]
+    hs = submit_together(eng, [req(p, **s) for p, s in work])  # batching and pauses follow from the workload
     return [h.result(timeout=120) for h in hs]
 
 
@@ -161,7 +164,7 @@ def test_host_pressure_revokes_paused_snapshots_and_matches_running_alone(parts,
     snapshot = prog.states.image_bytes + 5 * prog.pool.nbytes_per_page
     probe.close()
     eng = make_engine(parts, max_concurrency=4, pages=10, prefill_chunk=8, host_bytes=snapshots * snapshot)
-    hs = [eng.submit(req(p, **s)) for p, s in workload(8, 11, seeded=seeded)]
+    hs = submit_together(eng, [req(p, **s) for p, s in workload(8, 11, seeded=seeded)])
     events = [list(h) for h in hs]
     for evs in events:
         assert sum(isinstance(e, GenerationResult) for e in evs) == 1 and isinstance(evs[-1], GenerationResult)
@@ -276,37 +279,49 @@ def test_stop_token_inside_a_pipelined_decode_phase(parts, alone, seeded):
 
 def test_queue_timeout_and_waiting_cancel_settle_while_a_resident_decodes(parts):
     """With every lane taken the resident's decode stays pipelined, yet requests waiting for a lane still
-    time out and cancel on time, and the resident's output is what it gives alone."""
+    time out and cancel while it decodes, and the resident's output is what it gives alone."""
     from ninfer.engine.errors import QueueTimeout
 
     alone = make_engine(parts, max_concurrency=1)
     solo = alone.generate(req([5, 6, 7], max_tokens=100), timeout=120).token_ids
     alone.close()
     eng = make_engine(parts, max_concurrency=1)
-    prog, chained_with_queue = eng.instance.program, []
+    prog, chained_with_queue, launches = eng.instance.program, [], [0]
     launch = prog.launch_decode
+    queue_ready = threading.Event()  # the test has queued its requests behind the resident
+    waiting: dict[str, object] = {}
+    settled_at: dict[str, int] = {}  # the resident's decode launch at which each waiting request had ended
 
     def watched(ids, *, after=None):  # on the worker
+        launches[0] += 1
+        assert queue_ready.wait(60)  # the resident's first decode step waits for the queue (hang guard)
+        for name, h in waiting.items():
+            if h.done:
+                settled_at.setdefault(name, launches[0])
         if after is not None and eng._core.scheduler.waiting:
             chained_with_queue.append(len(ids))
         return launch(ids, after=after)
 
     prog.launch_decode = watched
     long = eng.submit(req([5, 6, 7], max_tokens=100))
-    events = iter(long)
-    assert isinstance(next(events), GenerationStart)
-    next(events)  # its first token: it is resident and decoding
     queued = eng.submit(GenerationRequest(input=TextInput(token_ids=(1, 2)),
                                           sampling=SamplingParams(max_tokens=4), queue_timeout_s=0.05))
+    queue_deadline = time.monotonic() + 0.05  # at or after the engine's own deadline for ``queued``
     leaver = eng.submit(req([3, 4], max_tokens=4))
     leaver.cancel()
+    waiter = eng.submit(req([3, 4], max_tokens=4))  # waits for the lane until the long request ends
+    waiting.update(queued=queued, leaver=leaver)
+    while time.monotonic() < queue_deadline:  # the resident cannot end before the queue timeout has passed
+        time.sleep(0.01)
+    queue_ready.set()
     assert queued.result(timeout=30).finish_reason is FinishReason.ERROR
     assert isinstance(queued.exception(), QueueTimeout)
     assert leaver.result(timeout=30).finish_reason is FinishReason.CANCELLED
-    waiter = eng.submit(req([3, 4], max_tokens=4))  # waits for the lane until the long request ends
-    rest = list(events)
-    assert isinstance(rest[-1], GenerationResult) and rest[-1].token_ids == solo
+    events = list(long)
+    assert isinstance(events[0], GenerationStart)
+    assert isinstance(events[-1], GenerationResult) and events[-1].token_ids == solo
     assert len(waiter.result(timeout=30).token_ids) == 4
+    assert set(settled_at) == {"queued", "leaver"}  # both ended while the resident was still decoding
     assert chained_with_queue  # a full house with a queue still decodes pipelined
     settled(eng)
     eng.close()

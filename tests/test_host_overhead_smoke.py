@@ -20,7 +20,10 @@ def test_host_overhead_benchmark_smoke(tmp_path, capsys, options):
     rows = json.loads(out.read_text())["rows"]
     assert [r["batch"] for r in rows] == [1, 2]
     for r in rows:
-        assert r["host_us"] > 0 and r["load_us"] > 0 and r["engine_host_us"] > 0 and r["engine_publish_us"] > 0
+        # Timings of this machine: only their presence and sign are certain (each is a window, or a window
+        # less the windows nested in it, on a monotonic clock).
+        assert all(r[k] >= 0 for k in ("host_us", "load_us", "model_us", "engine_host_us", "engine_publish_us"))
+        assert r["steps"] == 3  # three steady B-row cycles were found (every request starts together)
         assert r["load_ops"] <= 3  # the packed inputs go up in one copy (plus a table segment at most)
     assert "host" in capsys.readouterr().out
 

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from ninfer_serve.testing import ServerProcess, parse_metrics, scrape, tiny_model, wait_idle
+from ninfer_serve.testing import ServerProcess, scrape, tiny_model, wait_idle
 
 DEVICE = os.environ.get("NINFER_SERVE_TEST_DEVICE", "cpu")  # "cuda" to run these on the GPU machine
 
@@ -30,8 +30,10 @@ def _body(prompt: str, max_tokens: int, **kw) -> dict:
             "chat_template_kwargs": {"enable_thinking": False}, **kw}
 
 
-async def _stream(client: httpx.AsyncClient, body: dict, *, leave_after: int | None = None) -> str | None:
-    """Run one streaming chat; returns the text, or None when it left after ``leave_after`` chunks."""
+async def _stream(client: httpx.AsyncClient, body: dict, *, leave_after: int | None = None,
+                  started: asyncio.Event | None = None) -> str | None:
+    """Run one streaming chat; returns the text, or None when it left after ``leave_after`` chunks.
+    ``started`` is set at the first chunk (the request is admitted and generating)."""
     text, n = [], 0
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200, await r.aread()
@@ -43,6 +45,8 @@ async def _stream(client: httpx.AsyncClient, body: dict, *, leave_after: int | N
                 return "".join(text)
             chunk = json.loads(line[6:])
             assert "error" not in chunk, chunk
+            if started is not None:
+                started.set()
             for c in chunk["choices"]:
                 text.append(c["delta"].get("content") or "")
             n += 1
@@ -51,11 +55,11 @@ async def _stream(client: httpx.AsyncClient, body: dict, *, leave_after: int | N
     raise AssertionError("stream ended without [DONE]")
 
 
-async def _until(client: httpx.AsyncClient, ready, what: str, timeout_s: float = 120.0) -> None:
-    """Poll /metrics until ``ready(metrics)``; the timeout is a hang guard."""
+async def _until(url: str, name: str, value: float, timeout_s: float = 120.0) -> None:
+    """Poll ``/metrics`` until the sample ``name`` equals ``value`` (the timeout is only a hang guard)."""
     end = time.monotonic() + timeout_s
-    while not ready(parse_metrics((await client.get("/metrics")).text)):
-        assert time.monotonic() < end, f"never reached: {what}"
+    while scrape(url).get(name, 0.0) != value:
+        assert time.monotonic() < end, f"{name} never reached {value}"
         await asyncio.sleep(0.02)
 
 
@@ -67,24 +71,26 @@ def test_load_with_disconnects_returns_every_gauge_to_zero(tmp_path_factory):
     rng = random.Random(7)
     leaving = set(rng.sample(range(64), 64 // 3))
     with ServerProcess(_tiny_model(tmp_path_factory), "--model-id", "tiny", "--max-concurrency", "4",
-                       "--device", DEVICE, "--max-queue", "64", "--queue-timeout", "300",
-                       "--max-model-len", "4096") as srv:
+                       "--device", DEVICE, "--max-queue", "64", "--queue-timeout", "300") as srv:
 
         async def main():
             limits = httpx.Limits(max_connections=100, max_keepalive_connections=0)
             async with httpx.AsyncClient(base_url=srv.url, timeout=300, limits=limits) as client:
                 alone = [await _stream(client, _body(p, 16)) for p in prompts]
-                tasks = [_stream(client, _body(prompts[i % len(prompts)], 3000 if i in leaving else 16),
-                                 leave_after=rng.randint(1, 4) if i in leaving else None) for i in range(64)]
+                # A leaving client asks for far more tokens than it reads, so it is always still generating
+                # when it leaves, however the two processes are scheduled.
+                tasks = [_stream(client, _body(prompts[i % len(prompts)], 2000),
+                                 leave_after=rng.randint(1, 4)) if i in leaving
+                         else _stream(client, _body(prompts[i % len(prompts)], 16)) for i in range(64)]
                 return alone, await asyncio.gather(*tasks)
 
         alone, results = asyncio.run(main())
         for i, out in enumerate(results):
             if i in leaving:
-                assert out is None
-            else:
-                assert out == alone[i % len(prompts)], f"client {i} differs from running alone"
+                continue
+            assert out == alone[i % len(prompts)], f"client {i} differs from running alone"
         m = wait_idle(lambda: scrape(srv.url))
+        # the leaving clients really left mid-stream, and the engine cancelled their requests
         assert m["ninfer:client_disconnects_total"] == len(leaving)
         text = httpx.get(srv.url + "/metrics").text
         cancelled = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
@@ -95,51 +101,76 @@ def test_load_with_disconnects_returns_every_gauge_to_zero(tmp_path_factory):
         assert m["ninfer:request_success_total"] == 64 + len(prompts) + 4  # and the 4 warmup requests
 
 
-def test_overload_429_and_queue_timeout_503(tmp_path_factory):
-    """One long stream holds the only slot; each step waits on /metrics for the state it needs."""
+# A request that holds the only lane: 4000 tokens take seconds on a CPU (and longer than the queue timeouts
+# below on a GPU), and the tests cancel it once they are done.
+HOLD_TOKENS = 4000
+
+
+async def _hold_the_lane(client: httpx.AsyncClient) -> asyncio.Future:
+    """Start a stream that takes the only lane, and return once it is generating."""
+    started = asyncio.Event()
+    long_run = asyncio.ensure_future(_stream(client, _body("Keep talking.", HOLD_TOKENS), started=started))
+    await started.wait()
+    return long_run
+
+
+async def _leave(stream: asyncio.Future) -> None:
+    stream.cancel()  # closes the connection: the server cancels the request
+    try:
+        await stream
+    except asyncio.CancelledError:
+        pass
+
+
+def test_queue_timeout_503(tmp_path_factory):
     with ServerProcess(_tiny_model(tmp_path_factory), "--model-id", "tiny", "--max-concurrency", "1",
-                       "--device", DEVICE, "--max-queue", "1", "--queue-timeout", "3",
+                       "--device", DEVICE, "--max-queue", "1", "--queue-timeout", "0.1",
                        "--max-model-len", "4096") as srv:
 
         async def main():
             async with httpx.AsyncClient(base_url=srv.url, timeout=300) as client:
-                started = asyncio.Event()
+                long_run = await _hold_the_lane(client)
+                timed_out = await client.post("/v1/chat/completions", json=_body("Wait.", 4, stream=False))
+                await _leave(long_run)
+                return timed_out
 
-                async def long_stream():
-                    body = _body("Keep talking.", 4000)
-                    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
-                        assert r.status_code == 200
-                        async for _ in r.aiter_lines():
-                            started.set()  # the gateway answers only once the request is admitted
-                long_run = asyncio.ensure_future(long_stream())
-                await asyncio.wait_for(started.wait(), 120)
-                queued = asyncio.ensure_future(client.post("/v1/chat/completions",
-                                                           json=_body("Wait.", 4, stream=False)))
-                await _until(client, lambda m: m["ninfer:num_requests_waiting"] == 1, "one request queued")
-                over = await client.post("/v1/chat/completions", json=_body("No room.", 4, stream=False))
-                timed_out = await queued  # 3 s in the queue behind a 4000-token stream (~17 s on a CPU core)
-                # a non-streaming client that leaves while its request waits in the queue cancels it
-                leaver = asyncio.ensure_future(client.post("/v1/chat/completions", json=_body("Bye.", 4, stream=False)))
-                await _until(client, lambda m: m["ninfer:num_requests_waiting"] == 1, "the leaver queued")
-                leaver.cancel()
-                await _until(client, lambda m: m["ninfer:client_disconnects_total"] == 1, "the leaver's disconnect")
-                long_run.cancel()  # leave: the server cancels the long request
-                try:
-                    await long_run
-                except asyncio.CancelledError:
-                    pass
-                return over, timed_out
-
-        over, timed_out = asyncio.run(main())
-        assert over.status_code == 429, over.text
-        assert over.headers["retry-after"] and over.json()["error"]["code"] == "overload"
+        timed_out = asyncio.run(main())
         assert timed_out.status_code == 503, timed_out.text
         assert timed_out.headers["retry-after"] and timed_out.json()["error"]["code"] == "queue_timeout"
         m = wait_idle(lambda: scrape(srv.url))
+        assert m["ninfer:client_disconnects_total"] == 1  # the long stream
+        assert 'ninfer:http_requests_total{endpoint="chat",status="503"} 1.0' in httpx.get(srv.url + "/metrics").text
+
+
+def test_overload_429_and_a_client_leaving_the_queue(tmp_path_factory):
+    """A full queue answers 429 at once; a non-streaming client that leaves while its request waits in the
+    queue cancels it (the queue timeout is long, so only the client's leaving can end it)."""
+    with ServerProcess(_tiny_model(tmp_path_factory), "--model-id", "tiny", "--max-concurrency", "1",
+                       "--device", DEVICE, "--max-queue", "1", "--queue-timeout", "300",
+                       "--max-model-len", "4096") as srv:
+
+        async def main():
+            async with httpx.AsyncClient(base_url=srv.url, timeout=300) as client:
+                long_run = await _hold_the_lane(client)
+                leaver = asyncio.ensure_future(client.post("/v1/chat/completions", json=_body("Bye.", 4, stream=False)))
+                await _until(srv.url, "ninfer:num_requests_waiting", 1)
+                over = await client.post("/v1/chat/completions", json=_body("No room.", 4, stream=False))
+                leaver.cancel()  # closes its connection while the request waits for the lane
+                await _until(srv.url, "ninfer:client_disconnects_total", 1)
+                await _until(srv.url, "ninfer:num_requests_waiting", 0)  # cancelled, never admitted
+                await _leave(long_run)
+                return over
+
+        over = asyncio.run(main())
+        assert over.status_code == 429, over.text
+        assert over.headers["retry-after"] and over.json()["error"]["code"] == "overload"
+        m = wait_idle(lambda: scrape(srv.url))
         assert m["ninfer:client_disconnects_total"] == 2  # the queued leaver and the long stream
         text = httpx.get(srv.url + "/metrics").text
-        for status in ("429", "503"):
-            assert f'ninfer:http_requests_total{{endpoint="chat",status="{status}"}} 1.0' in text
+        assert 'ninfer:http_requests_total{endpoint="chat",status="429"} 1.0' in text
+        cancelled = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                     if line.startswith("ninfer:request_success_total{") and 'finished_reason="cancelled"' in line]
+        assert cancelled == [2.0]
 
 
 def test_sigterm_lets_the_in_flight_stream_finish(tmp_path_factory):

@@ -1,4 +1,7 @@
-"""Qwen3.5 plugin: registers the implemented contract slots as lazy targets (no torch import here)."""
+"""Qwen3.5 plugin: registers the implemented contract slots as lazy targets and the ``tiny-checkpoint``
+command (no torch import here)."""
+
+import argparse
 
 from ninfer import ArchitectureSpec, hookimpl
 
@@ -16,3 +19,10 @@ def ninfer_register_architectures(register):
         source_mapping="ninfer_qwen35.source_mapping:source_mapping",
         state_layout="ninfer_qwen35.state:state_layout",
     ))
+
+
+@hookimpl
+def ninfer_add_commands(subparsers: argparse._SubParsersAction) -> None:
+    from ninfer_qwen35.tiny_checkpoint_cli import add_tiny_checkpoint_command
+
+    add_tiny_checkpoint_command(subparsers)

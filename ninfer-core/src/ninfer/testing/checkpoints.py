@@ -3,6 +3,8 @@
     ckpt = make_tiny_checkpoint(tmp_path / "ckpt", layout="vl")   # VL naming, sharded + index, MTP added
     art = convert_tiny(ckpt, tmp_path / "tiny.ninfer")            # the real converter
 
+From the command line (the Qwen3.5 plugin's command; docs/models.md): ``ninfer tiny-checkpoint OUT_DIR``.
+
 ``layout="text"`` writes ``Qwen3_5ForCausalLM`` (flat ``model.layers.*`` names), ``layout="vl"`` writes
 ``Qwen3_5ForConditionalGeneration`` (``model.language_model.*``, ``model.visual.*``). Both get random
 ``mtp.*`` tensors (``mtp_num_hidden_layers: 1``), a tiny byte-level BPE tokenizer.json in the Qwen3.5 format
