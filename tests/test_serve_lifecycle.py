@@ -87,6 +87,7 @@ def test_load_with_disconnects_returns_every_gauge_to_zero(tmp_path_factory):
         alone, results = asyncio.run(main())
         for i, out in enumerate(results):
             if i in leaving:
+                assert out is None  # it left mid-stream
                 continue
             assert out == alone[i % len(prompts)], f"client {i} differs from running alone"
         m = wait_idle(lambda: scrape(srv.url))
