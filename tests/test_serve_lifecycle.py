@@ -123,10 +123,15 @@ async def _leave(stream: asyncio.Future) -> None:
         pass
 
 
+def _one_lane_server(tmp_path_factory, queue_timeout: str) -> ServerProcess:
+    """A server with one lane and one queue place."""
+    return ServerProcess(_tiny_model(tmp_path_factory), "--model-id", "tiny", "--max-concurrency", "1",
+                         "--device", DEVICE, "--max-queue", "1", "--queue-timeout", queue_timeout,
+                         "--max-model-len", "4096")
+
+
 def test_queue_timeout_503(tmp_path_factory):
-    with ServerProcess(_tiny_model(tmp_path_factory), "--model-id", "tiny", "--max-concurrency", "1",
-                       "--device", DEVICE, "--max-queue", "1", "--queue-timeout", "0.1",
-                       "--max-model-len", "4096") as srv:
+    with _one_lane_server(tmp_path_factory, "0.1") as srv:
 
         async def main():
             async with httpx.AsyncClient(base_url=srv.url, timeout=300) as client:
@@ -146,9 +151,7 @@ def test_queue_timeout_503(tmp_path_factory):
 def test_overload_429_and_a_client_leaving_the_queue(tmp_path_factory):
     """A full queue answers 429 at once; a non-streaming client that leaves while its request waits in the
     queue cancels it (the queue timeout is long, so only the client's leaving can end it)."""
-    with ServerProcess(_tiny_model(tmp_path_factory), "--model-id", "tiny", "--max-concurrency", "1",
-                       "--device", DEVICE, "--max-queue", "1", "--queue-timeout", "300",
-                       "--max-model-len", "4096") as srv:
+    with _one_lane_server(tmp_path_factory, "300") as srv:
 
         async def main():
             async with httpx.AsyncClient(base_url=srv.url, timeout=300) as client:

@@ -99,3 +99,23 @@ def script():
         text = staticmethod(text_events)
         Handle = ScriptedHandle
     return _S
+
+
+@pytest.fixture
+def client():
+    """``client(engine, base_url=..., **create_app_options)``: a started TestClient (lifespan run), closed
+    after the test, which shuts the app's TaskPool down."""
+    from starlette.testclient import TestClient
+
+    from ninfer_serve.app import create_app
+
+    opened = []
+
+    def make(engine, base_url="http://testserver", **kw):
+        c = TestClient(create_app(engine, **kw), base_url=base_url)
+        c.__enter__()
+        opened.append(c)
+        return c
+    yield make
+    for c in opened:
+        c.__exit__(None, None, None)

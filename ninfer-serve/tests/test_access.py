@@ -7,29 +7,18 @@ import hmac
 import json
 
 import pytest
-from starlette.testclient import TestClient
 
 from ninfer_serve.access import default_allowed_hosts, host_name
-from ninfer_serve.app import create_app
 
 CHAT = {"model": "tiny-test", "messages": [{"role": "user", "content": "hi"}]}
 KEY = "sk-test-\N{SNOWMAN}-key"
 
 
 @pytest.fixture
-def open_for(engine, script):
+def open_for(engine, script, client):
     """``open_for(**create_app_options)``: a started client over the scripted engine that answers 'ok'."""
     engine.next = lambda req: script.Handle("r", script.text("r", 1, ["ok"]))
-    opened = []
-
-    def make(base_url="http://testserver", **kw):
-        c = TestClient(create_app(engine, **kw), base_url=base_url)
-        c.__enter__()
-        opened.append(c)
-        return c
-    yield make
-    for c in opened:
-        c.__exit__(None, None, None)
+    return lambda **kw: client(engine, **kw)
 
 
 def test_api_key_guards_every_v1_route(open_for, engine, monkeypatch):

@@ -3,9 +3,6 @@
 
 import json
 
-import pytest
-from starlette.testclient import TestClient
-
 from ninfer.contract.events import (
     FinishReason,
     GenerationResult,
@@ -16,25 +13,8 @@ from ninfer.contract.events import (
     Usage,
 )
 from ninfer.engine.errors import InputTooLong, Overloaded, QueueTimeout
-from ninfer_serve.app import create_app
 
 CHAT = {"model": "tiny-test", "messages": [{"role": "user", "content": "hi"}]}
-
-
-@pytest.fixture
-def client():
-    """``client(engine, **create_app_options)``: a started TestClient (lifespan run), closed after the test,
-    which shuts the app's TaskPool down."""
-    opened = []
-
-    def make(engine, **kw):
-        c = TestClient(create_app(engine, **kw))
-        c.__enter__()
-        opened.append(c)
-        return c
-    yield make
-    for c in opened:
-        c.__exit__(None, None, None)
 
 
 def sse_events(text):
