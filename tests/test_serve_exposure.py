@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 
 import httpx
 import openai
 import pytest
 
+from ninfer import env
 from ninfer_serve.testing import ServerProcess, scrape, tiny_model
 
-DEVICE = os.environ.get("NINFER_SERVE_TEST_DEVICE", "cpu")
+DEVICE = env.get("NINFER_SERVE_TEST_DEVICE")
 KEY = "sk-local-test"
 
 

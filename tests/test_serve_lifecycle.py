@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import signal
 import time
@@ -15,9 +14,10 @@ import time
 import httpx
 import pytest
 
+from ninfer import env
 from ninfer_serve.testing import ServerProcess, scrape, tiny_model, wait_idle
 
-DEVICE = os.environ.get("NINFER_SERVE_TEST_DEVICE", "cpu")  # "cuda" to run these on the GPU machine
+DEVICE = env.get("NINFER_SERVE_TEST_DEVICE")  # "cuda" to run these on the GPU machine
 
 
 def _tiny_model(tmp_path_factory) -> str:

@@ -4,16 +4,16 @@ converted with the real converter), driven by the official ``openai`` client and
 from __future__ import annotations
 
 import json
-import os
 
 import httpx
 import openai
 import pytest
 
+from ninfer import env
 from ninfer_serve.testing import ServerProcess, scrape, tiny_model
 
 MODEL_ID = "tiny"
-DEVICE = os.environ.get("NINFER_SERVE_TEST_DEVICE", "cpu")  # "cuda" to run these on the GPU machine
+DEVICE = env.get("NINFER_SERVE_TEST_DEVICE")  # "cuda" to run these on the GPU machine
 HI = [{"role": "user", "content": "Say hello."}]
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 TOOLS = [{"type": "function", "function": {

@@ -267,33 +267,52 @@ def test_swiglu_kernel(split):
         t_linear.swiglu(x, w[1:])
 
 
-def test_pdl_only_on_capable_cuda_devices(monkeypatch):
-    """Programmatic dependent launch is requested only when enabled and on a CUDA device of sm_90 or newer;
-    the CPU interpreter never gets the launch keyword."""
+def test_pdl_only_inside_an_enabled_scope_on_capable_cuda_devices(monkeypatch):
+    """Programmatic dependent launch is requested only inside an enabled scope and on a CUDA device of sm_90
+    or newer; the CPU interpreter never gets the launch keyword; leaving the scope restores the outer one."""
     from ninfer.ops.triton import _pdl
 
-    monkeypatch.setattr(_pdl, "ENABLED", True)
-    assert _pdl.pdl_args(torch.device("cpu")) == {"USE_PDL": False}
-    monkeypatch.setattr(_pdl, "_capable", lambda index: False)
-    assert _pdl.pdl_args(torch.device("cuda", 0)) == {"USE_PDL": False}
+    cuda = torch.device("cuda", 0)
     monkeypatch.setattr(_pdl, "_capable", lambda index: True)
-    assert _pdl.pdl_args(torch.device("cuda", 0)) == {"USE_PDL": True, "launch_pdl": True}
-    monkeypatch.setattr(_pdl, "ENABLED", False)
-    assert _pdl.pdl_args(torch.device("cuda", 0)) == {"USE_PDL": False}
+    assert _pdl.pdl_args(cuda) == {"USE_PDL": False}  # no scope: off
+    with _pdl.scope(True):
+        assert _pdl.pdl_args(torch.device("cpu")) == {"USE_PDL": False}
+        assert _pdl.pdl_args(cuda) == {"USE_PDL": True, "launch_pdl": True}
+        with _pdl.scope(False):
+            assert _pdl.pdl_args(cuda) == {"USE_PDL": False}
+        assert _pdl.pdl_args(cuda) == {"USE_PDL": True, "launch_pdl": True}
+        monkeypatch.setattr(_pdl, "_capable", lambda index: False)
+        assert _pdl.pdl_args(cuda) == {"USE_PDL": False}
+    monkeypatch.setattr(_pdl, "_capable", lambda index: True)
+    assert _pdl.pdl_args(cuda) == {"USE_PDL": False}
+
+
+def test_pdl_scope_is_per_thread():
+    """One Program's scope does not leak into another thread (no process-global state)."""
+    import threading
+
+    from ninfer.ops.triton import _pdl
+
+    seen = []
+    with _pdl.scope(True):
+        worker = threading.Thread(target=lambda: seen.append(_pdl._ACTIVE.get()))
+        worker.start()
+        worker.join()
+        assert _pdl._ACTIVE.get() is True
+    assert seen == [False]
 
 
 def test_pdl_preference_by_layer_size_and_environment(monkeypatch):
     """Small layers ask for PDL, large ones do not; NINFER_PDL=0/1 overrides the model's preference."""
     from ninfer.ops.triton import _pdl
 
-    monkeypatch.setattr(_pdl, "ENABLED", False)
-    monkeypatch.setattr(_pdl, "_FORCED", None)
-    assert _pdl.prefer_for_layer_bytes(60e6) is True and _pdl.ENABLED
-    assert _pdl.prefer_for_layer_bytes(600e6) is False and not _pdl.ENABLED
-    monkeypatch.setattr(_pdl, "_FORCED", True)
-    assert _pdl.prefer_for_layer_bytes(600e6) is True
-    monkeypatch.setattr(_pdl, "_FORCED", False)
-    assert _pdl.prefer_for_layer_bytes(60e6) is False
+    monkeypatch.delenv("NINFER_PDL", raising=False)
+    assert _pdl.prefers_pdl(60e6) is True
+    assert _pdl.prefers_pdl(600e6) is False
+    monkeypatch.setenv("NINFER_PDL", "1")
+    assert _pdl.prefers_pdl(600e6) is True
+    monkeypatch.setenv("NINFER_PDL", "0")
+    assert _pdl.prefers_pdl(60e6) is False
 
 
 @pytest.mark.parametrize("split", [1, 3])

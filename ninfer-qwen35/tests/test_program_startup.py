@@ -9,6 +9,7 @@ from ninfer.contract.batch import RowDecision
 from ninfer.contract.model import ModelInstance, Program, StartupFeatures
 from ninfer.contract.prompt import TextInput
 from ninfer.contract.request import SamplingParams
+from ninfer.env import EnvError
 from ninfer.plugins import make_plugin_host
 
 pytest.importorskip("transformers")
@@ -67,7 +68,7 @@ def test_capacity_from_budget_and_clear_refusals(artifact_path, monkeypatch):
         with pytest.raises(StartupError, match="max_concurrency"):
             build(art, device="cpu", max_concurrency=0)
         monkeypatch.setenv("NINFER_HOST_BUDGET_MIB", "lots")
-        with pytest.raises(StartupError, match="NINFER_HOST_BUDGET_MIB"):
+        with pytest.raises(EnvError, match="NINFER_HOST_BUDGET_MIB='lots': expected a whole number of MiB"):
             build(art, device="cpu", num_pages=4)
         monkeypatch.setenv("NINFER_HOST_BUDGET_MIB", "3")
         assert build(art, device="cpu", num_pages=4).program.plan.host_budget_bytes == 3 << 20

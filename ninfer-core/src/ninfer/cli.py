@@ -52,6 +52,22 @@ def _cmd_archs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_env(args: argparse.Namespace) -> int:
+    from ninfer import env
+
+    if args.markdown:
+        print(env.markdown_table(), end="")
+        return 0
+    status = 0
+    for v in env.REGISTRY:
+        try:
+            value = repr(v.read())
+        except env.EnvError as exc:
+            value, status = f"error: {exc}", 1
+        print(f"{v.name:<32} {value:<12} {v.meaning}")
+    return status
+
+
 class _CoreCommands:
     """Subcommands that belong to ninfer-core itself."""
 
@@ -63,6 +79,9 @@ class _CoreCommands:
         p = subparsers.add_parser("archs", help="list architectures and the plugin providing each")
         p.add_argument("--json", action="store_true", help="machine-readable output")
         p.set_defaults(func=_cmd_archs)
+        p = subparsers.add_parser("env", help="the NINFER_* environment variables and their values now")
+        p.add_argument("--markdown", action="store_true", help="the documentation table (docs/configuration.md)")
+        p.set_defaults(func=_cmd_env)
         add_score_command(subparsers)
         from ninfer.artifact.cli import add_inspect_command  # light: no torch until a command runs
 

@@ -18,7 +18,6 @@ import functools
 import importlib
 import importlib.metadata
 import logging
-import os
 import traceback
 from collections.abc import Iterable
 from typing import Any
@@ -26,7 +25,7 @@ from typing import Any
 import attrs
 import pluggy
 
-from ninfer import hookspecs
+from ninfer import env, hookspecs
 from ninfer._markers import ENTRY_POINT_GROUP, PROJECT
 
 log = logging.getLogger(__name__)
@@ -111,13 +110,6 @@ def load_target(target: str) -> Any:
     for part in attr.split("."):
         obj = getattr(obj, part)
     return obj
-
-
-def _env_list(name: str) -> list[str] | None:
-    raw = os.environ.get(name)
-    if raw is None:
-        return None
-    return [item.strip() for item in raw.split(",") if item.strip()]
 
 
 class PluginHost:
@@ -205,15 +197,16 @@ def make_plugin_host(*, autoload: bool | None = None, strict: bool | None = None
                      entry_points: Iterable[importlib.metadata.EntryPoint] | None = None) -> PluginHost:
     """Build a fresh PluginHost from installed entry points and the environment."""
     if autoload is None:
-        autoload = not os.environ.get("NINFER_DISABLE_PLUGIN_AUTOLOAD")
+        autoload = not env.get("NINFER_DISABLE_PLUGIN_AUTOLOAD")
     if strict is None:
-        strict = bool(os.environ.get("NINFER_STRICT_PLUGINS"))
+        strict = env.get("NINFER_STRICT_PLUGINS")
     host = PluginHost()
     if autoload:
         if entry_points is None:
             entry_points = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
-        host.load_entry_points(entry_points, _env_list("NINFER_PLUGINS"), strict)
-    for module_name in _env_list("NINFER_EXTRA_PLUGINS") or []:
+        allow = env.get("NINFER_PLUGINS")
+        host.load_entry_points(entry_points, None if allow is None else list(allow), strict)
+    for module_name in env.get("NINFER_EXTRA_PLUGINS"):
         if module_name in {p.module for p in host.loaded}:
             continue
         try:

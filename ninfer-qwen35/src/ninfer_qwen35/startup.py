@@ -11,12 +11,12 @@ given; ``NINFER_HOST_BUDGET_MIB`` sets the host bytes Snapshot pauses may hold.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import attrs
 import torch
 
+from ninfer import env
 from ninfer.contract.model import ModelInstance, StartupFeatures
 from ninfer.core.device import Device, dtype_name, torch_dtype
 from ninfer.core.kv_pool import PagedKVPool, pages_for
@@ -99,10 +99,11 @@ def build(artifact: Any, *, device: Any = None, features: StartupFeatures = Star
         raise StartupError(f"compute dtype must be float32, bfloat16 or float16, got {compute}")
     params = Qwen35Parameters.from_weights(config, weights, compute, dev.torch)
     executor = Qwen35Model(params)
-    if dev.torch.type == "cuda":  # before the Program captures its graphs
-        from ninfer.ops.triton._pdl import prefer_for_layer_bytes
+    pdl = False
+    if dev.torch.type == "cuda":
+        from ninfer.ops.triton._pdl import prefers_pdl
 
-        prefer_for_layer_bytes(_resident_bytes(weights, params) / config.num_hidden_layers)
+        pdl = prefers_pdl(_resident_bytes(weights, params) / config.num_hidden_layers)
 
     layout = state_layout(config, dtype_name(compute))
     pools = kv_pools(config, page_size=page_size, dtype=dtype_name(compute))
@@ -119,7 +120,7 @@ def build(artifact: Any, *, device: Any = None, features: StartupFeatures = Star
                             max_concurrency=max_concurrency, num_pages=plan.kv_pages, kv_dtype=compute,
                             vocab_size=config.vocab_size, host_budget_bytes=plan.host_budget_bytes,
                             sampling_defaults=frontend.sampling_defaults(), max_model_len=plan.max_model_len,
-                            cuda_graphs=cuda_graphs)
+                            cuda_graphs=cuda_graphs, pdl=pdl)
     program.plan = plan
     model = Qwen35Loaded(config=config, weights=weights, load_report=report, executor=executor)
     return ModelInstance(architecture="qwen35", config=config, model=model, parameters=params, frontend=frontend,
@@ -136,16 +137,8 @@ def _resident_bytes(weights: Any, params: Any) -> int:
 
 
 def _env_mib(name: str) -> int | None:
-    raw = os.environ.get(name)
-    if raw is None or not raw.strip():
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        raise StartupError(f"{name} must be a whole number of MiB, got {raw!r}") from None
-    if value <= 0:
-        raise StartupError(f"{name} must be positive, got {value}")
-    return value * MIB
+    mib = env.get(name)
+    return None if mib is None else mib * MIB
 
 
 def plan_capacity(config: Qwen35Config, device: Device, *, compute: torch.dtype, weight_bytes: int,

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
+
+from ninfer import env
 
 API_KEY_ENV = "NINFER_API_KEY"
 
@@ -170,7 +171,7 @@ def _load_and_serve(args: argparse.Namespace, model: str, chat_template: str | N
             print(f"ninfer serve: warmup done in {seconds:.2f} s", file=sys.stderr)
         app = create_app(engine, model_id=args.model_id, queue_timeout_s=args.queue_timeout,
                          body_timeout_s=args.body_timeout, http_threads=args.http_threads,
-                         http_queue=args.http_queue, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+                         http_queue=args.http_queue, api_key=args.api_key or env.get(API_KEY_ENV) or None,
                          allowed_hosts=None if "*" in allowed_hosts else allowed_hosts,
                          allowed_origins=args.allowed_origins)
         host, port = listener.getsockname()[:2]

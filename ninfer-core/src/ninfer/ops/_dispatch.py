@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
+
+from ninfer import env
 
 if TYPE_CHECKING:
     import torch
@@ -46,7 +47,7 @@ TRITON_OPS: frozenset[str] = frozenset({
 
 
 def _mode() -> str:
-    return os.environ.get("NINFER_OPS", "").strip().lower()
+    return env.get("NINFER_OPS")
 
 
 def references_forced() -> bool:

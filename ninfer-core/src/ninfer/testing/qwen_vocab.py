@@ -17,6 +17,8 @@ import hashlib
 import os
 from pathlib import Path
 
+from ninfer import env
+
 QWEN35_PRETOKENIZE_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
     r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -143,7 +145,7 @@ def add_qwen35_added_tokens(tok) -> dict[str, int]:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("NINFER_TEST_CACHE") or os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    root = env.get("NINFER_TEST_CACHE") or os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(root) / "ninfer"
 
 

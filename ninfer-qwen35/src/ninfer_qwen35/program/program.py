@@ -100,12 +100,15 @@ class Qwen35Program:
     def __init__(self, model: Any, *, state_layout: StateImageLayout, kv_pool: KVPoolSpec, device: Device | str,
                  max_concurrency: int, num_pages: int, kv_dtype: torch.dtype | str | None = None,
                  vocab_size: int, host_budget_bytes: int = 0, sampling_defaults: SamplingParams | None = None,
-                 max_model_len: int | None = None, cuda_graphs: bool = True, static_decode: bool = False) -> None:
+                 max_model_len: int | None = None, cuda_graphs: bool = True, static_decode: bool = False,
+                 pdl: bool = False) -> None:
         """``cuda_graphs``: capture decode graphs on CUDA. ``static_decode``: without graphs, still decode
-        through the graphs' static input buffers (checks that input path on CPU)."""
+        through the graphs' static input buffers (checks that input path on CPU). ``pdl``: launch this
+        Program's Triton kernels with programmatic dependent launch (``ops.triton._pdl``)."""
         if not 1 <= max_concurrency <= 64:
             raise ValueError(f"max_concurrency must be in 1..64, got {max_concurrency}")
         self.id = next(_program_ids)
+        self.pdl = pdl
         self.model = model
         self.device = Device.parse(device)
         self.state_layout = state_layout
@@ -358,14 +361,21 @@ class Qwen35Program:
 
     @contextlib.contextmanager
     def _unit(self, seqs: list[SequenceRecord]):
-        """A unit that fails part way leaves its rows' state half written: roll them back, then re-raise."""
+        """A unit that fails part way leaves its rows' state half written: roll them back, then re-raise.
+        Its launches run in this Program's PDL scope."""
         try:
-            yield
+            with self._launches():
+                yield
         except BaseException:
             for seq in seqs:
                 seq.pending = False
                 self._rollback(seq)
             raise
+
+    def _launches(self):
+        from ninfer.ops.triton._pdl import scope
+
+        return scope(self.pdl)
 
     def _decode_logits(self, batch: ForwardBatch) -> torch.Tensor:
         """The graphed part of a decode step: forward + logits of every row."""
@@ -627,7 +637,7 @@ class Qwen35Program:
         ids = torch.tensor(list(token_ids), dtype=torch.int64, device=dev)
         out = torch.empty(n - score_from, dtype=torch.float32, device=dev)
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), self._launches():
                 for start in range(0, n, chunk):
                     end = min(start + chunk, n)
                     batch = build_forward_batch([RowInput(tokens=list(token_ids[start:end]), start=start, slot=slot,
@@ -656,7 +666,7 @@ class Qwen35Program:
     def _capture_graphs(self) -> None:
         graphs = self._decode_graphs()
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), self._launches():  # replays launch as captured
                 graphs.capture()
         except Exception as exc:  # an op without a capturable path (e.g. a host sync): stay eager, say why
             self.graph_error = f"{type(exc).__name__}: {exc}"

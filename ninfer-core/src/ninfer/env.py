@@ -1,0 +1,135 @@
+"""Every ``NINFER_*`` environment variable, in one registry: its type, default and meaning.
+
+Library code reads the environment only through ``get`` (a test checks that no other module reads a
+``NINFER_*`` name), so an unknown name is a programming error and a malformed value is a clear error
+naming the variable. ``markdown_table()`` is the table in docs/configuration.md (a test keeps them equal); ``ninfer env``
+prints each variable with the value it has now.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off", ""})
+
+
+class EnvError(ValueError):
+    """A ``NINFER_*`` variable holds a value its type does not allow."""
+
+
+def _flag(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError("expected 1/0, true/false, yes/no or on/off")
+
+
+def _names(raw: str) -> tuple[str, ...]:
+    return tuple(n.strip() for n in raw.split(",") if n.strip())
+
+
+def _mib(raw: str) -> int:
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ValueError("expected a whole number of MiB") from None
+    if value <= 0:
+        raise ValueError("expected a positive number of MiB")
+    return value
+
+
+def _choice(*allowed: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        value = raw.strip().lower()
+        if value not in allowed:
+            raise ValueError(f"expected one of {', '.join(repr(a) for a in allowed)}")
+        return value
+    return parse
+
+
+def _text(raw: str) -> str:
+    return raw
+
+
+@attrs.frozen(kw_only=True)
+class EnvVar:
+    """One variable: ``parse`` turns its text into the value; unset (or, unless ``keep_empty``, empty)
+    means ``default``."""
+
+    name: str
+    kind: str               # what the docs table shows as its type
+    default: Any
+    meaning: str
+    parse: Callable[[str], Any]
+    scope: str = "library"  # library | serve | testing
+    keep_empty: bool = False
+
+    def read(self, environ: Any = None) -> Any:
+        raw = (os.environ if environ is None else environ).get(self.name)
+        if raw is None or (not raw.strip() and not self.keep_empty):
+            return self.default
+        try:
+            return self.parse(raw)
+        except ValueError as exc:
+            raise EnvError(f"{self.name}={raw!r}: {exc}") from None
+
+
+REGISTRY: tuple[EnvVar, ...] = (
+    EnvVar(name="NINFER_PLUGINS", kind="comma list", default=None, parse=_names, keep_empty=True,
+           meaning="allowlist of plugin names to load (unset: every installed plugin; empty: none)"),
+    EnvVar(name="NINFER_DISABLE_PLUGIN_AUTOLOAD", kind="flag", default=False, parse=_flag,
+           meaning="load no plugin from package entry points (only NINFER_EXTRA_PLUGINS)"),
+    EnvVar(name="NINFER_EXTRA_PLUGINS", kind="comma list", default=(), parse=_names,
+           meaning="plugin modules to register without package metadata (a source checkout on the GPU machine)"),
+    EnvVar(name="NINFER_STRICT_PLUGINS", kind="flag", default=False, parse=_flag,
+           meaning="a plugin that fails to load is an error instead of a recorded failure"),
+    EnvVar(name="NINFER_OPS", kind="auto, torch or triton", default="auto", parse=_choice("auto", "torch", "triton"),
+           meaning="op implementations: validated Triton kernels on CUDA (auto), the torch references "
+                   "everywhere, or every Triton kernel listed or not"),
+    EnvVar(name="NINFER_PDL", kind="flag", default=None, parse=_flag,
+           meaning="programmatic dependent launch on or off for every Program (unset: each model's startup "
+                   "chooses by its layer size)"),
+    EnvVar(name="NINFER_VRAM_BUDGET_MIB", kind="MiB", default=None, parse=_mib,
+           meaning="device bytes the engine may use (weights, state, KV, workspace); the free memory is "
+                   "the other bound"),
+    EnvVar(name="NINFER_HOST_BUDGET_MIB", kind="MiB", default=None, parse=_mib,
+           meaning="host bytes paused requests' Snapshots may hold (unset: the model's default)"),
+    EnvVar(name="NINFER_API_KEY", kind="text", default=None, parse=_text, scope="serve",
+           meaning="`ninfer serve --api-key`, kept out of the process list (the flag wins)"),
+    EnvVar(name="NINFER_SERVE_TEST_DEVICE", kind="text", default="cpu", parse=_text, scope="testing",
+           meaning="device the server lifecycle tests start their servers on (cuda on the GPU machine)"),
+    EnvVar(name="NINFER_TEST_CACHE", kind="path", default=None, parse=_text, scope="testing",
+           meaning="where tests cache downloaded or built vocabularies (default: XDG_CACHE_HOME or ~/.cache)"),
+)
+
+_BY_NAME = {v.name: v for v in REGISTRY}
+
+
+def variable(name: str) -> EnvVar:
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"{name} is not a registered NINFER_* variable (ninfer/env.py)") from None
+
+
+def get(name: str, environ: Any = None) -> Any:
+    """The parsed value of a registered variable (its default when unset); raises EnvError when malformed."""
+    return variable(name).read(environ)
+
+
+def markdown_table() -> str:
+    rows = ["| variable | type | default | scope | meaning |", "|---|---|---|---|---|"]
+    for v in REGISTRY:
+        default = "unset" if v.default is None else (", ".join(v.default) or "empty") \
+            if isinstance(v.default, tuple) else str(v.default).lower() if isinstance(v.default, bool) \
+            else str(v.default)
+        rows.append(f"| `{v.name}` | {v.kind} | {default} | {v.scope} | {v.meaning} |")
+    return "\n".join(rows) + "\n"
+
