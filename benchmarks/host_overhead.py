@@ -185,7 +185,7 @@ def measure_engine(program, config, B: int, *, context: int, steps: int, warmup:
     from ninfer.engine.engine import Engine
     from ninfer.models.common.qwen.frontend import QwenFrontend
     from ninfer.models.common.qwen.output_session import QwenOutputSession
-    from ninfer.testing.checkpoints import make_tokenizer_json
+    from ninfer_qwen35.testing.checkpoints import make_tokenizer_json
 
     frontend = QwenFrontend.from_resources(FrontendResources(tokenizer_json=make_tokenizer_json()[0],
                                                              embedding_vocab=config.vocab_size))

@@ -58,9 +58,9 @@ def write_source(directory: Path, config: dict, device: str, shard_bytes: int = 
     import torch
     from safetensors.torch import save_file
 
-    from ninfer.testing.checkpoints import CHAT_TEMPLATE, make_tokenizer_json
     from ninfer_qwen35.config import parse_config
     from ninfer_qwen35.source_mapping import expected_parameters
+    from ninfer_qwen35.testing.checkpoints import CHAT_TEMPLATE, make_tokenizer_json
 
     directory.mkdir(parents=True)
     (directory / "config.json").write_text(json.dumps(config, indent=2))

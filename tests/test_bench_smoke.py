@@ -87,7 +87,7 @@ def test_hf_baseline_rates_come_from_one_run_and_stay_positive_under_any_clock(t
     host). A clock that advances by a random amount at every reading models that noise; the prefill and
     decode figures come from token times inside one run, so they stay positive."""
     from benchmarks import hf_baseline
-    from ninfer.testing.checkpoints import make_tiny_checkpoint
+    from ninfer_qwen35.testing.checkpoints import make_tiny_checkpoint
 
     ckpt = make_tiny_checkpoint(tmp_path / "hf", mtp=False)
     rng, now = random.Random(3), [0.0]

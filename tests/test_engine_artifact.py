@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory):
-    from ninfer.testing.checkpoints import convert_tiny
+    from ninfer_qwen35.testing.checkpoints import convert_tiny
 
     d = tmp_path_factory.mktemp("tiny")
     return convert_tiny(d / "ckpt", d / "tiny.ninfer")

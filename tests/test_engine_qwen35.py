@@ -22,8 +22,8 @@ from ninfer.contract.request import GenerationRequest, SamplingParams
 from ninfer.contract.resources import FrontendResources
 from ninfer.engine.engine import Engine
 from ninfer.models.common.qwen.frontend import QwenFrontend
-from ninfer.testing.checkpoints import make_tokenizer_json
 from ninfer.testing.scheduling import submit_together
+from ninfer_qwen35.testing.checkpoints import make_tokenizer_json
 
 transformers = pytest.importorskip("transformers")
 

@@ -9,7 +9,7 @@ import pytest
 from ninfer.cli import main
 
 pytest.importorskip("transformers")
-from ninfer.testing.checkpoints import convert_tiny, make_tiny_checkpoint  # noqa: E402
+from ninfer_qwen35.testing.checkpoints import convert_tiny, make_tiny_checkpoint  # noqa: E402
 
 TEXT = "The quick brown fox jumps over the lazy dog. Hello, world! How are you today?"
 

@@ -12,7 +12,7 @@ import pytest
 from ninfer.contract import ChatInput, SamplingParams
 from ninfer.contract.events import GenerationResult, Timings, Usage
 from ninfer.models.common.qwen.frontend import QwenFrontend
-from ninfer.testing.qwen_vocab import qwen35_frontend_resources
+from ninfer_qwen35.testing.qwen_vocab import qwen35_frontend_resources
 from ninfer_serve.responses import ChatResponse
 from ninfer_serve.translate import ResponseOptions
 

@@ -16,9 +16,9 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from ninfer.artifact import load_weights, open_artifact  # noqa: E402
 from ninfer.cli import main as ninfer_main  # noqa: E402
-from ninfer.testing.checkpoints import make_tiny_checkpoint  # noqa: E402
 from ninfer_convert.convert import convert_checkpoint  # noqa: E402
 from ninfer_convert.source import Checkpoint, ConversionError  # noqa: E402
+from ninfer_qwen35.testing.checkpoints import make_tiny_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +210,7 @@ def test_named_chat_templates_and_no_generation_config(text_ckpt, tmp_path):
 
 
 def test_convert_tiny_makes_a_checkpoint_when_empty(tmp_path):
-    from ninfer.testing.checkpoints import convert_tiny
+    from ninfer_qwen35.testing.checkpoints import convert_tiny
 
     out = convert_tiny(tmp_path / "empty", tmp_path / "t.ninfer")
     with open_artifact(out) as art:

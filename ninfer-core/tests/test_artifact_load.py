@@ -16,8 +16,8 @@ from safetensors.torch import load_file  # noqa: E402
 
 from ninfer.artifact import ArtifactError, load_weights, open_artifact, plan_load  # noqa: E402
 from ninfer.cli import main as ninfer_main  # noqa: E402
-from ninfer.testing.checkpoints import SPECIAL_TOKENS, convert_tiny, make_tiny_checkpoint  # noqa: E402
 from ninfer_qwen35.source_mapping import canonical_name  # noqa: E402
+from ninfer_qwen35.testing.checkpoints import SPECIAL_TOKENS, convert_tiny, make_tiny_checkpoint  # noqa: E402
 
 
 def _source_tensors(ckpt: Path) -> dict[str, tuple[str, torch.Tensor]]:
@@ -130,7 +130,7 @@ def test_frontend_has_the_real_qwen35_format(converted):
     """Same added tokens, order and special / non-special split as the real Qwen3.5 tokenizer, and the project's
     Qwen3.5 chat template, so thinking and tool-call markers reach the output as they do with a real model."""
     from ninfer.models.common.qwen import QwenFrontend, builtin_template
-    from ninfer.testing.qwen_vocab import qwen35_tokenizer_json
+    from ninfer_qwen35.testing.qwen_vocab import qwen35_tokenizer_json
 
     def added(tokenizer_json: str) -> list[dict]:
         tokens = json.loads(tokenizer_json)["added_tokens"]

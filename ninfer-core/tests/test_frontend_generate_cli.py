@@ -7,7 +7,7 @@ from ninfer.cli import main
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from ninfer.testing.checkpoints import convert_tiny, make_tiny_checkpoint
+    from ninfer_qwen35.testing.checkpoints import convert_tiny, make_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("generate")
     return str(convert_tiny(make_tiny_checkpoint(root / "hf", mtp=False), root / "tiny.ninfer"))

@@ -7,7 +7,7 @@ import pytest
 from ninfer.contract import ChatInput, PreparedPrompt, PromptTooLong, TextInput
 from ninfer.models.common.qwen import ChatTemplate, QwenFrontend
 from ninfer.models.common.qwen.tokenizer import LONG_TEXT_CHARS, QwenTokenizer
-from ninfer.testing.qwen_vocab import qwen35_frontend_resources
+from ninfer_qwen35.testing.qwen_vocab import qwen35_frontend_resources
 
 SPACES = 55036  # the longest Qwen3.5 token: 128 spaces
 

@@ -9,7 +9,7 @@ from ninfer.contract import ChatInput, FinishReason, OutputSession, Preview, Sam
 from ninfer.contract.events import ToolCall
 from ninfer.models.common.qwen import QwenFrontend, TurnBoundary, sampling_from_generation_config
 from ninfer.models.common.qwen.output_session import QwenOutputSession
-from ninfer.testing.qwen_vocab import qwen35_frontend_resources
+from ninfer_qwen35.testing.qwen_vocab import qwen35_frontend_resources
 
 IM_END, ENDOFTEXT, THINK_CLOSE, TOOL_OPEN = 248046, 248044, 248069, 248058
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -278,7 +278,7 @@ def test_grouping_of_tokens_into_rows_does_not_change_the_output(frontend, seed)
     stop strings and multi-byte characters arrive split into single-byte tokens."""
     import random
 
-    from ninfer.testing.qwen_vocab import byte_to_unicode
+    from ninfer_qwen35.testing.qwen_vocab import byte_to_unicode
 
     rng = random.Random(seed)
     alphabet = byte_to_unicode()
@@ -300,7 +300,7 @@ def test_grouping_of_tokens_into_rows_does_not_change_the_output(frontend, seed)
 
 
 def test_streamed_string_values_keep_markup_quotes_and_newlines(frontend):
-    from ninfer.testing.qwen_vocab import byte_to_unicode
+    from ninfer_qwen35.testing.qwen_vocab import byte_to_unicode
 
     alphabet = byte_to_unicode()
     tool = {"type": "function", "function": {"name": "write", "parameters": {"type": "object", "properties": {
@@ -327,7 +327,7 @@ def test_random_marker_soup_never_fails_and_tool_arguments_stay_json(frontend, s
     rows, with or without tools: no exception, grouping does not matter, every tool call's arguments parse."""
     import random
 
-    from ninfer.testing.qwen_vocab import byte_to_unicode
+    from ninfer_qwen35.testing.qwen_vocab import byte_to_unicode
 
     rng = random.Random(1000 + seed)
     alphabet = byte_to_unicode()

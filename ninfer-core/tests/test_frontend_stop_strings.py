@@ -12,7 +12,7 @@ from ninfer.contract.request import MAX_STOP_CHARS
 from ninfer.models.common.qwen import QwenFrontend
 from ninfer.models.common.qwen.output_session import QwenOutputSession
 from ninfer.models.common.qwen.stop_strings import StopMatcher
-from ninfer.testing.qwen_vocab import qwen35_frontend_resources
+from ninfer_qwen35.testing.qwen_vocab import qwen35_frontend_resources
 
 
 def first_stop(text: str, stops: list[str]) -> tuple[int, int] | None:

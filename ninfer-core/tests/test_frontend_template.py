@@ -9,7 +9,7 @@ from ninfer.contract import ChatInput
 from ninfer.engine.errors import Unrepresentable
 from ninfer.models.common.qwen import ChatTemplate, QwenFrontend, TemplateError, builtin_template
 from ninfer.models.common.qwen.chat_template import normalize_messages
-from ninfer.testing.qwen_vocab import qwen35_frontend_resources
+from ninfer_qwen35.testing.qwen_vocab import qwen35_frontend_resources
 
 TOOL_INSTRUCTIONS = (
     "\n</tools>\n\nIf you choose to call a function ONLY reply in the following format with NO suffix:\n\n"

@@ -7,7 +7,11 @@ import pytest
 
 from ninfer.contract import FinishReason, SamplingParams, TextInput
 from ninfer.models.common.qwen import FrontendInputError, QwenFrontend
-from ninfer.testing.qwen_vocab import QWEN35_ADDED_TOKENS, QWEN35_FIRST_ADDED_ID, qwen35_frontend_resources
+from ninfer_qwen35.testing.qwen_vocab import (
+    QWEN35_ADDED_TOKENS,
+    QWEN35_FIRST_ADDED_ID,
+    qwen35_frontend_resources,
+)
 
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",
@@ -65,7 +69,7 @@ def test_split_character_waits_for_its_last_byte(frontend):
     tok = frontend.tokenizer
     robot = "🤖".encode()
     # the single-byte tokens of the byte-level alphabet, one per UTF-8 byte of the emoji
-    from ninfer.testing.qwen_vocab import byte_to_unicode
+    from ninfer_qwen35.testing.qwen_vocab import byte_to_unicode
 
     alphabet = byte_to_unicode()
     ids = [tok.token_id(alphabet[b]) for b in robot]
@@ -76,7 +80,7 @@ def test_split_character_waits_for_its_last_byte(frontend):
 
 
 def test_broken_utf8_at_the_end_becomes_one_replacement_character(frontend):
-    from ninfer.testing.qwen_vocab import byte_to_unicode
+    from ninfer_qwen35.testing.qwen_vocab import byte_to_unicode
 
     alphabet = byte_to_unicode()
     first_two = [frontend.tokenizer.token_id(alphabet[b]) for b in "€".encode()[:2]]
@@ -99,7 +103,7 @@ def test_fixture_resources_are_what_the_converter_reads_from_the_same_files(tmp_
     import json
 
     read_frontend = pytest.importorskip("ninfer_convert.frontend").read_frontend
-    from ninfer.testing.qwen_vocab import QWEN35_GENERATION_CONFIG, qwen35_tokenizer_json
+    from ninfer_qwen35.testing.qwen_vocab import QWEN35_GENERATION_CONFIG, qwen35_tokenizer_json
 
     (tmp_path / "tokenizer.json").write_text(qwen35_tokenizer_json(), encoding="utf-8")
     (tmp_path / "generation_config.json").write_text(json.dumps(QWEN35_GENERATION_CONFIG))

@@ -14,8 +14,8 @@ from ninfer.plugins import make_plugin_host
 
 pytest.importorskip("transformers")
 from ninfer.artifact import open_artifact  # noqa: E402
-from ninfer.testing.checkpoints import convert_tiny, make_tiny_checkpoint  # noqa: E402
 from ninfer_qwen35.startup import StartupError, build  # noqa: E402
+from ninfer_qwen35.testing.checkpoints import convert_tiny, make_tiny_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 
 For trying ``convert``, ``generate`` and ``serve`` without downloading a model, and for tests: random
 weights (the output is noise), a small byte-level BPE tokenizer with the Qwen3.5 added tokens, the Qwen3.5
-chat template and a generation config. The maker is ``ninfer.testing.checkpoints.make_tiny_checkpoint``,
+chat template and a generation config. The maker is ``ninfer_qwen35.testing.checkpoints.make_tiny_checkpoint``,
 which builds the model with transformers' own Qwen3.5 classes (so transformers must be installed).
 Imports stay inside the handler so ``ninfer --help`` does not load torch.
 """
@@ -69,7 +69,7 @@ def run_tiny_checkpoint(args: argparse.Namespace) -> int:
     try:
         import transformers  # the maker builds the model with it: say so before any work
 
-        from ninfer.testing.checkpoints import make_tiny_checkpoint
+        from ninfer_qwen35.testing.checkpoints import make_tiny_checkpoint
     except ImportError as exc:
         return _fail(f"needs transformers to build the model ({exc}); install it with pip install 'transformers>=5'")
     transformers.utils.logging.disable_progress_bar()  # its "Writing model shards" bar is noise here

@@ -130,7 +130,7 @@ def wait_idle(read: Callable[[], dict[str, float]], *, timeout_s: float = 60.0) 
 
 def tiny_model(directory: str | os.PathLike) -> str:
     """A real tiny Qwen3.5 ``.ninfer`` (random weights, real converter) in ``directory``, built once."""
-    from ninfer.testing.checkpoints import convert_tiny, make_tiny_checkpoint
+    from ninfer_qwen35.testing.checkpoints import convert_tiny, make_tiny_checkpoint
 
     path = os.path.join(directory, "serve_tiny.ninfer")
     if not os.path.exists(path):

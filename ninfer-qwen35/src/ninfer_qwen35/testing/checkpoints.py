@@ -21,7 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from ninfer.models.common.qwen.chat_template import builtin_template
-from ninfer.testing.qwen_vocab import QWEN35_ADDED_TOKENS, add_qwen35_added_tokens, set_qwen35_text_pipeline
+from ninfer_qwen35.testing.qwen_vocab import (
+    QWEN35_ADDED_TOKENS,
+    add_qwen35_added_tokens,
+    set_qwen35_text_pipeline,
+)
 
 ADDED_TOKENS = tuple(content for content, _ in QWEN35_ADDED_TOKENS)
 # The ones decoding may skip; <think>, <tool_call>, <tool_response> and the FIM tokens are not among them.

@@ -1,0 +1,1 @@
+"""Example ninfer architecture plugin: dense Qwen3 (``Qwen3ForCausalLM``)."""
