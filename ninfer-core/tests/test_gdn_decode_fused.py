@@ -79,10 +79,9 @@ def test_shape_errors_name_the_op():
         gdn.gdn_decode_fused(mixed, a, b, conv_w, conv_states, A_log, dt_bias, states.double(), slots)
 
 
-@pytest.mark.parametrize("dtype,tol,block_v,hk,per_key_head", [
-    (torch.float32, 1e-5, 16, 2, False), (torch.float16, 2e-3, 32, 2, False), (torch.float32, 1e-5, 32, 4, False),
-    (torch.float32, 1e-5, 16, 2, True), (torch.float16, 2e-3, 32, 4, True)])
-def test_triton_kernel_matches_the_reference(dtype, tol, block_v, hk, per_key_head):
+@pytest.mark.parametrize("dtype,tol,block_v,hk", [
+    (torch.float32, 1e-5, 16, 2), (torch.float16, 2e-3, 32, 2), (torch.float32, 1e-5, 32, 4)])
+def test_triton_kernel_matches_the_reference(dtype, tol, block_v, hk):
     pytest.importorskip("triton")
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs CUDA or TRITON_INTERPRET=1")
@@ -91,7 +90,7 @@ def test_triton_kernel_matches_the_reference(dtype, tol, block_v, hk, per_key_he
     case = _case(2, HK=hk, dtype=dtype)
 
     def fused(*args):
-        return t_gdn.gdn_decode_fused(*args, block_v=block_v, per_key_head=per_key_head)
+        return t_gdn.gdn_decode_fused(*args, block_v=block_v)
 
     for _step in range(2):  # a second step starts from the first one's states (and arrival counters)
         o, conv_image, state_image = _run(fused, case)
@@ -104,5 +103,4 @@ def test_triton_kernel_matches_the_reference(dtype, tol, block_v, hk, per_key_he
         assert torch.equal(state_image[[1, 3, 5]], case[7][[1, 3, 5]])
         assert torch.equal(conv_image[[1, 3, 5]], case[4][[1, 3, 5]])
         case = (*case[:4], conv_ref, *case[5:7], state_ref, *case[8:])
-    if not per_key_head:
-        assert not t_gdn._arrival_counters(o.device, 1).any()  # every launch leaves its counters at zero
+    assert not t_gdn._arrival_counters(o.device, 1).any()  # every launch leaves its counters at zero

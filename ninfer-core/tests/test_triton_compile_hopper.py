@@ -1,6 +1,7 @@
 """Every Triton kernel compiles for Hopper (sm_90), with and without its programmatic-dependent-launch
 prologue, on this machine (Triton ships ptxas; no GPU needed). The CPU interpreter never compiles a kernel,
-so this is what catches code that only a real build rejects; correctness on the device is scripts/gpu-check's."""
+so this is what catches code that only a real build rejects; correctness on the device is the job of the GPU
+tests (ninfer-core/tests/gpu)."""
 
 import os
 import subprocess
@@ -20,6 +21,8 @@ def test_every_kernel_compiles_for_sm90(pdl):
     cmd = [sys.executable, "-m", "benchmarks.compile_check", "--arch", "90"] + (["--pdl"] if pdl else [])
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "28 kernel builds for sm_90" in run.stdout, run.stdout
-    if pdl:
-        assert run.stdout.count("gdc_wait gdc_launch_dependents") == 28 and "l2_prefetch" in run.stdout
+    if pdl:  # every build waits before its first global access; the linear's late trigger follows its K loop
+        assert "27 kernel builds for sm_90, 6 late-trigger builds\n" in run.stdout, run.stdout
+        assert run.stdout.count("gdc_wait gdc_launch_dependents") == 33 and "l2_prefetch" in run.stdout
+    else:
+        assert "27 kernel builds for sm_90\n" in run.stdout and "gdc_wait" not in run.stdout, run.stdout

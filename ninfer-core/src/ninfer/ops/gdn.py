@@ -47,13 +47,12 @@ def _normalised_qk(q: torch.Tensor, k: torch.Tensor, hv: int) -> tuple[torch.Ten
 
 def _check(q, k, v, g, beta, what: str) -> None:
     lead = q.shape[:-2]
-    hk, dk = q.shape[-2:]
+    hk = q.shape[-2]
     hv = v.shape[-2]
     if (k.shape != q.shape or v.shape[:-2] != lead or g.shape != (*lead, hv) or beta.shape != g.shape
             or hv % hk):
         raise ValueError(f"{what}: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}, "
                          f"beta {tuple(beta.shape)} do not fit (HV must be a multiple of HK)")
-    del dk
 
 
 def gdn_prefill_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -171,8 +170,8 @@ def _fused_head_counts(mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor
 def gdn_decode_fused_ref(mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor,
                          conv_states: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                          states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    # Exactly the unfused sequence through the public (dispatching) ops, so on CUDA this runs the validated
-    # kernels: GPU behaviour is unchanged until the fused kernel itself is listed in TRITON_OPS.
+    # Exactly the unfused sequence through the public (dispatching) ops: what the fused kernel must reproduce,
+    # and on CUDA without that kernel the same validated kernels the model ran before the fusion.
     hk, hv, dk, dv = _fused_head_counts(mixed_qkv, a, b, conv_weight, conv_states, A_log, dt_bias, states, slots)
     B = mixed_qkv.shape[0]
     g, beta = gdn_gates(a, b, A_log, dt_bias)

@@ -61,8 +61,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     """The residual stream step of a decoder layer: (rms_norm(residual + x), residual + x).
 
     The sum is rounded to the model dtype before it is normed. Without the fused kernel this is exactly
-    the unfused sequence (a torch add, then the dispatched ``rms_norm``), so CUDA runs are unchanged
-    until ``norm.add_rms_norm`` is listed in ``TRITON_OPS``.
+    the unfused sequence (a torch add, then the dispatched ``rms_norm``).
     """
     kernel = triton_kernel("norm", "add_rms_norm", x)
     if kernel is not None:

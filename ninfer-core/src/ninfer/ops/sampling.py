@@ -96,9 +96,6 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                          f"[{B}] and {B} generators")
     if max_top_k is not None and max_top_k < 1:
         raise ValueError(f"sample: max_top_k must be >= 1, got {max_top_k}")
-    kernel = triton_kernel("sampling", "sample", logits)
-    if kernel is not None:
-        return kernel(logits, temperature, top_k, top_p, min_p, generators, max_top_k=max_top_k)
     return sample_ref(logits, temperature, top_k, top_p, min_p, generators, max_top_k=max_top_k)
 
 

@@ -7,13 +7,12 @@ import triton
 import triton.language as tl
 
 from ninfer.ops.triton._pdl import pdl_args
+from ninfer.ops.triton._pdl_jit import pdl_prologue
 
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, y_ptr, s_xr, s_yr, inter, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
-    if USE_PDL:  # _pdl: wait for the previous kernel, then let the next one be scheduled
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_prologue(USE_PDL)
     r = tl.program_id(0).to(tl.int64)
     cc = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cc < inter

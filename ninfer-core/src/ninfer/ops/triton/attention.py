@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ninfer.ops.triton._pdl import pdl_args
+from ninfer.ops.triton._pdl_jit import pdl_prologue
 
 _NUM_SMS_H200 = 132
 
@@ -34,9 +35,7 @@ def _write_kv_kernel(
     KVH: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
-    if USE_PDL:  # _pdl: wait for the previous kernel, then let the next one be scheduled
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_prologue(USE_PDL)
     n = tl.program_id(0)
     slot = tl.load(slot_ptr + n).to(tl.int64)
     page = slot // page_size
@@ -77,9 +76,7 @@ def _norm_rope_write_kv_kernel(
     page_size, eps,
     H: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
-    if USE_PDL:  # _pdl: wait for the previous kernel, then let the next one be scheduled
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_prologue(USE_PDL)
     # One program per (token, head): heads 0..H-1 are query heads, H.. the key heads (each also stores its v).
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -164,9 +161,7 @@ def _paged_attention_kernel(
     TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, GATED: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
-    if USE_PDL:  # _pdl: wait for the previous kernel, then let the next one be scheduled
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_prologue(USE_PDL)
     qblk = tl.program_id(0)
     b = tl.program_id(1)
     kvh = tl.program_id(2) // NUM_SPLITS
@@ -252,9 +247,7 @@ def _merge_splits_kernel(
     NUM_SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, GATED: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
-    if USE_PDL:  # _pdl: wait for the previous kernel, then let the next one be scheduled
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_prologue(USE_PDL)
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     sp = tl.arange(0, NUM_SPLITS)

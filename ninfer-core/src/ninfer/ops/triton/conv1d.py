@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from ninfer.ops.triton._pdl import pdl_args
+from ninfer.ops.triton._pdl_jit import pdl_prologue
 
 
 @triton.jit
@@ -15,9 +16,7 @@ def _conv1d_decode_kernel(
     s_xb, s_xc, s_wc, s_wk, s_css, s_csc, s_csk, s_yb, s_yc,
     C, KW: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
-    if USE_PDL:  # _pdl: wait for the previous kernel, then let the next one be scheduled
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_prologue(USE_PDL)
     b = tl.program_id(1)
     cc = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = cc < C
@@ -67,9 +66,7 @@ def _conv1d_prefill_kernel(
     T, C, HAS_STATE: tl.constexpr, KW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
-    if USE_PDL:  # _pdl: wait for the previous kernel, then let the next one be scheduled
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_prologue(USE_PDL)
     pid_t = tl.program_id(0)
     tt = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     cc = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -102,9 +99,7 @@ def _conv1d_state_kernel(
     T, C, HAS_STATE: tl.constexpr, KW: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
-    if USE_PDL:  # _pdl: wait for the previous kernel, then let the next one be scheduled
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_prologue(USE_PDL)
     # New state column j = input at time T - (KW-1) + j, from x, else from the old state (short inputs).
     cc = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = cc < C

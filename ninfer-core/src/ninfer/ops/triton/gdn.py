@@ -16,6 +16,7 @@ import triton.language as tl
 
 from ninfer.ops.triton._arrivals import arrival_counters as _arrival_counters
 from ninfer.ops.triton._pdl import pdl_args
+from ninfer.ops.triton._pdl_jit import pdl_prologue
 
 
 @triton.jit
@@ -29,9 +30,7 @@ def _gdn_decode_kernel(
     DK: tl.constexpr, DV: tl.constexpr, HV_PER_HK: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
-    if USE_PDL:  # _pdl: wait for the previous kernel, then let the next one be scheduled
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_prologue(USE_PDL)
     pid_v = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -66,9 +65,8 @@ def _gdn_decode_kernel(
 
 
 def _default_block_v(batch: int, hv: int, dv: int) -> int:
-    # Measured on the H200 (Qwen3.5-9B, HV 32, Dv 128; gpu-check sweeps of gdn_decode and gdn_decode_fused):
-    # 16 columns per program is best while few programs are in flight (fused: B=1 6.5 us, B=2 7.8 us), 32 from
-    # about 512 programs of 32 columns on (fused B=4: 10.5 us against 12.9 with 16; B=8: 18.3 against 20.8).
+    # Narrow blocks put more programs in flight while there are few rows; from about 512 programs of 32
+    # columns on, the wider block wins (the block_v sweeps in docs/kernels.md).
     return 32 if batch * hv * triton.cdiv(dv, 32) >= 512 else 16
 
 
@@ -156,9 +154,7 @@ def _gdn_decode_fused_kernel(
     HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, HV_PER_HK: tl.constexpr, KW: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
-    if USE_PDL:  # _pdl: wait for the previous kernel, then let the next one be scheduled
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_prologue(USE_PDL)
     # Programs as _gdn_decode_kernel: (Dv block, value head, row). Each owns the conv channels of its v block;
     # the q/k channels of a key head are read by all HV_PER_HK * n_blocks programs of that head, so the last
     # one to arrive (an acq_rel counter per row and key head, left at 0 again) shifts their conv state.
@@ -195,59 +191,13 @@ def _gdn_decode_fused_kernel(
     tl.store(counter, 0, mask=last)
 
 
-@triton.jit
-def _gdn_decode_fused_head_kernel(
-    x_ptr, a_ptr, b_ptr, w_ptr, cs_ptr, alog_ptr, dtb_ptr, state_ptr, slot_ptr, o_ptr,
-    s_xb, s_xc, s_ab, s_ah, s_bb, s_bh, s_wc, s_wk, s_css, s_csc, s_csk,
-    s_ss, s_sh, s_sk, s_sv, s_ob, s_oh, s_od,
-    scale,
-    HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, HV_PER_HK: tl.constexpr, KW: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr, USE_PDL: tl.constexpr = False,
-):
-    if USE_PDL:  # _pdl: wait for the previous kernel, then let the next one be scheduled
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    # One program per (key head, row), looping over its value heads and Dv blocks: it owns every conv channel
-    # it reads, so no counter is needed, but there are only HK * B programs (the variant to compare against).
-    hk = tl.program_id(0)
-    b = tl.program_id(1)
-    slot = tl.load(slot_ptr + b).to(tl.int64)
-    x_row = x_ptr + b.to(tl.int64) * s_xb
-    cs_row = cs_ptr + slot * s_css
-
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_k = offs_k < DK
-    q_ch, k_ch = hk * DK + offs_k, (HK + hk) * DK + offs_k
-    q_win, q = _conv_window(x_row, w_ptr, cs_row, q_ch, mask_k, s_xc, s_wc, s_wk, s_csc, s_csk, KW, BLOCK_W)
-    k_win, k = _conv_window(x_row, w_ptr, cs_row, k_ch, mask_k, s_xc, s_wc, s_wk, s_csc, s_csk, KW, BLOCK_W)
-    _conv_shift(cs_row, q_ch, mask_k, q_win, s_csc, s_csk, KW, BLOCK_W)
-    _conv_shift(cs_row, k_ch, mask_k, k_win, s_csc, s_csk, KW, BLOCK_W)
-    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
-    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-
-    for j in tl.static_range(HV_PER_HK):
-        h = hk * HV_PER_HK + j
-        decay, beta = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, b, h, s_ab, s_ah, s_bb, s_bh)
-        for v0 in tl.range(0, DV, BLOCK_V):
-            offs_v = v0 + tl.arange(0, BLOCK_V)
-            mask_v = offs_v < DV
-            v_ch = 2 * HK * DK + h * DV + offs_v
-            v_win, v = _conv_window(x_row, w_ptr, cs_row, v_ch, mask_v, s_xc, s_wc, s_wk, s_csc, s_csk, KW, BLOCK_W)
-            _conv_shift(cs_row, v_ch, mask_v, v_win, s_csc, s_csk, KW, BLOCK_W)
-            o = _state_step(state_ptr + slot * s_ss + h * s_sh, offs_k, mask_k, offs_v, mask_v, s_sk, s_sv,
-                            q, k, v, decay, beta)
-            tl.store(o_ptr + b * s_ob + h * s_oh + offs_v * s_od, o.to(o_ptr.dtype.element_ty), mask=mask_v)
-
-
-
-
 def gdn_decode_fused(mixed_qkv, a, b, conv_weight, conv_states, A_log, dt_bias, states, slots, *, out=None,
-                     block_v: int | None = None, num_warps: int = 4, per_key_head: bool = False):
+                     block_v: int | None = None, num_warps: int = 4):
     """Conv update (+SiLU), gates and recurrent step of one decode token per row in one launch; conv_states
     and states are updated in place at slots; returns o [B, HV, Dv] in mixed_qkv.dtype.
 
-    By default the programs are those of ``gdn_decode`` (Dv block, value head, row); ``per_key_head`` runs one
-    program per (key head, row) instead. Launches on one device must not overlap (the default shares counters).
+    The programs are those of ``gdn_decode`` (Dv block, value head, row). Launches on one device must not
+    overlap (they share the arrival counters).
     """
     from ninfer.ops.gdn import _fused_head_counts
 
@@ -258,18 +208,14 @@ def gdn_decode_fused(mixed_qkv, a, b, conv_weight, conv_states, A_log, dt_bias, 
         out = torch.empty((B, HV, DV), dtype=mixed_qkv.dtype, device=mixed_qkv.device)
     if B == 0:
         return out
-    block_v = min(block_v or (32 if per_key_head else _default_block_v(B, HV, DV)), triton.next_power_of_2(DV))
-    args = (mixed_qkv, a, b, conv_weight, conv_states, A_log, dt_bias, states, slots, out)
-    strides = (*mixed_qkv.stride(), *a.stride(), *b.stride(), *conv_weight.stride(), *conv_states.stride(),
-               *states.stride(), *out.stride(), DK ** -0.5)
-    meta = dict(HK=HK, DK=DK, DV=DV, HV_PER_HK=HV // HK, KW=KW, BLOCK_K=triton.next_power_of_2(DK),
-                BLOCK_V=block_v, BLOCK_W=triton.next_power_of_2(KW), num_warps=num_warps)
-    if per_key_head:
-        _gdn_decode_fused_head_kernel[(HK, B)](*args, *strides, **meta, **pdl_args(mixed_qkv.device))
-    else:
-        arrivals = _arrival_counters(mixed_qkv.device, B * HK)
-        _gdn_decode_fused_kernel[(triton.cdiv(DV, block_v), HV, B)](*args, arrivals, *strides, **meta,
-                                                                      **pdl_args(mixed_qkv.device))
+    block_v = min(block_v or _default_block_v(B, HV, DV), triton.next_power_of_2(DV))
+    arrivals = _arrival_counters(mixed_qkv.device, B * HK)
+    _gdn_decode_fused_kernel[(triton.cdiv(DV, block_v), HV, B)](
+        mixed_qkv, a, b, conv_weight, conv_states, A_log, dt_bias, states, slots, out, arrivals,
+        *mixed_qkv.stride(), *a.stride(), *b.stride(), *conv_weight.stride(), *conv_states.stride(),
+        *states.stride(), *out.stride(), DK ** -0.5,
+        HK=HK, DK=DK, DV=DV, HV_PER_HK=HV // HK, KW=KW, BLOCK_K=triton.next_power_of_2(DK), BLOCK_V=block_v,
+        BLOCK_W=triton.next_power_of_2(KW), num_warps=num_warps, **pdl_args(mixed_qkv.device))
     return out
 
 
@@ -277,9 +223,7 @@ def gdn_decode_fused(mixed_qkv, a, b, conv_weight, conv_states, A_log, dt_bias, 
 def _gdn_gates_kernel(a_ptr, b_ptr, alog_ptr, dtb_ptr, g_ptr, beta_ptr, N, HV, s_an, s_bn,
                       BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
-    if USE_PDL:  # _pdl: wait for the previous kernel, then let the next one be scheduled
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_prologue(USE_PDL)
     nn = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     hh = tl.arange(0, BLOCK_H)
     mask = (nn < N)[:, None] & (hh < HV)[None, :]

@@ -11,8 +11,8 @@ neighbours are. More than MAX_ROWS rows (prefill) and fp32 go to cuBLAS.
 SWIGLU: the MLP's gate_up projection with silu_and_mul as its epilogue. A program reads the gate rows
 and the matching up rows of W ([gate; up] stacked, 2N rows) and stores silu(x Wg^T) * (x Wu^T), rounded
 where the unfused ops round, so no [rows, 2N] intermediate is written and read back and one launch goes.
-(Fusing elementwise work into the K loop instead, as a prologue on x, measured 3x slower on the H200:
-the modified operand stalls the dot pipeline. Epilogues run once per tile.)
+(Elementwise work on x inside the K loop, a prologue, stalls the dot's operand pipeline; an epilogue runs
+once per tile. docs/kernels.md has the measurement.)
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import triton.language as tl
 from ninfer.ops.triton import _pdl
 from ninfer.ops.triton._arrivals import arrival_counters
 from ninfer.ops.triton._pdl import pdl_args
+from ninfer.ops.triton._pdl_jit import pdl_launch_dependents, pdl_prologue
 
 MAX_ROWS = 16
 _DTYPES = (torch.bfloat16, torch.float16)  # fp32 stays on cuBLAS (tl.dot would round its inputs to tf32)
@@ -51,18 +52,16 @@ def _linear_rows_kernel(
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo = pid_k * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
-    if USE_PDL:  # _pdl
+    if USE_PDL:
         # W never depends on the previous kernel: pull this program's first PREFETCH tiles towards L2 while that
-        # kernel finishes; then wait for it before touching x, y, the partials or the shared counters.
+        # kernel finishes; the prologue then waits for it before x, y, the partials or the shared counters.
         rows_in = w_ptr + tl.minimum(nn, N - 1).to(tl.int64)[:, None] * s_wn
         for t in tl.static_range(PREFETCH):
             lines = tl.minimum(k_lo + t * BLOCK_K + tl.arange(0, BLOCK_K // 64) * 64, K - 1)  # one per 128 B
             _prefetch_l2(rows_in + lines[None, :])
             if SWIGLU:
                 _prefetch_l2(rows_in + N * s_wn + lines[None, :])
-        tl.extra.cuda.gdc_wait()
-        if not LATE_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
+    pdl_prologue(USE_PDL, not LATE_TRIGGER)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         mask_k = kk < k_hi
@@ -73,8 +72,8 @@ def _linear_rows_kernel(
         if SWIGLU:
             w_up = tl.load(w_rows + N * s_wn + kk[None, :], mask=mask_w, other=0.0)
             acc_up += tl.dot(x, tl.trans(w_up))
-    if USE_PDL and LATE_TRIGGER:  # _pdl: the successor is scheduled once this program has streamed its W
-        tl.extra.cuda.gdc_launch_dependents()
+    if LATE_TRIGGER:  # the successor is scheduled once this program has streamed its W
+        pdl_launch_dependents(USE_PDL)
     out = y_ptr + mm.to(tl.int64)[:, None] * s_ym + nn[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K > 1:
@@ -117,19 +116,19 @@ def _finish(acc, acc_up, dtype: tl.constexpr, SWIGLU: tl.constexpr):
     return acc.to(dtype)
 
 
-# Measured best (block_n, block_k, split_k) per decode weight shape on the H200 (scripts/gpu-check --only linear,
-# sweep at 1 and 8 rows, best summed time; 2026-11-29). Qwen3.5-9B and -0.8B shapes; cuBLAS in brackets (M=1).
+# The best (block_n, block_k, split_k) per Qwen3.5-9B and -0.8B decode weight shape in the timing sweep at 1
+# and 8 rows (benchmarks/gpu_check.py; the times are in docs/kernels.md).
 _MEASURED = {
-    (4096, 4096): (64, 128, 4),     # 11.3 us [12.9]   9B GDN out, attention o
-    (4096, 12288): (32, 128, 4),    # 26.8 us [29.2]   9B down
-    (10240, 4096): (32, 256, 1),    # 22.6 us [22.6]   9B attention q|gate,k,v
-    (12352, 4096): (32, 256, 1),    # 26.0 us [27.5]   9B GDN in_proj
-    (24576, 4096): (64, 128, 1),    # 47.3 us [48.0]   9B gate|up
-    (1024, 2048): (32, 128, 8),     # 4.8 us  [12.9]   0.8B GDN out, attention o
-    (1024, 3584): (64, 256, 8),     # 5.8 us  [7.2]    0.8B down
-    (5120, 1024): (32, 256, 1),     # 6.1 us  [5.5]    0.8B attention q|gate,k,v
-    (7168, 1024): (32, 256, 1),     # 6.6 us  [6.6]    0.8B gate|up
-    (8224, 1024): (32, 256, 1),     # 6.9 us  [6.9]    0.8B GDN in_proj
+    (4096, 4096): (64, 128, 4),     # 9B GDN out, attention o
+    (4096, 12288): (32, 128, 4),    # 9B down
+    (10240, 4096): (32, 256, 1),    # 9B attention q|gate,k,v
+    (12352, 4096): (32, 256, 1),    # 9B GDN in_proj
+    (24576, 4096): (64, 128, 1),    # 9B gate|up
+    (1024, 2048): (32, 128, 8),     # 0.8B GDN out, attention o
+    (1024, 3584): (64, 256, 8),     # 0.8B down
+    (5120, 1024): (32, 256, 1),     # 0.8B attention q|gate,k,v
+    (7168, 1024): (32, 256, 1),     # 0.8B gate|up
+    (8224, 1024): (32, 256, 1),     # 0.8B GDN in_proj
 }
 _PROGRAMS_TARGET = 256  # about two per SM of an H200: fewer leave bandwidth unused, many more add partial traffic
 

@@ -7,33 +7,23 @@ import triton
 import triton.language as tl
 
 from ninfer.ops.triton._pdl import pdl_args
-
-# Per-head rows of column slices (q of [query|gate], GDN's z) are read in place (HEADS) rather than copied
-# to contiguous rows first; checked on the H200 by scripts/gpu-pending linear (2026-11-29, every heads=True row
-# equal in error to the copying path). False restores the copy.
-STRIDED_HEADS = True
+from ninfer.ops.triton._pdl_jit import pdl_prologue
 
 
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, w_ptr, z_ptr, y_ptr, R, H1, s_x0, s_x1, s_z0, s_z1, s_yr, D, eps,
     ONE_PLUS: tl.constexpr, GATED: tl.constexpr, ROUND_WN: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_D: tl.constexpr, HEADS: tl.constexpr, USE_PDL: tl.constexpr = False,
+    BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
-    if USE_PDL:  # _pdl: wait for the previous kernel, then let the next one be scheduled
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_prologue(USE_PDL)
     rr = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-    if HEADS:
-        # Row r of x (and z) is [r // H1, r % H1] of a [R / H1, H1, D] strided view: per-head rows of a slice
-        # of a wider projection output are read in place, with no copy to make them contiguous.
-        r0 = rr // H1
-        r1 = rr - r0 * H1
-        x_off = r0 * s_x0 + r1 * s_x1
-        z_off = r0 * s_z0 + r1 * s_z1
-    else:  # rows of a [R, D] view (strides s_x1, s_z1)
-        x_off = rr * s_x1
-        z_off = rr * s_z1
+    # Row r of x (and z) is [r // H1, r % H1] of a [R / H1, H1, D] strided view: per-head rows of a slice of a
+    # wider projection output (q of [query | gate], GDN's z) are read in place, with no copy to rows first.
+    r0 = rr // H1
+    r1 = rr - r0 * H1
+    x_off = r0 * s_x0 + r1 * s_x1
+    z_off = r0 * s_z0 + r1 * s_z1
     dd = tl.arange(0, BLOCK_D)
     mask = (rr < R)[:, None] & (dd < D)[None, :]
     x = tl.load(x_ptr + x_off[:, None] + dd[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -71,16 +61,14 @@ def _heads(x, D: int, what: str):
     return x3 if x3.stride(-1) == 1 else x3.contiguous()
 
 
-def _launch(x, z, weight, eps, one_plus, gated, out, heads):
+def _launch(x, z, weight, eps, one_plus, gated, out):
     D = weight.shape[0]
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.numel() == 0:  # no rows (and no head dim to view them by)
         return out
-    heads = STRIDED_HEADS if heads is None else heads
-    view = _heads if heads else (lambda t, D, what: _rows(t, D, what)[None])  # [1, R, D]: rows, stride s_x1
-    x3 = view(x, D, "rms_norm")
-    z3 = view(z, D, "rms_norm_gated") if gated else x3
+    x3 = _heads(x, D, "rms_norm")
+    z3 = _heads(z, D, "rms_norm_gated") if gated else x3
     if gated and z3.shape != x3.shape:
         raise ValueError(f"rms_norm_gated: x {tuple(x.shape)} and z {tuple(z.shape)} differ")
     y2 = out.view(-1, D)
@@ -91,7 +79,6 @@ def _launch(x, z, weight, eps, one_plus, gated, out, heads):
     rows = max(1, min(16, 2048 // block_d))
     _rms_norm_kernel[(triton.cdiv(R, rows),)](
         x3, weight, z3, y2, R, H1, x3.stride(0), x3.stride(1), z3.stride(0), z3.stride(1), y2.stride(0), D, eps,
-        HEADS=bool(heads),
         ONE_PLUS=bool(one_plus), GATED=gated, ROUND_WN=torch.promote_types(weight.dtype, x.dtype) == x.dtype,
         ROWS=rows, BLOCK_D=block_d,
         num_warps=8 if block_d >= 4096 else 4, **pdl_args(x.device)
@@ -99,15 +86,14 @@ def _launch(x, z, weight, eps, one_plus, gated, out, heads):
     return out
 
 
-def rms_norm(x, weight, eps: float, *, one_plus: bool = True, out=None, heads: bool | None = None):
-    """y = x * rsqrt(mean(x^2) + eps) * (1 + w) (or * w), in fp32, cast to x.dtype. ``heads``: read per-head
-    rows in place (default ``STRIDED_HEADS``)."""
-    return _launch(x, None, weight, eps, one_plus, False, out, heads)
+def rms_norm(x, weight, eps: float, *, one_plus: bool = True, out=None):
+    """y = x * rsqrt(mean(x^2) + eps) * (1 + w) (or * w), in fp32, cast to x.dtype."""
+    return _launch(x, None, weight, eps, one_plus, False, out)
 
 
-def rms_norm_gated(x, z, weight, eps: float, *, out=None, heads: bool | None = None):
+def rms_norm_gated(x, z, weight, eps: float, *, out=None):
     """Qwen3.5 GDN output norm: (w * normed(x).to(dtype)) * silu(z.float()), cast to x.dtype."""
-    return _launch(x, z, weight, eps, False, True, out, heads)
+    return _launch(x, z, weight, eps, False, True, out)
 
 
 @triton.jit
@@ -115,9 +101,7 @@ def _add_rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, R, s_xr, s_rr, s_yr, s_sr, D, eps,
     ONE_PLUS: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
-    if USE_PDL:  # _pdl: wait for the previous kernel, then let the next one be scheduled
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_prologue(USE_PDL)
     rr = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     dd = tl.arange(0, BLOCK_D)
     mask = (rr < R)[:, None] & (dd < D)[None, :]

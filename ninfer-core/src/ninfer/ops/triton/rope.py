@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from ninfer.ops.triton._pdl import pdl_args
+from ninfer.ops.triton._pdl_jit import pdl_prologue
 
 
 @triton.jit
@@ -14,9 +15,7 @@ def _apply_rope_kernel(
     x_ptr, cos_ptr, sin_ptr, y_ptr, s_xn, s_xh, s_xd, s_cn, s_sn, s_yn, s_yh, s_yd,
     H, D, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
-    if USE_PDL:  # _pdl: wait for the previous kernel, then let the next one be scheduled
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_prologue(USE_PDL)
     n = tl.program_id(0).to(tl.int64)
     hh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     dd = tl.arange(0, BLOCK_D)

@@ -1,9 +1,8 @@
 """Greedy decoding on the GPU: the first index of each row's maximum, as ``torch.argmax(logits, -1)``.
 
-torch's argmax took 8.2 us for one 248320-wide fp32 row on the H200 (a 1 MB read). Here a row is cut into S
-chunks of whole blocks, one program each (about _PROGRAMS_PER_ROW for any vocabulary, so B = 1 still streams
-the row with the whole GPU); each program writes its chunk's (key, first index) to a small workspace and the
-last program of the row to arrive reduces the S partials and stores the token: one launch.
+A row is cut into S chunks of whole blocks, one program each (about _PROGRAMS_PER_ROW for any vocabulary, so
+B = 1 still streams the row with the whole GPU); each program writes its chunk's (key, first index) to a small
+workspace and the last program of the row to arrive reduces the S partials and stores the token: one launch.
 
 Values are compared through an int32 key that orders like torch: floats by value with -0.0 == +0.0, NaN
 above +inf (every NaN equal, so the first NaN wins), padding below -inf (an all -inf row gives index 0).
@@ -17,6 +16,7 @@ import triton.language as tl
 
 from ninfer.ops.triton._arrivals import arrival_counters
 from ninfer.ops.triton._pdl import pdl_args
+from ninfer.ops.triton._pdl_jit import pdl_prologue
 
 _BLOCK = 2048  # elements per program and loop step: 16 per thread at 4 warps, 4 x 16-byte loads for fp32
 _PROGRAMS_PER_ROW = 128  # ~one per SM of an H200: a 248320-wide row is 122 chunks of one block each
@@ -46,9 +46,7 @@ def _greedy_kernel(
     x_ptr, part_ptr, arrive_ptr, out_ptr, V, CHUNK, S, s_xb,
     BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
-    if USE_PDL:  # _pdl: wait for the previous kernel, then let the next one be scheduled
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0)
     split = tl.program_id(1)
     x_row = x_ptr + row.to(tl.int64) * s_xb

@@ -1,0 +1,74 @@
+"""The RMS norm kernels (ninfer.ops.triton.norm) against fp32 references at Qwen3.5 shapes, bf16, on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+TOL = 5e-3  # a bf16 output: one rounding is about 2e-3 relative at most
+
+
+def test_rms_norm_rows_and_heads(model, case, tokens):
+    from ninfer.ops.norm import rms_norm_ref
+    from ninfer.ops.triton.norm import rms_norm
+
+    for shape in ((tokens, model.hidden), (tokens, model.heads, model.head_dim)):
+        x, w = case.randn(*shape), case.randn(shape[-1], scale=0.1)
+        out = case.nans(*shape)
+        rms_norm(x, w, model.eps, out=out)
+        case.within(out, rms_norm_ref(x.float(), w.float(), model.eps), TOL, f"x{list(shape)}")
+
+
+def test_rms_norm_reads_q_of_query_gate_blocks_in_place(model, case, tokens):
+    """The model's q: the query half of each head's [query | gate] block, read through its strides."""
+    from ninfer.ops.norm import rms_norm_ref
+    from ninfer.ops.triton.norm import rms_norm
+
+    q = case.randn(tokens, model.heads, 2 * model.head_dim)[..., :model.head_dim]
+    w = case.randn(model.head_dim, scale=0.1)
+    out = case.nans(*q.shape)
+    rms_norm(q, w, model.eps, out=out)
+    case.within(out, rms_norm_ref(q.float(), w.float(), model.eps), TOL)
+
+
+def test_rms_norm_gated(model, case, tokens):
+    from ninfer.ops.norm import rms_norm_gated_ref
+    from ninfer.ops.triton.norm import rms_norm_gated
+
+    n, hv, dv = tokens, model.hv, model.dv
+    x, w = case.randn(n, hv, dv), 1.0 + case.randn(dv, scale=0.1)
+    # z as contiguous heads, and as the model passes it: a column slice of the in_proj output row.
+    C, V = model.conv_dim, hv * dv
+    proj = case.randn(n, C + V + 2 * hv)
+    for label, z in (("z", case.randn(n, hv, dv)), ("z sliced from in_proj", proj[:, C:C + V].reshape(n, hv, dv))):
+        out = case.nans(n, hv, dv)
+        rms_norm_gated(x, z, w, model.eps, out=out)
+        case.within(out, rms_norm_gated_ref(x.float(), z.float(), w.float(), model.eps), TOL, label)
+
+
+def test_add_rms_norm(model, case, tokens):
+    from ninfer.ops.norm import add_rms_norm_ref
+    from ninfer.ops.triton.norm import add_rms_norm
+
+    H = model.hidden
+    x, r, w = case.randn(tokens, H), case.randn(tokens, H), case.randn(H, scale=0.1)
+    out, r_out = case.nans(tokens, H), case.nans(tokens, H)
+    add_rms_norm(x, r, w, model.eps, out=out, residual_out=r_out)
+    case.within((out, r_out), add_rms_norm_ref(x.float(), r.float(), w.float(), model.eps), TOL)
+
+
+def test_add_rms_norm_in_place_on_rows_of_a_wider_buffer(model, case, tokens):
+    """residual_out=residual, the residual a row slice of a larger buffer: the rows around it keep their bits."""
+    from ninfer.ops.norm import add_rms_norm_ref
+    from ninfer.ops.triton.norm import add_rms_norm
+
+    H = model.hidden
+    image = case.randn(tokens + 2, H)
+    x, r, w = case.randn(tokens, H), image[1:tokens + 1], case.randn(H, scale=0.1)
+    ref = add_rms_norm_ref(x.float(), r.float(), w.float(), model.eps)
+    edges = image[[0, -1]].clone()
+    out = case.nans(tokens, H)
+    add_rms_norm(x, r, w, model.eps, out=out, residual_out=r)
+    case.within((out, r), ref, TOL)
+    assert torch.equal(image[[0, -1]], edges)
