@@ -40,7 +40,7 @@ from ninfer.models.common.context.errors import ProgramError
 from ninfer.models.common.context.kv_tables import SequencePages
 from ninfer.models.common.context.resume import PausedStates, ReplayResume
 from ninfer.models.common.context.sequence import SequenceRecord
-from ninfer.models.common.context.sequences import SequenceTable
+from ninfer.models.common.context.sequence_table import SequenceTable
 from ninfer.models.common.sampler import Sampler, pending_rows
 from ninfer.models.common.scoring import score_window
 

@@ -4,7 +4,7 @@ from ninfer.models.common.context.errors import ProgramError
 from ninfer.models.common.context.kv_tables import SequencePages
 from ninfer.models.common.context.resume import PausedStates, ReplayResume, SnapshotResume
 from ninfer.models.common.context.sequence import RowSampling, SequenceRecord, draw_seed
-from ninfer.models.common.context.sequences import SequenceTable
+from ninfer.models.common.context.sequence_table import SequenceTable
 
 __all__ = ["PausedStates", "ProgramError", "ReplayResume", "RowSampling", "SequencePages", "SequenceRecord",
            "SequenceTable", "SnapshotResume", "draw_seed"]
