@@ -6,6 +6,9 @@ and a wrong page, a missing copy-on-write or a lost Snapshot page changes tokens
 closed form (``reference``), which every path must reproduce.
 """
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -237,3 +240,13 @@ def test_contract_misuse_is_refused():
     with pytest.raises(TypeError, match="abstract"):
         PagedProgram(state_layout=StateImageLayout(fields=()), kv_pool=SPEC, device="cpu", max_concurrency=1,
                      num_pages=4, vocab_size=V)
+
+
+def test_the_shared_parts_import_no_plugin():
+    modules = ["ninfer.models.common.paged_program", "ninfer.models.common.context", "ninfer.core.cuda_graphs",
+               "ninfer.core.readback", "ninfer.core.batch_assembly"]
+    code = (f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('ninfer_qwen35', 'ninfer_convert', "
+            "'ninfer_serve')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
