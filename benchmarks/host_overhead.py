@@ -114,13 +114,22 @@ def _instrument_program(program, parts: Parts, no_forward: bool = False) -> None
         program.graphs.replay = replay_once
     parts.wrap(program.graphs, "load", "load")
     parts.wrap(program.graphs, "replay", "model")
-    parts.wrap(program, "_sample_launch", "sample")
-    parts.wrap(program, "_sample_collect", "sample")
+    parts.wrap(program.sampler, "launch", "sample")
+    parts.wrap(program.sampler, "wait", "sample")
     parts.wrap(program, "commit", "commit")
     parts.wrap(program, "reserve_units", "reserve")
 
 
-_WRAPPED = ("_sample_launch", "_sample_collect", "decode", "launch_decode", "collect", "commit", "reserve_units")
+_WRAPPED = ("decode", "launch_decode", "collect", "commit", "reserve_units")
+
+
+def _unwrap_program(program) -> None:
+    for attr in ("load", "replay"):
+        vars(program.graphs).pop(attr, None)
+    for attr in ("launch", "wait"):
+        vars(program.sampler).pop(attr, None)
+    for attr in _WRAPPED:
+        vars(program).pop(attr, None)
 
 
 def measure_program(program, config, B: int, *, context: int, steps: int, warmup: int = 20,
@@ -159,10 +168,7 @@ def measure_program(program, config, B: int, *, context: int, steps: int, warmup
 
     program.graphs.load = counted_load
     program.commit(program.decode(seqs), decisions)
-    for attr in ("load", "replay"):
-        vars(program.graphs).pop(attr, None)
-    for attr in _WRAPPED:
-        vars(program).pop(attr, None)
+    _unwrap_program(program)
     for sid in seqs:
         program.release(sid)
     out = {"batch": B, "steps": steps}
@@ -223,10 +229,7 @@ def measure_engine(program, config, B: int, *, context: int, steps: int, warmup:
     finally:
         for a, fn in saved.items():
             setattr(QwenOutputSession, a, fn)
-        for attr in ("load", "replay"):
-            vars(program.graphs).pop(attr, None)
-        for attr in _WRAPPED:
-            vars(program).pop(attr, None)
+        _unwrap_program(program)
     steady = cycles[warmup:warmup + steps]
     if not steady:
         raise RuntimeError("no steady decode cycles were recorded")

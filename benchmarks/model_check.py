@@ -64,10 +64,10 @@ def _weights(shape: str, device: str, seed: int):
 
 def _logits(config, weights, dtype: torch.dtype, device: str, tokens: list[int], chunk: int | None = None
             ) -> torch.Tensor:
+    from ninfer.core.batch_assembly import RowInput, build_forward_batch
     from ninfer_qwen35.execution.model import Qwen35Model
     from ninfer_qwen35.execution.parameters import Qwen35Parameters
     from ninfer_qwen35.program import Qwen35Program
-    from ninfer_qwen35.program.batching import RowInput, build_forward_batch
     from ninfer_qwen35.state import kv_pools, state_layout
 
     name = "bfloat16" if dtype == torch.bfloat16 else "float32"

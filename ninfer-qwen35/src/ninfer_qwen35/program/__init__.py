@@ -1,6 +1,6 @@
-"""The Qwen3.5 Program: sequences, reservations, prefill chunks, exact-B decode, commit/rollback, pause/resume."""
+"""The Qwen3.5 Program: its state layout, pool and forward wiring over the shared parts (``PagedProgram``)."""
 
-from ninfer_qwen35.program.program import ProgramError, Qwen35Program
-from ninfer_qwen35.program.resume import ReplayResume, SnapshotResume
+from ninfer.models.common.context import ProgramError, ReplayResume, SnapshotResume
+from ninfer_qwen35.program.program import Qwen35Program
 
 __all__ = ["ProgramError", "Qwen35Program", "ReplayResume", "SnapshotResume"]

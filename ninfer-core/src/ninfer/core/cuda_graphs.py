@@ -7,16 +7,23 @@ page that no sequence owns, so neither touches real state. Kernels get ``max_seq
 Program's longest sequence (grids from host ints, no host sync inside the graph). Sampling runs
 eagerly after replay, with each row's own generator. A chained step (``PipelinedDecode``) takes its
 token ids from the previous step's device-resident samples instead of the host.
+
+``run`` is the Program's graphed part of a step (forward and logits of every row over a
+ForwardBatch); the module knows nothing else about the model.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
-from ninfer_qwen35.execution.forward_batch import ForwardBatch
+from ninfer.core.forward_batch import ForwardBatch
+
+log = logging.getLogger(__name__)
 
 # A step's table upload is folded into the one packed copy while the span up to the last changed
 # entry stays below this (a DMA of it costs about one extra launch); longer spans copy each changed
@@ -113,6 +120,26 @@ class DecodeGraphs:
                 out = self._run(self.batch(B))
             self.graphs[B] = (graph, out)
         torch.cuda.synchronize(self.device)
+
+    def try_capture(self, launches: contextlib.AbstractContextManager) -> str | None:
+        """``capture`` inside ``launches`` (the Program's launch scope: replays launch as captured).
+
+        Returns None when every B was captured, else why not (an op without a capturable path, e.g. a
+        host sync): the caller then decodes eagerly. Raises when the failed capture left the device unusable.
+        """
+        try:
+            with torch.inference_mode(), launches:
+                self.capture()
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            log.warning("decode CUDA graphs not captured, decoding eagerly: %s", error)
+            try:
+                torch.cuda.synchronize(self.device)
+            except RuntimeError as sync_exc:
+                raise RuntimeError(f"CUDA graph capture failed ({error}) and left the device "
+                                   f"unusable: {sync_exc}") from exc
+            return error
+        return None
 
     def load(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int],
              tables: Sequence[Sequence[int]], keys: Sequence[object], *,

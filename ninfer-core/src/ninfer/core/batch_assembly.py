@@ -1,4 +1,4 @@
-"""Building the packed ForwardBatch of one unit from the Program's sequence records (eager path)."""
+"""Packing one unit's rows (new tokens, start position, StateImage slot, KV pages) into a ForwardBatch."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from ninfer_qwen35.execution.forward_batch import ForwardBatch
+from ninfer.core.forward_batch import ForwardBatch
 
 
 @attrs.frozen(kw_only=True)

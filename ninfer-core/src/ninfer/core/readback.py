@@ -1,0 +1,70 @@
+"""The one device->host copy of a unit's results: sampled tokens, plus logprobs when rows want them.
+
+Launching packs everything into one tensor (fp64 holds token ids and fp32 logprobs exactly) and
+queues its copy into pinned host memory followed by an event; waiting blocks on that event only.
+A pipelined decode launches the next step before it waits for this one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+RowLogprobs = tuple[float, tuple[Sequence[float], Sequence[float]]]  # chosen, (top ids, top logprobs)
+
+
+def upload(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """A small host tensor on ``dev`` without waiting for the device: pinned, then an async copy (a copy
+    from pageable memory may synchronize with the stream, which would stall a pipelined launch)."""
+    if dev.type != "cuda":
+        return t.to(dev)
+    return t.pin_memory().to(dev, non_blocking=True)
+
+
+@attrs.frozen(kw_only=True)
+class Readback:
+    """A unit's sampled tokens (and logprobs) on their way to the host: one copy, one event."""
+
+    tokens: torch.Tensor            # device [B] int64: the next step's inputs when it is chained
+    host: torch.Tensor              # the host copy (pinned on CUDA) of tokens, or of the fp64 pack with logprobs
+    event: torch.cuda.Event | None  # recorded after the copy (CUDA)
+    want: tuple[int, ...]           # rows that report logprobs
+    top_n: int
+
+    @classmethod
+    def launch(cls, tokens: torch.Tensor, want: tuple[int, ...] = (), top_n: int = 0,
+               logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> Readback:
+        """Queue the copy of ``tokens`` [B] and, for rows ``want``, ``logprobs`` = (chosen [W], top ids
+        [W, top_n], top logprobs [W, top_n])."""
+        if want:
+            chosen, top_ids, top_lp = logprobs
+            pack = torch.cat([tokens.double(), chosen.double(), top_ids.double().flatten(), top_lp.double().flatten()])
+        else:
+            pack = tokens
+        event = None
+        if pack.device.type == "cuda":
+            host = torch.empty(pack.shape, dtype=pack.dtype, pin_memory=True)
+            host.copy_(pack, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = pack
+        return cls(tokens=tokens, host=host, event=event, want=want, top_n=top_n)
+
+    def wait(self) -> tuple[list[int], dict[int, RowLogprobs]]:
+        """Every row's token, and (chosen logprob, (top ids, top logprobs)) of the rows in ``want``."""
+        if self.event is not None:
+            self.event.synchronize()
+        flat = self.host.tolist()
+        B = self.tokens.shape[0]
+        if not self.want:
+            return flat, {}
+        W, top_n = len(self.want), self.top_n
+        chosen_l, ids_l, lps_l = flat[B:B + W], flat[B + W:B + W + W * top_n], flat[B + W + W * top_n:]
+        lp = {}
+        for j, i in enumerate(self.want):
+            a = j * top_n
+            lp[i] = (chosen_l[j], (ids_l[a:a + top_n], lps_l[a:a + top_n]))
+        return [int(t) for t in flat[:B]], lp

@@ -1,0 +1,92 @@
+"""Sampling a unit's rows: per-row counter-based draws, greedy / sampled / logprobs launch, PendingRows.
+
+Each row draws with its own ``torch.Generator``, reseeded for every draw from
+``draw_seed(seed, index of the generated token)``: a row's tokens never depend on its batch
+neighbours, and abort, Snapshot and Replay need no RNG state beyond the ledger. ``launch`` queues
+the sampling (and the logprobs rows ask for) and the one packed copy to the host (``Readback``);
+``wait`` blocks on that copy; ``pending_rows`` turns the results into the PendingBatch rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ninfer.contract.batch import PendingRow
+from ninfer.core.readback import Readback, RowLogprobs, upload
+from ninfer.models.common.context.sequence import SequenceRecord, draw_seed
+
+TOPK_PATH = 1024  # largest top_k sampled from its top-k candidates; wider (or none) sorts the vocabulary
+
+
+class Sampler:
+    """The draws of one Program's sequences on ``device`` (one generator per sequence, made on first use)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._generators: dict[int, torch.Generator] = {}
+
+    def forget(self, sequence_id: int) -> None:
+        """The sequence is released: drop its generator."""
+        self._generators.pop(sequence_id, None)
+
+    def generator(self, seq: SequenceRecord, index: int) -> torch.Generator:
+        """The generator of the sequence's ``index``-th sampled token (counter-based: see ``draw_seed``)."""
+        gen = self._generators.get(seq.id)
+        if gen is None:
+            gen = self._generators[seq.id] = torch.Generator(device=self.device)
+        gen.manual_seed(draw_seed(seq.sampling.seed, index))
+        return gen
+
+    def launch(self, seqs: Sequence[SequenceRecord], logits: torch.Tensor, indices: Sequence[int]) -> Readback:
+        """Queue sampling (and logprobs) of every row of ``logits`` [B, V], then one device->host copy of the
+        results. ``indices``: the generated-token index each row draws (its counter-based seed)."""
+        from ninfer.ops.sampling import greedy, logprobs, sample
+
+        dev = logits.device
+        sp = [s.sampling for s in seqs]
+        if all(p.greedy for p in sp):
+            tokens = greedy(logits)  # what sample() does for temperature 0, without its per-row setup
+        else:
+            # one host->device copy for every row's knobs (top_k is exact in fp32 below 2**24)
+            knobs = upload(torch.tensor([[p.temperature, p.top_p, p.min_p, min(p.top_k, 1 << 24)] for p in sp],
+                                        dtype=torch.float32), dev)
+            drawn = [p for p in sp if not p.greedy]
+            narrow = all(0 < p.top_k <= TOPK_PATH for p in drawn)  # filter top-k candidates, no vocabulary sort
+            tokens = sample(logits, knobs[:, 0], knobs[:, 3].long(), knobs[:, 1], knobs[:, 2],
+                            [None if p.greedy else self.generator(s, i)
+                             for s, p, i in zip(seqs, sp, indices, strict=True)],
+                            max_top_k=max(p.top_k for p in drawn) if narrow else None)
+        want = tuple(i for i, p in enumerate(sp) if p.logprobs)
+        if not want:
+            return Readback.launch(tokens)
+        top_n = max(sp[i].top_logprobs for i in want)
+        if len(want) == len(sp):
+            lps = logprobs(logits, tokens, top_n)
+        else:
+            idx = upload(torch.tensor(want), dev)
+            lps = logprobs(logits[idx], tokens[idx], top_n)
+        return Readback.launch(tokens, want, top_n, lps)
+
+    @staticmethod
+    def wait(readback: Readback) -> tuple[list[int], dict[int, RowLogprobs]]:
+        """Block until ``readback``'s copy is on the host: every row's token, and the logprobs of the rows
+        that want them."""
+        return readback.wait()
+
+
+def pending_rows(seqs: Sequence[SequenceRecord], rows_at: Sequence[int], tokens: list[int],
+                 logprobs: dict[int, RowLogprobs]) -> list[PendingRow]:
+    """One PendingRow per sequence, whose results are row ``rows_at[k]`` of the sampled unit; rows that asked
+    for logprobs carry the chosen token's and their ``top_logprobs`` best."""
+    rows = []
+    for seq, i in zip(seqs, rows_at, strict=True):
+        if i in logprobs:
+            chosen, (ids, lps) = logprobs[i]
+            n = seq.sampling.top_logprobs
+            top = tuple(zip([int(t) for t in ids[:n]], lps[:n], strict=True))
+            rows.append(PendingRow(sequence_id=seq.id, tokens=(tokens[i],), logprobs=(chosen,), top_logprobs=(top,)))
+        else:
+            rows.append(PendingRow(sequence_id=seq.id, tokens=(tokens[i],)))
+    return rows
