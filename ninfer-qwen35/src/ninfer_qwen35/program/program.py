@@ -104,9 +104,8 @@ class Qwen35Program:
                  pdl: bool = False) -> None:
         """``cuda_graphs``: capture decode graphs on CUDA. ``static_decode``: without graphs, still decode
         through the graphs' static input buffers (checks that input path on CPU). ``pdl``: launch this
-        Program's Triton kernels with programmatic dependent launch (``ops.triton._pdl``)."""
-        if not 1 <= max_concurrency <= 64:
-            raise ValueError(f"max_concurrency must be in 1..64, got {max_concurrency}")
+        Program's Triton kernels with programmatic dependent launch (``ops.triton._pdl``). ``max_concurrency``
+        comes validated from ``StartupOptions`` (1..8)."""
         self.id = next(_program_ids)
         self.pdl = pdl
         self.model = model
