@@ -189,6 +189,7 @@ def measure_engine(program, config, B: int, *, context: int, steps: int, warmup:
     from ninfer.contract.request import GenerationRequest, SamplingParams
     from ninfer.contract.resources import FrontendResources
     from ninfer.engine.engine import Engine
+    from ninfer.engine.request import RequestRecord
     from ninfer.models.common.qwen.frontend import QwenFrontend
     from ninfer.models.common.qwen.output_session import QwenOutputSession
     from ninfer_qwen35.testing.checkpoints import make_tokenizer_json
@@ -202,6 +203,8 @@ def measure_engine(program, config, B: int, *, context: int, steps: int, warmup:
     saved = {a: QwenOutputSession.__dict__[a] for a in ("preview", "commit")}
     for a in saved:  # class-level: every request's session
         parts.wrap(QwenOutputSession, a, "frontend")
+    publish = RequestRecord.__dict__["publish_output"]
+    parts.wrap(RequestRecord, "publish_output", "publish")  # class-level: every request's publication
     cycles: list[dict[str, float]] = []
     gen = torch.Generator().manual_seed(100 + B)
     try:
@@ -230,6 +233,7 @@ def measure_engine(program, config, B: int, *, context: int, steps: int, warmup:
         for a, fn in saved.items():
             setattr(QwenOutputSession, a, fn)
         _unwrap_program(program)
+        RequestRecord.publish_output = publish
     steady = cycles[warmup:warmup + steps]
     if not steady:
         raise RuntimeError("no steady decode cycles were recorded")
@@ -244,7 +248,6 @@ def measure_engine(program, config, B: int, *, context: int, steps: int, warmup:
 
 def _instrument_core(core, parts: Parts, cycles: list, B: int) -> None:
     """Time every worker cycle; keep the ones that ran exactly one decode of B rows and no prefill chunk."""
-    parts.wrap(core, "_publish_delta", "publish")
     parts.wrap(core, "_run_prefill", "prefill")
     launch = core.program.launch_decode
 

@@ -1,5 +1,5 @@
-"""``--special-tokens-in-content`` on ``ninfer serve`` and ``ninfer generate`` reaches ``Engine``; without it
-the Engine gets no such option (plain text is the default)."""
+"""``--special-tokens-in-content`` on ``ninfer serve`` and ``ninfer generate`` reaches ``Engine``'s config;
+without it the option keeps its default (plain text)."""
 
 from __future__ import annotations
 
@@ -38,4 +38,4 @@ def test_flag_reaches_the_engine(engine_options, command, capsys):
     main([command[0], model, *command[1:]])
     main([command[0], model, *command[1:], "--special-tokens-in-content"])
     capsys.readouterr()
-    assert [o.get("special_tokens_in_content") for o in engine_options] == [None, True]
+    assert [o["config"].special_tokens_in_content for o in engine_options] == [False, True]

@@ -77,6 +77,7 @@ class LedgerProgram:
                  vocab: int = 50, max_model_len: int = 256) -> None:
         self.slots, self.total_pages, self.page_size = slots, pages, page_size
         self.host_limit, self.vocab, self.max_model_len = host_bytes, vocab, max_model_len
+        self.max_concurrency = slots
         self.seqs: dict[int, Seq] = {}
         self.next_id = 100
         self.free_pages = pages
@@ -309,6 +310,9 @@ class TokenFrontend:
 
     def open_session(self, prompt: PreparedPrompt, sampling: SamplingParams) -> TokenSession:
         return TokenSession(sampling)
+
+    def token_text(self, token_id: int) -> str:
+        return str(token_id)
 
 
 def ledger_instance(**program_kw) -> ModelInstance:
@@ -693,7 +697,7 @@ def test_host_pressure_revokes_paused_snapshots_and_outputs_stay_exact(seeded, s
     with make_engine(max_concurrency=4, pages=14, host_bytes=snapshots * 6 * PAGE_BYTES) as eng:
         core, prog = eng._core, eng.instance.program
         decisions = []
-        revoke = core._revoke_snapshots
+        revoke = core.policy.revoke_snapshots
 
         def watched(need):  # runs on the worker: the host shortfall, and what the engine revoked for it
             u, before = prog.usage(), len(prog.demoted)
@@ -703,7 +707,7 @@ def test_host_pressure_revokes_paused_snapshots_and_outputs_stay_exact(seeded, s
             if revoked:  # the pause that revoked keeps its own Snapshot
                 assert prog.host_used + need.host_bytes <= prog.host_limit
 
-        core._revoke_snapshots = watched
+        core.policy.revoke_snapshots = watched
         handles = submit_together(eng, [req(p, **s) for p, s in zip(ps, samp, strict=True)])
         events = [list(h) for h in handles]
         m = eng.metrics()
@@ -889,3 +893,32 @@ def test_many_threads_submit_consume_cancel_and_abandon():
     gc.collect()
     drained(eng)
     eng.close()
+
+
+def test_an_engine_over_a_built_instance_takes_the_devices_prefill_chunk():
+    """One prefill_chunk rule for Engine(model) and Engine.from_instance: on a CUDA device both take
+    default_prefill_chunk("cuda") (from_instance used to take 512 everywhere)."""
+    from ninfer.contract.config import default_prefill_chunk
+
+    inst = ledger_instance(slots=1, pages=1000, max_model_len=4096)
+    chunks = []
+    prefill = inst.program.prefill
+
+    def recorded(sequence_id, max_tokens):
+        chunks.append(max_tokens)
+        return prefill(sequence_id, max_tokens)
+
+    inst.program.prefill = recorded
+    prompt = [1 + i % 46 for i in range(1500)]
+    # "cuda" alone binds no ordinal, so the ledger Program runs on any machine; only the default differs.
+    with Engine.from_instance(inst, max_concurrency=1, device="cuda") as eng:
+        assert eng.config.prefill_chunk == default_prefill_chunk("cuda") == 2048
+        assert eng.generate(req(prompt, max_tokens=1, ignore_eos=True)).usage.completion_tokens == 1
+    assert chunks == [1500]
+
+
+def test_startup_options_do_not_apply_to_a_built_instance():
+    from ninfer.contract.config import EngineConfig
+
+    with pytest.raises(ValueError, match="already built; startup options dtype, num_pages do not apply"):
+        Engine.from_instance(ledger_instance(), config=EngineConfig(device="cpu", dtype="float32", num_pages=3))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -125,9 +124,3 @@ def test_revocation_rule_properties(costs, shortfall, saves):
     longest = max(r.snapshot.replay_positions for r in chosen)
     assert all(r.snapshot.replay_positions >= longest for r in held if r not in chosen)
 
-
-def test_bad_settings_are_rejected():
-    with pytest.raises(ValueError, match="max_concurrency"):
-        Scheduler(max_concurrency=9, bypass_limit=1)
-    with pytest.raises(ValueError, match="bypass_limit"):
-        Scheduler(max_concurrency=2, bypass_limit=-1)

@@ -60,7 +60,7 @@ def test_prefill_chunk_option(tiny, capsys):
 
 
 def test_default_prefill_chunk_by_device():
-    from ninfer.engine.engine import default_prefill_chunk
+    from ninfer.contract.config import default_prefill_chunk
 
     assert default_prefill_chunk("cuda") == default_prefill_chunk("cuda:1") == 2048
     assert default_prefill_chunk("cpu") == 512

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from ninfer.contract.batch import RowDecision
-from ninfer.contract.model import ModelInstance, Program, StartupFeatures
+from ninfer.contract.config import StartupFeatures, StartupOptions
+from ninfer.contract.model import ModelInstance, Program
 from ninfer.contract.prompt import TextInput
 from ninfer.contract.request import SamplingParams
 from ninfer.env import EnvError
@@ -27,7 +28,7 @@ def artifact_path(tmp_path_factory):
 
 def test_build_makes_a_working_instance(artifact_path):
     with open_artifact(artifact_path) as art:
-        inst = build(art, device="cpu", max_concurrency=2, dtype="float32", num_pages=40, page_size=8)
+        inst = build(art, StartupOptions(device="cpu", max_concurrency=2, dtype="float32", num_pages=40, page_size=8))
     assert isinstance(inst, ModelInstance) and isinstance(inst.program, Program)
     plan = inst.program.plan
     assert plan.kv_pages == 40 and plan.max_model_len == 320 and plan.dtype == "float32"
@@ -54,24 +55,22 @@ def test_startup_is_registered_with_the_plugin(artifact_path):
 
 def test_capacity_from_budget_and_clear_refusals(artifact_path, monkeypatch):
     with open_artifact(artifact_path) as art:
-        inst = build(art, device="cpu", max_concurrency=1, device_budget_bytes=64 << 20)
+        inst = build(art, StartupOptions(device="cpu", max_concurrency=1, device_budget_bytes=64 << 20))
         plan = inst.program.plan
         assert plan.kv_bytes <= (64 << 20) - plan.weight_bytes - plan.state_bytes - plan.workspace_bytes
         assert plan.max_model_len == min(4096, plan.kv_pages * plan.page_size)
         assert plan.dtype == "bfloat16"  # the artifact's dtype by default
         with pytest.raises(StartupError, match="no room for KV pages"):
-            build(art, device="cpu", max_concurrency=1, device_budget_bytes=1 << 20)
+            build(art, StartupOptions(device="cpu", max_concurrency=1, device_budget_bytes=1 << 20))
         with pytest.raises(StartupError, match="Vision is not implemented"):
-            build(art, device="cpu", features=StartupFeatures(vision=True))
+            build(art, StartupOptions(device="cpu", features=StartupFeatures(vision=True)))
         with pytest.raises(StartupError, match="speculative"):
-            build(art, device="cpu", features=StartupFeatures(speculative="mtp"))
-        with pytest.raises(StartupError, match="max_concurrency"):
-            build(art, device="cpu", max_concurrency=0)
+            build(art, StartupOptions(device="cpu", features=StartupFeatures(speculative="mtp")))
         monkeypatch.setenv("NINFER_HOST_BUDGET_MIB", "lots")
         with pytest.raises(EnvError, match="NINFER_HOST_BUDGET_MIB='lots': expected a whole number of MiB"):
-            build(art, device="cpu", num_pages=4)
+            build(art, StartupOptions(device="cpu", num_pages=4))
         monkeypatch.setenv("NINFER_HOST_BUDGET_MIB", "3")
-        assert build(art, device="cpu", num_pages=4).program.plan.host_budget_bytes == 3 << 20
+        assert build(art, StartupOptions(device="cpu", num_pages=4)).program.plan.host_budget_bytes == 3 << 20
 
 
 def test_bf16_instance_generates_like_fp32(artifact_path):
@@ -79,7 +78,7 @@ def test_bf16_instance_generates_like_fp32(artifact_path):
     with open_artifact(artifact_path) as art:
         outs = []
         for dtype in ("float32", "bfloat16"):
-            inst = build(art, device="cpu", max_concurrency=1, dtype=dtype, num_pages=16)
+            inst = build(art, StartupOptions(device="cpu", max_concurrency=1, dtype=dtype, num_pages=16))
             prompt = inst.frontend.prepare(TextInput(text="Hello, world!"))
             batch = inst.program.prefill(inst.program.open_sequence(prompt, SamplingParams(temperature=0.0)), 64)
             outs.append(batch.rows[0].tokens)

@@ -12,6 +12,7 @@ from ninfer.plugins import ArchitectureSpec  # noqa: E402
 
 _LAZY = {
     "Engine": "ninfer.engine.engine",
+    "EngineConfig": "ninfer.contract.config",
     "GenerationHandle": "ninfer.engine.handle",
     "EngineMetrics": "ninfer.engine.metrics",
     "RequestRejected": "ninfer.engine.errors",

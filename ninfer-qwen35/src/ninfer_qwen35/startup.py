@@ -5,8 +5,9 @@ refused clearly until they exist). The KV pool takes what the device budget leav
 resident weights, the StateImage slots, a workspace estimate and a fixed headroom of at least
 1 GiB (design document); on CPU a modest default budget applies.
 
-Environment: ``NINFER_VRAM_BUDGET_MIB`` caps the CUDA budget when ``device_budget_bytes`` is not
-given; ``NINFER_HOST_BUDGET_MIB`` sets the host bytes Snapshot pauses may hold.
+Options arrive typed and validated (``ninfer.contract.StartupOptions``). Environment:
+``NINFER_VRAM_BUDGET_MIB`` caps the CUDA budget when ``device_budget_bytes`` is not given;
+``NINFER_HOST_BUDGET_MIB`` sets the host bytes Snapshot pauses may hold when ``host_budget_bytes`` is not.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import attrs
 import torch
 
 from ninfer import env
-from ninfer.contract.model import ModelInstance, StartupFeatures
+from ninfer.contract.config import StartupOptions
+from ninfer.contract.model import ModelInstance
 from ninfer.core.device import Device, dtype_name, torch_dtype
 from ninfer.core.kv_pool import PagedKVPool, pages_for
 from ninfer_qwen35.config import Qwen35Config, parse_config
@@ -66,13 +68,8 @@ class Qwen35Loaded:
     executor: Any  # Qwen35Model, the fixed model calls
 
 
-def build(artifact: Any, *, device: Any = None, features: StartupFeatures = StartupFeatures(),
-          max_concurrency: int = 4, device_budget_bytes: int | None = None, chat_template: str | None = None,
-          dtype: str | None = None, page_size: int = 16, num_pages: int | None = None,
-          host_budget_bytes: int | None = None, max_model_len: int | None = None,
-          cuda_graphs: bool = True, special_tokens_in_content: bool = False) -> ModelInstance:
-    """Build the Qwen3.5 ModelInstance for an opened artifact (``ninfer.contract.Startup``).
-    ``special_tokens_in_content``: the Frontend reads special-token strings in chat messages as control tokens."""
+def build(artifact: Any, options: StartupOptions) -> ModelInstance:
+    """Build the Qwen3.5 ModelInstance for an opened artifact (``ninfer.contract.Startup``)."""
     from ninfer.artifact import load_weights
     from ninfer.models.common.qwen import QwenFrontend
     from ninfer_qwen35.execution.model import Qwen35Model
@@ -80,21 +77,18 @@ def build(artifact: Any, *, device: Any = None, features: StartupFeatures = Star
     from ninfer_qwen35.program import Qwen35Program
     from ninfer_qwen35.state import kv_pools, state_layout
 
+    features, max_concurrency, page_size = options.features, options.max_concurrency, options.page_size
     if features.vision:
         raise StartupError("Qwen3.5 Vision is not implemented yet; start without the vision feature")
     if features.speculative is not None:
         raise StartupError(f"speculative backend {features.speculative!r} is not implemented yet for Qwen3.5")
-    if not 1 <= max_concurrency <= 64:
-        raise StartupError(f"max_concurrency must be in 1..64, got {max_concurrency}")
-    if page_size < 1:
-        raise StartupError(f"page_size must be >= 1, got {page_size}")
-    dev = Device.parse(device)
+    dev = Device.parse(options.device)
     config = parse_config(artifact.config)
-    frontend = QwenFrontend.from_resources(artifact.frontend, chat_template_override=chat_template,
-                                           special_tokens_in_content=special_tokens_in_content)
+    frontend = QwenFrontend.from_resources(artifact.frontend, chat_template_override=options.chat_template,
+                                           special_tokens_in_content=options.special_tokens_in_content)
 
     weights, report = load_weights(artifact, features=("text",), device=str(dev))
-    compute = torch_dtype(dtype) if dtype is not None else weights["model.embed_tokens.weight"].dtype
+    compute = torch_dtype(options.dtype) if options.dtype is not None else weights["model.embed_tokens.weight"].dtype
     if compute not in (torch.float32, torch.bfloat16, torch.float16):
         raise StartupError(f"compute dtype must be float32, bfloat16 or float16, got {compute}")
     params = Qwen35Parameters.from_weights(config, weights, compute, dev.torch)
@@ -103,7 +97,8 @@ def build(artifact: Any, *, device: Any = None, features: StartupFeatures = Star
     if dev.torch.type == "cuda":
         from ninfer.ops.triton._pdl import prefers_pdl
 
-        pdl = prefers_pdl(_resident_bytes(weights, params) / config.num_hidden_layers)
+        pdl = options.pdl if options.pdl is not None else \
+            prefers_pdl(_resident_bytes(weights, params) / config.num_hidden_layers)
 
     layout = state_layout(config, dtype_name(compute))
     pools = kv_pools(config, page_size=page_size, dtype=dtype_name(compute))
@@ -114,13 +109,14 @@ def build(artifact: Any, *, device: Any = None, features: StartupFeatures = Star
     plan = plan_capacity(config, dev, compute=compute, weight_bytes=_resident_bytes(weights, params),
                          state_bytes=layout.nbytes_per_slot * (max_concurrency + 1),
                          page_bytes=PagedKVPool.page_bytes(pool_spec), page_size=page_size,
-                         max_concurrency=max_concurrency, device_budget_bytes=device_budget_bytes,
-                         num_pages=num_pages, host_budget_bytes=host_budget_bytes, max_model_len=max_model_len)
+                         max_concurrency=max_concurrency, device_budget_bytes=options.device_budget_bytes,
+                         num_pages=options.num_pages, host_budget_bytes=options.host_budget_bytes,
+                         max_model_len=options.max_model_len)
     program = Qwen35Program(executor, state_layout=layout, kv_pool=pool_spec, device=dev,
                             max_concurrency=max_concurrency, num_pages=plan.kv_pages, kv_dtype=compute,
                             vocab_size=config.vocab_size, host_budget_bytes=plan.host_budget_bytes,
                             sampling_defaults=frontend.sampling_defaults(), max_model_len=plan.max_model_len,
-                            cuda_graphs=cuda_graphs, pdl=pdl)
+                            cuda_graphs=options.cuda_graphs, pdl=pdl)
     program.plan = plan
     model = Qwen35Loaded(config=config, weights=weights, load_report=report, executor=executor)
     return ModelInstance(architecture="qwen35", config=config, model=model, parameters=params, frontend=frontend,
@@ -170,8 +166,6 @@ def plan_capacity(config: Qwen35Config, device: Device, *, compute: torch.dtype,
                 f"the device budget leaves no room for KV pages: weights {weight_bytes / MIB:.1f} MiB, StateImages "
                 f"{state_bytes / MIB:.1f} MiB, workspace {workspace / MIB:.1f} MiB, headroom {headroom / MIB:.0f} MiB; "
                 f"one page needs {page_bytes / MIB:.3f} MiB")
-    elif num_pages < 1:
-        raise StartupError(f"num_pages must be >= 1, got {num_pages}")
     if host_budget_bytes is None:
         env = _env_mib("NINFER_HOST_BUDGET_MIB")
         host_budget_bytes = env if env is not None else (CUDA_HOST_BUDGET if device.is_cuda else CPU_HOST_BUDGET)

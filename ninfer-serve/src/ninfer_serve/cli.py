@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from ninfer import env
+from ninfer.contract.config import MAX_CONCURRENCY
 
 API_KEY_ENV = "NINFER_API_KEY"
 
@@ -51,7 +52,8 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
     p.add_argument("--model-id", help="public model name (default: the artifact's metadata.name)")
-    p.add_argument("--max-concurrency", type=int, default=4, choices=range(1, 9), metavar="1..8",
+    p.add_argument("--max-concurrency", type=int, default=4, choices=range(1, MAX_CONCURRENCY + 1),
+                   metavar=f"1..{MAX_CONCURRENCY}",
                    help="requests resident on the device at once")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for admission before new ones get 429")
@@ -140,26 +142,19 @@ def run_serve(args: argparse.Namespace) -> int:
 def _load_and_serve(args: argparse.Namespace, model: str, chat_template: str | None, listener: object, *,
                     allowed_hosts: list[str]) -> int:
     try:
-        from ninfer import Engine
+        from ninfer import Engine, EngineConfig
     except ImportError as exc:
         return _fail(f"the generation engine is not available: {exc}")
     from ninfer_serve.app import create_app
     from ninfer_serve.server import ServerOptions, serve
     from ninfer_serve.warmup import WarmupFailed, warmup
 
-    options = {"max_concurrency": args.max_concurrency, "max_queue": args.max_queue, "verify": not args.no_verify}
-    if args.max_model_len is not None:
-        options["max_model_len"] = args.max_model_len
-    if args.device is not None:
-        options["device"] = args.device
-    if args.prefill_chunk is not None:
-        options["prefill_chunk"] = args.prefill_chunk
-    if chat_template is not None:
-        options["chat_template"] = chat_template
-    if args.special_tokens_in_content:
-        options["special_tokens_in_content"] = True
     try:
-        engine = Engine(model, **options)
+        config = EngineConfig(max_concurrency=args.max_concurrency, max_queue=args.max_queue,
+                              verify=not args.no_verify, max_model_len=args.max_model_len, device=args.device,
+                              prefill_chunk=args.prefill_chunk, chat_template=chat_template,
+                              special_tokens_in_content=args.special_tokens_in_content)
+        engine = Engine(model, config=config)
     except Exception as exc:  # a bad artifact or device must read as a message, not a traceback
         return _fail(f"cannot start the engine for {model}: {type(exc).__name__}: {exc}")
     with engine:

@@ -5,6 +5,7 @@ See docs/architecture.md for how these map onto the design document.
 """
 
 from ninfer.contract.batch import LaunchedUnit, PendingBatch, PendingRow, RowDecision
+from ninfer.contract.config import EngineConfig, StartupFeatures, StartupOptions
 from ninfer.contract.errors import PromptTooLong
 from ninfer.contract.events import (
     FinishReason,
@@ -24,7 +25,6 @@ from ninfer.contract.model import (
     ResourceUsage,
     SnapshotCost,
     Startup,
-    StartupFeatures,
 )
 from ninfer.contract.prompt import ChatInput, MediaItem, MediaSpan, PreparedPrompt, TextInput
 from ninfer.contract.request import GenerationRequest, SamplingParams
@@ -32,8 +32,8 @@ from ninfer.contract.resources import FrontendResources
 from ninfer.contract.state import KVPoolSpec, StateField, StateImageLayout
 
 __all__ = [
-    "ChatInput", "FinishReason", "Frontend", "FrontendResources", "GenerationRequest", "GenerationResult", "GenerationStart",
+    "ChatInput", "EngineConfig", "FinishReason", "Frontend", "FrontendResources", "GenerationRequest", "GenerationResult", "GenerationStart",
     "KVPoolSpec", "LaunchedUnit", "MediaItem", "MediaSpan", "ModelInstance", "OutputDelta", "OutputSession", "PendingBatch",
     "PendingRow", "PipelinedDecode", "PreparedPrompt", "Preview", "Program", "PromptTooLong", "ResourceUsage", "RowDecision", "SamplingParams", "SnapshotCost", "StateField", "StateImageLayout",
-    "Startup", "StartupFeatures", "TextInput", "Timings", "Usage",
+    "Startup", "StartupFeatures", "StartupOptions", "TextInput", "Timings", "Usage",
 ]

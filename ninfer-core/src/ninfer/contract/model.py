@@ -1,33 +1,33 @@
 """Behavioural contracts an architecture plugin implements natively.
 
-Startup builds a ModelInstance (Model, Parameters, Frontend, Program) from an artifact,
-startup features and a device budget. The Program owns every mutable physical resource
-(StateImage slots, KV pages, host copies, workspaces, CUDA graphs) and is called only from
+Startup builds a ModelInstance (Model, Parameters, Frontend, Program) from an artifact and typed
+``StartupOptions`` (features, device, budgets, model knobs). The Program owns every mutable physical
+resource (StateImage slots, KV pages, host copies, workspaces, CUDA graphs) and is called only from
 the engine worker. The Frontend owns tokenizer, template and one OutputSession per request.
+Every attribute and method the engine uses is declared here; the engine never probes for others.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import attrs
 
 from ninfer.contract.batch import LaunchedUnit, PendingBatch, RowDecision
+from ninfer.contract.config import StartupFeatures, StartupOptions
 from ninfer.contract.events import FinishReason, OutputDelta
 from ninfer.contract.prompt import ChatInput, PreparedPrompt, TextInput
 from ninfer.contract.request import SamplingParams
 from ninfer.contract.state import KVPoolSpec, StateImageLayout
 
+if TYPE_CHECKING:
+    from ninfer.artifact import Artifact
+
+__all__ = ["Frontend", "ModelInstance", "OutputSession", "PauseMode", "PipelinedDecode", "Preview", "Program",
+           "ResourceUsage", "SnapshotCost", "Startup", "StartupFeatures", "StartupOptions"]
+
 PauseMode = Literal["snapshot", "replay"]
-
-
-@attrs.frozen(kw_only=True)
-class StartupFeatures:
-    """Features selected at startup: Text is always on; Vision optional; none or one spec backend."""
-
-    vision: bool = False
-    speculative: Literal["mtp", "dflash", "dflash2"] | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -62,6 +62,8 @@ class Program(Protocol):
 
     state_layout: StateImageLayout
     kv_pools: tuple[KVPoolSpec, ...]
+    max_concurrency: int  # sequences it can hold at once (the engine runs at most this many residents)
+    max_model_len: int    # the longest history (prompt + generated) one sequence can reach
 
     def open_sequence(self, prompt: PreparedPrompt, sampling: SamplingParams) -> int:
         """Bind a StateImage slot for a new sequence; returns its sequence id."""
@@ -178,6 +180,9 @@ class Frontend(Protocol):
 
     def open_session(self, prompt: PreparedPrompt, sampling: SamplingParams) -> OutputSession: ...
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text on its own (logprob reports name each token by it)."""
+
 
 @attrs.frozen(kw_only=True, eq=False)
 class ModelInstance:
@@ -193,7 +198,10 @@ class ModelInstance:
 
 @runtime_checkable
 class Startup(Protocol):
-    """Native startup: weight placement, capacity plan, Frontend construction and Program creation."""
+    """Native startup: weight placement, capacity plan, Frontend construction and Program creation.
 
-    def build(self, artifact: Any, *, device: Any, features: StartupFeatures, max_concurrency: int,
-              device_budget_bytes: int | None) -> ModelInstance: ...
+    An architecture's ``startup`` slot names a callable of this shape (Qwen3.5: ``ninfer_qwen35.startup.build``).
+    It receives every option, always: the engine never inspects its signature.
+    """
+
+    def __call__(self, artifact: Artifact, options: StartupOptions) -> ModelInstance: ...

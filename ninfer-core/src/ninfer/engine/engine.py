@@ -10,15 +10,15 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from typing import Any
 
 import attrs
 
+from ninfer.contract.config import EngineConfig, PauseChoice
 from ninfer.contract.errors import PromptTooLong
 from ninfer.contract.model import ModelInstance, ResourceUsage, StartupFeatures
 from ninfer.contract.prompt import PreparedPrompt
 from ninfer.contract.request import GenerationRequest, SamplingParams
-from ninfer.engine.core import EngineCore, PauseChoice
+from ninfer.engine.core import EngineCore
 from ninfer.engine.errors import InputTooLong, RequestRejected, Unrepresentable
 from ninfer.engine.handle import GenerationHandle, ResponseChannel
 from ninfer.engine.metrics import EngineMetrics
@@ -27,16 +27,10 @@ from ninfer.engine.request import RequestRecord
 PURPOSES = ("generation",)
 
 
-def _default_device() -> str:
+def default_device() -> str:
+    """Where an engine runs when no device is given: the current CUDA device when there is one."""
     import torch
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def default_prefill_chunk(device: str) -> int:
-    """Prompt tokens per prefill unit. On a GPU, 2048: a 9B chunk then runs the matmuls near their peak
-    rate (512 reached 21 % of it on the H200, 4096 75 %) while a decode row waits at most one chunk
-    (about 55 ms at 9B); on the CPU, 512 keeps other rows' inter-token gaps short."""
-    return 2048 if str(device).startswith("cuda") else 512
 
 
 def merge_sampling(defaults: SamplingParams, request: SamplingParams) -> SamplingParams:
@@ -49,84 +43,74 @@ def merge_sampling(defaults: SamplingParams, request: SamplingParams) -> Samplin
 class Engine:
     """Generation engine over one ``.ninfer`` artifact (see docs/engine.md)."""
 
-    def __init__(self, model: str | os.PathLike, *, purpose: str = "generation", max_concurrency: int = 4,
-                 features: StartupFeatures = StartupFeatures(), device: str | None = None,
-                 device_budget_bytes: int | None = None, max_queue: int = 64, max_model_len: int | None = None,
-                 chat_template: str | None = None, prefill_chunk: int | None = None, bypass_limit: int | None = None,
-                 pause_mode: PauseChoice = "auto", verify: bool = True, special_tokens_in_content: bool = False,
-                 **program_options: Any) -> None:
-        """``prefill_chunk``: prompt tokens per prefill unit (default ``default_prefill_chunk(device)``).
-        ``verify``: check every object's checksum as the artifact is read (``False`` skips it).
-        ``special_tokens_in_content``: special-token strings inside chat messages (``"<|im_end|>"``) are read
-        as control tokens; by default they are plain text, so a message cannot end its turn or open another
-        (raw text prompts always read them as tokens)."""
+    def __init__(self, model: str | os.PathLike, *, config: EngineConfig | None = None,
+                 purpose: str = "generation", max_concurrency: int | None = None, max_queue: int | None = None,
+                 max_model_len: int | None = None, prefill_chunk: int | None = None,
+                 bypass_limit: int | None = None, pause_mode: PauseChoice | None = None, device: str | None = None,
+                 verify: bool | None = None, features: StartupFeatures | None = None,
+                 device_budget_bytes: int | None = None, host_budget_bytes: int | None = None,
+                 dtype: str | None = None, page_size: int | None = None, num_pages: int | None = None,
+                 cuda_graphs: bool | None = None, pdl: bool | None = None, chat_template: str | None = None,
+                 special_tokens_in_content: bool | None = None) -> None:
+        """Start an engine on the artifact ``model``. Pass the options as keywords, or as one ``config``
+        (an ``EngineConfig``, which documents each); a keyword left None takes the config's default.
+        ``verify=False`` skips the artifact's checksums; ``special_tokens_in_content=True`` reads
+        special-token strings inside chat messages as control tokens (by default they are plain text)."""
         from ninfer.engine.startup import build_instance
 
         _check_purpose(purpose)
-        if not 1 <= max_concurrency <= 8:
-            raise ValueError(f"max_concurrency must be in 1..8, got {max_concurrency}")
-        device = device or _default_device()
-        if prefill_chunk is None:
-            prefill_chunk = default_prefill_chunk(device)
-        if chat_template is not None:
-            program_options["chat_template"] = chat_template
-        if special_tokens_in_content:  # only when asked: the default needs no support from the plugin
-            program_options["special_tokens_in_content"] = True
-        instance, name, self.artifact = build_instance(
-            model, device=device, features=features, max_concurrency=max_concurrency,
-            device_budget_bytes=device_budget_bytes, program_options=program_options, max_model_len=max_model_len,
-            verify=verify)
-        self._start(instance, name=name, max_concurrency=max_concurrency, max_queue=max_queue,
-                    max_model_len=max_model_len, device=device, prefill_chunk=prefill_chunk,
-                    bypass_limit=bypass_limit, pause_mode=pause_mode)
+        given = {"max_concurrency": max_concurrency, "max_queue": max_queue, "max_model_len": max_model_len,
+                 "prefill_chunk": prefill_chunk, "bypass_limit": bypass_limit, "pause_mode": pause_mode,
+                 "device": device, "verify": verify, "features": features,
+                 "device_budget_bytes": device_budget_bytes, "host_budget_bytes": host_budget_bytes,
+                 "dtype": dtype, "page_size": page_size, "num_pages": num_pages, "cuda_graphs": cuda_graphs,
+                 "pdl": pdl, "chat_template": chat_template, "special_tokens_in_content": special_tokens_in_content}
+        config = _config(config, given)
+        config = config.for_device(config.device or default_device())
+        instance, name, self.artifact = build_instance(model, config.startup_options(), verify=config.verify)
+        self._start(instance, name=name, config=config)
 
     @classmethod
-    def from_instance(cls, instance: ModelInstance, *, name: str | None = None, max_concurrency: int = 4,
-                      max_queue: int = 64, max_model_len: int | None = None, device: str | None = None,
-                      prefill_chunk: int = 512, bypass_limit: int | None = None,
-                      pause_mode: PauseChoice = "auto") -> Engine:
-        """An engine over an already built ModelInstance (its Program sized for ``max_concurrency``)."""
+    def from_instance(cls, instance: ModelInstance, *, config: EngineConfig | None = None, name: str | None = None,
+                      max_concurrency: int | None = None, max_queue: int | None = None,
+                      max_model_len: int | None = None, device: str | None = None, prefill_chunk: int | None = None,
+                      bypass_limit: int | None = None, pause_mode: PauseChoice | None = None) -> Engine:
+        """An engine over an already built ModelInstance (its Program sized for ``max_concurrency``).
+        Only the engine's own options apply: the model's startup options were the builder's to choose."""
+        config = _config(config, {"max_concurrency": max_concurrency, "max_queue": max_queue,
+                                  "max_model_len": max_model_len, "device": device, "prefill_chunk": prefill_chunk,
+                                  "bypass_limit": bypass_limit, "pause_mode": pause_mode})
+        if config.startup_fields_set():
+            raise ValueError(f"from_instance: the ModelInstance is already built; startup options "
+                             f"{', '.join(config.startup_fields_set())} do not apply to it")
         self = cls.__new__(cls)
         self.artifact = None
-        self._start(instance, name=name or instance.architecture, max_concurrency=max_concurrency,
-                    max_queue=max_queue, max_model_len=max_model_len, device=device, prefill_chunk=prefill_chunk,
-                    bypass_limit=bypass_limit, pause_mode=pause_mode)
+        self._start(instance, name=name or instance.architecture,
+                    config=config.for_device(config.device or default_device()))
         return self
 
-    def _start(self, instance: ModelInstance, *, name: str, max_concurrency: int, max_queue: int,
-               max_model_len: int | None, device: str | None, prefill_chunk: int, bypass_limit: int | None,
-               pause_mode: PauseChoice) -> None:
-        if instance.program is None:
+    def _start(self, instance: ModelInstance, *, name: str, config: EngineConfig) -> None:
+        program = instance.program
+        if program is None:
             raise ValueError("the ModelInstance has no Program; generation needs one")
-        slots = getattr(instance.program, "max_concurrency", None)
-        if slots is not None and slots < max_concurrency:
-            raise ValueError(f"the Program was built for {slots} concurrent sequences; the engine asks for "
-                             f"max_concurrency={max_concurrency}")
+        if program.max_concurrency < config.max_concurrency:
+            raise ValueError(f"the Program was built for {program.max_concurrency} concurrent sequences; the "
+                             f"engine asks for max_concurrency={config.max_concurrency}")
+        config = config.for_model(program.max_model_len)
         self.instance = instance
         self.model_name = name
         self.frontend = instance.frontend
-        self.max_concurrency = max_concurrency
-        limit = getattr(instance.program, "max_model_len", None) or getattr(instance.config, "max_model_len", None) \
-            or getattr(instance.config, "max_position_embeddings", None)
-        if max_model_len is None:
-            if limit is None:
-                raise ValueError("max_model_len is unknown: pass it, or let the Program declare max_model_len")
-            max_model_len = int(limit)
-        elif limit is not None and max_model_len > limit:
-            raise ValueError(f"max_model_len {max_model_len} exceeds the model's limit {limit}")
-        if max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
-        self.max_model_len = max_model_len
+        self.config = config
+        self.max_concurrency = config.max_concurrency
+        self.max_model_len = config.max_model_len
         self._defaults = self.frontend.sampling_defaults()
-        self._core = EngineCore(instance.program, self.frontend, max_concurrency=max_concurrency,
-                                max_queue=max_queue, max_model_len=max_model_len, prefill_chunk=prefill_chunk,
-                                bypass_limit=bypass_limit, pause_mode=pause_mode, device=device)
+        self._core = EngineCore(program, self.frontend, config)
 
     # -- requests ------------------------------------------------------------------------------------
     def submit(self, request: GenerationRequest) -> GenerationHandle:
         """Prepare and enqueue one request; raises RequestRejected (or EngineFailed / EngineClosed)."""
         core = self._core
-        core.check_open()
+        core.ingress.check_open()
         try:
             if not isinstance(request, GenerationRequest):
                 raise Unrepresentable(f"submit() takes a GenerationRequest, got {type(request).__name__}")
@@ -143,14 +127,15 @@ class Engine:
         submitted = time.monotonic()
 
         def make_record(ticket: int) -> RequestRecord:
-            channel = ResponseChannel(request_id, on_cancel=core.notify, on_release=core.release_outstanding)
+            channel = ResponseChannel(request_id, on_cancel=core.ingress.notify,
+                                      on_release=core.ingress.release_outstanding)
             return RequestRecord(
                 ticket=ticket, request=request, prompt=prompt, sampling=sampling, channel=channel, session=session,
                 submitted_at=submitted,
                 deadline_at=None if request.deadline_s is None else submitted + request.deadline_s,
                 queue_deadline_at=None if request.queue_timeout_s is None else submitted + request.queue_timeout_s)
 
-        return GenerationHandle(core.enqueue(make_record).channel)
+        return GenerationHandle(core.ingress.enqueue(make_record).channel)
 
     def _prepare(self, request: GenerationRequest) -> PreparedPrompt:
         try:
@@ -182,7 +167,7 @@ class Engine:
 
     @property
     def failed(self) -> bool:
-        return self._core.failed is not None
+        return self._core.ingress.failed is not None
 
     # -- lifetime ------------------------------------------------------------------------------------
     def close(self, *, drain: bool = False, timeout: float | None = None) -> None:
@@ -202,3 +187,16 @@ def _check_purpose(purpose: str) -> None:
     if purpose not in PURPOSES:
         raise ValueError(f"Engine purpose {purpose!r} is not a generation purpose; offline causal scoring "
                          f"runs through ninfer.engine.scoring, not the Generation scheduler")
+
+
+def _config(config: EngineConfig | None, given: dict[str, object]) -> EngineConfig:
+    """``config``, or one made from the keywords that were given (not both)."""
+    given = {k: v for k, v in given.items() if v is not None}
+    if config is None:
+        return EngineConfig(**given)
+    if given:
+        raise ValueError(f"pass the options in config= or as keywords, not both (got config= and "
+                         f"{', '.join(sorted(given))})")
+    if not isinstance(config, EngineConfig):
+        raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
+    return config

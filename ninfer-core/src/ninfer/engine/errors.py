@@ -71,3 +71,7 @@ class RequestFailed(EngineError):
 
     kind = "request_failed"
     http_status = 500
+
+
+class InvariantBroken(RuntimeError):
+    """Engine-internal state contradicts itself; the engine fails (never read as a cache miss)."""

@@ -144,6 +144,7 @@ def _generate(args: argparse.Namespace) -> int:
         SamplingParams,
         TextInput,
     )
+    from ninfer.contract.config import EngineConfig
     from ninfer.contract.events import merge_tool_call_fragments
     from ninfer.engine.engine import Engine
     from ninfer.engine.errors import EngineError
@@ -165,11 +166,11 @@ def _generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
-    options = {"max_concurrency": 1, "device": args.device, "max_model_len": args.max_model_len,
-               "chat_template": _template_arg(args.chat_template), "prefill_chunk": args.prefill_chunk,
-               "verify": not args.no_verify, "special_tokens_in_content": args.special_tokens_in_content or None}
+    config = EngineConfig(max_concurrency=1, device=args.device, max_model_len=args.max_model_len,
+                          chat_template=_template_arg(args.chat_template), prefill_chunk=args.prefill_chunk,
+                          verify=not args.no_verify, special_tokens_in_content=args.special_tokens_in_content)
     try:
-        with Engine(model, **{k: v for k, v in options.items() if v is not None}) as engine:
+        with Engine(model, config=config) as engine:
             check_max_tokens(args.max_tokens, engine.max_model_len)
             handle = engine.submit(GenerationRequest(input=request_input, sampling=sampling))
             return _stream(handle, sys.stdout, GenerationResult, OutputDelta, merge_tool_call_fragments,

@@ -12,10 +12,11 @@ from typing import Any
 
 import attrs
 
-from ninfer.contract.events import FinishReason, ToolCall
+from ninfer.contract.events import FinishReason, OutputDelta, ToolCall
 from ninfer.contract.model import OutputSession, SnapshotCost
 from ninfer.contract.prompt import PreparedPrompt
 from ninfer.contract.request import GenerationRequest, SamplingParams
+from ninfer.engine.errors import InvariantBroken
 from ninfer.engine.handle import ResponseChannel
 
 
@@ -51,10 +52,8 @@ class RequestRecord:
     content: list[str] = attrs.field(factory=list)
     reasoning: list[str] = attrs.field(factory=list)
     tool_calls: list[ToolCall] = attrs.field(factory=list)
-    started: bool = False          # GenerationStart published
     preemptions: int = 0
     bypassed: int = 0              # fresh admissions that overtook this request while it waited to resume
-    protected: bool = False        # the one protected recovery in progress
     # Timing (time.monotonic()).
     submitted_at: float = 0.0
     admitted_at: float | None = None
@@ -62,7 +61,6 @@ class RequestRecord:
     last_token_at: float | None = None
     deadline_at: float | None = None
     queue_deadline_at: float | None = None
-    cancel_reason: FinishReason | None = None
     frontend_error: BaseException | None = None  # the OutputSession failed on this request's output
 
     @property
@@ -76,3 +74,29 @@ class RequestRecord:
     @property
     def max_tokens(self) -> int | None:
         return self.sampling.max_tokens
+
+    def generation_room(self, max_model_len: int) -> int:
+        """Tokens this request may still generate: its budget and the context limit (never 0 when a unit runs)."""
+        room = max_model_len - len(self.prompt) - self.generated
+        if self.max_tokens is not None:
+            room = min(room, self.max_tokens - self.generated)
+        if room < 1:
+            raise InvariantBroken(f"request {self.request_id} ran a unit with no generation room left")
+        return room
+
+    def interrupted(self, now: float) -> FinishReason | None:
+        """CANCELLED once its consumer cancelled, DEADLINE once its deadline passed, else None."""
+        if self.channel.cancel_requested:
+            return FinishReason.CANCELLED
+        if self.deadline_at is not None and now >= self.deadline_at:
+            return FinishReason.DEADLINE
+        return None
+
+    def publish_output(self, delta: OutputDelta) -> None:
+        """Add committed output to what the final result reports, and publish it (nothing when it is empty)."""
+        if not (delta.content or delta.reasoning or delta.token_ids or delta.tool_calls or delta.logprobs):
+            return
+        self.content.append(delta.content)
+        self.reasoning.append(delta.reasoning)
+        self.tool_calls.extend(delta.tool_calls)
+        self.channel.publish(delta)

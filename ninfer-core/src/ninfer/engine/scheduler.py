@@ -24,10 +24,7 @@ from ninfer.engine.request import RequestRecord, RequestState
 
 class Scheduler:
     def __init__(self, *, max_concurrency: int, bypass_limit: int) -> None:
-        if not 1 <= max_concurrency <= 8:
-            raise ValueError(f"max_concurrency must be in 1..8, got {max_concurrency}")
-        if bypass_limit < 0:
-            raise ValueError(f"bypass_limit must be >= 0, got {bypass_limit}")
+        """Both come validated from ``EngineConfig``."""
         self.max_concurrency = max_concurrency
         self.bypass_limit = bypass_limit
         self.waiting: collections.deque[RequestRecord] = collections.deque()

@@ -71,21 +71,16 @@ def cmd_score(args: argparse.Namespace) -> int:
 
 
 def _score(args: argparse.Namespace, model: str, text: str) -> int:
-    import torch
-
-    from ninfer.contract.model import StartupFeatures
+    from ninfer.contract.config import StartupOptions
     from ninfer.contract.prompt import TextInput
+    from ninfer.engine.engine import default_device
     from ninfer.engine.scoring import CausalScoreCore
     from ninfer.engine.startup import build_instance
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    options = {"cuda_graphs": False}
-    if args.dtype:
-        options["dtype"] = args.dtype
+    device = args.device or default_device()
+    options = StartupOptions(device=device, max_concurrency=1, dtype=args.dtype, cuda_graphs=False)
     # the artifact stays referenced while scoring: loaded weights may borrow its mapping
-    instance, name, artifact = build_instance(model, device=device, features=StartupFeatures(),
-                                              max_concurrency=1, device_budget_bytes=None,
-                                              program_options=options, host=args.host, verify=not args.no_verify)
+    instance, name, artifact = build_instance(model, options, host=args.host, verify=not args.no_verify)
     program = instance.program
     ids = instance.frontend.prepare(TextInput(text=text)).token_ids
     window = args.window if args.window is not None else min(DEFAULT_WINDOW, program.max_model_len)
@@ -102,9 +97,8 @@ def _score(args: argparse.Namespace, model: str, text: str) -> int:
             "token_logprobs": [None, *result.logprobs]}))
         return 0
     if args.tokens:
-        decode = instance.frontend.tokenizer.decode if hasattr(instance.frontend, "tokenizer") else str
         for tok, lp in zip(ids[1:], result.logprobs, strict=True):
-            print(f"{tok:>8}  {lp:>10.4f}  {decode([tok])!r}")
+            print(f"{tok:>8}  {lp:>10.4f}  {instance.frontend.token_text(tok)!r}")
     print(f"model       {name}")
     print(f"tokens      {len(ids)} ({result.num_scored} scored in {result.windows} window(s) of {core.window}, "
           f"stride {core.stride})")

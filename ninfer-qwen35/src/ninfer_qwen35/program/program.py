@@ -33,7 +33,8 @@ class Qwen35Program(PagedProgram):
         """``model``: a ``Qwen35Model``. ``state_layout`` / ``kv_pool``: ``ninfer_qwen35.state``'s. ``cuda_graphs``:
         capture decode graphs on CUDA. ``static_decode``: without graphs, still decode through the graphs'
         static input buffers (checks that input path on CPU). ``pdl``: launch this Program's Triton kernels
-        with programmatic dependent launch (``ops.triton._pdl``)."""
+        with programmatic dependent launch (``ops.triton._pdl``). ``max_concurrency`` comes validated from
+        ``StartupOptions`` (1..8)."""
         super().__init__(state_layout=state_layout, kv_pool=kv_pool, device=device, max_concurrency=max_concurrency,
                          num_pages=num_pages, kv_dtype=kv_dtype, vocab_size=vocab_size,
                          host_budget_bytes=host_budget_bytes, sampling_defaults=sampling_defaults,

@@ -25,6 +25,7 @@ import attrs
 import torch
 
 from ninfer.contract.batch import LaunchedUnit, PendingBatch, PendingBatchError, RowDecision
+from ninfer.contract.config import MAX_CONCURRENCY
 from ninfer.contract.model import PauseMode, ResourceUsage, SnapshotCost
 from ninfer.contract.prompt import PreparedPrompt
 from ninfer.contract.request import SamplingParams
@@ -71,8 +72,8 @@ class PagedProgram(abc.ABC):
                  host_budget_bytes: int = 0, sampling_defaults: SamplingParams | None = None,
                  max_model_len: int | None = None, pdl: bool = False) -> None:
         """``pdl``: launch this Program's Triton kernels with programmatic dependent launch (``ops.triton._pdl``)."""
-        if not 1 <= max_concurrency <= 64:
-            raise ValueError(f"max_concurrency must be in 1..64, got {max_concurrency}")
+        if not 1 <= max_concurrency <= MAX_CONCURRENCY:  # StartupOptions validated it; a direct build too
+            raise ValueError(f"max_concurrency must be in 1..{MAX_CONCURRENCY}, got {max_concurrency}")
         self.id = next(_program_ids)
         self.pdl = pdl
         self.device = Device.parse(device)

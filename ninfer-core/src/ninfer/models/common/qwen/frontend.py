@@ -125,6 +125,10 @@ class QwenFrontend:
     def sampling_defaults(self) -> SamplingParams:
         return self._defaults
 
+    def token_text(self, token_id: int) -> str:
+        """One token decoded on its own (a partial UTF-8 sequence shows as U+FFFD)."""
+        return self.tokenizer.decode([token_id])
+
     def open_session(self, prompt: PreparedPrompt, sampling: SamplingParams) -> QwenOutputSession:
         self.tokenizer.check_ids(sampling.stop_token_ids)
         stop_ids = set(sampling.stop_token_ids)

@@ -1,0 +1,198 @@
+"""Typed configuration: what an Engine starts with, and what it asks of a model's native Startup.
+
+``EngineConfig`` holds every choice ``ninfer.Engine`` takes (its keyword arguments build one).
+``StartupOptions`` is the part a plugin's Startup receives, ``build(artifact, options)``: the same
+fields, with the device fixed. Both are frozen and validated once, when made; a bad value is a
+``ValueError`` naming the field. A field both classes hold has its default and rule written once
+(``_SHARED``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+import attrs
+
+MAX_CONCURRENCY = 8  # the widest decode batch an engine runs (exact-B graphs are captured for 1..this)
+DTYPES = ("float32", "bfloat16", "float16")
+PAUSE_CHOICES = ("auto", "snapshot", "replay")
+PauseChoice = Literal["auto", "snapshot", "replay"]
+_DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+
+
+@attrs.frozen(kw_only=True)
+class StartupFeatures:
+    """Features selected at startup: Text is always on; Vision optional; none or one spec backend."""
+
+    vision: bool = False
+    speculative: Literal["mtp", "dflash", "dflash2"] | None = None
+
+
+def default_prefill_chunk(device: str) -> int:
+    """Prompt tokens per prefill unit when none is given. On a GPU, 2048: a 9B chunk then runs the matmuls
+    near their peak rate (512 reached 21 % of it on the H200, 4096 75 %) while a decode row waits at most one
+    chunk (about 55 ms at 9B); on the CPU, 512 keeps other rows' inter-token gaps short."""
+    return 2048 if device.startswith("cuda") else 512
+
+
+# -- validators (each error names the field) -------------------------------------------------------
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_range(lo: int, hi: int | None = None, *, optional: bool = False):
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if value is None and optional:
+            return
+        bound = f"in {lo}..{hi}" if hi is not None else f">= {lo}"
+        if not _integer(value):
+            raise ValueError(f"{attribute.name} must be an integer {bound}{' (or None)' if optional else ''}, "
+                             f"got {value!r}")
+        if value < lo or (hi is not None and value > hi):
+            raise ValueError(f"{attribute.name} must be {bound}, got {value!r}")
+    return check
+
+
+def _choice(options: tuple[Any, ...], *, optional: bool = False):
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if (value is None and optional) or value in options:
+            return
+        raise ValueError(f"{attribute.name} must be one of {', '.join(map(str, options))}"
+                         f"{' (or None)' if optional else ''}, got {value!r}")
+    return check
+
+
+def _flag(*, optional: bool = False):
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if not (isinstance(value, bool) or (value is None and optional)):
+            raise ValueError(f"{attribute.name} must be True or False{' (or None)' if optional else ''}, "
+                             f"got {value!r}")
+    return check
+
+
+def _device(*, optional: bool):
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if value is None and optional:
+            return
+        if not isinstance(value, str) or not _DEVICE.match(value):
+            raise ValueError(f"{attribute.name} must be 'cpu', 'cuda' or 'cuda:N'"
+                             f"{' (or None: cuda when available)' if optional else ''}, got {value!r}")
+    return check
+
+
+def _text(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{attribute.name} must be a string (or None), got {value!r}")
+
+
+def _features(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, StartupFeatures):
+        raise ValueError(f"{attribute.name} must be a StartupFeatures, got {value!r}")
+
+
+# -- the fields both classes share: one default and one rule each -------------------------------------
+_SHARED: dict[str, tuple[Any, Any]] = {
+    "max_concurrency": (4, _int_range(1, MAX_CONCURRENCY)),
+    "max_model_len": (None, _int_range(2, optional=True)),
+    # the model-side knobs (mean nothing to an already built model)
+    "features": (StartupFeatures(), _features),
+    "device_budget_bytes": (None, _int_range(1, optional=True)),
+    "host_budget_bytes": (None, _int_range(0, optional=True)),
+    "dtype": (None, _choice(DTYPES, optional=True)),
+    "page_size": (16, _int_range(1)),
+    "num_pages": (None, _int_range(1, optional=True)),
+    "cuda_graphs": (True, _flag()),
+    "pdl": (None, _flag(optional=True)),
+    "chat_template": (None, _text),
+    "special_tokens_in_content": (False, _flag()),
+}
+MODEL_KNOBS = tuple(_SHARED)[2:]
+
+
+def _shared(name: str) -> Any:
+    default, check = _SHARED[name]
+    return attrs.field(default=default, validator=check)
+
+
+@attrs.frozen(kw_only=True)
+class StartupOptions:
+    """What the engine asks of a native Startup. ``device`` is fixed ("cpu", "cuda", "cuda:N").
+
+    ``max_model_len``: None lets the model use its limit. ``device_budget_bytes``: None takes the device's
+    memory (``NINFER_VRAM_BUDGET_MIB`` caps it). ``host_budget_bytes``: host bytes paused Snapshots may hold
+    (None: the model's default, ``NINFER_HOST_BUDGET_MIB`` sets it). ``dtype``: compute dtype (None: the
+    artifact's). ``page_size`` / ``num_pages``: KV positions per page and pages (None: sized from the
+    budget). ``cuda_graphs``: capture decode graphs on CUDA. ``pdl``: programmatic dependent launch (None:
+    the model decides, ``ninfer.ops.triton._pdl.prefers_pdl``). ``chat_template``: overrides the artifact's.
+    ``special_tokens_in_content``: special-token strings in chat messages are read as control tokens.
+    """
+
+    device: str = attrs.field(validator=_device(optional=False))
+    max_concurrency: int = _shared("max_concurrency")
+    max_model_len: int | None = _shared("max_model_len")
+    features: StartupFeatures = _shared("features")
+    device_budget_bytes: int | None = _shared("device_budget_bytes")
+    host_budget_bytes: int | None = _shared("host_budget_bytes")
+    dtype: str | None = _shared("dtype")
+    page_size: int = _shared("page_size")
+    num_pages: int | None = _shared("num_pages")
+    cuda_graphs: bool = _shared("cuda_graphs")
+    pdl: bool | None = _shared("pdl")
+    chat_template: str | None = _shared("chat_template")
+    special_tokens_in_content: bool = _shared("special_tokens_in_content")
+
+
+@attrs.frozen(kw_only=True)
+class EngineConfig:
+    """Everything ``ninfer.Engine`` is started with (see docs/engine.md, "Configuration").
+
+    Engine fields: ``max_concurrency`` (resident requests, 1..8), ``max_queue`` (waiting places beyond
+    them), ``max_model_len`` (None: the model's limit), ``prefill_chunk`` (prompt tokens per prefill unit;
+    None: ``default_prefill_chunk(device)``), ``bypass_limit`` (fresh admissions that may overtake one paused
+    request; default ``max_concurrency``), ``pause_mode`` (auto: Snapshot when host room allows, else
+    Replay), ``device`` (None: cuda when available, else cpu), ``verify`` (check the artifact's checksums
+    as it is read). The rest are the model's startup options (``StartupOptions``).
+    """
+
+    max_concurrency: int = _shared("max_concurrency")
+    max_queue: int = attrs.field(default=64, validator=_int_range(0))
+    max_model_len: int | None = _shared("max_model_len")
+    prefill_chunk: int | None = attrs.field(default=None, validator=_int_range(1, optional=True))
+    bypass_limit: int = attrs.field(default=attrs.Factory(lambda self: self.max_concurrency, takes_self=True),
+                                    validator=_int_range(0))
+    pause_mode: PauseChoice = attrs.field(default="auto", validator=_choice(PAUSE_CHOICES))
+    device: str | None = attrs.field(default=None, validator=_device(optional=True))
+    verify: bool = attrs.field(default=True, validator=_flag())
+    features: StartupFeatures = _shared("features")
+    device_budget_bytes: int | None = _shared("device_budget_bytes")
+    host_budget_bytes: int | None = _shared("host_budget_bytes")
+    dtype: str | None = _shared("dtype")
+    page_size: int = _shared("page_size")
+    num_pages: int | None = _shared("num_pages")
+    cuda_graphs: bool = _shared("cuda_graphs")
+    pdl: bool | None = _shared("pdl")
+    chat_template: str | None = _shared("chat_template")
+    special_tokens_in_content: bool = _shared("special_tokens_in_content")
+
+    def for_device(self, device: str) -> EngineConfig:
+        """This configuration on ``device``, with ``prefill_chunk`` fixed (the device's default when unset)."""
+        chunk = self.prefill_chunk if self.prefill_chunk is not None else default_prefill_chunk(device)
+        return attrs.evolve(self, device=device, prefill_chunk=chunk)
+
+    def for_model(self, limit: int) -> EngineConfig:
+        """This configuration with ``max_model_len`` fixed: the model's ``limit`` when unset; above it is an error."""
+        if self.max_model_len is not None and self.max_model_len > limit:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's limit {limit}")
+        return attrs.evolve(self, max_model_len=self.max_model_len if self.max_model_len is not None else limit)
+
+    def startup_options(self) -> StartupOptions:
+        """What the model's Startup receives; needs the device fixed (``for_device``)."""
+        if self.device is None:
+            raise ValueError("startup options need a device: call EngineConfig.for_device first")
+        return StartupOptions(**{f.name: getattr(self, f.name) for f in attrs.fields(StartupOptions)})
+
+    def startup_fields_set(self) -> tuple[str, ...]:
+        """Model-side options that differ from their defaults (they mean nothing to an already built model)."""
+        return tuple(name for name in MODEL_KNOBS if getattr(self, name) != _SHARED[name][0])
+
