@@ -47,7 +47,7 @@ def converted(request, tmp_path_factory):
     return hf, root / "tiny.ninfer"
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def make_qwen3_checkpoint():
     """``write_qwen3_checkpoint`` for tests that write their own."""
     return write_qwen3_checkpoint

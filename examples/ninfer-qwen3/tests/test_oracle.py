@@ -12,11 +12,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from ninfer.artifact import load_weights, open_artifact  # noqa: E402
+from ninfer.core.forward_batch import ForwardBatch, PagedKVViews  # noqa: E402
 from ninfer_qwen3.config import parse_config  # noqa: E402
 from ninfer_qwen3.model import Qwen3Model, Qwen3Parameters, kv_pool  # noqa: E402
-
-# The batch type Programs hand to model code; it moves into ninfer-core (issue 16, item 1).
-from ninfer_qwen35.execution.forward_batch import ForwardBatch  # noqa: E402
 
 ATOL = 1e-4
 PAGE_SIZE, PAGES_PER_SEQ = 4, 8
@@ -31,10 +29,11 @@ def ours(converted):
     return hf, Qwen3Model(Qwen3Parameters.from_weights(config, weights, torch.float32))
 
 
-def kv_caches(model: Qwen3Model, num_seqs: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def kv_caches(model: Qwen3Model, num_seqs: int) -> PagedKVViews:
     spec = kv_pool(model.config, page_size=PAGE_SIZE, dtype="float32")
     shape = (num_seqs * PAGES_PER_SEQ, spec.page_size, spec.kv_heads, spec.head_dim)
-    return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(spec.layers)]
+    return PagedKVViews(kv=[(torch.zeros(shape), torch.zeros(shape)) for _ in range(spec.layers)],
+                        page_size=PAGE_SIZE)
 
 
 def make_batch(chunks: list[tuple[list[int], int]]) -> ForwardBatch:

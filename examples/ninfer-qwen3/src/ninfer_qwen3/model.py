@@ -2,20 +2,21 @@
 
 Every layer is attention: RMSNorm (plain weight) -> q/k/v (one fused matmul) -> per-head q/k RMSNorm ->
 rotary embedding over the whole head -> K/V stored in the paged cache -> causal paged attention -> o_proj,
-then RMSNorm -> SwiGLU MLP. The cache of layer i is ``kv[i] = (k_cache, v_cache)``, each
+then RMSNorm -> SwiGLU MLP. The cache of layer i is ``views.kv[i] = (k_cache, v_cache)``, each
 [num_pages, page_size, kv_heads, head_dim], addressed by the batch's ``block_tables`` and ``slot_mapping``.
+Qwen3 keeps no recurrent state, so its StateImage has no fields.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator
 
 import attrs
 import torch
 import torch.nn.functional as F
 
-from ninfer.contract import KVPoolSpec
+from ninfer.contract import KVPoolSpec, StateImageLayout
+from ninfer.core.forward_batch import ForwardBatch, PagedKVViews
 from ninfer.models.common.weights import WeightSet
 from ninfer.ops import (
     add_rms_norm,
@@ -30,7 +31,10 @@ from ninfer.ops import (
 from ninfer_qwen3.config import Qwen3Config
 from ninfer_qwen3.source_mapping import EMBED, expected_parameters
 
-KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
+
+def state_layout(config: Qwen3Config) -> StateImageLayout:
+    """Plugin slot ``state_layout``: no recurrent state (a slot is only a sequence's identity)."""
+    return StateImageLayout(fields=())
 
 
 def kv_pool(config: Qwen3Config, *, page_size: int = 16, dtype: str = "bfloat16") -> KVPoolSpec:
@@ -86,6 +90,11 @@ class Qwen3Parameters:
         return cls(config=config, embed=embed, final_norm=w("model.norm.weight"), layers=layers,
                    lm_head=embed if config.tie_word_embeddings else w("lm_head.weight"))
 
+    def tensors(self) -> Iterator[torch.Tensor]:
+        yield from (self.embed, self.final_norm, self.lm_head)
+        for layer in self.layers:
+            yield from attrs.astuple(layer, recurse=False)
+
 
 class Qwen3Model:
     """The fixed model calls over prepared Parameters; K/V live in the caches passed in."""
@@ -95,9 +104,9 @@ class Qwen3Model:
         self.config = params.config
 
     @torch.inference_mode()
-    def forward(self, batch: Any, kv: KVCaches) -> torch.Tensor:
-        """Final-normed hidden [N, H] of every new token of ``batch`` (a ``ForwardBatch``); writes their K/V."""
-        c, p, eps = self.config, self.params, self.config.rms_norm_eps
+    def forward(self, batch: ForwardBatch, views: PagedKVViews) -> torch.Tensor:
+        """Final-normed hidden [N, H] of every new token of ``batch``; writes their K/V into ``views``."""
+        c, p, eps, kv = self.config, self.params, self.config.rms_norm_eps, views.kv
         if len(kv) != c.num_hidden_layers:
             raise ValueError(f"{len(kv)} KV caches given for {c.num_hidden_layers} layers")
         x = F.embedding(batch.input_ids, p.embed)  # the residual stream
@@ -110,7 +119,7 @@ class Qwen3Model:
             h, x = add_rms_norm(linear(swiglu(h, layer.gate_up), layer.down), x, next_norm, eps, one_plus=False)
         return h
 
-    def _attention(self, layer: LayerParams, h: torch.Tensor, batch: Any, cos: torch.Tensor, sin: torch.Tensor,
+    def _attention(self, layer: LayerParams, h: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         c, N, d = self.config, h.shape[0], self.config.head_dim
         nh, kvh = c.num_attention_heads, c.num_key_value_heads

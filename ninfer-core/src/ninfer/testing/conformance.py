@@ -51,10 +51,18 @@ def check_architecture(name: str, *, sample_config: dict[str, Any] | None = None
             raise ConformanceError(f"architecture {name!r} provides no config parser")
         config = spec.load("config")(sample_config)
         if spec.state_layout is not None:
-            layout = spec.load("state_layout")(config)
-            if not isinstance(layout, StateImageLayout) or layout.nbytes_per_slot <= 0:
-                raise ConformanceError(f"{name}.state_layout returned {layout!r}, not a non-empty StateImageLayout")
+            _check_state_layout(name, spec.load("state_layout")(config))
     _check_protocol_classes(spec)
+
+
+def _check_state_layout(name: str, layout: Any) -> None:
+    """A StateImageLayout whose every field holds bytes. No fields is valid: an attention-only model keeps no
+    recurrent state, its slots are sequence identities with zero-byte images (docs/program.md, "Stores")."""
+    if not isinstance(layout, StateImageLayout):
+        raise ConformanceError(f"{name}.state_layout returned {layout!r}, not a StateImageLayout")
+    empty = [f.name for f in layout.fields if f.nbytes_per_layer == 0]
+    if empty:
+        raise ConformanceError(f"{name}.state_layout fields {empty} hold no bytes (a shape with a zero extent)")
 
 
 def _check_protocol_classes(spec) -> None:
