@@ -15,6 +15,7 @@ from ninfer.plugins import make_plugin_host
 
 pytest.importorskip("transformers")
 from ninfer.artifact import open_artifact  # noqa: E402
+from ninfer.core.device_plan import PlanError  # noqa: E402
 from ninfer_qwen35.startup import StartupError, build  # noqa: E402
 from ninfer_qwen35.testing.checkpoints import convert_tiny, make_tiny_checkpoint  # noqa: E402
 
@@ -60,7 +61,7 @@ def test_capacity_from_budget_and_clear_refusals(artifact_path, monkeypatch):
         assert plan.kv_bytes <= (64 << 20) - plan.weight_bytes - plan.state_bytes - plan.workspace_bytes
         assert plan.max_model_len == min(4096, plan.kv_pages * plan.page_size)
         assert plan.dtype == "bfloat16"  # the artifact's dtype by default
-        with pytest.raises(StartupError, match="no room for KV pages"):
+        with pytest.raises(PlanError, match="no room for KV pages"):
             build(art, StartupOptions(device="cpu", max_concurrency=1, device_budget_bytes=1 << 20))
         with pytest.raises(StartupError, match="Vision is not implemented"):
             build(art, StartupOptions(device="cpu", features=StartupFeatures(vision=True)))

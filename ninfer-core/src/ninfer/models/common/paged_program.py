@@ -97,7 +97,7 @@ class PagedProgram(abc.ABC):
         self._seqs = self.sequences.records  # read on every step
         self.paused = PausedStates(self.id, self.states, self.pool, host_budget_bytes)
         self.sampler = Sampler(self.device.torch)
-        self.plan: Any = None  # the Startup's CapacityPlan, when built by Startup
+        self.plan: Any = None  # the Startup's DevicePlan, when built by a Startup
         self.graphs: DecodeGraphs | None = None
         self.graph_error: str | None = None
 
