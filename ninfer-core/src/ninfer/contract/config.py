@@ -30,9 +30,9 @@ class StartupFeatures:
 
 
 def default_prefill_chunk(device: str) -> int:
-    """Prompt tokens per prefill unit when none is given. On a GPU, 2048: a 9B chunk then runs the matmuls
-    near their peak rate (512 reached 21 % of it on the H200, 4096 75 %) while a decode row waits at most one
-    chunk (about 55 ms at 9B); on the CPU, 512 keeps other rows' inter-token gaps short."""
+    """Prompt tokens per prefill unit when none is given. On a GPU, 2048: long enough for the prefill matmuls to
+    run near their peak rate, short enough that a decode row waits at most one chunk (docs/performance.md,
+    "Prefill chunk"); on the CPU, 512 keeps other rows' inter-token gaps short."""
     return 2048 if device.startswith("cuda") else 512
 
 
