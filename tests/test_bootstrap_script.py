@@ -36,7 +36,8 @@ def checkout(tmp_path):
     """A scratch checkout with the real script and the files its stamp hashes."""
     (tmp_path / "scripts").mkdir()
     shutil.copy(ROOT / "scripts" / "bootstrap", tmp_path / "scripts" / "bootstrap")
-    for rel in ("requirements/dev.txt", "ninfer-core/pyproject.toml", "tests/example_plugin/pyproject.toml"):
+    for rel in ("requirements/dev.txt", "ninfer-core/pyproject.toml", "tests/example_plugin/pyproject.toml",
+                "examples/ninfer-qwen3/pyproject.toml"):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(f"# {rel}\n")
     fake = tmp_path / "fake-python"
