@@ -647,9 +647,20 @@ def _terminated(signum, frame):
 def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, _terminated)
     _import_paths()
-    extra = [m for m in os.environ.get("NINFER_EXTRA_PLUGINS", "").split(",") if m]
+    before = os.environ.get("NINFER_EXTRA_PLUGINS")
+    extra = [m for m in (before or "").split(",") if m]
     if "ninfer_qwen35.plugin" not in extra:  # no package metadata on the GPU machine
         os.environ["NINFER_EXTRA_PLUGINS"] = ",".join([*extra, "ninfer_qwen35.plugin"])
+    try:
+        return _run(argv)
+    finally:  # an in-process run (the smoke test) leaves the environment as it found it
+        if before is None:
+            os.environ.pop("NINFER_EXTRA_PLUGINS", None)
+        else:
+            os.environ["NINFER_EXTRA_PLUGINS"] = before
+
+
+def _run(argv) -> int:
     args = parse_args(argv)
     if (err := _validate(args)) is not None:
         print(f"bench: {err}", file=sys.stderr)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import random
 
 import pytest
@@ -191,3 +192,15 @@ def test_gpu_only_report_paths_format_a_9b_result():
     assert "Peak device memory 20.00 GiB" in text and "device busy 4.600 ms/step" in text
     assert "Profile B=8 failed" in text and "## 0.8b: FAILED: OOM" in text
     assert "target prefill_4096_mfu >= 0.5: measured 0.61 -> met" in text
+
+
+def test_an_in_process_run_leaves_the_plugin_environment_as_it_was(monkeypatch):
+    """bench.main registers the Qwen3.5 plugin through NINFER_EXTRA_PLUGINS for its own run only."""
+    from benchmarks import bench
+
+    monkeypatch.delenv("NINFER_EXTRA_PLUGINS", raising=False)
+    assert bench.main(["--shape", "tiny", "--device", "cpu", "--batches", "0"]) == 2  # refused arguments
+    assert "NINFER_EXTRA_PLUGINS" not in os.environ
+    monkeypatch.setenv("NINFER_EXTRA_PLUGINS", "x")
+    bench.main(["--shape", "tiny", "--device", "cpu", "--batches", "0"])
+    assert os.environ["NINFER_EXTRA_PLUGINS"] == "x"
