@@ -101,6 +101,9 @@ REGISTRY: tuple[EnvVar, ...] = (
                    "the other bound"),
     EnvVar(name="NINFER_HOST_BUDGET_MIB", kind="MiB", default=None, parse=_mib,
            meaning="host bytes paused requests' Snapshots may hold (unset: the model's default)"),
+    EnvVar(name="NINFER_CACHE_HOST_BUDGET_MIB", kind="MiB", default=None, parse=_mib,
+           meaning="pinned host bytes the context cache's checkpoint replicas may hold (unset: the model's "
+                   "default)"),
     EnvVar(name="NINFER_API_KEY", kind="text", default=None, parse=_text, scope="serve",
            meaning="`ninfer serve --api-key`, kept out of the process list (the flag wins)"),
     EnvVar(name="NINFER_SERVE_TEST_DEVICE", kind="text", default="cpu", parse=_text, scope="testing",

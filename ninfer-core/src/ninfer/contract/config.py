@@ -95,10 +95,13 @@ def _features(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
 _SHARED: dict[str, tuple[Any, Any]] = {
     "max_concurrency": (4, _int_range(1, MAX_CONCURRENCY)),
     "max_model_len": (None, _int_range(2, optional=True)),
+    "context_cache": (True, _flag()),
     # the model-side knobs (mean nothing to an already built model)
     "features": (StartupFeatures(), _features),
     "device_budget_bytes": (None, _int_range(1, optional=True)),
     "host_budget_bytes": (None, _int_range(0, optional=True)),
+    "checkpoint_slots": (None, _int_range(0, optional=True)),
+    "cache_host_budget_bytes": (None, _int_range(0, optional=True)),
     "dtype": (None, _choice(DTYPES, optional=True)),
     "page_size": (16, _int_range(1)),
     "num_pages": (None, _int_range(1, optional=True)),
@@ -107,7 +110,7 @@ _SHARED: dict[str, tuple[Any, Any]] = {
     "chat_template": (None, _text),
     "special_tokens_in_content": (False, _flag()),
 }
-MODEL_KNOBS = tuple(_SHARED)[2:]
+MODEL_KNOBS = tuple(_SHARED)[3:]
 
 
 def _shared(name: str) -> Any:
@@ -126,14 +129,21 @@ class StartupOptions:
     budget). ``cuda_graphs``: capture decode graphs on CUDA. ``pdl``: programmatic dependent launch (None:
     the model decides, ``ninfer.ops.triton._pdl.prefers_pdl``). ``chat_template``: overrides the artifact's.
     ``special_tokens_in_content``: special-token strings in chat messages are read as control tokens.
+    ``context_cache``: build the checkpoint store (prefix reuse, session continuations); ``checkpoint_slots``:
+    device StateImage slots for checkpoints (None: sized from the budget; 0 keeps checkpoints on the host
+    only); ``cache_host_budget_bytes``: pinned host bytes for checkpoint replicas (None: the model's
+    default, ``NINFER_CACHE_HOST_BUDGET_MIB`` sets it).
     """
 
     device: str = attrs.field(validator=_device(optional=False))
     max_concurrency: int = _shared("max_concurrency")
     max_model_len: int | None = _shared("max_model_len")
+    context_cache: bool = _shared("context_cache")
     features: StartupFeatures = _shared("features")
     device_budget_bytes: int | None = _shared("device_budget_bytes")
     host_budget_bytes: int | None = _shared("host_budget_bytes")
+    checkpoint_slots: int | None = _shared("checkpoint_slots")
+    cache_host_budget_bytes: int | None = _shared("cache_host_budget_bytes")
     dtype: str | None = _shared("dtype")
     page_size: int = _shared("page_size")
     num_pages: int | None = _shared("num_pages")
@@ -152,7 +162,9 @@ class EngineConfig:
     None: ``default_prefill_chunk(device)``), ``bypass_limit`` (fresh admissions that may overtake one paused
     request; default ``max_concurrency``), ``pause_mode`` (auto: Snapshot when host room allows, else
     Replay), ``device`` (None: cuda when available, else cpu), ``verify`` (check the artifact's checksums
-    as it is read). The rest are the model's startup options (``StartupOptions``).
+    as it is read), ``context_cache`` (reuse checkpointed prefixes and session continuations; on by default),
+    ``checkpoint_grid`` (prompt positions between checkpoints inside a long prompt; None: the prefill chunk).
+    The rest are the model's startup options (``StartupOptions``).
     """
 
     max_concurrency: int = _shared("max_concurrency")
@@ -164,9 +176,13 @@ class EngineConfig:
     pause_mode: PauseChoice = attrs.field(default="auto", validator=_choice(PAUSE_CHOICES))
     device: str | None = attrs.field(default=None, validator=_device(optional=True))
     verify: bool = attrs.field(default=True, validator=_flag())
+    context_cache: bool = _shared("context_cache")
+    checkpoint_grid: int | None = attrs.field(default=None, validator=_int_range(1, optional=True))
     features: StartupFeatures = _shared("features")
     device_budget_bytes: int | None = _shared("device_budget_bytes")
     host_budget_bytes: int | None = _shared("host_budget_bytes")
+    checkpoint_slots: int | None = _shared("checkpoint_slots")
+    cache_host_budget_bytes: int | None = _shared("cache_host_budget_bytes")
     dtype: str | None = _shared("dtype")
     page_size: int = _shared("page_size")
     num_pages: int | None = _shared("num_pages")

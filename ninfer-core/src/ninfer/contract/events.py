@@ -55,6 +55,7 @@ def merge_tool_call_fragments(fragments) -> tuple[ToolCall, ...]:
 class GenerationStart:
     request_id: str
     prompt_tokens: int
+    cached_tokens: int = 0  # prompt tokens restored from the context cache instead of computed
 
 
 @attrs.frozen(kw_only=True)
@@ -72,6 +73,7 @@ class OutputDelta:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # of prompt_tokens, restored from the context cache (OpenAI prompt_tokens_details)
 
     @property
     def total_tokens(self) -> int:

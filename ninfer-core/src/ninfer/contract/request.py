@@ -48,7 +48,9 @@ class GenerationRequest:
     """One generation request. ``input`` is raw text/token ids, a chat, or an already PreparedPrompt.
 
     ``deadline_s`` is a wall-clock budget from submission; ``queue_timeout_s`` bounds
-    time spent waiting for admission.
+    time spent waiting for admission. ``session_key`` (OpenAI ``prompt_cache_key``) names the conversation:
+    the context cache looks up its latest continuation first. ``context_cache=False``: the request neither
+    restores from nor saves into the context cache (serve warmup).
     """
 
     input: TextInput | ChatInput | PreparedPrompt
@@ -57,3 +59,4 @@ class GenerationRequest:
     queue_timeout_s: float | None = attrs.field(default=None, validator=v.optional([finite, v.gt(0.0)]))
     request_id: str | None = None
     session_key: str | None = None
+    context_cache: bool = True

@@ -69,6 +69,14 @@ class EngineMetrics:
     requests_rejected: dict[str, int]
     kv_pages_used: int
     kv_pages_total: int
+    # Context cache (vLLM's prefix_cache_queries / _hits count tokens): prompt tokens of requests that looked
+    # up the cache, and of those the tokens restored; checkpoints held now, and evictions by where they went.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    checkpoints: int = 0
+    checkpoint_device_bytes: int = 0
+    checkpoint_host_bytes: int = 0
+    cache_evictions: dict[str, int] = attrs.field(factory=dict)  # "host" (demoted) / "dropped"
     ttft: HistogramSnapshot
     inter_token: HistogramSnapshot
     queue_time: HistogramSnapshot
