@@ -9,6 +9,7 @@ from ninfer.core.device import Device
 from ninfer.core.kv_pool import PagedKVPool
 from ninfer.core.state_store import StateImageStorage
 from ninfer.models.common.context import (
+    KVHistoryStore,
     PausedStates,
     ProgramError,
     RowSampling,
@@ -23,7 +24,7 @@ SPEC = KVPoolSpec(name="main", layers=2, kv_heads=1, head_dim=2, dtype="float32"
 def _store(fields=(StateField(name="h", dtype="float32", shape=(4,), layers=1),), budget=1 << 20):
     states = StateImageStorage(StateImageLayout(fields=fields), 2, CPU)
     pool = PagedKVPool(SPEC, 6, CPU)
-    return PausedStates(7, states, pool, budget), states, pool
+    return PausedStates(7, states, KVHistoryStore(pool), budget), states, pool
 
 
 def _resident(states, pool, computed=6) -> SequenceRecord:
@@ -77,7 +78,7 @@ def test_replay_demote_discard_and_budget():
     other = store.pause(back, "replay")
     store.discard(other)
     with pytest.raises(ProgramError, match="not produced by this Program"):
-        PausedStates(8, states, pool, 0).discard(other)
+        PausedStates(8, states, KVHistoryStore(pool), 0).discard(other)
 
 
 def test_resume_waits_for_room_and_keeps_the_state():

@@ -10,7 +10,7 @@ from ninfer.contract.state import KVPoolSpec, StateField, StateImageLayout
 from ninfer.core.device import Device
 from ninfer.core.kv_pool import PagedKVPool
 from ninfer.core.state_store import StateImageStorage
-from ninfer.models.common.context import ProgramError, SequencePages, SequenceTable
+from ninfer.models.common.context import ProgramError, KVHistoryStore, SequenceTable
 
 CPU = Device("cpu")
 SPEC = KVPoolSpec(name="main", layers=1, kv_heads=1, head_dim=2, dtype="float32", page_size=4)
@@ -21,7 +21,7 @@ GREEDY = SamplingParams(temperature=0.0)
 def _table(layout=StateImageLayout(fields=()), slots=2, pages=8, max_model_len=20):
     states = StateImageStorage(layout, slots, CPU)
     pool = PagedKVPool(SPEC, pages, CPU)
-    return SequenceTable(states, SequencePages(pool), max_model_len=max_model_len, vocab_size=10), states, pool
+    return SequenceTable(states, KVHistoryStore(pool), max_model_len=max_model_len, vocab_size=10), states, pool
 
 
 def _prefilled(table, tokens=(1, 2, 3, 4, 5)) -> int:

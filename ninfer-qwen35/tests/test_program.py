@@ -319,7 +319,8 @@ def test_failed_unit_rolls_back_and_recovers(tiny):
 
 
 def test_fork_shares_pages_copy_on_write(tiny):
-    """A fork shares the KV pages of the committed prefix; the first write to a shared page copies it."""
+    """A fork shares the KV pages of the committed prefix as a read-only prefix: the parent keeps writing its own
+    tail page past the fork's positions, and the fork's first write copies the page."""
     sampled = SamplingParams(temperature=1.0, seed=5)
 
     def fork_scenario(parent_continues: bool):
@@ -331,12 +332,16 @@ def test_fork_shares_pages_copy_on_write(tiny):
         after = prog.usage()
         assert after.kv_pages_used == before.kv_pages_used and after.state_slots_used == before.state_slots_used + 1
         if parent_continues:
-            # the parent writes first: into a private copy of the shared tail page, never into the fork's
+            # the parent owns the shared tail page: it writes past the fork's prefix in place (no copy), the
+            # fork's positions stay intact, and the fork copies the page when it writes
             shared = prog.pool.storage.clone()
             b_pages = list(prog._seq(b).pages)
+            used = prog._seq(b).computed - 4 * (len(b_pages) - 1)
+            assert 0 < used < 4
             got_a += decode_steps(prog, [a], 1)[a]
-            assert prog._seq(a).pages[-1] != b_pages[-1] and prog._seq(a).pages[:-1] == b_pages[:-1]
-            assert torch.equal(prog.pool.storage[:, :, b_pages], shared[:, :, b_pages])
+            assert prog._seq(a).pages == b_pages and prog.usage().kv_pages_used == before.kv_pages_used
+            assert torch.equal(prog.pool.storage[:, :, b_pages[:-1]], shared[:, :, b_pages[:-1]])
+            assert torch.equal(prog.pool.storage[:, :, b_pages[-1], :used], shared[:, :, b_pages[-1], :used])
             steps = decode_steps(prog, [a, b], 6)
             got_a += steps[a]
             assert prog.usage().kv_pages_used > before.kv_pages_used  # the shared tail page was copied

@@ -76,7 +76,8 @@ def build(artifact: Any, options: StartupOptions) -> ModelInstance:
                             max_concurrency=max_concurrency, num_pages=plan.kv_pages, kv_dtype=compute,
                             vocab_size=config.vocab_size, host_budget_bytes=plan.host_budget_bytes,
                             sampling_defaults=frontend.sampling_defaults(), max_model_len=plan.max_model_len,
-                            cuda_graphs=options.cuda_graphs, pdl=plan.pdl)
+                            cuda_graphs=options.cuda_graphs, pdl=plan.pdl, checkpoint_slots=plan.checkpoint_slots,
+                            cache_host_budget_bytes=plan.cache_host_budget_bytes)
     program.plan = plan
     model = Qwen35Loaded(config=config, weights=weights, load_report=report, executor=executor)
     return ModelInstance(architecture="qwen35", config=config, model=model, parameters=params, frontend=frontend,

@@ -45,7 +45,8 @@ def build(artifact: Artifact, options: StartupOptions) -> ModelInstance:
     program = Qwen3Program(Qwen3Model(params), kv_pool=pool, device=device, max_concurrency=options.max_concurrency,
                            num_pages=plan.kv_pages, kv_dtype=compute, host_budget_bytes=plan.host_budget_bytes,
                            sampling_defaults=frontend.sampling_defaults(), max_model_len=plan.max_model_len,
-                           cuda_graphs=options.cuda_graphs, pdl=plan.pdl)
+                           cuda_graphs=options.cuda_graphs, pdl=plan.pdl, checkpoint_slots=plan.checkpoint_slots,
+                           cache_host_budget_bytes=plan.cache_host_budget_bytes)
     program.plan = plan
     return ModelInstance(architecture="qwen3", config=config, model=program.model, parameters=params,
                          frontend=frontend, program=program)

@@ -11,8 +11,8 @@ restores, which session owns which continuation, and what to evict first under p
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Literal, Protocol, runtime_checkable
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import attrs
 
@@ -23,6 +23,23 @@ from ninfer.contract.request import SamplingParams
 # turn: a finished assistant turn that re-renders as generated; final: another finished continuation.
 CheckpointKind = Literal["grid", "prompt", "turn", "final"]
 CHECKPOINT_KINDS = ("grid", "prompt", "turn", "final")
+
+
+@attrs.frozen
+class TurnBoundary:
+    """A Frontend's preview boundary: where the assistant turn ends inside the accepted span, and the message
+    a chat history holds for it.
+
+    Tokens ``[0, end)`` of the accepted span finish the turn (through its end token). Rendering the history
+    with ``message`` appended reproduces the generated text; ``exact`` says whether it also reproduces the
+    generated token ids (the model may sample a non-canonical tokenization, or the template may drop the
+    reasoning), or None when it was not checked. The engine keeps a finished turn as a context-cache
+    continuation unless ``exact`` is False: the next turn's prompt would not extend it.
+    """
+
+    end: int
+    message: Mapping[str, Any]
+    exact: bool | None = None
 
 
 @attrs.frozen(kw_only=True, eq=False)

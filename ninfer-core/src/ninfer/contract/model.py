@@ -41,11 +41,25 @@ class ResourceUsage:
     host_bytes_used: int = 0
     reserved_pages: int = 0
     host_bytes_total: int = 0  # the host budget for paused Snapshots (0: every pause is a Replay)
+    # The context cache's share (``ContextStore``): checkpoints, their device slots, the KV pages they
+    # reference (counted in kv_pages_used too), their host replicas' bytes and the reader leases held.
+    checkpoints: int = 0
+    checkpoint_slots_used: int = 0
+    cache_pages: int = 0
+    cache_host_bytes: int = 0
+    leases: int = 0
+
+    @property
+    def idle(self) -> bool:
+        """No sequence and no paused request holds anything: every page in use belongs to the context cache."""
+        return self.state_slots_used == 0 and self.kv_pages_used == self.cache_pages and self.host_bytes_used == 0 \
+            and self.reserved_pages == 0 and self.leases == 0
 
     @property
     def all_free(self) -> bool:
-        return self.state_slots_used == 0 and self.kv_pages_used == 0 and self.host_bytes_used == 0 \
-            and self.reserved_pages == 0
+        """Nothing held at all, the context cache included."""
+        return self.idle and self.kv_pages_used == 0 and self.checkpoints == 0 and self.checkpoint_slots_used == 0 \
+            and self.cache_host_bytes == 0
 
 
 @attrs.frozen(kw_only=True)

@@ -100,6 +100,7 @@ class BatchCommit:
             self.settlement.finish(rec, FinishReason.ERROR, frontend_failure(rec))
             return
         rec.token_ids.extend(row.tokens[:accepted])
+        rec.boundary = outcome.decision.boundary
         if row.logprobs is not None:
             delta = attrs.evolve(delta, logprobs=delta.logprobs + self._logprobs(row, accepted))
         rec.publish_output(delta)

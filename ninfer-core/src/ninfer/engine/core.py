@@ -37,11 +37,12 @@ from ninfer.contract.config import EngineConfig
 from ninfer.contract.model import Frontend, PipelinedDecode, Program
 from ninfer.engine import exit_hook
 from ninfer.engine.commit import BatchCommit
-from ninfer.engine.errors import EngineClosed, InvariantBroken
+from ninfer.engine.errors import EngineClosed
 from ninfer.engine.ingress import Ingress
 from ninfer.engine.metrics import EngineMetrics, MetricsRecorder
 from ninfer.engine.policy import CyclePolicy
 from ninfer.engine.request import RequestRecord, RequestState
+from ninfer.engine.reuse import Reuse
 from ninfer.engine.scheduler import Scheduler
 from ninfer.engine.settlement import Settlement
 from ninfer.engine.worker_state import WorkerState
@@ -59,7 +60,9 @@ class EngineCore:
         self.config = config
         self.metrics = MetricsRecorder()
         self.scheduler = Scheduler(max_concurrency=config.max_concurrency, bypass_limit=config.bypass_limit)
-        self.state = WorkerState(program=program, scheduler=self.scheduler, metrics=self.metrics)
+        self.reuse = Reuse(program, self.metrics, enabled=config.context_cache,
+                           grid=config.checkpoint_grid or config.prefill_chunk)
+        self.state = WorkerState(program=program, scheduler=self.scheduler, metrics=self.metrics, reuse=self.reuse)
         self.ingress = Ingress(outstanding_limit=config.max_queue + config.max_concurrency, metrics=self.metrics)
         self.settlement = Settlement(self.state)
         self.commit = BatchCommit(self.state, self.settlement, max_model_len=config.max_model_len,
@@ -107,6 +110,7 @@ class EngineCore:
                     return
                 progressed = self._cycle()
                 self.kv_pages = self._kv_pages()
+                self.reuse.record_stats()
                 if closing and not self.state.busy():
                     return
                 if not progressed:
@@ -173,12 +177,14 @@ class EngineCore:
         self.commit.consume(batch, [st.by_seq[i] for i in batch.sequence_ids()])
 
     def _run_prefill(self, rec: RequestRecord) -> None:
+        self.reuse.before_prefill(rec)
         batch = self.program.prefill(rec.sequence_id, self.policy.chunk(rec))
+        if self.reuse.after_prefill():  # a save another request waits for may have landed
+            self.state.admission_event = True
         if batch is not None:
             self.commit.consume(batch, [rec])
         if batch is None and rec.resident:
-            if self.program.input_remaining(rec.sequence_id) == 0 and not rec.token_ids:
-                raise InvariantBroken(f"request {rec.request_id}: prompt complete but no first token sampled")
+            # Input done without a token: the prompt's last token is the first decode input (a save point).
             self.state.set_input_state(rec)
 
     def _drop_ahead(self) -> None:

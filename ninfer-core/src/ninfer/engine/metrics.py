@@ -99,6 +99,9 @@ class MetricsRecorder:
         self.inter_token = Histogram()
         self.queue_time = Histogram()
         self.end_to_end = Histogram()
+        self.cache_queries = 0
+        self.cache_hits = 0
+        self.cache = None  # the ResourceManager's stats as of the worker's last cycle
 
     def preempted(self, mode: str) -> None:
         with self.lock:
@@ -127,6 +130,17 @@ class MetricsRecorder:
                 for _ in range(n):
                     self.inter_token.observe(gap_s / n)
 
+    def prefix_cache_lookup(self, queried: int, hit: int) -> None:
+        """A request looked up ``queried`` prompt tokens in the context cache and restored ``hit`` of them."""
+        with self.lock:
+            self.cache_queries += queried
+            self.cache_hits += hit
+
+    def cache_state(self, stats) -> None:
+        """The context cache's holdings (``context_cache.CacheStats``), set by the worker after each cycle."""
+        with self.lock:
+            self.cache = stats
+
     def finished_request(self, reason: str, end_to_end_s: float) -> None:
         with self.lock:
             self.finished[reason] = self.finished.get(reason, 0) + 1
@@ -143,4 +157,8 @@ class MetricsRecorder:
                 generated_tokens=self.generated_tokens, requests_finished=dict(self.finished),
                 requests_rejected=dict(self.rejected), kv_pages_used=kv_pages_used, kv_pages_total=kv_pages_total,
                 ttft=self.ttft.snapshot(), inter_token=self.inter_token.snapshot(),
-                queue_time=self.queue_time.snapshot(), end_to_end=self.end_to_end.snapshot(), failed=failed)
+                queue_time=self.queue_time.snapshot(), end_to_end=self.end_to_end.snapshot(), failed=failed,
+                prefix_cache_queries=self.cache_queries, prefix_cache_hits=self.cache_hits,
+                **({} if self.cache is None else dict(
+                    checkpoints=self.cache.checkpoints, checkpoint_device_bytes=self.cache.device_bytes,
+                    checkpoint_host_bytes=self.cache.host_bytes, cache_evictions=dict(self.cache.evictions))))

@@ -17,6 +17,7 @@ from ninfer.contract.model import SnapshotCost
 from ninfer.engine.errors import CapacityExhausted, InvariantBroken, Unrepresentable
 from ninfer.engine.ingress import Ingress
 from ninfer.engine.request import RequestRecord, RequestState
+from ninfer.engine.reuse import Admission
 from ninfer.engine.settlement import Settlement
 from ninfer.engine.worker_state import WorkerState
 
@@ -45,6 +46,8 @@ class CyclePolicy:
             seq = st.program.resume(rec.resume_state) if s.free_lanes > 0 else None
             if seq is not None:
                 break
+            if s.free_lanes > 0 and st.reuse.reclaim():  # the optional cache goes before any resident
+                continue
             # Does not fit. Older residents will free capacity; otherwise this is the oldest request
             # and may take room from the youngest borrower.
             if s.has_older_resident(rec):
@@ -93,6 +96,8 @@ class CyclePolicy:
         while True:
             if st.program.reserve_units(rec.sequence_id, tokens):
                 return True
+            if st.reuse.reclaim():  # the optional cache goes before any resident is paused
+                continue
             victim = s.victim_for(rec)
             if victim is not None:
                 self.pause(victim)
@@ -154,12 +159,15 @@ class CyclePolicy:
         while s.waiting and s.free_lanes > 0 and s.fresh_admission_open():
             rec = s.waiting[0]
             try:
-                seq = st.program.open_sequence(rec.prompt, rec.sampling)
+                seq = st.reuse.open(rec, list(s.residents.values()))
             except ValueError as exc:  # the Program validates before binding: a request-level rejection
                 self.settlement.finish(rec, FinishReason.ERROR,
                                        Unrepresentable(f"request cannot be represented: {exc}"))
                 continue
-            if not st.program.reserve_units(seq, min(self.prefill_chunk, len(rec.prompt))):
+            if seq is Admission.WAIT:
+                return  # a resident's pending save will cover this prompt; its landing wakes admission
+            if not self._reserve_first_unit(seq):
+                st.reuse.forget_sequence(seq)
                 st.program.release(seq)
                 if not s.residents:  # the whole device is free and the first chunk still does not fit
                     self.settlement.finish(rec, FinishReason.ERROR, CapacityExhausted(
@@ -169,6 +177,16 @@ class CyclePolicy:
             s.waiting.popleft()
             self._admitted(rec, seq)
 
+    def _reserve_first_unit(self, seq: int) -> bool:
+        """The first unit of a just-bound sequence: a prefill chunk, or one decode position when it restored the
+        whole prompt but its last token. The optional cache is reclaimed first when the pool is short."""
+        st = self.state
+        tokens = min(self.prefill_chunk, st.program.input_remaining(seq) or 1)
+        while not st.program.reserve_units(seq, tokens):
+            if not st.reuse.reclaim():
+                return False
+        return True
+
     def _admitted(self, rec: RequestRecord, seq: int) -> None:
         st, s = self.state, self.state.scheduler
         now = time.monotonic()
@@ -177,7 +195,9 @@ class CyclePolicy:
         if s.paused:
             s.note_fresh_admission()
         st.metrics.admitted(len(rec.prompt), now - rec.submitted_at)
-        rec.channel.publish(GenerationStart(request_id=rec.request_id, prompt_tokens=len(rec.prompt)))
+        st.reuse.admitted(rec)
+        rec.channel.publish(GenerationStart(request_id=rec.request_id, prompt_tokens=len(rec.prompt),
+                                            cached_tokens=rec.cached_tokens))
 
     # -- pipelined decode ------------------------------------------------------------------------------
     def steady(self, rows: list[RequestRecord]) -> bool:

@@ -62,6 +62,8 @@ class RequestRecord:
     deadline_at: float | None = None
     queue_deadline_at: float | None = None
     frontend_error: BaseException | None = None  # the OutputSession failed on this request's output
+    cached_tokens: int = 0  # prompt tokens restored from the context cache at admission
+    boundary: Any = None    # the Frontend's boundary of the last committed row (a TurnBoundary ends a turn)
 
     @property
     def request_id(self) -> str:

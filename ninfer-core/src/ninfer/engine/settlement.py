@@ -42,6 +42,8 @@ class Settlement:
         if rec.state is RequestState.FINISHED:
             raise InvariantBroken(f"request {rec.request_id} settled twice")
         if rec.resident:
+            if error is None and rec.frontend_error is None:
+                st.reuse.keep(rec, reason)  # its continuation, before the sequence goes
             st.program.release(rec.sequence_id)
             st.unbind(rec)
         elif rec.state is RequestState.PAUSED:
@@ -68,7 +70,8 @@ class Settlement:
             rec.channel.error = error
         result = GenerationResult(
             request_id=rec.request_id, finish_reason=reason,
-            usage=Usage(prompt_tokens=len(rec.prompt), completion_tokens=rec.generated),
+            usage=Usage(prompt_tokens=len(rec.prompt), completion_tokens=rec.generated,
+                        cached_tokens=rec.cached_tokens),
             timings=Timings(queued_s=((rec.admitted_at or now) - rec.submitted_at),
                             time_to_first_token_s=None if rec.first_token_at is None
                             else rec.first_token_at - rec.submitted_at,

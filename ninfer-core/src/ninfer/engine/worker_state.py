@@ -14,6 +14,7 @@ from ninfer.contract.model import Program
 from ninfer.engine.errors import InvariantBroken
 from ninfer.engine.metrics import MetricsRecorder
 from ninfer.engine.request import RequestRecord, RequestState
+from ninfer.engine.reuse import Reuse
 from ninfer.engine.scheduler import Scheduler
 
 
@@ -22,6 +23,7 @@ class WorkerState:
     program: Program
     scheduler: Scheduler
     metrics: MetricsRecorder
+    reuse: Reuse
     by_seq: dict[int, RequestRecord] = attrs.Factory(dict)  # Program sequence id -> resident request
     capacity_event: bool = False   # a finish, a pause or the end of a protected recovery: try a resume
     admission_event: bool = False  # an arrival or freed room: scan fresh admission once
@@ -45,6 +47,7 @@ class WorkerState:
         seq = rec.sequence_id
         del self.by_seq[seq]
         rec.sequence_id = None
+        self.reuse.forget_sequence(seq)
         return seq
 
     def set_input_state(self, rec: RequestRecord) -> None:

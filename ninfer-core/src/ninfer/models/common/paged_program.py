@@ -10,7 +10,8 @@ frontiers, rollback by Replay and reservations this class implements.
 A sequence's ``computed`` positions are in the stores; its next input is ``ledger[computed:]``.
 ``prefill`` runs one chunk of that input and samples the first token when the prompt is complete;
 ``decode`` runs exactly B rows, one input token each; ``commit`` appends accepted tokens to the
-ledgers (``SequenceTable``) and frees the unit's unused reservation (``SequencePages``).
+ledgers (``SequenceTable``) and frees the unit's unused reservation (``KVHistoryStore``). The context
+cache's save points, checkpoints and restores are ``Checkpointing`` (its ContextStore half).
 """
 
 from __future__ import annotations
@@ -37,8 +38,10 @@ from ninfer.core.forward_batch import ForwardBatch
 from ninfer.core.kv_pool import PagedKVPool, PoolExhausted, pages_for
 from ninfer.core.readback import Readback
 from ninfer.core.state_store import StateImageStorage
+from ninfer.models.common.checkpointing import Checkpointing
+from ninfer.models.common.context.checkpoints import CheckpointStore
 from ninfer.models.common.context.errors import ProgramError
-from ninfer.models.common.context.kv_tables import SequencePages
+from ninfer.models.common.context.kv_history import KVHistoryStore
 from ninfer.models.common.context.resume import PausedStates, ReplayResume
 from ninfer.models.common.context.sequence import SequenceRecord
 from ninfer.models.common.context.sequence_table import SequenceTable
@@ -64,14 +67,17 @@ class _LaunchNative:
     chained: bool  # its rows' inputs are the previous unit's provisional tokens
 
 
-class PagedProgram(abc.ABC):
-    """Implements ``ninfer.contract.Program`` (and ``PipelinedDecode``) given a subclass's ``forward`` / ``logits``."""
+class PagedProgram(Checkpointing, abc.ABC):
+    """Implements ``ninfer.contract.Program`` (and ``PipelinedDecode``, ``ContextStore``) given a subclass's
+    ``forward`` / ``logits``."""
 
     def __init__(self, *, state_layout: StateImageLayout, kv_pool: KVPoolSpec, device: Device | str,
                  max_concurrency: int, num_pages: int, kv_dtype: torch.dtype | str | None = None, vocab_size: int,
                  host_budget_bytes: int = 0, sampling_defaults: SamplingParams | None = None,
-                 max_model_len: int | None = None, pdl: bool = False) -> None:
-        """``pdl``: launch this Program's Triton kernels with programmatic dependent launch (``ops.triton._pdl``)."""
+                 max_model_len: int | None = None, pdl: bool = False, checkpoint_slots: int = 0,
+                 cache_host_budget_bytes: int = 0) -> None:
+        """``pdl``: launch this Program's Triton kernels with programmatic dependent launch (``ops.triton._pdl``).
+        ``checkpoint_slots`` / ``cache_host_budget_bytes``: the context cache's device StateImages and host bytes."""
         if not 1 <= max_concurrency <= MAX_CONCURRENCY:  # StartupOptions validated it; a direct build too
             raise ValueError(f"max_concurrency must be in 1..{MAX_CONCURRENCY}, got {max_concurrency}")
         self.id = next(_program_ids)
@@ -91,11 +97,13 @@ class PagedProgram(abc.ABC):
         self.page_size = kv_pool.page_size
         capacity = num_pages * self.page_size
         self.max_model_len = min(max_model_len or capacity, capacity)
-        self.tables = SequencePages(self.pool)
-        self.sequences = SequenceTable(self.states, self.tables, max_model_len=self.max_model_len,
+        self.kv = KVHistoryStore(self.pool)
+        self.sequences = SequenceTable(self.states, self.kv, max_model_len=self.max_model_len,
                                        vocab_size=vocab_size, sampling_defaults=sampling_defaults)
         self._seqs = self.sequences.records  # read on every step
-        self.paused = PausedStates(self.id, self.states, self.pool, host_budget_bytes)
+        self.paused = PausedStates(self.id, self.states, self.kv, host_budget_bytes)
+        self.checkpoints = CheckpointStore(self.states, self.kv, slots=checkpoint_slots,
+                                           host_budget_bytes=cache_host_budget_bytes)
         self.sampler = Sampler(self.device.torch)
         self.plan: Any = None  # the Startup's DevicePlan, when built by a Startup
         self.graphs: DecodeGraphs | None = None
@@ -173,10 +181,12 @@ class PagedProgram(abc.ABC):
         if max_tokens < 1:
             raise ValueError(f"prefill needs max_tokens >= 1, got {max_tokens}")
         n = min(max_tokens, remaining)
-        if not self.tables.hold(seq, seq.computed + n):
+        if seq.save_points:  # a unit ends at the next save point
+            n = min(n, seq.save_points[0] - seq.computed)
+        if not self.kv.hold(seq, seq.computed + n):
             raise PoolExhausted(f"sequence {sequence_id}: KV pages for {n} prefill positions are not reserved and "
                                 f"do not fit ({self.pool.allocator.num_free} free)")
-        sample = n == remaining and seq.generated == 0
+        sample = n == remaining and seq.generated == 0 and not seq.first_by_decode
         start = seq.computed
         batch = build_forward_batch([RowInput(tokens=seq.ledger[start:start + n], start=start, slot=seq.slot,
                                               pages=seq.pages, want_logits=sample)],
@@ -184,6 +194,7 @@ class PagedProgram(abc.ABC):
         with self._unit([seq]), torch.inference_mode():
             hidden = self.forward(batch)
             seq.computed += n
+            self.save_point_reached(seq)
             if not sample:
                 return None
             readback = self.sampler.launch([seq], self.logits(hidden[batch.logits_indices]), [seq.generated])
@@ -244,7 +255,7 @@ class PagedProgram(abc.ABC):
             n = len(seq.ledger)
             if prev is None:
                 self.sequences.check_idle(seq)
-                ready = n > seq.prompt_len and seq.computed == n - 1
+                ready = (n > seq.prompt_len or seq.first_by_decode) and seq.computed == n - 1
             else:  # the previous unit's token (not in the ledger yet) is this row's input
                 ready = seq.launched == 1 and not seq.pending and seq.computed == n
                 n += 1
@@ -253,13 +264,13 @@ class PagedProgram(abc.ABC):
                                    f"remaining, {seq.generated} generated, {seq.launched} launched)")
             if n > self.max_model_len:  # the input goes at position computed = n - 1
                 raise ProgramError(f"sequence {seq.id} is at max_model_len {self.max_model_len}")
-        needs = [self.tables.needed(s, s.computed + 1) for s in seqs]  # 0 for rows the engine reserved
+        needs = [self.kv.needed(s, s.computed + 1) for s in seqs]  # 0 for rows the engine reserved
         if sum(needs) > self.pool.allocator.num_free:
             raise PoolExhausted(f"decode of {len(ids)} rows needs {sum(needs)} unreserved KV pages, "
                                 f"{self.pool.allocator.num_free} free")
         for seq, need in zip(seqs, needs, strict=True):
             if need:
-                self.tables.hold(seq, seq.computed + 1)
+                self.kv.hold(seq, seq.computed + 1)
         return ids, seqs, prev
 
     def collect(self, unit: LaunchedUnit) -> PendingBatch:
@@ -373,11 +384,14 @@ class PagedProgram(abc.ABC):
     # -- accounting and scoring --------------------------------------------------------------------
     def usage(self) -> ResourceUsage:
         """Exact occupancy (the scratch slot and page used by graph capture are not counted)."""
+        cache = self.checkpoints.usage()
         return ResourceUsage(state_slots_total=self.states.num_slots - 1, state_slots_used=self.states.num_used - 1,
                              kv_pages_total=self.pool.num_pages - 1, kv_pages_used=self.pool.allocator.num_used - 1,
                              host_bytes_used=self.paused.host_bytes_used,
                              reserved_pages=self.sequences.reserved_pages(),
-                             host_bytes_total=self.host_budget_bytes)
+                             host_bytes_total=self.host_budget_bytes, checkpoints=cache.checkpoints,
+                             checkpoint_slots_used=cache.device_slots_used, cache_pages=cache.device_pages,
+                             cache_host_bytes=cache.host_bytes_used, leases=cache.leases)
 
     def score_window(self, token_ids: Sequence[int], score_from: int = 1, *, chunk: int = 1024,
                      logits_rows: int = 256) -> torch.Tensor:

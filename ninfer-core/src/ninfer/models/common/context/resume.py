@@ -17,9 +17,10 @@ import attrs
 import torch
 
 from ninfer.contract.model import PauseMode
-from ninfer.core.kv_pool import PagedKVPool, pages_for
+from ninfer.core.kv_pool import pages_for
 from ninfer.core.state_store import StateImageStorage
 from ninfer.models.common.context.errors import ProgramError
+from ninfer.models.common.context.kv_history import KVHistoryStore
 from ninfer.models.common.context.sequence import RowSampling, SequenceRecord
 
 
@@ -36,6 +37,7 @@ class ReplayResume:
     prompt_len: int
     sampling: RowSampling
     frontier: int
+    first_by_decode: bool = False  # the prompt's last token is the first decode input (``SequenceRecord``)
 
     @property
     def host_bytes(self) -> int:
@@ -44,7 +46,7 @@ class ReplayResume:
     def as_replay(self) -> ReplayResume:
         """The same accepted history without host copies (what a revoked Snapshot becomes)."""
         return ReplayResume(program_id=self.program_id, ledger=self.ledger, prompt_len=self.prompt_len,
-                            sampling=self.sampling, frontier=self.frontier)
+                            sampling=self.sampling, frontier=self.frontier, first_by_decode=self.first_by_decode)
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -63,10 +65,11 @@ class SnapshotResume(ReplayResume):
 class PausedStates:
     """The ResumeStates one Program handed out and has not taken back, and the host bytes they hold."""
 
-    def __init__(self, program_id: int, states: StateImageStorage, pool: PagedKVPool, host_budget_bytes: int) -> None:
+    def __init__(self, program_id: int, states: StateImageStorage, kv: KVHistoryStore, host_budget_bytes: int) -> None:
         self.program_id = program_id
         self.states = states
-        self.pool = pool
+        self.kv = kv
+        self.pool = kv.pool
         self.host_budget_bytes = host_budget_bytes
         self.host_bytes_used = 0
         self._held: dict[int, ReplayResume] = {}
@@ -81,7 +84,7 @@ class PausedStates:
     def pause(self, seq: SequenceRecord, mode: PauseMode) -> ReplayResume:
         """An owning ResumeState of ``seq`` at its committed boundary (the caller then releases ``seq``)."""
         common = dict(program_id=self.program_id, ledger=tuple(seq.ledger), prompt_len=seq.prompt_len,
-                      sampling=seq.sampling, frontier=seq.computed)
+                      sampling=seq.sampling, frontier=seq.computed, first_by_decode=seq.first_by_decode)
         if mode == "snapshot":
             if not self.can_snapshot(seq):
                 raise ProgramError(f"sequence {seq.id}: snapshot needs {self.snapshot_bytes(seq)} host bytes, "
@@ -108,7 +111,8 @@ class PausedStates:
         self._drop(state)
         seq = SequenceRecord(id=new_id(), slot=self.states.allocate(), prompt_len=state.prompt_len,
                              ledger=list(state.ledger), sampling=state.sampling,
-                             pages=self.pool.allocator.allocate(need))
+                             first_by_decode=state.first_by_decode)
+        self.kv.append_fresh(seq, need)
         if isinstance(state, SnapshotResume):
             self.states.restore(seq.slot, state.state_image)
             self.pool.write_pages(seq.pages[:state.kv_pages.shape[2]], state.kv_pages)

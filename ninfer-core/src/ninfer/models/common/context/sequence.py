@@ -60,7 +60,10 @@ class SequenceRecord:
     ``ledger`` holds the accepted tokens (prompt, then generated). ``computed`` counts the positions
     whose K/V and recurrent state are in the stores. A decode-ready sequence has computed ==
     len(ledger) - 1: its last accepted token is the next input. ``pages`` is the block table;
-    pages beyond those covering ``computed`` are this sequence's reservation.
+    pages beyond those covering ``computed`` are this sequence's reservation. ``first_by_decode``: the
+    prompt is prefilled up to its last token, which is the first decode input (then the state after
+    every prompt token but the last is a checkpoint any extension of the prompt can restore).
+    ``save_points``: frontier positions where prefill ends a unit and saves a checkpoint.
     """
 
     id: int
@@ -74,6 +77,9 @@ class SequenceRecord:
     launched: int = 0      # LaunchedUnits holding a row of this sequence, not collected yet (0..2)
     void_ahead: bool = False  # the chained (second) launched row lost its input: collect drops it
     pages_epoch: int = 0   # bumped whenever ``pages`` is truncated (graph block-table rows are cached by it)
+    adopted: int = 0       # leading positions read from another history's pages (``KVHistoryStore``)
+    first_by_decode: bool = False
+    save_points: list[int] = attrs.field(factory=list)
 
     @property
     def generated(self) -> int:
@@ -82,7 +88,7 @@ class SequenceRecord:
     @property
     def target(self) -> int:
         """Positions to compute before the next sample: all of the prompt, or history minus the next input."""
-        return len(self.ledger) - 1 if self.generated > 0 else len(self.ledger)
+        return len(self.ledger) - 1 if self.generated > 0 or self.first_by_decode else len(self.ledger)
 
     @property
     def input_remaining(self) -> int:

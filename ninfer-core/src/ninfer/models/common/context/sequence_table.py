@@ -1,7 +1,7 @@
 """The resident sequences of one Program: records by id, their StateImage slots and KV block tables.
 
 Opening binds a slot (no pages yet: a unit's reservation takes them); forking copies the source's
-StateImage whole and shares the pages covering its frontier; settling a unit appends the accepted
+StateImage whole and adopts the pages covering its frontier as a read-only prefix (``KVHistoryStore``); settling a unit appends the accepted
 tokens to each ledger and frees what the unit held beyond the committed frontier. A row that
 accepts fewer tokens than it consumed keeps its accepted ledger but drops its physical frontier to
 zero (rollback by Replay: ``input_remaining`` then reports the accepted history to re-run).
@@ -18,17 +18,17 @@ from ninfer.contract.request import SamplingParams
 from ninfer.core.kv_pool import PoolExhausted
 from ninfer.core.state_store import StateImageStorage
 from ninfer.models.common.context.errors import ProgramError
-from ninfer.models.common.context.kv_tables import SequencePages
+from ninfer.models.common.context.kv_history import KVHistoryStore
 from ninfer.models.common.context.sequence import RowSampling, SequenceRecord
 
 
 class SequenceTable:
     """Sequences bound to ``states`` slots and ``pages`` block tables, with their accepted ledgers."""
 
-    def __init__(self, states: StateImageStorage, pages: SequencePages, *, max_model_len: int, vocab_size: int,
+    def __init__(self, states: StateImageStorage, kv: KVHistoryStore, *, max_model_len: int, vocab_size: int,
                  sampling_defaults: SamplingParams | None = None) -> None:
         self.states = states
-        self.pages = pages
+        self.kv = kv
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.sampling_defaults = sampling_defaults
@@ -40,6 +40,14 @@ class SequenceTable:
 
     def open(self, prompt: PreparedPrompt, sampling: SamplingParams) -> int:
         """Bind a StateImage slot for a new text sequence (no KV pages yet)."""
+        self.validate(prompt)
+        slot = self._allocate_slot("for a new sequence")
+        return self.bind(SequenceRecord(id=self.new_id(), slot=slot, prompt_len=len(prompt),
+                                        ledger=list(prompt.token_ids),
+                                        sampling=RowSampling.resolve(sampling, self.sampling_defaults)))
+
+    def validate(self, prompt: PreparedPrompt) -> None:
+        """ValueError naming what this Program cannot run in ``prompt`` (a request-level rejection)."""
         if len(prompt) >= self.max_model_len:
             raise ValueError(f"prompt of {len(prompt)} tokens does not fit max_model_len {self.max_model_len}")
         bad = [t for t in prompt.token_ids if not 0 <= t < self.vocab_size]
@@ -47,10 +55,6 @@ class SequenceTable:
             raise ValueError(f"prompt token ids {bad[:5]} outside the model vocabulary 0..{self.vocab_size - 1}")
         if prompt.media:
             raise ValueError("this Program runs text only: the prompt carries media")
-        slot = self._allocate_slot("for a new sequence")
-        return self.bind(SequenceRecord(id=self.new_id(), slot=slot, prompt_len=len(prompt),
-                                        ledger=list(prompt.token_ids),
-                                        sampling=RowSampling.resolve(sampling, self.sampling_defaults)))
 
     def fork(self, sequence_id: int, sampling: SamplingParams | None = None) -> int:
         """A new sequence continuing from this one's committed state: the StateImage is copied whole,
@@ -60,9 +64,13 @@ class SequenceTable:
         slot = self._allocate_slot(f"to fork sequence {sequence_id}")
         self.states.copy_slot(src.slot, slot)
         resolved = src.sampling if sampling is None else RowSampling.resolve(sampling, self.sampling_defaults)
-        return self.bind(SequenceRecord(id=self.new_id(), slot=slot, prompt_len=src.prompt_len,
-                                        ledger=list(src.ledger), sampling=resolved, computed=src.computed,
-                                        pages=self.pages.share_prefix(src)))
+        seq = SequenceRecord(id=self.new_id(), slot=slot, prompt_len=src.prompt_len, ledger=list(src.ledger),
+                             sampling=resolved, first_by_decode=src.first_by_decode)
+        if src.computed:
+            ref = self.kv.save_prefix(src, src.computed)
+            self.kv.adopt(seq, ref)
+            self.kv.drop_prefix(ref)
+        return self.bind(seq)
 
     def _allocate_slot(self, purpose: str) -> int:
         try:
@@ -92,7 +100,7 @@ class SequenceTable:
             raise ProgramError(f"sequence {sequence_id} has an unconsumed PendingBatch row; commit or abort it first")
         # A launched (uncollected) row may still be in flight: its writes to this slot and these pages are
         # queued before any later use of them on the same stream, and collect leaves the row out.
-        self.pages.release(seq)
+        self.kv.release(seq)
         self.states.free(seq.slot)
         del self.records[sequence_id]
 
@@ -104,7 +112,7 @@ class SequenceTable:
         end = seq.computed + tokens
         if end > self.max_model_len:
             raise ValueError(f"sequence {sequence_id}: {end} positions exceed max_model_len {self.max_model_len}")
-        return self.pages.hold(seq, end)
+        return self.kv.hold(seq, end)
 
     def commit(self, seqs: Sequence[SequenceRecord], rows: Sequence[PendingRow],
                decisions: Sequence[RowDecision]) -> None:
@@ -122,7 +130,7 @@ class SequenceTable:
             # tokens) leaves state past the accepted prefix: roll back physically.
             if d.accepted < row.produced:
                 self.rollback(seq)
-            self.pages.settle(seq)
+            self.kv.settle(seq)
 
     def abort(self, seqs: Sequence[SequenceRecord]) -> None:
         """Drop the rows' provisional tokens: ledgers stay at the pre-unit frontier; state is rebuilt by Replay."""
@@ -133,7 +141,7 @@ class SequenceTable:
 
     def rollback(self, seq: SequenceRecord) -> None:
         seq.computed = 0
-        self.pages.settle(seq)
+        self.kv.settle(seq)
 
     def reserved_pages(self) -> int:
-        return self.pages.reserved(self.records.values())
+        return self.kv.reserved(self.records.values())

@@ -25,6 +25,7 @@ from typing import Any
 
 import attrs
 
+from ninfer.contract.context import TurnBoundary
 from ninfer.contract.events import FinishReason, OutputDelta, ToolCall, merge_tool_call_fragments
 from ninfer.contract.model import Preview
 from ninfer.models.common.qwen import tool_calls as tc
@@ -35,21 +36,6 @@ THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 
 REASONING, CONTENT, TOOL = "reasoning", "content", "tool"
-
-
-@attrs.frozen
-class TurnBoundary:
-    """Where the assistant turn ends inside the accepted span, and the message a chat history holds for it.
-
-    Tokens ``[0, end)`` of the accepted span finish the turn (through ``<|im_end|>``). Rendering the history
-    with ``message`` appended reproduces the generated text, because the channels are trimmed exactly as the
-    template trims them; ``exact`` says whether it also reproduces the generated token ids (the model may
-    sample a non-canonical tokenization), or None when it was not checked.
-    """
-
-    end: int
-    message: Mapping[str, Any]
-    exact: bool | None = None
 
 
 class _State:

@@ -1,4 +1,4 @@
-"""SequencePages: unit reservations, copy-on-write of shared pages, settlement (CPU)."""
+"""KVHistoryStore: unit reservations, exact read-only prefixes, copy-on-write on conflict, settlement (CPU)."""
 
 import attrs
 import torch
@@ -6,12 +6,17 @@ import torch
 from ninfer.contract.state import KVPoolSpec
 from ninfer.core.device import Device
 from ninfer.core.kv_pool import PagedKVPool
-from ninfer.models.common.context import SequencePages
+from ninfer.models.common.context import KVHistoryStore
+
+
+_ids = iter(range(1, 1 << 30))
 
 
 @attrs.define
 class History:
+    id: int = attrs.field(factory=lambda: next(_ids))
     computed: int = 0
+    adopted: int = 0
     pages: list = attrs.field(factory=list)
     pages_epoch: int = 0
 
@@ -19,7 +24,7 @@ class History:
 def _tables(num_pages=8):
     pool = PagedKVPool(KVPoolSpec(name="main", layers=2, kv_heads=1, head_dim=2, dtype="float32", page_size=4),
                        num_pages, Device("cpu"))
-    return pool, SequencePages(pool)
+    return pool, KVHistoryStore(pool)
 
 
 def test_hold_takes_what_a_unit_needs_and_settle_frees_the_rest():
@@ -43,7 +48,10 @@ def test_shared_pages_are_copied_before_a_write():
     assert t.hold(a, 6)
     a.computed = 6
     pool.storage[:, :, a.pages[1]] = 7.0
-    b = History(computed=6, pages=t.share_prefix(a))
+    b = History()
+    ref = t.save_prefix(a, 6)
+    t.adopt(b, ref)
+    t.drop_prefix(ref)
     assert b.pages == a.pages and pool.allocator.num_used == 2
     # b writes position 6 (page 1, still shared): it needs one private copy, counted by the reservation
     assert t.needed(b, 7) == 1 and t.hold(b, 7)

@@ -1,0 +1,156 @@
+"""Reuse: what the engine worker does with the context cache.
+
+At admission a request restores the longest usable checkpoint (its session's latest continuation first,
+then the shared prefix index) under a reader lease, and its prefill gets save points: a grid inside a
+long prompt and the prompt's end. A request whose prompt a resident's pending save point would cover
+further waits for that save instead of computing the same prefix again, which is how ``n > 1`` (or any
+burst of one prompt) prefills once and forks. A successful finish keeps the sequence's committed state
+as a continuation and binds the request's session key to it. Under device pressure the cache is
+reclaimed (demoted to host replicas, or dropped) before any resident request is paused. Policy lives in
+the ResourceManager (``ninfer.engine.context_cache``); the Program's stores hold every byte.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from ninfer.contract.context import ContextStore, TurnBoundary
+from ninfer.contract.events import FinishReason
+from ninfer.contract.model import Program
+from ninfer.engine.context_cache import ResourceManager
+from ninfer.engine.metrics import MetricsRecorder
+from ninfer.engine.request import RequestRecord, RequestState
+
+KEPT_REASONS = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.TOOL_CALLS)
+
+
+class Admission(enum.Enum):
+    WAIT = "wait"  # a resident's pending save point will cover more of this prompt: admit after it
+
+
+class Reuse:
+    def __init__(self, program: Program, metrics: MetricsRecorder, *, enabled: bool, grid: int) -> None:
+        self.program = program
+        self.metrics = metrics
+        self.store: ContextStore | None = program if enabled and isinstance(program, ContextStore) else None
+        block = program.kv_pools[0].page_size if program.kv_pools else 16
+        self.manager = ResourceManager(self.store, block=block, grid=grid) if self.store is not None else None
+        self.min_wait_gain = block  # waiting for another's save must save at least one block of prefill
+        self.planned: dict[int, tuple[tuple[int, ...], list[int]]] = {}  # sequence -> (prompt, save points)
+        self.waiting_on_save = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.manager is not None
+
+    def applies(self, rec: RequestRecord) -> bool:
+        return self.manager is not None and rec.request.context_cache
+
+    # -- admission -----------------------------------------------------------------------------------
+    def open(self, rec: RequestRecord, residents: list[RequestRecord]) -> int | Admission | None:
+        """Bind ``rec``'s sequence: restored from the best checkpoint, or fresh. WAIT: a resident's save
+        point is worth waiting for. None: the restore does not fit now (the caller treats it like a full
+        pool). ValueError: the Program cannot represent the prompt."""
+        program = self.program
+        if not self.applies(rec):
+            return program.open_sequence(rec.prompt, rec.sampling)
+        tokens = rec.prompt.token_ids
+        hit = self.manager.lookup(tokens, rec.request.session_key)
+        have = hit.length if hit is not None else 0
+        if self._pending_save(tokens, residents) >= have + self.min_wait_gain:
+            self.waiting_on_save = True
+            return Admission.WAIT
+        seq = None
+        if hit is not None and self.manager.lease(hit.id) is not None:
+            try:
+                seq = self.store.open_cached(rec.prompt, rec.sampling, hit.id)
+            finally:
+                self.manager.unlease(hit.id)
+        if seq is None:
+            have = 0
+            seq = program.open_sequence(rec.prompt, rec.sampling)
+        rec.cached_tokens = have
+        points = self.manager.save_points(tokens, have)
+        self.store.plan_saves(seq, points)
+        if points:
+            self.planned[seq] = (tuple(tokens), points)
+        return seq
+
+    def admitted(self, rec: RequestRecord) -> None:
+        """Count the lookup of a request that was admitted (a refused admission looks up again later)."""
+        if self.applies(rec):
+            self.metrics.prefix_cache_lookup(len(rec.prompt), rec.cached_tokens)
+
+    def _pending_save(self, tokens: tuple[int, ...], residents: list[RequestRecord]) -> int:
+        """The furthest save point a prefilling resident has still to reach inside ``tokens[:-1]``."""
+        best = 0
+        for r in residents:
+            plan = self.planned.get(r.sequence_id) if r.state is RequestState.PREFILL else None
+            if plan is None:
+                continue
+            prompt, points = plan
+            frontier = len(prompt) - 1 - self.program.input_remaining(r.sequence_id)
+            common = _common_prefix(tokens, prompt)
+            reach = [p for p in points if frontier < p <= min(common, len(tokens) - 1)]
+            if reach:
+                best = max(best, reach[-1])
+        return best
+
+    # -- units ---------------------------------------------------------------------------------------
+    def before_prefill(self, rec: RequestRecord) -> None:
+        """A prefill unit may end at a save point: keep a checkpoint slot free for it."""
+        if rec.sequence_id in self.planned:
+            self.manager.ensure_free_slot()
+
+    def after_prefill(self) -> bool:
+        """Adopt what the Program published; True when a waiting admission should look again."""
+        if self.manager is None:
+            return False
+        infos = self.store.published()
+        if infos:
+            self.manager.adopt(infos)
+        again = self.waiting_on_save
+        self.waiting_on_save = False
+        return again
+
+    def forget_sequence(self, sequence_id: int) -> None:
+        self.planned.pop(sequence_id, None)
+
+    # -- finish ------------------------------------------------------------------------------------
+    def keep(self, rec: RequestRecord, reason: FinishReason) -> None:
+        """Before release: keep a successful request's continuation and bind its session key to it."""
+        if not self.applies(rec) or reason not in KEPT_REASONS or not rec.resident:
+            return
+        boundary = rec.boundary
+        if isinstance(boundary, TurnBoundary) and boundary.exact is False:
+            return  # the next turn re-renders differently: its prompt-end checkpoint is what it can reuse
+        if not self.manager.ensure_free_slot():
+            return
+        info = self.store.save_continuation(rec.sequence_id, "turn" if isinstance(boundary, TurnBoundary)
+                                            else "final")
+        if info is None:
+            return
+        self.manager.adopt([info])
+        if rec.request.session_key is not None:
+            self.manager.bind_session(rec.request.session_key, rec.ticket, info)
+
+    # -- pressure and observation -----------------------------------------------------------------------
+    def reclaim(self) -> bool:
+        """Free device room by evicting the least valuable checkpoint; False when there is none."""
+        return self.manager is not None and self.manager.evict_one()
+
+    def clear(self) -> None:
+        if self.manager is not None:
+            self.manager.clear()
+
+    def record_stats(self) -> None:
+        if self.manager is not None:
+            self.metrics.cache_state(self.manager.stats())
+
+
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
