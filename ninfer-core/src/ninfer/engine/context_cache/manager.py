@@ -1,0 +1,232 @@
+"""ResourceManager: the context cache's policy over a Program's ContextStore.
+
+It chooses which checkpoint a request restores (longest exact prefix, the session's hint first), where a
+prefill saves, which session continues from which checkpoint, and what pressure reclaims first. It keeps
+no physical ledger: slots, pages, host bytes and leases live in the store, and every info it holds is
+one the store returned. It forgets a checkpoint as soon as the store (or the engine) says it is gone.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+import attrs
+
+from ninfer.contract.context import CheckpointInfo, ContextStore
+from ninfer.engine.context_cache.prefix_index import PrefixIndex
+from ninfer.engine.context_cache.retention import (
+    CostModel,
+    Recency,
+    device_priority,
+    host_priority,
+    worth_host_replica,
+)
+from ninfer.engine.context_cache.sessions import SessionHints
+
+EVICTION_OUTCOMES = ("host", "dropped")
+
+
+@attrs.frozen(kw_only=True)
+class CacheStats:
+    """The store's occupancy now, and evictions by outcome since the manager started."""
+
+    checkpoints: int
+    device_bytes: int
+    host_bytes: int
+    evictions: dict[str, int]
+
+
+class ResourceManager:
+    def __init__(self, store: ContextStore, *, block: int, grid: int, cost: CostModel = CostModel(),
+                 max_sessions: int = 4096) -> None:
+        if grid < 1:
+            raise ValueError(f"the checkpoint grid must be at least one token, got {grid}")
+        self.store = store
+        self.grid = grid
+        self.cost = cost
+        self._index = PrefixIndex(block)
+        self._sessions = SessionHints(max_sessions)
+        self._recency = Recency()
+        self._leases: Counter[int] = Counter()
+        self._evictions = dict.fromkeys(EVICTION_OUTCOMES, 0)
+
+    # -- publication -----------------------------------------------------------------------------------
+    def adopt(self, infos: Iterable[CheckpointInfo]) -> None:
+        """Take the store's newest infos (saved, or placement changed); a publication is a use."""
+        for info in infos:
+            self._recency.tick()
+            if self._update(info):
+                self._recency.use(info.id)
+
+    def bind_session(self, key: str, order: int, info: CheckpointInfo) -> None:
+        """Make ``info`` (as the store just returned it) the session's continuation, unless a request of a
+        higher ``order`` bound the session already."""
+        self.adopt([info])
+        if info.id in self._index:
+            self._sessions.bind(key, order, info.id)
+
+    def forget(self, checkpoint_id: int) -> None:
+        """The checkpoint is gone from the store: drop every trace of it."""
+        if checkpoint_id in self._index:
+            self._index.remove(checkpoint_id)
+        self._sessions.forget_checkpoint(checkpoint_id)
+        self._recency.forget(checkpoint_id)
+        self._leases.pop(checkpoint_id, None)
+
+    # -- requests --------------------------------------------------------------------------------------
+    def lookup(self, tokens: Sequence[int], session_key: str | None = None) -> CheckpointInfo | None:
+        """The longest known checkpoint a prompt of ``tokens`` can restore: an exact prefix leaving at least
+        one token to run. The session's own continuation wins when it is at least as long as the best."""
+        self._recency.tick()
+        limit = len(tokens) - 1
+        if limit < 1:
+            return None
+        best = self._index.longest(tokens, limit)
+        bound_id = self._sessions.get(session_key) if session_key is not None else None
+        bound = self._index.get(bound_id) if bound_id is not None else None
+        if bound is not None and 0 < bound.length <= limit and (best is None or bound.length >= best.length) \
+                and bound.tokens == tuple(tokens[:bound.length]):
+            best = bound
+        if best is None or best.length == 0:
+            return None
+        self._recency.use(best.id)
+        return best
+
+    def save_points(self, tokens: Sequence[int], start: int) -> list[int]:
+        """Where a prefill beyond ``start`` should save: grid multiples inside the prompt, then its
+        last-but-one position (the prompt-end recovery point); positions already covered are left out."""
+        last = len(tokens) - 1
+        if last <= start:
+            return []
+        first = (start // self.grid + 1) * self.grid
+        points = [*range(first, last, self.grid), last]
+        known = self._index.present(tokens, points)
+        return [p for p in points if p not in known]
+
+    def lease(self, checkpoint_id: int) -> CheckpointInfo | None:
+        """Pin a checkpoint for a materialization; None (and forgotten) when the store no longer has it."""
+        info = self.store.lease(checkpoint_id)
+        if info is None:
+            self.forget(checkpoint_id)
+            return None
+        self._leases[checkpoint_id] += 1
+        self._update(info)
+        return info
+
+    def unlease(self, checkpoint_id: int) -> None:
+        self.store.unlease(checkpoint_id)
+        if self._leases[checkpoint_id] <= 1:
+            self._leases.pop(checkpoint_id, None)
+        else:
+            self._leases[checkpoint_id] -= 1
+
+    # -- pressure --------------------------------------------------------------------------------------
+    def ensure_free_slot(self) -> bool:
+        """Free a device checkpoint slot when every one is taken; whether one is free now."""
+        usage = self.store.cache_usage()
+        if usage.device_slots_total == 0:
+            return False
+        if usage.device_slots_used >= usage.device_slots_total:
+            self.evict_one()
+            usage = self.store.cache_usage()
+        return usage.device_slots_used < usage.device_slots_total
+
+    def evict_one(self) -> bool:
+        """Drop the device copy of the unleased checkpoint whose loss costs least per byte, keeping a host
+        replica when it is worth one and the host budget has (or can be given) room."""
+        candidates = [self._refresh(i) for i in self._index if i.on_device and i.id not in self._leases]
+        if not candidates:
+            return False
+        victim = min(candidates, key=lambda i: (self._device_priority(i), -self._recency.age(i.id), i.id))
+        to_host = victim.on_host or (
+            worth_host_replica(victim, prefix_length=self._restore_length(victim), cost=self.cost)
+            and self._make_host_room(victim))
+        after = self.store.evict(victim.id, to_host=to_host)
+        if after is None:
+            self.forget(victim.id)
+        else:
+            self._update(after)
+        self._evictions["host" if after is not None and after.on_host else "dropped"] += 1
+        return True
+
+    def clear(self) -> None:
+        """Retire every checkpoint and forget everything (eviction counts stay: they are counters)."""
+        if self._leases:
+            raise RuntimeError(f"cannot clear the context cache while checkpoints {sorted(self._leases)} are "
+                               "leased: unlease them first")
+        self.adopt(self.store.published())
+        for info in self._index:
+            self.store.retire(info.id)
+            self._index.remove(info.id)
+        self._sessions.clear()
+        self._recency.clear()
+
+    def checkpoints(self) -> list[CheckpointInfo]:
+        """Every checkpoint the manager knows, as last adopted."""
+        return list(self._index)
+
+    def stats(self) -> CacheStats:
+        usage = self.store.cache_usage()
+        return CacheStats(checkpoints=usage.checkpoints, device_bytes=usage.device_bytes,
+                          host_bytes=usage.host_bytes_used, evictions=dict(self._evictions))
+
+    # -- internals -------------------------------------------------------------------------------------
+    def _update(self, info: CheckpointInfo) -> bool:
+        """Keep ``info`` unless a newer generation of it is known; whether it was taken."""
+        known = self._index.get(info.id)
+        if known is not None and known.generation > info.generation:
+            return False
+        if not (info.on_device or info.on_host):
+            self.forget(info.id)
+            return False
+        self._index.add(info)
+        return True
+
+    def _refresh(self, info: CheckpointInfo) -> CheckpointInfo:
+        """The store's byte figures now (a shared page frees nothing until its last holder goes)."""
+        fresh = self.store.checkpoint(info.id)
+        self._update(fresh)
+        return self._index.get(info.id) or fresh
+
+    def _restore_length(self, info: CheckpointInfo) -> int:
+        """What a request would restore if ``info`` were gone: the longest other checkpoint within it."""
+        other = self._index.longest(info.tokens, info.length, exclude=info.id)
+        return 0 if other is None else other.length
+
+    def _device_priority(self, info: CheckpointInfo) -> float:
+        return device_priority(info, prefix_length=self._restore_length(info), age=self._recency.age(info.id),
+                               session_bound=self._sessions.is_bound(info.id), cost=self.cost)
+
+    def _host_priority(self, info: CheckpointInfo) -> float:
+        return host_priority(info, prefix_length=self._restore_length(info), age=self._recency.age(info.id),
+                             session_bound=self._sessions.is_bound(info.id), cost=self.cost)
+
+    def _make_host_room(self, info: CheckpointInfo) -> bool:
+        """Whether the host budget can take ``info``'s replica, first dropping lower-priority unleased
+        replicas when that (and only that) makes room."""
+        usage = self.store.cache_usage()
+        short = info.host_bytes - (usage.host_bytes_total - usage.host_bytes_used)
+        if short <= 0:
+            return True
+        if info.host_bytes > usage.host_bytes_total:
+            return False
+        worth = self._host_priority(attrs.evolve(info, on_device=False))
+        replicas = sorted((self._host_priority(r), r.id, r) for r in self._index
+                          if r.on_host and r.id != info.id and r.id not in self._leases)
+        chosen = []
+        for priority, _, replica in replicas:
+            if short <= 0 or priority >= worth:
+                break
+            chosen.append(replica)
+            short -= replica.host_bytes
+        if short > 0:
+            return False
+        for replica in chosen:
+            after = self.store.drop_host(replica.id)
+            if after is None:
+                self.forget(replica.id)
+            else:
+                self._update(after)
+        usage = self.store.cache_usage()
+        return info.host_bytes <= usage.host_bytes_total - usage.host_bytes_used

@@ -1,0 +1,177 @@
+"""PrefixIndex: the shared index of known checkpoints by the token ids they cover.
+
+A checkpoint of length ``L = k * block + r`` sits at the node of its first ``k`` full blocks, named by a
+chained digest (the digest of block ``k`` covers every token before it), under its tail length ``r`` and
+the digest of its partial tail. A lookup walks the query's full blocks only while some checkpoint passes
+through them, then checks the candidates deepest first. Digests only narrow the candidates: a hit is
+confirmed by comparing the token ids themselves, so a digest collision can never give a wrong hit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from array import array
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+
+from ninfer.contract.context import CheckpointInfo
+
+DIGEST_BYTES = 16
+_ROOT = b""  # the chain digest of the empty prefix
+_TOKEN_BYTES = 4
+
+if array("i").itemsize != _TOKEN_BYTES:  # pragma: no cover - every platform ninfer supports has 4-byte C int
+    raise ImportError("the prefix index needs a 4-byte array('i') for int32 token ids")
+
+
+def token_bytes(tokens: Sequence[int]) -> bytes:
+    """Token ids as int32 little-endian bytes, the same in every process and on every host."""
+    try:
+        packed = array("i", tokens)
+    except OverflowError as exc:
+        raise ValueError("token ids must fit in int32") from exc
+    if sys.byteorder == "big":  # pragma: no cover - ninfer runs on little-endian hosts
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _digest(prefix_digest: bytes, data: bytes | memoryview) -> bytes:
+    """The chained digest of ``data`` following the prefix named by ``prefix_digest``."""
+    h = hashlib.blake2b(digest_size=DIGEST_BYTES)
+    h.update(prefix_digest)
+    h.update(data)
+    return h.digest()
+
+
+_Node = tuple[int, bytes]  # (full blocks k, chain digest of the first k blocks)
+
+
+class PrefixIndex:
+    """Checkpoints by exact token prefix. Of several checkpoints with identical tokens the newest added wins."""
+
+    def __init__(self, block: int) -> None:
+        if block < 1:
+            raise ValueError(f"the prefix index block must be at least one token, got {block}")
+        self.block = block
+        self._infos: dict[int, CheckpointInfo] = {}
+        self._placed: dict[int, tuple[list[_Node], int, bytes]] = {}  # id -> (nodes passed, tail r, tail digest)
+        self._through: Counter[_Node] = Counter()  # checkpoints reaching each node with k >= 1
+        self._ends: dict[_Node, dict[int, dict[bytes, list[int]]]] = {}  # node -> r -> tail digest -> ids, oldest first
+
+    # -- registry --------------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._infos)
+
+    def __contains__(self, checkpoint_id: object) -> bool:
+        return checkpoint_id in self._infos
+
+    def __iter__(self) -> Iterator[CheckpointInfo]:
+        return iter(list(self._infos.values()))
+
+    def get(self, checkpoint_id: int) -> CheckpointInfo | None:
+        return self._infos.get(checkpoint_id)
+
+    def add(self, info: CheckpointInfo) -> None:
+        """Index ``info``; a known id only takes the new info (its tokens cannot change)."""
+        known = self._infos.get(info.id)
+        if known is not None:
+            if known.tokens != info.tokens:
+                raise ValueError(f"checkpoint {info.id} changed its tokens ({known.length} -> {info.length})")
+            self._infos[info.id] = info
+            return
+        buf = memoryview(token_bytes(info.tokens))
+        chain = self._chain(buf, info.length // self.block, known_only=False)
+        nodes = list(enumerate(chain))
+        k, r = divmod(info.length, self.block)
+        tail = self._tail_digest(buf, chain[k], k, r)
+        self._through.update(nodes[1:])
+        self._ends.setdefault(nodes[k], {}).setdefault(r, {}).setdefault(tail, []).append(info.id)
+        self._infos[info.id] = info
+        self._placed[info.id] = (nodes, r, tail)
+
+    def remove(self, checkpoint_id: int) -> CheckpointInfo:
+        """Forget a checkpoint; KeyError when it is not indexed."""
+        info = self._infos.pop(checkpoint_id)
+        nodes, r, tail = self._placed.pop(checkpoint_id)
+        self._through.subtract(nodes[1:])
+        for node in nodes[1:]:
+            if self._through[node] <= 0:
+                del self._through[node]
+        ends = self._ends[nodes[-1]]
+        ids = ends[r][tail]
+        ids.remove(checkpoint_id)
+        if not ids:
+            del ends[r][tail]
+            if not ends[r]:
+                del ends[r]
+                if not ends:
+                    del self._ends[nodes[-1]]
+        return info
+
+    # -- lookup ----------------------------------------------------------------------------------------
+    def longest(self, tokens: Sequence[int], limit: int, *, exclude: int | None = None) -> CheckpointInfo | None:
+        """The checkpoint with the largest length <= ``limit`` whose tokens are exactly ``tokens[:length]``
+        (leaving out the checkpoint ``exclude``), or None."""
+        limit = min(limit, len(tokens))
+        if limit < 0:
+            return None
+        query = tuple(tokens[:limit])
+        buf = memoryview(token_bytes(query))
+        chain = self._chain(buf, limit // self.block, known_only=True)
+        for k in reversed(range(len(chain))):
+            ends = self._ends.get((k, chain[k]))
+            if not ends:
+                continue
+            for r in sorted(ends, reverse=True):
+                if k * self.block + r <= limit:
+                    found = self._exact(query, buf, k, chain[k], r, exclude)
+                    if found is not None:
+                        return found
+        return None
+
+    def present(self, tokens: Sequence[int], lengths: Iterable[int]) -> set[int]:
+        """Those of ``lengths`` at which a checkpoint holding exactly ``tokens[:length]`` is indexed."""
+        wanted = sorted({n for n in lengths if 0 <= n <= len(tokens)})
+        if not wanted:
+            return set()
+        query = tuple(tokens[:wanted[-1]])
+        buf = memoryview(token_bytes(query))
+        chain = self._chain(buf, wanted[-1] // self.block, known_only=True)
+        found = set()
+        for n in wanted:
+            k, r = divmod(n, self.block)
+            if k < len(chain) and self._exact(query, buf, k, chain[k], r, None) is not None:
+                found.add(n)
+        return found
+
+    # -- digests ---------------------------------------------------------------------------------------
+    def _chain(self, buf: memoryview, blocks: int, *, known_only: bool) -> list[bytes]:
+        """Chain digests of the first 0..m full blocks (m <= ``blocks``); ``known_only`` stops before the
+        first node that no indexed checkpoint reaches, since nothing deeper can match."""
+        step = self.block * _TOKEN_BYTES
+        chain = [_ROOT]
+        for k in range(1, blocks + 1):
+            d = _digest(chain[-1], buf[(k - 1) * step:k * step])
+            if known_only and (k, d) not in self._through:
+                break
+            chain.append(d)
+        return chain
+
+    def _tail_digest(self, buf: memoryview, chain_k: bytes, k: int, r: int) -> bytes:
+        start = k * self.block * _TOKEN_BYTES
+        return _digest(chain_k, buf[start:start + r * _TOKEN_BYTES])
+
+    def _exact(self, query: tuple[int, ...], buf: memoryview, k: int, chain_k: bytes, r: int,
+               exclude: int | None) -> CheckpointInfo | None:
+        """The newest checkpoint whose tokens are exactly ``query[:k * block + r]``."""
+        by_tail = self._ends.get((k, chain_k), {}).get(r)
+        if not by_tail:
+            return None
+        ids = by_tail.get(self._tail_digest(buf, chain_k, k, r), ())
+        length = k * self.block + r
+        for cid in reversed(ids):
+            info = self._infos[cid]
+            if cid != exclude and info.length == length and info.tokens == query[:length]:
+                return info
+        return None
