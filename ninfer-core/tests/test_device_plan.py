@@ -9,6 +9,9 @@ import torch
 from ninfer.contract import KVPoolSpec, StartupOptions, StateField, StateImageLayout
 from ninfer.core.device import Device
 from ninfer.core.device_plan import (
+    CACHE_POOL_FACTOR,
+    CPU_CACHE_HOST_BUDGET,
+    CPU_CHECKPOINT_SLOTS,
     CPU_HOST_BUDGET,
     HEADROOM,
     MIB,
@@ -40,16 +43,31 @@ def test_explicit_pages_win_and_cap_the_model_length():
     assert plan(num_pages=100, max_model_len=30).max_model_len == 30
 
 
-def test_cpu_default_budget_never_plans_more_pages_than_the_residents_can_use():
-    p = plan(max_concurrency=3)
+def test_cpu_default_budget_never_plans_more_pages_than_the_residents_and_the_cache_can_use():
+    p = plan(max_concurrency=3, context_cache=False)
     assert p.kv_pages == 3 * 16 and p.max_model_len == 64  # 64 positions are 16 pages per resident
+    assert (p.checkpoint_slots, p.cache_host_budget_bytes) == (0, 0)
+    p = plan(max_concurrency=3)
+    assert p.kv_pages == CACHE_POOL_FACTOR * 3 * 16  # cached prefixes share the pool
+    assert p.checkpoint_slots == min(8 * 3, CPU_CHECKPOINT_SLOTS) and p.cache_host_budget_bytes == CPU_CACHE_HOST_BUDGET
+
+
+def test_checkpoint_slots_come_out_of_the_budget():
+    fixed = 1000 + 5 * 512 + WORKSPACE_TOKENS * WIDTH * 4
+    room = 32 * 512 * 8 + 7 * PAGE
+    p = plan(device_budget_bytes=fixed + room, limit=4096)
+    assert p.checkpoint_slots == 8 * 4  # 8 per sequence: inside an eighth of the room
+    assert p.kv_pages == (room - 32 * 512) // PAGE
+    assert plan(device_budget_bytes=fixed + room // 2, limit=4096).checkpoint_slots == room // 2 // 8 // 512
+    assert plan(num_pages=2, checkpoint_slots=3).checkpoint_slots == 3
+    assert plan(num_pages=2, cache_host_budget_bytes=5).cache_host_budget_bytes == 5
 
 
 def test_a_cpu_budget_leaves_room_after_weights_state_and_workspace():
     fixed = 1000 + 5 * 512 + WORKSPACE_TOKENS * WIDTH * 4
-    assert plan(device_budget_bytes=fixed + 7 * PAGE + PAGE // 2, limit=4096).kv_pages == 7
+    assert plan(device_budget_bytes=fixed + 7 * PAGE + PAGE // 2, limit=4096, context_cache=False).kv_pages == 7
     with pytest.raises(PlanError, match="no room for KV pages: weights 0.0 MiB"):
-        plan(device_budget_bytes=fixed + PAGE - 1)
+        plan(device_budget_bytes=fixed + PAGE - 1, context_cache=False)
 
 
 def test_host_budget_option_then_environment_then_default(monkeypatch):
@@ -75,10 +93,10 @@ def test_cuda_budget_keeps_headroom_and_honours_the_budget_cap(fake_cuda, monkey
     cuda = Device("cuda", 0)
     fixed = 1000 + 5 * 512 + WORKSPACE_TOKENS * WIDTH * 4 + HEADROOM
     budget = fixed + 9 * PAGE + 1
-    p = plan(cuda, device_budget_bytes=budget, limit=1 << 20)
+    p = plan(cuda, device_budget_bytes=budget, limit=1 << 20, context_cache=False)
     assert (p.kv_pages, p.headroom_bytes) == (9, HEADROOM)
     fake_cuda["bytes"] = budget - 1000 - 4 * PAGE  # the weights are resident already: less is free than budgeted
-    assert plan(cuda, device_budget_bytes=budget, limit=1 << 20).kv_pages == 5
+    assert plan(cuda, device_budget_bytes=budget, limit=1 << 20, context_cache=False).kv_pages == 5
     monkeypatch.setenv("NINFER_VRAM_BUDGET_MIB", "1")  # below the headroom alone
     with pytest.raises(PlanError, match="headroom 1024 MiB"):
         plan(cuda, limit=1 << 20)

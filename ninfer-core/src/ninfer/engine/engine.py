@@ -165,6 +165,10 @@ class Engine:
         """The Program's own resource ledger, read on the worker between cycles."""
         return self._core.on_worker(self._core.program.usage)
 
+    def clear_context_cache(self) -> None:
+        """Drop every context-cache checkpoint (device copies and host replicas); requests in flight go on."""
+        self._core.on_worker(self._core.reuse.clear)
+
     @property
     def failed(self) -> bool:
         return self._core.ingress.failed is not None

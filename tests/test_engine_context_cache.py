@@ -1,0 +1,253 @@
+"""The context cache through the Engine on a tiny random Qwen3.5 (CPU): outputs identical with it on and off.
+
+Acceptance (issue 17): restores at prompt end, turn end and grid points give the same greedy tokens (and
+logprobs within fp32 tolerance) and the same seeded samples as no cache; ``n > 1`` prefills once and forks;
+session keys find their continuation; pressure reclaims the cache (to host replicas, or away) before
+any resident is paused; preemption, cancellation and randomized lifecycles leave every page, slot,
+lease and host byte accounted: idle after the workload, all free after ``clear_context_cache``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from ninfer.contract.config import EngineConfig
+from ninfer.contract.events import GenerationStart, OutputDelta
+from ninfer.contract.model import ModelInstance
+from ninfer.contract.prompt import TextInput
+from ninfer.contract.request import GenerationRequest, SamplingParams
+from ninfer.contract.resources import FrontendResources
+from ninfer.engine.engine import Engine
+from ninfer.models.common.qwen.frontend import QwenFrontend
+from ninfer.testing.scheduling import submit_together
+from ninfer_qwen35.testing.checkpoints import make_tokenizer_json
+
+transformers = pytest.importorskip("transformers")
+
+from ninfer_qwen35.testing import float32_program, model_from_hf  # noqa: E402
+
+VOCAB = 448
+PAGE = 4
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
+
+@pytest.fixture(scope="module")
+def parts():
+    tokenizer_json, special = make_tokenizer_json()
+    hf_cfg = transformers.Qwen3_5TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=512, tie_word_embeddings=True)
+    torch.manual_seed(7)
+    hf = transformers.Qwen3_5ForCausalLM(hf_cfg).eval()
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():  # O(1) weights so greedy choices are decisive, not near-ties
+        for p in hf.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * (1.5 / math.sqrt(math.prod(p.shape[1:]))))
+    resources = FrontendResources(tokenizer_json=tokenizer_json, eos_token_ids=(special["<|im_end|>"],),
+                                  embedding_vocab=VOCAB)
+    return model_from_hf(hf), resources
+
+
+def make_engine(parts, *, cache=True, max_concurrency=2, pages=96, slots=8, cache_host=1 << 24, host_bytes=1 << 24,
+                prefill_chunk=16, grid=8, pause_mode="auto") -> Engine:
+    model, resources = parts
+    prog = float32_program(model, page_size=PAGE, num_pages=pages, max_concurrency=max_concurrency,
+                           host_budget_bytes=host_bytes, max_model_len=256, cuda_graphs=False,
+                           checkpoint_slots=slots if cache else 0, cache_host_budget_bytes=cache_host if cache else 0)
+    inst = ModelInstance(architecture="qwen35", config=model.config, model=model, parameters=model.params,
+                         frontend=QwenFrontend.from_resources(resources), program=prog)
+    return Engine.from_instance(inst, config=EngineConfig(
+        max_concurrency=max_concurrency, device="cpu", prefill_chunk=prefill_chunk, pause_mode=pause_mode,
+        context_cache=cache, checkpoint_grid=grid))
+
+
+def req(tokens, session=None, **s) -> GenerationRequest:
+    s.setdefault("temperature", 0.0)
+    s.setdefault("ignore_eos", True)
+    s.setdefault("max_tokens", 6)
+    s.setdefault("logprobs", True)
+    return GenerationRequest(input=TextInput(token_ids=tuple(tokens)), sampling=SamplingParams(**s),
+                             session_key=session)
+
+
+def prompt(seed, n):
+    rng = random.Random(seed)
+    return [rng.randrange(3, 400) for _ in range(n)]
+
+
+def logprobs(engine, request):
+    """The result and the logprob of every generated token, from the handle's deltas."""
+    handle = engine.submit(request)
+    lps = [lp.logprob for e in handle if isinstance(e, OutputDelta) for lp in e.logprobs]
+    return handle.result(120), lps
+
+
+def check_clean(engine):
+    u = engine.usage()
+    assert u.idle, u
+    engine.clear_context_cache()
+    u = engine.usage()
+    assert u.all_free, u
+
+
+def run_all(engine, requests):
+    """Each request alone, in order (so earlier ones can publish what later ones restore)."""
+    return [engine.generate(r, timeout=120) for r in requests]
+
+
+def conversation():
+    """A prompt, the identical prompt, an extension, a shorter sharer, and a second turn on the first's output."""
+    base = prompt(1, 37)
+    return base, [base, base, base + prompt(2, 5), base[:21] + prompt(3, 9)]
+
+
+def test_restores_give_the_same_outputs_as_no_cache(parts):
+    base, prompts = conversation()
+    with make_engine(parts, cache=False) as off:
+        ref = [logprobs(off, req(p)) for p in prompts]
+        turn2_ref = off.generate(req(base + list(ref[0][0].token_ids) + prompt(4, 6)))
+    with make_engine(parts) as on:
+        with_lps = [logprobs(on, req(p)) for p in prompts]
+        got = [r for r, _ in with_lps]
+        turn2 = on.generate(req(base + list(got[0].token_ids) + prompt(4, 6)))
+        for (a, a_lps), (b, b_lps) in zip(with_lps, ref, strict=True):
+            assert a.token_ids == b.token_ids
+            assert len(a_lps) == len(b_lps) and a_lps == pytest.approx(b_lps, abs=1e-4)
+        assert [r.usage.cached_tokens for r in got] == [0, len(base) - 1, len(base) - 1, 16]  # grid 8: 16 <= 21
+        assert turn2.token_ids == turn2_ref.token_ids
+        # the first request's continuation: everything but its last token
+        assert turn2.usage.cached_tokens == len(base) + len(got[0].token_ids) - 1
+        m = on.metrics()
+        assert m.prefix_cache_hits == sum(r.usage.cached_tokens for r in [*got, turn2])
+        assert m.prefix_cache_queries == sum(len(p) for p in prompts) + len(base) + 6 + 6
+        assert m.checkpoints > 0 and m.checkpoint_device_bytes > 0
+        check_clean(on)
+
+
+def test_logprobs_and_seeded_samples_match(parts):
+    base, prompts = conversation()
+    sampled = dict(temperature=0.9, top_p=0.95, seed=11, logprobs=True, top_logprobs=2)
+    with make_engine(parts, cache=False) as off:
+        ref = run_all(off, [req(p, **sampled) for p in prompts])
+    with make_engine(parts) as on:
+        got = run_all(on, [req(p, **sampled) for p in prompts])
+        assert any(r.usage.cached_tokens for r in got)
+        check_clean(on)
+    for a, b in zip(got, ref, strict=True):
+        assert a.token_ids == b.token_ids
+
+
+def test_n_identical_prompts_prefill_once_and_fork(parts):
+    p = prompt(5, 41)
+    with make_engine(parts, max_concurrency=4, cache=False) as off:
+        ref = off.generate(req(p, temperature=0.8, seed=3))
+    with make_engine(parts, max_concurrency=4) as on:
+        handles = submit_together(on, [req(p, temperature=0.8, seed=3) for _ in range(4)])
+        results = [h.result(120) for h in handles]
+        starts = [h for h in handles]
+        assert sorted(r.usage.cached_tokens for r in results) == [0, len(p) - 1, len(p) - 1, len(p) - 1]
+        for r in results:
+            assert r.token_ids == ref.token_ids  # the same seed: each fork draws the same sample
+        assert on.metrics().prefix_cache_hits == 3 * (len(p) - 1)
+        del starts
+        check_clean(on)
+
+
+def test_generation_start_reports_cached_tokens(parts):
+    p = prompt(6, 20)
+    with make_engine(parts) as on:
+        on.generate(req(p))
+        events = list(on.submit(req(p)))
+        start = next(e for e in events if isinstance(e, GenerationStart))
+        assert start.cached_tokens == len(p) - 1
+        check_clean(on)
+
+
+def test_session_key_prefers_its_latest_continuation(parts):
+    p = prompt(7, 24)
+    with make_engine(parts) as on:
+        first = on.generate(req(p, session="chat-1"))
+        history = p + list(first.token_ids)
+        second = on.generate(req(history + prompt(8, 4), session="chat-1"))
+        assert second.usage.cached_tokens == len(history) - 1
+        check_clean(on)
+
+
+def test_a_request_without_the_cache_leaves_nothing(parts):
+    p = prompt(9, 30)
+    with make_engine(parts) as on:
+        on.generate(GenerationRequest(input=TextInput(token_ids=tuple(p)), context_cache=False,
+                                      sampling=SamplingParams(temperature=0.0, max_tokens=4)))
+        u = on.usage()
+        assert u.all_free and on.metrics().prefix_cache_queries == 0
+        again = on.generate(req(p))
+        assert again.usage.cached_tokens == 0
+
+
+def test_pressure_reclaims_the_cache_before_pausing_anyone(parts):
+    long = prompt(10, 120)
+    with make_engine(parts, cache=False, pages=48) as off:
+        ref = [off.generate(req(p, max_tokens=8)) for p in (prompt(11, 60), long, prompt(11, 60))]
+    with make_engine(parts, pages=48, slots=3, grid=16) as on:
+        got = [on.generate(req(p, max_tokens=8)) for p in (prompt(11, 60), long, prompt(11, 60))]
+        m = on.metrics()
+        assert m.preemptions == 0 and sum(m.cache_evictions.values()) > 0
+        assert got[2].usage.cached_tokens > 0  # its checkpoint survived on the host and came back
+        for a, b in zip(got, ref, strict=True):
+            assert a.token_ids == b.token_ids
+        check_clean(on)
+
+
+def test_host_replica_restores_when_the_device_copy_is_gone(parts):
+    p = prompt(12, 30)
+    with make_engine(parts, slots=1) as on:
+        first = on.generate(req(p))
+        on.generate(req(prompt(13, 30)))  # its save needs the only slot: p's checkpoint goes to the host
+        assert on.metrics().cache_evictions.get("host", 0) >= 1
+        again = on.generate(req(p))
+        assert again.usage.cached_tokens == len(p) - 1 and again.token_ids == first.token_ids
+        check_clean(on)
+
+
+@pytest.mark.parametrize("mode", ["snapshot", "replay"])
+def test_preemption_with_the_cache_gives_the_same_outputs(parts, mode):
+    prompts = [prompt(20 + i, 30 + 7 * i) for i in range(4)]
+    shared = prompts[0][:24]
+    prompts += [shared + prompt(30, 9), shared + prompt(31, 3)]
+    with make_engine(parts, cache=False, pages=200) as off:
+        ref = run_all(off, [req(p, max_tokens=10) for p in prompts])
+    with make_engine(parts, max_concurrency=3, pages=28, pause_mode=mode, slots=4) as on:
+        on.generate(req(prompts[0], max_tokens=2))  # something to restore
+        handles = submit_together(on, [req(p, max_tokens=10) for p in prompts])
+        got = [h.result(120) for h in handles]
+        assert on.metrics().preemptions > 0
+        for a, b in zip(got, ref, strict=True):
+            assert a.token_ids == b.token_ids
+        check_clean(on)
+
+
+def test_cancellations_and_randomized_lifecycles_account_exactly(parts):
+    rng = random.Random(1234)
+    stems = [prompt(40 + i, 26) for i in range(3)]
+    with make_engine(parts, max_concurrency=3, pages=56, slots=3, cache_host=1 << 16, grid=8) as on:
+        for round_ in range(6):
+            reqs, cancel = [], []
+            for i in range(rng.randrange(2, 6)):
+                p = rng.choice(stems)[:rng.randrange(5, 26)] + prompt(round_ * 10 + i, rng.randrange(1, 12))
+                reqs.append(req(p, max_tokens=rng.randrange(1, 8), session=rng.choice([None, "a", "b"])))
+                cancel.append(rng.random() < 0.3)
+            handles = submit_together(on, reqs)
+            for h, c in zip(handles, cancel, strict=True):
+                if c:
+                    h.cancel()
+            for h in handles:
+                h.result(120)
+            assert on.usage().idle
+        check_clean(on)
