@@ -110,14 +110,16 @@ class ContextStore(Protocol):
 
     def save_continuation(self, sequence_id: int, kind: CheckpointKind) -> CheckpointInfo | None:
         """A finished sequence's committed state becomes a checkpoint (its KV pages are shared, not copied);
-        call before ``release``. None when there is nothing to keep or no checkpoint slot is free."""
+        call before ``release``. None when there is nothing to keep or no checkpoint slot is free. Its info is
+        returned only, not listed by ``published``."""
 
     def checkpoint(self, checkpoint_id: int) -> CheckpointInfo:
         """The current info of a live checkpoint (byte figures as of now)."""
 
     def evict(self, checkpoint_id: int, *, to_host: bool) -> CheckpointInfo | None:
-        """Drop the device copy of an unleased checkpoint; with ``to_host`` keep (or first make) its host
-        replica when the host budget has room. Returns the new info, or None when nothing remains."""
+        """Drop the device copy of an unleased checkpoint; with ``to_host`` first make its host replica when it
+        has none and the host budget has room (an existing replica always stays). Returns the new info, or None
+        when nothing remains."""
 
     def drop_host(self, checkpoint_id: int) -> CheckpointInfo | None:
         """Drop the host replica of an unleased checkpoint; the new info, or None when nothing remains."""
