@@ -7,14 +7,7 @@ import math
 import time
 from typing import Any
 
-from ninfer.contract.events import (
-    FinishReason,
-    GenerationResult,
-    GenerationStart,
-    OutputDelta,
-    TokenLogprob,
-    ToolCall,
-)
+from ninfer.contract.events import FinishReason, GenerationResult, OutputDelta, TokenLogprob, ToolCall
 from ninfer_serve.translate import ResponseOptions
 
 DONE = "data: [DONE]\n\n"
@@ -154,9 +147,9 @@ class _Response:
         self.choices[index].settle(result)
         self.prompt_tokens = result.usage.prompt_tokens or self.prompt_tokens
 
-    def _started(self, start: GenerationStart, index: int) -> None:
-        self.prompt_tokens = start.prompt_tokens
-        self.choices[index].cached_tokens = start.cached_tokens
+    def _started(self, prompt_tokens: int, index: int, cached_tokens: int) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.choices[index].cached_tokens = cached_tokens
 
     def end(self) -> list[str]:
         """After every choice finished: the usage chunk when asked for (``choices: []``)."""
@@ -173,8 +166,9 @@ class ChatResponse(_Response):
     def __init__(self, request_id: str, model: str, options: ResponseOptions) -> None:
         super().__init__(f"chatcmpl-{request_id}", model, options)
 
-    def start(self, start: GenerationStart, index: int = 0) -> list[str]:
-        self._started(start, index)
+    def start(self, prompt_tokens: int, index: int = 0, *, cached_tokens: int = 0) -> list[str]:
+        """Choice ``index`` was admitted (its ``GenerationStart``): the prompt's size and its cached part."""
+        self._started(prompt_tokens, index, cached_tokens)
         if not self.options.stream:
             return []
         return [sse(self._obj(self.chunk_kind, [{"index": index, "delta": {"role": "assistant", "content": ""},
@@ -231,8 +225,8 @@ class CompletionResponse(_Response):
     def __init__(self, request_id: str, model: str, options: ResponseOptions) -> None:
         super().__init__(f"cmpl-{request_id}", model, options)
 
-    def start(self, start: GenerationStart, index: int = 0) -> list[str]:
-        self._started(start, index)
+    def start(self, prompt_tokens: int, index: int = 0, *, cached_tokens: int = 0) -> list[str]:
+        self._started(prompt_tokens, index, cached_tokens)
         return []
 
     def delta(self, d: OutputDelta, index: int = 0) -> list[str]:
