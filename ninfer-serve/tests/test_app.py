@@ -32,7 +32,8 @@ def test_chat_whole(engine, script, client):
     assert body["object"] == "chat.completion" and body["id"] == "chatcmpl-r1"
     assert body["choices"][0]["message"]["content"] == "Hello"
     assert body["choices"][0]["finish_reason"] == "stop"
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert engine.handles[0].closed
 
 
@@ -142,7 +143,8 @@ def test_n_choices_whole_and_streamed(engine, script, client):
     body = c.post("/v1/chat/completions", json=dict(CHAT, n=2, seed=1, temperature=0.5)).json()
     assert [ch["message"]["content"] for ch in body["choices"]] == ["ab", "c"]
     assert [ch["index"] for ch in body["choices"]] == [0, 1]
-    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert [r.sampling.seed for r in engine.submitted] == [1, 2]
     with c.stream("POST", "/v1/chat/completions", json=dict(CHAT, n=2, stream=True,
                                                            stream_options={"include_usage": True})) as r:

@@ -265,7 +265,7 @@ class Gateway:
         ev = first
         while not isinstance(ev, GenerationResult):
             if isinstance(ev, GenerationStart):
-                builder.start(ev.prompt_tokens, index)
+                builder.start(ev.prompt_tokens, index, cached_tokens=ev.cached_tokens)
             else:
                 builder.delta(ev, index)
             ev = await anext(events)
@@ -295,7 +295,7 @@ class Gateway:
                 if isinstance(ev, Exception):
                     raise ev
                 if isinstance(ev, GenerationStart):
-                    frames = builder.start(ev.prompt_tokens, i)
+                    frames = builder.start(ev.prompt_tokens, i, cached_tokens=ev.cached_tokens)
                 elif isinstance(ev, OutputDelta):
                     frames = builder.delta(ev, i)
                 elif ev.finish_reason is FinishReason.ERROR:

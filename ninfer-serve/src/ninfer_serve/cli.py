@@ -7,6 +7,7 @@ import sys
 
 from ninfer import env
 from ninfer.contract.config import MAX_CONCURRENCY
+from ninfer.engine.cache_cli import add_context_cache_arguments, with_context_cache
 
 API_KEY_ENV = "NINFER_API_KEY"
 
@@ -72,6 +73,7 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-warmup", action="store_true", help="skip the warmup requests before serving")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request to stderr")
     p.add_argument("--no-verify", action="store_true", help="load without checking the artifact's checksums")
+    add_context_cache_arguments(p)
     limits = p.add_argument_group("request preparation and slow or many clients")
     limits.add_argument("--http-threads", type=_positive_int, default=4, metavar="N",
                         help="threads that prepare requests for the engine (chat template, tokenization)")
@@ -154,7 +156,7 @@ def _load_and_serve(args: argparse.Namespace, model: str, chat_template: str | N
                               verify=not args.no_verify, max_model_len=args.max_model_len, device=args.device,
                               prefill_chunk=args.prefill_chunk, chat_template=chat_template,
                               special_tokens_in_content=args.special_tokens_in_content)
-        engine = Engine(model, config=config)
+        engine = Engine(model, config=with_context_cache(config, args))
     except Exception as exc:  # a bad artifact or device must read as a message, not a traceback
         return _fail(f"cannot start the engine for {model}: {type(exc).__name__}: {exc}")
     with engine:

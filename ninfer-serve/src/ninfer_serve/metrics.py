@@ -22,6 +22,27 @@ def _histogram(name: str, doc: str, snap: Any, model_name: str) -> HistogramMetr
     return h
 
 
+def _context_cache(m: Any, model_name: str, gauge: Any, counter: Any):
+    """The context cache's families: prefix-cache queries and hits in prompt tokens (vLLM's names), the
+    checkpoints held and their bytes by place, evictions by where the checkpoint went."""
+    yield counter("ninfer:prefix_cache_queries", "Prompt tokens of requests that looked up the context cache "
+                  "(as vLLM's prefix_cache_queries).", m.prefix_cache_queries)
+    yield counter("ninfer:prefix_cache_hits", "Of those, prompt tokens restored from the context cache "
+                  "(as vLLM's prefix_cache_hits).", m.prefix_cache_hits)
+    yield gauge("ninfer:checkpoints", "Context-cache checkpoints held.", m.checkpoints)
+    places = GaugeMetricFamily("ninfer:checkpoint_bytes", "Bytes the context-cache checkpoints hold, by place.",
+                               labels=["model_name", "place"])
+    places.add_metric([model_name, "device"], m.checkpoint_device_bytes)
+    places.add_metric([model_name, "host"], m.checkpoint_host_bytes)
+    yield places
+    evictions = CounterMetricFamily("ninfer:cache_evictions", "Context-cache checkpoint evictions by where "
+                                    "they went (host: demoted to a host replica; dropped: freed).",
+                                    labels=["model_name", "to"])
+    for to in ("host", "dropped"):
+        evictions.add_metric([model_name, to], m.cache_evictions.get(to, 0))
+    yield evictions
+
+
 class EngineCollector(Collector):
     def __init__(self, engine: Any, model_name: str) -> None:
         self.engine = engine
@@ -73,6 +94,7 @@ class EngineCollector(Collector):
                       m.snapshots_revoked)
         yield counter("ninfer:prompt_tokens", "Prompt tokens admitted.", m.prompt_tokens)
         yield counter("ninfer:generation_tokens", "Tokens generated.", m.generated_tokens)
+        yield from _context_cache(m, self.model_name, gauge, counter)
         success = CounterMetricFamily("ninfer:request_success", "Finished requests by finish reason.",
                                       labels=["model_name", "finished_reason"])
         for reason, n in sorted(m.requests_finished.items()):

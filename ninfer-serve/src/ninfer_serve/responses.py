@@ -54,9 +54,11 @@ def completion_logprobs(items: list[TokenLogprob], offset: int) -> dict[str, Any
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; ``cached_tokens``: prompt tokens restored from the context cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 class ToolCallIndexer:
@@ -90,6 +92,7 @@ class _Choice:
 
     def __init__(self) -> None:
         self.completion_tokens = 0
+        self.cached_tokens: int | None = None  # known from its GenerationStart or its result
         self.content: list[str] = []
         self.reasoning: list[str] = []
         self.logprobs: list[TokenLogprob] = []
@@ -105,6 +108,7 @@ class _Choice:
 
     def settle(self, result: GenerationResult) -> None:
         self.completion_tokens = max(self.completion_tokens, result.usage.completion_tokens)
+        self.cached_tokens = result.usage.cached_tokens
 
 
 class _Response:
@@ -122,8 +126,14 @@ class _Response:
     def completion_tokens(self) -> int:
         return sum(c.completion_tokens for c in self.choices)
 
-    def usage(self) -> dict[str, int]:
-        return usage(self.prompt_tokens, self.completion_tokens)
+    @property
+    def cached_tokens(self) -> int:
+        """Of the prompt (counted once), the tokens restored from the context cache: the fewest any choice
+        restored, so the figure never claims a restore that some choice's prompt did not have."""
+        return min((c.cached_tokens for c in self.choices if c.cached_tokens is not None), default=0)
+
+    def usage(self) -> dict[str, Any]:
+        return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
     def _obj(self, kind: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         out = {"id": self.id, "object": kind, "created": self.created, "model": self.model,
@@ -136,6 +146,10 @@ class _Response:
     def _settle(self, result: GenerationResult, index: int) -> None:
         self.choices[index].settle(result)
         self.prompt_tokens = result.usage.prompt_tokens or self.prompt_tokens
+
+    def _started(self, prompt_tokens: int, index: int, cached_tokens: int) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.choices[index].cached_tokens = cached_tokens
 
     def end(self) -> list[str]:
         """After every choice finished: the usage chunk when asked for (``choices: []``)."""
@@ -152,8 +166,9 @@ class ChatResponse(_Response):
     def __init__(self, request_id: str, model: str, options: ResponseOptions) -> None:
         super().__init__(f"chatcmpl-{request_id}", model, options)
 
-    def start(self, prompt_tokens: int, index: int = 0) -> list[str]:
-        self.prompt_tokens = prompt_tokens
+    def start(self, prompt_tokens: int, index: int = 0, *, cached_tokens: int = 0) -> list[str]:
+        """Choice ``index`` was admitted (its ``GenerationStart``): the prompt's size and its cached part."""
+        self._started(prompt_tokens, index, cached_tokens)
         if not self.options.stream:
             return []
         return [sse(self._obj(self.chunk_kind, [{"index": index, "delta": {"role": "assistant", "content": ""},
@@ -210,8 +225,8 @@ class CompletionResponse(_Response):
     def __init__(self, request_id: str, model: str, options: ResponseOptions) -> None:
         super().__init__(f"cmpl-{request_id}", model, options)
 
-    def start(self, prompt_tokens: int, index: int = 0) -> list[str]:
-        self.prompt_tokens = prompt_tokens
+    def start(self, prompt_tokens: int, index: int = 0, *, cached_tokens: int = 0) -> list[str]:
+        self._started(prompt_tokens, index, cached_tokens)
         return []
 
     def delta(self, d: OutputDelta, index: int = 0) -> list[str]:

@@ -98,6 +98,7 @@ class _SamplingFields:
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    prompt_cache_key: str | None = None  # OpenAI's session hint -> GenerationRequest.session_key
     # Accepted only at their neutral values.
     frequency_penalty: float | None = None
     presence_penalty: float | None = None

@@ -19,6 +19,7 @@ from ninfer_serve.schemas import ChatCompletionRequest, ChatMessage, CompletionR
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
 MAX_N = 16
+MAX_PROMPT_CACHE_KEY_CHARS = 1024
 
 
 @attrs.frozen(kw_only=True)
@@ -86,6 +87,19 @@ def _sampling(req: Any, *, max_tokens: int | None, logprobs: bool, top_logprobs:
                               ignore_eos=req.ignore_eos, logprobs=logprobs, top_logprobs=top_logprobs)
     except (ValueError, TypeError) as exc:  # the contract's own validators, as a last line
         raise bad_request(f"invalid sampling parameters: {exc}") from None
+
+
+def _session_key(req: Any) -> str | None:
+    """``prompt_cache_key``: names the conversation for the context cache (the engine's ``session_key``)."""
+    key = req.prompt_cache_key
+    if key is None:
+        return None
+    if not key:
+        raise bad_request("'prompt_cache_key' must not be empty", param="prompt_cache_key")
+    if len(key) > MAX_PROMPT_CACHE_KEY_CHARS:
+        raise bad_request(f"'prompt_cache_key' may hold at most {MAX_PROMPT_CACHE_KEY_CHARS} characters, got "
+                          f"{len(key)}", param="prompt_cache_key")
+    return key
 
 
 def _stream_options(req: Any) -> tuple[bool, bool]:
@@ -181,7 +195,8 @@ def chat_request(req: ChatCompletionRequest, *, queue_timeout_s: float | None = 
     include_usage, continuous = _stream_options(req)
     chat = ChatInput(messages=tuple(messages), tools=tuple(tools),
                      template_kwargs=dict(req.chat_template_kwargs or {}))
-    gen = GenerationRequest(input=chat, sampling=sampling, queue_timeout_s=queue_timeout_s, request_id=request_id)
+    gen = GenerationRequest(input=chat, sampling=sampling, queue_timeout_s=queue_timeout_s, request_id=request_id,
+                            session_key=_session_key(req))
     return gen, ResponseOptions(stream=req.stream, n=req.n, include_usage=include_usage,
                                 continuous_usage=continuous, logprobs=req.logprobs, tools_enabled=bool(tools))
 
@@ -219,7 +234,8 @@ def completion_request(req: CompletionRequest, *, queue_timeout_s: float | None 
     logprobs = req.logprobs is not None
     sampling = _sampling(req, max_tokens=req.max_tokens, logprobs=logprobs, top_logprobs=req.logprobs or 0)
     include_usage, continuous = _stream_options(req)
-    gen = GenerationRequest(input=text, sampling=sampling, queue_timeout_s=queue_timeout_s, request_id=request_id)
+    gen = GenerationRequest(input=text, sampling=sampling, queue_timeout_s=queue_timeout_s, request_id=request_id,
+                            session_key=_session_key(req))
     return gen, ResponseOptions(stream=req.stream, n=req.n, include_usage=include_usage,
                                 continuous_usage=continuous, logprobs=logprobs)
 
@@ -227,7 +243,7 @@ def completion_request(req: CompletionRequest, *, queue_timeout_s: float | None 
 def choices(gen: GenerationRequest, n: int) -> list[GenerationRequest]:
     """The ``n`` engine requests behind ``n`` choices: one each (choice i > 0 has request id ``<id>-<i>``);
     a seeded request seeds choice i with seed + i (so the choices differ yet each is reproducible);
-    greedy choices are identical by definition."""
+    greedy choices are identical by definition. Every choice keeps the request's ``session_key``."""
     if n == 1:
         return [gen]
     seed, rid = gen.sampling.seed, gen.request_id

@@ -1,8 +1,9 @@
 """Serve warmup through the public Engine, leaving nothing an external request could hit.
 
 The warmup requests are ordinary greedy requests (so prefill, every decode width up to
-max_concurrency and the output path run once before the port opens); afterwards the engine must
-be back to empty: no resident, paused or queued request and every page, slot and host byte free.
+max_concurrency and the output path run once before the port opens) that neither read nor write the
+context cache; afterwards the engine must be back to empty: no resident, paused or queued request
+and every page, slot and host byte free.
 """
 
 from __future__ import annotations
@@ -18,14 +19,20 @@ class WarmupFailed(RuntimeError):
     pass
 
 
+def warmup_requests(concurrency: int, *, max_tokens: int = 4, prompt: str = "Hello") -> list[GenerationRequest]:
+    """The warmup's requests: greedy, fixed length, and outside the context cache (``context_cache=False``),
+    so no checkpoint of the warmup prompt is left for a client's request to hit."""
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return [GenerationRequest(input=TextInput(text=prompt), sampling=sampling, request_id=f"warmup-{i}",
+                              context_cache=False)
+            for i in range(concurrency)]
+
+
 def warmup(engine: Any, *, concurrency: int, max_tokens: int = 4, prompt: str = "Hello",
            settle_timeout_s: float = 30.0) -> float:
     """Run ``concurrency`` short requests at once; returns the seconds it took."""
     t0 = time.monotonic()
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    handles = [engine.submit(GenerationRequest(input=TextInput(text=prompt), sampling=sampling,
-                                               request_id=f"warmup-{i}"))
-               for i in range(concurrency)]
+    handles = [engine.submit(r) for r in warmup_requests(concurrency, max_tokens=max_tokens, prompt=prompt)]
     for h in handles:
         result = h.result()
         if result.finish_reason is FinishReason.ERROR:

@@ -47,22 +47,27 @@ class Engine:
                  purpose: str = "generation", max_concurrency: int | None = None, max_queue: int | None = None,
                  max_model_len: int | None = None, prefill_chunk: int | None = None,
                  bypass_limit: int | None = None, pause_mode: PauseChoice | None = None, device: str | None = None,
-                 verify: bool | None = None, features: StartupFeatures | None = None,
+                 verify: bool | None = None, context_cache: bool | None = None, checkpoint_grid: int | None = None,
+                 features: StartupFeatures | None = None,
                  device_budget_bytes: int | None = None, host_budget_bytes: int | None = None,
+                 checkpoint_slots: int | None = None, cache_host_budget_bytes: int | None = None,
                  dtype: str | None = None, page_size: int | None = None, num_pages: int | None = None,
                  cuda_graphs: bool | None = None, pdl: bool | None = None, chat_template: str | None = None,
                  special_tokens_in_content: bool | None = None) -> None:
         """Start an engine on the artifact ``model``. Pass the options as keywords, or as one ``config``
         (an ``EngineConfig``, which documents each); a keyword left None takes the config's default.
         ``verify=False`` skips the artifact's checksums; ``special_tokens_in_content=True`` reads
-        special-token strings inside chat messages as control tokens (by default they are plain text)."""
+        special-token strings inside chat messages as control tokens (by default they are plain text);
+        ``context_cache=False`` turns prefix and session reuse off (outputs are the same either way)."""
         from ninfer.engine.startup import build_instance
 
         _check_purpose(purpose)
         given = {"max_concurrency": max_concurrency, "max_queue": max_queue, "max_model_len": max_model_len,
                  "prefill_chunk": prefill_chunk, "bypass_limit": bypass_limit, "pause_mode": pause_mode,
-                 "device": device, "verify": verify, "features": features,
+                 "device": device, "verify": verify, "context_cache": context_cache,
+                 "checkpoint_grid": checkpoint_grid, "features": features,
                  "device_budget_bytes": device_budget_bytes, "host_budget_bytes": host_budget_bytes,
+                 "checkpoint_slots": checkpoint_slots, "cache_host_budget_bytes": cache_host_budget_bytes,
                  "dtype": dtype, "page_size": page_size, "num_pages": num_pages, "cuda_graphs": cuda_graphs,
                  "pdl": pdl, "chat_template": chat_template, "special_tokens_in_content": special_tokens_in_content}
         config = _config(config, given)
@@ -74,12 +79,14 @@ class Engine:
     def from_instance(cls, instance: ModelInstance, *, config: EngineConfig | None = None, name: str | None = None,
                       max_concurrency: int | None = None, max_queue: int | None = None,
                       max_model_len: int | None = None, device: str | None = None, prefill_chunk: int | None = None,
-                      bypass_limit: int | None = None, pause_mode: PauseChoice | None = None) -> Engine:
+                      bypass_limit: int | None = None, pause_mode: PauseChoice | None = None,
+                      context_cache: bool | None = None, checkpoint_grid: int | None = None) -> Engine:
         """An engine over an already built ModelInstance (its Program sized for ``max_concurrency``).
         Only the engine's own options apply: the model's startup options were the builder's to choose."""
         config = _config(config, {"max_concurrency": max_concurrency, "max_queue": max_queue,
                                   "max_model_len": max_model_len, "device": device, "prefill_chunk": prefill_chunk,
-                                  "bypass_limit": bypass_limit, "pause_mode": pause_mode})
+                                  "bypass_limit": bypass_limit, "pause_mode": pause_mode,
+                                  "context_cache": context_cache, "checkpoint_grid": checkpoint_grid})
         if config.startup_fields_set():
             raise ValueError(f"from_instance: the ModelInstance is already built; startup options "
                              f"{', '.join(config.startup_fields_set())} do not apply to it")

@@ -14,6 +14,8 @@ import os
 import sys
 from typing import TextIO
 
+from ninfer.engine.cache_cli import add_context_cache_arguments, with_context_cache
+
 
 def add_generate_command(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("generate", help="generate text from a prompt or a chat message, streamed",
@@ -44,6 +46,7 @@ def add_generate_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
     p.add_argument("--prefill-chunk", type=int, metavar="TOKENS",
                    help="prompt tokens per prefill unit (default: 2048 on a GPU, 512 on the CPU)")
+    add_context_cache_arguments(p)
     p.set_defaults(func=cmd_generate)
 
 
@@ -170,7 +173,7 @@ def _generate(args: argparse.Namespace) -> int:
                           chat_template=_template_arg(args.chat_template), prefill_chunk=args.prefill_chunk,
                           verify=not args.no_verify, special_tokens_in_content=args.special_tokens_in_content)
     try:
-        with Engine(model, config=config) as engine:
+        with Engine(model, config=with_context_cache(config, args)) as engine:
             check_max_tokens(args.max_tokens, engine.max_model_len)
             handle = engine.submit(GenerationRequest(input=request_input, sampling=sampling))
             return _stream(handle, sys.stdout, GenerationResult, OutputDelta, merge_tool_call_fragments,
@@ -215,6 +218,8 @@ def _report(result) -> int:
     t = result.timings
     n = result.usage.completion_tokens
     parts = [f"finish: {result.finish_reason.value}", f"{result.usage.prompt_tokens} prompt + {n} generated tokens"]
+    if result.usage.cached_tokens > 0:
+        parts.append(f"{result.usage.cached_tokens} prompt tokens from the context cache")
     if t.time_to_first_token_s is not None:
         parts.append(f"TTFT {t.time_to_first_token_s * 1000:.1f} ms")
         decode_s = t.end_to_end_s - t.time_to_first_token_s
