@@ -41,7 +41,9 @@ def test_engine_serves_a_converted_artifact(artifact):
             assert evs[-1].finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
         # Same seed, same tokens, whatever the batch neighbours (artifact sampling defaults apply).
         assert runs[0][-1].token_ids == runs[1][-1].token_ids
-        assert eng.usage().all_free and eng.metrics().outstanding == 0
+        assert eng.usage().idle and eng.metrics().outstanding == 0
+        eng.clear_context_cache()
+        assert eng.usage().all_free
         with pytest.raises(InputTooLong):
             eng.submit(GenerationRequest(input=TextInput(token_ids=(1,) * 256)))
         with pytest.raises(Unrepresentable):

@@ -10,7 +10,7 @@ from ninfer.contract.state import KVPoolSpec, StateField, StateImageLayout
 from ninfer.core.device import Device
 from ninfer.core.kv_pool import PagedKVPool
 from ninfer.core.state_store import StateImageStorage
-from ninfer.models.common.context import ProgramError, KVHistoryStore, SequenceTable
+from ninfer.models.common.context import KVHistoryStore, ProgramError, SequenceTable
 
 CPU = Device("cpu")
 SPEC = KVPoolSpec(name="main", layers=1, kv_heads=1, head_dim=2, dtype="float32", page_size=4)

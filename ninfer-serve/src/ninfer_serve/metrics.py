@@ -76,7 +76,9 @@ class EngineCollector(Collector):
         yield gauge("ninfer:num_requests_waiting", "Requests waiting for admission.", m.queue_depth)
         yield gauge("ninfer:num_requests_paused", "Requests paused by preemption.", m.paused)
         yield gauge("ninfer:num_requests_outstanding", "Requests holding outstanding capacity.", m.outstanding)
-        yield gauge("ninfer:kv_cache_pages_used", "KV pages in use.", m.kv_pages_used)
+        yield gauge("ninfer:kv_cache_pages_used", "KV pages requests hold.", m.kv_pages_used)
+        yield gauge("ninfer:kv_cache_pages_cached", "KV pages only the context cache holds (reclaimed on demand).",
+                    m.kv_pages_cached)
         yield gauge("ninfer:kv_cache_pages_total", "KV pages in the pool.", m.kv_pages_total)
         yield gauge("ninfer:kv_cache_usage_perc", "Fraction of KV pages in use.",
                     m.kv_pages_used / m.kv_pages_total if m.kv_pages_total else 0.0)

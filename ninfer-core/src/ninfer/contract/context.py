@@ -69,6 +69,7 @@ class CacheUsage:
     device_slots_total: int
     device_slots_used: int
     device_pages: int      # KV pages that some checkpoint references (shared ones count once)
+    device_pages_alone: int  # of those, the pages no sequence holds (what evicting everything frees)
     device_bytes: int      # checkpoint state slots in use plus those pages
     host_bytes_used: int
     host_bytes_total: int  # the host budget for replicas

@@ -41,8 +41,8 @@ class ResourceUsage:
     host_bytes_used: int = 0
     reserved_pages: int = 0
     host_bytes_total: int = 0  # the host budget for paused Snapshots (0: every pause is a Replay)
-    # The context cache's share (``ContextStore``): checkpoints, their device slots, the KV pages they
-    # reference (counted in kv_pages_used too), their host replicas' bytes and the reader leases held.
+    # The context cache's share (``ContextStore``): checkpoints, their device slots, the KV pages only they
+    # hold (counted in kv_pages_used too; reclaimable on demand), their host replicas' bytes, reader leases.
     checkpoints: int = 0
     checkpoint_slots_used: int = 0
     cache_pages: int = 0

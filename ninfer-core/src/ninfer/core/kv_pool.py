@@ -3,7 +3,8 @@
 A page holds ``page_size`` token positions of K and V for every layer of the pool, so one page id
 addresses the same positions in every layer ([num_pages, page_size, kv_heads, head_dim] per layer
 for K and for V). Pages carry reference counts: a page referenced by more than one history is
-read-only and is copied before a write (copy-on-write). Accounting is exact: a page is either on
+read-only to all but its one writer, and a conflicting write copies it first (``KVHistoryStore`` in
+``models/common/context`` keeps those rules; ``copy_page`` is the copy). Accounting is exact: a page is either on
 the free list or referenced, never both, and freeing an unreferenced page is an error.
 """
 
@@ -122,14 +123,9 @@ class PagedKVPool:
         return [(self.storage[i, 0], self.storage[i, 1]) for i in range(self.spec.layers)]
 
     # -- copy-on-write and transfers ---------------------------------------------------------------
-    def writable(self, page: int) -> int:
-        """A page id this history may write: the page itself if unshared, else a private copy of it."""
-        if self.allocator.refcount(page) <= 1:
-            return page
-        (new,) = self.allocator.allocate(1)
-        self.storage[:, :, new].copy_(self.storage[:, :, page])
-        self.allocator.free([page])
-        return new
+    def copy_page(self, src: int, dst: int) -> None:
+        """Copy one page (all layers, K and V): a copy-on-write branch (``KVHistoryStore`` decides when)."""
+        self.storage[:, :, dst].copy_(self.storage[:, :, src])
 
     # Host transfers go through device temporaries of at most this size (a pause under memory pressure
     # must not need a second copy of a long history on the device).

@@ -88,11 +88,11 @@ class EngineCore:
 
     def snapshot_metrics(self) -> EngineMetrics:
         s = self.scheduler
-        used, total = self.kv_pages  # as of the worker's last cycle: /metrics never waits for a unit
+        used, cached, total = self.kv_pages  # as of the worker's last cycle: /metrics never waits for a unit
         inbox, outstanding, failed = self.ingress.counts()
         return self.metrics.snapshot(queue_depth=len(s.waiting) + inbox, running=len(s.residents),
                                      paused=len(s.paused), outstanding=outstanding, kv_pages_used=used,
-                                     kv_pages_total=total, failed=failed)
+                                     kv_pages_total=total, kv_pages_cached=cached, failed=failed)
 
     # == worker ======================================================================================
     def _run(self) -> None:
@@ -121,9 +121,10 @@ class EngineCore:
         finally:
             self.ingress.stop()
 
-    def _kv_pages(self) -> tuple[int, int]:
+    def _kv_pages(self) -> tuple[int, int, int]:
+        """Pages requests hold, pages only the context cache holds (reclaimable on demand), and the pool."""
         u = self.program.usage()
-        return u.kv_pages_used, u.kv_pages_total
+        return u.kv_pages_used - u.cache_pages, u.cache_pages, u.kv_pages_total
 
     def _next_timer(self) -> float | None:
         """Seconds until the nearest deadline or queue timeout (at most 1 s)."""

@@ -67,8 +67,9 @@ class EngineMetrics:
     generated_tokens: int
     requests_finished: dict[str, int]
     requests_rejected: dict[str, int]
-    kv_pages_used: int
+    kv_pages_used: int  # held by requests; pages only the context cache holds are kv_pages_cached
     kv_pages_total: int
+    kv_pages_cached: int = 0
     # Context cache (vLLM's prefix_cache_queries / _hits count tokens): prompt tokens of requests that looked
     # up the cache, and of those the tokens restored; checkpoints held now, and evictions by where they went.
     prefix_cache_queries: int = 0
@@ -147,8 +148,9 @@ class MetricsRecorder:
             self.end_to_end.observe(end_to_end_s)
 
     def snapshot(self, *, queue_depth: int, running: int, paused: int, outstanding: int, kv_pages_used: int,
-                 kv_pages_total: int, failed: bool) -> EngineMetrics:
+                 kv_pages_total: int, failed: bool, kv_pages_cached: int = 0) -> EngineMetrics:
         with self.lock:
+            cache = self.cache
             return EngineMetrics(
                 queue_depth=queue_depth, running=running, paused=paused, outstanding=outstanding,
                 preemptions=sum(self.preemptions.values()), preemptions_snapshot=self.preemptions["snapshot"],
@@ -156,9 +158,10 @@ class MetricsRecorder:
                 prompt_tokens=self.prompt_tokens,
                 generated_tokens=self.generated_tokens, requests_finished=dict(self.finished),
                 requests_rejected=dict(self.rejected), kv_pages_used=kv_pages_used, kv_pages_total=kv_pages_total,
+                kv_pages_cached=kv_pages_cached,
                 ttft=self.ttft.snapshot(), inter_token=self.inter_token.snapshot(),
                 queue_time=self.queue_time.snapshot(), end_to_end=self.end_to_end.snapshot(), failed=failed,
                 prefix_cache_queries=self.cache_queries, prefix_cache_hits=self.cache_hits,
-                **({} if self.cache is None else dict(
-                    checkpoints=self.cache.checkpoints, checkpoint_device_bytes=self.cache.device_bytes,
-                    checkpoint_host_bytes=self.cache.host_bytes, cache_evictions=dict(self.cache.evictions))))
+                checkpoints=cache.checkpoints if cache else 0, checkpoint_device_bytes=cache.device_bytes if cache else 0,
+                checkpoint_host_bytes=cache.host_bytes if cache else 0,
+                cache_evictions=dict(cache.evictions) if cache else {})

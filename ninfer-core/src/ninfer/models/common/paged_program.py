@@ -390,7 +390,7 @@ class PagedProgram(Checkpointing, abc.ABC):
                              host_bytes_used=self.paused.host_bytes_used,
                              reserved_pages=self.sequences.reserved_pages(),
                              host_bytes_total=self.host_budget_bytes, checkpoints=cache.checkpoints,
-                             checkpoint_slots_used=cache.device_slots_used, cache_pages=cache.device_pages,
+                             checkpoint_slots_used=cache.device_slots_used, cache_pages=cache.device_pages_alone,
                              cache_host_bytes=cache.host_bytes_used, leases=cache.leases)
 
     def score_window(self, token_ids: Sequence[int], score_from: int = 1, *, chunk: int = 1024,

@@ -11,6 +11,7 @@ leased checkpoint cannot be evicted or retired. This store is the only ledger of
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 
 import attrs
 import torch
@@ -74,11 +75,13 @@ class CheckpointStore:
                               host_bytes=self.host_bytes(len(ck.tokens)))
 
     def usage(self) -> CacheUsage:
-        pages = {p for ck in self.records.values() if ck.prefix is not None for p in ck.prefix.pages}
+        refs = Counter(p for ck in self.records.values() if ck.prefix is not None for p in ck.prefix.pages)
+        pages = set(refs)
+        alone = sum(1 for p, n in refs.items() if self.pool.allocator.refcount(p) == n)
         slots_used = self.images.num_used if self.images is not None else 0
         return CacheUsage(checkpoints=len(self.records),
                           device_slots_total=self.images.num_slots if self.images is not None else 0,
-                          device_slots_used=slots_used, device_pages=len(pages),
+                          device_slots_used=slots_used, device_pages=len(pages), device_pages_alone=alone,
                           device_bytes=slots_used * self.states.image_bytes + len(pages) * self.pool.nbytes_per_page,
                           host_bytes_used=self.host_bytes_used, host_bytes_total=self.host_budget_bytes,
                           leases=sum(ck.leases for ck in self.records.values()))

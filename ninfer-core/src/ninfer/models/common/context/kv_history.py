@@ -31,7 +31,8 @@ class PagedHistory(Protocol):
     computed: int
     pages: list[int]
     pages_epoch: int
-    adopted: int  # leading positions taken from another history's prefix (read, not owned, until written)
+    adopted: int  # leading positions taken from another history's prefix (read, not owned, until written);
+    # as registered at adoption, even after a rollback below it (``_reads`` must find the entries it made)
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -137,7 +138,7 @@ class KVHistoryStore:
                 self._owner[page] = seq.id
                 continue
             (new,) = self.pool.allocator.allocate(1)
-            self.pool.storage[:, :, new].copy_(self.pool.storage[:, :, page])
+            self.pool.copy_page(page, new)
             self._owner[new] = seq.id
             self._let_go(seq, i)
             seq.pages[i] = new
@@ -160,7 +161,8 @@ class KVHistoryStore:
                 self._let_go(seq, i)
             del seq.pages[keep:]
             seq.pages_epoch += 1
-        seq.adopted = min(seq.adopted, seq.computed)
+        # ``adopted`` stays as registered after a rollback: a kept page it still reads keeps its full reader
+        # entry (more protection than needed until the history copies the page, never less).
 
     def release(self, seq: PagedHistory) -> None:
         """Drop ``seq``'s hold on every page (pages others hold stay with them)."""
