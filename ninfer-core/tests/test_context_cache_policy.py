@@ -157,7 +157,8 @@ class MemoryStore:
         infos = [self.checkpoint(i) for i in self._checkpoints]
         device = [i for i in infos if i.on_device]
         return CacheUsage(checkpoints=len(infos), device_slots_total=self.slots, device_slots_used=len(device),
-                          device_pages=sum(i.length for i in device), device_bytes=sum(i.device_bytes for i in device),
+                          device_pages=sum(i.length for i in device),
+                          device_pages_alone=sum(i.length for i in device), device_bytes=sum(i.device_bytes for i in device),
                           host_bytes_used=self._host_used(), host_bytes_total=self.host_budget,
                           leases=sum(self._leases.values()))
 

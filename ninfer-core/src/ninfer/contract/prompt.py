@@ -59,7 +59,11 @@ class PreparedPrompt:
 
     Shared by every Qwen architecture; it names no concrete Text architecture.
     ``reasoning_open`` tells the OutputSession that the prompt already opened a
-    thinking block, so generation starts in the reasoning channel.
+    thinking block, so generation starts in the reasoning channel. ``history_boundary``: how many
+    leading tokens a chat's next turn reproduces once this turn's answer joins the history (the
+    conversation through the assistant turn's opening, when the template drops a thinking preamble
+    after it from history); None when that is the whole prompt or not known. The context cache saves
+    a checkpoint there.
     """
 
     token_ids: tuple[int, ...] = attrs.field(converter=tuple, validator=token_ids)
@@ -68,6 +72,7 @@ class PreparedPrompt:
     reasoning_open: bool = False
     tools: tuple[dict[str, Any], ...] = attrs.field(default=(), converter=tuple)
     text: str | None = None
+    history_boundary: int | None = None
 
     def __attrs_post_init__(self) -> None:
         if not self.token_ids:

@@ -70,7 +70,8 @@ class Reuse:
             have = 0
             seq = program.open_sequence(rec.prompt, rec.sampling)
         rec.cached_tokens = have
-        points = self.manager.save_points(tokens, have)
+        named = () if rec.prompt.history_boundary is None else (rec.prompt.history_boundary,)
+        points = self.manager.save_points(tokens, have, named)
         self.store.plan_saves(seq, points)
         if points:
             self.planned[seq] = (tuple(tokens), points)

@@ -93,14 +93,15 @@ class ResourceManager:
         self._recency.use(best.id)
         return best
 
-    def save_points(self, tokens: Sequence[int], start: int) -> list[int]:
-        """Where a prefill beyond ``start`` should save: grid multiples inside the prompt, then its
+    def save_points(self, tokens: Sequence[int], start: int, named: Iterable[int] = ()) -> list[int]:
+        """Where a prefill beyond ``start`` should save: grid multiples inside the prompt, the ``named``
+        positions (the Frontend's: where a chat's next turn stops reproducing this prompt), then its
         last-but-one position (the prompt-end recovery point); positions already covered are left out."""
         last = len(tokens) - 1
         if last <= start:
             return []
         first = (start // self.grid + 1) * self.grid
-        points = [*range(first, last, self.grid), last]
+        points = sorted({*range(first, last, self.grid), *(p for p in named if start < p < last), last})
         known = self._index.present(tokens, points)
         return [p for p in points if p not in known]
 

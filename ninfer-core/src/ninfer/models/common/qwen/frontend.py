@@ -228,7 +228,19 @@ class QwenFrontend:
         if self._vision_pads.intersection(ids):
             raise FrontendInputError("the conversation contains images or videos, which this frontend does not "
                                      "support yet")
-        return PreparedPrompt(token_ids=ids, reasoning_open=self._reasoning_open(ids), tools=chat.tools, text=text)
+        return PreparedPrompt(token_ids=ids, reasoning_open=self._reasoning_open(ids), tools=chat.tools, text=text,
+                              history_boundary=self._turn_opening(ids) if chat.add_generation_prompt else None)
+
+    def _turn_opening(self, ids) -> int | None:
+        """Where the open assistant turn's thinking preamble starts (``<think>`` after its last
+        ``<|im_start|>``): the Qwen templates keep ``<|im_start|>assistant\n`` and the answer of a past turn
+        in history but drop that preamble, so the next turn reproduces the prompt up to here only."""
+        if self._think_open is None or self._im_start is None:
+            return None
+        start = next((i for i in range(len(ids) - 1, -1, -1) if ids[i] == self._im_start), None)
+        if start is None:
+            return None
+        return next((i for i in range(start + 1, len(ids)) if ids[i] == self._think_open), None)
 
     def _reasoning_open(self, ids) -> bool:
         """Whether the prompt's last turn opened a thinking block that generation continues."""
