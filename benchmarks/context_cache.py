@@ -1,0 +1,582 @@
+"""The context cache (issue 17) through the public ``ninfer.Engine``, cache on against cache off, same run.
+
+Per shape, random weights are written and converted once (``benchmarks/bench.py``'s checkpoint, the same
+``--artifact-cache``), then one engine at a time is built, measured, checked and closed:
+
+- ``on`` / ``off`` (default grid, ``max(--batches)`` rows):
+  1. multi-turn TTFT: turn 1 is a ``--history``-token random prompt answered with ``--answer`` greedy tokens,
+     turn 2 that prompt + the answer + ``--new`` tokens; turn 2's TTFT on (restored) and off (a full
+     prefill), its ``cached_tokens``, and whether both turns' outputs match token for token (the off
+     engine's turn 2 is built from the on engine's turn 1, so both see the same prompt);
+  2. an identical prompt submitted twice: the second's TTFT (a hit) against the first's (a miss);
+  3. the miss cost: the first submission's TTFT on against off (with the cache the prompt's last token
+     runs as the first decode step, and checkpoints are saved at the grid points and the prompt's end);
+  4. steady decode tokens/s at each B of ``--batches`` (``--context``-token prompts), on against off;
+- ``grid-G`` for each ``--grids`` value (``none``: the prompt's end only), one row: a fresh prompt's TTFT,
+  and a prompt sharing its first ``--share`` of the tokens (what the grid makes restorable);
+- ``host`` (one checkpoint slot): turn 1, then another prompt whose save takes the slot (turn 1's
+  checkpoints go to host replicas, where the CostModel finds them worth one), then turn 2 restored from
+  the host against the cache-off full prefill; turn 2's own save evicts the other prompt's checkpoint
+  first, as it would in service, and that is inside its TTFT.
+
+Calibration for the ResourceManager's ``CostModel`` (``ninfer.engine.context_cache.retention``): prefill
+seconds per token (cache-off miss TTFT over its tokens) and pinned host->device seconds per byte (a copy of
+a ``--history``-token checkpoint's host replica size), printed next to its defaults; the StateImage bytes
+per checkpoint slot and the time of one device copy of them (what a save copies).
+
+Every engine warms up first (kernel compilation, one full-size conversation); after each measurement its
+``usage().idle`` is checked, the cache cleared and ``usage().all_free`` checked: ``leak_free`` says all held.
+
+    python -m benchmarks.context_cache --shape 9b --json out.json                                 # GPU
+    python -m benchmarks.context_cache --shape tiny --device cpu --history 96 --context 24 ...    # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+from benchmarks import bench
+from benchmarks.bench import HF_MODEL_TYPE, _f, _prompts, _sync, decode_tokens, run_streams, steady_decode
+from benchmarks.load_throughput import _host, _import_paths, write_source
+from benchmarks.shapes import SHAPES
+
+PAGE = 16
+TARGETS = {"turn2_speedup": 10.0, "decode_cost_pct": 2.0}  # issue 17 (9B, one H200): printed, never enforced
+
+
+# -- the engines -----------------------------------------------------------------------------------------
+
+def _sizes(args, rows: int) -> tuple[int, int]:
+    """(max_model_len, num_pages) for an engine of ``rows`` concurrent requests: room for the longest run's
+    live sequence and its cached copy at once, with room to spare (the cache is cleared between runs):
+    no run may reclaim the cache under pressure, which would time evictions."""
+    conv = args.history + 2 * args.answer + args.new + 2
+    decode = args.context + decode_tokens(args.steps, max(args.batches), args.context, args.prefill_chunk)
+    warm = args.prefill_chunk + 16
+    max_len = max(conv, decode, warm) + 1
+    tokens = max(conv, rows * decode, rows * warm)
+    return max_len, 3 * -(-tokens // PAGE) + 8 * rows
+
+
+def with_engine(artifact: Path, device: str, args, body, *, cache: bool, rows: int, grid: int | None = None,
+                slots: int | None = None) -> dict:
+    """Build one engine, run ``body(engine) -> dict`` on it, record its plan, metrics and leak checks, and
+    free it completely before returning (two large engines never coexist)."""
+    import attrs
+    import torch
+
+    import ninfer
+    from ninfer.contract.config import EngineConfig
+
+    max_len, pages = _sizes(args, rows)
+    config = EngineConfig(max_concurrency=rows, device=device, max_model_len=max_len, prefill_chunk=args.prefill_chunk,
+                          page_size=PAGE, num_pages=pages, context_cache=cache, checkpoint_grid=grid,
+                          checkpoint_slots=slots if cache else None, dtype=args.dtype)
+    t = bench.clock()
+    engine = ninfer.Engine(artifact, config=config)
+    _sync(device)
+    rec: dict = {"cache": cache, "rows": rows, "grid": grid, "start_s": bench.clock() - t, "checks": []}
+    try:
+        plan = engine.instance.program.plan
+        rec["plan"] = attrs.asdict(plan)
+        rec["image_bytes"] = engine.instance.program.states.image_bytes
+        rec["replica_bytes"] = engine.instance.program.checkpoints.host_bytes(args.history)
+        t = bench.clock()
+        warm_up(engine, args, rec["checks"])
+        rec["warmup_s"] = bench.clock() - t
+        rec.update(body(engine, rec["checks"]))
+        m = engine.metrics()
+        rec["metrics"] = {"prefix_cache_queries": m.prefix_cache_queries, "prefix_cache_hits": m.prefix_cache_hits,
+                          "checkpoints": m.checkpoints, "checkpoint_device_bytes": m.checkpoint_device_bytes,
+                          "checkpoint_host_bytes": m.checkpoint_host_bytes, "cache_evictions": m.cache_evictions,
+                          "preemptions": m.preemptions}
+        settle(engine, rec["checks"])
+        rec["leak_free"] = all(c["idle"] and c["all_free"] for c in rec["checks"])
+    finally:
+        engine.close()
+        if engine.artifact is not None:
+            engine.artifact.close()
+        del engine
+        gc.collect()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return rec
+
+
+def settle(engine, checks: list) -> None:
+    """After a run: nothing but the cache holds anything; after clearing it, nothing at all."""
+    idle = engine.usage().idle
+    engine.clear_context_cache()
+    checks.append({"idle": idle, "all_free": engine.usage().all_free})
+
+
+def warm_up(engine, args, checks: list) -> None:
+    """Kernel compilation for every shape the runs use, as bench.py does, then one untimed full-size
+    conversation (a restore and the short prefill after it); the cache is cleared after."""
+    vocab = engine.instance.program.vocab_size
+    rows = engine.max_concurrency
+    run_streams(engine, _prompts(vocab, rows, args.prefill_chunk + 5, 1), 4)
+    run_streams(engine, _prompts(vocab, 1, 7, 2), 4)
+    conversation(engine, args, 3)
+    settle(engine, checks)
+
+
+def ttft(stream: dict) -> float:
+    return stream["times"][0] - stream["submitted"]
+
+
+def conversation(engine, args, seed: int, turn2_prompt: list[int] | None = None) -> dict:
+    """Turn 1 (``--history`` tokens, ``--answer`` generated), then turn 2 (``turn2_prompt``, else the
+    history + the answer + ``--new`` tokens)."""
+    vocab = engine.instance.program.vocab_size
+    history = _prompts(vocab, 1, args.history, seed)[0]
+    (t1,) = run_streams(engine, [history], args.answer)
+    turn1 = list(t1["result"].token_ids)
+    if turn2_prompt is None:
+        turn2_prompt = history + turn1 + _prompts(vocab, 1, args.new, seed + 1)[0]
+    (t2,) = run_streams(engine, [turn2_prompt], args.answer)
+    return {"turn1_ttft_s": ttft(t1), "turn1_tokens": turn1, "turn2_ttft_s": ttft(t2),
+            "turn2_cached_tokens": t2["result"].usage.cached_tokens, "turn2_tokens": list(t2["result"].token_ids),
+            "_turn2_prompt": turn2_prompt}
+
+
+# -- measurements --------------------------------------------------------------------------------------
+
+def measure_main(engine, checks: list, args, turn2_prompts: list | None) -> dict:
+    """Multi-turn TTFT, the repeated prompt (hit and miss), decode at each B; cleared after each run."""
+    vocab = engine.instance.program.vocab_size
+    out: dict = {"conversations": [], "repeats": [], "decode": []}
+    for r in range(args.reps):
+        c = conversation(engine, args, 1000 + 10 * r, turn2_prompts[r] if turn2_prompts else None)
+        settle(engine, checks)
+        out["conversations"].append(c)
+    for r in range(args.reps):
+        p = _prompts(vocab, 1, args.history, 3000 + r)
+        (first,) = run_streams(engine, p, 2)
+        (second,) = run_streams(engine, p, 2)
+        settle(engine, checks)
+        out["repeats"].append({"first_ttft_s": ttft(first), "second_ttft_s": ttft(second),
+                               "first_cached_tokens": first["result"].usage.cached_tokens,
+                               "second_cached_tokens": second["result"].usage.cached_tokens})
+    for B in args.batches:
+        best = None
+        for r in range(args.decode_reps):
+            streams = run_streams(engine, _prompts(vocab, B, args.context, 4000 + 10 * B + r),
+                                  decode_tokens(args.steps, B, args.context, args.prefill_chunk))
+            settle(engine, checks)
+            d = steady_decode(streams)
+            best = d if best is None or d["tokens_per_s"] > best["tokens_per_s"] else best
+        out["decode"].append({"batch": B, "context": args.context, **best})
+        print(f"#   decode B={B}: {best['tokens_per_s']:.1f} tok/s", flush=True)
+    return out
+
+
+def measure_grid(engine, checks: list, args) -> dict:
+    """A fresh prompt's TTFT (checkpoints at the grid and its end), then a prompt sharing its first
+    ``--share`` of the tokens: what the grid lets it restore."""
+    vocab = engine.instance.program.vocab_size
+    share = int(args.history * args.share)
+    fresh, shared, cached = [], [], []
+    for r in range(args.reps):
+        p = _prompts(vocab, 1, args.history, 5000 + r)[0]
+        (s,) = run_streams(engine, [p], 2)
+        fresh.append(ttft(s))
+        (s,) = run_streams(engine, [p[:share] + _prompts(vocab, 1, args.history - share, 6000 + r)[0]], 2)
+        shared.append(ttft(s))
+        cached.append(s["result"].usage.cached_tokens)
+        settle(engine, checks)
+    return {"ttft_s_all": fresh, "ttft_s": min(fresh), "share_tokens": share, "share_ttft_s": min(shared),
+            "share_cached_tokens": cached[0], "share_cached_all": cached}
+
+
+def measure_host(engine, checks: list, args) -> dict:
+    """Turn 1, another prompt whose saves take the only device slot, then turn 2 from a host replica."""
+    vocab = engine.instance.program.vocab_size
+    runs = []
+    for r in range(args.reps):
+        evicted = engine.metrics().cache_evictions.get("host", 0)
+        history = _prompts(vocab, 1, args.history, 1000 + 10 * r)[0]
+        (t1,) = run_streams(engine, [history], args.answer)
+        turn1 = list(t1["result"].token_ids)
+        run_streams(engine, _prompts(vocab, 1, min(64, args.history), 7000 + r), 2)
+        prompt2 = history + turn1 + _prompts(vocab, 1, args.new, 1000 + 10 * r + 1)[0]
+        source = restore_source(engine, prompt2)
+        m = engine.metrics()
+        (t2,) = run_streams(engine, [prompt2], args.answer)
+        settle(engine, checks)
+        runs.append({"ttft_s": ttft(t2), "cached_tokens": t2["result"].usage.cached_tokens, "restored_from": source,
+                     "host_evictions": m.cache_evictions.get("host", 0) - evicted, "checkpoint_host_bytes": m.checkpoint_host_bytes,
+                     "turn1_tokens": turn1, "turn2_tokens": list(t2["result"].token_ids), "_turn2_prompt": prompt2})
+    return {"runs": runs}
+
+
+def restore_source(engine, prompt: list[int]) -> str | None:
+    """Where the longest checkpoint that ``prompt`` extends lives now ("device", "host"; None: none): proof
+    that the host run restores from a replica. Read from the ResourceManager on the engine's worker."""
+    core = engine._core
+    infos = core.on_worker(core.reuse.manager.checkpoints)
+    fits = [i for i in infos if i.length < len(prompt) and tuple(prompt[:i.length]) == i.tokens]
+    if not fits:
+        return None
+    best = max(fits, key=lambda i: (i.length, i.on_device))
+    return "device" if best.on_device else "host"
+
+
+def copy_seconds(nbytes: int, device: str, *, from_host: bool, reps: int = 5) -> float:
+    """Best time of one copy of ``nbytes`` into device memory: from pinned host memory, or device to device
+    (CUDA events); on the CPU a host copy on the harness clock."""
+    import torch
+
+    cuda = device.startswith("cuda")
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) if cuda and from_host else \
+        torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    times = []
+    for _ in range(reps + 1):  # the first copy pays one-time setup
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e-3)
+        else:
+            t = bench.clock()
+            dst.copy_(src)
+            times.append(bench.clock() - t)
+    return min(times[1:])
+
+
+# -- one shape end to end ---------------------------------------------------------------------------------
+
+def artifact(shape: str, args, device: str, workdir: Path, res: dict) -> Path:
+    """The shape's converted artifact: bench.py's seeded random checkpoint, reused from (or left in)
+    ``--artifact-cache`` under the same name bench.py gives it."""
+    from ninfer_convert.convert import convert_checkpoint
+
+    cfg = dict(SHAPES[shape], dtype="bfloat16", mtp_num_hidden_layers=0, model_type=HF_MODEL_TYPE)
+    cached = Path(args.artifact_cache) / f"{shape}.ninfer" if args.artifact_cache else None
+    if cached is not None and cached.exists():
+        res["artifact_reused"] = str(cached)
+        return cached
+    src, out = workdir / "hf", workdir / f"{shape}.ninfer"
+    t = bench.clock()
+    res["checkpoint_bytes"] = write_source(src, cfg, device)
+    res["write_s"] = bench.clock() - t
+    res["convert_s"] = convert_checkpoint(src, out, host=_host()).seconds
+    shutil.rmtree(src)
+    if cached is None:
+        return out
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(shutil.move(out, cached.with_suffix(".partial")))
+    return partial.rename(cached)  # complete or absent: a killed run leaves no half artifact to reuse
+
+
+def run_engines(path: Path, args, device: str, engines: dict) -> None:
+    """Each engine in turn; ``engines`` keeps what finished if a later one fails or the run is stopped."""
+    rows = max(args.batches)
+    print("#   engine on", flush=True)
+    engines["on"] = with_engine(path, device, args, lambda e, c: measure_main(e, c, args, None), cache=True, rows=rows)
+    prompts = [c.pop("_turn2_prompt") for c in engines["on"]["conversations"]]
+    print("#   engine off", flush=True)
+    engines["off"] = with_engine(path, device, args, lambda e, c: measure_main(e, c, args, prompts), cache=False,
+                                 rows=rows)
+    for c in engines["off"]["conversations"]:
+        c.pop("_turn2_prompt")
+    for g in args.grids:
+        grid = args.history if g is None else g
+        print(f"#   engine grid {g or 'none'}", flush=True)
+        engines[f"grid-{g or 'none'}"] = with_engine(
+            path, device, args, lambda e, c: measure_grid(e, c, args), cache=True, rows=1, grid=grid,
+            slots=2 * (-(-args.history // grid) + 2) + 4)  # every grid point and the next prompt's: no eviction
+    if args.host:
+        print("#   engine host (one checkpoint slot)", flush=True)
+        engines["host"] = with_engine(path, device, args, lambda e, c: measure_host(e, c, args), cache=True, rows=1,
+                                      slots=1)
+        for run, prompt in zip(engines["host"]["runs"], prompts, strict=False):
+            run["same_prompt_as_off"] = run.pop("_turn2_prompt") == prompt
+
+
+def bench_shape(shape: str, args, device: str, res: dict) -> None:
+    """Fills ``res`` as it goes (a failure or a timeout keeps the engines measured so far)."""
+    res.update(history=args.history, answer=args.answer, new=args.new, prefill_chunk=args.prefill_chunk, engines={})
+    workdir = Path(tempfile.mkdtemp(prefix=f"ninfer-cache-{shape}-", dir=args.workdir))
+    try:
+        path = artifact(shape, args, device, workdir, res)
+        run_engines(path, args, device, res["engines"])
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    on = res["engines"]["on"]
+    res["calibration"] = calibrate(on["image_bytes"], on["replica_bytes"], res["engines"]["off"], args, device)
+    res.update(summarize(res["engines"], args))
+
+
+def calibrate(image_bytes: int, replica_bytes: int, off: dict, args, device: str) -> dict:
+    """The CostModel's two rates as this device has them, beside its defaults (no engine alive)."""
+    from ninfer.engine.context_cache.retention import CostModel
+
+    h2d = copy_seconds(replica_bytes, device, from_host=True)
+    miss = statistics.median(r["first_ttft_s"] for r in off["repeats"])
+    defaults = CostModel()
+    return {"image_bytes": image_bytes, "image_copy_s": copy_seconds(image_bytes, device, from_host=False),
+            "replica_bytes": replica_bytes, "replica_h2d_s": h2d, "h2d_bytes_per_s": replica_bytes / h2d,
+            "transfer_s_per_byte": h2d / replica_bytes, "recompute_s_per_token": miss / args.history,
+            "pinned": device.startswith("cuda"),
+            "cost_model_defaults": {"recompute_s_per_token": defaults.recompute_s_per_token,
+                                    "transfer_s_per_byte": defaults.transfer_s_per_byte}}
+
+
+def _median(rows: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in rows)
+
+
+def summarize(engines: dict, args) -> dict:
+    """The figures the issue names, the result table and the leak verdict."""
+    on, off = engines["on"], engines["off"]
+    conv_on, conv_off = on["conversations"], off["conversations"]
+    out: dict = {}
+    t_on, t_off = _median(conv_on, "turn2_ttft_s"), _median(conv_off, "turn2_ttft_s")
+    out["turn2"] = {"on_ttft_s": t_on, "off_ttft_s": t_off, "speedup": t_off / t_on,
+                    "cached_tokens": [c["turn2_cached_tokens"] for c in conv_on],
+                    "prompt_tokens": args.history + args.answer + args.new,
+                    "turn1_equal": [a["turn1_tokens"] == b["turn1_tokens"] for a, b in zip(conv_on, conv_off, strict=True)],
+                    "outputs_equal": [a["turn2_tokens"] == b["turn2_tokens"] for a, b in zip(conv_on, conv_off, strict=True)]}
+    hit, miss = _median(on["repeats"], "second_ttft_s"), _median(on["repeats"], "first_ttft_s")
+    out["repeat"] = {"hit_ttft_s": hit, "miss_ttft_s": miss, "speedup": miss / hit,
+                     "off_second_ttft_s": _median(off["repeats"], "second_ttft_s"),
+                     "cached_tokens": [r["second_cached_tokens"] for r in on["repeats"]],
+                     "first_cached_tokens": [r["first_cached_tokens"] for r in on["repeats"]]}
+    miss_off = _median(off["repeats"], "first_ttft_s")
+    out["miss"] = {"on_ttft_s": miss, "off_ttft_s": miss_off, "overhead_pct": (miss / miss_off - 1) * 100}
+    out["decode"] = [{"batch": a["batch"], "context": a["context"], "on_tokens_per_s": a["tokens_per_s"],
+                      "off_tokens_per_s": b["tokens_per_s"], "cost_pct": (1 - a["tokens_per_s"] / b["tokens_per_s"]) * 100}
+                     for a, b in zip(on["decode"], off["decode"], strict=True)]
+    out["grid"] = grid_rows(engines, args)
+    if "host" in engines:
+        runs = engines["host"]["runs"]
+        t_host = _median(runs, "ttft_s")
+        out["host_restore"] = {"ttft_s": t_host, "full_prefill_ttft_s": t_off, "speedup": t_off / t_host,
+                               "cached_tokens": [r["cached_tokens"] for r in runs],
+                               "restored_from": [r["restored_from"] for r in runs],
+                               "host_evictions": [r["host_evictions"] for r in runs],
+                               "outputs_equal": [r["turn2_tokens"] == c["turn2_tokens"] if r["same_prompt_as_off"] else None
+                                                 for r, c in zip(runs, conv_off, strict=False)]}
+    out["leak_free"] = {name: e["leak_free"] for name, e in engines.items()}
+    out["targets"] = {"turn2_speedup": {"target": f">= {TARGETS['turn2_speedup']}", "measured": t_off / t_on,
+                                        "met": t_off / t_on >= TARGETS["turn2_speedup"]}}
+    for d in out["decode"]:
+        out["targets"][f"decode_b{d['batch']}_cost_pct"] = {
+            "target": f"<= {TARGETS['decode_cost_pct']}", "measured": d["cost_pct"],
+            "met": d["cost_pct"] <= TARGETS["decode_cost_pct"]}
+    out["table"] = table(out)
+    return out
+
+
+def grid_rows(engines: dict, args) -> list[dict]:
+    rows = []
+    for g in args.grids:
+        e = engines[f"grid-{g or 'none'}"]
+        grid = args.history if g is None else g
+        rows.append({"grid": g or "none", "grid_saves": len(range(grid, args.history - 1, grid)),
+                     "ttft_s": e["ttft_s"], "ttft_s_all": e["ttft_s_all"], "share_tokens": e["share_tokens"],
+                     "share_ttft_s": e["share_ttft_s"], "share_cached_tokens": e["share_cached_tokens"]})
+    end_only = next((r["ttft_s"] for r in rows if r["grid"] == "none"), None)
+    for r in rows:
+        r["over_end_only_s"] = None if end_only is None else r["ttft_s"] - end_only
+        r["per_save_s"] = r["over_end_only_s"] / r["grid_saves"] if end_only is not None and r["grid_saves"] else None
+    return rows
+
+
+def table(s: dict) -> list[dict]:
+    """The result table: one row per measurement, ``gain`` how many times better the cache does."""
+    t2, rep, miss = s["turn2"], s["repeat"], s["miss"]
+    yes = lambda flags: "yes" if all(flags) else f"NO ({sum(map(bool, flags))}/{len(flags)})"  # noqa: E731
+    rows = [
+        {"measurement": "turn-2 TTFT", "on": t2["on_ttft_s"] * 1e3, "off": t2["off_ttft_s"] * 1e3, "unit": "ms",
+         "gain": t2["speedup"], "detail": f"cached {t2['cached_tokens'][0]} of {t2['prompt_tokens']}; turn-2 outputs "
+                                          f"equal on/off: {yes(t2['outputs_equal'])}"},
+        {"measurement": "repeated prompt: 2nd (hit) / 1st (miss) TTFT", "on": rep["hit_ttft_s"] * 1e3,
+         "off": rep["miss_ttft_s"] * 1e3, "unit": "ms", "gain": rep["speedup"],
+         "detail": f"cached {rep['cached_tokens'][0]}"},
+        {"measurement": "fresh prompt TTFT (miss)", "on": miss["on_ttft_s"] * 1e3, "off": miss["off_ttft_s"] * 1e3,
+         "unit": "ms", "gain": miss["off_ttft_s"] / miss["on_ttft_s"],
+         "detail": f"checkpointing a miss costs {miss['overhead_pct']:+.1f} %"}]
+    for d in s["decode"]:
+        rows.append({"measurement": f"decode B={d['batch']}, context {d['context']}", "on": d["on_tokens_per_s"],
+                     "off": d["off_tokens_per_s"], "unit": "tok/s", "gain": d["on_tokens_per_s"] / d["off_tokens_per_s"],
+                     "detail": f"cost {d['cost_pct']:+.2f} % (target <= {TARGETS['decode_cost_pct']} %)"})
+    if "host_restore" in s:
+        h = s["host_restore"]
+        rows.append({"measurement": "turn-2 TTFT from a host replica (1 slot) / full prefill", "on": h["ttft_s"] * 1e3,
+                     "off": h["full_prefill_ttft_s"] * 1e3, "unit": "ms", "gain": h["speedup"],
+                     "detail": f"cached {h['cached_tokens'][0]}, restored from {h['restored_from'][0]}, "
+                               f"{h['host_evictions'][0]} host evictions"})
+    return rows
+
+
+# -- report ---------------------------------------------------------------------------------------------
+
+def markdown(result: dict) -> str:
+    d = result["device"]
+    lines = [f"# ninfer context cache on {d['name']} ({d['device']}), torch {d['torch']}, triton {d['triton']}"]
+    for shape, r in result["shapes"].items():
+        if "error" in r:
+            lines += ["", f"## {shape}: FAILED: {r['error']}"]
+            continue
+        lines += ["", f"## {shape}: history {r['history']} + answer {r['answer']} + new {r['new']} tokens, "
+                      f"prefill chunk {r['prefill_chunk']}; medians of {len(r['engines']['on']['conversations'])}",
+                  "", "| measurement | cache on | cache off | gain | detail |", "|---|---|---|---|---|"]
+        for row in r["table"]:
+            lines.append(f"| {row['measurement']} | {row['on']:.1f} {row['unit']} | {row['off']:.1f} {row['unit']} "
+                         f"| {row['gain']:.2f}x | {row['detail']} |")
+        if r["grid"]:
+            lines += ["", f"| checkpoint grid | grid saves | fresh TTFT ms | over prompt end only ms | per save ms "
+                          f"| sharing {r['grid'][0]['share_tokens']} tokens: TTFT ms | cached |",
+                      "|---|---|---|---|---|---|---|"]
+        for g in r["grid"]:
+            over = None if g["over_end_only_s"] is None else g["over_end_only_s"] * 1e3
+            per = None if g["per_save_s"] is None else g["per_save_s"] * 1e3
+            lines.append(f"| {g['grid']} | {g['grid_saves']} | {g['ttft_s'] * 1e3:.2f} | {_f(over, '+.2f')} "
+                         f"| {_f(per, '.3f')} | {g['share_ttft_s'] * 1e3:.2f} | {g['share_cached_tokens']} |")
+        c = r["calibration"]
+        dflt = c["cost_model_defaults"]
+        lines += ["", f"StateImage per checkpoint slot {c['image_bytes'] / 2**20:.2f} MiB, one device copy "
+                      f"{c['image_copy_s'] * 1e3:.3f} ms; host replica of a {r['history']}-token checkpoint "
+                      f"{c['replica_bytes'] / 2**20:.1f} MiB.",
+                  f"CostModel: prefill {c['recompute_s_per_token']:.3g} s/token (default "
+                  f"{dflt['recompute_s_per_token']:.3g}); {'pinned ' if c['pinned'] else ''}host->device "
+                  f"{c['h2d_bytes_per_s'] / 1e9:.1f} GB/s = {c['transfer_s_per_byte']:.3g} s/byte (default "
+                  f"{dflt['transfer_s_per_byte']:.3g}).",
+                  "Leak checks (idle after each run, all free after clearing): " + ", ".join(
+                      f"{k} {'ok' if v else 'LEAK'}" for k, v in r["leak_free"].items())]
+        for k, t in r["targets"].items():
+            lines.append(f"- target {k} {t['target']}: measured {t['measured']:.2f} -> {'met' if t['met'] else 'NOT met'}")
+    return "\n".join(lines)
+
+
+# -- entry point ----------------------------------------------------------------------------------------
+
+def _grid(text: str) -> int | None:
+    if text == "none":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a grid is a token count or 'none', got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a grid must be >= 1 token, got {value}")
+    return value
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", nargs="+", default=["9b"], choices=sorted(SHAPES))
+    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
+    p.add_argument("--history", type=int, default=8192, help="turn 1's prompt tokens (and every fresh prompt's)")
+    p.add_argument("--answer", type=int, default=64, help="tokens generated per turn")
+    p.add_argument("--new", type=int, default=32, help="turn 2's tokens beyond turn 1 and its answer")
+    p.add_argument("--reps", type=int, default=3, help="conversations / prompt pairs per measurement (medians)")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="decode rows compared on / off")
+    p.add_argument("--context", type=int, default=1024, help="decode prompt tokens")
+    p.add_argument("--steps", type=int, default=128, help="decode steps timed per run")
+    p.add_argument("--decode-reps", type=int, default=2, help="decode runs per B, best kept")
+    p.add_argument("--grids", type=_grid, nargs="*", default=[512, 1024, 2048, None],
+                   help="checkpoint grids measured ('none': the prompt's end only); none given: no grid engines")
+    p.add_argument("--share", type=float, default=0.7, help="fraction of a prompt the grid run's second prompt shares")
+    p.add_argument("--no-host", dest="host", action="store_false", help="skip the host-replica restore")
+    p.add_argument("--prefill-chunk", type=int, default=None, help="the engine's prefill chunk (default: the device's)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="compute dtype (default: the artifact's, bfloat16)")
+    p.add_argument("--workdir", default=None, help="folder for the checkpoint and artifact (default: temp dir)")
+    p.add_argument("--artifact-cache", default=None, metavar="DIR",
+                   help="keep each shape's artifact in DIR and reuse it (shared with bench.py)")
+    p.add_argument("--json", default=None, help="write every figure here")
+    return p.parse_args(argv)
+
+
+def _validate(args) -> str | None:
+    if not all(1 <= b <= 8 for b in args.batches):
+        return "--batches values must be in 1..8 (the engine's max_concurrency range)"
+    if args.history < 2 or args.answer < 1 or args.new < 1 or args.context < 1:
+        return "--history must be >= 2; --answer, --new and --context >= 1"
+    if args.steps < 3 or args.reps < 1 or args.decode_reps < 1:
+        return "--steps must be >= 3; --reps and --decode-reps >= 1"
+    if not 0 < args.share < 1:
+        return "--share must be between 0 and 1"
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
+        return "--prefill-chunk must be >= 1"
+    return None
+
+
+def main(argv=None) -> int:
+    signal.signal(signal.SIGTERM, bench._terminated)  # a timeout unwinds: each shape's workdir is removed
+    _import_paths()
+    before = os.environ.get("NINFER_EXTRA_PLUGINS")
+    extra = [m for m in (before or "").split(",") if m]
+    if "ninfer_qwen35.plugin" not in extra:  # no package metadata on the GPU machine
+        os.environ["NINFER_EXTRA_PLUGINS"] = ",".join([*extra, "ninfer_qwen35.plugin"])
+    try:
+        return _run(argv)
+    finally:  # an in-process run (the smoke test) leaves the environment as it found it
+        if before is None:
+            os.environ.pop("NINFER_EXTRA_PLUGINS", None)
+        else:
+            os.environ["NINFER_EXTRA_PLUGINS"] = before
+
+
+def _run(argv) -> int:
+    args = parse_args(argv)
+    if (err := _validate(args)) is not None:
+        print(f"context_cache: {err}", file=sys.stderr)
+        return 2
+    import torch
+
+    from ninfer.contract.config import default_prefill_chunk
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        print("context_cache: no CUDA device; use --device cpu", file=sys.stderr)
+        return 2
+    args.prefill_chunk = args.prefill_chunk or default_prefill_chunk(device)
+    base = Path(args.workdir or tempfile.gettempdir())
+    base.mkdir(parents=True, exist_ok=True)
+    args.workdir = str(base)
+    t0 = bench.clock()
+    result: dict = {"device": bench.device_info(device), "args": dict(vars(args)), "shapes": {}}
+    failed = []
+    for s in args.shape:
+        print(f"# shape {s}", flush=True)
+        res = result["shapes"][s] = {"shape": s}
+        try:
+            bench_shape(s, args, device, res)
+        except Exception as exc:  # one shape's failure must not lose the others' figures
+            traceback.print_exc()
+            res["error"] = f"{type(exc).__name__}: {exc}"
+            failed.append(s)
+            gc.collect()
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+        finally:  # keep what is measured even if a later shape fails or a timeout stops the run
+            if args.json:
+                Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+    result["wall_s"] = bench.clock() - t0
+    result["markdown"] = markdown(result)
+    print(result["markdown"])
+    print(f"\n# wall time {result['wall_s']:.1f} s" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
