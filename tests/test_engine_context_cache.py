@@ -52,19 +52,28 @@ def parts():
                 p.copy_(torch.randn(p.shape, generator=gen) * (1.5 / math.sqrt(math.prod(p.shape[1:]))))
     resources = FrontendResources(tokenizer_json=tokenizer_json, eos_token_ids=(special["<|im_end|>"],),
                                   embedding_vocab=VOCAB)
-    return model_from_hf(hf), resources
+    return model_from_hf(hf), Resources(resources, hf)
+
+
+class Resources:
+    """The tiny model's FrontendResources, and the transformers model (a CUDA test builds ours from it)."""
+
+    def __init__(self, resources, hf):
+        self.resources, self.hf = resources, hf
 
 
 def make_engine(parts, *, cache=True, max_concurrency=2, pages=96, slots=8, cache_host=1 << 24, host_bytes=1 << 24,
-                prefill_chunk=16, grid=8, pause_mode="auto") -> Engine:
+                prefill_chunk=16, grid=8, pause_mode="auto", device="cpu") -> Engine:
     model, resources = parts
-    prog = float32_program(model, page_size=PAGE, num_pages=pages, max_concurrency=max_concurrency,
-                           host_budget_bytes=host_bytes, max_model_len=256, cuda_graphs=False,
+    if device != "cpu":
+        model = model_from_hf(resources.hf, device=device)
+    prog = float32_program(model, page_size=PAGE, num_pages=pages, max_concurrency=max_concurrency, device=device,
+                           host_budget_bytes=host_bytes, max_model_len=256, cuda_graphs=device != "cpu",
                            checkpoint_slots=slots if cache else 0, cache_host_budget_bytes=cache_host if cache else 0)
     inst = ModelInstance(architecture="qwen35", config=model.config, model=model, parameters=model.params,
-                         frontend=QwenFrontend.from_resources(resources), program=prog)
+                         frontend=QwenFrontend.from_resources(resources.resources), program=prog)
     return Engine.from_instance(inst, config=EngineConfig(
-        max_concurrency=max_concurrency, device="cpu", prefill_chunk=prefill_chunk, pause_mode=pause_mode,
+        max_concurrency=max_concurrency, device=device, prefill_chunk=prefill_chunk, pause_mode=pause_mode,
         context_cache=cache, checkpoint_grid=grid))
 
 
@@ -251,3 +260,22 @@ def test_cancellations_and_randomized_lifecycles_account_exactly(parts):
                 h.result(120)
             assert on.usage().idle
         check_clean(on)
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_with_restores_and_continuations_match_no_cache(parts):
+    """On CUDA with decode graphs (adopted prefix pages in the graphs' block tables, the first token by a graphed
+    decode step, pipelined decode saving continuations), cache on and off give the same greedy tokens."""
+    base, prompts = conversation()
+    outputs = {}
+    for cache in (False, True):
+        with make_engine(parts, cache=cache, device="cuda", max_concurrency=4) as eng:
+            assert eng.instance.program.graphs is not None, eng.instance.program.graph_error
+            first = run_all(eng, [req(p) for p in prompts])
+            together = [h.result(120) for h in submit_together(eng, [req(p, max_tokens=9) for p in prompts])]
+            turn2 = eng.generate(req(base + list(first[0].token_ids) + prompt(4, 6)))
+            outputs[cache] = [r.token_ids for r in [*first, *together, turn2]]
+            if cache:
+                assert turn2.usage.cached_tokens > 0 and any(r.usage.cached_tokens for r in together)
+            check_clean(eng)
+    assert outputs[True] == outputs[False]
