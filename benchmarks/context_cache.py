@@ -200,19 +200,20 @@ def measure_grid(engine, checks: list, args) -> dict:
 
 
 def measure_host(engine, checks: list, args) -> dict:
-    """Turn 1, another prompt whose saves take the only device slot, then turn 2 from a host replica."""
+    """Turn 1, another prompt whose saves take the only device slot, then turn 2 from a host replica. The
+    conversation has a session key (a chat client's prompt_cache_key): its continuation is worth a host copy."""
     vocab = engine.instance.program.vocab_size
     runs = []
     for r in range(args.reps):
         evicted = engine.metrics().cache_evictions.get("host", 0)
         history = _prompts(vocab, 1, args.history, 1000 + 10 * r)[0]
-        (t1,) = run_streams(engine, [history], args.answer)
+        (t1,) = run_streams(engine, [history], args.answer, session_key=f"host-{r}")
         turn1 = list(t1["result"].token_ids)
         run_streams(engine, _prompts(vocab, 1, min(64, args.history), 7000 + r), 2)
         prompt2 = history + turn1 + _prompts(vocab, 1, args.new, 1000 + 10 * r + 1)[0]
         source = restore_source(engine, prompt2)
         m = engine.metrics()
-        (t2,) = run_streams(engine, [prompt2], args.answer)
+        (t2,) = run_streams(engine, [prompt2], args.answer, session_key=f"host-{r}")
         settle(engine, checks)
         runs.append({"ttft_s": ttft(t2), "cached_tokens": t2["result"].usage.cached_tokens, "restored_from": source,
                      "host_evictions": m.cache_evictions.get("host", 0) - evicted, "checkpoint_host_bytes": m.checkpoint_host_bytes,

@@ -122,7 +122,7 @@ def test_restores_give_the_same_outputs_as_no_cache(parts):
     with make_engine(parts, cache=False) as off:
         ref = [logprobs(off, req(p)) for p in prompts]
         turn2_ref = off.generate(req(base + list(ref[0][0].token_ids) + prompt(4, 6)))
-    with make_engine(parts) as on:
+    with make_engine(parts, slots=16) as on:  # room for every checkpoint: no eviction here
         with_lps = [logprobs(on, req(p)) for p in prompts]
         got = [r for r, _ in with_lps]
         turn2 = on.generate(req(base + list(got[0].token_ids) + prompt(4, 6)))
@@ -202,13 +202,15 @@ def test_a_request_without_the_cache_leaves_nothing(parts):
 
 def test_pressure_reclaims_the_cache_before_pausing_anyone(parts):
     long = prompt(10, 120)
+    work = (prompt(11, 60), prompt(11, 60), long, prompt(11, 60))
     with make_engine(parts, cache=False, pages=48) as off:
-        ref = [off.generate(req(p, max_tokens=8)) for p in (prompt(11, 60), long, prompt(11, 60))]
-    with make_engine(parts, pages=48, slots=3, grid=16) as on:
-        got = [on.generate(req(p, max_tokens=8)) for p in (prompt(11, 60), long, prompt(11, 60))]
+        ref = [off.generate(req(p, max_tokens=8)) for p in work]
+    with make_engine(parts, pages=48, slots=3, grid=64) as on:
+        got = [on.generate(req(p, max_tokens=8)) for p in work]
         m = on.metrics()
-        assert m.preemptions == 0 and sum(m.cache_evictions.values()) > 0
-        assert got[2].usage.cached_tokens > 0  # its checkpoint survived on the host and came back
+        assert m.preemptions == 0 and m.cache_evictions["host"] > 0 and m.cache_evictions["dropped"] > 0
+        # the repeated prompt's checkpoint had been restored (demand): it went to the host and came back
+        assert got[1].usage.cached_tokens == got[3].usage.cached_tokens == 59
         for a, b in zip(got, ref, strict=True):
             assert a.token_ids == b.token_ids
         check_clean(on)
@@ -216,12 +218,14 @@ def test_pressure_reclaims_the_cache_before_pausing_anyone(parts):
 
 def test_host_replica_restores_when_the_device_copy_is_gone(parts):
     p = prompt(12, 30)
-    with make_engine(parts, slots=1) as on:
-        first = on.generate(req(p))
-        on.generate(req(prompt(13, 30)))  # its save needs the only slot: p's checkpoint goes to the host
-        assert on.metrics().cache_evictions.get("host", 0) >= 1
-        again = on.generate(req(p))
-        assert again.usage.cached_tokens == len(p) - 1 and again.token_ids == first.token_ids
+    with make_engine(parts, slots=1) as on, make_engine(parts, cache=False) as off:
+        first = on.generate(req(p, session="chat"))  # its continuation is the session's: worth a host copy
+        on.generate(req(prompt(13, 30)))  # its save needs the only slot: the continuation goes to the host
+        assert on.metrics().cache_evictions["host"] == 1
+        turn2 = p + list(first.token_ids) + prompt(14, 5)
+        again = on.generate(req(turn2, session="chat"))
+        assert again.usage.cached_tokens == len(p) + len(first.token_ids) - 1
+        assert again.token_ids == off.generate(req(turn2)).token_ids
         check_clean(on)
 
 

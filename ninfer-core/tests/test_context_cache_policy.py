@@ -158,7 +158,7 @@ class MemoryStore:
         device = [i for i in infos if i.on_device]
         return CacheUsage(checkpoints=len(infos), device_slots_total=self.slots, device_slots_used=len(device),
                           device_pages=sum(i.length for i in device),
-                          device_pages_alone=sum(i.length for i in device), device_bytes=sum(i.device_bytes for i in device),
+                          device_pages_alone=sum(i.pages_alone for i in device), device_bytes=sum(i.device_bytes for i in device),
                           host_bytes_used=self._host_used(), host_bytes_total=self.host_budget,
                           leases=sum(self._leases.values()))
 
@@ -333,9 +333,12 @@ def test_eviction_keeps_the_long_unique_suffix_and_demotes_it_only_when_worth_it
     assert rm.evict_one()
     assert {i.id for i in rm.checkpoints()} == {trunk.id, other.id} and twig.id not in store._checkpoints
     assert rm.stats().evictions == {"host": 0, "dropped": 1}
-    # With room on the host, a suffix worth more than its transfer is kept there instead.
-    rm2, store2 = make(slots=1)
-    kept = fill(rm2, store2, [base])[0]
+    # With room on the host, a suffix worth more than its transfer is kept there instead, once restored before
+    # (without that evidence of demand the device->host copy is not made: it is dropped).
+    rm2, store2 = make(slots=2)
+    kept, unused = fill(rm2, store2, [base, list(range(100, 140))])
+    rm2.lookup(base + [0])
+    assert rm2.evict_one() and unused.id not in store2._checkpoints  # never restored: dropped
     assert rm2.evict_one() and store2.checkpoint(kept.id).on_host
 
 
@@ -351,10 +354,11 @@ def test_host_room_is_made_by_dropping_lower_priority_replicas_only():
     size = SLOT_BYTES + BYTES_PER_TOKEN * 20
     rm, store = make(slots=1, host_budget=size)
     old = fill(rm, store, [list(range(20))])[0]
+    rm.lookup(list(range(21)))  # restored once: worth a host copy
     assert rm.evict_one()  # demoted: the budget has room
     assert store.checkpoint(old.id).on_host and rm.stats().evictions["host"] == 1
     new = fill(rm, store, [list(range(50, 70))])[0]
-    for _ in range(200):  # the replica ages; the new checkpoint stays fresh
+    for _ in range(200):  # the replica ages; the new checkpoint stays fresh (and has demand)
         rm.lookup(list(range(50, 71)))
     assert rm.evict_one()
     assert store.checkpoint(new.id).on_host and old.id not in store._checkpoints
@@ -366,6 +370,7 @@ def test_a_fresher_replica_is_not_dropped_for_a_staler_one():
     size = SLOT_BYTES + BYTES_PER_TOKEN * 20
     rm, store = make(slots=1, host_budget=size)
     fill(rm, store, [list(range(20))])
+    rm.lookup(list(range(21)))
     rm.evict_one()
     stale = fill(rm, store, [list(range(50, 70))])[0]
     for _ in range(200):
@@ -378,6 +383,7 @@ def test_a_fresher_replica_is_not_dropped_for_a_staler_one():
 def test_leased_checkpoints_are_never_evicted_and_block_clear():
     rm, store = make(slots=1)
     a = fill(rm, store, [[3] * 9])[0]
+    rm.lookup([3] * 10)
     assert rm.lease(a.id).id == a.id
     assert not rm.evict_one() and not rm.ensure_free_slot()
     with pytest.raises(RuntimeError, match="leased"):

@@ -55,6 +55,7 @@ class CheckpointInfo:
     on_host: bool
     device_bytes: int  # what dropping the device copy frees now (its state slot, pages nobody else holds)
     host_bytes: int    # what the host replica holds, or would hold once made
+    pages_alone: int = 0  # KV pages only this checkpoint holds (what its eviction gives back to the pool)
 
     @property
     def length(self) -> int:

@@ -49,6 +49,8 @@ from ninfer.engine.worker_state import WorkerState
 
 log = logging.getLogger(__name__)
 
+OBSERVE_INTERVAL_S = 0.05
+
 
 class EngineCore:
     def __init__(self, program: Program, frontend: Frontend, config: EngineConfig) -> None:
@@ -71,6 +73,7 @@ class EngineCore:
                                   pause_mode=config.pause_mode, max_model_len=config.max_model_len)
         self.pipelined = isinstance(program, PipelinedDecode)
         self.kv_pages = self._kv_pages()
+        self._next_observe = 0.0
         self.thread = threading.Thread(target=self._run, name="ninfer-engine-worker", daemon=True)
         self.ingress.worker = self.thread
         exit_hook.track(self)  # interpreter exit closes it: a daemon worker frozen inside torch aborts the exit
@@ -109,8 +112,7 @@ class EngineCore:
                     self.settlement.settle_all(EngineClosed("engine closed before the request finished"))
                     return
                 progressed = self._cycle()
-                self.kv_pages = self._kv_pages()
-                self.reuse.record_stats()
+                self._observe(idle=not progressed)
                 if closing and not self.state.busy():
                     return
                 if not progressed:
@@ -120,6 +122,16 @@ class EngineCore:
             self.settlement.fail(exc, self.ingress.fail(exc))
         finally:
             self.ingress.stop()
+
+    def _observe(self, *, idle: bool) -> None:
+        """Refresh what /metrics reads of the Program's ledger and the context cache: when the worker goes
+        idle, else at most every OBSERVE_INTERVAL_S (counting the cache's pages walks every checkpoint's
+        block table, too much to repeat on every decode step)."""
+        now = time.monotonic()
+        if idle or now >= self._next_observe:
+            self.kv_pages = self._kv_pages()
+            self.reuse.record_stats()
+            self._next_observe = now + OBSERVE_INTERVAL_S
 
     def _kv_pages(self) -> tuple[int, int, int]:
         """Pages requests hold, pages only the context cache holds (reclaimable on demand), and the pool."""

@@ -125,6 +125,9 @@ class Reuse:
         boundary = rec.boundary
         if isinstance(boundary, TurnBoundary) and boundary.exact is False:
             return  # the next turn re-renders differently: its prompt-end checkpoint is what it can reuse
+        history = (*rec.prompt.token_ids, *rec.token_ids)
+        if self.manager.known(history[:-1]) or self.manager.known(history):
+            return  # an identical continuation is kept already (the same prompt, the same answer)
         if not self.manager.ensure_free_slot():
             return
         info = self.store.save_continuation(rec.sequence_id, "turn" if isinstance(boundary, TurnBoundary)
@@ -138,7 +141,7 @@ class Reuse:
     # -- pressure and observation -----------------------------------------------------------------------
     def reclaim(self) -> bool:
         """Free device room by evicting the least valuable checkpoint; False when there is none."""
-        return self.manager is not None and self.manager.evict_one()
+        return self.manager is not None and self.manager.evict_one(for_pages=True)
 
     def clear(self) -> None:
         if self.manager is not None:

@@ -49,6 +49,7 @@ class ResourceManager:
         self._sessions = SessionHints(max_sessions)
         self._recency = Recency()
         self._leases: Counter[int] = Counter()
+        self._hits: Counter[int] = Counter()  # restores per checkpoint: the demand evidence a host copy needs
         self._evictions = dict.fromkeys(EVICTION_OUTCOMES, 0)
 
     # -- publication -----------------------------------------------------------------------------------
@@ -73,6 +74,7 @@ class ResourceManager:
         self._sessions.forget_checkpoint(checkpoint_id)
         self._recency.forget(checkpoint_id)
         self._leases.pop(checkpoint_id, None)
+        self._hits.pop(checkpoint_id, None)
 
     # -- requests --------------------------------------------------------------------------------------
     def lookup(self, tokens: Sequence[int], session_key: str | None = None) -> CheckpointInfo | None:
@@ -91,6 +93,7 @@ class ResourceManager:
         if best is None or best.length == 0:
             return None
         self._recency.use(best.id)
+        self._hits[best.id] += 1
         return best
 
     def save_points(self, tokens: Sequence[int], start: int, named: Iterable[int] = ()) -> list[int]:
@@ -104,6 +107,10 @@ class ResourceManager:
         points = sorted({*range(first, last, self.grid), *(p for p in named if start < p < last), last})
         known = self._index.present(tokens, points)
         return [p for p in points if p not in known]
+
+    def known(self, tokens: Sequence[int]) -> bool:
+        """Whether a checkpoint of exactly ``tokens`` is known (a second copy would hold a slot for nothing)."""
+        return bool(tokens) and bool(self._index.present(tokens, [len(tokens)]))
 
     def lease(self, checkpoint_id: int) -> CheckpointInfo | None:
         """Pin a checkpoint for a materialization; None (and forgotten) when the store no longer has it."""
@@ -133,15 +140,28 @@ class ResourceManager:
             usage = self.store.cache_usage()
         return usage.device_slots_used < usage.device_slots_total
 
-    def evict_one(self) -> bool:
+    def evict_one(self, *, for_pages: bool = False) -> bool:
         """Drop the device copy of the unleased checkpoint whose loss costs least per byte, keeping a host
-        replica when it is worth one and the host budget has (or can be given) room."""
+        replica when it is worth one and the host budget has (or can be given) room.
+
+        ``for_pages``: the pool is short of pages, so only a checkpoint whose eviction gives pages back is a
+        candidate (one whose pages a running sequence still holds frees none); when none does alone but
+        checkpoints jointly hold pages, the lowest priority goes, uncovering the pages its neighbours share.
+        A host replica costs a device->host copy now, so it is made only on evidence of demand: the
+        checkpoint was restored before, or a session's latest continuation is bound to it."""
         candidates = [self._refresh(i) for i in self._index if i.on_device and i.id not in self._leases]
+        if for_pages:
+            freeing = [i for i in candidates if i.pages_alone > 0]
+            if freeing:
+                candidates = freeing
+            elif self.store.cache_usage().device_pages_alone == 0:
+                return False
         if not candidates:
             return False
         victim = min(candidates, key=lambda i: (self._device_priority(i), -self._recency.age(i.id), i.id))
+        wanted = self._hits[victim.id] > 0 or self._sessions.is_bound(victim.id)
         to_host = victim.on_host or (
-            worth_host_replica(victim, prefix_length=self._restore_length(victim), cost=self.cost)
+            wanted and worth_host_replica(victim, prefix_length=self._restore_length(victim), cost=self.cost)
             and self._make_host_room(victim))
         after = self.store.evict(victim.id, to_host=to_host)
         if after is None:
@@ -162,6 +182,7 @@ class ResourceManager:
             self._index.remove(info.id)
         self._sessions.clear()
         self._recency.clear()
+        self._hits.clear()
 
     def checkpoints(self) -> list[CheckpointInfo]:
         """Every checkpoint the manager knows, as last adopted."""

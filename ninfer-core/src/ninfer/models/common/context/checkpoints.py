@@ -66,13 +66,13 @@ class CheckpointStore:
         return self.states.image_bytes + pages_for(length, self.pool.page_size) * self.pool.nbytes_per_page
 
     def info(self, ck: Checkpoint) -> CheckpointInfo:
-        device = 0
+        device = alone = 0
         if ck.on_device:
             alone = sum(1 for p in ck.prefix.pages if self.pool.allocator.refcount(p) == 1)
             device = self.states.image_bytes + alone * self.pool.nbytes_per_page
         return CheckpointInfo(id=ck.id, generation=ck.generation, tokens=ck.tokens, kind=ck.kind,
                               on_device=ck.on_device, on_host=ck.on_host, device_bytes=device,
-                              host_bytes=self.host_bytes(len(ck.tokens)))
+                              host_bytes=self.host_bytes(len(ck.tokens)), pages_alone=alone)
 
     def usage(self) -> CacheUsage:
         refs = Counter(p for ck in self.records.values() if ck.prefix is not None for p in ck.prefix.pages)
