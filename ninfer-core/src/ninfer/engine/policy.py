@@ -96,7 +96,7 @@ class CyclePolicy:
         while True:
             if st.program.reserve_units(rec.sequence_id, tokens):
                 return True
-            if st.reuse.reclaim():  # the optional cache goes before any resident is paused
+            if st.reuse.reclaim(tokens):  # the optional cache goes before any resident is paused
                 continue
             victim = s.victim_for(rec)
             if victim is not None:
@@ -183,7 +183,7 @@ class CyclePolicy:
         st = self.state
         tokens = min(self.prefill_chunk, st.program.input_remaining(seq) or 1)
         while not st.program.reserve_units(seq, tokens):
-            if not st.reuse.reclaim():
+            if not st.reuse.reclaim(tokens):
                 return False
         return True
 

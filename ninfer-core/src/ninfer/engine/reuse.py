@@ -35,6 +35,7 @@ class Reuse:
         self.store: ContextStore | None = program if enabled and isinstance(program, ContextStore) else None
         block = program.kv_pools[0].page_size if program.kv_pools else 16
         self.manager = ResourceManager(self.store, block=block, grid=grid) if self.store is not None else None
+        self.block = block
         self.min_wait_gain = block  # waiting for another's save must save at least one block of prefill
         self.planned: dict[int, tuple[tuple[int, ...], list[int]]] = {}  # sequence -> (prompt, save points)
         self.waiting_on_save = False
@@ -139,9 +140,12 @@ class Reuse:
             self.manager.bind_session(rec.request.session_key, rec.ticket, info)
 
     # -- pressure and observation -----------------------------------------------------------------------
-    def reclaim(self) -> bool:
-        """Free device room by evicting the least valuable checkpoint; False when there is none."""
-        return self.manager is not None and self.manager.evict_one(for_pages=True)
+    def reclaim(self, tokens: int = 1) -> bool:
+        """Give KV pages back for a unit of ``tokens`` positions by evicting the least valuable checkpoints
+        (as many as that takes, ranked once); False when none could go."""
+        if self.manager is None:
+            return False
+        return self.manager.evict(for_pages=True, pages=-(-tokens // self.block)) > 0
 
     def clear(self) -> None:
         if self.manager is not None:

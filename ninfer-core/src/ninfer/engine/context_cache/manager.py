@@ -50,6 +50,7 @@ class ResourceManager:
         self._recency = Recency()
         self._leases: Counter[int] = Counter()
         self._hits: Counter[int] = Counter()  # restores per checkpoint: the demand evidence a host copy needs
+        self._restore: dict[int, tuple[int, int | None]] = {}  # id -> (restore length, the checkpoint giving it)
         self._evictions = dict.fromkeys(EVICTION_OUTCOMES, 0)
 
     # -- publication -----------------------------------------------------------------------------------
@@ -75,6 +76,9 @@ class ResourceManager:
         self._recency.forget(checkpoint_id)
         self._leases.pop(checkpoint_id, None)
         self._hits.pop(checkpoint_id, None)
+        self._restore.pop(checkpoint_id, None)
+        for other in [i for i, (_, via) in self._restore.items() if via == checkpoint_id]:
+            del self._restore[other]
 
     # -- requests --------------------------------------------------------------------------------------
     def lookup(self, tokens: Sequence[int], session_key: str | None = None) -> CheckpointInfo | None:
@@ -141,35 +145,47 @@ class ResourceManager:
         return usage.device_slots_used < usage.device_slots_total
 
     def evict_one(self, *, for_pages: bool = False) -> bool:
-        """Drop the device copy of the unleased checkpoint whose loss costs least per byte, keeping a host
-        replica when it is worth one and the host budget has (or can be given) room.
+        """Evict the least valuable device checkpoint (see ``evict``); whether one went."""
+        return self.evict(for_pages=for_pages, pages=1 if for_pages else 0) > 0
+
+    def evict(self, *, for_pages: bool = False, pages: int = 0) -> int:
+        """Drop the device copies of unleased checkpoints, least loss per byte first, until ``pages`` pages
+        were given back (one checkpoint when ``pages`` is 0); keep a host replica where it is worth one and
+        the host budget has (or can be given) room. Returns how many went (0: nothing could).
 
         ``for_pages``: the pool is short of pages, so only a checkpoint whose eviction gives pages back is a
         candidate (one whose pages a running sequence still holds frees none); when none does alone but
         checkpoints jointly hold pages, the lowest priority goes, uncovering the pages its neighbours share.
         A host replica costs a device->host copy now, so it is made only on evidence of demand: the
-        checkpoint was restored before, or a session's latest continuation is bound to it."""
+        checkpoint was restored before, or a session's latest continuation is bound to it. Priorities are
+        ranked once per call: walking every checkpoint's tokens per victim would cost more than it saves."""
         candidates = [self._refresh(i) for i in self._index if i.on_device and i.id not in self._leases]
         if for_pages:
             freeing = [i for i in candidates if i.pages_alone > 0]
             if freeing:
                 candidates = freeing
             elif self.store.cache_usage().device_pages_alone == 0:
-                return False
-        if not candidates:
-            return False
-        victim = min(candidates, key=lambda i: (self._device_priority(i), -self._recency.age(i.id), i.id))
-        wanted = self._hits[victim.id] > 0 or self._sessions.is_bound(victim.id)
-        to_host = victim.on_host or (
-            wanted and worth_host_replica(victim, prefix_length=self._restore_length(victim), cost=self.cost)
-            and self._make_host_room(victim))
-        after = self.store.evict(victim.id, to_host=to_host)
-        if after is None:
-            self.forget(victim.id)
-        else:
-            self._update(after)
-        self._evictions["host" if after is not None and after.on_host else "dropped"] += 1
-        return True
+                return 0
+        restore = {i.id: self._restore_length(i) for i in candidates}
+        ranked = sorted(candidates, key=lambda i: (self._device_priority(i, restore[i.id]),
+                                                   -self._recency.age(i.id), i.id))
+        gone = freed = 0
+        for victim in ranked:
+            if gone and freed >= pages:
+                break
+            wanted = self._hits[victim.id] > 0 or self._sessions.is_bound(victim.id)
+            to_host = victim.on_host or (
+                wanted and worth_host_replica(victim, prefix_length=restore[victim.id], cost=self.cost)
+                and self._make_host_room(victim))
+            after = self.store.evict(victim.id, to_host=to_host)
+            if after is None:
+                self.forget(victim.id)
+            else:
+                self._update(after)
+            self._evictions["host" if after is not None and after.on_host else "dropped"] += 1
+            gone += 1
+            freed += victim.pages_alone
+        return gone
 
     def clear(self) -> None:
         """Retire every checkpoint and forget everything (eviction counts stay: they are counters)."""
@@ -183,6 +199,7 @@ class ResourceManager:
         self._sessions.clear()
         self._recency.clear()
         self._hits.clear()
+        self._restore.clear()
 
     def checkpoints(self) -> list[CheckpointInfo]:
         """Every checkpoint the manager knows, as last adopted."""
@@ -212,12 +229,20 @@ class ResourceManager:
         return self._index.get(info.id) or fresh
 
     def _restore_length(self, info: CheckpointInfo) -> int:
-        """What a request would restore if ``info`` were gone: the longest other checkpoint within it."""
-        other = self._index.longest(info.tokens, info.length, exclude=info.id)
-        return 0 if other is None else other.length
+        """What a request would restore if ``info`` were gone: the longest other checkpoint within it.
 
-    def _device_priority(self, info: CheckpointInfo) -> float:
-        return device_priority(info, prefix_length=self._restore_length(info), age=self._recency.age(info.id),
+        Memoized (the walk reads every block of its tokens) until the checkpoint it names goes; one
+        published later that would be longer is not looked for, so the figure errs towards keeping."""
+        known = self._restore.get(info.id)
+        if known is None:
+            other = self._index.longest(info.tokens, info.length, exclude=info.id)
+            known = (0, None) if other is None else (other.length, other.id)
+            self._restore[info.id] = known
+        return known[0]
+
+    def _device_priority(self, info: CheckpointInfo, restore: int | None = None) -> float:
+        restore = self._restore_length(info) if restore is None else restore
+        return device_priority(info, prefix_length=restore, age=self._recency.age(info.id),
                                session_bound=self._sessions.is_bound(info.id), cost=self.cost)
 
     def _host_priority(self, info: CheckpointInfo) -> float:
