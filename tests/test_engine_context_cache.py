@@ -14,6 +14,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ninfer.contract.config import EngineConfig
 from ninfer.contract.events import GenerationStart, OutputDelta
@@ -246,10 +248,15 @@ def test_preemption_with_the_cache_gives_the_same_outputs(parts, mode):
         check_clean(on)
 
 
-def test_cancellations_and_randomized_lifecycles_account_exactly(parts):
-    rng = random.Random(1234)
+@given(seed=st.integers(0, 2**32 - 1), mode=st.sampled_from(["auto", "replay"]))
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_cancellations_and_randomized_lifecycles_account_exactly(parts, seed, mode):
+    """Arrivals sharing prefixes, turns of sessions, cancellations (some before their restore runs), pressure
+    that evicts and preempts: every request ends once, and what remains is the cache's, all of it freed by
+    clearing it."""
+    rng = random.Random(seed)
     stems = [prompt(40 + i, 26) for i in range(3)]
-    with make_engine(parts, max_concurrency=3, pages=56, slots=3, cache_host=1 << 16, grid=8) as on:
+    with make_engine(parts, max_concurrency=3, pages=56, slots=3, cache_host=1 << 16, grid=8, pause_mode=mode) as on:
         for round_ in range(6):
             reqs, cancel = [], []
             for i in range(rng.randrange(2, 6)):
@@ -283,3 +290,20 @@ def test_cuda_graphs_with_restores_and_continuations_match_no_cache(parts):
                 assert turn2.usage.cached_tokens > 0 and any(r.usage.cached_tokens for r in together)
             check_clean(eng)
     assert outputs[True] == outputs[False]
+
+
+def test_a_request_cancelled_before_its_restore_runs_takes_nothing(parts):
+    p = prompt(50, 33)
+    with make_engine(parts) as on:
+        on.generate(req(p))
+        usage = on.usage()
+
+        def submit_and_cancel():
+            h = on.submit(req(p))  # would restore p's prompt-end checkpoint at the next cycle
+            h.cancel()
+            return h
+        result = on._core.on_worker(submit_and_cancel).result(60)
+        assert result.finish_reason.value == "cancelled" and result.usage.cached_tokens == 0
+        after = on.usage()
+        assert after.leases == 0 and after.kv_pages_used == usage.kv_pages_used and after.checkpoints == usage.checkpoints
+        check_clean(on)

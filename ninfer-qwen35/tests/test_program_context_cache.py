@@ -7,6 +7,7 @@ within fp32 tolerance (a different chunking changes the summation order only).
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ninfer.contract.batch import RowDecision
 from ninfer.contract.context import ContextStore
@@ -182,3 +183,17 @@ def test_saves_are_skipped_without_a_free_slot_and_plans_are_checked(tiny):
     prog.release(sid)
     retire_all(prog)
     assert prog.usage().all_free
+
+
+def test_scoring_never_touches_the_cache(tiny):
+    prog = make(tiny)
+    sid = prog.open_sequence(PreparedPrompt(token_ids=PROMPT), WANTS)
+    prog.plan_saves(sid, [len(PROMPT) - 1])
+    run(prog, sid, 2)
+    prog.release(sid)
+    prog.published()
+    before = prog.cache_usage()
+    scores = prog.score_window(PROMPT)
+    assert prog.cache_usage() == before  # no lookup, no save, no page or slot taken
+    fresh_scores = make(tiny, checkpoint_slots=0).score_window(PROMPT)
+    assert torch.allclose(scores, fresh_scores)

@@ -20,12 +20,13 @@ def _positive(_instance: object, attribute: attrs.Attribute, value: float) -> No
 
 @attrs.frozen(kw_only=True)
 class CostModel:
-    """Recovery cost estimates. The defaults assume a 9B bf16 model on one H200 until measured there:
-    long-context prefill near 10k tokens/s (1e-4 s per token) and pinned host<->device copies near
-    20 GB/s. Only their ratio to each other and to the bytes matters, not their absolute scale."""
+    """Recovery cost estimates, measured for a 9B bf16 model on one H200 (benchmarks/context_cache.py,
+    docs/performance.md): an 8k-token prefill at about 32k tokens/s, and pinned host->device copies of a
+    checkpoint replica at about 55 GB/s. Only their ratio to each other and to the bytes matters, not
+    their absolute scale."""
 
-    recompute_s_per_token: float = attrs.field(default=1e-4, validator=_positive)
-    transfer_s_per_byte: float = attrs.field(default=1.0 / 20e9, validator=_positive)
+    recompute_s_per_token: float = attrs.field(default=3.1e-5, validator=_positive)
+    transfer_s_per_byte: float = attrs.field(default=1.0 / 55e9, validator=_positive)
     # Uses (lookups and publications) since a checkpoint's last use at which its priority halves.
     horizon: float = attrs.field(default=64.0, validator=_positive)
     # A session's latest continuation is the likeliest next hit.
