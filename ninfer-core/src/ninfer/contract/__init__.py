@@ -6,6 +6,7 @@ See docs/architecture.md for how these map onto the design document.
 
 from ninfer.contract.batch import LaunchedUnit, PendingBatch, PendingRow, RowDecision
 from ninfer.contract.config import EngineConfig, StartupFeatures, StartupOptions
+from ninfer.contract.context import CacheUsage, CheckpointInfo, ContextStore, TurnBoundary
 from ninfer.contract.errors import PromptTooLong
 from ninfer.contract.events import (
     FinishReason,
@@ -32,8 +33,8 @@ from ninfer.contract.resources import FrontendResources
 from ninfer.contract.state import KVPoolSpec, StateField, StateImageLayout
 
 __all__ = [
-    "ChatInput", "EngineConfig", "FinishReason", "Frontend", "FrontendResources", "GenerationRequest", "GenerationResult", "GenerationStart",
+    "CacheUsage", "ChatInput", "CheckpointInfo", "ContextStore", "EngineConfig", "FinishReason", "Frontend", "FrontendResources", "GenerationRequest", "GenerationResult", "GenerationStart",
     "KVPoolSpec", "LaunchedUnit", "MediaItem", "MediaSpan", "ModelInstance", "OutputDelta", "OutputSession", "PendingBatch",
     "PendingRow", "PipelinedDecode", "PreparedPrompt", "Preview", "Program", "PromptTooLong", "ResourceUsage", "RowDecision", "SamplingParams", "SnapshotCost", "StateField", "StateImageLayout",
-    "Startup", "StartupFeatures", "StartupOptions", "TextInput", "Timings", "Usage",
+    "Startup", "StartupFeatures", "StartupOptions", "TextInput", "Timings", "TurnBoundary", "Usage",
 ]
