@@ -647,15 +647,21 @@ def _terminated(signum, frame):
 
 
 def main(argv=None) -> int:
+    return run_with_plugins(_run, argv)
+
+
+def run_with_plugins(run, argv) -> int:
+    """``run(argv)`` with SIGTERM unwinding and the Qwen3.5 plugin importable where no package metadata
+    exists (the GPU machine); an in-process run (a smoke test) leaves the environment as it found it."""
     signal.signal(signal.SIGTERM, _terminated)
     _import_paths()
     before = os.environ.get("NINFER_EXTRA_PLUGINS")
     extra = [m for m in (before or "").split(",") if m]
-    if "ninfer_qwen35.plugin" not in extra:  # no package metadata on the GPU machine
+    if "ninfer_qwen35.plugin" not in extra:
         os.environ["NINFER_EXTRA_PLUGINS"] = ",".join([*extra, "ninfer_qwen35.plugin"])
     try:
-        return _run(argv)
-    finally:  # an in-process run (the smoke test) leaves the environment as it found it
+        return run(argv)
+    finally:
         if before is None:
             os.environ.pop("NINFER_EXTRA_PLUGINS", None)
         else:

@@ -36,9 +36,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import shutil
-import signal
 import statistics
 import sys
 import tempfile
@@ -47,7 +45,7 @@ from pathlib import Path
 
 from benchmarks import bench
 from benchmarks.bench import HF_MODEL_TYPE, _f, _prompts, _sync, decode_tokens, run_streams, steady_decode
-from benchmarks.load_throughput import _host, _import_paths, write_source
+from benchmarks.load_throughput import _host, write_source
 from benchmarks.shapes import SHAPES
 
 PAGE = 16
@@ -520,19 +518,7 @@ def _validate(args) -> str | None:
 
 
 def main(argv=None) -> int:
-    signal.signal(signal.SIGTERM, bench._terminated)  # a timeout unwinds: each shape's workdir is removed
-    _import_paths()
-    before = os.environ.get("NINFER_EXTRA_PLUGINS")
-    extra = [m for m in (before or "").split(",") if m]
-    if "ninfer_qwen35.plugin" not in extra:  # no package metadata on the GPU machine
-        os.environ["NINFER_EXTRA_PLUGINS"] = ",".join([*extra, "ninfer_qwen35.plugin"])
-    try:
-        return _run(argv)
-    finally:  # an in-process run (the smoke test) leaves the environment as it found it
-        if before is None:
-            os.environ.pop("NINFER_EXTRA_PLUGINS", None)
-        else:
-            os.environ["NINFER_EXTRA_PLUGINS"] = before
+    return bench.run_with_plugins(_run, argv)
 
 
 def _run(argv) -> int:

@@ -9,11 +9,9 @@ lease and host byte accounted: idle after the workload, all free after ``clear_c
 
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -30,7 +28,7 @@ from ninfer_qwen35.testing.checkpoints import make_tokenizer_json
 
 transformers = pytest.importorskip("transformers")
 
-from ninfer_qwen35.testing import float32_program, model_from_hf  # noqa: E402
+from ninfer_qwen35.testing import decisive_tiny_hf, float32_program, model_from_hf  # noqa: E402
 
 VOCAB = 448
 PAGE = 4
@@ -41,17 +39,7 @@ pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 @pytest.fixture(scope="module")
 def parts():
     tokenizer_json, special = make_tokenizer_json()
-    hf_cfg = transformers.Qwen3_5TextConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8,
-        linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=512, tie_word_embeddings=True)
-    torch.manual_seed(7)
-    hf = transformers.Qwen3_5ForCausalLM(hf_cfg).eval()
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():  # O(1) weights so greedy choices are decisive, not near-ties
-        for p in hf.parameters():
-            if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=gen) * (1.5 / math.sqrt(math.prod(p.shape[1:]))))
+    hf = decisive_tiny_hf(7, vocab_size=VOCAB)
     resources = FrontendResources(tokenizer_json=tokenizer_json, eos_token_ids=(special["<|im_end|>"],),
                                   embedding_vocab=VOCAB)
     return model_from_hf(hf), Resources(resources, hf)
@@ -135,10 +123,10 @@ def test_restores_give_the_same_outputs_as_no_cache(parts):
         assert turn2.token_ids == turn2_ref.token_ids
         # the first request's continuation: everything but its last token
         assert turn2.usage.cached_tokens == len(base) + len(got[0].token_ids) - 1
-        m = on.metrics()
+        m = on.metrics()  # counters are recorded as they happen (gauges when the worker observes)
         assert m.prefix_cache_hits == sum(r.usage.cached_tokens for r in [*got, turn2])
         assert m.prefix_cache_queries == sum(len(p) for p in prompts) + len(base) + 6 + 6
-        assert m.checkpoints > 0 and m.checkpoint_device_bytes > 0
+        assert on.usage().checkpoints > 0
         check_clean(on)
 
 

@@ -7,13 +7,11 @@ every request in exactly one terminal state and leave every page, slot and host 
 
 from __future__ import annotations
 
-import math
 import random
 import threading
 import time
 
 import pytest
-import torch
 
 from ninfer.contract.events import FinishReason, GenerationResult, GenerationStart
 from ninfer.contract.model import ModelInstance
@@ -28,7 +26,7 @@ from ninfer_qwen35.testing.checkpoints import make_tokenizer_json
 transformers = pytest.importorskip("transformers")
 
 from ninfer_qwen35.execution.model import Qwen35Model  # noqa: E402
-from ninfer_qwen35.testing import float32_program, model_from_hf  # noqa: E402
+from ninfer_qwen35.testing import decisive_tiny_hf, float32_program, model_from_hf  # noqa: E402
 
 VOCAB = 448  # the tiny tokenizer's 433 ids, padded like published embeddings
 PAGE = 4
@@ -40,17 +38,7 @@ pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 @pytest.fixture(scope="module")
 def parts():
     tokenizer_json, special = make_tokenizer_json()
-    hf_cfg = transformers.Qwen3_5TextConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8,
-        linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=512, tie_word_embeddings=True)
-    torch.manual_seed(5)
-    hf = transformers.Qwen3_5ForCausalLM(hf_cfg).eval()
-    gen = torch.Generator().manual_seed(5)
-    with torch.no_grad():  # O(1) weights so greedy choices are decisive, not near-ties
-        for p in hf.parameters():
-            if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=gen) * (1.5 / math.sqrt(math.prod(p.shape[1:]))))
+    hf = decisive_tiny_hf(5, vocab_size=VOCAB)
     resources = FrontendResources(tokenizer_json=tokenizer_json, eos_token_ids=(special["<|im_end|>"],),
                                   embedding_vocab=VOCAB)
     models: dict[str, Qwen35Model] = {}

@@ -102,7 +102,8 @@ class MetricsRecorder:
         self.end_to_end = Histogram()
         self.cache_queries = 0
         self.cache_hits = 0
-        self.cache = None  # the ResourceManager's stats as of the worker's last cycle
+        self.cache = None  # the ResourceManager's stats (gauges) as of the worker's last observation
+        self.evictions: dict[str, int] = {}  # counters, recorded as evictions happen
 
     def preempted(self, mode: str) -> None:
         with self.lock:
@@ -137,6 +138,11 @@ class MetricsRecorder:
             self.cache_queries += queried
             self.cache_hits += hit
 
+    def cache_evictions(self, counts: dict[str, int]) -> None:
+        """The context cache's eviction counters (by outcome), right after evicting."""
+        with self.lock:
+            self.evictions = dict(counts)
+
     def cache_state(self, stats) -> None:
         """The context cache's holdings (``context_cache.CacheStats``), set by the worker after each cycle."""
         with self.lock:
@@ -164,4 +170,4 @@ class MetricsRecorder:
                 prefix_cache_queries=self.cache_queries, prefix_cache_hits=self.cache_hits,
                 checkpoints=cache.checkpoints if cache else 0, checkpoint_device_bytes=cache.device_bytes if cache else 0,
                 checkpoint_host_bytes=cache.host_bytes if cache else 0,
-                cache_evictions=dict(cache.evictions) if cache else {})
+                cache_evictions=dict(self.evictions))

@@ -103,6 +103,7 @@ class Reuse:
         """A prefill unit may end at a save point: keep a checkpoint slot free for it."""
         if rec.sequence_id in self.planned:
             self.manager.ensure_free_slot()
+            self.metrics.cache_evictions(self.manager.evictions)
 
     def after_prefill(self) -> bool:
         """Adopt what the Program published; True when a waiting admission should look again."""
@@ -129,7 +130,9 @@ class Reuse:
         history = (*rec.prompt.token_ids, *rec.token_ids)
         if self.manager.known(history[:-1]) or self.manager.known(history):
             return  # an identical continuation is kept already (the same prompt, the same answer)
-        if not self.manager.ensure_free_slot():
+        free = self.manager.ensure_free_slot()
+        self.metrics.cache_evictions(self.manager.evictions)
+        if not free:
             return
         info = self.store.save_continuation(rec.sequence_id, "turn" if isinstance(boundary, TurnBoundary)
                                             else "final")
@@ -145,7 +148,9 @@ class Reuse:
         (as many as that takes, ranked once); False when none could go."""
         if self.manager is None:
             return False
-        return self.manager.evict(for_pages=True, pages=-(-tokens // self.block)) > 0
+        gone = self.manager.evict(for_pages=True, pages=-(-tokens // self.block))
+        self.metrics.cache_evictions(self.manager.evictions)
+        return gone > 0
 
     def clear(self) -> None:
         if self.manager is not None:

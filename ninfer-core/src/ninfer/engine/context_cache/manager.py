@@ -205,6 +205,11 @@ class ResourceManager:
         """Every checkpoint the manager knows, as last adopted."""
         return list(self._index)
 
+    @property
+    def evictions(self) -> dict[str, int]:
+        """Evictions by outcome since the manager started (counters: kept across ``clear``)."""
+        return dict(self._evictions)
+
     def stats(self) -> CacheStats:
         usage = self.store.cache_usage()
         return CacheStats(checkpoints=usage.checkpoints, device_bytes=usage.device_bytes,
