@@ -40,18 +40,14 @@ class Reuse:
         self.planned: dict[int, tuple[tuple[int, ...], list[int]]] = {}  # sequence -> (prompt, save points)
         self.waiting_on_save = False
 
-    @property
-    def enabled(self) -> bool:
-        return self.manager is not None
-
     def applies(self, rec: RequestRecord) -> bool:
         return self.manager is not None and rec.request.context_cache
 
     # -- admission -----------------------------------------------------------------------------------
-    def open(self, rec: RequestRecord, residents: list[RequestRecord]) -> int | Admission | None:
-        """Bind ``rec``'s sequence: restored from the best checkpoint, or fresh. WAIT: a resident's save
-        point is worth waiting for. None: the restore does not fit now (the caller treats it like a full
-        pool). ValueError: the Program cannot represent the prompt."""
+    def open(self, rec: RequestRecord, residents: list[RequestRecord]) -> int | Admission:
+        """Bind ``rec``'s sequence: restored from the best checkpoint, or fresh when the restore does not fit
+        (a host replica needs free pages). WAIT: a resident's pending save point is worth waiting for.
+        ValueError: the Program cannot represent the prompt."""
         program = self.program
         if not self.applies(rec):
             return program.open_sequence(rec.prompt, rec.sampling)
