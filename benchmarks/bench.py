@@ -432,15 +432,26 @@ def bench_engine(artifact: Path, shape: str, cfg: dict, args, device: str, chain
         if device.startswith("cuda"):
             res["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
     finally:
-        engine.close()
-        if engine.artifact is not None:
-            engine.artifact.close()
+        left = close_engine(engine, device)
         del engine
-        gc.collect()
-        if device.startswith("cuda"):
-            torch.cuda.empty_cache()
-            res["left_allocated_bytes"] = torch.cuda.memory_allocated(device)
+        if left is not None:
+            res["left_allocated_bytes"] = left
     return res
+
+
+def close_engine(engine, device: str) -> int | None:
+    """Close the engine and its artifact and give the device memory back; the bytes still allocated on CUDA."""
+    import torch
+
+    engine.close()
+    if engine.artifact is not None:
+        engine.artifact.close()
+    engine.instance = engine._core = None  # the Program's tensors go with the last references
+    gc.collect()
+    if not device.startswith("cuda"):
+        return None
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated(device)
 
 
 # -- one shape end to end -------------------------------------------------------------------------------

@@ -71,7 +71,6 @@ def with_engine(artifact: Path, device: str, args, body, *, cache: bool, rows: i
     """Build one engine, run ``body(engine) -> dict`` on it, record its plan, metrics and leak checks, and
     free it completely before returning (two large engines never coexist)."""
     import attrs
-    import torch
 
     import ninfer
     from ninfer.contract.config import EngineConfig
@@ -101,13 +100,8 @@ def with_engine(artifact: Path, device: str, args, body, *, cache: bool, rows: i
         settle(engine, rec["checks"])
         rec["leak_free"] = all(c["idle"] and c["all_free"] for c in rec["checks"])
     finally:
-        engine.close()
-        if engine.artifact is not None:
-            engine.artifact.close()
+        bench.close_engine(engine, device)
         del engine
-        gc.collect()
-        if device.startswith("cuda"):
-            torch.cuda.empty_cache()
     return rec
 
 
