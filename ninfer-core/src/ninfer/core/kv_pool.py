@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from ninfer.contract.state import KVPoolSpec
-from ninfer.core.device import Device, torch_dtype
+from ninfer.core.device import Device, host_empty, torch_dtype
 
 
 class PoolExhausted(RuntimeError):
@@ -146,6 +146,12 @@ class PagedKVPool:
         for lo, hi in self._blocks(len(pages)):
             idx = torch.tensor(list(pages[lo:hi]), dtype=torch.int64, device=self.storage.device)
             self.storage.index_copy_(2, idx, data[:, :, lo:hi].to(self.storage.device))
+
+    def read_to_host(self, pages: Sequence[int]) -> torch.Tensor:
+        """A host copy of ``pages`` (pinned when the pool is on CUDA): [layers, 2, pages, page, heads, dim]."""
+        out = host_empty(self.host_shape(len(pages)), self.dtype, self.device)
+        self.read_pages(pages, out)
+        return out
 
     def host_shape(self, n_pages: int) -> tuple[int, ...]:
         s = self.spec

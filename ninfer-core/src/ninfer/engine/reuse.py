@@ -98,8 +98,7 @@ class Reuse:
     def before_prefill(self, rec: RequestRecord) -> None:
         """A prefill unit may end at a save point: keep a checkpoint slot free for it."""
         if rec.sequence_id in self.planned:
-            self.manager.ensure_free_slot()
-            self.metrics.cache_evictions(self.manager.evictions)
+            self._ensure_free_slot()
 
     def after_prefill(self) -> bool:
         """Adopt what the Program published; True when a waiting admission should look again."""
@@ -126,16 +125,15 @@ class Reuse:
         history = (*rec.prompt.token_ids, *rec.token_ids)
         if self.manager.known(history[:-1]) or self.manager.known(history):
             return  # an identical continuation is kept already (the same prompt, the same answer)
-        free = self.manager.ensure_free_slot()
-        self.metrics.cache_evictions(self.manager.evictions)
-        if not free:
+        if not self._ensure_free_slot():
             return
         info = self.store.save_continuation(rec.sequence_id, "turn" if isinstance(boundary, TurnBoundary)
                                             else "final")
         if info is None:
             return
-        self.manager.adopt([info])
-        if rec.request.session_key is not None:
+        if rec.request.session_key is None:
+            self.manager.adopt([info])
+        else:  # binding adopts it
             self.manager.bind_session(rec.request.session_key, rec.ticket, info)
 
     # -- pressure and observation -----------------------------------------------------------------------
@@ -145,8 +143,16 @@ class Reuse:
         if self.manager is None:
             return False
         gone = self.manager.evict(for_pages=True, pages=-(-tokens // self.block))
-        self.metrics.cache_evictions(self.manager.evictions)
+        self._count_evictions()
         return gone > 0
+
+    def _ensure_free_slot(self) -> bool:
+        free = self.manager.ensure_free_slot()
+        self._count_evictions()
+        return free
+
+    def _count_evictions(self) -> None:
+        self.metrics.cache_evictions(self.manager.evictions)
 
     def clear(self) -> None:
         if self.manager is not None:

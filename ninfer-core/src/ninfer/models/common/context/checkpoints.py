@@ -153,34 +153,34 @@ class CheckpointStore:
             raise ProgramError(f"checkpoint {checkpoint_id} has no device copy to evict")
         if to_host and not ck.on_host and self.host_bytes_used + self.host_bytes(len(ck.tokens)) <= self.host_budget_bytes:
             ck.host_image = self.images.save(ck.slot)
-            kv = torch.empty(self.pool.host_shape(len(ck.prefix.pages)), dtype=self.pool.dtype,
-                             pin_memory=self.states.device.is_cuda)
-            self.pool.read_pages(ck.prefix.pages, kv)
-            ck.host_kv = kv
+            ck.host_kv = self.pool.read_to_host(ck.prefix.pages)
             self.host_bytes_used += self.host_bytes(len(ck.tokens))
-        self.images.free(ck.slot)
-        self.kv.drop_prefix(ck.prefix)
-        ck.slot, ck.prefix = None, None
+        self._release_device(ck)
         return self._changed(ck)
 
     def drop_host(self, checkpoint_id: int) -> CheckpointInfo | None:
         ck = self._unleased(checkpoint_id, "drop the host replica of")
         if not ck.on_host:
             raise ProgramError(f"checkpoint {checkpoint_id} has no host replica")
-        ck.host_image = ck.host_kv = None
-        self.host_bytes_used -= self.host_bytes(len(ck.tokens))
+        self._release_host(ck)
         return self._changed(ck)
 
     def retire(self, checkpoint_id: int) -> None:
         ck = self._unleased(checkpoint_id, "retire")
         if ck.on_device:
-            self.images.free(ck.slot)
-            self.kv.drop_prefix(ck.prefix)
-            ck.slot, ck.prefix = None, None
+            self._release_device(ck)
         if ck.on_host:
-            ck.host_image = ck.host_kv = None
-            self.host_bytes_used -= self.host_bytes(len(ck.tokens))
+            self._release_host(ck)
         del self.records[checkpoint_id]
+
+    def _release_device(self, ck: Checkpoint) -> None:
+        self.images.free(ck.slot)
+        self.kv.drop_prefix(ck.prefix)
+        ck.slot, ck.prefix = None, None
+
+    def _release_host(self, ck: Checkpoint) -> None:
+        ck.host_image = ck.host_kv = None
+        self.host_bytes_used -= self.host_bytes(len(ck.tokens))
 
     def _changed(self, ck: Checkpoint) -> CheckpointInfo | None:
         if not (ck.on_device or ck.on_host):

@@ -89,9 +89,7 @@ class PausedStates:
             if not self.can_snapshot(seq):
                 raise ProgramError(f"sequence {seq.id}: snapshot needs {self.snapshot_bytes(seq)} host bytes, "
                                    f"{self.host_budget_bytes - self.host_bytes_used} of the budget left")
-            n = pages_for(seq.computed, self.pool.page_size)
-            kv = torch.empty(self.pool.host_shape(n), dtype=self.pool.dtype, pin_memory=self.states.device.is_cuda)
-            self.pool.read_pages(seq.pages[:n], kv)
+            kv = self.pool.read_to_host(seq.pages[:pages_for(seq.computed, self.pool.page_size)])
             state = SnapshotResume(**common, state_image=self.states.save(seq.slot), kv_pages=kv)
         elif mode == "replay":
             state = ReplayResume(**common)
