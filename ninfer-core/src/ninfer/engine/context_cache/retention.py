@@ -20,10 +20,10 @@ def _positive(_instance: object, attribute: attrs.Attribute, value: float) -> No
 
 @attrs.frozen(kw_only=True)
 class CostModel:
-    """Recovery cost estimates, measured for a 9B bf16 model on one H200 (benchmarks/context_cache.py,
-    docs/performance.md): an 8k-token prefill at about 32k tokens/s, and pinned host->device copies of a
-    checkpoint replica at about 55 GB/s. Only their ratio to each other and to the bytes matters, not
-    their absolute scale."""
+    """Recovery cost estimates: prefill seconds per token and pinned host->device seconds per byte, as
+    ``benchmarks/context_cache.py`` calibrates them for a 9B bf16 model on one H200 (the figures are in
+    docs/performance.md, "Issue 17", calibration). Only their ratio to each other and to the bytes matters, not their
+    absolute scale."""
 
     recompute_s_per_token: float = attrs.field(default=3.1e-5, validator=_positive)
     transfer_s_per_byte: float = attrs.field(default=1.0 / 55e9, validator=_positive)
