@@ -6,6 +6,16 @@ See docs/architecture.md for how these map onto the design document.
 
 from ninfer.contract.batch import LaunchedUnit, PendingBatch, PendingRow, RowDecision
 from ninfer.contract.config import EngineConfig, StartupFeatures, StartupOptions
+from ninfer.contract.constraint import (
+    ChoiceConstraint,
+    Constraint,
+    ConstraintError,
+    GrammarConstraint,
+    JsonConstraint,
+    RegexConstraint,
+    TokenMasks,
+    ToolCallConstraint,
+)
 from ninfer.contract.context import CacheUsage, CheckpointInfo, ContextStore, TurnBoundary
 from ninfer.contract.errors import PromptTooLong
 from ninfer.contract.events import (
@@ -33,7 +43,8 @@ from ninfer.contract.resources import FrontendResources
 from ninfer.contract.state import KVPoolSpec, StateField, StateImageLayout
 
 __all__ = [
-    "CacheUsage", "ChatInput", "CheckpointInfo", "ContextStore", "EngineConfig", "FinishReason", "Frontend", "FrontendResources", "GenerationRequest", "GenerationResult", "GenerationStart",
+    "CacheUsage", "ChatInput", "CheckpointInfo", "ChoiceConstraint", "Constraint", "ConstraintError",
+    "GrammarConstraint", "JsonConstraint", "RegexConstraint", "TokenMasks", "ToolCallConstraint", "ContextStore", "EngineConfig", "FinishReason", "Frontend", "FrontendResources", "GenerationRequest", "GenerationResult", "GenerationStart",
     "KVPoolSpec", "LaunchedUnit", "MediaItem", "MediaSpan", "ModelInstance", "OutputDelta", "OutputSession", "PendingBatch",
     "PendingRow", "PipelinedDecode", "PreparedPrompt", "Preview", "Program", "PromptTooLong", "ResourceUsage", "RowDecision", "SamplingParams", "SnapshotCost", "StateField", "StateImageLayout",
     "Startup", "StartupFeatures", "StartupOptions", "TextInput", "Timings", "TurnBoundary", "Usage",

@@ -15,6 +15,7 @@ class FinishReason(enum.Enum):
     CANCELLED = "cancelled"
     DEADLINE = "deadline"
     ERROR = "error"
+    GRAMMAR = "grammar"        # the request's constraint allowed no further token (the output is a valid prefix)
 
 
 @attrs.frozen(kw_only=True)

@@ -16,6 +16,7 @@ import attrs
 
 from ninfer.contract.batch import LaunchedUnit, PendingBatch, RowDecision
 from ninfer.contract.config import StartupFeatures, StartupOptions
+from ninfer.contract.constraint import Constraint, TokenMasks
 from ninfer.contract.events import FinishReason, OutputDelta
 from ninfer.contract.prompt import ChatInput, PreparedPrompt, TextInput
 from ninfer.contract.request import SamplingParams
@@ -90,10 +91,11 @@ class Program(Protocol):
     def input_remaining(self, sequence_id: int) -> int:
         """Input positions (prompt, or accepted history under Replay) still to run before decode; 0 = decode-ready."""
 
-    def prefill(self, sequence_id: int, max_tokens: int) -> PendingBatch | None:
-        """Run one prefill chunk; returns the first sampled token when the prompt is complete."""
+    def prefill(self, sequence_id: int, max_tokens: int, *, masks: TokenMasks | None = None) -> PendingBatch | None:
+        """Run one prefill chunk; returns the first sampled token when the prompt is complete.
+        ``masks``: the engine's token masks, applied before sampling to the rows they constrain."""
 
-    def decode(self, sequence_ids: Sequence[int]) -> PendingBatch:
+    def decode(self, sequence_ids: Sequence[int], *, masks: TokenMasks | None = None) -> PendingBatch:
         """One compact decode step over exactly these sequences (B = len(sequence_ids))."""
 
     def commit(self, batch: PendingBatch, decisions: Sequence[RowDecision]) -> None:
@@ -141,10 +143,15 @@ class PipelinedDecode(Protocol):
     step-n+1 row void; ``collect`` leaves void rows and rows of released sequences out of the batch.
     """
 
-    def launch_decode(self, sequence_ids: Sequence[int], *, after: LaunchedUnit | None = None) -> LaunchedUnit:
+    def launch_decode(self, sequence_ids: Sequence[int], *, after: LaunchedUnit | None = None,
+                      masks: TokenMasks | None = None) -> LaunchedUnit:
         """Queue one decode step over exactly these sequences. Without ``after`` every sequence must be
         decode-ready and idle; with it, ``sequence_ids`` equal ``after.sequence_ids`` and each row's input is
-        ``after``'s (uncollected) provisional token. Positions must be reserved (``reserve_units``) first."""
+        ``after``'s (uncollected) provisional token. Positions must be reserved (``reserve_units``) first.
+
+        With ``masks`` constraining a row, the step's sampling waits for its mask: the forward is queued now,
+        the mask is filled and the sampling queued when the unit's tokens are first needed (``collect``, or a
+        launch ``after`` it), by which time the engine has committed the previous step's tokens."""
 
     def collect(self, unit: LaunchedUnit) -> PendingBatch:
         """Wait for a launched unit's tokens; its rows for sequences still live and not voided."""
@@ -154,7 +161,8 @@ class PipelinedDecode(Protocol):
 class Preview:
     """The semantic effect of one row's provisional tokens, computed without changing the session.
 
-    ``accepted``: how many of the row's tokens the output keeps (fewer when a stop ends it inside them);
+    ``accepted``: how many of the row's tokens the output keeps (fewer when a stop ends it inside them; 0 only
+    with ``finish_reason`` GRAMMAR, when the request's constraint refuses the first of them);
     ``finish_reason``: set when these tokens end the output (then ``delta`` already holds the released
     held-back text); ``delta``: exactly what ``commit`` publishes. ``boundary``: Frontend metadata relative to
     the accepted span (the Qwen frontend gives a ``TurnBoundary`` when the tokens close the assistant turn);
@@ -170,7 +178,13 @@ class Preview:
 
 @runtime_checkable
 class OutputSession(Protocol):
-    """Per-request output interpretation: stop handling, channels, detokenization, tool calls."""
+    """Per-request output interpretation: stop handling, channels, detokenization, tool calls, and the
+    constraint's matcher (``constrained``), which previews and commits with the output."""
+
+    constrained: bool  # the request carries a constraint: the engine lends its masks to the Program
+
+    def fill_token_mask(self, out: Any, drafts: Sequence[int] = ()) -> None:
+        """``TokenMasks.fill`` for this session's committed state (only called when ``constrained``)."""
 
     def preview(self, tokens: Sequence[int], *, at_length_limit: bool = False) -> Preview: ...
 
@@ -192,7 +206,9 @@ class Frontend(Protocol):
     def sampling_defaults(self) -> SamplingParams:
         """The model's generation defaults (from the artifact, never from the architecture name)."""
 
-    def open_session(self, prompt: PreparedPrompt, sampling: SamplingParams) -> OutputSession: ...
+    def open_session(self, prompt: PreparedPrompt, sampling: SamplingParams, constraint: Constraint | None = None
+                     ) -> OutputSession:
+        """The request's OutputSession; compiles ``constraint`` (``ConstraintError`` when it cannot)."""
 
     def token_text(self, token_id: int) -> str:
         """One token's text on its own (logprob reports name each token by it)."""

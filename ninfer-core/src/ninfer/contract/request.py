@@ -6,6 +6,7 @@ import attrs
 from attrs import validators as v
 
 from ninfer.contract._validate import finite, token_ids
+from ninfer.contract.constraint import CONSTRAINT_TYPES, Constraint
 from ninfer.contract.prompt import ChatInput, PreparedPrompt, TextInput
 
 # Longest stop string, in characters. Stop strings are markers ("</answer>", "\n\nUser:"); 1024 is far above
@@ -48,7 +49,8 @@ class GenerationRequest:
     """One generation request. ``input`` is raw text/token ids, a chat, or an already PreparedPrompt.
 
     ``deadline_s`` is a wall-clock budget from submission; ``queue_timeout_s`` bounds
-    time spent waiting for admission. ``session_key`` (OpenAI ``prompt_cache_key``) names the conversation:
+    time spent waiting for admission. ``constraint``: what the output must be (JSON, a schema, a regex, a
+    choice, a grammar or tool calls; ``ninfer.contract.constraint``). ``session_key`` (OpenAI ``prompt_cache_key``) names the conversation:
     the context cache looks up its latest continuation first. ``context_cache=False``: the request neither
     restores from nor saves into the context cache (serve warmup).
     """
@@ -57,6 +59,7 @@ class GenerationRequest:
     sampling: SamplingParams = attrs.field(factory=SamplingParams)
     deadline_s: float | None = attrs.field(default=None, validator=v.optional([finite, v.gt(0.0)]))
     queue_timeout_s: float | None = attrs.field(default=None, validator=v.optional([finite, v.gt(0.0)]))
+    constraint: Constraint | None = attrs.field(default=None, validator=v.optional(v.instance_of(CONSTRAINT_TYPES)))
     request_id: str | None = None
     session_key: str | None = None
     context_cache: bool = True

@@ -99,6 +99,26 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     return sample_ref(logits, temperature, top_k, top_p, min_p, generators, max_top_k=max_top_k)
 
 
+def apply_token_mask_ref(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    bits = torch.arange(32, device=logits.device, dtype=torch.int32)
+    B, V = logits.shape
+    allowed = ((mask.to(logits.device)[:, :, None] >> bits) & 1).bool().reshape(B, -1)[:, :V]
+    return logits.masked_fill_(~allowed, float("-inf"))
+
+
+def apply_token_mask(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """In place: logits[b, t] = -inf where bit ``t % 32`` of ``mask[b, t // 32]`` is 0 (the constraint refuses
+    token t); returns ``logits``. ``mask``: int32 [B, ceil(V / 32)] on the logits' device."""
+    B, V = logits.shape
+    if logits.dim() != 2 or mask.dtype != torch.int32 or mask.shape != (B, (V + 31) // 32):
+        raise ValueError(f"apply_token_mask: mask {tuple(mask.shape)} {mask.dtype} does not fit logits "
+                         f"{tuple(logits.shape)} (int32 [B, ceil(V / 32)] expected)")
+    kernel = triton_kernel("sampling", "apply_token_mask", logits)
+    if kernel is not None:
+        return kernel(logits, mask)
+    return apply_token_mask_ref(logits, mask)
+
+
 def logprobs(logits: torch.Tensor, tokens: torch.Tensor,
              top_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logprob of tokens[B], top_n ids [B, top_n], their logprobs) under the raw model distribution
