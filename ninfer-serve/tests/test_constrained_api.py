@@ -226,3 +226,33 @@ def test_bad_tool_choice_is_a_400_naming_the_parameter(kw, param, words):
 def test_unknown_fields_stay_unknown_on_completions():
     e = err(completion, tools=TOOLS)
     assert e.param == "tools" and "Unrecognized" in e.message
+
+
+# ---------------------------------------------------------------- the engine's refusal
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/chat/completions", {"messages": USER, "structured_outputs": {"regex": "a(?=b)"}}, "structured_outputs.regex"),
+    ("/v1/chat/completions", {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": SCHEMA}}}, "response_format.json_schema.schema"),
+    ("/v1/chat/completions", {"messages": USER, "tools": TOOLS, "tool_choice": "required"}, "tools"),
+    ("/v1/completions", {"prompt": "Once", "grammar": GBNF}, "grammar"),
+    ("/v1/completions", {"prompt": "Once", "response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_a_constraint_the_engine_refuses_is_a_400_naming_the_field(engine, client, path, body, param):
+    from ninfer.engine.errors import InvalidConstraint
+
+    engine.next = InvalidConstraint("invalid constraint: the regex is not valid: lookahead is not supported")
+    r = client(engine).post(path, json=body)
+    assert r.status_code == 400
+    assert r.json() == {"error": {"message": "invalid constraint: the regex is not valid: lookahead is not supported",
+                                  "type": "invalid_request_error", "param": param, "code": "invalid_constraint"}}
+    assert engine.submitted[0].constraint is not None
+
+
+def test_other_rejections_keep_their_param(engine, client):
+    from ninfer.engine.errors import InputTooLong
+
+    engine.next = InputTooLong("the prompt is too long")
+    r = client(engine).post("/v1/chat/completions", json={"messages": USER, "structured_outputs": {"regex": "a"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] is None and r.json()["error"]["code"] == "too_long"

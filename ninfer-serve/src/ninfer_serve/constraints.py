@@ -40,6 +40,11 @@ class Asked:
     what: str
     constraint: Constraint
 
+    @property
+    def compiled_from(self) -> str:
+        """The parameter a compile failure is about: the tools' schemas for tool calls, else the field itself."""
+        return "tools" if isinstance(self.constraint, ToolCallConstraint) else self.param
+
 
 def _build(param: str, factory: Callable[..., Constraint], **fields: Any) -> Constraint:
     """A contract constraint; its validators' refusals become a 400 naming ``param``."""
@@ -159,20 +164,20 @@ def tool_calls(tools: Sequence[dict[str, Any]], tool_choice: Any, parallel_tool_
     return None
 
 
-def one_constraint(asked: Sequence[Asked | None]) -> Constraint | None:
+def one_constraint(asked: Sequence[Asked | None]) -> Asked | None:
     """The request's constraint: at most one field may ask for one."""
     given = [a for a in asked if a is not None]
     if len(given) > 1:
         first, second = given[0], given[1]
         raise bad_request(f"{first.what} and {second.what} each constrain the output; a request takes one of them",
                           param=second.param)
-    return given[0].constraint if given else None
+    return given[0] if given else None
 
 
 def request_constraint(req: Any, tools: Sequence[dict[str, Any]] = (), tool_choice: Any = None,
-                       parallel_tool_calls: bool | None = None) -> Constraint | None:
-    """Every constraint field of a chat or text completion request (``tools`` already rendered: empty for
-    text completions and for ``tool_choice: none``)."""
+                       parallel_tool_calls: bool | None = None) -> Asked | None:
+    """The constraint the fields of a chat or text completion request ask for, if any (``tools`` already
+    rendered: empty for text completions and for ``tool_choice: none``)."""
     return one_constraint([tool_calls(tools, tool_choice, parallel_tool_calls), response_format(req.response_format),
                            structured_outputs(req.structured_outputs),
                            *llama_cpp_fields(req.grammar, req.json_schema)])

@@ -33,6 +33,7 @@ class ResponseOptions:
     continuous_usage: bool = False
     logprobs: bool = False
     tools_enabled: bool = False
+    constraint_param: str | None = None  # the field the engine's refusal of the request's constraint is about
 
 
 def _check_range(name: str, value: float | None, lo: float, hi: float, *, lo_open: bool = False) -> None:
@@ -180,7 +181,7 @@ def chat_request(req: ChatCompletionRequest, *, queue_timeout_s: float | None = 
         raise bad_request("'tool_choice' needs 'tools'", param="tool_choice")
     if choice == "none":
         tools = []
-    constraint = request_constraint(req, tools, choice, req.parallel_tool_calls)
+    asked = request_constraint(req, tools, choice, req.parallel_tool_calls)
     top = req.top_logprobs or 0
     if req.top_logprobs is not None:
         _check_range("top_logprobs", req.top_logprobs, 0, MAX_TOP_LOGPROBS)
@@ -192,9 +193,10 @@ def chat_request(req: ChatCompletionRequest, *, queue_timeout_s: float | None = 
     chat = ChatInput(messages=tuple(messages), tools=tuple(tools),
                      template_kwargs=dict(req.chat_template_kwargs or {}))
     gen = GenerationRequest(input=chat, sampling=sampling, queue_timeout_s=queue_timeout_s, request_id=request_id,
-                            session_key=_session_key(req), constraint=constraint)
+                            session_key=_session_key(req), constraint=None if asked is None else asked.constraint)
     return gen, ResponseOptions(stream=req.stream, n=req.n, include_usage=include_usage,
-                                continuous_usage=continuous, logprobs=req.logprobs, tools_enabled=bool(tools))
+                                continuous_usage=continuous, logprobs=req.logprobs, tools_enabled=bool(tools),
+                                constraint_param=None if asked is None else asked.compiled_from)
 
 
 # ---------------------------------------------------------------- text completions
@@ -230,10 +232,12 @@ def completion_request(req: CompletionRequest, *, queue_timeout_s: float | None 
     logprobs = req.logprobs is not None
     sampling = _sampling(req, max_tokens=req.max_tokens, logprobs=logprobs, top_logprobs=req.logprobs or 0)
     include_usage, continuous = _stream_options(req)
+    asked = request_constraint(req)
     gen = GenerationRequest(input=text, sampling=sampling, queue_timeout_s=queue_timeout_s, request_id=request_id,
-                            session_key=_session_key(req), constraint=request_constraint(req))
+                            session_key=_session_key(req), constraint=None if asked is None else asked.constraint)
     return gen, ResponseOptions(stream=req.stream, n=req.n, include_usage=include_usage,
-                                continuous_usage=continuous, logprobs=logprobs)
+                                continuous_usage=continuous, logprobs=logprobs,
+                                constraint_param=None if asked is None else asked.compiled_from)
 
 
 def choices(gen: GenerationRequest, n: int) -> list[GenerationRequest]:
