@@ -1,10 +1,13 @@
-"""``ninfer generate``'s constraint options: each becomes its contract constraint, one kind per run, and every
-bad one is a usage error (exit 2, a message naming the option, no traceback) before a model is loaded."""
+"""``ninfer generate``'s constraint options: each becomes its contract constraint, one kind per run, every bad one
+is a usage error (exit 2, a message naming the option, no traceback) before a model is loaded, and on the
+embedded model (greedy, CPU) the output is of the kind asked for."""
 
 from __future__ import annotations
 
 import json
+import re
 
+import jsonschema
 import pytest
 
 from ninfer.cli import main
@@ -71,3 +74,43 @@ def test_bad_constraints_are_usage_errors_naming_the_option(tmp_path, capsys):
     assert "--regex: the regex does not parse" in fails("--regex", "(a")
     assert "--regex: the regex is empty" in fails("--regex", "")
     assert "--choice: choice options must be non-empty strings" in fails("--choice", "a", "--choice", "")
+
+
+GREEDY = ["--temperature", "0", "--device", "cpu", "--max-tokens", "400"]
+RATING = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
+                                           "stars": {"type": "integer", "minimum": 1, "maximum": 5}},
+          "required": ["colour", "stars"], "additionalProperties": False}
+
+
+def generate(capsys, *argv: str) -> str:
+    assert main(["generate", *argv, *GREEDY]) == 0
+    out, err = capsys.readouterr()
+    assert "finish: stop" in err, err
+    return out
+
+
+def test_constrained_output_on_the_embedded_model(tmp_path, capsys):
+    schema = tmp_path / "rating.json"
+    schema.write_text(json.dumps(RATING), encoding="utf-8")
+    out = generate(capsys, "--chat", "Rate the king.", "--no-think", "--json-schema", str(schema))
+    assert out.startswith("[answer]\n")
+    jsonschema.validate(json.loads(out.removeprefix("[answer]\n")), RATING)
+    out = generate(capsys, "--prompt", "KING.\n", "--regex", "(thou|thee) [a-z]{1,8}")
+    assert re.fullmatch("(thou|thee) [a-z]{1,8}\n", out), out
+    out = generate(capsys, "--prompt", "KING.\n", "--choice", "ay", "--choice", "nay")
+    assert out in ("ay\n", "nay\n")
+    lark = tmp_path / "greeting.lark"
+    lark.write_text('start: ("hail" | "good morrow") " " /[a-z]{2,8}/', encoding="utf-8")
+    out = generate(capsys, "--prompt", "KING.\n", "--grammar", str(lark))
+    assert re.fullmatch("(hail|good morrow) [a-z]{2,8}\n", out), out
+
+
+def test_a_constraint_the_compiler_refuses_is_a_usage_error(tmp_path, capsys):
+    grammar = tmp_path / "bad.gbnf"
+    grammar.write_text('root ::= "a" missing', encoding="utf-8")
+    assert main(["generate", "--prompt", "x", "--grammar", str(grammar), *GREEDY]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ninfer generate: --grammar: invalid constraint:") and 'Rule "missing"' in err
+    assert "Traceback" not in err
+    assert main(["generate", "--prompt", "x", "--regex", "a(?=b)", *GREEDY]) == 2
+    assert "--regex: invalid constraint: the regex is not valid" in capsys.readouterr().err

@@ -49,6 +49,13 @@ def _read(path: str, option: str) -> str:
         raise ValueError(f"{option}: cannot read {path}: {exc.strerror or exc}") from None
 
 
+def constraint_option(args: argparse.Namespace) -> str | None:
+    """The constraint option given (they are mutually exclusive), or None."""
+    given = {"--json-schema": args.json_schema, "--grammar": args.grammar, "--regex": args.regex,
+             "--choice": args.choice}
+    return next((option for option, value in given.items() if value is not None), None)
+
+
 def constraint_from_args(args: argparse.Namespace) -> Constraint | None:
     """The constraint the options ask for (None: none); a bad one is a ValueError naming its option."""
     if args.json_schema is not None:

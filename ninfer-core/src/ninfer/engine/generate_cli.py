@@ -16,7 +16,7 @@ import sys
 from typing import TextIO
 
 from ninfer.engine.cache_cli import add_context_cache_arguments, with_context_cache
-from ninfer.engine.constraint_cli import add_constraint_arguments, constraint_from_args
+from ninfer.engine.constraint_cli import add_constraint_arguments, constraint_from_args, constraint_option
 
 
 def add_generate_command(subparsers: argparse._SubParsersAction) -> None:
@@ -153,7 +153,7 @@ def _generate(args: argparse.Namespace) -> int:
     from ninfer.contract.config import EngineConfig
     from ninfer.contract.events import merge_tool_call_fragments
     from ninfer.engine.engine import Engine
-    from ninfer.engine.errors import EngineError
+    from ninfer.engine.errors import EngineError, InvalidConstraint
 
     model = ninfer.resolve_model_path(args.model)
     chat = args.chat is not None or args.chat_file is not None
@@ -182,6 +182,9 @@ def _generate(args: argparse.Namespace) -> int:
             handle = engine.submit(GenerationRequest(input=request_input, sampling=sampling, constraint=constraint))
             return _stream(handle, sys.stdout, GenerationResult, OutputDelta, merge_tool_call_fragments,
                            labels=chat)
+    except InvalidConstraint as exc:  # bad input, as a constraint option the contract refuses
+        print(f"ninfer generate: {constraint_option(args)}: {exc}", file=sys.stderr)
+        return 2
     except EngineError as exc:
         print(f"ninfer generate: {exc}", file=sys.stderr)
         return 1
