@@ -15,6 +15,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ninfer import env
 from ninfer_serve.testing import ServerProcess
@@ -208,3 +210,51 @@ def test_a_malformed_field_is_a_400_naming_it(server):
                                               "response_format": {"type": "json_object"}})
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == "response_format" and "'tool_choice' (required)" in err["message"]
+
+
+# ---------------------------------------------------------------- fuzz: whatever the constraint fields, never a 5xx
+
+TEXT = st.one_of(st.text(max_size=16), st.text(alphabet='root:=|"()[]{}*+?,.^$\\ a-z0-9\nstart', max_size=24),
+                 st.sampled_from(["", "root ::= ", 'root ::= "a"', "start: /a+/", "(?=a)", "a{2,1}", "\\", "{}"]))
+SCHEMA_KEYS = st.sampled_from(["type", "properties", "items", "enum", "const", "required", "minimum", "maximum",
+                               "minLength", "maxLength", "pattern", "format", "anyOf", "oneOf", "$ref", "$defs",
+                               "additionalProperties", "minItems", "maxItems", "prefixItems", "uniqueItems"])
+SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-3, 10**12), st.floats(allow_nan=False, allow_infinity=False), TEXT,
+                    st.sampled_from(["string", "integer", "number", "object", "array", "boolean", "null", "#",
+                                     "#/$defs/a", "email", "date"]))
+SCHEMAS = st.recursive(st.dictionaries(SCHEMA_KEYS, SCALARS, max_size=3),
+                       lambda inner: st.one_of(st.dictionaries(SCHEMA_KEYS, inner, max_size=3),
+                                               st.dictionaries(TEXT, inner, max_size=3), st.lists(inner, max_size=3)),
+                       max_leaves=10)
+FIELDS = st.one_of(
+    st.fixed_dictionaries({"response_format": st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "json_object", "json_schema", "structural_tag", "x"])},
+        optional={"json_schema": st.fixed_dictionaries({}, optional={"name": TEXT, "schema": SCHEMAS,
+                                                                     "strict": st.booleans()}),
+                  "schema": SCHEMAS})}),
+    st.fixed_dictionaries({"structured_outputs": st.fixed_dictionaries({}, optional={
+        "json": st.one_of(SCHEMAS, TEXT), "regex": TEXT, "choice": st.lists(TEXT, max_size=4), "grammar": TEXT,
+        "json_object": st.booleans(), "disable_any_whitespace": st.booleans()})}),
+    st.fixed_dictionaries({}, optional={"grammar": TEXT, "json_schema": SCHEMAS}),
+    st.fixed_dictionaries({"tools": st.lists(st.fixed_dictionaries({"type": st.just("function"), "function":
+                                             st.fixed_dictionaries({"name": TEXT}, optional={
+                                                 "parameters": SCHEMAS, "strict": st.booleans()})}), max_size=2),
+                           "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required"]), st.fixed_dictionaries(
+                               {"type": st.just("function"), "function": st.fixed_dictionaries({"name": TEXT})}))}),
+)
+
+
+@settings(max_examples=80, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(fields=FIELDS, chat_endpoint=st.booleans())
+def test_fuzz_constraint_fields_never_5xx(server, fields, chat_endpoint):
+    if chat_endpoint:
+        path, body = "/v1/chat/completions", {"messages": ASK, **NO_THINK}
+    else:
+        path, body = "/v1/completions", {"prompt": "KING.\n"}
+        fields = {k: v for k, v in fields.items() if k not in ("tools", "tool_choice")}
+    r = post(server, path, {**body, "max_tokens": 4, **fields})
+    assert r.status_code in (200, 400), (fields, r.status_code, r.text[:500])
+    if r.status_code == 400:
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"], r.text[:500]
