@@ -202,3 +202,26 @@ def test_a_refused_token_ends_the_request_with_grammar(engine, monkeypatch):
     nothing = engine.generate(text_request("KING HENRY:\n", ChoiceConstraint(choices=["\u00e6\u00e6\u00e6"])), timeout=120)
     assert nothing.finish_reason is FinishReason.GRAMMAR and nothing.token_ids == () and nothing.content == ""
     assert engine.usage().all_free
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ops", ["auto", "torch"])
+def test_constrained_rows_on_cuda_with_graphs_and_pipelined_decode(monkeypatch, ops):
+    """Every kind at once on the GPU (bf16, CUDA graphs, pipelined decode: a constrained row's sampling waits
+    for the step before it to be committed): outputs valid, beside unconstrained rows, and nothing left held.
+    ``ops=torch``: the mask applied by the torch reference instead of the Triton kernel."""
+    monkeypatch.setenv("NINFER_OPS", ops)
+    with ninfer.Engine(ninfer.default_model_path(), device="cuda", max_concurrency=8, context_cache=False) as eng:
+        kinds = sorted(CASES)
+        requests = [text_request(CASES[k][1], CASES[k][0]) for k in kinds]
+        requests.append(chat_request("What is the weather in Paris this week?",
+                                     ToolCallConstraint(tool_choice="required", parallel=False), tools=(WEATHER, CLOCK)))
+        requests.append(text_request("ROMEO:\n", max_tokens=60, ignore_eos=True))  # unconstrained neighbour
+        results = [h.result(timeout=300) for h in submit_together(eng, requests)]
+        for kind, r in zip(kinds, results, strict=False):
+            assert r.finish_reason is FinishReason.STOP, (kind, r)
+            CASES[kind][2](r.content)
+        call = results[len(kinds)]
+        assert call.finish_reason is FinishReason.TOOL_CALLS and len(call.tool_calls) == 1, call
+        assert results[-1].usage.completion_tokens == 60
+        assert eng.usage().all_free
