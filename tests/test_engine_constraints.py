@@ -204,6 +204,16 @@ def test_a_refused_token_ends_the_request_with_grammar(engine, monkeypatch):
     assert engine.usage().all_free
 
 
+def test_a_restored_prompt_is_constrained_from_its_first_token():
+    """With the context cache on, a repeated prompt restores everything and its first token comes from a
+    decode step: the mask applies there as it does after a prefill."""
+    with ninfer.Engine(ninfer.default_model_path(), device="cpu", dtype="float32") as eng:
+        constraint, prompt, check = CASES["json_schema"]
+        first, again = (eng.generate(text_request(prompt, constraint), timeout=120) for _ in range(2))
+        assert again.usage.cached_tokens > 0 and again.token_ids == first.token_ids
+        check(again.content)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("ops", ["auto", "torch"])
 def test_constrained_rows_on_cuda_with_graphs_and_pipelined_decode(monkeypatch, ops):
