@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ninfer.contract.events import FinishReason, GenerationResult, GenerationStart, OutputDelta
 from ninfer.core.task_pool import PoolClosed, Task, TaskPool
+from ninfer.engine.errors import InvalidConstraint
 from ninfer_serve.access import access_middleware
 from ninfer_serve.errors import APIError, from_engine_error, from_error_result, internal_error, new_request_id
 from ninfer_serve.metrics import GatewayMetrics
@@ -226,6 +227,10 @@ class Gateway:
         except ClientGone:
             self.metrics.disconnects.labels(endpoint).inc()
             return Response(status_code=499)
+        except APIError as exc:
+            if exc.code == InvalidConstraint.kind:  # the engine names the problem, the gateway knows the field
+                exc.param = options.constraint_param
+            raise
         streams = [h.__aiter__() for h in handles]
         builder = builder_cls(handles[0].request_id, self.model_id, options)
         streaming = False

@@ -61,6 +61,56 @@ class MessageToolCall:
 
 
 @attrs.frozen(kw_only=True)
+class NamedFunction:
+    name: str
+
+
+@attrs.frozen(kw_only=True)
+class NamedToolChoice:
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``: call exactly this function."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+@attrs.frozen(kw_only=True)
+class JsonSchemaFormat:
+    """OpenAI ``response_format.json_schema`` (``name`` is optional here: llama.cpp clients omit it)."""
+
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, JSON] | None = None
+    strict: bool | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ResponseFormat:
+    """OpenAI ``response_format``; ``schema`` with ``json_object`` is llama.cpp's extension. ``structural_tag``
+    (vLLM, with its ``format``/``structures``/``triggers``) is recognised only to be refused by name."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+    schema: dict[str, JSON] | None = None
+    format: JSON = None
+    structures: JSON = None
+    triggers: JSON = None
+
+
+@attrs.frozen(kw_only=True)
+class StructuredOutputs:
+    """vLLM's ``structured_outputs``: exactly one of ``json`` (a schema, as an object or JSON text), ``regex``,
+    ``choice``, ``grammar`` (GBNF, or Lark with a ``start`` rule) and ``json_object``."""
+
+    json: dict[str, JSON] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: JSON = None
+    disable_any_whitespace: bool = False
+
+
+@attrs.frozen(kw_only=True)
 class ContentPart:
     type: Literal["text", "image_url", "input_image", "image", "video_url", "video", "input_audio", "file"]
     text: str | None = None
@@ -99,6 +149,11 @@ class _SamplingFields:
     stream: bool = False
     stream_options: StreamOptions | None = None
     prompt_cache_key: str | None = None  # OpenAI's session hint -> GenerationRequest.session_key
+    # Constrained decoding (ninfer_serve.constraints): OpenAI, vLLM and llama.cpp spellings.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    grammar: str | None = None  # llama.cpp: GBNF
+    json_schema: dict[str, JSON] | None = None  # llama.cpp: a JSON Schema, {} for any JSON
     # Accepted only at their neutral values.
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
@@ -114,10 +169,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, JSON] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, JSON] | None = None
-    response_format: dict[str, JSON] | None = None
     metadata: dict[str, JSON] | None = None
     store: bool | None = None
     service_tier: str | None = None

@@ -13,6 +13,7 @@ import attrs
 
 from ninfer.contract import ChatInput, GenerationRequest, SamplingParams, TextInput
 from ninfer.contract.request import MAX_STOP_CHARS
+from ninfer_serve.constraints import request_constraint
 from ninfer_serve.errors import bad_request
 from ninfer_serve.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 
@@ -32,6 +33,7 @@ class ResponseOptions:
     continuous_usage: bool = False
     logprobs: bool = False
     tools_enabled: bool = False
+    constraint_param: str | None = None  # the field the engine's refusal of the request's constraint is about
 
 
 def _check_range(name: str, value: float | None, lo: float, hi: float, *, lo_open: bool = False) -> None:
@@ -171,20 +173,15 @@ def chat_request(req: ChatCompletionRequest, *, queue_timeout_s: float | None = 
     if not req.messages:
         raise bad_request("'messages' must hold at least one message", param="messages")
     messages = [_message_dict(m, i) for i, m in enumerate(req.messages)]
-    if req.response_format is not None and req.response_format != {"type": "text"}:
-        raise bad_request("'response_format' other than {\"type\": \"text\"} is not supported by this server",
-                          param="response_format")
     tools = [attrs.asdict(t) for t in req.tools or []]
     for t in tools:  # drop unset optional keys so the template sees what the client sent
         t["function"] = {k: v for k, v in t["function"].items() if v is not None}
     choice = req.tool_choice
-    if isinstance(choice, dict) or choice == "required":
-        raise bad_request("'tool_choice' 'required' or a named function needs constrained decoding, which this "
-                          "server does not offer; use 'auto' or 'none'", param="tool_choice")
     if choice is not None and not tools and choice != "none":
         raise bad_request("'tool_choice' needs 'tools'", param="tool_choice")
     if choice == "none":
         tools = []
+    asked = request_constraint(req, tools, choice, req.parallel_tool_calls)
     top = req.top_logprobs or 0
     if req.top_logprobs is not None:
         _check_range("top_logprobs", req.top_logprobs, 0, MAX_TOP_LOGPROBS)
@@ -196,9 +193,10 @@ def chat_request(req: ChatCompletionRequest, *, queue_timeout_s: float | None = 
     chat = ChatInput(messages=tuple(messages), tools=tuple(tools),
                      template_kwargs=dict(req.chat_template_kwargs or {}))
     gen = GenerationRequest(input=chat, sampling=sampling, queue_timeout_s=queue_timeout_s, request_id=request_id,
-                            session_key=_session_key(req))
+                            session_key=_session_key(req), constraint=None if asked is None else asked.constraint)
     return gen, ResponseOptions(stream=req.stream, n=req.n, include_usage=include_usage,
-                                continuous_usage=continuous, logprobs=req.logprobs, tools_enabled=bool(tools))
+                                continuous_usage=continuous, logprobs=req.logprobs, tools_enabled=bool(tools),
+                                constraint_param=None if asked is None else asked.compiled_from)
 
 
 # ---------------------------------------------------------------- text completions
@@ -234,10 +232,12 @@ def completion_request(req: CompletionRequest, *, queue_timeout_s: float | None 
     logprobs = req.logprobs is not None
     sampling = _sampling(req, max_tokens=req.max_tokens, logprobs=logprobs, top_logprobs=req.logprobs or 0)
     include_usage, continuous = _stream_options(req)
+    asked = request_constraint(req)
     gen = GenerationRequest(input=text, sampling=sampling, queue_timeout_s=queue_timeout_s, request_id=request_id,
-                            session_key=_session_key(req))
+                            session_key=_session_key(req), constraint=None if asked is None else asked.constraint)
     return gen, ResponseOptions(stream=req.stream, n=req.n, include_usage=include_usage,
-                                continuous_usage=continuous, logprobs=logprobs)
+                                continuous_usage=continuous, logprobs=logprobs,
+                                constraint_param=None if asked is None else asked.compiled_from)
 
 
 def choices(gen: GenerationRequest, n: int) -> list[GenerationRequest]:

@@ -4,7 +4,8 @@ Streams one generation to the terminal. A raw prompt's continuation is printed a
 printed in sections: reasoning apart from the answer (dimmed on a terminal, under its own header), tool
 calls as name + JSON arguments. The end prints time to first token and tokens/s to stderr, on a line
 of its own. Text arguments are always text: files (or stdin, ``-``) are read only through the ``-file``
-options. Imports stay lazy so ``ninfer --help`` does not load torch.
+options. ``--json-schema``, ``--grammar``, ``--regex`` and ``--choice`` constrain the output (constraint_cli).
+Imports stay lazy so ``ninfer --help`` does not load torch.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 from typing import TextIO
 
 from ninfer.engine.cache_cli import add_context_cache_arguments, with_context_cache
+from ninfer.engine.constraint_cli import add_constraint_arguments, constraint_from_args, constraint_option
 
 
 def add_generate_command(subparsers: argparse._SubParsersAction) -> None:
@@ -46,6 +48,7 @@ def add_generate_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
     p.add_argument("--prefill-chunk", type=int, metavar="TOKENS",
                    help="prompt tokens per prefill unit (default: 2048 on a GPU, 512 on the CPU)")
+    add_constraint_arguments(p)
     add_context_cache_arguments(p)
     p.set_defaults(func=cmd_generate)
 
@@ -150,7 +153,7 @@ def _generate(args: argparse.Namespace) -> int:
     from ninfer.contract.config import EngineConfig
     from ninfer.contract.events import merge_tool_call_fragments
     from ninfer.engine.engine import Engine
-    from ninfer.engine.errors import EngineError
+    from ninfer.engine.errors import EngineError, InvalidConstraint
 
     model = ninfer.resolve_model_path(args.model)
     chat = args.chat is not None or args.chat_file is not None
@@ -167,6 +170,7 @@ def _generate(args: argparse.Namespace) -> int:
         request_input = TextInput(text=prompt)
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    constraint = constraint_from_args(args)
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
     config = EngineConfig(max_concurrency=1, device=args.device, max_model_len=args.max_model_len,
@@ -175,9 +179,12 @@ def _generate(args: argparse.Namespace) -> int:
     try:
         with Engine(model, config=with_context_cache(config, args)) as engine:
             check_max_tokens(args.max_tokens, engine.max_model_len)
-            handle = engine.submit(GenerationRequest(input=request_input, sampling=sampling))
+            handle = engine.submit(GenerationRequest(input=request_input, sampling=sampling, constraint=constraint))
             return _stream(handle, sys.stdout, GenerationResult, OutputDelta, merge_tool_call_fragments,
                            labels=chat)
+    except InvalidConstraint as exc:  # bad input, as a constraint option the contract refuses
+        print(f"ninfer generate: {constraint_option(args)}: {exc}", file=sys.stderr)
+        return 2
     except EngineError as exc:
         print(f"ninfer generate: {exc}", file=sys.stderr)
         return 1

@@ -1,0 +1,86 @@
+"""``ninfer generate``'s constrained-decoding options: ``--json-schema FILE``, ``--grammar FILE``, ``--regex
+PATTERN`` and ``--choice TEXT`` (repeatable), one kind per run.
+
+Light at import (argparse and the constraint contract only), so ``ninfer --help`` loads no torch. A file that
+cannot be read or a constraint the contract refuses is a ValueError naming the option, which the command
+reports as a usage error; what only the grammar compiler can judge the engine rejects at submit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ninfer.contract.constraint import (
+    ChoiceConstraint,
+    Constraint,
+    GrammarConstraint,
+    JsonConstraint,
+    RegexConstraint,
+)
+
+
+def add_constraint_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("constrained decoding (one kind per run; docs/constrained-decoding.md)")
+    kinds = group.add_mutually_exclusive_group()
+    kinds.add_argument("--json-schema", metavar="FILE",
+                       help="output one JSON value valid against the JSON Schema in FILE (- for stdin); a file "
+                            "holding {} allows any JSON value")
+    kinds.add_argument("--grammar", metavar="FILE",
+                       help="output a sentence of the grammar in FILE: GBNF (root rule 'root'), or Lark (rule "
+                            "'start') when FILE ends in .lark")
+    kinds.add_argument("--regex", metavar="PATTERN", help="output text that fully matches PATTERN")
+    kinds.add_argument("--choice", metavar="TEXT", action="append",
+                       help="output exactly one of the --choice texts (repeat it for each option)")
+
+
+def _read(path: str, option: str) -> str:
+    if path == "-":
+        return sys.stdin.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise ValueError(f"{option}: file not found: {path}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{option}: {path} is not UTF-8 text: {exc}") from None
+    except OSError as exc:
+        raise ValueError(f"{option}: cannot read {path}: {exc.strerror or exc}") from None
+
+
+def constraint_option(args: argparse.Namespace) -> str | None:
+    """The constraint option given (they are mutually exclusive), or None."""
+    given = {"--json-schema": args.json_schema, "--grammar": args.grammar, "--regex": args.regex,
+             "--choice": args.choice}
+    return next((option for option, value in given.items() if value is not None), None)
+
+
+def constraint_from_args(args: argparse.Namespace) -> Constraint | None:
+    """The constraint the options ask for (None: none); a bad one is a ValueError naming its option."""
+    if args.json_schema is not None:
+        option, make = "--json-schema", lambda: _json_schema(_read(args.json_schema, "--json-schema"))
+    elif args.grammar is not None:
+        syntax = "lark" if args.grammar.lower().endswith(".lark") else "gbnf"
+        option, make = "--grammar", lambda: GrammarConstraint(grammar=_read(args.grammar, "--grammar"), syntax=syntax)
+    elif args.regex is not None:
+        option, make = "--regex", lambda: RegexConstraint(pattern=args.regex)
+    elif args.choice is not None:
+        option, make = "--choice", lambda: ChoiceConstraint(choices=args.choice)
+    else:
+        return None
+    try:
+        return make()
+    except ValueError as exc:
+        message = str(exc)
+        raise ValueError(message if message.startswith(option) else f"{option}: {message}") from None
+
+
+def _json_schema(text: str) -> JsonConstraint:
+    try:
+        schema = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"the file is not valid JSON: {exc}") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"a JSON Schema must be a JSON object, got {type(schema).__name__}")
+    return JsonConstraint(schema=schema or None)
