@@ -151,3 +151,11 @@ def test_a_completed_grammar_ends_the_output_even_when_eos_is_ignored(frontend):
 def test_tool_choice_needs_known_tools(frontend):
     with pytest.raises(ConstraintError, match="offers none"):
         session(frontend, ToolCallConstraint())
+
+
+def test_an_enum_member_is_parsed_without_the_whitespace_a_grammar_allows_around_it():
+    from ninfer.models.common.qwen.tool_calls import typed_value
+
+    assert typed_value("CET  ", {"type": "string", "enum": ["UTC", "CET"]}) == "CET"
+    assert typed_value(" 3\n", {"enum": [3, 4]}) == 3
+    assert typed_value(" free text ", {"type": "string"}) == " free text "  # a free string keeps its text

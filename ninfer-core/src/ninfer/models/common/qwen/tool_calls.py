@@ -205,7 +205,9 @@ def feed(state: ToolCallState, text: str, tools: Sequence[Mapping[str, Any]], *,
                     frags.append(_close(state))
                     return FeedResult(None, tuple(frags), rest="" if final else s)
                 schema = _param_schema(tools, state.name, param)
-                streamed = schema is None or schema.get("type") == "string"
+                # Free strings stream; an enum / const member is matched whole (whitespace around it dropped).
+                streamed = schema is None or (schema.get("type") == "string" and "enum" not in schema
+                                              and "const" not in schema)
                 state = attrs.evolve(state, phase="value", param=param, streamed=streamed, started=False)
                 if streamed:  # a string value streams as it arrives: open it now
                     frags.append(_fragment(state, f"{_key(state)}\""))
