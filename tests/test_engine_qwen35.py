@@ -112,9 +112,9 @@ def test_concurrent_residents_match_running_alone(parts, alone, concurrency, see
     prog, seen = eng.instance.program, []
     launch = prog.launch_decode
 
-    def watched(ids, *, after=None):  # on the worker: requests resident, rows decoding, chained or not
+    def watched(ids, *, after=None, masks=None):  # on the worker: requests resident, rows decoding, chained or not
         seen.append((len(eng._core.scheduler.residents), len(ids), after is not None))
-        return launch(ids, after=after)
+        return launch(ids, after=after, masks=masks)
 
     prog.launch_decode = watched
     results = run(eng, workload(8, 11, seeded=seeded))
@@ -280,7 +280,7 @@ def test_queue_timeout_and_waiting_cancel_settle_while_a_resident_decodes(parts)
     waiting: dict[str, object] = {}
     settled_at: dict[str, int] = {}  # the resident's decode launch at which each waiting request had ended
 
-    def watched(ids, *, after=None):  # on the worker
+    def watched(ids, *, after=None, masks=None):  # on the worker
         launches[0] += 1
         assert queue_ready.wait(60)  # the resident's first decode step waits for the queue (hang guard)
         for name, h in waiting.items():
@@ -288,7 +288,7 @@ def test_queue_timeout_and_waiting_cancel_settle_while_a_resident_decodes(parts)
                 settled_at.setdefault(name, launches[0])
         if after is not None and eng._core.scheduler.waiting:
             chained_with_queue.append(len(ids))
-        return launch(ids, after=after)
+        return launch(ids, after=after, masks=masks)
 
     prog.launch_decode = watched
     long = eng.submit(req([5, 6, 7], max_tokens=100))

@@ -20,6 +20,7 @@ import attrs
 import pytest
 
 from ninfer.contract.batch import PendingBatch, PendingRow, RowDecision
+from ninfer.contract.constraint import ConstraintError
 from ninfer.contract.events import FinishReason, GenerationResult, GenerationStart, OutputDelta, ToolCall
 from ninfer.contract.model import ModelInstance, Preview, ResourceUsage, SnapshotCost
 from ninfer.contract.prompt import ChatInput, PreparedPrompt, TextInput
@@ -141,7 +142,8 @@ class LedgerProgram:
         s = self.seqs[sequence_id]
         return s.feed_len - s.frontier
 
-    def prefill(self, sequence_id: int, max_tokens: int) -> PendingBatch | None:
+    def prefill(self, sequence_id: int, max_tokens: int, *, masks=None) -> PendingBatch | None:
+        assert masks is None, "the token frontend opens no constrained session"
         self._call("prefill")
         if not self.prefill_gate.is_set():
             self.in_unit.set()
@@ -156,7 +158,8 @@ class LedgerProgram:
                                 native=[(sequence_id, s.frontier)])
         return None
 
-    def decode(self, sequence_ids: Sequence[int]) -> PendingBatch:
+    def decode(self, sequence_ids: Sequence[int], *, masks=None) -> PendingBatch:
+        assert masks is None, "the token frontend opens no constrained session"
         self._call("decode")
         if not self.gate.is_set():
             self.in_unit.set()
@@ -269,6 +272,8 @@ class LedgerProgram:
 
 
 class TokenSession:
+    constrained = False
+
     def __init__(self, sampling: SamplingParams) -> None:
         self.stops = {EOS, *sampling.stop_token_ids} - ({EOS} if sampling.ignore_eos else set())
         self.committed: list[int] = []
@@ -308,7 +313,9 @@ class TokenFrontend:
     def sampling_defaults(self) -> SamplingParams:
         return SamplingParams(temperature=0.0)
 
-    def open_session(self, prompt: PreparedPrompt, sampling: SamplingParams) -> TokenSession:
+    def open_session(self, prompt: PreparedPrompt, sampling: SamplingParams, constraint=None) -> TokenSession:
+        if constraint is not None:
+            raise ConstraintError("the token frontend compiles no constraints")
         return TokenSession(sampling)
 
     def token_text(self, token_id: int) -> str:
@@ -422,7 +429,7 @@ class ToolCallSession(TokenSession):
 
 def test_final_result_merges_streamed_tool_call_fragments():
     with make_engine() as eng:
-        eng.frontend.open_session = lambda prompt, sampling: ToolCallSession(sampling)
+        eng.frontend.open_session = lambda prompt, sampling, constraint=None: ToolCallSession(sampling)
         h = eng.submit(req([5, 6, 7], max_tokens=6))
         events = list(h)
         res = events[-1]
@@ -904,9 +911,9 @@ def test_an_engine_over_a_built_instance_takes_the_devices_prefill_chunk():
     chunks = []
     prefill = inst.program.prefill
 
-    def recorded(sequence_id, max_tokens):
+    def recorded(sequence_id, max_tokens, *, masks=None):
         chunks.append(max_tokens)
-        return prefill(sequence_id, max_tokens)
+        return prefill(sequence_id, max_tokens, masks=masks)
 
     inst.program.prefill = recorded
     prompt = [1 + i % 46 for i in range(1500)]

@@ -62,13 +62,13 @@ def watch(program: Qwen3Program) -> tuple[list[int], list[int]]:
     chunks, rows = [], []
     prefill, launch = program.prefill, program.launch_decode
 
-    def watched_prefill(seq, max_tokens):
+    def watched_prefill(seq, max_tokens, **kw):
         chunks.append(seq)
-        return prefill(seq, max_tokens)
+        return prefill(seq, max_tokens, **kw)
 
-    def watched_launch(ids, *, after=None):
+    def watched_launch(ids, *, after=None, **kw):
         rows.append(len(ids))
-        return launch(ids, after=after)
+        return launch(ids, after=after, **kw)
 
     program.prefill, program.launch_decode = watched_prefill, watched_launch
     return chunks, rows

@@ -45,6 +45,7 @@ from ninfer.engine.request import RequestRecord, RequestState
 from ninfer.engine.reuse import Reuse
 from ninfer.engine.scheduler import Scheduler
 from ninfer.engine.settlement import Settlement
+from ninfer.engine.token_masks import SessionMasks
 from ninfer.engine.worker_state import WorkerState
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ class EngineCore:
                                   token_text=frontend.token_text)
         self.policy = CyclePolicy(self.state, self.settlement, self.ingress, prefill_chunk=config.prefill_chunk,
                                   pause_mode=config.pause_mode, max_model_len=config.max_model_len)
+        self.masks = SessionMasks(self.state.by_seq)
         self.pipelined = isinstance(program, PipelinedDecode)
         self.kv_pages = self._kv_pages()
         self._next_observe = 0.0
@@ -164,10 +166,11 @@ class EngineCore:
         progressed = False
         if decode_rows:
             ids = [r.sequence_id for r in decode_rows]
+            masks = self.masks.wanted(decode_rows)
             if self.pipelined:  # collected next cycle (after this cycle's prefill chunk is queued behind it)
-                st.ahead = (self.program.launch_decode(ids), decode_rows)
+                st.ahead = (self.program.launch_decode(ids, masks=masks), decode_rows)
             else:
-                self.commit.consume(self.program.decode(ids), decode_rows)
+                self.commit.consume(self.program.decode(ids, masks=masks), decode_rows)
             progressed = True
         if prefill_rec is not None and prefill_rec.resident:
             self._run_prefill(prefill_rec)
@@ -183,7 +186,9 @@ class EngineCore:
         # Cancellations, deadlines and queue timeouts settle every cycle, pipelined or not (a resident ended
         # here is released; its launched row is left out when the unit is collected).
         self.settlement.settle_interrupted()
-        nxt = self.program.launch_decode(unit.sequence_ids, after=unit) if self.policy.steady(rows) else None
+        nxt = None
+        if self.policy.steady(rows):  # a constrained row's sampling waits until the step it follows is committed
+            nxt = self.program.launch_decode(unit.sequence_ids, after=unit, masks=self.masks.wanted(rows))
         if nxt is not None:
             st.ahead = (nxt, rows)
         batch = self.program.collect(unit)
@@ -191,7 +196,7 @@ class EngineCore:
 
     def _run_prefill(self, rec: RequestRecord) -> None:
         self.reuse.before_prefill(rec)
-        batch = self.program.prefill(rec.sequence_id, self.policy.chunk(rec))
+        batch = self.program.prefill(rec.sequence_id, self.policy.chunk(rec), masks=self.masks.wanted((rec,)))
         if self.reuse.after_prefill():  # a save another request waits for may have landed
             self.state.admission_event = True
         if batch is not None:

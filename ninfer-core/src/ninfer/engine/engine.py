@@ -14,12 +14,13 @@ import uuid
 import attrs
 
 from ninfer.contract.config import EngineConfig, PauseChoice
+from ninfer.contract.constraint import ConstraintError
 from ninfer.contract.errors import PromptTooLong
 from ninfer.contract.model import ModelInstance, ResourceUsage, StartupFeatures
 from ninfer.contract.prompt import PreparedPrompt
 from ninfer.contract.request import GenerationRequest, SamplingParams
 from ninfer.engine.core import EngineCore
-from ninfer.engine.errors import InputTooLong, RequestRejected, Unrepresentable
+from ninfer.engine.errors import InputTooLong, InvalidConstraint, RequestRejected, Unrepresentable
 from ninfer.engine.handle import GenerationHandle, ResponseChannel
 from ninfer.engine.metrics import EngineMetrics
 from ninfer.engine.request import RequestRecord
@@ -124,7 +125,9 @@ class Engine:
             prompt = self._prepare(request)
             sampling = merge_sampling(self._defaults, request.sampling)
             try:
-                session = self.frontend.open_session(prompt, sampling)
+                session = self.frontend.open_session(prompt, sampling, request.constraint)
+            except ConstraintError as exc:
+                raise InvalidConstraint(f"invalid constraint: {exc}") from exc
             except Exception as exc:
                 raise Unrepresentable(f"request cannot be represented: {exc}") from exc
         except RequestRejected as exc:

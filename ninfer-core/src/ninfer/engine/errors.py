@@ -45,6 +45,13 @@ class Unrepresentable(RequestRejected):
     http_status = 400
 
 
+class InvalidConstraint(RequestRejected):
+    """The request's constraint does not compile (schema, regex, grammar or tool choice); the message says why."""
+
+    kind = "invalid_constraint"
+    http_status = 400
+
+
 class EngineFailed(EngineError):
     """An internal invariant broke or the device failed; every response ends with this error."""
 

@@ -27,6 +27,7 @@ import torch
 
 from ninfer.contract.batch import LaunchedUnit, PendingBatch, PendingBatchError, RowDecision
 from ninfer.contract.config import MAX_CONCURRENCY
+from ninfer.contract.constraint import TokenMasks
 from ninfer.contract.model import PauseMode, ResourceUsage, SnapshotCost
 from ninfer.contract.prompt import PreparedPrompt
 from ninfer.contract.request import SamplingParams
@@ -59,12 +60,15 @@ class _BatchNative:
     consumed: tuple[int, ...]  # input positions each row ran in this unit
 
 
-@attrs.frozen(kw_only=True)
+@attrs.define(kw_only=True, eq=False)
 class _LaunchNative:
     program_id: int
     seqs: tuple[SequenceRecord, ...]
-    readback: Readback
+    readback: Readback | None  # None: the sampling waits for the engine's masks (``_sampled``)
     chained: bool  # its rows' inputs are the previous unit's provisional tokens
+    logits: torch.Tensor | None = None  # what a waiting sampling draws from, with its rows' draw indices
+    indices: tuple[int, ...] = ()
+    masks: TokenMasks | None = None
 
 
 class PagedProgram(Checkpointing, abc.ABC):
@@ -104,7 +108,7 @@ class PagedProgram(Checkpointing, abc.ABC):
         self.paused = PausedStates(self.id, self.states, self.kv, host_budget_bytes)
         self.checkpoints = CheckpointStore(self.states, self.kv, slots=checkpoint_slots,
                                            host_budget_bytes=cache_host_budget_bytes)
-        self.sampler = Sampler(self.device.torch)
+        self.sampler = Sampler(self.device.torch, mask_rows=max_concurrency)
         self.plan: Any = None  # the Startup's DevicePlan, when built by a Startup
         self.graphs: DecodeGraphs | None = None
         self.graph_error: str | None = None
@@ -171,8 +175,9 @@ class PagedProgram(Checkpointing, abc.ABC):
         return self.sequences.reserve(sequence_id, tokens)
 
     # -- execution ---------------------------------------------------------------------------------
-    def prefill(self, sequence_id: int, max_tokens: int) -> PendingBatch | None:
-        """Run up to ``max_tokens`` of the sequence's remaining input; sample the first token when the prompt ends."""
+    def prefill(self, sequence_id: int, max_tokens: int, *, masks: TokenMasks | None = None) -> PendingBatch | None:
+        """Run up to ``max_tokens`` of the sequence's remaining input; sample the first token when the prompt ends
+        (``masks``: the engine's token masks)."""
         seq = self.sequences.get(sequence_id)
         self.sequences.check_idle(seq)
         remaining = seq.input_remaining
@@ -197,18 +202,20 @@ class PagedProgram(Checkpointing, abc.ABC):
             self.save_point_reached(seq)
             if not sample:
                 return None
-            readback = self.sampler.launch([seq], self.logits(hidden[batch.logits_indices]), [seq.generated])
+            readback = self.sampler.launch([seq], self.logits(hidden[batch.logits_indices]), [seq.generated], masks)
             return self._pending("prefill", [seq], range(1), readback, consumed=(n,))
 
-    def decode(self, sequence_ids: Sequence[int]) -> PendingBatch:
+    def decode(self, sequence_ids: Sequence[int], *, masks: TokenMasks | None = None) -> PendingBatch:
         """One step over exactly these decode-ready sequences (B = len(sequence_ids))."""
-        return self.collect(self.launch_decode(sequence_ids))
+        return self.collect(self.launch_decode(sequence_ids, masks=masks))
 
-    def launch_decode(self, sequence_ids: Sequence[int], *, after: LaunchedUnit | None = None) -> LaunchedUnit:
+    def launch_decode(self, sequence_ids: Sequence[int], *, after: LaunchedUnit | None = None,
+                      masks: TokenMasks | None = None) -> LaunchedUnit:
         """Queue one decode step (forward, logits, sampling, the tokens' copy to the host) without waiting.
 
         ``after``: an uncollected unit over the same sequences, in the same order; each row's input is its
         provisional token, still on the device, at the position after it (see ``PipelinedDecode``).
+        ``masks`` constraining one of the rows: only the forward is queued; the sampling waits (``_sampled``).
         """
         ids, seqs, prev = self._decode_rows(sequence_ids, after)
         # A chained row's input is on the device: a placeholder goes through the host path, then the copy.
@@ -217,23 +224,37 @@ class PagedProgram(Checkpointing, abc.ABC):
             if self.graphs is not None:
                 self.graphs.load(inputs, [s.computed for s in seqs], [s.slot for s in seqs], [s.pages for s in seqs],
                                  [(s.id, s.pages_epoch) for s in seqs],
-                                 device_tokens=None if prev is None else prev.readback.tokens)
+                                 device_tokens=None if prev is None else self._sampled(prev).tokens)
                 logits = self.graphs.replay(len(seqs))
             else:
                 batch = build_forward_batch(
                     [RowInput(tokens=[t], start=s.computed, slot=s.slot, pages=s.pages, want_logits=True)
                      for s, t in zip(seqs, inputs, strict=True)], self.page_size, self.device.torch)
                 if prev is not None:
-                    batch.input_ids.copy_(prev.readback.tokens)
+                    batch.input_ids.copy_(self._sampled(prev).tokens)
                 logits = self._decode_logits(batch)
             # The token sampled from input position p is generated token number p + 1 - prompt_len.
-            readback = self.sampler.launch(seqs, logits, [s.computed + 1 - s.prompt_len for s in seqs])
+            native = _LaunchNative(program_id=self.id, seqs=tuple(seqs), readback=None, chained=prev is not None,
+                                   logits=logits, indices=tuple(s.computed + 1 - s.prompt_len for s in seqs),
+                                   masks=masks)
+            if masks is None or not any(masks.constrained(i) for i in ids):
+                self._sampled(native)
             for seq in seqs:
                 seq.computed += 1
                 seq.launched += 1
-        return LaunchedUnit(kind="decode", sequence_ids=ids,
-                            native=_LaunchNative(program_id=self.id, seqs=tuple(seqs), readback=readback,
-                                                 chained=prev is not None))
+        return LaunchedUnit(kind="decode", sequence_ids=ids, native=native)
+
+    def _sampled(self, native: _LaunchNative) -> Readback:
+        """The unit's sampling, queued now if it waited for masks: the engine has committed every earlier unit of
+        its sequences by the time anything needs its tokens, so each matcher stands right before them."""
+        if native.readback is None:
+            with self._launches(), torch.inference_mode():
+                native.readback = self.sampler.launch(native.seqs, native.logits, native.indices, native.masks)
+            native.logits = native.masks = None
+            for seq in native.seqs:  # released while it waited: its row is dropped, and so is its generator
+                if self._seqs.get(seq.id) is not seq:
+                    self.sampler.forget(seq.id)
+        return native.readback
 
     def _decode_rows(self, sequence_ids: Sequence[int], after: LaunchedUnit | None
                      ) -> tuple[list[int], list[SequenceRecord], _LaunchNative | None]:
@@ -287,7 +308,7 @@ class PagedProgram(Checkpointing, abc.ABC):
                 continue
             live.append(seq)
         index = {seq.id: i for i, seq in enumerate(native.seqs)}
-        return self._pending("decode", live, [index[s.id] for s in live], native.readback, (1,) * len(live))
+        return self._pending("decode", live, [index[s.id] for s in live], self._sampled(native), (1,) * len(live))
 
     def _launch_native(self, unit: LaunchedUnit) -> _LaunchNative:
         native = unit.native

@@ -5,6 +5,9 @@ Each row draws with its own ``torch.Generator``, reseeded for every draw from
 neighbours, and abort, Snapshot and Replay need no RNG state beyond the ledger. ``launch`` queues
 the sampling (and the logprobs rows ask for) and the one packed copy to the host (``Readback``);
 ``wait`` blocks on that copy; ``pending_rows`` turns the results into the PendingBatch rows.
+
+Rows the engine's ``TokenMasks`` constrain get their allowed-token mask applied to the logits first (filled on
+the host into pinned rows, one upload per unit); a unit without a constrained row pays nothing for it.
 """
 
 from __future__ import annotations
@@ -14,18 +17,54 @@ from collections.abc import Sequence
 import torch
 
 from ninfer.contract.batch import PendingRow
+from ninfer.contract.constraint import TokenMasks, mask_words
 from ninfer.core.readback import Readback, RowLogprobs, upload
 from ninfer.models.common.context.sequence import SequenceRecord, draw_seed
 
 TOPK_PATH = 1024  # largest top_k sampled from its top-k candidates; wider (or none) sorts the vocabulary
 
 
-class Sampler:
-    """The draws of one Program's sequences on ``device`` (one generator per sequence, made on first use)."""
+class MaskRows:
+    """A unit's mask rows: int32 [rows, words] filled on the host (pinned on CUDA), uploaded once."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, vocab_size: int, rows: int) -> None:
+        shape = (rows, mask_words(vocab_size))
+        cuda = device.type == "cuda"
+        self.host = torch.empty(shape, dtype=torch.int32, pin_memory=cuda)
+        self.device = torch.empty(shape, dtype=torch.int32, device=device) if cuda else self.host
+        self._uploaded: torch.cuda.Event | None = None
+
+    def gather(self, seq_ids: Sequence[int], masks: TokenMasks) -> torch.Tensor | None:
+        """The rows of ``seq_ids`` on the device (all ones for unconstrained ones); None when none is constrained."""
+        flags = [masks.constrained(i) for i in seq_ids]
+        if not any(flags):
+            return None
+        if self._uploaded is not None:
+            self._uploaded.synchronize()  # the previous unit's upload has read the host rows
+        host = self.host[:len(seq_ids)]
+        for row, (seq_id, constrained) in enumerate(zip(seq_ids, flags, strict=True)):
+            if constrained:
+                masks.fill(seq_id, host[row:row + 1])
+            else:
+                host[row].fill_(-1)
+        if self.device is self.host:
+            return host
+        dev = self.device[:len(seq_ids)]
+        dev.copy_(host, non_blocking=True)
+        self._uploaded = torch.cuda.Event()
+        self._uploaded.record()
+        return dev
+
+
+class Sampler:
+    """The draws of one Program's sequences on ``device`` (one generator per sequence, made on first use).
+    ``mask_rows``: the most rows a unit samples (the mask rows allocated at the first constrained unit)."""
+
+    def __init__(self, device: torch.device, *, mask_rows: int = 0) -> None:
         self.device = device
         self._generators: dict[int, torch.Generator] = {}
+        self._mask_rows = mask_rows
+        self._masks: MaskRows | None = None  # allocated at the first constrained unit
 
     def forget(self, sequence_id: int) -> None:
         """The sequence is released: drop its generator."""
@@ -39,12 +78,21 @@ class Sampler:
         gen.manual_seed(draw_seed(seq.sampling.seed, index))
         return gen
 
-    def launch(self, seqs: Sequence[SequenceRecord], logits: torch.Tensor, indices: Sequence[int]) -> Readback:
+    def launch(self, seqs: Sequence[SequenceRecord], logits: torch.Tensor, indices: Sequence[int],
+               masks: TokenMasks | None = None) -> Readback:
         """Queue sampling (and logprobs) of every row of ``logits`` [B, V], then one device->host copy of the
-        results. ``indices``: the generated-token index each row draws (its counter-based seed)."""
-        from ninfer.ops.sampling import greedy, logprobs, sample
+        results. ``indices``: the generated-token index each row draws (its counter-based seed). ``masks``:
+        the engine's token masks; constrained rows' logits are masked in place first."""
+        from ninfer.ops.sampling import apply_token_mask, greedy, logprobs, sample
 
         dev = logits.device
+        if masks is not None:
+            if self._masks is None or self._masks.host.shape[0] < len(seqs) \
+                    or self._masks.host.shape[1] != mask_words(logits.shape[1]):
+                self._masks = MaskRows(dev, logits.shape[1], max(self._mask_rows, len(seqs)))
+            mask = self._masks.gather([s.id for s in seqs], masks)
+            if mask is not None:
+                apply_token_mask(logits, mask)
         sp = [s.sampling for s in seqs]
         if all(p.greedy for p in sp):
             tokens = greedy(logits)  # what sample() does for temperature 0, without its per-row setup

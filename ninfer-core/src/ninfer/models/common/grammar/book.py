@@ -34,6 +34,7 @@ from ninfer.models.common.grammar.schema_features import check_schema
 
 MAX_JSON_WHITESPACE = 16  # longest whitespace run in JSON with any_whitespace (a model cannot spin on spaces)
 TOOL_FORMAT = "qwen_3_5"   # xgrammar's built-in Qwen3.5 / Qwen3-Coder XML tool-call format
+TOOL_WHITESPACE = 2  # whitespace run between the format's tags (it writes one newline): a weak model cannot stall there
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
@@ -116,13 +117,7 @@ class GrammarBook:
             raise
         except Exception as e:  # noqa: BLE001
             raise ConstraintError(f"{_kind(constraint)} is not valid: {_reason(e)}") from e
-        if not reasoning_open:
-            return body
-        think = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
-            {"type": "tag", "begin": "", "content": {"type": "any_text", "excludes": [THINK_OPEN, THINK_CLOSE]},
-             "end": THINK_CLOSE},
-            {"type": "regex", "pattern": "\\n{0,2}"}]}}
-        return xgr.Grammar.concat(xgr.Grammar.from_structural_tag(json.dumps(think)), body)
+        return xgr.Grammar.concat(self._think(xgr), body) if reasoning_open else body
 
     def _tool_calls(self, xgr, c: ToolCallConstraint, reasoning_open: bool, tools: Sequence[Mapping[str, Any]]):
         if not tools:
@@ -136,19 +131,42 @@ class GrammarBook:
             params = fn.get("parameters")
             if params is not None:
                 check_schema(params, f"tools[{i}].function.parameters")
-        if c.tool_choice in ("required", "auto"):
-            choice: Any = c.tool_choice
-        elif c.tool_choice in names:
-            choice = {"type": "function", "function": {"name": c.tool_choice}}
-        else:
+        if c.tool_choice != "auto" and c.tool_choice not in ("required", *names):
             raise ConstraintError(f"tool_choice names function {c.tool_choice!r}, which is not among the "
                                   f"request's tools ({', '.join(names)})")
         try:
-            tag = xgr.get_model_structural_tag(self.tool_format, tools=[dict(t) for t in tools], tool_choice=choice,
-                                               reasoning=reasoning_open, parallel_tool_calls=c.parallel)
-            return xgr.Grammar.from_structural_tag(tag.model_dump_json())
+            if c.tool_choice == "auto":  # free text, and calls held to their tools' schemas once they begin
+                tag = xgr.get_model_structural_tag(self.tool_format, tools=[dict(t) for t in tools], tool_choice="auto",
+                                                   reasoning=reasoning_open, parallel_tool_calls=c.parallel,
+                                                   max_whitespace_cnt=TOOL_WHITESPACE)
+                return xgr.Grammar.from_structural_tag(tag.model_dump_json())
+            # required / one named function: calls only (OpenAI's tool_choice), separated by a newline as the
+            # Qwen template writes them, then the end of the turn
+            chosen = [t for t, n in zip(tools, names, strict=True) if c.tool_choice in ("required", n)]
+            calls = {"type": "tags_with_separator", "tags": [_qwen_call(t) for t in chosen], "separator": "\n",
+                     "at_least_one": True, "stop_after_first": not c.parallel}
+            body = xgr.Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": calls}))
         except Exception as e:  # noqa: BLE001
             raise ConstraintError(f"tool calls over these tools do not compile: {_reason(e)}") from e
+        return xgr.Grammar.concat(self._think(xgr), body) if reasoning_open else body
+
+    @staticmethod
+    def _think(xgr) -> Any:
+        """Free reasoning up to ``</think>`` (without think markers), then up to two newlines."""
+        think = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+            {"type": "tag", "begin": "", "content": {"type": "any_text", "excludes": [THINK_OPEN, THINK_CLOSE]},
+             "end": THINK_CLOSE},
+            {"type": "regex", "pattern": "\\n{0,2}"}]}}
+        return xgr.Grammar.from_structural_tag(json.dumps(think))
+
+
+def _qwen_call(tool: Mapping[str, Any]) -> dict:
+    """One call in the Qwen3.5 XML format, its parameters held to the tool's schema (xgrammar's qwen_xml style)."""
+    fn = tool["function"]
+    return {"type": "tag", "begin": f"<tool_call>\n<function={fn['name']}>\n",
+            "content": {"type": "json_schema", "json_schema": fn.get("parameters") or {"type": "object"},
+                        "style": "qwen_xml", "max_whitespace_cnt": TOOL_WHITESPACE},
+            "end": "\n</function>\n</tool_call>"}
 
 
 def _body(xgr, c: Constraint) -> Any:

@@ -15,10 +15,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ninfer.contract.constraint import Constraint
 from ninfer.contract.errors import PromptTooLong
 from ninfer.contract.prompt import ChatInput, PreparedPrompt, TextInput
 from ninfer.contract.request import SamplingParams
 from ninfer.contract.resources import FrontendResources
+from ninfer.models.common.grammar import GrammarBook
+from ninfer.models.common.qwen import tool_calls as tc
 from ninfer.models.common.qwen.chat_template import ChatTemplate, builtin_template, normalize_inputs
 from ninfer.models.common.qwen.errors import FrontendInputError, TemplateError
 from ninfer.models.common.qwen.literal_specials import LiteralSpecials, Rendered, client_strings
@@ -74,6 +77,10 @@ class QwenFrontend:
         self._think_open = tokenizer.token_id(THINK_OPEN)
         self._think_close = tokenizer.token_id(THINK_CLOSE)
         self._vision_pads = {i for i in (tokenizer.token_id(t) for t in _VISION_PADS) if i is not None}
+        # Compiled grammars for this vocabulary (built on first use); the Qwen formats write these as text.
+        text_markers = (THINK_OPEN, THINK_CLOSE, tc.TOOL_CALL_OPEN, tc.TOOL_CALL_CLOSE)
+        self.grammars = GrammarBook(lambda: tokenizer.grammar_vocabulary(text_markers),
+                                    vocab_size=tokenizer.embedding_vocab, stop_token_ids=self.eos_token_ids)
 
     @classmethod
     def from_resources(cls, resources: FrontendResources, *, chat_template_override: str | None = None,
@@ -129,15 +136,22 @@ class QwenFrontend:
         """One token decoded on its own (a partial UTF-8 sequence shows as U+FFFD)."""
         return self.tokenizer.decode([token_id])
 
-    def open_session(self, prompt: PreparedPrompt, sampling: SamplingParams) -> QwenOutputSession:
+    def open_session(self, prompt: PreparedPrompt, sampling: SamplingParams, constraint: Constraint | None = None
+                     ) -> QwenOutputSession:
+        """The request's session; ``constraint`` is compiled here (cached per vocabulary), on the caller's thread.
+        With a thinking block open in the prompt it applies to the answer after ``</think>``."""
         self.tokenizer.check_ids(sampling.stop_token_ids)
+        matcher = None
+        if constraint is not None:
+            compiled = self.grammars.compile(constraint, reasoning_open=prompt.reasoning_open, tools=prompt.tools)
+            matcher = self.grammars.matcher(compiled)
         stop_ids = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
             stop_ids.update(self.eos_token_ids)
         reasoning_open = prompt.reasoning_open
         return QwenOutputSession(
             self.tokenizer, stop_token_ids=sorted(stop_ids), stop=sampling.stop, reasoning_open=reasoning_open,
-            tools=prompt.tools, turn_end_id=self._im_end,
+            tools=prompt.tools, turn_end_id=self._im_end, grammar=matcher,
             turn_check=lambda message, output: self.turn_is_exact(message, output, reasoning_open=reasoning_open))
 
     def turn_is_exact(self, message: Mapping[str, Any], output_ids, *, reasoning_open: bool) -> bool | None:

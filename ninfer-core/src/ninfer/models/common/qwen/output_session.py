@@ -12,6 +12,10 @@ nothing; ``commit`` swaps the previewed state in:
 4. channels: ``<think>``/``</think>`` split reasoning from content, ``<tool_call>`` blocks become tool-call
    fragments (only when the request offered tools); partial markers are held back.
 
+With a constraint, the request's ``TokenMatcher`` checks each token first: a token it refuses ends the output
+before it (``FinishReason.GRAMMAR``), a token that completes the grammar ends it after it; the matcher is
+advanced on commit only, so pause, resume and Replay keep its committed state with the session.
+
 Whitespace around the markers is trimmed the way the chat template trims history (reasoning both ends,
 content after ``</think>`` and before a tool call), so a turn re-renders as it was generated.
 """
@@ -28,6 +32,7 @@ import attrs
 from ninfer.contract.context import TurnBoundary
 from ninfer.contract.events import FinishReason, OutputDelta, ToolCall, merge_tool_call_fragments
 from ninfer.contract.model import Preview
+from ninfer.models.common.grammar import TokenMatcher
 from ninfer.models.common.qwen import tool_calls as tc
 from ninfer.models.common.qwen.stop_strings import StopMatcher
 from ninfer.models.common.qwen.tokenizer import QwenTokenizer
@@ -101,8 +106,11 @@ class QwenOutputSession:
     def __init__(self, tokenizer: QwenTokenizer, *, stop_token_ids: Sequence[int], stop: Sequence[str] = (),
                  reasoning_open: bool = False, tools: Sequence[Mapping[str, Any]] = (),
                  turn_end_id: int | None = None, call_id_prefix: str | None = None,
-                 turn_check: Callable[[Mapping[str, Any], Sequence[int]], bool | None] | None = None) -> None:
+                 turn_check: Callable[[Mapping[str, Any], Sequence[int]], bool | None] | None = None,
+                 grammar: TokenMatcher | None = None) -> None:
         self._tok = tokenizer
+        self._grammar = grammar
+        self.constrained = grammar is not None
         self._stop_ids = frozenset(stop_token_ids)
         self._stop = StopMatcher(stop) if stop else None
         self._tools = tuple(tools)
@@ -133,7 +141,11 @@ class QwenOutputSession:
         accepted = 0
         finish: FinishReason | None = None
         boundary = None
+        grammar = self._grammar
         for tok in tokens:
+            if grammar is not None and not grammar.accept(tok):
+                finish = FinishReason.GRAMMAR
+                break
             accepted += 1
             if tok in self._stop_ids:
                 finish = FinishReason.STOP
@@ -149,6 +161,13 @@ class QwenOutputSession:
                 st.utf8_pending = b""
                 finish = FinishReason.STOP
                 break
+            if grammar is not None and grammar.terminated:  # a stop token completed it (eos ignored here)
+                finish = FinishReason.STOP
+                break
+        if grammar is not None:
+            grammar.rollback(accepted)
+            if accepted == 0:  # the constraint refuses the first token: nothing of it is kept
+                return Preview(accepted=0, finish_reason=FinishReason.GRAMMAR, delta=OutputDelta())
         st.generated += accepted
         if finish is None and at_length_limit:
             finish = FinishReason.LENGTH
@@ -170,8 +189,19 @@ class QwenOutputSession:
         native = preview.native
         if not isinstance(native, _Native) or native.base is not self._state:
             raise RuntimeError("commit of a preview that was not made from this session's current state")
+        if self._grammar is not None:
+            advanced, _ = self._grammar.accept_prefix(preview.delta.token_ids)
+            if advanced != len(preview.delta.token_ids):
+                raise RuntimeError("the constraint refused a token its preview accepted")
         self._adopt(native.state, preview.delta)
         return preview.delta
+
+    def fill_token_mask(self, out: Any, drafts: Sequence[int] = ()) -> None:
+        """The constraint's allowed tokens after the committed output (and after each draft prefix)."""
+        if self._state.finished is not None or self._grammar.terminated:
+            out.fill_(-1)  # nothing follows; the row's token is never kept
+            return
+        self._grammar.fill(out, drafts)
 
     def finish(self, reason: FinishReason) -> OutputDelta:
         """End the output (length, cancel, deadline...): release held-back text; idempotent."""

@@ -131,6 +131,12 @@ class QwenTokenizer:
         self._bytes[token_id] = out
         return out
 
+    def grammar_vocabulary(self, text_tokens: Iterable[str] = ()) -> list[bytes]:
+        """Each token id's bytes as a grammar sees them: special tokens have none (a grammar never produces them
+        as text), except ``text_tokens``, which the model's formats write as text (``<think>``, ``<tool_call>``)."""
+        keep = {self.token_id(t) for t in text_tokens}
+        return [b"" if i in self.special_ids and i not in keep else self.token_bytes(i) for i in range(self.size)]
+
     def decode(self, token_ids: Iterable[int], *, skip_special: bool = False) -> str:
         """Whole-sequence text (invalid UTF-8 replaced); streaming uses ``token_bytes`` instead."""
         data = b"".join(self.token_bytes(t) for t in token_ids if not (skip_special and t in self.special_ids))
