@@ -3,8 +3,9 @@ compile (or which ConstraintError), its compile time cold and cached, and the pe
 
 The workload is ``benchmarks/data/jsonschemabench_sample.jsonl``: 50 schemas from JSONSchemaBench, 5 from each
 of its subsets (``benchmarks/data/README.md``). The book is built as the Qwen frontend builds it: 248,320
-embedding rows, special tokens without text except the think / tool-call markers and the stop tokens
-``<|im_end|>`` and ``<|endoftext|>``, which end the grammar.
+embedding rows, special tokens without text except the think / tool-call markers
+(``QwenTokenizer.grammar_vocabulary``), and the model's end-of-sequence tokens ``<|im_end|>`` and
+``<|endoftext|>`` as the tokens that end a grammar.
 
 Each schema is compiled as ``JsonConstraint(schema=...)`` (any whitespace, as a request gets by default) with the
 book's LRU empty for it (cold), then again (cached). The masks are filled along one valid output, walked
@@ -50,7 +51,6 @@ from pathlib import Path
 SAMPLE = Path(__file__).with_name("data") / "jsonschemabench_sample.jsonl"
 EMBEDDING_ROWS = 248320  # Qwen3.5's embedding rows: ids past the tokenizer's 248,077 are padding
 TEXT_MARKERS = ("<think>", "</think>", "<tool_call>", "</tool_call>")  # written as text by the Qwen3.5 formats
-STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
 CLOSERS = frozenset(b'"}]')
 CLOSE_BIAS = 0.8
 
@@ -61,13 +61,12 @@ def qwen_grammar_book(**book_args):
     """(QwenTokenizer, GrammarBook, token bytes per id as the book sees them) over the real Qwen3.5 vocabulary."""
     from ninfer.models.common.grammar import GrammarBook
     from ninfer.models.common.qwen.tokenizer import QwenTokenizer
-    from ninfer_qwen35.testing.qwen_vocab import qwen35_tokenizer_json
+    from ninfer_qwen35.testing.qwen_vocab import QWEN35_EOS_TOKEN_IDS, qwen35_tokenizer_json
 
     tok = QwenTokenizer(qwen35_tokenizer_json(), embedding_vocab=EMBEDDING_ROWS)
-    stops = [tok.token_id(t) for t in STOP_TOKENS]
-    keep = {tok.token_id(t) for t in TEXT_MARKERS} | set(stops)
-    vocab = [b"" if (i in tok.special_ids and i not in keep) else tok.token_bytes(i) for i in range(tok.size)]
-    book = GrammarBook(lambda: vocab, vocab_size=EMBEDDING_ROWS, stop_token_ids=stops, **book_args)
+    vocab = tok.grammar_vocabulary(TEXT_MARKERS)  # as QwenFrontend builds its book
+    book = GrammarBook(lambda: vocab, vocab_size=tok.embedding_vocab,
+                       stop_token_ids=QWEN35_EOS_TOKEN_IDS, **book_args)
     return tok, book, vocab
 
 
@@ -345,7 +344,7 @@ def main(argv=None) -> int:
     from ninfer.contract.constraint import JsonConstraint
 
     book.compile(JsonConstraint(schema={"type": "boolean"}))  # first-compile costs out of the first row's time
-    walker = Walker(tok, vocab, tok.token_id(STOP_TOKENS[0]), args.max_tokens)
+    walker = Walker(tok, vocab, book.stop_token_ids[0], args.max_tokens)
     result: dict = {"host": {"machine": platform.machine(), "processor": platform.processor(),
                              "python": platform.python_version(), "xgrammar": metadata.version("xgrammar")},
                     "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
