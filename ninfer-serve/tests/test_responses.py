@@ -38,4 +38,5 @@ def test_logprob_shapes_and_infinities():
 
 
 def test_finish_reasons():
-    assert [finish_reason(r) for r in FinishReason] == ["stop", "length", "tool_calls", "abort", "length", "error"]
+    assert [finish_reason(r) for r in FinishReason] == ["stop", "length", "tool_calls", "abort", "length", "error",
+                                                            "grammar"]

@@ -12,9 +12,11 @@ from ninfer_serve.translate import ResponseOptions
 
 DONE = "data: [DONE]\n\n"
 
-# OpenAI has no "deadline" or "cancelled": a deadline cut is a length limit; "abort" is vLLM's word.
+# OpenAI has no "deadline" or "cancelled": a deadline cut is a length limit; "abort" is vLLM's word. "grammar":
+# the request's constraint allowed no further token (no OpenAI word either; the output is a valid prefix).
 _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.TOOL_CALLS: "tool_calls",
-           FinishReason.DEADLINE: "length", FinishReason.CANCELLED: "abort", FinishReason.ERROR: "error"}
+           FinishReason.DEADLINE: "length", FinishReason.CANCELLED: "abort", FinishReason.ERROR: "error",
+           FinishReason.GRAMMAR: "grammar"}
 
 
 def sse(obj: dict[str, Any]) -> str:

@@ -2,7 +2,8 @@
 
 The warmup requests are ordinary greedy requests (so prefill, every decode width up to
 max_concurrency and the output path run once before the port opens) that neither read nor write the
-context cache; afterwards the engine must be back to empty: no resident, paused or queued request
+context cache; the last one is constrained, so the vocabulary's grammar tables are built and the mask path
+runs before the first client's constrained request; afterwards the engine must be back to empty: no resident, paused or queued request
 and every page, slot and host byte free.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ninfer.contract import GenerationRequest, SamplingParams, TextInput
+from ninfer.contract import GenerationRequest, RegexConstraint, SamplingParams, TextInput
 from ninfer.contract.events import FinishReason
 
 
@@ -21,10 +22,11 @@ class WarmupFailed(RuntimeError):
 
 def warmup_requests(concurrency: int, *, max_tokens: int = 4, prompt: str = "Hello") -> list[GenerationRequest]:
     """The warmup's requests: greedy, fixed length, and outside the context cache (``context_cache=False``),
-    so no checkpoint of the warmup prompt is left for a client's request to hit."""
+    so no checkpoint of the warmup prompt is left for a client's request to hit. The last one is constrained."""
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    constrained = RegexConstraint(pattern="[^<>]{1,256}")
     return [GenerationRequest(input=TextInput(text=prompt), sampling=sampling, request_id=f"warmup-{i}",
-                              context_cache=False)
+                              context_cache=False, constraint=constrained if i == concurrency - 1 else None)
             for i in range(concurrency)]
 
 

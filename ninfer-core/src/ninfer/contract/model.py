@@ -162,7 +162,7 @@ class Preview:
     """The semantic effect of one row's provisional tokens, computed without changing the session.
 
     ``accepted``: how many of the row's tokens the output keeps (fewer when a stop ends it inside them; 0 only
-    with ``finish_reason`` GRAMMAR, when the request's constraint refuses the first of them);
+    with a ``finish_reason``, when the request's constraint refuses the first of them);
     ``finish_reason``: set when these tokens end the output (then ``delta`` already holds the released
     held-back text); ``delta``: exactly what ``commit`` publishes. ``boundary``: Frontend metadata relative to
     the accepted span (the Qwen frontend gives a ``TurnBoundary`` when the tokens close the assistant turn);

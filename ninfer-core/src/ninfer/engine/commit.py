@@ -75,8 +75,8 @@ class BatchCommit:
             log.exception("OutputSession.preview failed for %s", rec.request_id)
             rec.frontend_error = exc
             return _RowOutcome(None, RowDecision(accepted=0, cancelled=True), FinishReason.ERROR)
-        if pv.accepted == 0 and pv.finish_reason is FinishReason.GRAMMAR:  # the constraint refuses the first token
-            return _RowOutcome(None, RowDecision(accepted=0, cancelled=True), FinishReason.GRAMMAR)
+        if pv.accepted == 0 and pv.finish_reason is not None:  # the constraint refuses the first token
+            return _RowOutcome(None, RowDecision(accepted=0, cancelled=True), pv.finish_reason)
         if not 1 <= pv.accepted <= len(tokens):
             raise InvariantBroken(f"Frontend preview accepted {pv.accepted} of {len(tokens)} tokens")
         reason = pv.finish_reason

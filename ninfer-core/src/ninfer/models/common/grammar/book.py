@@ -172,10 +172,9 @@ def _qwen_call(tool: Mapping[str, Any]) -> dict:
 def _body(xgr, c: Constraint) -> Any:
     """The Grammar of the answer itself."""
     if isinstance(c, JsonConstraint):
-        if c.schema is None:
-            return xgr.Grammar.builtin_json_grammar()
-        check_schema(c.schema_object)
-        return xgr.Grammar.from_json_schema(c.schema, any_whitespace=c.any_whitespace, strict_mode=True,
+        if c.schema is not None:
+            check_schema(c.schema_object)
+        return xgr.Grammar.from_json_schema(c.schema or "{}", any_whitespace=c.any_whitespace, strict_mode=True,
                                             max_whitespace_cnt=MAX_JSON_WHITESPACE if c.any_whitespace else None)
     if isinstance(c, RegexConstraint):
         return xgr.Grammar.from_regex(c.pattern)

@@ -38,19 +38,27 @@ class TokenMatcher:
             self._m.rollback(n)
 
     @property
+    def completed(self) -> bool:
+        """The text so far is a complete sentence of the grammar (a stop token may follow)."""
+        return self._m.is_completed()
+
+    @property
     def terminated(self) -> bool:
         """A stop token ended the grammar: nothing more may follow."""
         return self._m.is_terminated()
 
     def fill(self, out: Any, drafts: Sequence[int] = ()) -> None:
         """Row 0 of ``out`` (int32 [1 + len(drafts), words]): the tokens allowed now; row j: after drafts[:j].
-        Rows after a refused draft are zeroed; the state is unchanged afterwards."""
+        Rows after a refused draft, or after a stop token, are zeroed; the state is unchanged afterwards."""
         self._m.fill_next_token_bitmask(out, 0)
         advanced = 0
         for j, t in enumerate(drafts, start=1):
-            if self._m.is_terminated() or not self._m.accept_token(int(t)):
+            if not self._m.accept_token(int(t)):
                 out[j:].zero_()
                 break
             advanced += 1
+            if self._m.is_terminated():
+                out[j:].zero_()
+                break
             self._m.fill_next_token_bitmask(out, j)
         self.rollback(advanced)

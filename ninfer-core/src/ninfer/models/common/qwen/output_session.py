@@ -143,8 +143,8 @@ class QwenOutputSession:
         boundary = None
         grammar = self._grammar
         for tok in tokens:
-            if grammar is not None and not grammar.accept(tok):
-                finish = FinishReason.GRAMMAR
+            if grammar is not None and not grammar.accept(tok):  # complete already: a clean end, else a dead end
+                finish = FinishReason.STOP if grammar.completed else FinishReason.GRAMMAR
                 break
             accepted += 1
             if tok in self._stop_ids:
@@ -167,7 +167,7 @@ class QwenOutputSession:
         if grammar is not None:
             grammar.rollback(accepted)
             if accepted == 0:  # the constraint refuses the first token: nothing of it is kept
-                return Preview(accepted=0, finish_reason=FinishReason.GRAMMAR, delta=OutputDelta())
+                return Preview(accepted=0, finish_reason=finish, delta=OutputDelta())
         st.generated += accepted
         if finish is None and at_length_limit:
             finish = FinishReason.LENGTH

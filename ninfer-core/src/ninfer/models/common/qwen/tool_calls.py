@@ -115,6 +115,9 @@ def typed_value(value: str, schema: Mapping[str, Any] | None) -> Any:
     """The JSON value for a raw parameter text under its schema (strings stay raw; unparsable stays a string)."""
     if schema is None:
         return value
+    members = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    if isinstance(members, list) and value not in members and value.strip() in members:
+        return value.strip()  # whitespace around an enum member (a constrained call may write some) is not part of it
     kinds = schema.get("type")
     if kinds is None:
         kinds = ["string"] if "enum" not in schema else []

@@ -1,0 +1,237 @@
+"""Constrained decoding through the Engine with the embedded default model (CPU).
+
+Acceptance (issue 18): every kind of constraint gives valid output (JSON parsed and validated against its
+schema, regex full match, choice membership, grammar sentences, tool calls whose arguments fit their
+tool); reasoning stays free; bad constraints are rejected at submit; an unconstrained neighbour's output is
+the same as beside an unconstrained request; pause by Snapshot and by Replay keeps the committed matcher
+(outputs equal to running alone); a token the constraint refuses ends the request with ``grammar``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+import ninfer
+from ninfer.contract import (
+    ChatInput,
+    ChoiceConstraint,
+    FinishReason,
+    GenerationRequest,
+    GrammarConstraint,
+    JsonConstraint,
+    RegexConstraint,
+    SamplingParams,
+    TextInput,
+    ToolCallConstraint,
+)
+from ninfer.engine.errors import InvalidConstraint
+from ninfer.testing.scheduling import submit_together
+
+jsonschema = pytest.importorskip("jsonschema")
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "role": {"enum": ["king", "queen", "fool"]}}, "required": ["name", "age", "role"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]}, "days": {"type": "integer", "minimum": 1,
+                                                                          "maximum": 7}},
+    "required": ["city", "days"]}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+
+
+def check_person(text: str) -> None:
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+# kind -> (constraint, prompt, check of the content)
+CASES = {
+    "json_schema": (JsonConstraint(schema=PERSON, any_whitespace=False), "KING HENRY:\n", check_person),
+    "json_any": (JsonConstraint(any_whitespace=False), "The answer is ", json.loads),
+    "regex": (RegexConstraint(pattern=r"[A-Z][a-z]{2,8} (of|the) [A-Z][a-z]{2,8}"), "KING HENRY:\n",
+              lambda t: re.fullmatch(r"[A-Z][a-z]{2,8} (of|the) [A-Z][a-z]{2,8}", t) or pytest.fail(t)),
+    "choice": (ChoiceConstraint(choices=["Romeo", "Juliet", "Mercutio"]), "ROMEO:\nWhat say you?\n",
+               lambda t: t in ("Romeo", "Juliet", "Mercutio") or pytest.fail(t)),
+    "gbnf": (GrammarConstraint(grammar='root ::= "SELECT " [a-z]{1,8} " FROM " [a-z]{1,8} ";"'), "KING HENRY:\n",
+             lambda t: re.fullmatch(r"SELECT [a-z]{1,8} FROM [a-z]{1,8};", t) or pytest.fail(t)),
+    "lark": (GrammarConstraint(grammar='start: "To " WORD " or not to " WORD\nWORD: /[a-z]{1,8}/', syntax="lark"),
+             "KING HENRY:\n", lambda t: re.fullmatch(r"To [a-z]{1,8} or not to [a-z]{1,8}", t) or pytest.fail(t)),
+}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    # float32: a Replay recomputes history by prefill, equal to the decode steps' numbers only up to rounding
+    eng = ninfer.Engine(ninfer.default_model_path(), device="cpu", max_concurrency=4, context_cache=False,
+                        dtype="float32")
+    yield eng
+    eng.close()
+
+
+def text_request(prompt: str, constraint=None, **sampling) -> GenerationRequest:
+    sampling.setdefault("max_tokens", 120)
+    sampling.setdefault("temperature", 0.0)
+    return GenerationRequest(input=TextInput(text=prompt), sampling=SamplingParams(**sampling), constraint=constraint)
+
+
+def chat_request(question: str, constraint=None, *, tools=(), thinking=False, **sampling) -> GenerationRequest:
+    sampling.setdefault("max_tokens", 160)
+    sampling.setdefault("temperature", 0.0)
+    return GenerationRequest(input=ChatInput(messages=({"role": "user", "content": question},), tools=tools,
+                                             template_kwargs={"enable_thinking": thinking}),
+                             sampling=SamplingParams(**sampling), constraint=constraint)
+
+
+@pytest.mark.parametrize("kind", sorted(CASES))
+def test_each_kind_gives_valid_output(engine, kind):
+    constraint, prompt, check = CASES[kind]
+    result = engine.generate(text_request(prompt, constraint), timeout=120)
+    assert result.finish_reason is FinishReason.STOP, result
+    check(result.content)
+
+
+@pytest.mark.parametrize("choice", ["required", "get_weather"])
+def test_tool_calls_fit_their_tools(engine, choice):
+    result = engine.generate(chat_request("What is the weather in Paris this week?",
+                                          ToolCallConstraint(tool_choice=choice, parallel=False),
+                                          tools=(WEATHER, CLOCK)), timeout=120)
+    assert result.finish_reason is FinishReason.TOOL_CALLS, result
+    assert result.content == "" and len(result.tool_calls) == 1
+    call = result.tool_calls[0]
+    tool = {"get_weather": WEATHER, "get_time": CLOCK}[call.name]
+    if choice != "required":
+        assert call.name == choice
+    jsonschema.validate(json.loads(call.arguments), tool["function"]["parameters"])
+
+
+def test_reasoning_stays_free_and_the_answer_is_constrained(engine):
+    result = engine.generate(chat_request("Who loves Juliet?", ChoiceConstraint(choices=["Romeo", "Paris"]),
+                                          thinking=True), timeout=120)
+    assert result.finish_reason is FinishReason.STOP, result
+    assert result.content in ("Romeo", "Paris")
+
+
+@pytest.mark.parametrize("constraint, tools, words", [
+    (JsonConstraint(schema={"type": "object", "allOf": [{"required": ["a"]}]}), (), "allOf"),
+    (JsonConstraint(schema={"type": "array", "uniqueItems": True}), (), "uniqueItems"),
+    (JsonConstraint(schema={"type": "string", "format": "credit-card"}), (), "format"),
+    (JsonConstraint(schema={"type": "object", "properties": {"a": {"type": "strin"}}}), (), "JSON schema"),
+    (RegexConstraint(pattern="(?<=a)b"), (), "Lookbehind"),
+    (GrammarConstraint(grammar="root ::= item\n"), (), "item"),
+    (GrammarConstraint(grammar="start: (", syntax="lark"), (), "grammar"),
+    (ToolCallConstraint(tool_choice="get_stock"), (WEATHER,), "get_stock"),
+    (ToolCallConstraint(tool_choice="required"), (), "tools"),
+    (ToolCallConstraint(), ({"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "patternProperties": {"^x": {}}}}},), "patternProperties"),
+])
+def test_a_constraint_that_does_not_compile_is_rejected_at_submit(engine, constraint, tools, words):
+    request = chat_request("hello", constraint, tools=tools) if tools or isinstance(constraint, ToolCallConstraint) \
+        else text_request("hello", constraint)
+    with pytest.raises(InvalidConstraint, match=re.escape(words)):
+        engine.submit(request)
+    assert engine.metrics().outstanding == 0
+
+
+def test_an_unconstrained_neighbour_is_unaffected(engine):
+    plain = text_request("ROMEO:\n", max_tokens=40, ignore_eos=True)
+    beside_plain = submit_together(engine, [plain, text_request("KING HENRY:\n", max_tokens=40, ignore_eos=True)])
+    beside_constrained = submit_together(engine, [plain, text_request("KING HENRY:\n", CASES["json_schema"][0],
+                                                                      max_tokens=40)])
+    a, b = (h[0].result(timeout=120) for h in (beside_plain, beside_constrained))
+    assert a.token_ids == b.token_ids
+    check_person(beside_constrained[1].result(timeout=120).content)
+
+
+LONG = [  # constraints that take ~40-60 tokens, so four residents outgrow the pool below
+    (JsonConstraint(schema={"type": "object", "properties": {"text": {"type": "string", "minLength": 120,
+                                                                      "maxLength": 160}},
+                            "required": ["text"], "additionalProperties": False}, any_whitespace=False),
+     lambda t: jsonschema.validate(json.loads(t), {"properties": {"text": {"minLength": 120}}, "required": ["text"]})),
+    (RegexConstraint(pattern="[A-Za-z ,.']{150,200}"),
+     lambda t: re.fullmatch("[A-Za-z ,.']{150,200}", t) or pytest.fail(t)),
+    (GrammarConstraint(grammar='root ::= line line line line\nline ::= [A-Za-z ,]{30,40} "\\n"'),
+     lambda t: re.fullmatch("([A-Za-z ,]{30,40}\n){4}", t) or pytest.fail(repr(t))),
+]
+
+
+def workload():
+    return [text_request("KING HENRY:\n", c, max_tokens=100) for c, _ in LONG] + \
+        [text_request("ROMEO:\n", LONG[1][0], max_tokens=100, temperature=0.9, seed=7)]
+
+
+@pytest.fixture(scope="module")
+def alone(engine):
+    return [engine.generate(r, timeout=120) for r in workload()]
+
+
+@pytest.mark.parametrize("mode", ["snapshot", "replay"])
+def test_pause_and_resume_keep_the_committed_matcher(alone, mode):
+    # 9 pages of 16 positions cannot hold 4 residents of up to ~70 positions: pauses are forced
+    with ninfer.Engine(ninfer.default_model_path(), device="cpu", max_concurrency=4, context_cache=False,
+                       dtype="float32", page_size=16, num_pages=9, prefill_chunk=16, pause_mode=mode,
+                       host_budget_bytes=(64 << 20) if mode == "snapshot" else 0) as eng:
+        results = [h.result(timeout=300) for h in submit_together(eng, workload())]
+        m = eng.metrics()
+        assert m.preemptions > 0
+        assert (m.preemptions_snapshot if mode == "snapshot" else m.preemptions_replay) == m.preemptions
+        assert [r.token_ids for r in results] == [r.token_ids for r in alone]
+        for r, (_, check) in zip(results, [*LONG, LONG[1]], strict=True):
+            assert r.finish_reason is FinishReason.STOP, r
+            check(r.content)
+        assert eng.usage().all_free
+
+
+def test_a_refused_token_ends_the_request_with_grammar(engine, monkeypatch):
+    """With the masks switched off the model picks what it likes; the matcher refuses the first token outside
+    the constraint, and the request ends there with what was valid."""
+    free = engine.generate(text_request("KING HENRY:\n", max_tokens=8), timeout=120)
+    tok = engine.frontend.tokenizer
+    first = tok.decode(free.token_ids[:1])
+    assert first and first.isalnum(), first  # the prefix below is a literal in the regex
+    import ninfer.ops.sampling as sampling_ops
+
+    monkeypatch.setattr(sampling_ops, "apply_token_mask", lambda logits, mask: logits)
+    refused = engine.generate(text_request("KING HENRY:\n", RegexConstraint(pattern=first + "[0-9]{40}")), timeout=120)
+    assert refused.finish_reason is FinishReason.GRAMMAR
+    assert refused.content == first and refused.token_ids == free.token_ids[:1]
+    nothing = engine.generate(text_request("KING HENRY:\n", ChoiceConstraint(choices=["\u00e6\u00e6\u00e6"])), timeout=120)
+    assert nothing.finish_reason is FinishReason.GRAMMAR and nothing.token_ids == () and nothing.content == ""
+    assert engine.usage().all_free
+
+
+def test_a_restored_prompt_is_constrained_from_its_first_token():
+    """With the context cache on, a repeated prompt restores everything and its first token comes from a
+    decode step: the mask applies there as it does after a prefill."""
+    with ninfer.Engine(ninfer.default_model_path(), device="cpu", dtype="float32") as eng:
+        constraint, prompt, check = CASES["json_schema"]
+        first, again = (eng.generate(text_request(prompt, constraint), timeout=120) for _ in range(2))
+        assert again.usage.cached_tokens > 0 and again.token_ids == first.token_ids
+        check(again.content)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ops", ["auto", "torch"])
+def test_constrained_rows_on_cuda_with_graphs_and_pipelined_decode(monkeypatch, ops):
+    """Every kind at once on the GPU (bf16, CUDA graphs, pipelined decode: a constrained row's sampling waits
+    for the step before it to be committed): outputs valid, beside unconstrained rows, and nothing left held.
+    ``ops=torch``: the mask applied by the torch reference instead of the Triton kernel."""
+    monkeypatch.setenv("NINFER_OPS", ops)
+    with ninfer.Engine(ninfer.default_model_path(), device="cuda", max_concurrency=8, context_cache=False) as eng:
+        kinds = sorted(CASES)
+        requests = [text_request(CASES[k][1], CASES[k][0]) for k in kinds]
+        requests.append(chat_request("What is the weather in Paris this week?",
+                                     ToolCallConstraint(tool_choice="required", parallel=False), tools=(WEATHER, CLOCK)))
+        requests.append(text_request("ROMEO:\n", max_tokens=60, ignore_eos=True))  # unconstrained neighbour
+        results = [h.result(timeout=300) for h in submit_together(eng, requests)]
+        for kind, r in zip(kinds, results, strict=False):
+            assert r.finish_reason is FinishReason.STOP, (kind, r)
+            CASES[kind][2](r.content)
+        call = results[len(kinds)]
+        assert call.finish_reason is FinishReason.TOOL_CALLS and len(call.tool_calls) == 1, call
+        assert results[-1].usage.completion_tokens == 60
+        assert eng.usage().all_free
