@@ -193,7 +193,7 @@ def measure_ceilings(shapes: list[str], batches: list[int], device: str) -> dict
 # -- running requests through the public Engine ---------------------------------------------------------
 
 def run_streams(engine, prompts: list[list[int]], max_tokens: int, on_steady=None, on_end=None,
-                timeout: float = 600.0, session_key: str | None = None) -> list[dict]:
+                timeout: float = 600.0, session_key: str | None = None, constraint=None) -> list[dict]:
     """Submit every prompt at once (greedy, ignore_eos) and record when the engine publishes each token.
     Returns per stream: submit time, token times, the final result.
 
@@ -204,7 +204,7 @@ def run_streams(engine, prompts: list[list[int]], max_tokens: int, on_steady=Non
 
     ``on_steady()`` runs on the worker once every stream has its first token (all rows decode from then
     on), ``on_end()`` once the first stream ends (the profiler's window). ``session_key``: every request's
-    (a conversation's OpenAI ``prompt_cache_key``)."""
+    (a conversation's OpenAI ``prompt_cache_key``); ``constraint``: every request's (``ninfer.contract.constraint``)."""
     from ninfer.contract.events import FinishReason, GenerationResult, OutputDelta
     from ninfer.contract.prompt import TextInput
     from ninfer.contract.request import GenerationRequest, SamplingParams
@@ -237,7 +237,7 @@ def run_streams(engine, prompts: list[list[int]], max_tokens: int, on_steady=Non
         for p, stream in zip(prompts, streams, strict=True):
             stream["submitted"] = clock()
             h = engine.submit(GenerationRequest(input=TextInput(token_ids=tuple(p)), sampling=sampling,
-                                                session_key=session_key))
+                                                session_key=session_key, constraint=constraint))
             channel = h._channel  # the worker publishes through it; timed before the worker's next cycle
             channel.publish = timed(stream, channel.publish)
             handles.append(h)

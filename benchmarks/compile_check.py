@@ -83,6 +83,10 @@ def _calls(gen: torch.Generator) -> list[tuple[str, callable]]:
                                                                         randn(conv_dim, KW - 1), True)),
         ("greedy fp32 split rows", lambda: sampling.greedy(randn(2, 5000, dtype=torch.float32))),
         ("greedy bf16 one chunk", lambda: sampling.greedy(randn(2, 300))),
+        ("apply_token_mask fp32", lambda: sampling.apply_token_mask(
+            randn(2, 5000, dtype=torch.float32), torch.randint(-2**31, 2**31 - 1, (2, 157), dtype=torch.int32))),
+        ("apply_token_mask bf16", lambda: sampling.apply_token_mask(
+            randn(2, 77), torch.randint(-2**31, 2**31 - 1, (2, 3), dtype=torch.int32))),
     ]
 
 

@@ -349,6 +349,28 @@ def time_greedy(ctx: Ctx) -> None:
                            make=lambda f=inputs: partial(torch.argmax, f(), -1))
 
 
+@timed("apply_token_mask")
+def time_apply_token_mask(ctx: Ctx) -> None:
+    """The constrained-decoding mask (random bits: half the tokens refused) beside its torch reference, up to
+    32 rows (8 sequences x 4 verify positions)."""
+    from ninfer.ops.sampling import apply_token_mask_ref
+    from ninfer.ops.triton.sampling import apply_token_mask
+
+    V = ctx.cfg["vocab_size"] if ctx.tiny else 248320
+    dtypes = [torch.bfloat16, torch.float32] if ctx.gpu else [torch.float16, torch.float32]
+    for dtype in dtypes:
+        name = str(dtype).removeprefix("torch.")
+        for B in sizes(ctx)["rows"] + [32]:
+            def inputs(B=B, dtype=dtype):
+                mask = torch.randint(-2**31, 2**31 - 1, (B, (V + 31) // 32), dtype=torch.int32, device=ctx.device)
+                return ctx.randn(B, V, dtype=dtype), mask
+
+            moved = B * ((V + 31) // 32) * 4 + B * V * torch.finfo(dtype).bits // 16  # mask read, half the row written
+            ctx.timing(f"{name} [{B}x{V}]", nbytes=moved, make=lambda f=inputs: partial(apply_token_mask, *f()))
+            ctx.timing(f"{name} [{B}x{V}] torch reference", nbytes=moved,
+                       make=lambda f=inputs: partial(apply_token_mask_ref, *f()))
+
+
 @timed("silu_and_mul")
 def time_silu_and_mul(ctx: Ctx) -> None:
     from ninfer.ops.triton.activation import silu_and_mul

@@ -1,4 +1,6 @@
-"""Greedy decoding on the GPU: the first index of each row's maximum, as ``torch.argmax(logits, -1)``.
+"""Sampling on the GPU: greedy tokens, and the constrained-decoding token mask.
+
+Greedy: the first index of each row's maximum, as ``torch.argmax(logits, -1)``.
 
 A row is cut into S chunks of whole blocks, one program each (about _PROGRAMS_PER_ROW for any vocabulary, so
 B = 1 still streams the row with the whole GPU); each program writes its chunk's (key, first index) to a small
@@ -6,6 +8,10 @@ workspace and the last program of the row to arrive reduces the S partials and s
 
 Values are compared through an int32 key that orders like torch: floats by value with -0.0 == +0.0, NaN
 above +inf (every NaN equal, so the first NaN wins), padding below -inf (an all -inf row gives index 0).
+
+The token mask (``apply_token_mask``) sets refused logits to -inf in place from the int32 bitmask of
+``ninfer.contract.constraint`` (bit ``t % 32`` of word ``t // 32``: token t allowed), one launch over
+(row, blocks of words); it reads only the mask and writes only the refused logits.
 """
 
 from __future__ import annotations
@@ -105,3 +111,47 @@ def greedy(logits: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Te
         logits, part, arrive, out, V, chunk, S, logits.stride(0),
         BLOCK=_BLOCK, BLOCK_S=triton.next_power_of_2(S), num_warps=4, **pdl_args(logits.device))
     return out
+
+
+# -- constrained decoding: the allowed-token bitmask ---------------------------------------------------------
+
+_MASK_WORDS = 64  # int32 mask words per program: 2048 logits, as the greedy kernel's block
+
+
+@triton.jit
+def _apply_token_mask_kernel(
+    x_ptr, mask_ptr, V, W, s_xb, s_xv, s_mb,
+    BLOCK_W: tl.constexpr, USE_PDL: tl.constexpr = False,
+):
+    """Program (row, block of BLOCK_W words): loads its words once, writes -inf at each refused token. The
+    logits are never read, so an allowed token's value is untouched bit for bit."""
+    pdl_prologue(USE_PDL)
+    row = tl.program_id(0)
+    words = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    packed = tl.load(mask_ptr + row.to(tl.int64) * s_mb + words, mask=words < W, other=-1)
+    bit = tl.arange(0, 32)
+    refused = ((packed[:, None] >> bit[None, :]) & 1) == 0  # >> is arithmetic: bit 31 of a negative word is 1
+    token = words[:, None] * 32 + bit[None, :]
+    x = x_ptr + row.to(tl.int64) * s_xb + token.to(tl.int64) * s_xv
+    tl.store(x, tl.full((BLOCK_W, 32), float("-inf"), x_ptr.dtype.element_ty), mask=refused & (token < V))
+
+
+def apply_token_mask(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """In place: logits[b, t] = -inf where bit ``t % 32`` of ``mask[b, t // 32]`` is 0; returns ``logits``.
+    logits [B, V] (fp32, bf16 or fp16, any strides), mask int32 [B, ceil(V / 32)]; bits past V are ignored."""
+    if logits.dim() != 2 or logits.shape[1] >= 2**31 - 32:
+        raise ValueError(f"apply_token_mask: logits {tuple(logits.shape)} is not [B, V] with V < 2**31 - 32")
+    B, V = logits.shape
+    W = (V + 31) // 32
+    if mask.dtype != torch.int32 or mask.shape != (B, W):
+        raise ValueError(f"apply_token_mask: mask {tuple(mask.shape)} {mask.dtype} does not fit logits "
+                         f"{tuple(logits.shape)} (int32 [B, ceil(V / 32)] expected)")
+    if B == 0 or V == 0:
+        return logits
+    mask = mask.to(logits.device)
+    if mask.stride(1) != 1:
+        mask = mask.contiguous()
+    _apply_token_mask_kernel[(B, triton.cdiv(W, _MASK_WORDS))](
+        logits, mask, V, W, logits.stride(0), logits.stride(1), mask.stride(0),
+        BLOCK_W=_MASK_WORDS, num_warps=4, **pdl_args(logits.device))
+    return logits
