@@ -120,6 +120,8 @@ def test_reasoning_stays_free_and_the_answer_is_constrained(engine):
     (JsonConstraint(schema={"type": "object", "allOf": [{"required": ["a"]}]}), (), "allOf"),
     (JsonConstraint(schema={"type": "array", "uniqueItems": True}), (), "uniqueItems"),
     (JsonConstraint(schema={"type": "string", "format": "credit-card"}), (), "format"),
+    (JsonConstraint(schema={"type": "string", "pattern": "^[a-z]+$", "maxLength": 4}), (), "beside a pattern"),
+    (JsonConstraint(schema={"type": "integer", "multipleOf": 5, "maximum": 50}), (), "multipleOf"),
     (JsonConstraint(schema={"type": "object", "properties": {"a": {"type": "strin"}}}), (), "JSON schema"),
     (RegexConstraint(pattern="(?<=a)b"), (), "Lookbehind"),
     (GrammarConstraint(grammar="root ::= item\n"), (), "item"),

@@ -80,6 +80,9 @@ def test_mask_that_does_not_fit_is_a_clear_error():
                 torch.zeros(3, 3, dtype=torch.int32)):
         with pytest.raises(ValueError, match="apply_token_mask"):
             apply_token_mask(logits, bad)
+    for wrong_rank in (torch.zeros(70), torch.zeros(1, 2, 70)):  # named, not a tuple-unpacking error
+        with pytest.raises(ValueError, match="apply_token_mask"):
+            apply_token_mask(wrong_rank, torch.zeros(2, 3, dtype=torch.int32))
 
 
 # -- the Triton kernel under the interpreter (on the GPU: ninfer-core/tests/gpu/test_sampling.py) ---------------

@@ -109,8 +109,7 @@ def apply_token_mask_ref(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tens
 def apply_token_mask(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """In place: logits[b, t] = -inf where bit ``t % 32`` of ``mask[b, t // 32]`` is 0 (the constraint refuses
     token t); returns ``logits``. ``mask``: int32 [B, ceil(V / 32)] on the logits' device."""
-    B, V = logits.shape
-    if logits.dim() != 2 or mask.dtype != torch.int32 or mask.shape != (B, (V + 31) // 32):
+    if logits.dim() != 2 or mask.dtype != torch.int32 or mask.shape != (logits.shape[0], (logits.shape[1] + 31) // 32):
         raise ValueError(f"apply_token_mask: mask {tuple(mask.shape)} {mask.dtype} does not fit logits "
                          f"{tuple(logits.shape)} (int32 [B, ceil(V / 32)] expected)")
     kernel = triton_kernel("sampling", "apply_token_mask", logits)
