@@ -16,8 +16,8 @@ runs on the same prompts, best kept per mode:
 
 Reported per run: steady decode tokens/s and ms/step (bench.steady_decode: the window where every row decodes),
 the overhead against ``none``, and the host's mask work measured in this process by timing the engine's calls:
-``SessionMasks.fill`` (one row's matcher filling its mask) and ``MaskRows.gather`` (a unit's rows filled and
-their upload queued, what a sampling waits for), per call. Then a CPU pass: each constrained run's tokens
+``QwenOutputSession.fill_token_mask`` (one row's matcher filling its mask; a unit's rows run in parallel) and
+``MaskRows.gather`` (a unit's rows filled and their upload queued, what a sampling waits for), per call. Then a CPU pass: each constrained run's tokens
 replayed through a fresh matcher of the engine's own grammar book, fills timed (p50 / p99 / max), which also
 checks that every token the engine produced was allowed. ``apply_token_mask`` runs the Triton kernel only where
 the dispatcher picks it (``NINFER_OPS=triton`` until it is listed); the JSON records which.
@@ -66,8 +66,8 @@ def constraint(mode: str, longest_token_bytes: int, max_tokens: int):
 
 
 class HostMaskTimes:
-    """Seconds of each ``SessionMasks.fill`` and ``MaskRows.gather`` call while active (class methods wrapped,
-    restored on exit): the engine's own host mask work, timed where it runs."""
+    """Seconds of each ``QwenOutputSession.fill_token_mask`` and ``MaskRows.gather`` call while active (class
+    methods wrapped, restored on exit): the engine's own host mask work, timed where it runs."""
 
     def __init__(self) -> None:
         self.fill: list[float] = []
@@ -78,10 +78,10 @@ class HostMaskTimes:
 
     @contextlib.contextmanager
     def active(self):
-        from ninfer.engine.token_masks import SessionMasks
+        from ninfer.models.common.qwen.output_session import QwenOutputSession
         from ninfer.models.common.sampler import MaskRows
 
-        saved = SessionMasks.fill, MaskRows.gather
+        saved = QwenOutputSession.fill_token_mask, MaskRows.gather
 
         def timed(fn, name: str):
             def call(*a, **k):
@@ -92,11 +92,11 @@ class HostMaskTimes:
                     getattr(self, name).append(time.perf_counter() - t0)
             return call
 
-        SessionMasks.fill, MaskRows.gather = timed(saved[0], "fill"), timed(saved[1], "gather")
+        QwenOutputSession.fill_token_mask, MaskRows.gather = timed(saved[0], "fill"), timed(saved[1], "gather")
         try:
             yield self
         finally:
-            SessionMasks.fill, MaskRows.gather = saved
+            QwenOutputSession.fill_token_mask, MaskRows.gather = saved
 
     def summary(self) -> dict:
         return {"fill_calls": len(self.fill), "fill_us": quantiles([t * 1e6 for t in self.fill]),

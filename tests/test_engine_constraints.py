@@ -206,6 +206,35 @@ def test_a_refused_token_ends_the_request_with_grammar(engine, monkeypatch):
     assert engine.usage().all_free
 
 
+def test_a_failing_mask_fill_ends_its_request_alone(engine, monkeypatch):
+    from ninfer.models.common.qwen.output_session import QwenOutputSession
+
+    fill, open_session, doomed = QwenOutputSession.fill_token_mask, engine.frontend.open_session, []
+
+    def opening(prompt, sampling, constraint=None):  # the choice request's session is the one that breaks
+        session = open_session(prompt, sampling, constraint)
+        if isinstance(constraint, ChoiceConstraint):
+            doomed.append(session)
+        return session
+
+    def failing(self, out, drafts=()):
+        if any(self is d for d in doomed):
+            raise RuntimeError("fill broke")
+        fill(self, out, drafts)
+
+    monkeypatch.setattr(engine.frontend, "open_session", opening)
+    monkeypatch.setattr(QwenOutputSession, "fill_token_mask", failing)
+    handles = submit_together(engine, [text_request("ROMEO:\n", ChoiceConstraint(choices=["Juliet"])),
+                                       text_request(*CASES["regex"][1:2], CASES["regex"][0]),
+                                       text_request("ROMEO:\n", max_tokens=20, ignore_eos=True)])
+    broken, regex, plain = (h.result(timeout=120) for h in handles)
+    assert broken.finish_reason is FinishReason.ERROR and "fill broke" in broken.error
+    assert broken.extra["error_kind"] == "request_failed"
+    CASES["regex"][2](regex.content)
+    assert plain.usage.completion_tokens == 20 and not engine.failed
+    assert engine.usage().all_free
+
+
 def test_a_restored_prompt_is_constrained_from_its_first_token():
     """With the context cache on, a repeated prompt restores everything and its first token comes from a
     decode step: the mask applies there as it does after a prefill."""

@@ -12,6 +12,7 @@ from ninfer.contract.constraint import (
     ConstraintError,
     GrammarConstraint,
     JsonConstraint,
+    MaskFill,
     RegexConstraint,
     TokenMasks,
     ToolCallConstraint,
@@ -44,7 +45,7 @@ from ninfer.contract.state import KVPoolSpec, StateField, StateImageLayout
 
 __all__ = [
     "CacheUsage", "ChatInput", "CheckpointInfo", "ChoiceConstraint", "Constraint", "ConstraintError",
-    "GrammarConstraint", "JsonConstraint", "RegexConstraint", "TokenMasks", "ToolCallConstraint", "ContextStore", "EngineConfig", "FinishReason", "Frontend", "FrontendResources", "GenerationRequest", "GenerationResult", "GenerationStart",
+    "GrammarConstraint", "JsonConstraint", "MaskFill", "RegexConstraint", "TokenMasks", "ToolCallConstraint", "ContextStore", "EngineConfig", "FinishReason", "Frontend", "FrontendResources", "GenerationRequest", "GenerationResult", "GenerationStart",
     "KVPoolSpec", "LaunchedUnit", "MediaItem", "MediaSpan", "ModelInstance", "OutputDelta", "OutputSession", "PendingBatch",
     "PendingRow", "PipelinedDecode", "PreparedPrompt", "Preview", "Program", "PromptTooLong", "ResourceUsage", "RowDecision", "SamplingParams", "SnapshotCost", "StateField", "StateImageLayout",
     "Startup", "StartupFeatures", "StartupOptions", "TextInput", "Timings", "TurnBoundary", "Usage",

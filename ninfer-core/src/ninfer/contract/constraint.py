@@ -7,8 +7,9 @@ matcher and moves it with the output (preview, commit, and nothing else: pause, 
 When the prompt opened a thinking block, the constraint applies to the answer after ``</think>``.
 
 Per unit the Program borrows ``TokenMasks`` from the engine and applies the rows of constrained sequences to
-their logits before sampling. A row may carry draft tokens (speculative verification): its mask then has one
-row per position, the allowed tokens after the committed output and after each draft prefix.
+their logits before sampling, all of a unit's rows asked for at once (the engine may fill them in parallel).
+A row may carry draft tokens (speculative verification): its mask then has one row per position, the allowed
+tokens after the committed output and after each draft prefix.
 """
 
 from __future__ import annotations
@@ -141,6 +142,17 @@ def mask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+@attrs.frozen(kw_only=True, eq=False)
+class MaskFill:
+    """One constrained sequence's rows of a unit's mask: ``out`` is an int32 host tensor
+    [1 + len(drafts), mask_words(V)] to write the tokens allowed after the committed output, then after each
+    prefix of ``drafts`` (rows after a draft the constraint refuses, or after a stop token, are all zero)."""
+
+    sequence_id: int
+    out: Any
+    drafts: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+
+
 @runtime_checkable
 class TokenMasks(Protocol):
     """What the engine lends the Program for one unit: the allowed-token bitmask of each constrained row."""
@@ -148,7 +160,5 @@ class TokenMasks(Protocol):
     def constrained(self, sequence_id: int) -> bool:
         """Whether the sequence's next tokens are restricted (False: sample it without a mask)."""
 
-    def fill(self, sequence_id: int, out: Any, drafts: Sequence[int] = ()) -> None:
-        """Write ``1 + len(drafts)`` rows into ``out`` (int32 host tensor [1 + len(drafts), mask_words(V)]):
-        the tokens allowed after the committed output, then after each prefix of ``drafts``. Rows after a
-        draft the constraint refuses are all zero. Called only for constrained sequences."""
+    def fill(self, fills: Sequence[MaskFill]) -> None:
+        """Write every ``MaskFill`` (each of a distinct constrained sequence); returns when all are written."""

@@ -66,6 +66,8 @@ class BatchCommit:
         cancel = rec.interrupted(time.monotonic())
         if cancel is not None:
             return _RowOutcome(None, RowDecision(accepted=0, cancelled=True), cancel)
+        if rec.frontend_error is not None:  # its token mask could not be made: the row's token is not kept
+            return _RowOutcome(None, RowDecision(accepted=0, cancelled=True), FinishReason.ERROR)
         room = rec.generation_room(self.max_model_len)
         tokens = row.tokens[:room]
         at_limit = len(tokens) >= room

@@ -124,6 +124,7 @@ class EngineCore:
             self.settlement.fail(exc, self.ingress.fail(exc))
         finally:
             self.ingress.stop()
+            self.masks.close()
 
     def _observe(self, *, idle: bool) -> None:
         """Refresh what /metrics reads of the Program's ledger and the context cache: when the worker goes

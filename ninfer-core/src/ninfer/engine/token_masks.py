@@ -3,27 +3,70 @@
 The Program asks when it queues a unit's sampling, which the worker does only after committing every earlier
 unit of those sequences, so each session's matcher stands exactly before the token being sampled. A sequence
 no longer bound to a request (finished while its row was in flight) is unconstrained: its token is never kept.
+
+A unit's rows are filled in parallel when there are several: one grammar position can take a millisecond (a
+large JSON Schema, a GBNF grammar), and the fills of different sessions touch different matchers (their C++
+fill releases the GIL). The worker fills one row itself; a small TaskPool, started at the first such unit,
+fills the others. A fill that fails ends its request alone (``RequestRecord.frontend_error``, settled when
+the row's tokens are previewed); its row allows every token meanwhile.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Iterable, Sequence
-from typing import Any
 
+from ninfer.contract.constraint import MaskFill
+from ninfer.core.task_pool import Task, TaskPool
 from ninfer.engine.request import RequestRecord
+
+MAX_FILL_THREADS = 7  # beside the worker: B = 8 rows at once
+log = logging.getLogger(__name__)
 
 
 class SessionMasks:
-    def __init__(self, by_seq: dict[int, RequestRecord]) -> None:
+    def __init__(self, by_seq: dict[int, RequestRecord], *, threads: int | None = None) -> None:
         self._by_seq = by_seq
+        self._threads = min(MAX_FILL_THREADS, (os.cpu_count() or 2) // 2) if threads is None else threads
+        self._pool: TaskPool | None = None
 
     def constrained(self, sequence_id: int) -> bool:
         rec = self._by_seq.get(sequence_id)
         return rec is not None and rec.session.constrained
 
-    def fill(self, sequence_id: int, out: Any, drafts: Sequence[int] = ()) -> None:
-        self._by_seq[sequence_id].session.fill_token_mask(out, drafts)
+    def fill(self, fills: Sequence[MaskFill]) -> None:
+        recs = [self._by_seq[f.sequence_id] for f in fills]
+        if len(fills) < 2 or self._threads < 1:
+            errors = [_fill(rec, f) for rec, f in zip(recs, fills, strict=True)]
+        else:
+            if self._pool is None:
+                self._pool = TaskPool("ninfer-masks", threads=self._threads, max_queued=MAX_FILL_THREADS + 1)
+            tasks = [Task(lambda rec=rec, f=f: _fill(rec, f)) for rec, f in zip(recs[1:], fills[1:], strict=True)]
+            for task in tasks:
+                self._pool.submit(task)
+            errors = [_fill(recs[0], fills[0]), *(task.result() for task in tasks)]
+        for rec, f, error in zip(recs, fills, errors, strict=True):
+            if error is not None:  # on the worker: the request ends when its row is previewed
+                log.error("token mask of %s failed: %s", rec.request_id, error)
+                rec.frontend_error = error
+                f.out.fill_(-1)
 
     def wanted(self, recs: Iterable[RequestRecord]) -> SessionMasks | None:
         """Itself when one of ``recs`` is constrained (the Program then checks each row), else None."""
         return self if any(r.session.constrained for r in recs) else None
+
+    def close(self) -> None:
+        """Stop the fill threads (the worker's last act)."""
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
+
+def _fill(rec: RequestRecord, f: MaskFill) -> BaseException | None:
+    """Fill one request's rows; the error instead of raising it (one request's failure is its own)."""
+    try:
+        rec.session.fill_token_mask(f.out, f.drafts)
+    except Exception as exc:  # noqa: BLE001 - reported on the worker, ends that request only
+        return exc
+    return None

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from ninfer.contract.batch import PendingRow
-from ninfer.contract.constraint import TokenMasks, mask_words
+from ninfer.contract.constraint import MaskFill, TokenMasks, mask_words
 from ninfer.core.readback import Readback, RowLogprobs, upload
 from ninfer.models.common.context.sequence import SequenceRecord, draw_seed
 
@@ -42,11 +42,13 @@ class MaskRows:
         if self._uploaded is not None:
             self._uploaded.synchronize()  # the previous unit's upload has read the host rows
         host = self.host[:len(seq_ids)]
+        fills = []
         for row, (seq_id, constrained) in enumerate(zip(seq_ids, flags, strict=True)):
             if constrained:
-                masks.fill(seq_id, host[row:row + 1])
+                fills.append(MaskFill(sequence_id=seq_id, out=host[row:row + 1]))
             else:
                 host[row].fill_(-1)
+        masks.fill(fills)
         if self.device is self.host:
             return host
         dev = self.device[:len(seq_ids)]
