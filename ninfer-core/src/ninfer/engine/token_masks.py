@@ -4,10 +4,11 @@ The Program asks when it queues a unit's sampling, which the worker does only af
 unit of those sequences, so each session's matcher stands exactly before the token being sampled. A sequence
 no longer bound to a request (finished while its row was in flight) is unconstrained: its token is never kept.
 
-A unit's rows are filled in parallel when there are several: one grammar position can take a millisecond (a
-large JSON Schema, a GBNF grammar), and the fills of different sessions touch different matchers (their C++
-fill releases the GIL). The worker fills one row itself; a small TaskPool, started at the first such unit,
-fills the others. A fill that fails ends its request alone (``RequestRecord.frontend_error``, settled when
+A unit's rows are filled in parallel when they are slow: one grammar position can take a millisecond (a large
+JSON Schema, a GBNF grammar), and the fills of different sessions touch different matchers (their C++ fill
+releases the GIL). The worker fills one row itself and times it; when that recent cost times the rows passes
+PARALLEL_ABOVE_S, a small TaskPool (started then) fills the others, else the worker fills them all (handing
+a 30 us fill to a thread costs more than it saves). A fill that fails ends its request alone (``RequestRecord.frontend_error``, settled when
 the row's tokens are previewed); its row allows every token meanwhile.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Iterable, Sequence
 
 from ninfer.contract.constraint import MaskFill
@@ -22,14 +24,17 @@ from ninfer.core.task_pool import Task, TaskPool
 from ninfer.engine.request import RequestRecord
 
 MAX_FILL_THREADS = 7  # beside the worker: B = 8 rows at once
+PARALLEL_ABOVE_S = 0.5e-3  # a unit's rows filled by one thread would take longer than this: spread them
 log = logging.getLogger(__name__)
 
 
 class SessionMasks:
     def __init__(self, by_seq: dict[int, RequestRecord], *, threads: int | None = None) -> None:
+        """``threads``: fill threads beside the worker (default: half the CPUs, at most MAX_FILL_THREADS)."""
         self._by_seq = by_seq
         self._threads = min(MAX_FILL_THREADS, (os.cpu_count() or 2) // 2) if threads is None else threads
         self._pool: TaskPool | None = None
+        self._row_s = 0.0  # recent cost of one row's fill (the worker's own, timed)
 
     def constrained(self, sequence_id: int) -> bool:
         rec = self._by_seq.get(sequence_id)
@@ -37,15 +42,20 @@ class SessionMasks:
 
     def fill(self, fills: Sequence[MaskFill]) -> None:
         recs = [self._by_seq[f.sequence_id] for f in fills]
-        if len(fills) < 2 or self._threads < 1:
-            errors = [_fill(rec, f) for rec, f in zip(recs, fills, strict=True)]
-        else:
+        tasks = []
+        if len(fills) > 1 and self._threads > 0 and self._row_s * len(fills) > PARALLEL_ABOVE_S:
             if self._pool is None:
                 self._pool = TaskPool("ninfer-masks", threads=self._threads, max_queued=MAX_FILL_THREADS + 1)
             tasks = [Task(lambda rec=rec, f=f: _fill(rec, f)) for rec, f in zip(recs[1:], fills[1:], strict=True)]
             for task in tasks:
                 self._pool.submit(task)
-            errors = [_fill(recs[0], fills[0]), *(task.result() for task in tasks)]
+        t0 = time.perf_counter()
+        errors = [_fill(recs[0], fills[0])]
+        self._row_s = 0.75 * self._row_s + 0.25 * (time.perf_counter() - t0)
+        if tasks:
+            errors += [task.result() for task in tasks]
+        else:
+            errors += [_fill(rec, f) for rec, f in zip(recs[1:], fills[1:], strict=True)]
         for rec, f, error in zip(recs, fills, errors, strict=True):
             if error is not None:  # on the worker: the request ends when its row is previewed
                 log.error("token mask of %s failed: %s", rec.request_id, error)
