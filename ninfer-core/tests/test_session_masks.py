@@ -1,15 +1,39 @@
-"""SessionMasks: a unit's mask rows filled by the worker, or spread over fill threads when rows are slow;
-one failing fill ends only its own request."""
+"""SessionMasks: a unit's mask rows filled by the worker, or spread over fill threads when that is measured to
+be cheaper; one failing fill ends only its own request."""
 
 from __future__ import annotations
 
 import threading
-import time
 
+import pytest
 import torch
 
 from ninfer.contract.constraint import MaskFill
-from ninfer.engine.token_masks import PARALLEL_ABOVE_S, SessionMasks
+from ninfer.engine import token_masks
+from ninfer.engine.token_masks import EXPLORE_EVERY, PARALLEL_ABOVE_S, SessionMasks
+
+
+class Clock:
+    """The clock SessionMasks measures with: a fill's ``delay`` advances it (no test depends on real time)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.lock = threading.Lock()
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def advance(self, dt: float) -> None:
+        with self.lock:
+            self.now += dt
+
+
+CLOCK = Clock()
+
+
+@pytest.fixture(autouse=True)
+def fake_clock(monkeypatch):
+    monkeypatch.setattr(token_masks, "time", CLOCK)
 
 
 class Session:
@@ -21,7 +45,7 @@ class Session:
 
     def fill_token_mask(self, out, drafts=()):
         self.threads.add(threading.current_thread().name)
-        time.sleep(self.delay)
+        CLOCK.advance(self.delay)
         if self.fail:
             raise RuntimeError("fill broke")
         out.fill_(self.value)
@@ -39,11 +63,11 @@ def unit(masks: SessionMasks, recs: dict[int, Record]) -> torch.Tensor:
 
 
 def test_fast_rows_stay_on_the_worker_and_slow_rows_spread():
-    slow = 4 * PARALLEL_ABOVE_S  # one timed row makes the recent cost (a quarter of it) pass the threshold
+    slow = PARALLEL_ABOVE_S  # four rows of it are four times the threshold
     recs = {i: Record(Session(i + 1, delay=slow), f"r{i}") for i in range(4)}
     masks = SessionMasks(recs, threads=3)
     try:
-        first = unit(masks, recs)  # no cost known yet: the worker fills every row, and times one
+        first = unit(masks, recs)  # no cost known yet: the worker fills every row, and times them
         assert first[:, 0].tolist() == [1, 2, 3, 4]
         assert all(r.session.threads == {threading.current_thread().name} for r in recs.values())
         second = unit(masks, recs)
@@ -55,7 +79,7 @@ def test_fast_rows_stay_on_the_worker_and_slow_rows_spread():
 
 
 def test_a_failing_fill_marks_its_request_and_allows_every_token():
-    recs = {0: Record(Session(5, delay=4 * PARALLEL_ABOVE_S), "ok"), 1: Record(Session(6, fail=True), "broken"),
+    recs = {0: Record(Session(5, delay=2 * PARALLEL_ABOVE_S), "ok"), 1: Record(Session(6, fail=True), "broken"),
             2: Record(Session(7), "ok2")}
     masks = SessionMasks(recs, threads=2)
     try:
@@ -66,5 +90,16 @@ def test_a_failing_fill_marks_its_request_and_allows_every_token():
             assert out[:, 0].tolist() == [5, -1, 7]
             assert isinstance(recs[1].frontend_error, RuntimeError) and recs[0].frontend_error is None
         assert any(name.startswith("ninfer-masks") for name in recs[1].session.threads)  # the second unit spread
+    finally:
+        masks.close()
+
+
+def test_fast_rows_stay_on_the_worker():
+    recs = {i: Record(Session(i + 1), f"r{i}") for i in range(4)}
+    masks = SessionMasks(recs, threads=3)
+    try:
+        for _ in range(2 * EXPLORE_EVERY):
+            unit(masks, recs)
+        assert all(r.session.threads == {threading.current_thread().name} for r in recs.values())
     finally:
         masks.close()
