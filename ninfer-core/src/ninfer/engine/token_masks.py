@@ -26,7 +26,7 @@ from ninfer.engine.request import RequestRecord
 
 MAX_FILL_THREADS = 7  # beside the worker: B = 8 rows at once
 PARALLEL_ABOVE_S = 0.5e-3  # a unit's rows filled by the worker alone take longer than this: try spreading them
-EXPLORE_EVERY = 64
+EXPLORE_EVERY = 256  # a re-measurement of the slower way costs one slow unit
 log = logging.getLogger(__name__)
 
 
