@@ -30,13 +30,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import shutil
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
 from benchmarks import bench, context_cache
@@ -292,50 +290,8 @@ def _validate(args) -> str | None:
 
 
 def main(argv=None) -> int:
-    return bench.run_with_plugins(_run, argv)
-
-
-def _run(argv) -> int:
-    args = parse_args(argv)
-    if (err := _validate(args)) is not None:
-        print(f"constrained_decode: {err}", file=sys.stderr)
-        return 2
-    import torch
-
-    from ninfer.contract.config import default_prefill_chunk
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        print("constrained_decode: no CUDA device; use --device cpu", file=sys.stderr)
-        return 2
-    args.prefill_chunk = args.prefill_chunk or default_prefill_chunk(device)
-    base = Path(args.workdir or tempfile.gettempdir())
-    base.mkdir(parents=True, exist_ok=True)
-    args.workdir = str(base)
-    t0 = bench.clock()
-    result: dict = {"device": bench.device_info(device), "args": dict(vars(args)), "shapes": {}}
-    failed = []
-    for s in args.shape:
-        print(f"# shape {s}", flush=True)
-        res = result["shapes"][s] = {"shape": s}
-        try:
-            bench_shape(s, args, device, res)
-        except Exception as exc:  # one shape's failure must not lose the others' figures
-            traceback.print_exc()
-            res["error"] = f"{type(exc).__name__}: {exc}"
-            failed.append(s)
-            gc.collect()
-            if device.startswith("cuda"):
-                torch.cuda.empty_cache()
-        finally:
-            if args.json:
-                Path(args.json).write_text(json.dumps(result, indent=2, default=str))
-    result["wall_s"] = bench.clock() - t0
-    print(markdown(result))
-    print(f"\n# wall time {result['wall_s']:.1f} s" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
-    return 1 if failed else 0
+    return bench.shape_benchmark_main("constrained_decode", argv, parse_args=parse_args, validate=_validate,
+                                      bench_shape=bench_shape, markdown=markdown)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from ninfer.contract.constraint import (
     ChoiceConstraint,
@@ -35,20 +34,6 @@ def add_constraint_arguments(parser: argparse.ArgumentParser) -> None:
                        help="output exactly one of the --choice texts (repeat it for each option)")
 
 
-def _read(path: str, option: str) -> str:
-    if path == "-":
-        return sys.stdin.read()
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except FileNotFoundError:
-        raise ValueError(f"{option}: file not found: {path}") from None
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{option}: {path} is not UTF-8 text: {exc}") from None
-    except OSError as exc:
-        raise ValueError(f"{option}: cannot read {path}: {exc.strerror or exc}") from None
-
-
 def constraint_option(args: argparse.Namespace) -> str | None:
     """The constraint option given (they are mutually exclusive), or None."""
     given = {"--json-schema": args.json_schema, "--grammar": args.grammar, "--regex": args.regex,
@@ -58,6 +43,8 @@ def constraint_option(args: argparse.Namespace) -> str | None:
 
 def constraint_from_args(args: argparse.Namespace) -> Constraint | None:
     """The constraint the options ask for (None: none); a bad one is a ValueError naming its option."""
+    from ninfer.engine.generate_cli import read_text_file as _read  # generate_cli imports this module
+
     if args.json_schema is not None:
         option, make = "--json-schema", lambda: _json_schema(_read(args.json_schema, "--json-schema"))
     elif args.grammar is not None:
