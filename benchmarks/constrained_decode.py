@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import bench, context_cache
+from benchmarks import bench, context_cache, driver
 from benchmarks.bench import _f, _prompts, _sync, decode_tokens, run_streams, steady_decode
 from benchmarks.grammar_masks import quantiles
 from benchmarks.load_throughput import _host, write_source
@@ -290,8 +290,8 @@ def _validate(args) -> str | None:
 
 
 def main(argv=None) -> int:
-    return bench.shape_benchmark_main("constrained_decode", argv, parse_args=parse_args, validate=_validate,
-                                      bench_shape=bench_shape, markdown=markdown)
+    return driver.shape_benchmark_main("constrained_decode", argv, parse_args=parse_args, validate=_validate,
+                                       bench_shape=bench_shape, markdown=markdown)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks import bench
+from benchmarks import bench, driver
 from benchmarks.bench import HF_MODEL_TYPE, _f, _prompts, _sync, decode_tokens, run_streams, steady_decode
 from benchmarks.load_throughput import _host, write_source
 from benchmarks.shapes import SHAPES
@@ -511,8 +511,8 @@ def _validate(args) -> str | None:
 
 
 def main(argv=None) -> int:
-    return bench.shape_benchmark_main("context_cache", argv, parse_args=parse_args, validate=_validate,
-                                      bench_shape=bench_shape, markdown=markdown)
+    return driver.shape_benchmark_main("context_cache", argv, parse_args=parse_args, validate=_validate,
+                                       bench_shape=bench_shape, markdown=markdown)
 
 
 if __name__ == "__main__":
