@@ -235,6 +235,34 @@ def test_a_failing_mask_fill_ends_its_request_alone(engine, monkeypatch):
     assert engine.usage().all_free
 
 
+@pytest.mark.parametrize("seed", [1, 2])
+def test_cancellations_and_deadlines_among_constrained_rows_leave_nothing_held(engine, seed):
+    """Constrained and plain requests at once, some cancelled after their first output and some with a tiny
+    deadline (a constrained row's sampling may still be waiting when its request ends): every request ends
+    once, the engine stays healthy, and every slot and page is free again."""
+    import random
+
+    rng = random.Random(seed)
+    kinds = sorted(CASES)
+    requests = []
+    for i in range(8):
+        kind = rng.choice([*kinds, None])
+        constraint, prompt = (CASES[kind][0], CASES[kind][1]) if kind else (None, "ROMEO:\n")
+        request = text_request(prompt, constraint, max_tokens=40, ignore_eos=kind is None)
+        if i % 4 == 3:
+            request = GenerationRequest(input=request.input, sampling=request.sampling, constraint=constraint,
+                                        deadline_s=0.001 * rng.randint(1, 50))
+        requests.append(request)
+    handles = submit_together(engine, requests)
+    for i, h in enumerate(handles):
+        if i % 4 == 1:
+            next(iter(h))  # the start event, then cancel while it runs
+            h.cancel()
+    results = [h.result(timeout=120) for h in handles]
+    assert all(r.finish_reason is not FinishReason.ERROR for r in results), results
+    assert not engine.failed and engine.usage().all_free
+
+
 def test_a_restored_prompt_is_constrained_from_its_first_token():
     """With the context cache on, a repeated prompt restores everything and its first token comes from a
     decode step: the mask applies there as it does after a prefill."""
