@@ -53,3 +53,25 @@ def test_forget_drops_the_generator():
     assert sampler.generator(seq, 1) is gen
     sampler.forget(1)
     assert sampler.generator(seq, 1) is not gen
+
+
+def test_verification_draws_what_decode_would_draw_at_each_index():
+    """Position i of a verification draws the noise of generated token index + i, as plain sampling does: a
+    verification without drafts samples the decode token, and a row's draws ignore its neighbours."""
+    from ninfer.ops.speculative import verify
+
+    sampled = _seq(1, temperature=0.9, seed=42)
+    greedy = _seq(2, temperature=0.0)
+    logits = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(0))
+    sampler = Sampler(torch.device("cpu"))
+    noise, uniform = sampler.verify_draws([sampled, greedy], [5, 0], 3, 64)
+    assert not noise[1].any() and not uniform[1].any()
+    for i in range(3):
+        plain, _, _ = _draw(Sampler(torch.device("cpu")), [sampled], logits[0, i:i + 1], [5 + i])
+        p = sampled.sampling
+        tokens, _ = verify(logits[:1, i:i + 1], torch.empty((1, 0), dtype=torch.long), torch.zeros(1, dtype=torch.long),
+                           torch.tensor([p.temperature]), torch.tensor([p.top_k]), torch.tensor([p.top_p]),
+                           torch.tensor([p.min_p]), noise[:1, i:i + 1], uniform[:1, i:i + 1])
+        assert tokens[0, 0].item() == plain[0]
+    again, _ = sampler.verify_draws([sampled], [5], 3, 64)
+    assert torch.equal(again, noise[:1])  # reproducible: a function of (seed, index) only

@@ -119,6 +119,23 @@ class Sampler:
             lps = logprobs(logits[idx], tokens[idx], top_n)
         return Readback.launch(tokens, want, top_n, lps)
 
+    def verify_draws(self, seqs: Sequence[SequenceRecord], indices: Sequence[int], positions: int,
+                     vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The randomness of verifying drafts (``ops.speculative.verify``): per row and position i, Exp(1) noise
+        over the vocabulary then one uniform, from the generator of generated token ``indices[row] + i``: the
+        noise plain sampling of that token would draw, so verification without drafts samples as decode does.
+        Greedy rows draw nothing (zeros: verification does not read them)."""
+        noise = torch.zeros((len(seqs), positions, vocab), dtype=torch.float32, device=self.device)
+        uniform = torch.zeros((len(seqs), positions), dtype=torch.float32, device=self.device)
+        for row, (seq, base) in enumerate(zip(seqs, indices, strict=True)):
+            if seq.sampling.greedy:
+                continue
+            for i in range(positions):
+                gen = self.generator(seq, base + i)
+                noise[row, i].exponential_(generator=gen)
+                uniform[row, i:i + 1].uniform_(generator=gen)
+        return noise, uniform
+
     @staticmethod
     def wait(readback: Readback) -> tuple[list[int], dict[int, RowLogprobs]]:
         """Block until ``readback``'s copy is on the host: every row's token, and the logprobs of the rows
