@@ -71,12 +71,8 @@ class Qwen35Parameters:
         dtype = dtype if dtype is not None else weights["model.embed_tokens.weight"].dtype
         device = torch.device(device) if device is not None else weights["model.embed_tokens.weight"].device
 
-        def w(name: str, as_dtype: torch.dtype = dtype) -> torch.Tensor:
-            return weights[name].to(device=device, dtype=as_dtype)
-
-        def split(names: list[str]) -> LinearSplit:
-            return LinearSplit.from_weights(weights, names, dtype, device)
-
+        build = _Builder(weights, dtype, device)
+        w, split = build.w, build.split
         layers = []
         gdn_index = {i: n for n, i in enumerate(config.gdn_layers)}
         attn_index = {i: n for n, i in enumerate(config.attention_layers)}
@@ -93,16 +89,9 @@ class Qwen35Parameters:
                     out_proj=w(a + "out_proj.weight"))
                 state_index = gdn_index[i]
             else:
-                a = p + "self_attn."
-                mixer = AttentionParams(
-                    qkv=split([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]),
-                    q_norm=w(a + "q_norm.weight"), k_norm=w(a + "k_norm.weight"), o_proj=w(a + "o_proj.weight"))
+                mixer = build.attention(p)
                 state_index = attn_index[i]
-            layers.append(LayerParams(
-                index=i, kind=kind, state_index=state_index, input_norm=w(p + "input_layernorm.weight"),
-                post_norm=w(p + "post_attention_layernorm.weight"), mixer=mixer,
-                mlp=MLPParams(gate_up=split([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
-                              down=w(p + "mlp.down_proj.weight"))))
+            layers.append(build.layer(p, index=i, kind=kind, state_index=state_index, mixer=mixer))
         embed = w("model.embed_tokens.weight")
         head = embed if config.tie_word_embeddings else w("lm_head.weight")
         return cls(config=config, dtype=dtype, embed=embed, final_norm=w("model.norm.weight"), lm_head=head,
@@ -129,10 +118,63 @@ class Qwen35Parameters:
         return sum(seen.values())
 
 
-def check_weights(config: Qwen35Config, weights: WeightSet) -> None:
-    """Raise WeightsError naming every missing or mis-shaped text parameter."""
+@attrs.frozen(kw_only=True, eq=False)
+class MTPParams:
+    """The MTP block (``mtp.*``): two input norms, the 2H -> H projection, its full-attention layers, the norm
+    before the shared head. Embedding and head are the main model's."""
+
+    pre_fc_norm_embedding: torch.Tensor
+    pre_fc_norm_hidden: torch.Tensor
+    fc: torch.Tensor
+    layers: tuple[LayerParams, ...]  # state_index: the layer's index in the MTP's own KV pool
+    norm: torch.Tensor
+
+    @classmethod
+    def from_weights(cls, config: Qwen35Config, weights: WeightSet, dtype: torch.dtype,
+                     device: torch.device | str) -> MTPParams:
+        if not config.mtp_num_hidden_layers:
+            raise WeightsError("this Qwen3.5 config has no MTP block (mtp_num_hidden_layers is 0)")
+        check_weights(config, weights, ("mtp",))
+        build = _Builder(weights, dtype, torch.device(device))
+        layers = tuple(build.layer(f"mtp.layers.{j}.", index=j, kind="full_attention", state_index=j,
+                                   mixer=build.attention(f"mtp.layers.{j}."))
+                       for j in range(config.mtp_num_hidden_layers))
+        return cls(pre_fc_norm_embedding=build.w("mtp.pre_fc_norm_embedding.weight"),
+                   pre_fc_norm_hidden=build.w("mtp.pre_fc_norm_hidden.weight"), fc=build.w("mtp.fc.weight"),
+                   layers=layers, norm=build.w("mtp.norm.weight"))
+
+
+class _Builder:
+    """Per-layer parameter groups from bound weights, in one dtype on one device (main layers and MTP alike)."""
+
+    def __init__(self, weights: WeightSet, dtype: torch.dtype, device: torch.device) -> None:
+        self.weights, self.dtype, self.device = weights, dtype, device
+
+    def w(self, name: str, as_dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self.weights[name].to(device=self.device, dtype=as_dtype or self.dtype)
+
+    def split(self, names: list[str]) -> LinearSplit:
+        return LinearSplit.from_weights(self.weights, names, self.dtype, self.device)
+
+    def attention(self, prefix: str) -> AttentionParams:
+        a = prefix + "self_attn."
+        return AttentionParams(qkv=self.split([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]),
+                               q_norm=self.w(a + "q_norm.weight"), k_norm=self.w(a + "k_norm.weight"),
+                               o_proj=self.w(a + "o_proj.weight"))
+
+    def layer(self, prefix: str, *, index: int, kind: str, state_index: int,
+              mixer: GDNParams | AttentionParams) -> LayerParams:
+        return LayerParams(
+            index=index, kind=kind, state_index=state_index, input_norm=self.w(prefix + "input_layernorm.weight"),
+            post_norm=self.w(prefix + "post_attention_layernorm.weight"), mixer=mixer,
+            mlp=MLPParams(gate_up=self.split([prefix + "mlp.gate_proj.weight", prefix + "mlp.up_proj.weight"]),
+                          down=self.w(prefix + "mlp.down_proj.weight")))
+
+
+def check_weights(config: Qwen35Config, weights: WeightSet, features: tuple[str, ...] = ("text",)) -> None:
+    """Raise WeightsError naming every missing or mis-shaped parameter of ``features``."""
     missing, wrong = [], []
-    for name, (_, shape) in expected_parameters(config, ("text",)).items():
+    for name, (_, shape) in expected_parameters(config, features).items():
         if name not in weights:
             missing.append(name)
         elif tuple(weights[name].shape) != shape:
@@ -143,4 +185,4 @@ def check_weights(config: Qwen35Config, weights: WeightSet) -> None:
             parts.append(f"{len(missing)} missing: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
         if wrong:
             parts.append(f"{len(wrong)} with the wrong shape: {', '.join(wrong[:8])}{' ...' if len(wrong) > 8 else ''}")
-        raise WeightsError("Qwen3.5 weights do not match the config: " + "; ".join(parts))
+        raise WeightsError(f"Qwen3.5 {'/'.join(features)} weights do not match the config: " + "; ".join(parts))
