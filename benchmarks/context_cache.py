@@ -497,16 +497,13 @@ def parse_args(argv=None):
 
 
 def _validate(args) -> str | None:
-    if not all(1 <= b <= 8 for b in args.batches):
-        return "--batches values must be in 1..8 (the engine's max_concurrency range)"
+    """What is wrong with this benchmark's own arguments (the driver checks --batches and --prefill-chunk)."""
     if args.history < 2 or args.answer < 1 or args.new < 1 or args.context < 1:
         return "--history must be >= 2; --answer, --new and --context >= 1"
     if args.steps < 3 or args.reps < 1 or args.decode_reps < 1:
         return "--steps must be >= 3; --reps and --decode-reps >= 1"
     if not 0 < args.share < 1:
         return "--share must be between 0 and 1"
-    if args.prefill_chunk is not None and args.prefill_chunk < 1:
-        return "--prefill-chunk must be >= 1"
     return None
 
 

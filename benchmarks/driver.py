@@ -14,16 +14,25 @@ from benchmarks import bench
 
 
 def shape_benchmark_main(tool: str, argv, *, parse_args, validate, bench_shape, markdown) -> int:
-    """The ``main`` a per-shape benchmark shares (``context_cache``, ``constrained_decode``): parse and
-    ``validate`` its arguments (a message: exit 2), then ``drive_shapes`` with the plugins importable."""
+    """The ``main`` a per-shape benchmark shares (``context_cache``, ``constrained_decode``): parse its
+    arguments, check the ones every such benchmark has (``--batches``, ``--prefill-chunk``) and then its own
+    (``validate``; a message: exit 2), then ``drive_shapes`` with the plugins importable."""
     def run(argv) -> int:
         args = parse_args(argv)
-        if (err := validate(args)) is not None:
+        if (err := _shared_problem(args) or validate(args)) is not None:
             print(f"{tool}: {err}", file=sys.stderr)
             return 2
         return drive_shapes(tool, args, bench_shape, markdown)
 
     return bench.run_with_plugins(run, argv)
+
+
+def _shared_problem(args) -> str | None:
+    if not all(1 <= b <= 8 for b in args.batches):
+        return "--batches values must be in 1..8 (the engine's max_concurrency range)"
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
+        return "--prefill-chunk must be >= 1"
+    return None
 
 
 def drive_shapes(tool: str, args, bench_shape, markdown) -> int:

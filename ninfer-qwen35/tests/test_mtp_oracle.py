@@ -63,34 +63,34 @@ def kv_caches(config, pages: int):
     return [(torch.zeros(shape), torch.zeros(shape))]
 
 
+def target(model, length: int, seed: int):
+    """Random ids, the oracle's MTP logits at each position t < length-1, the target's normed hidden h_t there,
+    and the pages the block's KV needs."""
+    ids = torch.randint(0, 96, (1, length), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        hidden = model.lm.model(input_ids=ids).last_hidden_state[0, :-1]
+        _, want = model.forward_all(ids)
+    return ids, want[0].float(), hidden, list(range(math.ceil((length - 1) / PAGE)))
+
+
 def test_a_whole_sequence_at_once_matches(oracle):
     model, mtp, config = oracle
-    ids = torch.randint(0, 96, (1, 13), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        hf_logits, want = model.forward_all(ids)
-        hidden = model.lm.model(input_ids=ids).last_hidden_state[0, :-1]
-    n = ids.shape[1] - 1
-    pages = list(range(math.ceil(n / PAGE)))
+    ids, want, hidden, pages = target(model, 13, seed=1)
     batch = build_forward_batch([RowInput(tokens=ids[0, 1:].tolist(), start=0, slot=0, pages=pages, want_logits=True)],
                                 PAGE, torch.device("cpu"))
     got = mtp.logits(mtp.forward(batch, hidden, kv_caches(config, len(pages))))
-    torch.testing.assert_close(got, want[0].float(), **TOL)
+    torch.testing.assert_close(got, want, **TOL)
 
 
 def test_one_position_at_a_time_over_its_kv_matches(oracle):
     model, mtp, config = oracle
-    ids = torch.randint(0, 96, (1, 11), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        _, want = model.forward_all(ids)
-        hidden = model.lm.model(input_ids=ids).last_hidden_state[0, :-1]
-    n = ids.shape[1] - 1
-    pages = list(range(math.ceil(n / PAGE)))
+    ids, want, hidden, pages = target(model, 11, seed=2)
     kv = kv_caches(config, len(pages))
-    for t in range(n):  # the entry at t is written by this step; later steps read it
+    for t in range(ids.shape[1] - 1):  # the entry at t is written by this step; later steps read it
         batch = build_forward_batch([RowInput(tokens=[int(ids[0, t + 1])], start=t, slot=0, pages=pages,
                                               want_logits=True)], PAGE, torch.device("cpu"))
         got = mtp.logits(mtp.forward(batch, hidden[t:t + 1], kv))
-        torch.testing.assert_close(got[0], want[0, t].float(), **TOL)
+        torch.testing.assert_close(got[0], want[t], **TOL)
 
 
 def test_missing_mtp_weights_are_named(oracle):
