@@ -1,7 +1,7 @@
 """GrammarBook: the compiled grammars of one vocabulary, and the per-request matchers made from them.
 
 The backend is xgrammar (``docs/constrained-decoding.md`` says why). Its ``TokenizerInfo`` is built once per
-vocabulary, lazily (the first constrained request pays about a second for 248k tokens), from the exact bytes
+vocabulary, lazily (the first constrained request pays for it; serve's warmup does), from the exact bytes
 of each token, with two traps closed (``shared/reference/constrained_frontend.md`` §1.6): special tokens get no
 text, so a grammar never allows ``<|im_start|>`` as string content (except the markers the model's own
 formats write as text, e.g. ``<think>`` and ``<tool_call>``), and every end-of-sequence id is a stop token.
