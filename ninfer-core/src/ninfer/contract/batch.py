@@ -28,10 +28,15 @@ class PendingRow:
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
     # True when this row's tokens were forced (control), not sampled.
     forced: bool = False
+    # Draft tokens this row verified (speculative decoding): the first ``produced - 1`` of them were accepted.
+    drafted: int = 0
 
     def __attrs_post_init__(self) -> None:
         if not self.tokens:
             raise PendingBatchError(f"row for sequence {self.sequence_id} produced no tokens")
+        if self.drafted and len(self.tokens) > self.drafted + 1:
+            raise PendingBatchError(f"row for sequence {self.sequence_id} produced {len(self.tokens)} tokens from "
+                                    f"{self.drafted} drafts")
 
     @property
     def produced(self) -> int:

@@ -21,12 +21,38 @@ PauseChoice = Literal["auto", "snapshot", "replay"]
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
+SPECULATIVE_METHODS = ("mtp", "dflash", "dflash2")
+MAX_DRAFT_TOKENS = 3
+
+
 @attrs.frozen(kw_only=True)
 class StartupFeatures:
-    """Features selected at startup: Text is always on; Vision optional; none or one spec backend."""
+    """Features selected at startup: Text is always on; Vision optional; none or one spec backend.
 
-    vision: bool = False
-    speculative: Literal["mtp", "dflash", "dflash2"] | None = None
+    ``num_draft_tokens``: draft tokens a speculative backend proposes per step (1..3; the verify step runs
+    1 + that many positions per row). It means nothing without ``speculative``.
+    """
+
+    vision: bool = attrs.field(default=False)
+    speculative: Literal["mtp", "dflash", "dflash2"] | None = attrs.field(default=None)
+    num_draft_tokens: int = attrs.field(default=2)
+
+    @vision.validator
+    def _vision(self, attribute: attrs.Attribute, value: Any) -> None:
+        _flag()(self, attribute, value)
+
+    @speculative.validator
+    def _speculative(self, attribute: attrs.Attribute, value: Any) -> None:
+        _choice(SPECULATIVE_METHODS, optional=True)(self, attribute, value)
+
+    @num_draft_tokens.validator
+    def _num_draft_tokens(self, attribute: attrs.Attribute, value: Any) -> None:
+        _int_range(1, MAX_DRAFT_TOKENS)(self, attribute, value)
+
+    @property
+    def draft_tokens(self) -> int:
+        """Draft tokens per verify step: 0 without a speculative backend."""
+        return self.num_draft_tokens if self.speculative is not None else 0
 
 
 def default_prefill_chunk(device: str) -> int:

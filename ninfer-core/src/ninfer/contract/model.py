@@ -79,6 +79,9 @@ class Program(Protocol):
     kv_pools: tuple[KVPoolSpec, ...]
     max_concurrency: int  # sequences it can hold at once (the engine runs at most this many residents)
     max_model_len: int    # the longest history (prompt + generated) one sequence can reach
+    # Positions one decode unit writes per row (1; 2k with k speculative drafts: verify k + 1, chained drafts
+    # k - 1): the engine reserves that many (fewer at max_model_len) and chains no decode step when above 1.
+    decode_span: int
 
     def open_sequence(self, prompt: PreparedPrompt, sampling: SamplingParams) -> int:
         """Bind a StateImage slot for a new sequence; returns its sequence id."""

@@ -195,3 +195,54 @@ def gdn_decode_fused(mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, 
     if kernel is not None:
         return kernel(mixed_qkv, a, b, conv_weight, conv_states, A_log, dt_bias, states, slots)
     return gdn_decode_fused_ref(mixed_qkv, a, b, conv_weight, conv_states, A_log, dt_bias, states, slots)
+
+
+def gdn_verify_ref(mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor,
+                   conv_states: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, states: torch.Tensor,
+                   slots: torch.Tensor, step_conv: torch.Tensor, step_states: torch.Tensor) -> torch.Tensor:
+    # Step t starts from step t-1's copy (step 0 from the slot) and runs the fused decode step on it in place:
+    # exactly R decode steps, each one's state kept.
+    B, R = step_conv.shape[:2]
+    rows = torch.arange(B, device=mixed_qkv.device)
+    x, a_, b_ = (t.view(B, R, -1) for t in (mixed_qkv, a, b))
+    out = []
+    for t in range(R):
+        step_conv[:, t] = conv_states[slots] if t == 0 else step_conv[:, t - 1]
+        step_states[:, t] = states[slots] if t == 0 else step_states[:, t - 1]
+        out.append(gdn_decode_fused(x[:, t], a_[:, t], b_[:, t], conv_weight, step_conv[:, t], A_log, dt_bias,
+                                    step_states[:, t], rows))
+    return torch.stack(out, dim=1).flatten(0, 1)
+
+
+def gdn_verify(mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor,
+               conv_states: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, states: torch.Tensor,
+               slots: torch.Tensor, step_conv: torch.Tensor, step_states: torch.Tensor) -> torch.Tensor:
+    """R decode steps per row that keep every step's state (speculative verification), the slot left as it was.
+
+    mixed_qkv [B*R, conv_dim], a, b [B*R, HV] hold row b's R tokens at b*R..b*R+R-1; conv_states [S, conv_dim,
+    K-1] and states [S, HV, Dk, Dv] fp32 are read at slots[b]; step_conv [B, R, conv_dim, K-1] and step_states
+    [B, R, HV, Dk, Dv] receive the state after each token (step t = after token t). Returns o [B*R, HV, Dv],
+    equal to R successive ``gdn_decode_fused`` steps. ``gdn_verify_commit`` then moves the accepted step in.
+    """
+    B, R = step_conv.shape[:2]
+    if mixed_qkv.shape[0] != B * R or step_states.shape[:2] != (B, R) or slots.shape != (B,) \
+            or step_conv.shape[2:] != conv_states.shape[1:] or step_states.shape[2:] != states.shape[1:]:
+        raise ValueError(f"gdn_verify: mixed_qkv {tuple(mixed_qkv.shape)}, slots {tuple(slots.shape)}, step_conv "
+                         f"{tuple(step_conv.shape)}, step_states {tuple(step_states.shape)} must be [B*R, ...], [B] "
+                         f"and [B, R, ...] of conv_states {tuple(conv_states.shape[1:])} / states "
+                         f"{tuple(states.shape[1:])}")
+    kernel = triton_kernel("gdn", "gdn_verify", mixed_qkv)
+    if kernel is not None:
+        return kernel(mixed_qkv, a, b, conv_weight, conv_states, A_log, dt_bias, states, slots, step_conv,
+                      step_states)
+    return gdn_verify_ref(mixed_qkv, a, b, conv_weight, conv_states, A_log, dt_bias, states, slots, step_conv,
+                          step_states)
+
+
+def gdn_verify_commit(conv_states: torch.Tensor, states: torch.Tensor, slots: torch.Tensor, step_conv: torch.Tensor,
+                      step_states: torch.Tensor, steps: torch.Tensor) -> None:
+    """Move each row's kept step into its slot: conv_states[slots[b]] = step_conv[b, steps[b]] (and the recurrent
+    state alike), for every layer at once (the views may carry a layer axis after the slot / step axes)."""
+    rows = torch.arange(slots.shape[0], device=slots.device)
+    conv_states[slots] = step_conv[rows, steps]
+    states[slots] = step_states[rows, steps]

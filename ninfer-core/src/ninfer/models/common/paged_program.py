@@ -90,6 +90,7 @@ class PagedProgram(Checkpointing, abc.ABC):
         self.state_layout = state_layout
         self.kv_pools = (kv_pool,)
         self.max_concurrency = max_concurrency
+        self.decode_span = 1  # positions a decode unit writes per row (a speculative Program: more)
         self.vocab_size = vocab_size
         self.sampling_defaults = sampling_defaults
         self.host_budget_bytes = host_budget_bytes
