@@ -24,10 +24,12 @@ def state_layout(config: Qwen35Config, dtype: str = "bfloat16") -> StateImageLay
     ))
 
 
-def kv_pools(config: Qwen35Config, page_size: int = 16, dtype: str = "bfloat16") -> tuple[KVPoolSpec, ...]:
-    """One pool ``main`` over the full-attention layers (in layer order)."""
+def kv_pools(config: Qwen35Config, page_size: int = 16, dtype: str = "bfloat16",
+             mtp_layers: int = 0) -> tuple[KVPoolSpec, ...]:
+    """One pool ``main`` over the full-attention layers (in layer order), then ``mtp_layers`` MTP layers when the
+    MTP drafter runs: its KV is indexed like the target's (same pages, same positions)."""
     layers = len(config.attention_layers)
     if layers == 0:
         return ()
-    return (KVPoolSpec(name="main", layers=layers, kv_heads=config.num_key_value_heads,
+    return (KVPoolSpec(name="main", layers=layers + mtp_layers, kv_heads=config.num_key_value_heads,
                        head_dim=config.head_dim, dtype=dtype, page_size=page_size),)

@@ -66,12 +66,20 @@ class CyclePolicy:
 
     # -- unit permits and pressure ---------------------------------------------------------------------
     def grant_decode_permits(self) -> list[RequestRecord]:
-        """Decode rows that hold a one-position reservation, in permit order."""
+        """Decode rows that hold the reservation of one decode unit, in permit order."""
         granted = []
         for rec in self.state.scheduler.decode_candidates():
-            if rec.resident and self.reserve(rec, 1):
+            if rec.resident and self.reserve(rec, self.decode_positions(rec)):
                 granted.append(rec)
         return granted
+
+    def decode_positions(self, rec: RequestRecord) -> int:
+        """Positions ``rec``'s decode unit writes: the Program's ``decode_span`` (1, or more with speculative
+        drafts), no further than max_model_len (the next input sits at position len(history) - 1)."""
+        span = self.state.program.decode_span
+        if span == 1:
+            return 1
+        return max(1, min(span, self.max_model_len - len(rec.prompt) - rec.generated + 1))
 
     def grant_prefill_permit(self) -> RequestRecord | None:
         """The one Prefill/Replay row of this cycle, its chunk reserved."""
@@ -209,6 +217,8 @@ class CyclePolicy:
         with no capacity event since, do not: the next cycle could not start them either.
         """
         st, s = self.state, self.state.scheduler
+        if st.program.decode_span > 1:  # a speculative unit's positions follow its acceptance: no chaining
+            return False
         if self.ingress.pending() or len(s.residents) != len(rows):
             return False
         if (s.waiting and s.free_lanes > 0) or (s.paused and (st.capacity_event or s.protected is not None)):

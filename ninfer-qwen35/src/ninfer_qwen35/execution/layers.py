@@ -13,6 +13,7 @@ from ninfer.ops import (
     gdn_decode_fused,
     gdn_gates,
     gdn_prefill,
+    gdn_verify,
     linear,
     norm_rope_write_kv,
     paged_attention,
@@ -24,22 +25,34 @@ from ninfer_qwen35.execution.forward_batch import ForwardBatch
 from ninfer_qwen35.execution.parameters import AttentionParams, GDNParams, MLPParams
 
 
+@attrs.frozen(kw_only=True, eq=False)
+class VerifySteps:
+    """Where a verify forward keeps each position's GDN state: conv [B, R, L_gdn, conv_dim, K-1] and recurrent
+    [B, R, L_gdn, HV, Dk, Dv] fp32 (row b of the batch, after its token t)."""
+
+    conv: torch.Tensor
+    recurrent: torch.Tensor
+
+
 @attrs.frozen(kw_only=True)
 class GDNPlan:
     """How the GDN layers run this batch, decided once per forward.
 
     ``decode``: every row is one token continuing an existing state -> the batched step ops.
+    ``verify``: every row is R tokens continuing a state, each step's state kept aside (``gdn_verify``).
     Otherwise ``seqs`` lists (start, end, slot, has_initial_state) per sequence on the host, and each
     sequence runs the prefill ops over its own slice.
     """
 
     decode: bool
     seqs: tuple[tuple[int, int, int, bool], ...] = ()
+    verify: VerifySteps | None = None
 
 
 def gdn_mixer(c: Qwen35Config, p: GDNParams, x: torch.Tensor, batch: ForwardBatch, plan: GDNPlan,
-              conv: torch.Tensor, recurrent: torch.Tensor) -> torch.Tensor:
-    """x [N, H] -> [N, H]; conv [S, conv_dim, K-1] and recurrent [S, HV, Dk, Dv] are this layer's state views."""
+              conv: torch.Tensor, recurrent: torch.Tensor, layer: int) -> torch.Tensor:
+    """x [N, H] -> [N, H]; conv [S, conv_dim, K-1] and recurrent [S, HV, Dk, Dv] are this layer's state views
+    (``layer``: its index among the GDN layers, for the verify steps)."""
     N = x.shape[0]
     hk, hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
     mixed, z, b, a = p.in_proj(x)
@@ -49,7 +62,11 @@ def gdn_mixer(c: Qwen35Config, p: GDNParams, x: torch.Tensor, batch: ForwardBatc
         T = qkv.shape[0]
         return q.reshape(T, hk, dk), k.reshape(T, hk, dk), v.reshape(T, hv, dv)
 
-    if plan.decode:
+    if plan.verify is not None:
+        steps = plan.verify
+        o = gdn_verify(mixed, a, b, p.conv, conv, p.A_log, p.dt_bias, recurrent, batch.state_slots,
+                       steps.conv[:, :, layer], steps.recurrent[:, :, layer])
+    elif plan.decode:
         # Conv update, gates and recurrent step as one op (one launch once its kernel is validated).
         o = gdn_decode_fused(mixed, a, b, p.conv, conv, p.A_log, p.dt_bias, recurrent, batch.state_slots)
     else:

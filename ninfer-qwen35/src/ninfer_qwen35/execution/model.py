@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from ninfer.ops import add_rms_norm, linear, rms_norm, rope_inv_freq
 from ninfer_qwen35.execution.forward_batch import ForwardBatch, ModelStateViews
-from ninfer_qwen35.execution.layers import GDNPlan, attention_mixer, gdn_mixer, mlp
+from ninfer_qwen35.execution.layers import GDNPlan, VerifySteps, attention_mixer, gdn_mixer, mlp
 from ninfer_qwen35.execution.parameters import GDNParams, Qwen35Parameters
 
 
@@ -21,15 +21,16 @@ class Qwen35Model:
         self.rope_inv_freq = rope_inv_freq(self.config.rotary_dim, self.config.rope_theta, params.embed.device)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, state: ModelStateViews) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, state: ModelStateViews, verify: VerifySteps | None = None) -> torch.Tensor:
         """hidden [N, H] after the final norm, for every new token of the batch (MTP reads them too).
 
-        GDN conv/recurrent state of each sequence's slot and the KV of its pages are updated in place.
+        GDN conv/recurrent state of each sequence's slot and the KV of its pages are updated in place; with
+        ``verify`` (every row R tokens) the slots are left as they were and each position's state goes there.
         """
         c, p = self.config, self.params
         self._check(batch, state)
         x = F.embedding(batch.input_ids, p.embed)  # the residual stream
-        plan = self._gdn_plan(batch)
+        plan = GDNPlan(decode=False, verify=verify) if verify is not None else self._gdn_plan(batch)
         # Each sublayer's output joins the stream in the op of the norm after it (one kernel once enabled):
         # the mixer's with the post-attention norm, the MLP's with the next layer's input norm or the final norm.
         eps = c.rms_norm_eps
@@ -38,7 +39,7 @@ class Qwen35Model:
         for layer, next_norm in zip(p.layers, next_norms, strict=True):
             if isinstance(layer.mixer, GDNParams):
                 i = layer.state_index
-                h = gdn_mixer(c, layer.mixer, h, batch, plan, state.conv[:, i], state.recurrent[:, i])
+                h = gdn_mixer(c, layer.mixer, h, batch, plan, state.conv[:, i], state.recurrent[:, i], i)
             else:
                 k_cache, v_cache = state.kv[layer.state_index]
                 h = attention_mixer(c, layer.mixer, h, batch, self.rope_inv_freq, k_cache, v_cache)

@@ -98,15 +98,7 @@ class Qwen35Parameters:
                    layers=tuple(layers))
 
     def tensors(self) -> list[torch.Tensor]:
-        out = [self.embed, self.final_norm, self.lm_head]
-        for layer in self.layers:
-            out += [layer.input_norm, layer.post_norm, layer.mlp.gate_up.weight, layer.mlp.down]
-            m = layer.mixer
-            if isinstance(m, GDNParams):
-                out += [m.in_proj.weight, m.conv, m.A_log, m.dt_bias, m.norm, m.out_proj]
-            else:
-                out += [m.qkv.weight, m.q_norm, m.k_norm, m.o_proj]
-        return out
+        return [self.embed, self.final_norm, self.lm_head, *_layer_tensors(self.layers)]
 
     @property
     def nbytes(self) -> int:
@@ -142,6 +134,21 @@ class MTPParams:
         return cls(pre_fc_norm_embedding=build.w("mtp.pre_fc_norm_embedding.weight"),
                    pre_fc_norm_hidden=build.w("mtp.pre_fc_norm_hidden.weight"), fc=build.w("mtp.fc.weight"),
                    layers=layers, norm=build.w("mtp.norm.weight"))
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.pre_fc_norm_embedding, self.pre_fc_norm_hidden, self.fc, self.norm, *_layer_tensors(self.layers)]
+
+
+def _layer_tensors(layers: tuple[LayerParams, ...]) -> list[torch.Tensor]:
+    out = []
+    for layer in layers:
+        out += [layer.input_norm, layer.post_norm, layer.mlp.gate_up.weight, layer.mlp.down]
+        m = layer.mixer
+        if isinstance(m, GDNParams):
+            out += [m.in_proj.weight, m.conv, m.A_log, m.dt_bias, m.norm, m.out_proj]
+        else:
+            out += [m.qkv.weight, m.q_norm, m.k_norm, m.o_proj]
+    return out
 
 
 class _Builder:

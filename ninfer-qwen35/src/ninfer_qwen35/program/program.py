@@ -41,8 +41,10 @@ class Qwen35Program(PagedProgram):
                          max_model_len=max_model_len, pdl=pdl, checkpoint_slots=checkpoint_slots,
                          cache_host_budget_bytes=cache_host_budget_bytes)
         self.model = model
+        # The pool's first layers are the target's attention layers (an MTP drafter's follow them).
         self.views = ModelStateViews(conv=self.states.view("conv"), recurrent=self.states.view("recurrent"),
-                                     kv=self.pool.caches(), page_size=self.page_size)
+                                     kv=self.pool.caches()[:len(model.config.attention_layers)],
+                                     page_size=self.page_size)
         self.start_graphs(cuda_graphs=cuda_graphs, static_decode=static_decode)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

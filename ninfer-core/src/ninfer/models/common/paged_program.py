@@ -202,9 +202,16 @@ class PagedProgram(Checkpointing, abc.ABC):
             seq.computed += n
             self.save_point_reached(seq)
             if not sample:
+                self._prefilled(seq, batch, hidden, start, None)
                 return None
             readback = self.sampler.launch([seq], self.logits(hidden[batch.logits_indices]), [seq.generated], masks)
+            self._prefilled(seq, batch, hidden, start, readback.tokens)
             return self._pending("prefill", [seq], range(1), readback, consumed=(n,))
+
+    def _prefilled(self, seq: SequenceRecord, batch: ForwardBatch, hidden: torch.Tensor, start: int,
+                   sampled: torch.Tensor | None) -> None:
+        """After a prefill chunk's forward (``hidden`` of its positions from ``start``; ``sampled``: the first
+        token, on the device, when the chunk ended the prompt): a drafter's pass over it (``SpeculativeProgram``)."""
 
     def decode(self, sequence_ids: Sequence[int], *, masks: TokenMasks | None = None) -> PendingBatch:
         """One step over exactly these decode-ready sequences (B = len(sequence_ids))."""

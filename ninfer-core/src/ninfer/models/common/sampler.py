@@ -34,20 +34,25 @@ class MaskRows:
         self.device = torch.empty(shape, dtype=torch.int32, device=device) if cuda else self.host
         self._uploaded: torch.cuda.Event | None = None
 
-    def gather(self, seq_ids: Sequence[int], masks: TokenMasks) -> torch.Tensor | None:
-        """The rows of ``seq_ids`` on the device (all ones for unconstrained ones); None when none is constrained."""
+    def gather(self, seq_ids: Sequence[int], masks: TokenMasks,
+               drafts: Sequence[Sequence[int]] | None = None) -> torch.Tensor | None:
+        """The rows of ``seq_ids`` on the device (all ones for unconstrained ones); None when none is constrained.
+        With ``drafts`` each sequence has 1 + len(its drafts) consecutive rows (the mask after each draft prefix)."""
         flags = [masks.constrained(i) for i in seq_ids]
         if not any(flags):
             return None
         if self._uploaded is not None:
             self._uploaded.synchronize()  # the previous unit's upload has read the host rows
-        host = self.host[:len(seq_ids)]
+        per = 1 + len(drafts[0]) if drafts else 1
+        host = self.host[:len(seq_ids) * per]
         fills = []
-        for row, (seq_id, constrained) in enumerate(zip(seq_ids, flags, strict=True)):
+        for i, (seq_id, constrained) in enumerate(zip(seq_ids, flags, strict=True)):
+            row = i * per
             if constrained:
-                fills.append(MaskFill(sequence_id=seq_id, out=host[row:row + 1]))
+                fills.append(MaskFill(sequence_id=seq_id, out=host[row:row + per],
+                                      drafts=drafts[i] if drafts else ()))
             else:
-                host[row].fill_(-1)
+                host[row:row + per].fill_(-1)
         masks.fill(fills)
         if self.device is self.host:
             return host
@@ -65,7 +70,7 @@ class Sampler:
     def __init__(self, device: torch.device, *, mask_rows: int = 0) -> None:
         self.device = device
         self._generators: dict[int, torch.Generator] = {}
-        self._mask_rows = mask_rows
+        self.mask_rows = mask_rows
         self._masks: MaskRows | None = None  # allocated at the first constrained unit
 
     def forget(self, sequence_id: int) -> None:
@@ -85,16 +90,11 @@ class Sampler:
         """Queue sampling (and logprobs) of every row of ``logits`` [B, V], then one device->host copy of the
         results. ``indices``: the generated-token index each row draws (its counter-based seed). ``masks``:
         the engine's token masks; constrained rows' logits are masked in place first."""
-        from ninfer.ops.sampling import apply_token_mask, greedy, logprobs, sample
+        from ninfer.ops.sampling import greedy, logprobs, sample
 
         dev = logits.device
         if masks is not None:
-            if self._masks is None or self._masks.host.shape[0] < len(seqs) \
-                    or self._masks.host.shape[1] != mask_words(logits.shape[1]):
-                self._masks = MaskRows(dev, logits.shape[1], max(self._mask_rows, len(seqs)))
-            mask = self._masks.gather([s.id for s in seqs], masks)
-            if mask is not None:
-                apply_token_mask(logits, mask)
+            self._apply_masks(seqs, logits, masks)
         sp = [s.sampling for s in seqs]
         if all(p.greedy for p in sp):
             tokens = greedy(logits)  # what sample() does for temperature 0, without its per-row setup
@@ -118,6 +118,45 @@ class Sampler:
             idx = upload(torch.tensor(want), dev)
             lps = logprobs(logits[idx], tokens[idx], top_n)
         return Readback.launch(tokens, want, top_n, lps)
+
+    def _apply_masks(self, seqs: Sequence[SequenceRecord], logits: torch.Tensor, masks: TokenMasks,
+                     drafts: Sequence[Sequence[int]] | None = None) -> None:
+        """Mask the constrained rows of ``logits`` [rows, V] in place (1 + len(drafts) rows per sequence)."""
+        from ninfer.ops.sampling import apply_token_mask
+
+        rows, V = logits.shape
+        if self._masks is None or self._masks.host.shape[0] < rows or self._masks.host.shape[1] != mask_words(V):
+            self._masks = MaskRows(logits.device, V, max(self.mask_rows, rows))
+        mask = self._masks.gather([s.id for s in seqs], masks, drafts)
+        if mask is not None:
+            apply_token_mask(logits, mask)
+
+    def mask_verify(self, seqs: Sequence[SequenceRecord], drafts: Sequence[Sequence[int]], logits: torch.Tensor,
+                    masks: TokenMasks) -> None:
+        """Mask a verify unit's logits [B*R, V] in place: each constrained row's mask after every draft prefix."""
+        self._apply_masks(seqs, logits, masks, drafts)
+
+    def verify(self, seqs: Sequence[SequenceRecord], logits: torch.Tensor, drafts: torch.Tensor,
+               indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens [B, R], accepted [B]) of a verify unit (``ops.speculative``): logits [B, R, V] (masked),
+        drafts [B, R-1] (device), ``indices`` the generated-token index of each row's first position."""
+        from ninfer.ops.sampling import greedy
+        from ninfer.ops.speculative import verify_ref
+
+        B, R, V = logits.shape
+        sp = [s.sampling for s in seqs]
+        if all(p.greedy for p in sp):  # the longest prefix equal to the argmax, then the argmax (no draws)
+            best = greedy(logits.view(B * R, V)).view(B, R)
+            accepted = (drafts == best[:, :-1]).long().cumprod(-1).sum(-1)
+            after = torch.arange(R, device=best.device)[None, :] > accepted[:, None]
+            return best.masked_fill(after, -1), accepted
+        knobs = upload(torch.tensor([[p.temperature, p.top_p, p.min_p, min(p.top_k, 1 << 24)] for p in sp],
+                                    dtype=torch.float32), logits.device)
+        noise, uniform = self.verify_draws(seqs, indices, R, V)
+        num = torch.full((B,), R - 1, dtype=torch.int64, device=logits.device)
+        # ops.speculative.verify without its argument checks (one of them reads the device): shapes hold here
+        return verify_ref(logits, drafts, num, knobs[:, 0], knobs[:, 3].long(), knobs[:, 1], knobs[:, 2], noise,
+                          uniform)
 
     def verify_draws(self, seqs: Sequence[SequenceRecord], indices: Sequence[int], positions: int,
                      vocab: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,6 +38,7 @@ class ReplayResume:
     sampling: RowSampling
     frontier: int
     first_by_decode: bool = False  # the prompt's last token is the first decode input (``SequenceRecord``)
+    drafts: tuple[int, ...] = ()  # a speculative Program's drafts (Replay makes them again as it rebuilds)
 
     @property
     def host_bytes(self) -> int:
@@ -46,7 +47,8 @@ class ReplayResume:
     def as_replay(self) -> ReplayResume:
         """The same accepted history without host copies (what a revoked Snapshot becomes)."""
         return ReplayResume(program_id=self.program_id, ledger=self.ledger, prompt_len=self.prompt_len,
-                            sampling=self.sampling, frontier=self.frontier, first_by_decode=self.first_by_decode)
+                            sampling=self.sampling, frontier=self.frontier, first_by_decode=self.first_by_decode,
+                            drafts=self.drafts)
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -84,7 +86,8 @@ class PausedStates:
     def pause(self, seq: SequenceRecord, mode: PauseMode) -> ReplayResume:
         """An owning ResumeState of ``seq`` at its committed boundary (the caller then releases ``seq``)."""
         common = dict(program_id=self.program_id, ledger=tuple(seq.ledger), prompt_len=seq.prompt_len,
-                      sampling=seq.sampling, frontier=seq.computed, first_by_decode=seq.first_by_decode)
+                      sampling=seq.sampling, frontier=seq.computed, first_by_decode=seq.first_by_decode,
+                      drafts=seq.drafts)
         if mode == "snapshot":
             if not self.can_snapshot(seq):
                 raise ProgramError(f"sequence {seq.id}: snapshot needs {self.snapshot_bytes(seq)} host bytes, "
@@ -109,7 +112,7 @@ class PausedStates:
         self._drop(state)
         seq = SequenceRecord(id=new_id(), slot=self.states.allocate(), prompt_len=state.prompt_len,
                              ledger=list(state.ledger), sampling=state.sampling,
-                             first_by_decode=state.first_by_decode)
+                             first_by_decode=state.first_by_decode, drafts=state.drafts)
         self.kv.append_fresh(seq, need)
         if isinstance(state, SnapshotResume):
             self.states.restore(seq.slot, state.state_image)

@@ -80,6 +80,7 @@ class SequenceRecord:
     adopted: int = 0       # leading positions read from another history's pages (``KVHistoryStore``)
     first_by_decode: bool = False
     save_points: list[int] = attrs.field(factory=list)
+    drafts: tuple[int, ...] = ()  # a speculative Program's drafts for the next unit (after the last accepted token)
 
     @property
     def generated(self) -> int:

@@ -1,0 +1,200 @@
+"""SpeculativeProgram: a PagedProgram whose decode unit verifies k drafts per row and drafts the next k.
+
+One verify-and-commit core for every drafter (MTP now; DFlash later). A decode unit of B rows runs, with no
+host sync until its one readback:
+
+1. the target over R = k + 1 positions per row, ``[last accepted token, d1..dk]``, keeping the recurrent state
+   after every position (``verify_forward``) and writing attention KV for all of them;
+2. acceptance (``ops.speculative``: greedy prefix + argmax, or lossless rejection sampling with the row's
+   counter-based draws; grammar masks on all R rows first): m drafts accepted, then the correction / bonus;
+3. ``verify_commit``: the state after position m becomes the slot's state (rejected positions cost nothing);
+4. the drafter's first pass over the same R positions (next-token ids = the verified tokens) and k - 1
+   chained steps from position start + m, giving the next unit's drafts.
+
+The row's PendingRow carries the m + 1 tokens (``drafted`` = k); ``collect`` moves the frontier by m + 1. The
+drafts travel to the host with the tokens and live in the SequenceRecord: the next unit's inputs (and its
+grammar mask rows) are built from them, a Snapshot keeps them, Replay makes them again (the last prefill chunk
+of a rebuild drafts from its last position, as the end of a prompt does). A row with no drafts (after a
+context-cache restore of the whole prompt) verifies its last token repeated: any draft is a valid proposal,
+and acceptance keeps the output exactly that of plain decoding. Decode units do not chain (``decode_span`` >
+1: the next unit's positions depend on this one's acceptance).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from ninfer.contract.batch import LaunchedUnit, PendingBatch, PendingRow
+from ninfer.contract.config import MAX_DRAFT_TOKENS
+from ninfer.contract.constraint import TokenMasks
+from ninfer.core.forward_batch import ForwardBatch
+from ninfer.core.readback import Readback, upload
+from ninfer.models.common.context.errors import ProgramError
+from ninfer.models.common.context.sequence import SequenceRecord
+from ninfer.models.common.paged_program import PagedProgram, _BatchNative
+from ninfer.models.common.speculative.batches import block_table, chained_batch, verify_batch
+
+
+@attrs.define(kw_only=True, eq=False)
+class _VerifyLaunch:
+    program_id: int
+    seqs: tuple[SequenceRecord, ...]
+    readback: Readback  # tokens [B*R], accepted [B], next drafts [B*k], packed
+    rows: int           # R
+
+
+class SpeculativeProgram(PagedProgram):
+    """``PagedProgram`` with speculative decode units; a subclass supplies the three model calls below."""
+
+    def __init__(self, *, draft_tokens: int, **kwargs) -> None:
+        if not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"draft_tokens must be in 1..{MAX_DRAFT_TOKENS}, got {draft_tokens}")
+        self.draft_tokens = draft_tokens
+        super().__init__(**kwargs)
+        # Verify k + 1 positions, then k - 1 chained draft positions past the accepted ones.
+        self.decode_span = 2 * draft_tokens
+        self.sampler.mask_rows = self.max_concurrency * (draft_tokens + 1)
+
+    # -- the model calls ----------------------------------------------------------------------------
+    @abc.abstractmethod
+    def verify_forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Final hidden rows [B*R, H] of a verify batch; recurrent state after each position is kept aside (the
+        slot itself unchanged) until ``verify_commit``."""
+
+    @abc.abstractmethod
+    def verify_commit(self, batch: ForwardBatch, steps: torch.Tensor) -> None:
+        """Make the kept state after position ``steps[b]`` of row b (device [B]) its slot's state."""
+
+    @abc.abstractmethod
+    def draft_forward(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """The drafter's hidden rows [N, H] (fed to ``logits``) at ``batch.positions``, given the next tokens
+        ``batch.input_ids`` and the target's (or, chained, the drafter's own) hidden rows there."""
+
+    def start_graphs(self, *, cuda_graphs: bool = True, static_decode: bool = False) -> None:
+        """Speculative units run eagerly (their graphs are not captured yet)."""
+        self.graph_error = "speculative decode units run eagerly" if cuda_graphs and self.device.is_cuda else None
+
+    # -- prefill: the drafter's pass over the chunk, and drafts when the input is done ----------------
+    def _prefilled(self, seq: SequenceRecord, batch: ForwardBatch, hidden: torch.Tensor, start: int,
+                   sampled: torch.Tensor | None) -> None:
+        n = hidden.shape[0]
+        end = start + n
+        known = seq.ledger[start + 1:end + 1]  # each position's next token, where the ledger has it
+        ids = torch.tensor(known, dtype=torch.int64).to(self.device.torch)
+        if len(known) < n:  # the prompt's last position: its next token is the one just sampled
+            if sampled is None:
+                raise ProgramError(f"sequence {seq.id}: prefill up to {end} without the next token")
+            ids = torch.cat([ids, sampled.view(1)])
+        drafted = self.draft_forward(attrs.evolve(batch, input_ids=ids), hidden)
+        if end != seq.target:
+            return
+        table = block_table([seq.pages], end - 1 + self.draft_tokens, page_size=self.page_size,
+                            scratch_page=self._scratch_page).to(self.device.torch)
+        base = torch.full((1,), end - 1, dtype=torch.int64, device=self.device.torch)
+        drafts = self._chain(drafted[-1:], base, table, batch.state_slots[:1])
+        seq.drafts = tuple(drafts[0].tolist())
+
+    # -- decode: verify, commit the accepted state, draft --------------------------------------------
+    def launch_decode(self, sequence_ids: Sequence[int], *, after: LaunchedUnit | None = None,
+                      masks: TokenMasks | None = None) -> LaunchedUnit:
+        if after is not None:
+            raise ProgramError("a speculative Program does not chain decode units (decode_span > 1)")
+        ids, seqs, _ = self._decode_rows(sequence_ids, None)
+        k, span = self.draft_tokens, self.decode_span
+        for seq in seqs:  # the engine reserved the span below max_model_len; past it the scratch page stands in
+            self.kv.hold(seq, min(seq.computed + span, self.max_model_len))
+        drafts = [self._drafts_of(s) for s in seqs]
+        B, R = len(seqs), k + 1
+        batch = verify_batch([[s.ledger[s.computed], *d] for s, d in zip(seqs, drafts, strict=True)],
+                             [s.computed for s in seqs], [s.slot for s in seqs], [s.pages for s in seqs],
+                             span=span, page_size=self.page_size, scratch_page=self._scratch_page,
+                             device=self.device.torch)
+        with self._unit(seqs), torch.inference_mode():
+            hidden = self.verify_forward(batch)
+            logits = self.logits(hidden)  # [B*R, V]
+            if masks is not None:
+                self.sampler.mask_verify(seqs, drafts, logits, masks)
+            draft_ids = batch.input_ids.view(B, R)[:, 1:]
+            tokens, accepted = self.sampler.verify(seqs, logits.view(B, R, -1), draft_ids,
+                                                   [s.computed + 1 - s.prompt_len for s in seqs])
+            self.verify_commit(batch, accepted)
+            drafted = self.draft_forward(attrs.evolve(batch, input_ids=tokens.clamp_min(0).flatten()), hidden)
+            rows = torch.arange(B, device=accepted.device)
+            last = drafted.view(B, R, -1)[rows, accepted]
+            base = batch.positions.view(B, R)[:, 0] + accepted
+            nxt = self._chain(last, base, batch.block_tables, batch.state_slots)
+            readback = self._readback(seqs, logits, tokens, accepted, nxt)
+            for seq in seqs:
+                seq.launched += 1
+        native = _VerifyLaunch(program_id=self.id, seqs=tuple(seqs), readback=readback, rows=R)
+        return LaunchedUnit(kind="verify", sequence_ids=ids, native=native)
+
+    def _drafts_of(self, seq: SequenceRecord) -> tuple[int, ...]:
+        """The row's drafts; none yet (its prompt restored whole from the cache): its last token repeated."""
+        k = self.draft_tokens
+        return seq.drafts if len(seq.drafts) == k else (seq.ledger[seq.computed],) * k
+
+    def _chain(self, last: torch.Tensor, base: torch.Tensor, tables: torch.Tensor, slots: torch.Tensor
+               ) -> torch.Tensor:
+        """Drafts [B, k]: the argmax of the drafter's rows ``last`` [B, H] (made at positions ``base``), then k - 1
+        chained steps, each fed its previous draft and its own hidden row."""
+        from ninfer.ops.sampling import greedy
+
+        d = greedy(self.logits(last))
+        out = [d]
+        for step in range(1, self.draft_tokens):
+            last = self.draft_forward(chained_batch(base, step, d, tables, slots, self.page_size), last)
+            d = greedy(self.logits(last))
+            out.append(d)
+        return torch.stack(out, dim=1)
+
+    def _readback(self, seqs: Sequence[SequenceRecord], logits: torch.Tensor, tokens: torch.Tensor,
+                  accepted: torch.Tensor, drafts: torch.Tensor) -> Readback:
+        """One copy: tokens [B*R], accepted [B], drafts [B*k], and the logprobs of every position of the rows
+        that want them (flat rows b*R + t)."""
+        from ninfer.ops.sampling import logprobs
+
+        B, R = tokens.shape
+        pack = torch.cat([tokens.flatten(), accepted, drafts.flatten()])
+        want = tuple(b * R + t for b, s in enumerate(seqs) if s.sampling.logprobs for t in range(R))
+        if not want:
+            return Readback.launch(pack)
+        top_n = max(s.sampling.top_logprobs for s in seqs if s.sampling.logprobs)
+        idx = upload(torch.tensor(want), logits.device)
+        return Readback.launch(pack, want, top_n, logprobs(logits[idx], tokens.flatten()[idx].clamp_min(0), top_n))
+
+    def collect(self, unit: LaunchedUnit) -> PendingBatch:
+        native = unit.native
+        if not isinstance(native, _VerifyLaunch) or native.program_id != self.id:
+            raise ProgramError("LaunchedUnit was not produced by this Program")
+        if unit.collected:
+            raise ProgramError("LaunchedUnit collected twice")
+        unit.collected = True
+        flat, lps = native.readback.wait()
+        B, R, k = len(native.seqs), native.rows, self.draft_tokens
+        tokens, accepted, drafts = flat[:B * R], flat[B * R:B * R + B], flat[B * R + B:]
+        rows, consumed = [], []
+        for b, seq in enumerate(native.seqs):
+            if self._seqs.get(seq.id) is not seq:  # released while its row was in flight
+                continue
+            seq.launched -= 1
+            n = int(accepted[b]) + 1
+            seq.computed += n
+            seq.drafts = tuple(int(t) for t in drafts[b * k:(b + 1) * k])
+            seq.pending = True
+            out = tuple(int(t) for t in tokens[b * R:b * R + n])
+            if seq.sampling.logprobs:
+                per = [lps[b * R + t] for t in range(n)]
+                top_n = seq.sampling.top_logprobs
+                rows.append(PendingRow(sequence_id=seq.id, tokens=out, drafted=k,
+                                       logprobs=tuple(p[0] for p in per),
+                                       top_logprobs=tuple(tuple(zip([int(i) for i in p[1][0][:top_n]], p[1][1][:top_n],
+                                                                    strict=True)) for p in per)))
+            else:
+                rows.append(PendingRow(sequence_id=seq.id, tokens=out, drafted=k))
+            consumed.append(n)
+        return PendingBatch(kind="verify", rows=rows, native=_BatchNative(program_id=self.id, consumed=tuple(consumed)))
