@@ -30,12 +30,18 @@ LINES = ["To be, or not to be, that is the question:", "Friends, Romans, country
          "Double, double toil and trouble;"]
 
 
-def make_engine(k: int, *, max_concurrency: int = 8, **options) -> Engine:
+def make_engine(k: int, *, max_concurrency: int = 8, static: bool = False, **options) -> Engine:
+    """``static``: the verify unit runs through its graphs' static input buffers (the CUDA-graph input path)."""
     features = StartupFeatures(speculative="mtp", num_draft_tokens=k) if k else StartupFeatures()
     options.setdefault("prefill_chunk", 8)
     options.setdefault("context_cache", False)
-    return Engine(default_model_path(), device="cpu", dtype="float32", features=features,
-                  max_concurrency=max_concurrency, **options)
+    eng = Engine(default_model_path(), device="cpu", dtype="float32", features=features,
+                 max_concurrency=max_concurrency, **options)
+    if static:
+        prog = eng.instance.program
+        eng._core.on_worker(lambda: prog.start_graphs(static_decode=True))
+        assert prog.graphs is not None
+    return eng
 
 
 def req(text: str, **s) -> GenerationRequest:
@@ -90,9 +96,9 @@ def plain():
     return out
 
 
-@pytest.mark.parametrize("k", [1, 2, 3])
-def test_greedy_speculative_equals_plain_greedy(plain, k):
-    eng = make_engine(k)
+@pytest.mark.parametrize(("k", "static"), [(1, False), (2, False), (3, False), (2, True), (3, True)])
+def test_greedy_speculative_equals_plain_greedy(plain, k, static):
+    eng = make_engine(k, static=static)
     watch(eng)
     results = run(eng, [req(t) for t in LINES])
     assert [r.token_ids for r in results] == plain["greedy"]
@@ -128,7 +134,7 @@ def test_forced_preemption_keeps_the_tokens(plain, mode):
 def test_seeded_sampling_is_reproducible_across_batches_and_pauses():
     work = [req(t, **seeded(i)) for i, t in enumerate(LINES)]
     outs = []
-    for options in (dict(max_concurrency=1), dict(max_concurrency=8),
+    for options in (dict(max_concurrency=1), dict(max_concurrency=8, static=True),
                     dict(max_concurrency=4, num_pages=16, page_size=4, pause_mode="snapshot",
                          host_budget_bytes=1 << 26)):
         eng = make_engine(2, **options)

@@ -125,9 +125,11 @@ class Sampler:
         from ninfer.ops.sampling import apply_token_mask
 
         rows, V = logits.shape
-        if self._masks is None or self._masks.host.shape[0] < rows or self._masks.host.shape[1] != mask_words(V):
-            self._masks = MaskRows(logits.device, V, max(self.mask_rows, rows))
-        mask = self._masks.gather([s.id for s in seqs], masks, drafts)
+        # Outside inference mode: the rows (and their views) are filled in place, possibly on other threads.
+        with torch.inference_mode(False):
+            if self._masks is None or self._masks.host.shape[0] < rows or self._masks.host.shape[1] != mask_words(V):
+                self._masks = MaskRows(logits.device, V, max(self.mask_rows, rows))
+            mask = self._masks.gather([s.id for s in seqs], masks, drafts)
         if mask is not None:
             apply_token_mask(logits, mask)
 

@@ -32,11 +32,13 @@ from ninfer.contract.batch import LaunchedUnit, PendingBatch, PendingRow
 from ninfer.contract.config import MAX_DRAFT_TOKENS
 from ninfer.contract.constraint import TokenMasks
 from ninfer.core.forward_batch import ForwardBatch
+from ninfer.core.kv_pool import pages_for
 from ninfer.core.readback import Readback, upload
 from ninfer.models.common.context.errors import ProgramError
 from ninfer.models.common.context.sequence import SequenceRecord
 from ninfer.models.common.paged_program import PagedProgram, _BatchNative
 from ninfer.models.common.speculative.batches import block_table, chained_batch, verify_batch
+from ninfer.models.common.speculative.graphs import VerifyGraphs
 
 
 @attrs.define(kw_only=True, eq=False)
@@ -75,8 +77,36 @@ class SpeculativeProgram(PagedProgram):
         ``batch.input_ids`` and the target's (or, chained, the drafter's own) hidden rows there."""
 
     def start_graphs(self, *, cuda_graphs: bool = True, static_decode: bool = False) -> None:
-        """Speculative units run eagerly (their graphs are not captured yet)."""
-        self.graph_error = "speculative decode units run eagerly" if cuda_graphs and self.device.is_cuda else None
+        """Call once the views exist: capture the verify unit's two graphs per B on CUDA (eager, with the reason in
+        ``graph_error``, when capture fails); ``static_decode``: without graphs, still run through their static
+        input buffers (checks that path on CPU)."""
+        if not (cuda_graphs and self.device.is_cuda) and not static_decode:
+            return
+        graphs = VerifyGraphs(self._verify_stage, self._finish_stage, max_batch=self.max_concurrency,
+                              rows=self.draft_tokens + 1,
+                              max_pages=pages_for(self.max_model_len + self.decode_span, self.page_size),
+                              page_size=self.page_size, scratch_slot=self._scratch_slot,
+                              scratch_page=self._scratch_page, device=self.device.torch)
+        if cuda_graphs and self.device.is_cuda:
+            self.graph_error = graphs.try_capture(self._launches())
+            if self.graph_error is not None:
+                return
+        self.graphs = graphs
+
+    def _verify_stage(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The graphed first stage: the target's hidden rows and logits over the verify batch."""
+        hidden = self.verify_forward(batch)
+        return hidden, self.logits(hidden)
+
+    def _finish_stage(self, batch: ForwardBatch, hidden: torch.Tensor, tokens: torch.Tensor,
+                      accepted: torch.Tensor) -> torch.Tensor:
+        """The graphed second stage: commit the accepted state, then draft (first pass + chained steps)."""
+        B, R = tokens.shape
+        self.verify_commit(batch, accepted)
+        drafted = self.draft_forward(attrs.evolve(batch, input_ids=tokens.clamp_min(0).flatten()), hidden)
+        last = drafted.view(B, R, -1)[torch.arange(B, device=accepted.device), accepted]
+        base = batch.positions.view(B, R)[:, 0] + accepted
+        return self._chain(last, base, batch.block_tables, batch.state_slots)
 
     # -- prefill: the drafter's pass over the chunk, and drafts when the input is done ----------------
     def _prefilled(self, seq: SequenceRecord, batch: ForwardBatch, hidden: torch.Tensor, start: int,
@@ -109,24 +139,25 @@ class SpeculativeProgram(PagedProgram):
             self.kv.hold(seq, min(seq.computed + span, self.max_model_len))
         drafts = [self._drafts_of(s) for s in seqs]
         B, R = len(seqs), k + 1
-        batch = verify_batch([[s.ledger[s.computed], *d] for s, d in zip(seqs, drafts, strict=True)],
-                             [s.computed for s in seqs], [s.slot for s in seqs], [s.pages for s in seqs],
-                             span=span, page_size=self.page_size, scratch_page=self._scratch_page,
-                             device=self.device.torch)
+        rows = [[s.ledger[s.computed], *d] for s, d in zip(seqs, drafts, strict=True)]
+        starts, slots, tables = [s.computed for s in seqs], [s.slot for s in seqs], [s.pages for s in seqs]
         with self._unit(seqs), torch.inference_mode():
-            hidden = self.verify_forward(batch)
-            logits = self.logits(hidden)  # [B*R, V]
+            if self.graphs is not None:
+                self.graphs.load(rows, starts, slots, tables)
+                batch = self.graphs.batch(B)
+                hidden, logits = self.graphs.forward(B)
+            else:
+                batch = verify_batch(rows, starts, slots, tables, span=span, page_size=self.page_size,
+                                     scratch_page=self._scratch_page, device=self.device.torch)
+                hidden, logits = self._verify_stage(batch)
             if masks is not None:
                 self.sampler.mask_verify(seqs, drafts, logits, masks)
-            draft_ids = batch.input_ids.view(B, R)[:, 1:]
-            tokens, accepted = self.sampler.verify(seqs, logits.view(B, R, -1), draft_ids,
+            tokens, accepted = self.sampler.verify(seqs, logits.view(B, R, -1), batch.input_ids.view(B, R)[:, 1:],
                                                    [s.computed + 1 - s.prompt_len for s in seqs])
-            self.verify_commit(batch, accepted)
-            drafted = self.draft_forward(attrs.evolve(batch, input_ids=tokens.clamp_min(0).flatten()), hidden)
-            rows = torch.arange(B, device=accepted.device)
-            last = drafted.view(B, R, -1)[rows, accepted]
-            base = batch.positions.view(B, R)[:, 0] + accepted
-            nxt = self._chain(last, base, batch.block_tables, batch.state_slots)
+            if self.graphs is not None:
+                nxt = self.graphs.finish(B, hidden, tokens, accepted)
+            else:
+                nxt = self._finish_stage(batch, hidden, tokens, accepted)
             readback = self._readback(seqs, logits, tokens, accepted, nxt)
             for seq in seqs:
                 seq.launched += 1
