@@ -230,3 +230,25 @@ def test_grammar_masks_apply_to_every_verify_row():
         settled(eng)
         eng.close()
     assert outs[2] == outs[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seeded_rows", [False, True])
+def test_cuda_verify_graphs_match_eager_and_plain(seeded_rows):
+    """On CUDA (fp32): the speculative unit through its captured graphs gives the eager unit's tokens, and greedy
+    rows give plain decoding's."""
+    work = [req(t, **(seeded(i) if seeded_rows and i % 2 else {})) for i, t in enumerate(LINES)]
+    out = {}
+    for k, graphs in ((0, True), (2, False), (2, True), (3, True)):
+        eng = Engine(default_model_path(), device="cuda", dtype="float32", max_concurrency=8, context_cache=False,
+                     cuda_graphs=graphs, features=StartupFeatures(speculative="mtp", num_draft_tokens=k) if k
+                     else StartupFeatures())
+        prog = eng.instance.program
+        assert (prog.graphs is not None) == graphs, prog.graph_error
+        out[k, graphs] = [r.token_ids for r in run(eng, work)]
+        settled(eng)
+        eng.close()
+    assert out[2, True] == out[2, False]
+    greedy = [i for i in range(len(LINES)) if not (seeded_rows and i % 2)]
+    for key in ((2, True), (3, True)):
+        assert [out[key][i] for i in greedy] == [out[0, True][i] for i in greedy]
