@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 
+import attrs
 import pytest
 
 from ninfer import default_model_path
@@ -21,6 +22,7 @@ from ninfer.contract.prompt import TextInput
 from ninfer.contract.request import GenerationRequest, SamplingParams
 from ninfer.engine.engine import Engine
 from ninfer.testing.scheduling import submit_together
+from ninfer_qwen35.program.mtp_program import Qwen35MTPProgram
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
@@ -37,11 +39,18 @@ def make_engine(k: int, *, max_concurrency: int = 8, static: bool = False, **opt
     options.setdefault("context_cache", False)
     eng = Engine(default_model_path(), device="cpu", dtype="float32", features=features,
                  max_concurrency=max_concurrency, **options)
-    if static:
-        prog = eng.instance.program
-        eng._core.on_worker(lambda: prog.start_graphs(static_decode=True))
-        assert prog.graphs is not None
-    return eng
+    if not static:
+        return eng
+    eng.close()
+    inst, prog = eng.instance, eng.instance.program
+    static_prog = Qwen35MTPProgram(prog.model, mtp=prog.mtp, steps=prog.steps, draft_tokens=k, static_decode=True,
+                                   state_layout=prog.state_layout, kv_pool=prog.kv_pools[0], device="cpu",
+                                   max_concurrency=max_concurrency, num_pages=prog.pool.num_pages - 1,
+                                   vocab_size=prog.vocab_size, max_model_len=prog.max_model_len,
+                                   sampling_defaults=prog.sampling_defaults)
+    assert static_prog.graphs is not None
+    return Engine.from_instance(attrs.evolve(inst, program=static_prog), max_concurrency=max_concurrency,
+                                device="cpu", prefill_chunk=options["prefill_chunk"], context_cache=False)
 
 
 def req(text: str, **s) -> GenerationRequest:

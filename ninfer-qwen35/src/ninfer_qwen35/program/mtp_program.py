@@ -42,7 +42,8 @@ class Qwen35MTPProgram(SpeculativeProgram, Qwen35Program):
         ``max_concurrency`` rows; the rest as ``Qwen35Program`` (the pool holds the MTP layers after the target's)."""
         self.mtp = mtp
         self.steps = steps
-        super().__init__(model=model, draft_tokens=draft_tokens, **kwargs)
+        cuda_graphs, static_decode = kwargs.pop("cuda_graphs", True), kwargs.pop("static_decode", False)
+        super().__init__(model=model, draft_tokens=draft_tokens, cuda_graphs=False, **kwargs)
         if steps.conv.shape[:2] != (self.max_concurrency, draft_tokens + 1):
             raise ValueError(f"verify steps {tuple(steps.conv.shape[:2])} must be [max_concurrency, draft_tokens + 1]")
         attention = len(model.config.attention_layers)
@@ -50,6 +51,7 @@ class Qwen35MTPProgram(SpeculativeProgram, Qwen35Program):
         if len(self.mtp_kv) != len(mtp.params.layers):
             raise ValueError(f"the KV pool holds {len(self.mtp_kv)} layers after the target's {attention}; the MTP "
                              f"block has {len(mtp.params.layers)}")
+        self.start_graphs(cuda_graphs=cuda_graphs, static_decode=static_decode)  # the drafter's views exist now
 
     def verify_forward(self, batch: ForwardBatch) -> torch.Tensor:
         B = batch.num_seqs
