@@ -169,6 +169,7 @@ def part2(args, dtype_name: str) -> list[dict]:
     from ninfer.contract.prompt import TextInput
     from ninfer.contract.request import GenerationRequest, SamplingParams
     from ninfer.engine.engine import Engine
+    from ninfer.testing.scheduling import submit_together
 
     print(f"# part 2: the embedded model on {args.device} ({dtype_name}), {args.tokens} tokens per request, greedy")
     print(f"{'B':>2} {'k':>2} {'tok/s':>9} {'speedup':>8} {'accept len':>10}  per position")
@@ -184,11 +185,12 @@ def part2(args, dtype_name: str) -> list[dict]:
                                           sampling=SamplingParams(temperature=0.0, max_tokens=args.tokens,
                                                                   ignore_eos=True)) for i in range(B)]
                 eng.generate(work[0])  # warm (graphs captured at startup; first-use allocations)
-                counts[:] = [0, 0, *([0] * 3)]
-                t0 = time.perf_counter()
-                results = [h.result() for h in [eng.submit(r) for r in work]]
-                wall = time.perf_counter() - t0
-            tps = sum(len(r.token_ids) for r in results) / wall
+                tps = 0.0
+                for _ in range(2):  # the better of two runs, all B requests admitted together
+                    counts[:] = [0, 0, *([0] * 3)]
+                    t0 = time.perf_counter()
+                    results = [h.result() for h in submit_together(eng, work)]
+                    tps = max(tps, sum(len(r.token_ids) for r in results) / (time.perf_counter() - t0))
             base = base or tps
             units, produced = counts[0], counts[1]
             row = {"batch": B, "k": k, "tokens_per_s": tps, "speedup": tps / base,

@@ -75,6 +75,20 @@ def verify_ref(logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Ten
     return out, accepted
 
 
+def verify_greedy(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``verify`` when every row is greedy and offers all R-1 drafts: (tokens [B, R], accepted [B]) from logits
+    [B, R, V] alone (no draws, no host sync: CUDA-graph capturable). Ties go as ``ops.sampling.greedy`` breaks them."""
+    from ninfer.ops.sampling import greedy
+
+    B, R, V = logits.shape
+    if drafts.shape != (B, R - 1):
+        raise ValueError(f"verify_greedy: drafts {tuple(drafts.shape)} must be [{B}, {R - 1}]")
+    best = greedy(logits.reshape(B * R, V)).view(B, R)
+    accepted = (drafts == best[:, :-1]).long().cumprod(-1).sum(-1)
+    after = torch.arange(R, device=best.device)[None, :] > accepted[:, None]
+    return best.masked_fill(after, -1), accepted
+
+
 def verify(logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor, temperature: torch.Tensor,
            top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, noise: torch.Tensor, uniform: torch.Tensor,
            draft_probs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

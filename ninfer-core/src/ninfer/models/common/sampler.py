@@ -142,16 +142,12 @@ class Sampler:
                indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens [B, R], accepted [B]) of a verify unit (``ops.speculative``): logits [B, R, V] (masked),
         drafts [B, R-1] (device), ``indices`` the generated-token index of each row's first position."""
-        from ninfer.ops.sampling import greedy
-        from ninfer.ops.speculative import verify_ref
+        from ninfer.ops.speculative import verify_greedy, verify_ref
 
         B, R, V = logits.shape
         sp = [s.sampling for s in seqs]
         if all(p.greedy for p in sp):  # the longest prefix equal to the argmax, then the argmax (no draws)
-            best = greedy(logits.view(B * R, V)).view(B, R)
-            accepted = (drafts == best[:, :-1]).long().cumprod(-1).sum(-1)
-            after = torch.arange(R, device=best.device)[None, :] > accepted[:, None]
-            return best.masked_fill(after, -1), accepted
+            return verify_greedy(logits, drafts)
         knobs = upload(torch.tensor([[p.temperature, p.top_p, p.min_p, min(p.top_k, 1 << 24)] for p in sp],
                                     dtype=torch.float32), logits.device)
         noise, uniform = self.verify_draws(seqs, indices, R, V)

@@ -7,7 +7,8 @@ then the chained steps at positions that depend on the acceptance, computed on t
 positions, slots, KV slots, page tables, the verified tokens and the accepted counts are inputs in static
 buffers that each unit overwrites before replay; capture and warmup point every row at a scratch slot and a
 scratch page no sequence owns. Without a captured graph (CPU) the same calls run eagerly over the static
-buffers, so the input path is checked anywhere.
+buffers, so the input path is checked anywhere. A unit whose rows are all greedy and unconstrained (nothing to
+do on the host between the stages) replays a third graph instead: forward, greedy acceptance and finish in one.
 """
 
 from __future__ import annotations
@@ -25,14 +26,15 @@ log = logging.getLogger(__name__)
 
 Forward = Callable[[ForwardBatch], tuple[torch.Tensor, torch.Tensor]]           # batch -> (hidden, logits)
 Finish = Callable[[ForwardBatch, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # -> drafts [B, k]
+Whole = Callable[[ForwardBatch], tuple[torch.Tensor, ...]]  # -> (hidden, logits, tokens, accepted, drafts)
 
 
 class VerifyGraphs:
     """Static inputs and the two captured graphs per B (1..max_batch) of a Program's verify unit."""
 
-    def __init__(self, forward: Forward, finish: Finish, *, max_batch: int, rows: int, max_pages: int,
+    def __init__(self, forward: Forward, finish: Finish, whole: Whole, *, max_batch: int, rows: int, max_pages: int,
                  page_size: int, scratch_slot: int, scratch_page: int, device: torch.device) -> None:
-        self._forward, self._finish = forward, finish
+        self._forward, self._finish, self._whole = forward, finish, whole
         self.max_batch, self.rows, self.max_pages, self.page_size = max_batch, rows, max_pages, page_size
         self.scratch_slot, self.scratch_page, self.device = scratch_slot, scratch_page, device
         B, N = max_batch, max_batch * rows
@@ -54,6 +56,7 @@ class VerifyGraphs:
         self._staged: torch.cuda.Event | None = None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor],
                                      torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.greedy_graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
         self._point_at_scratch()
 
     def batch(self, B: int) -> ForwardBatch:
@@ -122,6 +125,14 @@ class VerifyGraphs:
         graph.replay()
         return out
 
+    def greedy_unit(self, B: int) -> tuple[torch.Tensor, ...]:
+        """(hidden, logits, tokens, accepted, drafts) of the loaded rows, all greedy and unconstrained."""
+        if B not in self.greedy_graphs:
+            return self._whole(self.batch(B))
+        graph, out = self.greedy_graphs[B]
+        graph.replay()
+        return out
+
     def capture(self) -> None:
         """Warm every B on a side stream, then capture both stages, largest B first, into one memory pool."""
         self._point_at_scratch()
@@ -133,6 +144,7 @@ class VerifyGraphs:
                 for _ in range(2):
                     hidden, _ = self._forward(self.batch(B))
                     self._finish(self.batch(B), hidden, self.tokens[:B], self.accepted[:B])
+                    self._whole(self.batch(B))
         torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
         pool = torch.cuda.graph_pool_handle()
@@ -144,6 +156,9 @@ class VerifyGraphs:
             with torch.cuda.graph(fin, pool=pool):
                 drafts = self._finish(self.batch(B), out[0], self.tokens[:B], self.accepted[:B])
             self.graphs[B] = (fwd, out, fin, drafts)
+            whole = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(whole, pool=pool):
+                self.greedy_graphs[B] = (whole, self._whole(self.batch(B)))
         torch.cuda.synchronize(self.device)
 
     def try_capture(self, launches: contextlib.AbstractContextManager) -> str | None:
@@ -155,6 +170,7 @@ class VerifyGraphs:
             error = f"{type(exc).__name__}: {exc}"
             log.warning("verify CUDA graphs not captured, speculative units run eagerly: %s", error)
             self.graphs.clear()
+            self.greedy_graphs.clear()
             try:
                 torch.cuda.synchronize(self.device)
             except RuntimeError as sync_exc:

@@ -82,7 +82,7 @@ class SpeculativeProgram(PagedProgram):
         input buffers (checks that path on CPU)."""
         if not (cuda_graphs and self.device.is_cuda) and not static_decode:
             return
-        graphs = VerifyGraphs(self._verify_stage, self._finish_stage, max_batch=self.max_concurrency,
+        graphs = VerifyGraphs(self._verify_stage, self._finish_stage, self._greedy_unit, max_batch=self.max_concurrency,
                               rows=self.draft_tokens + 1,
                               max_pages=pages_for(self.max_model_len + self.decode_span, self.page_size),
                               page_size=self.page_size, scratch_slot=self._scratch_slot,
@@ -97,6 +97,15 @@ class SpeculativeProgram(PagedProgram):
         """The graphed first stage: the target's hidden rows and logits over the verify batch."""
         hidden = self.verify_forward(batch)
         return hidden, self.logits(hidden)
+
+    def _greedy_unit(self, batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
+        """Both stages and the greedy acceptance between them, for units with nothing to do on the host there."""
+        from ninfer.ops.speculative import verify_greedy
+
+        B, R = batch.num_seqs, batch.max_query_len
+        hidden, logits = self._verify_stage(batch)
+        tokens, accepted = verify_greedy(logits.view(B, R, -1), batch.input_ids.view(B, R)[:, 1:])
+        return hidden, logits, tokens, accepted, self._finish_stage(batch, hidden, tokens, accepted)
 
     def _finish_stage(self, batch: ForwardBatch, hidden: torch.Tensor, tokens: torch.Tensor,
                       accepted: torch.Tensor) -> torch.Tensor:
@@ -142,22 +151,28 @@ class SpeculativeProgram(PagedProgram):
         rows = [[s.ledger[s.computed], *d] for s, d in zip(seqs, drafts, strict=True)]
         starts, slots, tables = [s.computed for s in seqs], [s.slot for s in seqs], [s.pages for s in seqs]
         with self._unit(seqs), torch.inference_mode():
-            if self.graphs is not None:
-                self.graphs.load(rows, starts, slots, tables)
-                batch = self.graphs.batch(B)
-                hidden, logits = self.graphs.forward(B)
+            graphs = self.graphs
+            if graphs is not None:
+                graphs.load(rows, starts, slots, tables)
+                batch = graphs.batch(B)
             else:
                 batch = verify_batch(rows, starts, slots, tables, span=span, page_size=self.page_size,
                                      scratch_page=self._scratch_page, device=self.device.torch)
-                hidden, logits = self._verify_stage(batch)
-            if masks is not None:
-                self.sampler.mask_verify(seqs, drafts, logits, masks)
-            tokens, accepted = self.sampler.verify(seqs, logits.view(B, R, -1), batch.input_ids.view(B, R)[:, 1:],
-                                                   [s.computed + 1 - s.prompt_len for s in seqs])
-            if self.graphs is not None:
-                nxt = self.graphs.finish(B, hidden, tokens, accepted)
+            constrained = masks is not None and any(masks.constrained(i) for i in ids)
+            if not constrained and all(s.sampling.greedy for s in seqs):  # nothing for the host between stages
+                hidden, logits, tokens, accepted, nxt = (graphs.greedy_unit(B) if graphs is not None
+                                                         else self._greedy_unit(batch))
             else:
-                nxt = self._finish_stage(batch, hidden, tokens, accepted)
+                hidden, logits = graphs.forward(B) if graphs is not None else self._verify_stage(batch)
+                if constrained:
+                    self.sampler.mask_verify(seqs, drafts, logits, masks)
+                tokens, accepted = self.sampler.verify(seqs, logits.view(B, R, -1),
+                                                       batch.input_ids.view(B, R)[:, 1:],
+                                                       [s.computed + 1 - s.prompt_len for s in seqs])
+                if graphs is not None:
+                    nxt = graphs.finish(B, hidden, tokens, accepted)
+                else:
+                    nxt = self._finish_stage(batch, hidden, tokens, accepted)
             readback = self._readback(seqs, logits, tokens, accepted, nxt)
             for seq in seqs:
                 seq.launched += 1
