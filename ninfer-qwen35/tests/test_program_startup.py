@@ -65,8 +65,8 @@ def test_capacity_from_budget_and_clear_refusals(artifact_path, monkeypatch):
             build(art, StartupOptions(device="cpu", max_concurrency=1, device_budget_bytes=1 << 20))
         with pytest.raises(StartupError, match="Vision is not implemented"):
             build(art, StartupOptions(device="cpu", features=StartupFeatures(vision=True)))
-        with pytest.raises(StartupError, match="speculative"):
-            build(art, StartupOptions(device="cpu", features=StartupFeatures(speculative="mtp")))
+        with pytest.raises(StartupError, match="speculative backend 'dflash' is not implemented"):
+            build(art, StartupOptions(device="cpu", features=StartupFeatures(speculative="dflash")))
         monkeypatch.setenv("NINFER_HOST_BUDGET_MIB", "lots")
         with pytest.raises(EnvError, match="NINFER_HOST_BUDGET_MIB='lots': expected a whole number of MiB"):
             build(art, StartupOptions(device="cpu", num_pages=4))
@@ -86,3 +86,41 @@ def test_bf16_instance_generates_like_fp32(artifact_path):
             inst.program.abort_pending(batch)
     assert outs[0] == outs[1]
     assert torch.get_default_dtype() == torch.float32
+
+
+def test_mtp_feature_binds_the_head_and_decodes_like_plain(artifact_path, tmp_path):
+    """speculative="mtp": the MTP weights are bound (only then), the pool holds the MTP layer after the target's,
+    and greedy units give plain decoding's tokens; a model without an MTP head is refused by name."""
+    from ninfer_qwen35.program.mtp_program import Qwen35MTPProgram
+
+    outs = {}
+    with open_artifact(artifact_path) as art:
+        for k in (0, 2):
+            inst = build(art, StartupOptions(device="cpu", max_concurrency=1, dtype="float32", num_pages=40,
+                                             page_size=8, features=StartupFeatures(speculative="mtp", num_draft_tokens=k)
+                                             if k else StartupFeatures()))
+            prog = inst.program
+            assert isinstance(prog, Qwen35MTPProgram) == bool(k)
+            assert ("mtp" in inst.model.load_report.features) == bool(k)
+            assert prog.decode_span == (4 if k else 1)
+            assert prog.kv_pools[0].layers == len(inst.config.attention_layers) + (1 if k else 0)
+            sid = prog.open_sequence(inst.frontend.prepare(TextInput(text="The quick brown fox")),
+                                     SamplingParams(temperature=0.0))
+            assert prog.reserve_units(sid, 64)
+            batch = prog.prefill(sid, 64)
+            tokens = list(batch.rows[0].tokens)
+            prog.commit(batch, [RowDecision(accepted=1)])
+            while len(tokens) < 12:
+                assert prog.reserve_units(sid, prog.decode_span)
+                batch = prog.decode([sid])
+                row = batch.rows[0]
+                assert row.drafted == k and 1 <= row.produced <= k + 1
+                tokens += row.tokens
+                prog.commit(batch, [RowDecision(accepted=row.produced)])
+            outs[k] = tokens[:12]
+            prog.release(sid)
+            assert prog.usage().all_free
+    assert outs[2] == outs[0]
+    bare = convert_tiny(make_tiny_checkpoint(tmp_path / "ckpt", mtp=False), tmp_path / "bare.ninfer")
+    with open_artifact(bare) as art, pytest.raises(StartupError, match="mtp_num_hidden_layers = 0"):
+        build(art, StartupOptions(device="cpu", features=StartupFeatures(speculative="mtp")))
