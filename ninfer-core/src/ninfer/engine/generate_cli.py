@@ -225,9 +225,9 @@ def _stream(handle, out: TextIO, result_type, delta_type, merge, *, labels: bool
     return None
 
 
-def _report(result, speculative) -> int:
-    """The stats line on stderr: finish, tokens, speed and, when drafts were verified (``SpeculativeStats``),
-    the mean acceptance length and the draft acceptance rate."""
+def _report(result, speculative=None) -> int:
+    """The stats line on stderr: finish, tokens, speed and, when drafts were verified (``speculative``, the
+    engine's ``SpeculativeStats``), the mean acceptance length and the draft acceptance rate."""
     if result.error is not None:
         print(f"ninfer generate: {result.error}", file=sys.stderr)
         return 1
@@ -243,7 +243,7 @@ def _report(result, speculative) -> int:
             parts.append(f"{(n - 1) / decode_s:.1f} tokens/s")
     if t.end_to_end_s > 0:
         parts.append(f"{n / t.end_to_end_s:.1f} tokens/s end to end")
-    if speculative.drafts:
+    if speculative is not None and speculative.drafts:
         parts.append(f"mean acceptance length {speculative.mean_acceptance_length:.2f}")
         parts.append(f"draft acceptance rate {speculative.acceptance_rate:.1%}")
     print(" | ".join(parts), file=sys.stderr)
