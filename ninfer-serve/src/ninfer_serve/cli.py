@@ -6,8 +6,9 @@ import argparse
 import sys
 
 from ninfer import env
-from ninfer.contract.config import MAX_CONCURRENCY
+from ninfer.contract.config import MAX_CONCURRENCY, StartupFeatures
 from ninfer.engine.cache_cli import add_context_cache_arguments, with_context_cache
+from ninfer.engine.speculative_cli import add_speculative_arguments, speculative_features
 
 API_KEY_ENV = "NINFER_API_KEY"
 
@@ -74,6 +75,7 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--access-log", action="store_true", help="log every HTTP request to stderr")
     p.add_argument("--no-verify", action="store_true", help="load without checking the artifact's checksums")
     add_context_cache_arguments(p)
+    add_speculative_arguments(p)
     limits = p.add_argument_group("request preparation and slow or many clients")
     limits.add_argument("--http-threads", type=_positive_int, default=4, metavar="N",
                         help="threads that prepare requests for the engine (chat template, tokenization)")
@@ -120,6 +122,10 @@ def run_serve(args: argparse.Namespace) -> int:
         return _fail(f"--http-queue must be >= 0, got {args.http_queue}")
     if not args.queue_timeout > 0:
         return _fail(f"--queue-timeout must be > 0, got {args.queue_timeout}")
+    try:
+        features = speculative_features(args)
+    except ValueError as exc:
+        return _fail(str(exc))
     chat_template = None
     if args.chat_template:
         try:
@@ -137,12 +143,12 @@ def run_serve(args: argparse.Namespace) -> int:
     except OSError as exc:  # address in use, permission denied, unknown host
         return _fail(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}")
     with listener:
-        return _load_and_serve(args, model, chat_template, listener,
+        return _load_and_serve(args, model, chat_template, features, listener,
                                allowed_hosts=args.allowed_hosts or list(default_allowed_hosts(args.host)))
 
 
-def _load_and_serve(args: argparse.Namespace, model: str, chat_template: str | None, listener: object, *,
-                    allowed_hosts: list[str]) -> int:
+def _load_and_serve(args: argparse.Namespace, model: str, chat_template: str | None, features: StartupFeatures,
+                    listener: object, *, allowed_hosts: list[str]) -> int:
     try:
         from ninfer import Engine, EngineConfig
     except ImportError as exc:
@@ -155,7 +161,7 @@ def _load_and_serve(args: argparse.Namespace, model: str, chat_template: str | N
         config = EngineConfig(max_concurrency=args.max_concurrency, max_queue=args.max_queue,
                               verify=not args.no_verify, max_model_len=args.max_model_len, device=args.device,
                               prefill_chunk=args.prefill_chunk, chat_template=chat_template,
-                              special_tokens_in_content=args.special_tokens_in_content)
+                              special_tokens_in_content=args.special_tokens_in_content, features=features)
         engine = Engine(model, config=with_context_cache(config, args))
     except Exception as exc:  # a bad artifact or device must read as a message, not a traceback
         return _fail(f"cannot start the engine for {model}: {type(exc).__name__}: {exc}")

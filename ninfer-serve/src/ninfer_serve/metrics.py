@@ -43,6 +43,27 @@ def _context_cache(m: Any, model_name: str, gauge: Any, counter: Any):
     yield evictions
 
 
+def _speculative(m: Any, model_name: str, gauge: Any, counter: Any):
+    """Speculative decoding's families, under vLLM's spec_decode_* names: verify steps (drafts), draft tokens
+    verified, drafts accepted (in all and per draft position), and the mean acceptance length."""
+    s = m.speculative
+    yield counter("ninfer:spec_decode_num_drafts", "Verify steps of rows that carried drafts "
+                  "(as vLLM's spec_decode_num_drafts).", s.drafts)
+    yield counter("ninfer:spec_decode_num_draft_tokens", "Draft tokens verified "
+                  "(as vLLM's spec_decode_num_draft_tokens).", s.draft_tokens)
+    yield counter("ninfer:spec_decode_num_accepted_tokens", "Draft tokens verification accepted "
+                  "(as vLLM's spec_decode_num_accepted_tokens).", s.accepted_tokens)
+    per_position = CounterMetricFamily("ninfer:spec_decode_num_accepted_tokens_per_pos", "Verify steps that "
+                                       "accepted the draft at this position (0: the first; as vLLM's "
+                                       "spec_decode_num_accepted_tokens_per_pos).",
+                                       labels=["model_name", "position"])
+    for position, n in enumerate(s.accepted_per_position):
+        per_position.add_metric([model_name, str(position)], n)
+    yield per_position
+    yield gauge("ninfer:spec_decode_mean_acceptance_length", "Tokens per verify step since start, 1 + accepted "
+                "/ drafts (0 before the first verify step).", s.mean_acceptance_length or 0.0)
+
+
 class EngineCollector(Collector):
     def __init__(self, engine: Any, model_name: str) -> None:
         self.engine = engine
@@ -97,6 +118,7 @@ class EngineCollector(Collector):
         yield counter("ninfer:prompt_tokens", "Prompt tokens admitted.", m.prompt_tokens)
         yield counter("ninfer:generation_tokens", "Tokens generated.", m.generated_tokens)
         yield from _context_cache(m, self.model_name, gauge, counter)
+        yield from _speculative(m, self.model_name, gauge, counter)
         success = CounterMetricFamily("ninfer:request_success", "Finished requests by finish reason.",
                                       labels=["model_name", "finished_reason"])
         for reason, n in sorted(m.requests_finished.items()):

@@ -2,8 +2,9 @@
 
 For every row, the request's OutputSession previews the provisional tokens (how many it keeps, whether
 they end the output); then ``Program.commit`` takes all the rows' decisions at once; then, row by row,
-generation budget, timing and scheduling accounting, ``OutputSession.commit`` of the preview, and
-publication of the delta on the request's stream. Nothing is published before the Program committed,
+the speculative counters (drafts the Program's verification accepted), generation budget, timing and
+scheduling accounting, ``OutputSession.commit`` of the preview, and publication of the delta on the
+request's stream. Nothing is published before the Program committed,
 and a row whose request was cancelled (or passed its deadline) accepts zero tokens.
 """
 
@@ -95,6 +96,8 @@ class BatchCommit:
         if pv is None:
             self.settlement.finish(rec, outcome.reason, frontend_failure(rec))
             return
+        if row.drafted:  # what verification accepted, even past a stop the OutputSession found inside it
+            self.state.metrics.drafts_verified(row.drafted, row.produced - 1)
         self._account(rec, accepted, now)
         try:
             delta = rec.session.commit(pv)

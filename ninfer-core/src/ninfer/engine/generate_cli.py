@@ -4,7 +4,8 @@ Streams one generation to the terminal. A raw prompt's continuation is printed a
 printed in sections: reasoning apart from the answer (dimmed on a terminal, under its own header), tool
 calls as name + JSON arguments. The end prints time to first token and tokens/s to stderr, on a line
 of its own. Text arguments are always text: files (or stdin, ``-``) are read only through the ``-file``
-options. ``--json-schema``, ``--grammar``, ``--regex`` and ``--choice`` constrain the output (constraint_cli).
+options. ``--json-schema``, ``--grammar``, ``--regex`` and ``--choice`` constrain the output (constraint_cli);
+``--speculative mtp`` decodes with drafts (speculative_cli), and the stats line then adds their acceptance.
 Imports stay lazy so ``ninfer --help`` does not load torch.
 """
 
@@ -17,6 +18,7 @@ from typing import TextIO
 
 from ninfer.engine.cache_cli import add_context_cache_arguments, with_context_cache
 from ninfer.engine.constraint_cli import add_constraint_arguments, constraint_from_args, constraint_option
+from ninfer.engine.speculative_cli import add_speculative_arguments, speculative_features
 
 
 def add_generate_command(subparsers: argparse._SubParsersAction) -> None:
@@ -50,6 +52,7 @@ def add_generate_command(subparsers: argparse._SubParsersAction) -> None:
                    help="prompt tokens per prefill unit (default: 2048 on a GPU, 512 on the CPU)")
     add_constraint_arguments(p)
     add_context_cache_arguments(p)
+    add_speculative_arguments(p)
     p.set_defaults(func=cmd_generate)
 
 
@@ -175,13 +178,16 @@ def _generate(args: argparse.Namespace) -> int:
                               top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
     config = EngineConfig(max_concurrency=1, device=args.device, max_model_len=args.max_model_len,
                           chat_template=_template_arg(args.chat_template), prefill_chunk=args.prefill_chunk,
-                          verify=not args.no_verify, special_tokens_in_content=args.special_tokens_in_content)
+                          verify=not args.no_verify, special_tokens_in_content=args.special_tokens_in_content,
+                          features=speculative_features(args))
     try:
         with Engine(model, config=with_context_cache(config, args)) as engine:
             check_max_tokens(args.max_tokens, engine.max_model_len)
             handle = engine.submit(GenerationRequest(input=request_input, sampling=sampling, constraint=constraint))
-            return _stream(handle, sys.stdout, GenerationResult, OutputDelta, merge_tool_call_fragments,
-                           labels=chat)
+            result = _stream(handle, sys.stdout, GenerationResult, OutputDelta, merge_tool_call_fragments,
+                             labels=chat)
+            # The engine ran this one request: its speculative counters are the request's.
+            return 1 if result is None else _report(result, engine.metrics().speculative)
     except InvalidConstraint as exc:  # bad input, as a constraint option the contract refuses
         print(f"ninfer generate: {constraint_option(args)}: {exc}", file=sys.stderr)
         return 2
@@ -197,7 +203,8 @@ def check_max_tokens(max_tokens: int, max_model_len: int) -> None:
                          f"be generated (context limit {max_model_len}; --max-model-len sets it)")
 
 
-def _stream(handle, out: TextIO, result_type, delta_type, merge, *, labels: bool) -> int:
+def _stream(handle, out: TextIO, result_type, delta_type, merge, *, labels: bool):
+    """Print the handle's output as it comes; returns the final result (None if the stream ended without one)."""
     printer = _Printer(out, labels=labels)
     fragments = []
     try:
@@ -212,13 +219,15 @@ def _stream(handle, out: TextIO, result_type, delta_type, merge, *, labels: bool
                 for call in merge(fragments):
                     printer.tool_call(call.name, call.arguments)
                 printer.end()
-                return _report(event)
+                return event
     finally:
         printer.end()  # also when interrupted: a message on stderr starts its own line
-    return 1
+    return None
 
 
-def _report(result) -> int:
+def _report(result, speculative=None) -> int:
+    """The stats line on stderr: finish, tokens, speed and, when drafts were verified (``speculative``, the
+    engine's ``SpeculativeStats``), the mean acceptance length and the draft acceptance rate."""
     if result.error is not None:
         print(f"ninfer generate: {result.error}", file=sys.stderr)
         return 1
@@ -234,5 +243,8 @@ def _report(result) -> int:
             parts.append(f"{(n - 1) / decode_s:.1f} tokens/s")
     if t.end_to_end_s > 0:
         parts.append(f"{n / t.end_to_end_s:.1f} tokens/s end to end")
+    if speculative is not None and speculative.drafts:
+        parts.append(f"mean acceptance length {speculative.mean_acceptance_length:.2f}")
+        parts.append(f"draft acceptance rate {speculative.acceptance_rate:.1%}")
     print(" | ".join(parts), file=sys.stderr)
     return 0

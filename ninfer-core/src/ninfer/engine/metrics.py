@@ -11,6 +11,8 @@ import threading
 
 import attrs
 
+from ninfer.contract.config import MAX_DRAFT_TOKENS
+
 # Seconds; wide enough for CPU test runs and fine enough for GPU inter-token gaps.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12,
                    10.24, 20.48, 40.96, 81.92)
@@ -52,6 +54,28 @@ class Histogram:
 
 
 @attrs.frozen(kw_only=True)
+class SpeculativeStats:
+    """Speculative decoding's counters (vLLM's spec_decode_* names), from the committed rows that verified
+    drafts: the verify rows (``drafts``), the draft tokens they verified, the drafts verification accepted,
+    and per draft position how many rows accepted at least that far (position 0: the first draft)."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: tuple[int, ...] = (0,) * MAX_DRAFT_TOKENS
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens per verify step (the accepted drafts plus the token verification adds); None before one."""
+        return 1 + self.accepted_tokens / self.drafts if self.drafts else None
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted draft tokens over the draft tokens verified; None before one."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
+
+
+@attrs.frozen(kw_only=True)
 class EngineMetrics:
     """A point-in-time view of the engine for the server's /metrics and for tests."""
 
@@ -78,6 +102,7 @@ class EngineMetrics:
     checkpoint_device_bytes: int = 0
     checkpoint_host_bytes: int = 0
     cache_evictions: dict[str, int] = attrs.field(factory=dict)  # "host" (demoted) / "dropped"
+    speculative: SpeculativeStats = SpeculativeStats()
     ttft: HistogramSnapshot
     inter_token: HistogramSnapshot
     queue_time: HistogramSnapshot
@@ -104,6 +129,10 @@ class MetricsRecorder:
         self.cache_hits = 0
         self.cache = None  # the ResourceManager's stats (gauges) as of the worker's last observation
         self.evictions: dict[str, int] = {}  # counters, recorded as evictions happen
+        self.drafts = 0  # speculative decoding: verify rows, draft tokens, accepted drafts (in all; by position)
+        self.draft_tokens = 0
+        self.accepted_tokens = 0
+        self.accepted_per_position = [0] * MAX_DRAFT_TOKENS
 
     def preempted(self, mode: str) -> None:
         with self.lock:
@@ -131,6 +160,15 @@ class MetricsRecorder:
             if gap_s is not None:
                 for _ in range(n):
                     self.inter_token.observe(gap_s / n)
+
+    def drafts_verified(self, drafted: int, accepted: int) -> None:
+        """A committed row verified ``drafted`` draft tokens and verification accepted the first ``accepted``."""
+        with self.lock:
+            self.drafts += 1
+            self.draft_tokens += drafted
+            self.accepted_tokens += accepted
+            for position in range(accepted):
+                self.accepted_per_position[position] += 1
 
     def prefix_cache_lookup(self, queried: int, hit: int) -> None:
         """A request looked up ``queried`` prompt tokens in the context cache and restored ``hit`` of them."""
@@ -170,4 +208,7 @@ class MetricsRecorder:
                 prefix_cache_queries=self.cache_queries, prefix_cache_hits=self.cache_hits,
                 checkpoints=cache.checkpoints if cache else 0, checkpoint_device_bytes=cache.device_bytes if cache else 0,
                 checkpoint_host_bytes=cache.host_bytes if cache else 0,
-                cache_evictions=dict(self.evictions))
+                cache_evictions=dict(self.evictions),
+                speculative=SpeculativeStats(drafts=self.drafts, draft_tokens=self.draft_tokens,
+                                             accepted_tokens=self.accepted_tokens,
+                                             accepted_per_position=tuple(self.accepted_per_position)))
