@@ -1038,3 +1038,7 @@ def test_the_recorder_counts_each_position_a_row_accepted():
                         failed=False).speculative
     assert (spec.drafts, spec.draft_tokens, spec.accepted_tokens, spec.accepted_per_position) == (4, 9, 5, (3, 1, 1))
     assert spec.mean_acceptance_length == 1 + 5 / 4 and spec.acceptance_rate == 5 / 9
+    rec.drafts_verified(5, 5)  # a drafter longer than the per-position series: its first positions are counted
+    spec = rec.snapshot(queue_depth=0, running=0, paused=0, outstanding=0, kv_pages_used=0, kv_pages_total=1,
+                        failed=False).speculative
+    assert spec.accepted_per_position == (4, 2, 2) and spec.accepted_tokens == 10

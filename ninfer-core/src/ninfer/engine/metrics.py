@@ -167,7 +167,7 @@ class MetricsRecorder:
             self.drafts += 1
             self.draft_tokens += drafted
             self.accepted_tokens += accepted
-            for position in range(accepted):
+            for position in range(min(accepted, len(self.accepted_per_position))):  # a longer drafter: the first
                 self.accepted_per_position[position] += 1
 
     def prefix_cache_lookup(self, queried: int, hit: int) -> None:
