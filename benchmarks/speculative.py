@@ -121,10 +121,20 @@ def time_units(program, config, device: str, B: int, *, context: int, steps: int
             graphs.forward(B)
             _sync(device)
             forward.append((time.perf_counter() - t0) * 1e3)
+    commit = []
+    graphs = getattr(program, "graphs", None)
+    if program.decode_span > 1 and graphs is not None:  # the accepted state's scatter alone (last step kept)
+        for _ in range(10):
+            _sync(device)
+            t0 = time.perf_counter()
+            program.verify_commit(graphs.batch(B), graphs.accepted[:B])
+            _sync(device)
+            commit.append((time.perf_counter() - t0) * 1e3)
     for sid in seqs:
         program.release(sid)
     med = lambda xs: sorted(xs)[len(xs) // 2] if xs else None  # noqa: E731
-    return {"batch": B, "ms_unit": med(unit), "ms_forward_stage": med(forward), "tokens_per_unit": tokens / steps / B}
+    return {"batch": B, "ms_unit": med(unit), "ms_forward_stage": med(forward), "ms_state_commit": med(commit),
+            "tokens_per_unit": tokens / steps / B}
 
 
 def implied_speedup(ratio: float, k: int, rates: tuple[float, ...]) -> float:
@@ -142,7 +152,7 @@ def part1(args, dtype) -> list[dict]:
     print(f"# part 1: {args.shape} random weights on {args.device}, context {args.context}, {args.steps} units; "
           f"graphs: plain {plain.graphs is not None}, speculative "
           f"{all(p.graphs is not None for p in spec.values())} {[p.graph_error for p in spec.values()]}")
-    print(f"{'B':>2} {'k':>2} {'ms/unit':>9} {'x plain':>8} {'fwd ms':>8} {'x plain':>8} " +
+    print(f"{'B':>2} {'k':>2} {'ms/unit':>9} {'x plain':>8} {'fwd ms':>8} {'x plain':>8} {'commit ms':>9} " +
           " ".join(f"{n:>16}" for n in PUBLISHED))
     rows = []
     for B in args.batch:
@@ -158,6 +168,7 @@ def part1(args, dtype) -> list[dict]:
             rows.append(r)
             fwd = f"{r['ms_forward_stage']:>8.3f} {r['forward_over_plain']:>8.3f}" if r["ms_forward_stage"] else \
                 f"{'-':>8} {'-':>8}"
+            fwd += f" {r['ms_state_commit']:>9.3f}" if r["ms_state_commit"] else f" {'-':>9}"
             print(f"{B:>2} {k:>2} {r['ms_unit']:>9.3f} {r['unit_over_plain']:>8.3f} {fwd} " +
                   " ".join(f"{r['implied_speedup'][n]:>15.2f}x" for n in PUBLISHED), flush=True)
     return rows
