@@ -225,9 +225,11 @@ def gdn_verify(mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_w
     equal to R successive ``gdn_decode_fused`` steps. ``gdn_verify_commit`` then moves the accepted step in.
     """
     B, R = step_conv.shape[:2]
-    if mixed_qkv.shape[0] != B * R or step_states.shape[:2] != (B, R) or slots.shape != (B,) \
+    if mixed_qkv.shape[0] != B * R or a.shape[:1] != (B * R,) or b.shape[:1] != (B * R,) \
+            or step_states.shape[:2] != (B, R) or slots.shape != (B,) \
             or step_conv.shape[2:] != conv_states.shape[1:] or step_states.shape[2:] != states.shape[1:]:
-        raise ValueError(f"gdn_verify: mixed_qkv {tuple(mixed_qkv.shape)}, slots {tuple(slots.shape)}, step_conv "
+        raise ValueError(f"gdn_verify: mixed_qkv {tuple(mixed_qkv.shape)}, a {tuple(a.shape)}, b {tuple(b.shape)}, "
+                         f"slots {tuple(slots.shape)}, step_conv "
                          f"{tuple(step_conv.shape)}, step_states {tuple(step_states.shape)} must be [B*R, ...], [B] "
                          f"and [B, R, ...] of conv_states {tuple(conv_states.shape[1:])} / states "
                          f"{tuple(states.shape[1:])}")
