@@ -16,6 +16,7 @@ and the acceptance per draft position.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -137,6 +138,42 @@ def time_units(program, config, device: str, B: int, *, context: int, steps: int
             "tokens_per_unit": tokens / steps / B}
 
 
+def profile_forward(plain, spec, config, device: str, B: int, *, context: int) -> None:
+    """Kernel time of one eager plain decode forward against one eager verify forward (k + 1 positions), top
+    kernels by device time (where a verify forward's extra cost goes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ninfer.core.batch_assembly import RowInput, build_forward_batch
+    from ninfer.models.common.speculative.batches import verify_batch
+
+    for name, prog in (("plain", plain), *((f"k={k}", p) for k, p in spec.items())):
+        R = getattr(prog, "draft_tokens", 0) + 1
+        pages = list(range(1, -(-(context + 8) // prog.page_size) + 1))
+        with torch.inference_mode():
+            if R == 1:
+                batch = build_forward_batch([RowInput(tokens=[1], start=context, slot=0, pages=pages, want_logits=True)]
+                                            * B, prog.page_size, prog.device.torch)
+                run = functools.partial(prog._decode_logits, batch)
+            else:
+                batch = verify_batch([[1] * R] * B, [context] * B, [0] * B, [pages] * B, span=prog.decode_span,
+                                     page_size=prog.page_size, scratch_page=prog._scratch_page, device=prog.device.torch)
+                run = functools.partial(prog._verify_stage, batch)
+            for _ in range(3):
+                run()
+            _sync(device)
+            cuda = device.startswith("cuda")
+            with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+                for _ in range(5):
+                    run()
+                _sync(device)
+        events = prof.key_averages()
+        took = (lambda e: e.device_time_total) if cuda else (lambda e: e.self_cpu_time_total)  # noqa: E731
+        total = sum(took(e) for e in events) / 5 / 1e3
+        print(f"## profile {name}, B={B}: {total:.3f} ms of kernels per forward")
+        for e in sorted(events, key=lambda e: -took(e))[:8]:
+            print(f"##   {took(e) / 5 / 1e3:8.3f} ms  {e.count // 5:4d}x  {e.key[:90]}")
+
+
 def implied_speedup(ratio: float, k: int, rates: tuple[float, ...]) -> float:
     """Tokens per unit at per-position conditional acceptance ``rates`` over the unit's cost in plain steps."""
     expected, run = 1.0, 1.0
@@ -155,6 +192,9 @@ def part1(args, dtype) -> list[dict]:
     print(f"{'B':>2} {'k':>2} {'ms/unit':>9} {'x plain':>8} {'fwd ms':>8} {'x plain':>8} {'commit ms':>9} " +
           " ".join(f"{n:>16}" for n in PUBLISHED))
     rows = []
+    if args.profile:
+        for B in args.batch:
+            profile_forward(plain, spec, config, args.device, B, context=args.context)
     for B in args.batch:
         base = time_units(plain, config, args.device, B, context=args.context, steps=args.steps)
         rows.append({"k": 0, **base})
@@ -243,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=30, help="timed units per (B, k) in part 1")
     ap.add_argument("--tokens", type=int, default=256, help="tokens per request in part 2")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--profile", action="store_true", help="part 1: kernel times of one eager forward, plain vs verify")
     ap.add_argument("--skip", choices=["part1", "part2"], help="run only the other part")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
