@@ -215,3 +215,29 @@ def test_triton_kernel_without_rows_launches_nothing():
     t_verify = _interpreted_kernel()
     case = _case(5, B=0)
     assert t_verify.gdn_verify(*case.args()).shape == (0, 4, 32)
+
+
+@pytest.mark.parametrize("layered", [True, False], ids=["all-layers", "one-layer"])
+def test_triton_commit_copies_rows_like_the_reference(layered):
+    """The Triton commit (two row copies; a layout that is not row-contiguous takes the reference) moves exactly
+    what the reference moves, into StateImage-like strided slot pools."""
+    t_verify = _interpreted_kernel()
+    g = torch.Generator(device=DEV).manual_seed(5)
+    B, R, S, L = 3, 3, 6, 2
+    image = torch.randn(S, 2 * L * 5 * 3 + 7, device=DEV, generator=g)  # slot stride past both fields
+    conv_pool = image[:, :L * 5 * 3].view(S, L, 5, 3)
+    state_pool = image[:, L * 5 * 3:2 * L * 5 * 3].view(S, L, 5, 3)
+    step_conv = torch.randn(B, R, L, 5, 3, device=DEV, generator=g)
+    step_states = torch.randn(B, R, L, 5, 3, device=DEV, generator=g)
+    slots, steps = torch.tensor([4, 0, 2], device=DEV), torch.tensor([2, 0, 1], device=DEV)
+    expected = image.clone()
+    e_conv, e_state = expected[:, :L * 15].view(S, L, 5, 3), expected[:, L * 15:2 * L * 15].view(S, L, 5, 3)
+    if layered:
+        gdn.gdn_verify_commit_ref(e_conv, e_state, slots, step_conv, step_states, steps)
+        t_verify.gdn_verify_commit(conv_pool, state_pool, slots, step_conv, step_states, steps)
+    else:
+        gdn.gdn_verify_commit_ref(e_conv[:, 1], e_state[:, 1], slots, step_conv[:, :, 1], step_states[:, :, 1], steps)
+        t_verify.gdn_verify_commit(conv_pool[:, 1], state_pool[:, 1], slots, step_conv[:, :, 1],
+                                   step_states[:, :, 1], steps)
+    assert torch.equal(image, expected)
+    assert t_verify._row_view(step_conv.transpose(3, 4), 2) is None and t_verify._row_view(conv_pool, 1) is not None

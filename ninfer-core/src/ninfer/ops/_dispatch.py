@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 TRITON_OPS: frozenset[str] = frozenset({
     "norm.rms_norm", "norm.rms_norm_gated", "norm.add_rms_norm", "activation.silu_and_mul", "rope.apply_rope",
     "gdn.gdn_gates", "gdn.gdn_decode", "gdn.gdn_decode_fused", "gdn.gdn_prefill", "gdn.gdn_verify",
+    "gdn.gdn_verify_commit",
     "conv1d.causal_conv1d_decode", "conv1d.causal_conv1d_prefill",
     "attention.write_kv", "attention.paged_attention", "attention.paged_attention_gated",
     "attention.norm_rope_write_kv", "linear.linear", "linear.swiglu", "sampling.greedy",

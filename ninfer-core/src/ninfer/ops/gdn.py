@@ -245,6 +245,20 @@ def gdn_verify_commit(conv_states: torch.Tensor, states: torch.Tensor, slots: to
                       step_states: torch.Tensor, steps: torch.Tensor) -> None:
     """Move each row's kept step into its slot: conv_states[slots[b]] = step_conv[b, steps[b]] (and the recurrent
     state alike), for every layer at once (the views may carry a layer axis after the slot / step axes)."""
+    B, R = step_conv.shape[:2]
+    if step_states.shape[:2] != (B, R) or slots.shape != (B,) or steps.shape != (B,) \
+            or step_conv.shape[2:] != conv_states.shape[1:] or step_states.shape[2:] != states.shape[1:]:
+        raise ValueError(f"gdn_verify_commit: slots {tuple(slots.shape)}, steps {tuple(steps.shape)}, step_conv "
+                         f"{tuple(step_conv.shape)}, step_states {tuple(step_states.shape)} must be [B], [B] and "
+                         f"[B, R, ...] of conv_states {tuple(conv_states.shape[1:])} / states {tuple(states.shape[1:])}")
+    kernel = triton_kernel("gdn", "gdn_verify_commit", states)
+    if kernel is not None:
+        return kernel(conv_states, states, slots, step_conv, step_states, steps)
+    return gdn_verify_commit_ref(conv_states, states, slots, step_conv, step_states, steps)
+
+
+def gdn_verify_commit_ref(conv_states: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
+                          step_conv: torch.Tensor, step_states: torch.Tensor, steps: torch.Tensor) -> None:
     rows = torch.arange(slots.shape[0], device=slots.device)
     conv_states[slots] = step_conv[rows, steps]
     states[slots] = step_states[rows, steps]

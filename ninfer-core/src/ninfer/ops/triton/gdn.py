@@ -296,4 +296,4 @@ def gdn_prefill(q, k, v, g, beta, state, has_initial_state: bool, *, out=None):
     return out
 
 
-from ninfer.ops.triton.gdn_verify import gdn_verify  # noqa: E402, F401  (the dispatcher looks it up here)
+from ninfer.ops.triton.gdn_verify import gdn_verify, gdn_verify_commit  # noqa: E402, F401  (the dispatcher looks them up here)

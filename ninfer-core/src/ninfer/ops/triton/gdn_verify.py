@@ -170,3 +170,61 @@ def gdn_verify(mixed_qkv, a, b, conv_weight, conv_states, A_log, dt_bias, states
         R=R, HK=HK, DK=DK, DV=DV, HV_PER_HK=HV // HK, KW=KW, BLOCK_K=triton.next_power_of_2(DK), BLOCK_V=block_v,
         BLOCK_W=triton.next_power_of_2(KW), num_warps=num_warps, **pdl_args(mixed_qkv.device))
     return out
+
+
+@triton.jit
+def _copy_rows_kernel(dst_ptr, dst_rows_ptr, src_ptr, src_rows_ptr, n, s_dst, s_src, s_dr, s_sr,
+                      BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_prologue(USE_PDL)
+    # Programs: (row, block of the row's n contiguous elements).
+    i = tl.program_id(0)
+    offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    d = tl.load(dst_rows_ptr + i * s_dr).to(tl.int64)
+    s = tl.load(src_rows_ptr + i * s_sr).to(tl.int64)
+    tl.store(dst_ptr + d * s_dst + offs, tl.load(src_ptr + s * s_src + offs, mask=mask), mask=mask)
+
+
+def _copy_rows(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor, src_rows: torch.Tensor) -> None:
+    """dst[dst_rows[i]] = src[src_rows[i]] for 2-D views whose rows are contiguous (any row stride)."""
+    n = dst.shape[1]
+    if dst.dtype != src.dtype or src.shape[1] != n or dst.stride(1) != 1 or src.stride(1) != 1:
+        raise ValueError(f"copy_rows: dst {tuple(dst.shape)} {dst.dtype} and src {tuple(src.shape)} {src.dtype} "
+                         f"need the same dtype, row length and contiguous rows")
+    if dst_rows.shape[0] == 0:
+        return
+    block = 4096
+    _copy_rows_kernel[(dst_rows.shape[0], triton.cdiv(n, block))](
+        dst, dst_rows, src, src_rows, n, dst.stride(0), src.stride(0), dst_rows.stride(0), src_rows.stride(0),
+        BLOCK=block, num_warps=4, **pdl_args(dst.device))
+
+
+def _row_view(t: torch.Tensor, lead: int) -> torch.Tensor | None:
+    """``t`` as 2-D [rows, n] without a copy (rows over its first ``lead`` axes, which must collapse into one
+    stride; n over the rest, contiguous), or None when its layout does not allow that."""
+    inner = t.shape[lead:]
+    n, expect = 1, 1
+    for size, stride in zip(reversed(inner), reversed(t.stride()[lead:]), strict=True):
+        if size != 1 and stride != expect:
+            return None
+        expect *= size
+        n *= size
+    if lead == 2 and t.shape[1] != 1 and t.stride(0) != t.stride(1) * t.shape[1]:
+        return None
+    row = t.stride(lead - 1)
+    return t.as_strided((t.shape[:lead].numel(), n), (row, 1))
+
+
+def gdn_verify_commit(conv_states, states, slots, step_conv, step_states, steps):
+    """``ninfer.ops.gdn.gdn_verify_commit`` as two row copies (every layer of a row's kept step is one contiguous
+    block of the step buffers, and one of the slot's StateImage); other layouts take the reference."""
+    from ninfer.ops.gdn import gdn_verify_commit_ref
+
+    views = [_row_view(conv_states, 1), _row_view(states, 1), _row_view(step_conv, 2), _row_view(step_states, 2)]
+    if any(v is None for v in views):
+        return gdn_verify_commit_ref(conv_states, states, slots, step_conv, step_states, steps)
+    dst_conv, dst_states, src_conv, src_states = views
+    R = step_conv.shape[1]
+    src_rows = torch.arange(step_conv.shape[0], device=steps.device) * R + steps
+    _copy_rows(dst_conv, slots, src_conv, src_rows)
+    _copy_rows(dst_states, slots, src_states, src_rows)
