@@ -290,6 +290,7 @@ class _FailingOnce:
 
     def __init__(self, model, fail_at):
         self.model, self.calls, self.fail_at = model, 0, fail_at
+        self.config = model.config
 
     def forward(self, batch, views):
         out = self.model.forward(batch, views)
