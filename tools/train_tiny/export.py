@@ -15,20 +15,12 @@ import json
 import shutil
 from pathlib import Path
 
+from chat_render import template_source
 from model import MAX_POSITIONS, tiny_config
 from safetensors.torch import load_file, save_file
 from tokenizer import ADDED_TOKENS
 
-HERE = Path(__file__).resolve().parent
-# The frontend's Qwen3.5 template, when it exists, is the one the engine renders; embed it so both agree.
-PROJECT_TEMPLATE = HERE.parents[1] / "ninfer-core/src/ninfer/models/common/qwen/templates/qwen3_5.jinja"
 TEMPERATURE, TOP_P, TOP_K = 0.8, 0.95, 50
-
-
-def chat_template() -> tuple[str, str]:
-    if PROJECT_TEMPLATE.exists():
-        return PROJECT_TEMPLATE.read_text(), str(PROJECT_TEMPLATE.relative_to(HERE.parents[1]))
-    return (HERE / "chat_template.jinja").read_text(), "tools/train_tiny/chat_template.jinja"
 
 
 def main() -> None:
@@ -60,7 +52,7 @@ def main() -> None:
     (args.out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
     shutil.copy(args.data / "tokenizer.json", args.out / "tokenizer.json")
-    template, template_source = chat_template()
+    template, template_path = template_source()
     (args.out / "chat_template.jinja").write_text(template)
     base = meta["vocab_size"] - len(ADDED_TOKENS)
     tokenizer_config = {
@@ -74,7 +66,7 @@ def main() -> None:
         "chat_template": template,
     }
     (args.out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
-    print(json.dumps({"out": str(args.out), "tensors": len(tensors), "template": template_source}))
+    print(json.dumps({"out": str(args.out), "tensors": len(tensors), "template": template_path}))
 
 
 if __name__ == "__main__":

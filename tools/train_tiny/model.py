@@ -50,12 +50,20 @@ class MTPBlock(nn.Module):
         self.layers = nn.ModuleList([Qwen3_5DecoderLayer(layer_config, 0)])
         self.norm = Qwen3_5RMSNorm(H, eps=config.rms_norm_eps)
 
-    def forward(self, next_embeds: torch.Tensor, hidden: torch.Tensor, position_embeddings) -> torch.Tensor:
-        x = self.fc(torch.cat([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
+    def fuse(self, next_embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The layer input fc([norm(embed(x_{t+1})); norm(h_t)])."""
+        return self.fc(torch.cat([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
+
+    def decode(self, x: torch.Tensor, position_embeddings, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer and the final norm over fused inputs; `attention_mask` (bool, True = attend) replaces the
+        causal pattern when the entries are not one plain sequence (chained drafts)."""
         for layer in self.layers:
             # No mask: sdpa runs causal when the mask is None (checked by check_mtp_causal).
-            x = layer(x, position_embeddings=position_embeddings, attention_mask=None)
+            x = layer(x, position_embeddings=position_embeddings, attention_mask=attention_mask)
         return self.norm(x)
+
+    def forward(self, next_embeds: torch.Tensor, hidden: torch.Tensor, position_embeddings) -> torch.Tensor:
+        return self.decode(self.fuse(next_embeds, hidden), position_embeddings)
 
 
 class TinyQwen35(nn.Module):
@@ -72,17 +80,21 @@ class TinyQwen35(nn.Module):
     def positions(self, batch: int, length: int, device) -> torch.Tensor:
         return torch.arange(length, device=device).view(1, 1, -1).expand(3, batch, -1)
 
+    def rope(self, x: torch.Tensor, positions: torch.Tensor):
+        """cos / sin of the main model's rotary embedding at `positions` [B, L] (text positions)."""
+        return self.lm.model.rotary_emb(x, positions[None].expand(3, -1, -1))
+
+    def mtp_hidden(self, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The MTP block's normed output [B, L-1, H] from the main model's final-normed hidden [B, L, H]."""
+        B, L = ids.shape
+        h = hidden[:, :-1]
+        rope = self.lm.model.rotary_emb(h, self.positions(B, L - 1, ids.device))
+        return self.mtp(self.lm.model.embed_tokens(ids[:, 1:]), h, rope)
+
     def forward_all(self, ids: torch.Tensor):
         """Logits of the main head [B, L, V] and of the MTP head [B, L-1, V] (position t predicts x_{t+2})."""
-        B, L = ids.shape
-        body = self.lm.model
-        hidden = body(input_ids=ids).last_hidden_state           # final-normed, as the MTP expects
-        logits = self.lm.lm_head(hidden)
-        next_embeds = body.embed_tokens(ids[:, 1:])
-        h = hidden[:, :-1]
-        rope = body.rotary_emb(h, self.positions(B, L - 1, ids.device))
-        mtp_logits = self.lm.lm_head(self.mtp(next_embeds, h, rope))
-        return logits, mtp_logits
+        hidden = self.lm.model(input_ids=ids).last_hidden_state     # final-normed, as the MTP expects
+        return self.lm.lm_head(hidden), self.lm.lm_head(self.mtp_hidden(ids, hidden))
 
     def losses(self, ids: torch.Tensor):
         logits, mtp_logits = self.forward_all(ids)
@@ -90,6 +102,15 @@ class TinyQwen35(nn.Module):
         main = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, V).float(), ids[:, 1:].reshape(-1))
         mtp = nn.functional.cross_entropy(mtp_logits[:, :-1].reshape(-1, V).float(), ids[:, 2:].reshape(-1))
         return main, mtp
+
+    def load_export_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Load HF-named tensors (`export_state_dict`'s names, any dtype) into this model, as fp32."""
+        main = {k: v.float() for k, v in state.items() if not k.startswith("mtp.")}
+        missing = self.lm.load_state_dict(main, strict=False).missing_keys
+        if set(missing) - {"lm_head.weight"}:
+            raise ValueError(f"the weights lack {sorted(set(missing) - {'lm_head.weight'})}")
+        self.lm.tie_weights()
+        self.mtp.load_state_dict({k[4:]: v.float() for k, v in state.items() if k.startswith("mtp.")})
 
     def export_state_dict(self) -> dict[str, torch.Tensor]:
         """HF checkpoint names: the main model's own names (lm_head dropped when tied) plus `mtp.*`."""

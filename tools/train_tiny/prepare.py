@@ -2,8 +2,9 @@
 
     python tools/train_tiny/prepare.py --out .train_data
 
-Writes tokenizer.json, train.u16 (raw plays and chat-formatted scenes, shuffled by document), dev.u16 and
-test.u16 (the held-out plays as raw text) and meta.json (ids, counts, the unigram baseline).
+Writes tokenizer.json, train.u16 (raw plays, chat-formatted scenes and synthetic reasoning / tool-call chats,
+shuffled by document), dev.u16 and test.u16 (the held-out plays as raw text), synthetic_eval.json (held-out
+synthetic prompts for evaluate.py) and meta.json (ids, counts, the unigram baseline).
 """
 
 from __future__ import annotations
@@ -17,33 +18,18 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+from chat_render import ChatRenderer, template_source
 from data import DEV_PLAY, PACKAGE, TEST_PLAY, conversations, fetch_sdist, read_plays, split_plays
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from synthetic import held_out_prompt, synthetic_chats
 from tokenizer import VOCAB_SIZE, token_id, train_tokenizer
 
 HERE = Path(__file__).resolve().parent
 SEED = 1234
 CHAT_EVERY = 3
-
-
-def render_chat(template_source: str, messages: list[dict[str, str]]) -> tuple[str, str]:
-    """(prompt, completion): the conversation up to the last assistant turn's generation prompt, and the rest.
-
-    The two halves are tokenized apart, as at inference (prompt tokens, then generated tokens): the prompt ends
-    in "<think>\n", which would otherwise merge with the following newline into one token the engine never
-    sends."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-    def raise_exception(message: str) -> None:
-        raise ValueError(message)
-
-    env.globals["raise_exception"] = raise_exception
-    template = env.from_string(template_source)
-    full = template.render(messages=messages, add_generation_prompt=False)
-    prompt = template.render(messages=messages[:-1], add_generation_prompt=True)
-    if not full.startswith(prompt):
-        raise ValueError("chat template: the generation prompt is not a prefix of the rendered conversation")
-    return prompt, full[len(prompt):]
+SYNTHETIC_SEED = 19
+SYNTHETIC_CHATS = 250
+EVAL_SEED = 20      # held-out synthetic prompts for evaluate.py
+EVAL_CHATS = 60
 
 
 def unigram_perplexity(train_ids: np.ndarray, test_ids: np.ndarray, vocab: int) -> float:
@@ -57,6 +43,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path(".train_data"))
     ap.add_argument("--cache", type=Path, default=HERE / "out" / "sdist")
+    ap.add_argument("--synthetic", type=int, default=SYNTHETIC_CHATS,
+                    help="synthetic reasoning / tool-call conversations added to the stream")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
@@ -68,21 +56,28 @@ def main() -> None:
     tok.save(str(args.out / "tokenizer.json"))
 
     eot = token_id(tok, "<|endoftext|>")
-    template = (HERE / "chat_template.jinja").read_text()
+    template, template_path = template_source()
+    renderer = ChatRenderer(template)
 
     def encode(text: str) -> list[int]:
         return tok.encode(text, add_special_tokens=False).ids
+
+    def encode_chat(messages, tools=()) -> list[int]:
+        return [t for piece in renderer.segments(messages, tools) for t in encode(piece)] + [eot]
 
     raw_docs = [encode(p.text) + [eot] for p in train]
     # Every CHAT_EVERY-th conversation: enough for the chat format, while raw text stays the larger share
     # (with more chat the model ends plain-text continuations with <|im_end|> after one speech).
     chats = [c for p in train for c in conversations(p)][::CHAT_EVERY]
-    chat_docs = [encode(prompt) + encode(completion) + [eot]
-                 for prompt, completion in (render_chat(template, c) for c in chats)]
-    docs = raw_docs + chat_docs
+    chat_docs = [encode_chat(c) for c in chats]
+    synthetic = synthetic_chats(train, args.synthetic, SYNTHETIC_SEED)
+    synthetic_docs = [encode_chat(c.messages, c.tools) for c in synthetic]
+    docs = raw_docs + chat_docs + synthetic_docs
     random.Random(SEED).shuffle(docs)
     train_ids = np.array([t for d in docs for t in d], dtype=np.uint16)
     raw_train = np.array([t for d in raw_docs for t in d], dtype=np.uint16)
+    held_out = [held_out_prompt(c) for c in synthetic_chats(train, EVAL_CHATS, EVAL_SEED)]
+    (args.out / "synthetic_eval.json").write_text(json.dumps(held_out, indent=1) + "\n")
     dev_ids = np.array(encode(dev.text), dtype=np.uint16)
     test_ids = np.array(encode(test.text), dtype=np.uint16)
     train_ids.tofile(args.out / "train.u16")
@@ -94,7 +89,11 @@ def main() -> None:
         "train_plays": [p.name for p in train], "dev_play": DEV_PLAY, "test_play": TEST_PLAY,
         "train_chars": sum(len(p.text) for p in train), "train_tokens": int(train_ids.size),
         "train_raw_tokens": int(raw_train.size), "train_chat_tokens": int(sum(len(d) for d in chat_docs)),
-        "chat_conversations": len(chats), "dev_tokens": int(dev_ids.size), "test_tokens": int(test_ids.size),
+        "chat_conversations": len(chats), "chat_template": template_path,
+        "synthetic_seed": SYNTHETIC_SEED, "synthetic_conversations": len(synthetic),
+        "synthetic_kinds": dict(sorted(Counter(c.kind for c in synthetic).items())),
+        "train_synthetic_tokens": int(sum(len(d) for d in synthetic_docs)),
+        "dev_tokens": int(dev_ids.size), "test_tokens": int(test_ids.size),
         "test_chars": len(test.text),
         "unigram_test_perplexity": unigram_perplexity(raw_train, test_ids, VOCAB_SIZE),
         "unigram_dev_perplexity": unigram_perplexity(raw_train, dev_ids, VOCAB_SIZE),
