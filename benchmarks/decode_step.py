@@ -67,18 +67,17 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def measure(program, config, device: str, B: int, *, context: int, steps: int, warmup: int = 3) -> dict:
-    """Median and mean ms per decode step (reserve + decode + commit) for B rows at ~``context`` tokens."""
+def prefilled_sequences(program, config, B: int, context: int) -> list[int]:
+    """B greedy sequences opened on ``program``, each with ``context`` random prompt tokens prefilled."""
     from ninfer.contract.batch import RowDecision
     from ninfer.contract.prompt import PreparedPrompt
     from ninfer.contract.request import SamplingParams
 
     gen = torch.Generator().manual_seed(B)
-    greedy = SamplingParams(temperature=0.0)
     seqs = []
     for _ in range(B):
         prompt = PreparedPrompt(token_ids=torch.randint(0, config.vocab_size, (context,), generator=gen).tolist())
-        sid = program.open_sequence(prompt, greedy)
+        sid = program.open_sequence(prompt, SamplingParams(temperature=0.0))
         while program.input_remaining(sid):
             n = min(512, program.input_remaining(sid))
             assert program.reserve_units(sid, n)
@@ -86,6 +85,14 @@ def measure(program, config, device: str, B: int, *, context: int, steps: int, w
             if batch is not None:
                 program.commit(batch, [RowDecision(accepted=1)])
         seqs.append(sid)
+    return seqs
+
+
+def measure(program, config, device: str, B: int, *, context: int, steps: int, warmup: int = 3) -> dict:
+    """Median and mean ms per decode step (reserve + decode + commit) for B rows at ~``context`` tokens."""
+    from ninfer.contract.batch import RowDecision
+
+    seqs = prefilled_sequences(program, config, B, context)
     times = []
     for i in range(warmup + steps):
         _sync(device)

@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from benchmarks.decode_step import prefilled_sequences
 from benchmarks.shapes import SHAPES
 
 # Per-position conditional acceptance published for Qwen3.5 MTP (shared/reference/speculative.md §3.4, Inco,
@@ -87,21 +88,8 @@ def time_units(program, config, device: str, B: int, *, context: int, steps: int
     """Median ms per decode unit (reserve + decode + commit of every row's tokens) for B rows at ``context``;
     with a verify unit, also the median ms of its forward stage alone (graph replay)."""
     from ninfer.contract.batch import RowDecision
-    from ninfer.contract.prompt import PreparedPrompt
-    from ninfer.contract.request import SamplingParams
 
-    gen = torch.Generator().manual_seed(B)
-    seqs = []
-    for _ in range(B):
-        prompt = PreparedPrompt(token_ids=torch.randint(0, config.vocab_size, (context,), generator=gen).tolist())
-        sid = program.open_sequence(prompt, SamplingParams(temperature=0.0))
-        while program.input_remaining(sid):
-            n = min(512, program.input_remaining(sid))
-            assert program.reserve_units(sid, n)
-            batch = program.prefill(sid, n)
-            if batch is not None:
-                program.commit(batch, [RowDecision(accepted=1)])
-        seqs.append(sid)
+    seqs = prefilled_sequences(program, config, B, context)
     unit, forward, tokens = [], [], 0
     for i in range(warmup + steps):
         _sync(device)

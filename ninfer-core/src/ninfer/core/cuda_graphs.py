@@ -105,14 +105,7 @@ class DecodeGraphs:
         """Warm every B on a side stream, then capture largest B first into one shared memory pool."""
         self._point_at_scratch()
         sizes = range(self.max_batch, 0, -1)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for B in sizes:
-                for _ in range(2):
-                    self._run(self.batch(B))
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        torch.cuda.synchronize(self.device)
+        warm_on_side_stream(self.device, lambda: [self._run(self.batch(B)) for B in sizes])
         pool = torch.cuda.graph_pool_handle()
         for B in sizes:
             graph = torch.cuda.CUDAGraph()
@@ -127,19 +120,7 @@ class DecodeGraphs:
         Returns None when every B was captured, else why not (an op without a capturable path, e.g. a
         host sync): the caller then decodes eagerly. Raises when the failed capture left the device unusable.
         """
-        try:
-            with torch.inference_mode(), launches:
-                self.capture()
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-            log.warning("decode CUDA graphs not captured, decoding eagerly: %s", error)
-            try:
-                torch.cuda.synchronize(self.device)
-            except RuntimeError as sync_exc:
-                raise RuntimeError(f"CUDA graph capture failed ({error}) and left the device "
-                                   f"unusable: {sync_exc}") from exc
-            return error
-        return None
+        return try_capture(self.capture, launches, self.device, "decode CUDA graphs")
 
     def load(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int],
              tables: Sequence[Sequence[int]], keys: Sequence[object], *,
@@ -197,3 +178,34 @@ class DecodeGraphs:
         graph, out = self.graphs[B]
         graph.replay()
         return out
+
+
+def warm_on_side_stream(device: torch.device, run: Callable[[], object], rounds: int = 2) -> None:
+    """Run ``run`` (one warmup of everything about to be captured) ``rounds`` times on a side stream, then wait:
+    lazy initialisation and autotuning happen before capture, off the capture stream."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(rounds):
+            run()
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+
+
+def try_capture(capture: Callable[[], None], launches: contextlib.AbstractContextManager, device: torch.device,
+                what: str) -> str | None:
+    """Run ``capture`` inside ``launches`` (a Program's launch scope) in inference mode; None when it succeeded,
+    else why not (the caller then runs eagerly). Raises when the failed capture left the device unusable."""
+    try:
+        with torch.inference_mode(), launches:
+            capture()
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+        log.warning("%s not captured, running eagerly: %s", what, error)
+        try:
+            torch.cuda.synchronize(device)
+        except RuntimeError as sync_exc:
+            raise RuntimeError(f"CUDA graph capture failed ({error}) and left the device "
+                               f"unusable: {sync_exc}") from exc
+        return error
+    return None

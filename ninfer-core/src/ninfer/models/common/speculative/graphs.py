@@ -14,15 +14,13 @@ do on the host between the stages) replays a third graph instead: forward, greed
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
+from ninfer.core.cuda_graphs import try_capture, warm_on_side_stream
 from ninfer.core.forward_batch import ForwardBatch
-
-log = logging.getLogger(__name__)
 
 Forward = Callable[[ForwardBatch], tuple[torch.Tensor, torch.Tensor]]           # batch -> (hidden, logits)
 Finish = Callable[[ForwardBatch, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # -> drafts [B, k]
@@ -137,16 +135,14 @@ class VerifyGraphs:
         """Warm every B on a side stream, then capture both stages, largest B first, into one memory pool."""
         self._point_at_scratch()
         sizes = range(self.max_batch, 0, -1)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
+
+        def warm() -> None:
             for B in sizes:
-                for _ in range(2):
-                    hidden, _ = self._forward(self.batch(B))
-                    self._finish(self.batch(B), hidden, self.tokens[:B], self.accepted[:B])
-                    self._whole(self.batch(B))
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        torch.cuda.synchronize(self.device)
+                hidden, _ = self._forward(self.batch(B))
+                self._finish(self.batch(B), hidden, self.tokens[:B], self.accepted[:B])
+                self._whole(self.batch(B))
+
+        warm_on_side_stream(self.device, warm)
         pool = torch.cuda.graph_pool_handle()
         for B in sizes:
             fwd = torch.cuda.CUDAGraph()
@@ -163,18 +159,8 @@ class VerifyGraphs:
 
     def try_capture(self, launches: contextlib.AbstractContextManager) -> str | None:
         """``capture`` in the Program's launch scope; None when done, else why not (the unit then runs eagerly)."""
-        try:
-            with torch.inference_mode(), launches:
-                self.capture()
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-            log.warning("verify CUDA graphs not captured, speculative units run eagerly: %s", error)
+        error = try_capture(self.capture, launches, self.device, "verify CUDA graphs")
+        if error is not None:
             self.graphs.clear()
             self.greedy_graphs.clear()
-            try:
-                torch.cuda.synchronize(self.device)
-            except RuntimeError as sync_exc:
-                raise RuntimeError(f"CUDA graph capture failed ({error}) and left the device "
-                                   f"unusable: {sync_exc}") from exc
-            return error
-        return None
+        return error
