@@ -1,0 +1,70 @@
+"""Stochastic speculative decoding is lossless end to end: through the real Program on the embedded model (whose
+trained MTP head makes drafts that are accepted as well as rejected), the second generated token's distribution
+given the first is the same with k = 2 drafts as without (Pearson chi-square over the (first, second) table,
+top-k 3 sampling, fixed seeds: the outcome is deterministic, the threshold generous)."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from ninfer import default_model_path
+from ninfer.contract.batch import RowDecision
+from ninfer.contract.config import StartupFeatures, StartupOptions
+from ninfer.contract.prompt import TextInput
+from ninfer.contract.request import SamplingParams
+
+pytest.importorskip("transformers")
+from ninfer.artifact import open_artifact  # noqa: E402
+from ninfer_qwen35.startup import build  # noqa: E402
+
+SAMPLES, ROWS = 320, 8
+
+
+def second_tokens(k: int) -> tuple[collections.Counter, int]:
+    """(Counter of (first, second) generated tokens over SAMPLES seeds, verify rows that accepted a draft)."""
+    with open_artifact(default_model_path()) as art:
+        inst = build(art, StartupOptions(device="cpu", dtype="float32", max_concurrency=ROWS, num_pages=64,
+                                         context_cache=False, features=StartupFeatures(
+                                             speculative="mtp", num_draft_tokens=k) if k else StartupFeatures()))
+    prog, prompt = inst.program, inst.frontend.prepare(TextInput(text="ROMEO:\n"))
+    counts, accepted = collections.Counter(), 0
+    for start in range(0, SAMPLES, ROWS):
+        ids, first = [], {}
+        for seed in range(start, start + ROWS):
+            sid = prog.open_sequence(prompt, SamplingParams(temperature=1.0, top_k=3, top_p=1.0, seed=seed))
+            assert prog.reserve_units(sid, len(prompt))
+            batch = prog.prefill(sid, len(prompt))
+            first[sid] = batch.rows[0].tokens[0]
+            prog.commit(batch, [RowDecision(accepted=1)])
+            ids.append(sid)
+        for sid in ids:
+            assert prog.reserve_units(sid, prog.decode_span)
+        batch = prog.decode(ids)
+        for row in batch.rows:
+            counts[first[row.sequence_id], row.tokens[0]] += 1
+            accepted += row.produced > 1
+        prog.commit(batch, [RowDecision(accepted=r.produced, terminal=True) for r in batch.rows])
+        for sid in ids:
+            prog.release(sid)
+    assert prog.usage().all_free
+    return counts, accepted
+
+
+def test_sampled_tokens_keep_their_distribution_with_drafts():
+    plain, _ = second_tokens(0)
+    spec, accepted = second_tokens(2)
+    assert accepted > SAMPLES // 10  # drafts really were accepted (and the rest rejected)
+    cells = sorted(set(plain) | set(spec))
+    # two-sample Pearson chi-square over the cells with enough mass (the rest pooled)
+    big = [c for c in cells if plain[c] + spec[c] >= 20]
+    table = [(plain[c], spec[c]) for c in big] + [(sum(plain[c] for c in cells if c not in big),
+                                                   sum(spec[c] for c in cells if c not in big))]
+    table = [t for t in table if sum(t) > 0]
+    n1, n2 = sum(a for a, _ in table), sum(b for _, b in table)
+    stat = sum((a * n2 - b * n1) ** 2 / (n1 * n2 * (a + b)) for a, b in table)
+    dof = len(table) - 1
+    # the 0.999 quantile of chi-square is below dof + 3.1 sqrt(2 dof) + 10 for these sizes: a broken rule (e.g.
+    # the correction drawn from p instead of the residual) moves mass by far more
+    assert stat < dof + 3.1 * (2 * dof) ** 0.5 + 10, (stat, dof, table)
