@@ -124,3 +124,32 @@ def test_mtp_feature_binds_the_head_and_decodes_like_plain(artifact_path, tmp_pa
     bare = convert_tiny(make_tiny_checkpoint(tmp_path / "ckpt", mtp=False), tmp_path / "bare.ninfer")
     with open_artifact(bare) as art, pytest.raises(StartupError, match="mtp_num_hidden_layers = 0"):
         build(art, StartupOptions(device="cpu", features=StartupFeatures(speculative="mtp")))
+
+
+def test_a_speculative_unit_needs_its_whole_span_held(artifact_path):
+    """A verify unit writes decode_span positions per row: without their pages it refuses (PoolExhausted, naming
+    what to reserve) rather than let a row's draft positions share the scratch page."""
+    from ninfer.core.kv_pool import PoolExhausted
+
+    with open_artifact(artifact_path) as art:
+        inst = build(art, StartupOptions(device="cpu", max_concurrency=2, dtype="float32", num_pages=3, page_size=4,
+                                         features=StartupFeatures(speculative="mtp", num_draft_tokens=3)))
+    prog = inst.program
+    hog = prog.open_sequence(inst.frontend.prepare(TextInput(text="ab")), SamplingParams(temperature=0.0))
+    sid = prog.open_sequence(inst.frontend.prepare(TextInput(text="The")), SamplingParams(temperature=0.0))
+    n = len(prog.sequences.get(sid).ledger)
+    assert prog.reserve_units(sid, n)
+    batch = prog.prefill(sid, n)
+    prog.commit(batch, [RowDecision(accepted=1)])
+    assert prog.reserve_units(hog, 4 * prog.pool.allocator.num_free)  # the pool's last free pages go elsewhere
+    free = prog.pool.allocator.num_free
+    assert free == 0 and prog.kv.needed(prog.sequences.get(sid), n + prog.decode_span - 1) > 0
+    with pytest.raises(PoolExhausted, match="reserve_units"):
+        prog.decode([sid])
+    assert prog.pool.allocator.num_free == free  # nothing taken
+    prog.release(hog)
+    assert prog.reserve_units(sid, prog.decode_span)
+    batch = prog.decode([sid])
+    prog.commit(batch, [RowDecision(accepted=batch.rows[0].produced, terminal=True)])
+    prog.release(sid)
+    assert prog.usage().all_free

@@ -32,7 +32,7 @@ from ninfer.contract.batch import LaunchedUnit, PendingBatch, PendingRow
 from ninfer.contract.config import MAX_DRAFT_TOKENS
 from ninfer.contract.constraint import TokenMasks
 from ninfer.core.forward_batch import ForwardBatch
-from ninfer.core.kv_pool import pages_for
+from ninfer.core.kv_pool import PoolExhausted, pages_for
 from ninfer.core.readback import Readback, upload
 from ninfer.models.common.context.errors import ProgramError
 from ninfer.models.common.context.sequence import SequenceRecord
@@ -144,8 +144,16 @@ class SpeculativeProgram(PagedProgram):
             raise ProgramError("a speculative Program does not chain decode units (decode_span > 1)")
         ids, seqs, _ = self._decode_rows(sequence_ids, None)
         k, span = self.draft_tokens, self.decode_span
-        for seq in seqs:  # the engine reserved the span below max_model_len; past it the scratch page stands in
-            self.kv.hold(seq, min(seq.computed + span, self.max_model_len))
+        # The span below max_model_len must be held (the engine reserves it: ``decode_span``); past the limit the
+        # scratch page stands in (those positions only make tokens no request can keep).
+        ends = [min(s.computed + span, self.max_model_len) for s in seqs]
+        needs = [self.kv.needed(s, end) for s, end in zip(seqs, ends, strict=True)]
+        if sum(needs) > self.pool.allocator.num_free:
+            raise PoolExhausted(f"a speculative unit writes {span} positions per row: {sum(needs)} unreserved KV "
+                                f"pages needed, {self.pool.allocator.num_free} free (reserve_units(id, decode_span))")
+        for seq, end, need in zip(seqs, ends, needs, strict=True):
+            if need:
+                self.kv.hold(seq, end)
         drafts = [self._drafts_of(s) for s in seqs]
         B, R = len(seqs), k + 1
         rows = [[s.ledger[s.computed], *d] for s, d in zip(seqs, drafts, strict=True)]
