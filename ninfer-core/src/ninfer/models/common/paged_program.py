@@ -266,7 +266,8 @@ class PagedProgram(Checkpointing, abc.ABC):
 
     def _decode_rows(self, sequence_ids: Sequence[int], after: LaunchedUnit | None
                      ) -> tuple[list[int], list[SequenceRecord], _LaunchNative | None]:
-        """Check a decode unit's rows (decode-ready, or chained after ``after``) and hold any page they still need."""
+        """Check a decode unit's rows (decode-ready, or chained after ``after``) and hold any page they still need:
+        ``decode_span`` positions from each row's input, none past max_model_len (the scratch page stands in)."""
         ids = list(sequence_ids)
         if not ids or len(set(ids)) != len(ids):
             raise ProgramError(f"decode needs distinct sequence ids, got {ids}")
@@ -293,13 +294,15 @@ class PagedProgram(Checkpointing, abc.ABC):
                                    f"remaining, {seq.generated} generated, {seq.launched} launched)")
             if n > self.max_model_len:  # the input goes at position computed = n - 1
                 raise ProgramError(f"sequence {seq.id} is at max_model_len {self.max_model_len}")
-        needs = [self.kv.needed(s, s.computed + 1) for s in seqs]  # 0 for rows the engine reserved
+        ends = [min(s.computed + self.decode_span, self.max_model_len) for s in seqs]
+        needs = [self.kv.needed(s, end) for s, end in zip(seqs, ends, strict=True)]  # 0 for rows the engine reserved
         if sum(needs) > self.pool.allocator.num_free:
-            raise PoolExhausted(f"decode of {len(ids)} rows needs {sum(needs)} unreserved KV pages, "
-                                f"{self.pool.allocator.num_free} free")
-        for seq, need in zip(seqs, needs, strict=True):
+            raise PoolExhausted(f"decode of {len(ids)} rows writing {self.decode_span} positions each needs "
+                                f"{sum(needs)} unreserved KV pages, {self.pool.allocator.num_free} free "
+                                f"(reserve_units(id, decode_span) first)")
+        for seq, end, need in zip(seqs, ends, needs, strict=True):
             if need:
-                self.kv.hold(seq, seq.computed + 1)
+                self.kv.hold(seq, end)
         return ids, seqs, prev
 
     def collect(self, unit: LaunchedUnit) -> PendingBatch:

@@ -19,7 +19,7 @@ import torch
 from ninfer.contract.batch import PendingRow
 from ninfer.contract.constraint import MaskFill, TokenMasks, mask_words
 from ninfer.core.readback import Readback, RowLogprobs, upload
-from ninfer.models.common.context.sequence import SequenceRecord, draw_seed
+from ninfer.models.common.context.sequence import RowSampling, SequenceRecord, draw_seed
 
 TOPK_PATH = 1024  # largest top_k sampled from its top-k candidates; wider (or none) sorts the vocabulary
 
@@ -90,7 +90,7 @@ class Sampler:
         """Queue sampling (and logprobs) of every row of ``logits`` [B, V], then one device->host copy of the
         results. ``indices``: the generated-token index each row draws (its counter-based seed). ``masks``:
         the engine's token masks; constrained rows' logits are masked in place first."""
-        from ninfer.ops.sampling import greedy, logprobs, sample
+        from ninfer.ops.sampling import greedy, sample
 
         dev = logits.device
         if masks is not None:
@@ -99,9 +99,7 @@ class Sampler:
         if all(p.greedy for p in sp):
             tokens = greedy(logits)  # what sample() does for temperature 0, without its per-row setup
         else:
-            # one host->device copy for every row's knobs (top_k is exact in fp32 below 2**24)
-            knobs = upload(torch.tensor([[p.temperature, p.top_p, p.min_p, min(p.top_k, 1 << 24)] for p in sp],
-                                        dtype=torch.float32), dev)
+            knobs = _knobs(sp, dev)
             drawn = [p for p in sp if not p.greedy]
             narrow = all(0 < p.top_k <= TOPK_PATH for p in drawn)  # filter top-k candidates, no vocabulary sort
             tokens = sample(logits, knobs[:, 0], knobs[:, 3].long(), knobs[:, 1], knobs[:, 2],
@@ -109,15 +107,7 @@ class Sampler:
                              for s, p, i in zip(seqs, sp, indices, strict=True)],
                             max_top_k=max(p.top_k for p in drawn) if narrow else None)
         want = tuple(i for i, p in enumerate(sp) if p.logprobs)
-        if not want:
-            return Readback.launch(tokens)
-        top_n = max(sp[i].top_logprobs for i in want)
-        if len(want) == len(sp):
-            lps = logprobs(logits, tokens, top_n)
-        else:
-            idx = upload(torch.tensor(want), dev)
-            lps = logprobs(logits[idx], tokens[idx], top_n)
-        return Readback.launch(tokens, want, top_n, lps)
+        return launch_readback(tokens, logits, tokens, want, max((sp[i].top_logprobs for i in want), default=0))
 
     def _apply_masks(self, seqs: Sequence[SequenceRecord], logits: torch.Tensor, masks: TokenMasks,
                      drafts: Sequence[Sequence[int]] | None = None) -> None:
@@ -148,8 +138,7 @@ class Sampler:
         sp = [s.sampling for s in seqs]
         if all(p.greedy for p in sp):  # the longest prefix equal to the argmax, then the argmax (no draws)
             return verify_greedy(logits, drafts)
-        knobs = upload(torch.tensor([[p.temperature, p.top_p, p.min_p, min(p.top_k, 1 << 24)] for p in sp],
-                                    dtype=torch.float32), logits.device)
+        knobs = _knobs(sp, logits.device)
         noise, uniform = self.verify_draws(seqs, indices, R, V)
         num = torch.full((B,), R - 1, dtype=torch.int64, device=logits.device)
         # ops.speculative.verify without its argument checks (one of them reads the device): shapes hold here
@@ -180,17 +169,45 @@ class Sampler:
         return readback.wait()
 
 
+def _knobs(sp: Sequence[RowSampling], dev: torch.device) -> torch.Tensor:
+    """[temperature, top_p, min_p, top_k] of every row, fp32 [B, 4] on ``dev`` in one host->device copy (top_k is
+    exact in fp32 below 2**24)."""
+    return upload(torch.tensor([[p.temperature, p.top_p, p.min_p, min(p.top_k, 1 << 24)] for p in sp],
+                               dtype=torch.float32), dev)
+
+
+def launch_readback(pack: torch.Tensor, logits: torch.Tensor, tokens: torch.Tensor, want: tuple[int, ...],
+                    top_n: int) -> Readback:
+    """The unit's one copy to the host: ``pack`` (its sampled tokens, and whatever else the unit reports), plus
+    the logprobs of rows ``want`` of ``logits`` [N, V] for their ``tokens`` [N] with their ``top_n`` best."""
+    from ninfer.ops.sampling import logprobs
+
+    if not want:
+        return Readback.launch(pack)
+    if len(want) == logits.shape[0]:
+        lps = logprobs(logits, tokens, top_n)
+    else:
+        idx = upload(torch.tensor(want), logits.device)
+        lps = logprobs(logits[idx], tokens[idx], top_n)
+    return Readback.launch(pack, want, top_n, lps)
+
+
+def pending_row(seq: SequenceRecord, tokens: tuple[int, ...], logprobs: Sequence[RowLogprobs] | None,
+                drafted: int = 0) -> PendingRow:
+    """The PendingRow of ``seq``'s ``tokens``; ``logprobs`` (one entry per token) when the row asked for them:
+    each token's logprob and its ``top_logprobs`` best."""
+    if logprobs is None:
+        return PendingRow(sequence_id=seq.id, tokens=tokens, drafted=drafted)
+    n = seq.sampling.top_logprobs
+    return PendingRow(sequence_id=seq.id, tokens=tokens, drafted=drafted,
+                      logprobs=tuple(chosen for chosen, _ in logprobs),
+                      top_logprobs=tuple(tuple(zip([int(t) for t in ids[:n]], lps[:n], strict=True))
+                                         for _, (ids, lps) in logprobs))
+
+
 def pending_rows(seqs: Sequence[SequenceRecord], rows_at: Sequence[int], tokens: list[int],
                  logprobs: dict[int, RowLogprobs]) -> list[PendingRow]:
     """One PendingRow per sequence, whose results are row ``rows_at[k]`` of the sampled unit; rows that asked
     for logprobs carry the chosen token's and their ``top_logprobs`` best."""
-    rows = []
-    for seq, i in zip(seqs, rows_at, strict=True):
-        if i in logprobs:
-            chosen, (ids, lps) = logprobs[i]
-            n = seq.sampling.top_logprobs
-            top = tuple(zip([int(t) for t in ids[:n]], lps[:n], strict=True))
-            rows.append(PendingRow(sequence_id=seq.id, tokens=(tokens[i],), logprobs=(chosen,), top_logprobs=(top,)))
-        else:
-            rows.append(PendingRow(sequence_id=seq.id, tokens=(tokens[i],)))
-    return rows
+    return [pending_row(seq, (tokens[i],), [logprobs[i]] if i in logprobs else None)
+            for seq, i in zip(seqs, rows_at, strict=True)]

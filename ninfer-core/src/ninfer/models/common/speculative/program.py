@@ -28,15 +28,16 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from ninfer.contract.batch import LaunchedUnit, PendingBatch, PendingRow
+from ninfer.contract.batch import LaunchedUnit, PendingBatch
 from ninfer.contract.config import MAX_DRAFT_TOKENS
 from ninfer.contract.constraint import TokenMasks
 from ninfer.core.forward_batch import ForwardBatch
-from ninfer.core.kv_pool import PoolExhausted, pages_for
-from ninfer.core.readback import Readback, upload
+from ninfer.core.kv_pool import pages_for
+from ninfer.core.readback import Readback
 from ninfer.models.common.context.errors import ProgramError
 from ninfer.models.common.context.sequence import SequenceRecord
 from ninfer.models.common.paged_program import PagedProgram, _BatchNative
+from ninfer.models.common.sampler import launch_readback, pending_row
 from ninfer.models.common.speculative.batches import block_table, chained_batch, verify_batch
 from ninfer.models.common.speculative.graphs import VerifyGraphs
 
@@ -142,18 +143,10 @@ class SpeculativeProgram(PagedProgram):
                       masks: TokenMasks | None = None) -> LaunchedUnit:
         if after is not None:
             raise ProgramError("a speculative Program does not chain decode units (decode_span > 1)")
+        # Holds the span below max_model_len (past it the scratch page stands in: those positions only make
+        # tokens no request can keep); refuses rather than let rows' positions share the scratch page.
         ids, seqs, _ = self._decode_rows(sequence_ids, None)
         k, span = self.draft_tokens, self.decode_span
-        # The span below max_model_len must be held (the engine reserves it: ``decode_span``); past the limit the
-        # scratch page stands in (those positions only make tokens no request can keep).
-        ends = [min(s.computed + span, self.max_model_len) for s in seqs]
-        needs = [self.kv.needed(s, end) for s, end in zip(seqs, ends, strict=True)]
-        if sum(needs) > self.pool.allocator.num_free:
-            raise PoolExhausted(f"a speculative unit writes {span} positions per row: {sum(needs)} unreserved KV "
-                                f"pages needed, {self.pool.allocator.num_free} free (reserve_units(id, decode_span))")
-        for seq, end, need in zip(seqs, ends, needs, strict=True):
-            if need:
-                self.kv.hold(seq, end)
         drafts = [self._drafts_of(s) for s in seqs]
         B, R = len(seqs), k + 1
         rows = [[s.ledger[s.computed], *d] for s, d in zip(seqs, drafts, strict=True)]
@@ -210,16 +203,11 @@ class SpeculativeProgram(PagedProgram):
                   accepted: torch.Tensor, drafts: torch.Tensor) -> Readback:
         """One copy: tokens [B*R], accepted [B], drafts [B*k], and the logprobs of every position of the rows
         that want them (flat rows b*R + t)."""
-        from ninfer.ops.sampling import logprobs
-
         B, R = tokens.shape
         pack = torch.cat([tokens.flatten(), accepted, drafts.flatten()])
         want = tuple(b * R + t for b, s in enumerate(seqs) if s.sampling.logprobs for t in range(R))
-        if not want:
-            return Readback.launch(pack)
-        top_n = max(s.sampling.top_logprobs for s in seqs if s.sampling.logprobs)
-        idx = upload(torch.tensor(want), logits.device)
-        return Readback.launch(pack, want, top_n, logprobs(logits[idx], tokens.flatten()[idx].clamp_min(0), top_n))
+        top_n = max((s.sampling.top_logprobs for s in seqs if s.sampling.logprobs), default=0)
+        return launch_readback(pack, logits, tokens.flatten().clamp_min(0), want, top_n)
 
     def collect(self, unit: LaunchedUnit) -> PendingBatch:
         native = unit.native
@@ -241,14 +229,7 @@ class SpeculativeProgram(PagedProgram):
             seq.drafts = tuple(int(t) for t in drafts[b * k:(b + 1) * k])
             seq.pending = True
             out = tuple(int(t) for t in tokens[b * R:b * R + n])
-            if seq.sampling.logprobs:
-                per = [lps[b * R + t] for t in range(n)]
-                top_n = seq.sampling.top_logprobs
-                rows.append(PendingRow(sequence_id=seq.id, tokens=out, drafted=k,
-                                       logprobs=tuple(p[0] for p in per),
-                                       top_logprobs=tuple(tuple(zip([int(i) for i in p[1][0][:top_n]], p[1][1][:top_n],
-                                                                    strict=True)) for p in per)))
-            else:
-                rows.append(PendingRow(sequence_id=seq.id, tokens=out, drafted=k))
+            per = [lps[b * R + t] for t in range(n)] if seq.sampling.logprobs else None
+            rows.append(pending_row(seq, out, per, drafted=k))
             consumed.append(n)
         return PendingBatch(kind="verify", rows=rows, native=_BatchNative(program_id=self.id, consumed=tuple(consumed)))
