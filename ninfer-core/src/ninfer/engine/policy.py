@@ -76,10 +76,7 @@ class CyclePolicy:
     def decode_positions(self, rec: RequestRecord) -> int:
         """Positions ``rec``'s decode unit writes: the Program's ``decode_span`` (1, or more with speculative
         drafts), no further than max_model_len (the next input sits at position len(history) - 1)."""
-        span = self.state.program.decode_span
-        if span == 1:
-            return 1
-        return max(1, min(span, self.max_model_len - len(rec.prompt) - rec.generated + 1))
+        return max(1, min(self.state.program.decode_span, self.max_model_len - len(rec.prompt) - rec.generated + 1))
 
     def grant_prefill_permit(self) -> RequestRecord | None:
         """The one Prefill/Replay row of this cycle, its chunk reserved."""
