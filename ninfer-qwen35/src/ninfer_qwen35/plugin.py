@@ -13,7 +13,7 @@ def ninfer_register_architectures(register):
         handles=("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
         description="Qwen3.5 dense: Gated DeltaNet + gated attention (3:1), text part of VL checkpoints",
         config="ninfer_qwen35.config:parse_config",
-        startup="ninfer_qwen35.startup:build",
+        startup="ninfer_qwen35.startup:Qwen35Startup",
         program="ninfer_qwen35.program:Qwen35Program",
         frontend="ninfer.models.common.qwen:QwenFrontend",
         source_mapping="ninfer_qwen35.source_mapping:source_mapping",

@@ -1,10 +1,11 @@
-"""Native Qwen3.5 Startup: artifact -> weights -> Parameters -> capacity plan -> Frontend + Program.
+"""Native Qwen3.5 Startup (``ninfer.contract.Startup``): profile -> load -> instance.
 
-Only the selected features are bound and read (Text; with ``speculative="mtp"`` the MTP head too;
-Vision and the DFlash backends are refused clearly until they exist). The device plan is the shared one (``ninfer.core.device_plan``: KV
-pages from the budget after weights, StateImages, workspace and headroom; host budget; PDL); Qwen3.5
-supplies its activation width per token for the workspace estimate. Options arrive typed and validated
-(``ninfer.contract.StartupOptions``).
+Only the selected features are bound and read (Text; with ``speculative="mtp"`` the MTP head too; Vision and
+the DFlash backends are refused clearly until they exist). ``profile`` prepares the very Parameters execution
+uses, on the meta device from the artifact's header (``ninfer.artifact.meta_weights``), so the weight bytes it
+reports are what a load allocates (views of the artifact's parents where dtype and layout allow, copies
+where not); StateImage slot, KV page, verify records, workspace and graph estimate complete the profile.
+The runtime plans the budget; ``instance`` builds a Program of exactly the granted capacity.
 """
 
 from __future__ import annotations
@@ -15,86 +16,143 @@ import attrs
 import torch
 
 from ninfer.contract.config import StartupOptions
+from ninfer.contract.memory import ModelProfile, ProgramCapacity, WeightPlacement
 from ninfer.contract.model import ModelInstance
 from ninfer.core.device import Device, dtype_name, torch_dtype
-from ninfer.core.device_plan import plan_device, resident_bytes
+from ninfer.core.device_plan import WORKSPACE_TOKENS, graph_estimate, resident_bytes
+from ninfer.core.kv_pool import PagedKVPool
 from ninfer_qwen35.config import Qwen35Config, parse_config
+
+EMBED = "model.embed_tokens.weight"
 
 
 class StartupError(ValueError):
-    """The artifact, the selected features or the budget cannot make a working instance."""
+    """The artifact or the selected features cannot make a working instance."""
 
 
 @attrs.frozen(kw_only=True, eq=False)
 class Qwen35Loaded:
-    """The read-only Model: config, bound weights and how they were loaded."""
+    """The read-only Model: config, bound weights, prepared Parameters (and the MTP drafter), the Frontend."""
 
     config: Qwen35Config
     weights: Any
     load_report: Any
     executor: Any  # Qwen35Model, the fixed model calls
+    mtp: Any  # Qwen35MTP when speculative="mtp"
+    frontend: Any
+    compute: torch.dtype
 
 
-def build(artifact: Any, options: StartupOptions) -> ModelInstance:
-    """Build the Qwen3.5 ModelInstance for an opened artifact (``ninfer.contract.Startup``)."""
-    from ninfer.artifact import load_weights
-    from ninfer.models.common.qwen import QwenFrontend
-    from ninfer_qwen35.execution.model import Qwen35Model
-    from ninfer_qwen35.execution.mtp import Qwen35MTP
-    from ninfer_qwen35.execution.parameters import MTPParams, Qwen35Parameters
-    from ninfer_qwen35.program import Qwen35Program
-    from ninfer_qwen35.program.mtp_program import Qwen35MTPProgram, verify_steps
-    from ninfer_qwen35.state import kv_pools, state_layout
+class Qwen35Startup:
+    """Qwen3.5's side of startup: what it needs, its weights, and a Program of a granted capacity."""
 
-    features, max_concurrency, page_size = options.features, options.max_concurrency, options.page_size
+    def profile(self, artifact: Any, options: StartupOptions) -> ModelProfile:
+        from ninfer.artifact import meta_weights
+        from ninfer_qwen35.execution.parameters import MTPParams, Qwen35Parameters
+        from ninfer_qwen35.program.mtp_program import verify_steps
+
+        config, features = _checked(artifact, options)
+        weights = meta_weights(artifact, features=features)
+        compute = _compute_dtype(options, weights[EMBED].dtype)
+        meta = torch.device("meta")
+        fixed = [*weights.parents.values(), *Qwen35Parameters.from_weights(config, weights, compute, meta).tensors()]
+        k = options.features.draft_tokens
+        backing = 0
+        if k:
+            fixed += MTPParams.from_weights(config, weights, compute, meta).tensors()
+            steps = verify_steps(config, rows=options.max_concurrency, draft_tokens=k, dtype=compute, device=meta)
+            backing = resident_bytes([steps.conv, steps.recurrent])
+        layout, pool = _stores(config, options, compute)
+        size = torch.empty((), dtype=compute).element_size()
+        width = activation_width(config)
+        return ModelProfile(
+            architecture=artifact.metadata.architecture, dtype=dtype_name(compute), features=features,
+            placements=(WeightPlacement(name="all-device", device_bytes=resident_bytes(fixed)),),
+            state_slot_bytes=layout.nbytes_per_slot, kv_page_bytes=PagedKVPool.page_bytes(pool),
+            page_size=pool.page_size, backing_bytes=backing, workspace_bytes=WORKSPACE_TOKENS * width * size,
+            graph_bytes=graph_estimate(vocab_size=config.vocab_size, activation_width=width, element_size=size,
+                                       max_batch=options.max_concurrency, rows_per_sequence=k + 1,
+                                       graph_sets=3 if k else 1),
+            model_limit=config.max_position_embeddings, layers=config.num_hidden_layers)
+
+    def load(self, artifact: Any, options: StartupOptions, placement: WeightPlacement) -> Qwen35Loaded:
+        from ninfer.artifact import load_weights
+        from ninfer.models.common.qwen import QwenFrontend
+        from ninfer_qwen35.execution.model import Qwen35Model
+        from ninfer_qwen35.execution.mtp import Qwen35MTP
+        from ninfer_qwen35.execution.parameters import MTPParams, Qwen35Parameters
+
+        if placement.host_bytes:
+            raise StartupError(f"Qwen3.5 dense places every weight on the device; placement {placement.name!r} "
+                               f"asks for {placement.host_bytes} host bytes")
+        config, features = _checked(artifact, options)
+        dev = Device.parse(options.device)
+        frontend = QwenFrontend.from_resources(artifact.frontend, chat_template_override=options.chat_template,
+                                               special_tokens_in_content=options.special_tokens_in_content)
+        weights, report = load_weights(artifact, features=features, device=str(dev))
+        compute = _compute_dtype(options, weights[EMBED].dtype)
+        executor = Qwen35Model(Qwen35Parameters.from_weights(config, weights, compute, dev.torch))
+        mtp = None
+        if options.features.draft_tokens:
+            mtp = Qwen35MTP(MTPParams.from_weights(config, weights, compute, dev.torch), executor)
+        return Qwen35Loaded(config=config, weights=weights, load_report=report, executor=executor, mtp=mtp,
+                            frontend=frontend, compute=compute)
+
+    def instance(self, loaded: Qwen35Loaded, options: StartupOptions, capacity: ProgramCapacity) -> ModelInstance:
+        from ninfer_qwen35.program import Qwen35Program
+        from ninfer_qwen35.program.mtp_program import Qwen35MTPProgram, verify_steps
+
+        config, compute, dev = loaded.config, loaded.compute, Device.parse(options.device)
+        layout, pool = _stores(config, options, compute)
+        common = dict(state_layout=layout, kv_pool=pool, device=dev, max_concurrency=options.max_concurrency,
+                      num_pages=capacity.kv_pages, kv_dtype=compute, vocab_size=config.vocab_size,
+                      host_budget_bytes=capacity.host_budget_bytes,
+                      sampling_defaults=loaded.frontend.sampling_defaults(), max_model_len=capacity.max_model_len,
+                      cuda_graphs=options.cuda_graphs, pdl=capacity.pdl, checkpoint_slots=capacity.checkpoint_slots,
+                      cache_host_budget_bytes=capacity.cache_host_budget_bytes, calibration=capacity.calibration)
+        k = options.features.draft_tokens
+        if k:
+            steps = verify_steps(config, rows=options.max_concurrency, draft_tokens=k, dtype=compute, device=dev.torch)
+            program = Qwen35MTPProgram(loaded.executor, mtp=loaded.mtp, steps=steps, draft_tokens=k, **common)
+        else:
+            program = Qwen35Program(loaded.executor, **common)
+        return ModelInstance(architecture="qwen35", config=config, model=loaded, parameters=loaded.executor.params,
+                             frontend=loaded.frontend, program=program)
+
+
+def activation_width(config: Qwen35Config) -> int:
+    """Elements per token a prefill chunk holds at once: residual stream and projections, MLP, conv, logits rows."""
+    return 4 * config.hidden_size + 2 * config.intermediate_size + 2 * config.conv_dim + config.vocab_size // 8
+
+
+def _checked(artifact: Any, options: StartupOptions) -> tuple[Qwen35Config, tuple[str, ...]]:
+    """The config and the features to bind; refuses what this Startup cannot run."""
+    features = options.features
     if features.vision:
         raise StartupError("Qwen3.5 Vision is not implemented yet; start without the vision feature")
     if features.speculative not in (None, "mtp"):
         raise StartupError(f"speculative backend {features.speculative!r} is not implemented yet for Qwen3.5")
-    dev = Device.parse(options.device)
     config = parse_config(artifact.config)
-    k = features.draft_tokens
-    if k and not config.mtp_num_hidden_layers:
+    if features.draft_tokens and not config.mtp_num_hidden_layers:
         raise StartupError("speculative='mtp' needs an MTP head, and this model's config has "
                            "mtp_num_hidden_layers = 0")
-    frontend = QwenFrontend.from_resources(artifact.frontend, chat_template_override=options.chat_template,
-                                           special_tokens_in_content=options.special_tokens_in_content)
+    return config, ("text", "mtp") if features.draft_tokens else ("text",)
 
-    weights, report = load_weights(artifact, features=("text", "mtp") if k else ("text",), device=str(dev))
-    compute = torch_dtype(options.dtype) if options.dtype is not None else weights["model.embed_tokens.weight"].dtype
+
+def _compute_dtype(options: StartupOptions, stored: torch.dtype) -> torch.dtype:
+    compute = torch_dtype(options.dtype) if options.dtype is not None else stored
     if compute not in (torch.float32, torch.bfloat16, torch.float16):
         raise StartupError(f"compute dtype must be float32, bfloat16 or float16, got {compute}")
-    params = Qwen35Parameters.from_weights(config, weights, compute, dev.torch)
-    executor = Qwen35Model(params)
-    fixed = [*weights.parents.values(), *params.tensors()]
-    mtp = steps = None
-    if k:
-        mtp = Qwen35MTP(MTPParams.from_weights(config, weights, compute, dev.torch), executor)
-        steps = verify_steps(config, rows=max_concurrency, draft_tokens=k, dtype=compute, device=dev.torch)
-        fixed += [*mtp.params.tensors(), steps.conv, steps.recurrent]
-    layout = state_layout(config, dtype_name(compute))
-    pools = kv_pools(config, page_size=page_size, dtype=dtype_name(compute),
-                     mtp_layers=config.mtp_num_hidden_layers if k else 0)
+    return compute
+
+
+def _stores(config: Qwen35Config, options: StartupOptions, compute: torch.dtype):
+    """The StateImage layout and the one KV pool (target attention layers, then the MTP's when selected)."""
+    from ninfer_qwen35.state import kv_pools, state_layout
+
+    mtp_layers = config.mtp_num_hidden_layers if options.features.draft_tokens else 0
+    pools = kv_pools(config, page_size=options.page_size, dtype=dtype_name(compute), mtp_layers=mtp_layers)
     if len(pools) != 1:
         raise StartupError(f"this Program runs exactly one KV pool (the attention layers); the config gives "
                            f"{len(pools)}")
-    (pool_spec,) = pools
-    # The workspace a prefill chunk holds per token: residual stream and projections, MLP, conv, logits rows.
-    width = 4 * config.hidden_size + 2 * config.intermediate_size + 2 * config.conv_dim + config.vocab_size // 8
-    plan = plan_device(options, dev, compute=compute,
-                       weight_bytes=resident_bytes(fixed),
-                       layers=config.num_hidden_layers, state_layout=layout, kv_pool=pool_spec,
-                       activation_width=width, model_limit=config.max_position_embeddings)
-    common = dict(state_layout=layout, kv_pool=pool_spec, device=dev, max_concurrency=max_concurrency,
-                  num_pages=plan.kv_pages, kv_dtype=compute, vocab_size=config.vocab_size,
-                  host_budget_bytes=plan.host_budget_bytes, sampling_defaults=frontend.sampling_defaults(),
-                  max_model_len=plan.max_model_len, cuda_graphs=options.cuda_graphs, pdl=plan.pdl,
-                  checkpoint_slots=plan.checkpoint_slots, cache_host_budget_bytes=plan.cache_host_budget_bytes)
-    if k:
-        program = Qwen35MTPProgram(executor, mtp=mtp, steps=steps, draft_tokens=k, **common)
-    else:
-        program = Qwen35Program(executor, **common)
-    program.plan = plan
-    model = Qwen35Loaded(config=config, weights=weights, load_report=report, executor=executor)
-    return ModelInstance(architecture="qwen35", config=config, model=model, parameters=params, frontend=frontend,
-                         program=program)
+    return state_layout(config, dtype_name(compute)), pools[0]

@@ -17,7 +17,7 @@ from ninfer.artifact.format import (
     Plane,
     Use,
 )
-from ninfer.artifact.materializer import LoadReport, Materializer, load_weights, plan_load
+from ninfer.artifact.materializer import LoadReport, Materializer, load_weights, meta_weights, plan_load
 from ninfer.artifact.placement import Placement, ResolvedLoad, resolve_load
 from ninfer.artifact.reader import Artifact, open_artifact
 from ninfer.artifact.writer import ArtifactWriter
@@ -25,6 +25,6 @@ from ninfer.artifact.writer import ArtifactWriter
 __all__ = [
     "FEATURES", "Artifact", "ArtifactError", "ArtifactHeader", "ArtifactWriter", "Binding", "ChecksumError",
     "FrontendSection", "LoadPlan", "LoadReport", "Materializer", "Metadata", "PhysicalObject", "Placement",
-    "Plane", "ResolvedLoad", "Use", "bind", "load_weights", "normalize_features", "open_artifact",
+    "Plane", "ResolvedLoad", "Use", "bind", "load_weights", "normalize_features", "meta_weights", "open_artifact",
     "plan_load", "resolve_load",
 ]

@@ -75,13 +75,8 @@ class Materializer:
         """Read, verify (default: the artifact's ``verify_on_load``) and place every planned object."""
         import torch
 
-        from ninfer.models.common.weights import BoundParameter, WeightSet
-
         plan = self.resolved.plan
-        for o in plan.objects:
-            if o.format != "dense":
-                raise ArtifactError(f"object {o.id!r} has format {o.format!r}; only dense objects are "
-                                    f"materialized so far")
+        _check_dense(plan)
         start = time.perf_counter()
         if verify is None:
             verify = self.artifact.verify_on_load
@@ -112,19 +107,42 @@ class Materializer:
                 _upload(read_chunk, device_jobs, pool, self.chunk, depth=workers + 1)
         if sums is not None:
             sums.check(plan.objects)  # before any weight is handed out
-        parents = {oid: _typed(self.artifact.objects[oid], t) for oid, t in raw.items()}
-        params = []
-        for b in plan.bindings:
-            parent = parents[b.object]
-            tensor = parent[b.rows[0]:b.rows[1]] if b.rows is not None else parent
-            params.append(BoundParameter(name=b.name, parent=b.object, tensor=tensor,
-                                         rows=tuple(b.rows) if b.rows is not None else None))
-        weights = WeightSet(parents, params)
+        weights = _bind(plan, {oid: _typed(self.artifact.objects[oid], t) for oid, t in raw.items()})
         devices = sorted({p.device for p in self.resolved.placements}) or ["cpu"]
         report = LoadReport(features=plan.features, device=",".join(devices), objects_loaded=len(plan.objects),
                             bindings_bound=len(plan.bindings), uses_resolved=len(plan.uses), bytes_read=dict(read),
                             bytes_uploaded=dict(read), seconds=time.perf_counter() - start, verified=verify)
         return weights, report
+
+
+def meta_weights(artifact: Artifact, *, features=("text",), check_expected: bool = True, host=None):
+    """The WeightSet ``load_weights`` would make, on the meta device: every parent's shape and dtype and every
+    view's sharing, from the header alone (no byte is read). A profile prepares Parameters from it and counts
+    the storages a real load allocates."""
+    import torch
+
+    plan = plan_load(artifact, features, check_expected=check_expected, host=host)
+    _check_dense(plan)
+    return _bind(plan, {o.id: torch.empty(o.shape, dtype=torch_dtype(o.dtype), device="meta") for o in plan.objects})
+
+
+def _check_dense(plan: LoadPlan) -> None:
+    for o in plan.objects:
+        if o.format != "dense":
+            raise ArtifactError(f"object {o.id!r} has format {o.format!r}; only dense objects are materialized so far")
+
+
+def _bind(plan: LoadPlan, parents: dict):
+    """Logical parameters as views (whole, or a row range) of their resident parents."""
+    from ninfer.models.common.weights import BoundParameter, WeightSet
+
+    params = []
+    for b in plan.bindings:
+        parent = parents[b.object]
+        tensor = parent[b.rows[0]:b.rows[1]] if b.rows is not None else parent
+        params.append(BoundParameter(name=b.name, parent=b.object, tensor=tensor,
+                                     rows=tuple(b.rows) if b.rows is not None else None))
+    return WeightSet(parents, params)
 
 
 def _typed(o: PhysicalObject, flat):

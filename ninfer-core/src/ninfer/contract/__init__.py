@@ -27,6 +27,14 @@ from ninfer.contract.events import (
     Timings,
     Usage,
 )
+from ninfer.contract.memory import (
+    GraphMemory,
+    HostMemory,
+    MemorySummary,
+    ModelProfile,
+    ProgramCapacity,
+    WeightPlacement,
+)
 from ninfer.contract.model import (
     Frontend,
     ModelInstance,
@@ -45,8 +53,8 @@ from ninfer.contract.state import KVPoolSpec, StateField, StateImageLayout
 
 __all__ = [
     "CacheUsage", "ChatInput", "CheckpointInfo", "ChoiceConstraint", "Constraint", "ConstraintError",
-    "GrammarConstraint", "JsonConstraint", "MaskFill", "RegexConstraint", "TokenMasks", "ToolCallConstraint", "ContextStore", "EngineConfig", "FinishReason", "Frontend", "FrontendResources", "GenerationRequest", "GenerationResult", "GenerationStart",
-    "KVPoolSpec", "LaunchedUnit", "MediaItem", "MediaSpan", "ModelInstance", "OutputDelta", "OutputSession", "PendingBatch",
-    "PendingRow", "PipelinedDecode", "PreparedPrompt", "Preview", "Program", "PromptTooLong", "ResourceUsage", "RowDecision", "SamplingParams", "SnapshotCost", "StateField", "StateImageLayout",
-    "Startup", "StartupFeatures", "StartupOptions", "TextInput", "Timings", "TurnBoundary", "Usage",
+    "GrammarConstraint", "GraphMemory", "HostMemory", "JsonConstraint", "MaskFill", "RegexConstraint", "TokenMasks", "ToolCallConstraint", "ContextStore", "EngineConfig", "FinishReason", "Frontend", "FrontendResources", "GenerationRequest", "GenerationResult", "GenerationStart",
+    "KVPoolSpec", "LaunchedUnit", "MediaItem", "MediaSpan", "MemorySummary", "ModelInstance", "ModelProfile", "OutputDelta", "OutputSession", "PendingBatch",
+    "PendingRow", "PipelinedDecode", "PreparedPrompt", "Preview", "Program", "ProgramCapacity", "PromptTooLong", "ResourceUsage", "RowDecision", "SamplingParams", "SnapshotCost", "StateField", "StateImageLayout",
+    "Startup", "StartupFeatures", "StartupOptions", "TextInput", "Timings", "TurnBoundary", "Usage", "WeightPlacement",
 ]

@@ -18,6 +18,7 @@ from ninfer.contract.batch import LaunchedUnit, PendingBatch, RowDecision
 from ninfer.contract.config import StartupFeatures, StartupOptions
 from ninfer.contract.constraint import Constraint, TokenMasks
 from ninfer.contract.events import FinishReason, OutputDelta
+from ninfer.contract.memory import MemorySummary, ModelProfile, ProgramCapacity, WeightPlacement
 from ninfer.contract.prompt import ChatInput, PreparedPrompt, TextInput
 from ninfer.contract.request import SamplingParams
 from ninfer.contract.state import KVPoolSpec, StateImageLayout
@@ -82,6 +83,14 @@ class Program(Protocol):
     # Positions one decode unit writes per row (1; 2k with k speculative drafts: verify k + 1, chained drafts
     # k - 1): the engine reserves that many (fewer at max_model_len) and chains no decode step when above 1.
     decode_span: int
+    graph_error: str | None  # why decode runs without CUDA graphs (capture failed), None when they run or are off
+
+    def backing_bytes(self) -> int:
+        """Bytes of its explicit device backing: StateImages, KV pages, checkpoint slots, verify records (not the
+        weights, workspaces or CUDA graphs)."""
+
+    def release_graphs(self) -> None:
+        """Destroy its CUDA graphs (graph calibration measures what they held); later units run eagerly."""
 
     def open_sequence(self, prompt: PreparedPrompt, sampling: SamplingParams) -> int:
         """Bind a StateImage slot for a new sequence; returns its sequence id."""
@@ -227,14 +236,29 @@ class ModelInstance:
     parameters: Any
     frontend: Frontend
     program: Program | None
+    memory: MemorySummary | None = None  # what the start took (set by the runtime's startup)
 
 
 @runtime_checkable
 class Startup(Protocol):
-    """Native startup: weight placement, capacity plan, Frontend construction and Program creation.
+    """Native startup, in the three steps the runtime's planner drives (docs/memory.md): ``profile`` (what the
+    model needs, from the artifact's header alone: no weight byte is read), ``load`` (weights for one placement
+    candidate, Parameters and the Frontend) and ``instance`` (a Program of exactly the granted capacity; called
+    once for graph calibration with a few KV pages, then for the formal Program, and once more at most when a
+    capacity correction rebuild shrinks the automatic KV pool).
 
-    An architecture's ``startup`` slot names a callable of this shape (Qwen3.5: ``ninfer_qwen35.startup.build``).
-    It receives every option, always: the engine never inspects its signature.
+    An architecture's ``startup`` slot names a class of this shape, made with no arguments (Qwen3.5:
+    ``ninfer_qwen35.startup.Qwen35Startup``). Every method receives every option, always.
     """
 
-    def __call__(self, artifact: Artifact, options: StartupOptions) -> ModelInstance: ...
+    def profile(self, artifact: Artifact, options: StartupOptions) -> ModelProfile:
+        """The model's needs under ``options`` (features, dtype, concurrency, page size). Refuses (``ValueError``
+        naming the problem) what it cannot run: unknown features, a missing head, a bad dtype."""
+
+    def load(self, artifact: Artifact, options: StartupOptions, placement: WeightPlacement) -> Any:
+        """Read the selected features' weights as ``placement`` says and prepare Parameters and the Frontend;
+        returns the loaded model that ``instance`` takes (opaque to the runtime)."""
+
+    def instance(self, loaded: Any, options: StartupOptions, capacity: ProgramCapacity) -> ModelInstance:
+        """A ModelInstance whose Program holds exactly ``capacity`` (CUDA graphs captured when
+        ``options.cuda_graphs`` asks and the device is CUDA)."""

@@ -1,16 +1,19 @@
-"""What a native Startup decides about the device before it builds its Program: how many KV pages fit,
-the longest history they allow, the host bytes paused Snapshots may hold, the context cache's checkpoint
-slots and host bytes, and whether launches use PDL.
+"""The startup planner's arithmetic: a ``ModelProfile`` judged against the device budget, before and after the
+weights are resident (docs/memory.md).
 
-The KV pool takes what the device budget leaves after the resident weights, the StateImage slots (one
-per sequence and the scratch slot), a workspace estimate and, on CUDA, a fixed headroom of 1 GiB for what
-is not counted exactly (design document); on the CPU a modest default applies unless a budget is given.
-An explicit ``num_pages`` wins. With the context cache on, checkpoint StateImage slots come out of the
-budget first (``checkpoint_slots``, else up to 8 per concurrent sequence within an eighth of the room),
-and the KV pool may grow to 4x what the resident sequences could use at once (cached prefixes share
-it). Budgets follow ``StartupOptions``: ``NINFER_VRAM_BUDGET_MIB`` caps the CUDA
-budget when ``device_budget_bytes`` is None, ``NINFER_HOST_BUDGET_MIB`` sets the host budget when
-``host_budget_bytes`` is None. PDL pays for small decoder layers only (``ops.triton._pdl.prefers_pdl``).
+One function, ``plan_memory``, answers both questions. Before loading (``ninfer plan``, and every start before a
+weight byte is read) it picks the first placement candidate whose fixed needs fit and refuses, with the numbers,
+when none does. Once the weights are resident and the CUDA graphs calibrated, the runtime calls it again with
+what is left (``weights_resident=True``, the calibrated graph figure) to size the formal KV pool.
+
+Fixed needs: the weights, one StateImage slot per sequence plus the scratch slot, other explicit backing
+(verify records), the workspace peak, the CUDA graphs and, on CUDA, at least 1 GiB of headroom for what is
+not counted exactly (design document). Context-cache checkpoint slots come next (``checkpoint_slots``, else
+up to 8 per concurrent sequence within an eighth of the room). KV pages take the rest, up to what the
+resident sequences could use at once (4x with the context cache: cached prefixes share the pool); an explicit
+``num_pages`` is granted exactly or refused. The budget is ``device_budget_bytes`` (else
+``NINFER_VRAM_BUDGET_MIB``, else the device); free memory is a second bound. Host budgets (paused Snapshots,
+the cache's pinned replicas) are planned against the host's available memory the same way.
 """
 
 from __future__ import annotations
@@ -18,13 +21,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import attrs
-import torch
 
 from ninfer import env
 from ninfer.contract.config import StartupOptions
-from ninfer.contract.state import KVPoolSpec, StateImageLayout
-from ninfer.core.device import Device, dtype_name
-from ninfer.core.kv_pool import PagedKVPool, pages_for
+from ninfer.contract.memory import HostMemory, ModelProfile, ProgramCapacity, WeightPlacement
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -33,11 +33,13 @@ CPU_HOST_BUDGET = 256 * MIB
 CUDA_HOST_BUDGET = 8 * GIB
 CPU_CACHE_HOST_BUDGET = 256 * MIB
 CUDA_CACHE_HOST_BUDGET = 16 * GIB
+HOST_DEFAULT_SHARE = 4  # a default host budget takes at most this fraction (1/n) of the available host memory
 CHECKPOINT_SLOTS_PER_SEQUENCE = 8  # prompt end, turn end and grid points of a few conversations each
 CPU_CHECKPOINT_SLOTS = 32
 CACHE_POOL_FACTOR = 4  # KV pages beyond the residents' needs: room for cached prefixes
 HEADROOM = GIB
 WORKSPACE_TOKENS = 2048  # the largest prefill chunk the workspace estimate covers
+GRAPH_DRIVER_BYTES = 4 * MIB  # per captured graph, before calibration measures it
 
 
 class PlanError(ValueError):
@@ -45,105 +47,197 @@ class PlanError(ValueError):
 
 
 @attrs.frozen(kw_only=True)
-class DevicePlan:
-    """What Startup decided, in bytes and pages; the Program keeps it as ``program.plan``."""
+class DeviceRoom:
+    """What the planner may take. ``budget_bytes``: the device budget left (None: unbounded, a CPU without one);
+    ``free_bytes``: free device memory (None: not known); ``total_bytes``: the device's size (None: CPU)."""
 
-    device: str
-    dtype: str
-    weight_bytes: int
+    is_cuda: bool
+    budget_bytes: int | None
+    free_bytes: int | None = None
+    total_bytes: int | None = None
+
+    @property
+    def available(self) -> int | None:
+        bounds = [b for b in (self.budget_bytes, self.free_bytes) if b is not None]
+        return min(bounds) if bounds else None
+
+
+@attrs.frozen(kw_only=True)
+class MemoryPlan:
+    """The planner's answer: the chosen placement and every category in bytes (``table``), KV pages and tokens."""
+
+    profile: ModelProfile
+    placement: WeightPlacement
+    room: DeviceRoom
+    weights_bytes: int  # charged to this plan (0 once the weights are resident)
     state_bytes: int
+    checkpoint_slots: int
+    checkpoint_bytes: int
+    backing_bytes: int
     workspace_bytes: int
+    graph_bytes: int
     headroom_bytes: int
-    kv_page_bytes: int
     kv_pages: int
-    page_size: int
+    kv_automatic: bool
     max_model_len: int
-    host_budget_bytes: int
+    host: HostMemory
     pdl: bool
-    checkpoint_slots: int = 0
-    cache_host_budget_bytes: int = 0
 
     @property
     def kv_bytes(self) -> int:
-        return self.kv_page_bytes * self.kv_pages
+        return self.kv_pages * self.profile.kv_page_bytes
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.kv_pages * self.profile.page_size
+
+    @property
+    def needed_bytes(self) -> int:
+        return sum(b for _, b in self.table())
+
+    def table(self) -> list[tuple[str, int]]:
+        """(category, bytes) of everything this plan charges to the device."""
+        return [("weights", self.weights_bytes), ("StateImages", self.state_bytes),
+                ("checkpoint slots", self.checkpoint_bytes), ("verify records", self.backing_bytes),
+                ("workspace", self.workspace_bytes), ("CUDA graphs", self.graph_bytes),
+                ("headroom", self.headroom_bytes), ("KV pages", self.kv_bytes)]
+
+    def capacity(self, *, kv_pages: int | None = None, calibration: bool = False) -> ProgramCapacity:
+        """The ProgramCapacity this plan grants (``kv_pages``: a calibration build's few pages)."""
+        return ProgramCapacity(kv_pages=kv_pages or self.kv_pages, max_model_len=self.max_model_len,
+                               checkpoint_slots=self.checkpoint_slots, host_budget_bytes=self.host.snapshot_budget_bytes,
+                               cache_host_budget_bytes=self.host.cache_budget_bytes, pdl=self.pdl,
+                               calibration=calibration)
 
 
-def resident_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors``: views of one parent count once."""
+def resident_bytes(tensors: Iterable) -> int:
+    """Bytes of the distinct storages behind ``tensors``: views of one parent count once (meta tensors too, so a
+    profile built on the meta device counts exactly what a real build allocates)."""
     seen: dict[int, int] = {}
     for t in tensors:
         storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
+        seen[storage._cdata] = storage.nbytes()  # the StorageImpl: one per allocation, shared by its views
     return sum(seen.values())
 
 
-def _env_bytes(name: str) -> int | None:
-    mib = env.get(name)
+def graph_estimate(*, vocab_size: int, activation_width: int, element_size: int, max_batch: int,
+                   rows_per_sequence: int = 1, graph_sets: int = 1) -> int:
+    """A CUDA graph set before calibration: each captured B keeps its fp32 logits rows alive in the shared pool,
+    the largest B's activations are the pool's transient peak, and the driver keeps some memory per graph."""
+    rows = sum(range(1, max_batch + 1)) * rows_per_sequence
+    peak = max_batch * rows_per_sequence * activation_width * element_size
+    return graph_sets * (rows * vocab_size * 4 + peak + max_batch * GRAPH_DRIVER_BYTES)
+
+
+def device_budget(options: StartupOptions) -> int | None:
+    """The configured device budget: ``device_budget_bytes``, else ``NINFER_VRAM_BUDGET_MIB``, else None."""
+    if options.device_budget_bytes is not None:
+        return options.device_budget_bytes
+    mib = env.get("NINFER_VRAM_BUDGET_MIB")
     return None if mib is None else mib * MIB
 
 
-def plan_device(options: StartupOptions, device: Device, *, compute: torch.dtype, weight_bytes: int, layers: int,
-                state_layout: StateImageLayout, kv_pool: KVPoolSpec, activation_width: int,
-                model_limit: int) -> DevicePlan:
-    """Plan one Program on ``device``. ``weight_bytes``: resident weights (``resident_bytes``); ``layers``:
-    decoder layers they are spread over (for the PDL choice); ``activation_width``: elements per token of the
-    activations a prefill chunk holds at once (the workspace estimate); ``model_limit``: the longest history
-    the model supports (its max_position_embeddings)."""
-    limit = min(model_limit, options.max_model_len or model_limit)
-    page_size, page_bytes = kv_pool.page_size, PagedKVPool.page_bytes(kv_pool)
-    slot_bytes = state_layout.nbytes_per_slot
-    state_bytes = slot_bytes * (options.max_concurrency + 1)
-    workspace = WORKSPACE_TOKENS * activation_width * torch.empty((), dtype=compute).element_size()
-    headroom, num_pages = 0, options.num_pages
-    room = None
-    if device.is_cuda:
-        headroom = HEADROOM
-        torch.cuda.empty_cache()  # loading staged through the caching allocator: return that first
-        free, total = torch.cuda.mem_get_info(device.torch)
-        budget = min(options.device_budget_bytes or _env_bytes("NINFER_VRAM_BUDGET_MIB") or total, total)
-        # The weights are resident already: what is free now is what the stores can still take.
-        room = min(budget - weight_bytes, free) - state_bytes - workspace - headroom
-    elif options.device_budget_bytes is not None:
-        room = options.device_budget_bytes - weight_bytes - state_bytes - workspace
-    slots = _checkpoint_slots(options, device, slot_bytes, room)
-    if room is not None:
-        room -= slots * slot_bytes
-    if num_pages is None:
-        useful = pages_for(limit, page_size) * options.max_concurrency  # more could never run at once
-        if options.context_cache:
-            useful *= CACHE_POOL_FACTOR
-        room = CPU_KV_BUDGET if room is None else room
-        num_pages = min(room // page_bytes, useful) if room > 0 else 0
-        if num_pages < 1:
-            raise PlanError(
-                f"the device budget leaves no room for KV pages: weights {weight_bytes / MIB:.1f} MiB, StateImages "
-                f"{state_bytes / MIB:.1f} MiB, checkpoint slots {slots * slot_bytes / MIB:.1f} MiB, workspace {workspace / MIB:.1f} MiB, headroom {headroom / MIB:.0f} MiB; "
-                f"one page needs {page_bytes / MIB:.3f} MiB")
-    host_budget = options.host_budget_bytes
-    if host_budget is None:
-        host_budget = _env_bytes("NINFER_HOST_BUDGET_MIB")
-        host_budget = host_budget if host_budget is not None else (
-            CUDA_HOST_BUDGET if device.is_cuda else CPU_HOST_BUDGET)
-    pdl = False
-    if device.is_cuda:
-        from ninfer.ops.triton._pdl import prefers_pdl
-
-        pdl = options.pdl if options.pdl is not None else prefers_pdl(weight_bytes / layers)
-    cache_host = 0
+def plan_memory(profile: ModelProfile, options: StartupOptions, room: DeviceRoom, *,
+                placement: WeightPlacement | None = None, weights_resident: bool = False,
+                graph_bytes: int | None = None, host_available: int | None = None) -> MemoryPlan:
+    """Plan one Program. ``placement``: the candidate already chosen (else the first that fits);
+    ``weights_resident``: the weights are loaded and ``room`` is what is left beside them; ``graph_bytes``: the
+    calibrated graph figure (else the profile's estimate); ``host_available``: the host's available bytes."""
+    limit = min(profile.model_limit, options.max_model_len or profile.model_limit)
+    page_bytes = profile.kv_page_bytes
+    useful = _pages_for(limit, profile.page_size) * options.max_concurrency  # more could never run at once
     if options.context_cache:
-        cache_host = options.cache_host_budget_bytes
-        if cache_host is None:
-            cache_host = _env_bytes("NINFER_CACHE_HOST_BUDGET_MIB")
-        if cache_host is None:
-            cache_host = CUDA_CACHE_HOST_BUDGET if device.is_cuda else CPU_CACHE_HOST_BUDGET
-    return DevicePlan(device=str(device), dtype=dtype_name(compute), weight_bytes=weight_bytes,
-                      checkpoint_slots=slots, cache_host_budget_bytes=cache_host,
-                      state_bytes=state_bytes, workspace_bytes=workspace, headroom_bytes=headroom,
-                      kv_page_bytes=page_bytes, kv_pages=int(num_pages), page_size=page_size,
-                      max_model_len=min(limit, int(num_pages) * page_size), host_budget_bytes=host_budget, pdl=pdl)
+        useful *= CACHE_POOL_FACTOR
+    state = profile.state_slot_bytes * (options.max_concurrency + 1)
+    headroom = HEADROOM if room.is_cuda else 0
+    graphs = (profile.graph_bytes if graph_bytes is None else max(0, graph_bytes)) if room.is_cuda else 0
+    host = plan_host(options, room.is_cuda, placement or profile.placements[0], host_available)
+    candidates = (placement,) if placement is not None else profile.placements
+    minimum = options.num_pages or options.max_concurrency  # at least one page per concurrent sequence
+    avail = room.available
+    plan = None
+    for cand in candidates:
+        weights = 0 if weights_resident else cand.device_bytes
+        fixed = weights + state + profile.backing_bytes + profile.workspace_bytes + graphs + headroom
+        if avail is None or fixed + minimum * page_bytes <= avail:
+            plan = (cand, weights, fixed)
+            break
+    if plan is None:
+        cand = candidates[0]
+        weights = 0 if weights_resident else cand.device_bytes
+        parts = [("weights", weights), ("StateImages", state), ("verify records", profile.backing_bytes),
+                 ("workspace", profile.workspace_bytes), ("CUDA graphs", graphs), ("headroom", headroom),
+                 (f"KV minimum ({minimum} pages)", minimum * page_bytes)]
+        need = sum(b for _, b in parts)
+        raise PlanError(
+            f"{profile.architecture} ({'+'.join(profile.features)}, {profile.dtype}) does not fit: it needs "
+            f"{_size(need)} ({', '.join(f'{k} {_size(b)}' for k, b in parts if b)}) but {_room(room)}; short by "
+            f"{_size(need - avail)}" + (f" (placement candidates tried: {', '.join(c.name for c in candidates)})"
+                                        if len(candidates) > 1 else ""))
+    cand, weights, fixed = plan
+    left = None if avail is None else avail - fixed
+    slots = _checkpoint_slots(options, profile.state_slot_bytes, left)
+    checkpoint = slots * profile.state_slot_bytes
+    if options.num_pages is not None:
+        pages = options.num_pages
+        if left is not None and checkpoint + pages * page_bytes > left:
+            raise PlanError(f"num_pages={pages} needs {_size(pages * page_bytes)} of KV, but after the fixed needs "
+                            f"({_size(fixed)}) and {slots} checkpoint slots ({_size(checkpoint)}) {_room(room)} "
+                            f"leaves {_size(max(0, left - checkpoint))}")
+    else:
+        kv_room = CPU_KV_BUDGET if left is None else left - checkpoint
+        pages = min(max(0, kv_room) // page_bytes, useful)
+        if pages < minimum:  # the checkpoint slots took it: the fixed needs alone were judged to fit
+            if options.checkpoint_slots:
+                raise PlanError(f"checkpoint_slots={slots} ({_size(checkpoint)}) leave fewer than {minimum} KV "
+                                f"pages after the fixed needs ({_size(fixed)}); {_room(room)}")
+            slots, checkpoint = 0, 0
+            pages = min(max(0, left) // page_bytes, useful) if left is not None else useful
+    return MemoryPlan(profile=profile, placement=cand, room=room, weights_bytes=weights, state_bytes=state,
+                      checkpoint_slots=slots, checkpoint_bytes=checkpoint, backing_bytes=profile.backing_bytes,
+                      workspace_bytes=profile.workspace_bytes, graph_bytes=graphs, headroom_bytes=headroom,
+                      kv_pages=int(pages), kv_automatic=options.num_pages is None,
+                      max_model_len=min(limit, int(pages) * profile.page_size), host=host,
+                      pdl=_pdl(options, room.is_cuda, cand.device_bytes / profile.layers))
 
 
-def _checkpoint_slots(options: StartupOptions, device: Device, slot_bytes: int, room: int | None) -> int:
+def plan_host(options: StartupOptions, is_cuda: bool, placement: WeightPlacement,
+              available: int | None) -> HostMemory:
+    """Host budgets: explicit ones must fit the available memory with the host weights; defaults (8 GiB of
+    Snapshots and 16 GiB of cache replicas on CUDA, 256 MiB each on the CPU) take at most a quarter of it each."""
+    def pick(explicit: int | None, variable: str, default: int) -> tuple[int, bool]:
+        if explicit is None:
+            mib = env.get(variable)
+            explicit = None if mib is None else mib * MIB
+        if explicit is not None:
+            return explicit, True
+        return (default if available is None else min(default, available // HOST_DEFAULT_SHARE)), False
+
+    snapshots, s_explicit = pick(options.host_budget_bytes, "NINFER_HOST_BUDGET_MIB",
+                                 CUDA_HOST_BUDGET if is_cuda else CPU_HOST_BUDGET)
+    cache, c_explicit = (0, False) if not options.context_cache else pick(
+        options.cache_host_budget_bytes, "NINFER_CACHE_HOST_BUDGET_MIB",
+        CUDA_CACHE_HOST_BUDGET if is_cuda else CPU_CACHE_HOST_BUDGET)
+    host = HostMemory(weights_bytes=placement.host_bytes, snapshot_budget_bytes=snapshots, cache_budget_bytes=cache,
+                      available_bytes=available)
+    if available is not None and (s_explicit or c_explicit or placement.host_bytes) and host.planned_bytes > available:
+        raise PlanError(f"host memory: the plan needs {_size(host.planned_bytes)} (host weights "
+                        f"{_size(placement.host_bytes)}, Snapshot budget {_size(snapshots)}, cache replicas "
+                        f"{_size(cache)}) but {_size(available)} is available")
+    return host
+
+
+def _pdl(options: StartupOptions, is_cuda: bool, layer_bytes: float) -> bool:
+    if not is_cuda:
+        return False
+    if options.pdl is not None:
+        return options.pdl
+    from ninfer.ops.triton._pdl import prefers_pdl
+
+    return prefers_pdl(layer_bytes)
+
+
+def _checkpoint_slots(options: StartupOptions, slot_bytes: int, room: int | None) -> int:
     """Device StateImage slots for checkpoints: the explicit count, else a few per concurrent sequence within
     an eighth of the room (CPU without a budget: a fixed count)."""
     if not options.context_cache:
@@ -156,3 +250,20 @@ def _checkpoint_slots(options: StartupOptions, device: Device, slot_bytes: int, 
     if slot_bytes == 0:
         return want
     return max(0, min(want, room // 8 // slot_bytes))
+
+
+def _pages_for(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+def _size(n: float) -> str:
+    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB else f"{n / MIB:.1f} MiB"
+
+
+def _room(room: DeviceRoom) -> str:
+    parts = []
+    if room.budget_bytes is not None:
+        parts.append(f"the budget allows {_size(room.budget_bytes)}")
+    if room.free_bytes is not None:
+        parts.append(f"{_size(room.free_bytes)} is free on the device")
+    return " and ".join(parts) or "nothing bounds it"

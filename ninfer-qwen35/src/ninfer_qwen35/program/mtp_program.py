@@ -24,8 +24,8 @@ from ninfer_qwen35.program.program import Qwen35Program
 
 def verify_steps(config: Qwen35Config, *, rows: int, draft_tokens: int, dtype: torch.dtype,
                  device: torch.device) -> VerifySteps:
-    """Step buffers for ``rows`` verify rows of 1 + ``draft_tokens`` positions (allocated before the device plan
-    so the plan counts them)."""
+    """Step buffers for ``rows`` verify rows of 1 + ``draft_tokens`` positions (explicit Program backing: the
+    profile counts them as ``backing_bytes``)."""
     R, L = draft_tokens + 1, len(config.gdn_layers)
     return VerifySteps(
         conv=torch.zeros((rows, R, L, config.conv_dim, config.linear_conv_kernel_dim - 1), dtype=dtype,
@@ -52,6 +52,9 @@ class Qwen35MTPProgram(SpeculativeProgram, Qwen35Program):
             raise ValueError(f"the KV pool holds {len(self.mtp_kv)} layers after the target's {attention}; the MTP "
                              f"block has {len(mtp.params.layers)}")
         self.start_graphs(cuda_graphs=cuda_graphs, static_decode=static_decode)  # the drafter's views exist now
+
+    def backing_bytes(self) -> int:
+        return super().backing_bytes() + sum(t.numel() * t.element_size() for t in (self.steps.conv, self.steps.recurrent))
 
     def verify_forward(self, batch: ForwardBatch) -> torch.Tensor:
         B = batch.num_seqs

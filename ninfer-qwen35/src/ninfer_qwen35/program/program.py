@@ -29,17 +29,19 @@ class Qwen35Program(PagedProgram):
                  max_concurrency: int, num_pages: int, kv_dtype: torch.dtype | str | None = None,
                  vocab_size: int, host_budget_bytes: int = 0, sampling_defaults: SamplingParams | None = None,
                  max_model_len: int | None = None, cuda_graphs: bool = True, static_decode: bool = False,
-                 pdl: bool = False, checkpoint_slots: int = 0, cache_host_budget_bytes: int = 0) -> None:
+                 pdl: bool = False, checkpoint_slots: int = 0, cache_host_budget_bytes: int = 0,
+                 calibration: bool = False) -> None:
         """``model``: a ``Qwen35Model``. ``state_layout`` / ``kv_pool``: ``ninfer_qwen35.state``'s. ``cuda_graphs``:
         capture decode graphs on CUDA. ``static_decode``: without graphs, still decode through the graphs'
         static input buffers (checks that input path on CPU). ``pdl``: launch this Program's Triton kernels
         with programmatic dependent launch (``ops.triton._pdl``). ``max_concurrency`` comes validated from
-        ``StartupOptions`` (1..8). ``checkpoint_slots`` / ``cache_host_budget_bytes``: the context cache's store."""
+        ``StartupOptions`` (1..8). ``checkpoint_slots`` / ``cache_host_budget_bytes``: the context cache's store.
+        ``calibration``: a graph-calibration build (``PagedProgram``)."""
         super().__init__(state_layout=state_layout, kv_pool=kv_pool, device=device, max_concurrency=max_concurrency,
                          num_pages=num_pages, kv_dtype=kv_dtype, vocab_size=vocab_size,
                          host_budget_bytes=host_budget_bytes, sampling_defaults=sampling_defaults,
                          max_model_len=max_model_len, pdl=pdl, checkpoint_slots=checkpoint_slots,
-                         cache_host_budget_bytes=cache_host_budget_bytes)
+                         cache_host_budget_bytes=cache_host_budget_bytes, calibration=calibration)
         self.model = model
         # The pool's first layers are the target's attention layers (an MTP drafter's follow them).
         self.views = ModelStateViews(conv=self.states.view("conv"), recurrent=self.states.view("recurrent"),

@@ -79,9 +79,11 @@ class PagedProgram(Checkpointing, abc.ABC):
                  max_concurrency: int, num_pages: int, kv_dtype: torch.dtype | str | None = None, vocab_size: int,
                  host_budget_bytes: int = 0, sampling_defaults: SamplingParams | None = None,
                  max_model_len: int | None = None, pdl: bool = False, checkpoint_slots: int = 0,
-                 cache_host_budget_bytes: int = 0) -> None:
+                 cache_host_budget_bytes: int = 0, calibration: bool = False) -> None:
         """``pdl``: launch this Program's Triton kernels with programmatic dependent launch (``ops.triton._pdl``).
-        ``checkpoint_slots`` / ``cache_host_budget_bytes``: the context cache's device StateImages and host bytes."""
+        ``checkpoint_slots`` / ``cache_host_budget_bytes``: the context cache's device StateImages and host bytes.
+        ``calibration``: a graph-calibration build (``ProgramCapacity.calibration``): ``max_model_len`` stays the
+        planned context although ``num_pages`` cannot hold it; it never runs a sequence."""
         if not 1 <= max_concurrency <= MAX_CONCURRENCY:  # StartupOptions validated it; a direct build too
             raise ValueError(f"max_concurrency must be in 1..{MAX_CONCURRENCY}, got {max_concurrency}")
         self.id = next(_program_ids)
@@ -101,7 +103,8 @@ class PagedProgram(Checkpointing, abc.ABC):
         (self._scratch_page,) = self.pool.allocator.allocate(1)
         self.page_size = kv_pool.page_size
         capacity = num_pages * self.page_size
-        self.max_model_len = min(max_model_len or capacity, capacity)
+        self.max_model_len = max_model_len if calibration and max_model_len else min(max_model_len or capacity,
+                                                                                     capacity)
         self.kv = KVHistoryStore(self.pool)
         self.sequences = SequenceTable(self.states, self.kv, max_model_len=self.max_model_len,
                                        vocab_size=vocab_size, sampling_defaults=sampling_defaults)
@@ -110,7 +113,6 @@ class PagedProgram(Checkpointing, abc.ABC):
         self.checkpoints = CheckpointStore(self.states, self.kv, slots=checkpoint_slots,
                                            host_budget_bytes=cache_host_budget_bytes)
         self.sampler = Sampler(self.device.torch, mask_rows=max_concurrency)
-        self.plan: Any = None  # the Startup's DevicePlan, when built by a Startup
         self.graphs: DecodeGraphs | None = None
         self.graph_error: str | None = None
 
@@ -122,6 +124,13 @@ class PagedProgram(Checkpointing, abc.ABC):
     @abc.abstractmethod
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [M, V] of hidden rows [M, H]."""
+
+    def backing_bytes(self) -> int:
+        images = self.checkpoints.images
+        return self.states.nbytes + self.pool.nbytes + (images.nbytes if images is not None else 0)
+
+    def release_graphs(self) -> None:
+        self.graphs = None  # its captured graphs, their pool and static buffers go with it
 
     def start_graphs(self, *, cuda_graphs: bool = True, static_decode: bool = False) -> None:
         """Call once the views exist. ``cuda_graphs``: capture decode graphs on CUDA (eager, with the reason in

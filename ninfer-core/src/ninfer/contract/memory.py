@@ -1,0 +1,144 @@
+"""Startup memory contracts: what a model needs (``ModelProfile``, before any weight byte is read), what the
+runtime grants its Program (``ProgramCapacity``) and what the start actually took (``MemorySummary``).
+
+The runtime's planner (``ninfer.core.device_plan``) judges a profile's placement candidates against the device
+budget, calibrates the CUDA graphs once the weights are resident and sizes the KV pool from what is left
+(docs/memory.md). Every figure is in bytes; differences of memory snapshots are signed.
+"""
+
+from __future__ import annotations
+
+import attrs
+from attrs import validators as v
+
+_bytes = v.and_(v.instance_of(int), v.ge(0))
+
+
+@attrs.frozen(kw_only=True)
+class WeightPlacement:
+    """One way to place the fixed weights (a startup candidate): bytes resident on the device and on the host.
+    All-device is the only candidate of a dense model; a MoE model adds host placements for its experts."""
+
+    name: str
+    device_bytes: int = attrs.field(validator=_bytes)
+    host_bytes: int = attrs.field(default=0, validator=_bytes)
+
+
+@attrs.frozen(kw_only=True)
+class ModelProfile:
+    """What one model needs, computed from the artifact's header, its bindings and the selected features alone.
+
+    ``placements``: weight candidates, preferred first. ``state_slot_bytes``: one StateImage slot (a sequence's
+    fixed state; 0 for a pure-attention model). ``kv_page_bytes`` / ``page_size``: one page of the paged KV pool
+    and the positions it holds. ``backing_bytes``: other explicit Program backing sized by the options (verify
+    records of a speculative unit, live until the commit boundary). ``workspace_bytes``: the transient peak of a
+    unit (sequentially exclusive scratch, taken at its largest: a full prefill chunk). ``graph_bytes``: an
+    estimate of the CUDA graph set (replaced by the calibrated figure once weights are resident).
+    ``model_limit``: the longest history the model supports. ``layers``: decoder layers the weights spread over.
+    """
+
+    architecture: str
+    dtype: str
+    features: tuple[str, ...] = attrs.field(converter=tuple)
+    placements: tuple[WeightPlacement, ...] = attrs.field(converter=tuple, validator=v.min_len(1))
+    state_slot_bytes: int = attrs.field(validator=_bytes)
+    kv_page_bytes: int = attrs.field(validator=v.and_(v.instance_of(int), v.gt(0)))
+    page_size: int = attrs.field(validator=v.and_(v.instance_of(int), v.gt(0)))
+    backing_bytes: int = attrs.field(default=0, validator=_bytes)
+    workspace_bytes: int = attrs.field(validator=_bytes)
+    graph_bytes: int = attrs.field(default=0, validator=_bytes)
+    model_limit: int = attrs.field(validator=v.and_(v.instance_of(int), v.gt(0)))
+    layers: int = attrs.field(validator=v.and_(v.instance_of(int), v.gt(0)))
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return self.kv_page_bytes / self.page_size
+
+
+@attrs.frozen(kw_only=True)
+class ProgramCapacity:
+    """What the runtime grants a Program: the native Startup builds exactly this.
+
+    ``kv_pages``: usable KV pages (the Program adds its scratch page). ``max_model_len``: the longest history;
+    in a ``calibration`` build it is the planned context although the few pages cannot hold it (the graphs are
+    captured for the real context; a calibration Program never runs a sequence). ``checkpoint_slots`` /
+    ``cache_host_budget_bytes``: the context cache's device StateImages and pinned host bytes.
+    ``host_budget_bytes``: host bytes paused Snapshots may hold. ``pdl``: programmatic dependent launch.
+    """
+
+    kv_pages: int = attrs.field(validator=v.and_(v.instance_of(int), v.ge(1)))
+    max_model_len: int = attrs.field(validator=v.and_(v.instance_of(int), v.ge(1)))
+    checkpoint_slots: int = attrs.field(default=0, validator=_bytes)
+    host_budget_bytes: int = attrs.field(default=0, validator=_bytes)
+    cache_host_budget_bytes: int = attrs.field(default=0, validator=_bytes)
+    pdl: bool = False
+    calibration: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class GraphMemory:
+    """The CUDA graph set's memory, from device snapshots (driver and lazy-loading included, so not a pure
+    allocation figure). ``calibration_growth``: preparing the calibration Program (its few pages and every graph).
+    ``retained_after_release``: what stayed after only its graphs were destroyed, beyond its explicit backing
+    (already in the next baseline, so not charged again). ``rebuild_estimate``: what the graphs took, charged
+    to the formal plan (0 allowed). ``formal_growth``: preparing the formal Program. All signed."""
+
+    calibration_growth: int = 0
+    retained_after_release: int = 0
+    rebuild_estimate: int = 0
+    formal_growth: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class HostMemory:
+    """Host bytes the start planned: resident host weights, the Snapshot budget of paused requests, the context
+    cache's pinned replicas, and what the host had available when planned (None: unknown)."""
+
+    weights_bytes: int = 0
+    snapshot_budget_bytes: int = 0
+    cache_budget_bytes: int = 0
+    available_bytes: int | None = None
+
+    @property
+    def planned_bytes(self) -> int:
+        return self.weights_bytes + self.snapshot_budget_bytes + self.cache_budget_bytes
+
+
+@attrs.frozen(kw_only=True)
+class MemorySummary:
+    """What a start took (``Engine.memory``; printed at startup, exported in ``/metrics``).
+
+    ``budget_bytes``: the device budget (None on a CPU without one). ``weights_bytes``: resident device weights.
+    ``runtime_reservation_bytes``: the Program's explicit backing only (StateImages, KV pages, checkpoint
+    slots, verify records). ``startup_retained_bytes``: device growth before the formal Program was allocated,
+    less the weights (CUDA context, kernels, calibration leftovers). ``workspace_bytes``: the planned transient
+    peak. ``kv_automatic``: the KV capacity came from the budget (not ``num_pages``). ``corrections``: capacity
+    rebuilds after a formal allocation fell short (0 or 1). ``reserved_bytes``: what the caching allocator held
+    once the start was done.
+    """
+
+    device: str
+    placement: str
+    budget_bytes: int | None
+    device_total_bytes: int | None
+    weights_bytes: int
+    runtime_reservation_bytes: int
+    startup_retained_bytes: int
+    workspace_bytes: int
+    cuda_graph: GraphMemory
+    kv_pages: int
+    page_size: int
+    kv_automatic: bool
+    max_model_len: int
+    headroom_bytes: int
+    reserved_bytes: int
+    corrections: int
+    host: HostMemory
+    calibration_seconds: float = 0.0
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.kv_pages * self.page_size
+
+
+__all__ = ["GraphMemory", "HostMemory", "MemorySummary", "ModelProfile", "ProgramCapacity", "WeightPlacement"]
