@@ -20,7 +20,6 @@ import abc
 import contextlib
 import itertools
 from collections.abc import Sequence
-from typing import Any
 
 import attrs
 import torch
