@@ -81,8 +81,7 @@ def with_engine(artifact: Path, device: str, args, body, *, cache: bool, rows: i
     _sync(device)
     rec: dict = {"cache": cache, "rows": rows, "grid": grid, "start_s": bench.clock() - t, "checks": []}
     try:
-        plan = engine.instance.program.plan
-        rec["plan"] = attrs.asdict(plan)
+        rec["memory"] = attrs.asdict(engine.instance.memory)
         rec["image_bytes"] = engine.instance.program.states.image_bytes
         rec["replica_bytes"] = engine.instance.program.checkpoints.host_bytes(args.history)
         t = bench.clock()

@@ -1,116 +1,168 @@
-"""DevicePlan: KV pages from the budget (explicit pages win), max_model_len, the host budget, PDL, and the
-resident bytes of tensors that share storage. The CUDA branch runs on the CPU with the device's memory faked."""
+"""The planner's arithmetic (``plan_memory``): a ModelProfile against a DeviceRoom. KV pages from what is left
+(explicit pages granted or refused), max_model_len, checkpoint slots, host budgets, PDL, candidate choice,
+refusals that name the numbers, and no negative figure anywhere. CUDA rooms are plain numbers here."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
 
-from ninfer.contract import KVPoolSpec, StartupOptions, StateField, StateImageLayout
-from ninfer.core.device import Device
+from ninfer.contract import ModelProfile, StartupOptions, WeightPlacement
 from ninfer.core.device_plan import (
     CACHE_POOL_FACTOR,
     CPU_CACHE_HOST_BUDGET,
     CPU_CHECKPOINT_SLOTS,
     CPU_HOST_BUDGET,
+    CPU_KV_BUDGET,
+    GIB,
     HEADROOM,
     MIB,
-    WORKSPACE_TOKENS,
+    DeviceRoom,
     PlanError,
-    plan_device,
+    graph_estimate,
+    plan_memory,
     resident_bytes,
 )
 
-POOL = KVPoolSpec(name="main", layers=2, kv_heads=2, head_dim=8, dtype="float32", page_size=4)
-PAGE = 2 * 2 * 4 * 2 * 8 * 4  # K and V, layers, positions, heads, head_dim, fp32
-LAYOUT = StateImageLayout(fields=[StateField(name="s", dtype="float32", shape=(64,), layers=2)])  # 512 B a slot
-WIDTH = 10  # workspace: WORKSPACE_TOKENS * 10 fp32 elements
-CPU = Device("cpu")
+PAGE = 1024
+SLOT = 512
+WORKSPACE = 4096
+GRAPHS = 8 * MIB
+CPU = DeviceRoom(is_cuda=False, budget_bytes=None)
 
 
-def plan(device: Device = CPU, weight_bytes: int = 1000, limit: int = 64, **options):
-    return plan_device(StartupOptions(device=str(device), **options), device, compute=torch.float32,
-                       weight_bytes=weight_bytes, layers=2, state_layout=LAYOUT, kv_pool=POOL, activation_width=WIDTH,
-                       model_limit=limit)
+def profile(weights: int = 1000, limit: int = 64, *, host: int = 0, backing: int = 0, extra=()) -> ModelProfile:
+    return ModelProfile(architecture="Toy", dtype="float32", features=("text",),
+                        placements=(WeightPlacement(name="all-device", device_bytes=weights, host_bytes=host), *extra),
+                        state_slot_bytes=SLOT, kv_page_bytes=PAGE, page_size=4, backing_bytes=backing,
+                        workspace_bytes=WORKSPACE, graph_bytes=GRAPHS, model_limit=limit, layers=2)
+
+
+def plan(prof: ModelProfile | None = None, room: DeviceRoom = CPU, device: str = "cpu", **options):
+    return plan_memory(prof or profile(), StartupOptions(device=device, **options), room, host_available=None)
+
+
+def cuda(budget: int, free: int | None = None) -> DeviceRoom:
+    return DeviceRoom(is_cuda=True, budget_bytes=budget, free_bytes=free if free is not None else budget,
+                      total_bytes=80 * GIB)
 
 
 def test_explicit_pages_win_and_cap_the_model_length():
     p = plan(num_pages=5, max_concurrency=2)
-    assert (p.kv_pages, p.kv_page_bytes, p.kv_bytes, p.page_size) == (5, PAGE, 5 * PAGE, 4)
+    assert (p.kv_pages, p.kv_bytes, p.kv_tokens, p.kv_automatic) == (5, 5 * PAGE, 20, False)
     assert p.max_model_len == 20  # 5 pages of 4 positions, below the model's 64
-    assert p.state_bytes == 3 * 512 and p.workspace_bytes == WORKSPACE_TOKENS * WIDTH * 4
-    assert (p.headroom_bytes, p.pdl, p.dtype, p.device) == (0, False, "float32", "cpu")
+    assert p.state_bytes == 3 * SLOT and p.workspace_bytes == WORKSPACE
+    assert (p.headroom_bytes, p.graph_bytes, p.pdl) == (0, 0, False)  # the CPU: no headroom, no graphs
     assert plan(num_pages=100, max_model_len=30).max_model_len == 30
 
 
 def test_cpu_default_budget_never_plans_more_pages_than_the_residents_and_the_cache_can_use():
     p = plan(max_concurrency=3, context_cache=False)
     assert p.kv_pages == 3 * 16 and p.max_model_len == 64  # 64 positions are 16 pages per resident
-    assert (p.checkpoint_slots, p.cache_host_budget_bytes) == (0, 0)
+    assert (p.checkpoint_slots, p.host.cache_budget_bytes, p.host.snapshot_budget_bytes) == (0, 0, CPU_HOST_BUDGET)
     p = plan(max_concurrency=3)
     assert p.kv_pages == CACHE_POOL_FACTOR * 3 * 16  # cached prefixes share the pool
-    assert p.checkpoint_slots == min(8 * 3, CPU_CHECKPOINT_SLOTS) and p.cache_host_budget_bytes == CPU_CACHE_HOST_BUDGET
+    assert p.checkpoint_slots == min(8 * 3, CPU_CHECKPOINT_SLOTS) and p.host.cache_budget_bytes == CPU_CACHE_HOST_BUDGET
+    p = plan(profile(limit=1 << 24), max_concurrency=1, context_cache=False)
+    assert p.kv_pages == CPU_KV_BUDGET // PAGE  # no budget on the CPU: a modest default
 
 
-def test_checkpoint_slots_come_out_of_the_budget():
-    fixed = 1000 + 5 * 512 + WORKSPACE_TOKENS * WIDTH * 4
-    room = 32 * 512 * 8 + 7 * PAGE
-    p = plan(device_budget_bytes=fixed + room, limit=4096)
+def test_a_cuda_plan_charges_weights_states_workspace_graphs_and_headroom_then_gives_kv_the_rest():
+    p = plan(profile(limit=1 << 24), cuda(2 * GIB), device="cuda", max_concurrency=2, context_cache=False)
+    fixed = 1000 + 3 * SLOT + WORKSPACE + GRAPHS + HEADROOM
+    assert (p.weights_bytes, p.graph_bytes, p.headroom_bytes) == (1000, GRAPHS, HEADROOM)
+    assert p.kv_pages == (2 * GIB - fixed) // PAGE
+    assert p.needed_bytes <= 2 * GIB and dict(p.table())["KV pages"] == p.kv_bytes
+    # free memory bounds it too
+    assert plan(profile(limit=1 << 24), cuda(4 * GIB, free=2 * GIB), device="cuda", max_concurrency=2,
+                context_cache=False).kv_pages == p.kv_pages
+    # weights already resident (the formal plan): not charged again; the calibrated graph figure replaces the guess
+    q = plan_memory(profile(limit=1 << 24), StartupOptions(device="cuda", max_concurrency=2, context_cache=False),
+                    cuda(2 * GIB), weights_resident=True, graph_bytes=-5)
+    assert (q.weights_bytes, q.graph_bytes) == (0, 0) and q.kv_pages == (2 * GIB - fixed + 1000 + GRAPHS) // PAGE
+
+
+def test_checkpoint_slots_come_out_of_the_room():
+    fixed = 1000 + 5 * SLOT + WORKSPACE
+    room = 32 * SLOT * 8 + 7 * PAGE
+    p = plan(profile(limit=4096), DeviceRoom(is_cuda=False, budget_bytes=fixed + room))
     assert p.checkpoint_slots == 8 * 4  # 8 per sequence: inside an eighth of the room
-    assert p.kv_pages == (room - 32 * 512) // PAGE
-    assert plan(device_budget_bytes=fixed + room // 2, limit=4096).checkpoint_slots == room // 2 // 8 // 512
-    assert plan(num_pages=2, checkpoint_slots=3).checkpoint_slots == 3
-    assert plan(num_pages=2, cache_host_budget_bytes=5).cache_host_budget_bytes == 5
+    assert p.kv_pages == (room - 32 * SLOT) // PAGE
+    assert plan(profile(limit=4096), DeviceRoom(is_cuda=False, budget_bytes=fixed + room),
+                checkpoint_slots=2).checkpoint_slots == 2
 
 
-def test_a_cpu_budget_leaves_room_after_weights_state_and_workspace():
-    fixed = 1000 + 5 * 512 + WORKSPACE_TOKENS * WIDTH * 4
-    assert plan(device_budget_bytes=fixed + 7 * PAGE + PAGE // 2, limit=4096, context_cache=False).kv_pages == 7
-    with pytest.raises(PlanError, match="no room for KV pages: weights 0.0 MiB"):
-        plan(device_budget_bytes=fixed + PAGE - 1, context_cache=False)
+def test_a_model_that_cannot_fit_is_refused_with_the_numbers():
+    with pytest.raises(PlanError, match=r"does not fit: it needs .*weights 2\.00 GiB.*headroom 1\.00 GiB.*"
+                                        r"the budget allows 1\.50 GiB.*short by"):
+        plan(profile(weights=2 * GIB), cuda(int(1.5 * GIB)), device="cuda")
+    with pytest.raises(PlanError, match=r"KV minimum \(1000 pages\)"):
+        plan(profile(), DeviceRoom(is_cuda=False, budget_bytes=1000 + 5 * SLOT + WORKSPACE + 10 * PAGE),
+             num_pages=1000)
+    with pytest.raises(PlanError, match="checkpoint_slots=500"):
+        plan(profile(), DeviceRoom(is_cuda=False, budget_bytes=1000 + 5 * SLOT + WORKSPACE + 10 * PAGE + 8 * SLOT),
+             checkpoint_slots=500)
 
 
-def test_host_budget_option_then_environment_then_default(monkeypatch):
-    assert plan(num_pages=2, host_budget_bytes=0).host_budget_bytes == 0
-    assert plan(num_pages=2).host_budget_bytes == CPU_HOST_BUDGET
-    monkeypatch.setenv("NINFER_HOST_BUDGET_MIB", "3")
-    assert plan(num_pages=2).host_budget_bytes == 3 * MIB
-    assert plan(num_pages=2, host_budget_bytes=5).host_budget_bytes == 5
+def test_the_first_placement_candidate_that_fits_is_chosen():
+    hosted = WeightPlacement(name="host-experts", device_bytes=100, host_bytes=3 * GIB)
+    p = plan(profile(weights=3 * GIB, extra=(hosted,)), cuda(2 * GIB), device="cuda")
+    assert p.placement.name == "host-experts" and p.host.weights_bytes == 3 * GIB
+    with pytest.raises(PlanError, match="placement candidates tried: all-device, host-experts"):
+        plan(profile(weights=3 * GIB, extra=(attrs_evolve(hosted, device_bytes=2 * GIB),)), cuda(2 * GIB),
+             device="cuda")
 
 
-@pytest.fixture
-def fake_cuda(monkeypatch):
-    """A CUDA device of 8 GiB, ``free["bytes"]`` of it free (the CPU machine has none)."""
-    free = {"bytes": 8 << 30}
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free["bytes"], 8 << 30))
-    monkeypatch.delenv("NINFER_VRAM_BUDGET_MIB", raising=False)
-    monkeypatch.delenv("NINFER_PDL", raising=False)
-    return free
+def attrs_evolve(obj, **changes):
+    import attrs
+
+    return attrs.evolve(obj, **changes)
 
 
-def test_cuda_budget_keeps_headroom_and_honours_the_budget_cap(fake_cuda, monkeypatch):
-    cuda = Device("cuda", 0)
-    fixed = 1000 + 5 * 512 + WORKSPACE_TOKENS * WIDTH * 4 + HEADROOM
-    budget = fixed + 9 * PAGE + 1
-    p = plan(cuda, device_budget_bytes=budget, limit=1 << 20, context_cache=False)
-    assert (p.kv_pages, p.headroom_bytes) == (9, HEADROOM)
-    fake_cuda["bytes"] = budget - 1000 - 4 * PAGE  # the weights are resident already: less is free than budgeted
-    assert plan(cuda, device_budget_bytes=budget, limit=1 << 20, context_cache=False).kv_pages == 5
-    monkeypatch.setenv("NINFER_VRAM_BUDGET_MIB", "1")  # below the headroom alone
-    with pytest.raises(PlanError, match="headroom 1024 MiB"):
-        plan(cuda, limit=1 << 20)
+def test_host_budgets_are_planned_against_the_host():
+    p = plan_memory(profile(), StartupOptions(device="cuda"), cuda(8 * GIB), host_available=16 * GIB)
+    assert p.host.snapshot_budget_bytes == 4 * GIB and p.host.cache_budget_bytes == 4 * GIB  # a quarter each
+    with pytest.raises(PlanError, match="host memory: the plan needs"):
+        plan_memory(profile(), StartupOptions(device="cuda", host_budget_bytes=20 * GIB), cuda(8 * GIB),
+                    host_available=16 * GIB)
 
 
-def test_cuda_pdl_follows_the_layer_size_unless_the_options_decide(fake_cuda):
-    cuda = Device("cuda", 0)
-    assert plan(cuda, num_pages=2, weight_bytes=2 * MIB).pdl is True  # 1 MiB a layer: small
-    assert plan(cuda, num_pages=2, weight_bytes=2 << 30).pdl is False  # 1 GiB a layer
-    assert plan(cuda, num_pages=2, weight_bytes=2 * MIB, pdl=False).pdl is False
+def test_budget_arithmetic_is_never_negative():
+    """Over a grid of budgets, models and options: every figure is >= 0, a fitting plan needs at most what it
+    was given, and what does not fit is refused (never a plan with negative KV)."""
+    for budget, weights, conc, cache, pages in itertools.product(
+            (GIB + 10_000, int(1.2 * GIB), 2 * GIB, 3 * GIB), (0, 1000, GIB // 2, GIB), (1, 3, 8), (False, True),
+            (None, 1, 64)):
+        try:
+            p = plan(profile(weights=weights, limit=1 << 16), cuda(budget), device="cuda", max_concurrency=conc,
+                     context_cache=cache, num_pages=pages)
+        except PlanError:
+            continue
+        assert all(b >= 0 for _, b in p.table())
+        assert p.kv_pages == pages if pages else p.kv_pages >= conc  # explicit pages are granted exactly
+        assert p.max_model_len >= 1 and p.needed_bytes <= budget
+
+
+def test_cuda_pdl_follows_the_layer_size_unless_the_options_decide():
+    room = cuda(4 * GIB)
+    assert plan(profile(weights=2 * MIB), room, device="cuda", num_pages=2).pdl is True  # 1 MiB a layer: small
+    assert plan(profile(weights=2 * GIB), room, device="cuda", num_pages=2).pdl is False  # 1 GiB a layer
+    assert plan(profile(weights=2 * MIB), room, device="cuda", num_pages=2, pdl=False).pdl is False
     assert plan(num_pages=2, pdl=True).pdl is False  # the CPU launches no Triton kernels
 
 
-def test_resident_bytes_counts_each_storage_once():
+def test_graph_estimate_counts_every_batch_size_logits_and_the_speculative_sets():
+    one = graph_estimate(vocab_size=1000, activation_width=10, element_size=2, max_batch=2)
+    assert one == (3 * 1000 * 4 + 2 * 10 * 2 + 2 * 4 * MIB)
+    assert graph_estimate(vocab_size=1000, activation_width=10, element_size=2, max_batch=2, rows_per_sequence=3,
+                          graph_sets=3) > 3 * one
+
+
+def test_resident_bytes_counts_each_storage_once_meta_tensors_too():
     parent = torch.zeros(10, 4)
     views = [parent[:5], parent[5:], parent.view(-1)]
     assert resident_bytes([parent, *views, torch.zeros(3, dtype=torch.float16)]) == 160 + 6
+    meta = torch.empty(10, 4, device="meta")
+    assert resident_bytes([meta, meta[:5], torch.empty(3, dtype=torch.float16, device="meta")]) == 160 + 6

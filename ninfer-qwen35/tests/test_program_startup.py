@@ -16,7 +16,7 @@ from ninfer.plugins import make_plugin_host
 pytest.importorskip("transformers")
 from ninfer.artifact import open_artifact  # noqa: E402
 from ninfer.core.device_plan import PlanError  # noqa: E402
-from ninfer_qwen35.startup import StartupError, build  # noqa: E402
+from ninfer_qwen35.startup import Qwen35Startup, StartupError, build  # noqa: E402
 from ninfer_qwen35.testing.checkpoints import convert_tiny, make_tiny_checkpoint  # noqa: E402
 
 
@@ -31,8 +31,9 @@ def test_build_makes_a_working_instance(artifact_path):
     with open_artifact(artifact_path) as art:
         inst = build(art, StartupOptions(device="cpu", max_concurrency=2, dtype="float32", num_pages=40, page_size=8))
     assert isinstance(inst, ModelInstance) and isinstance(inst.program, Program)
-    plan = inst.program.plan
-    assert plan.kv_pages == 40 and plan.max_model_len == 320 and plan.dtype == "float32"
+    memory = inst.memory
+    assert memory.kv_pages == 40 and memory.max_model_len == 320 and inst.model.compute == torch.float32
+    assert memory.runtime_reservation_bytes == inst.program.backing_bytes() > 0
     u = inst.program.usage()
     assert (u.state_slots_total, u.kv_pages_total) == (2, 40) and u.all_free
     prompt = inst.frontend.prepare(TextInput(text="The quick brown fox"))
@@ -50,18 +51,19 @@ def test_build_makes_a_working_instance(artifact_path):
 
 def test_startup_is_registered_with_the_plugin(artifact_path):
     spec = make_plugin_host().architecture("Qwen3_5ForConditionalGeneration").spec
-    assert spec.load("startup") is build
+    assert spec.load("startup") is Qwen35Startup
     assert spec.load("program").__name__ == "Qwen35Program"
 
 
 def test_capacity_from_budget_and_clear_refusals(artifact_path, monkeypatch):
     with open_artifact(artifact_path) as art:
         inst = build(art, StartupOptions(device="cpu", max_concurrency=1, device_budget_bytes=64 << 20))
-        plan = inst.program.plan
-        assert plan.kv_bytes <= (64 << 20) - plan.weight_bytes - plan.state_bytes - plan.workspace_bytes
-        assert plan.max_model_len == min(4096, plan.kv_pages * plan.page_size)
-        assert plan.dtype == "bfloat16"  # the artifact's dtype by default
-        with pytest.raises(PlanError, match="no room for KV pages"):
+        memory = inst.memory
+        assert memory.budget_bytes == 64 << 20 and memory.kv_automatic
+        assert memory.weights_bytes + memory.runtime_reservation_bytes + memory.workspace_bytes <= 64 << 20
+        assert memory.max_model_len == min(4096, memory.kv_tokens)
+        assert inst.model.compute == torch.bfloat16  # the artifact's dtype by default
+        with pytest.raises(PlanError, match="does not fit: it needs .* short by"):
             build(art, StartupOptions(device="cpu", max_concurrency=1, device_budget_bytes=1 << 20))
         with pytest.raises(StartupError, match="Vision is not implemented"):
             build(art, StartupOptions(device="cpu", features=StartupFeatures(vision=True)))
@@ -71,7 +73,8 @@ def test_capacity_from_budget_and_clear_refusals(artifact_path, monkeypatch):
         with pytest.raises(EnvError, match="NINFER_HOST_BUDGET_MIB='lots': expected a whole number of MiB"):
             build(art, StartupOptions(device="cpu", num_pages=4))
         monkeypatch.setenv("NINFER_HOST_BUDGET_MIB", "3")
-        assert build(art, StartupOptions(device="cpu", num_pages=4)).program.plan.host_budget_bytes == 3 << 20
+        memory = build(art, StartupOptions(device="cpu", num_pages=4)).memory
+        assert memory.host.snapshot_budget_bytes == 3 << 20
 
 
 def test_bf16_instance_generates_like_fp32(artifact_path):

@@ -120,6 +120,15 @@ class Qwen35Startup:
                              frontend=loaded.frontend, program=program)
 
 
+def build(artifact: Any, options: StartupOptions) -> ModelInstance:
+    """The whole start of an opened artifact as the engine runs it (plan, load, calibration on CUDA, formal
+    Program): for direct Program users and tests. ``instance.memory`` is its MemorySummary."""
+    from ninfer.core.device_memory import DeviceMemory
+    from ninfer.engine.startup import start
+
+    return start(Qwen35Startup(), artifact, options, DeviceMemory(Device.parse(options.device)))
+
+
 def activation_width(config: Qwen35Config) -> int:
     """Elements per token a prefill chunk holds at once: residual stream and projections, MLP, conv, logits rows."""
     return 4 * config.hidden_size + 2 * config.intermediate_size + 2 * config.conv_dim + config.vocab_size // 8

@@ -151,7 +151,6 @@ def plan_memory(profile: ModelProfile, options: StartupOptions, room: DeviceRoom
     state = profile.state_slot_bytes * (options.max_concurrency + 1)
     headroom = HEADROOM if room.is_cuda else 0
     graphs = (profile.graph_bytes if graph_bytes is None else max(0, graph_bytes)) if room.is_cuda else 0
-    host = plan_host(options, room.is_cuda, placement or profile.placements[0], host_available)
     candidates = (placement,) if placement is not None else profile.placements
     minimum = options.num_pages or options.max_concurrency  # at least one page per concurrent sequence
     avail = room.available
@@ -175,6 +174,7 @@ def plan_memory(profile: ModelProfile, options: StartupOptions, room: DeviceRoom
             f"{_size(need - avail)}" + (f" (placement candidates tried: {', '.join(c.name for c in candidates)})"
                                         if len(candidates) > 1 else ""))
     cand, weights, fixed = plan
+    host = plan_host(options, room.is_cuda, cand, host_available)
     left = None if avail is None else avail - fixed
     slots = _checkpoint_slots(options, profile.state_slot_bytes, left)
     checkpoint = slots * profile.state_slot_bytes
