@@ -97,8 +97,8 @@ REGISTRY: tuple[EnvVar, ...] = (
            meaning="programmatic dependent launch on or off for every Program (unset: each model's startup "
                    "chooses by its layer size)"),
     EnvVar(name="NINFER_VRAM_BUDGET_MIB", kind="MiB", default=None, parse=_mib,
-           meaning="device bytes the engine may use (weights, state, KV, workspace); the free memory is "
-                   "the other bound"),
+           meaning="device bytes the engine may use (weights, StateImages, KV, workspace, CUDA graphs: "
+                   "docs/memory.md); the free memory is the other bound"),
     EnvVar(name="NINFER_HOST_BUDGET_MIB", kind="MiB", default=None, parse=_mib,
            meaning="host bytes paused requests' Snapshots may hold (unset: the model's default)"),
     EnvVar(name="NINFER_CACHE_HOST_BUDGET_MIB", kind="MiB", default=None, parse=_mib,
