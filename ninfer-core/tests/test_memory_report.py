@@ -2,6 +2,8 @@
 MemorySummary: every figure the design names is shown and exported; the CPU shows no CUDA graph line; the budget
 and the host's available memory are exported only when known."""
 
+import pytest
+
 from ninfer.contract.memory import GraphMemory, HostMemory, MemorySummary
 from ninfer.engine.memory_report import GIB, MIB, format_bytes, memory_gauges, summary_lines, summary_text
 
@@ -85,3 +87,33 @@ def test_unknown_budget_and_host_memory_are_not_exported():
     assert "ninfer:memory_device_total_bytes" not in names
     assert "ninfer:memory_host_available_bytes" not in names
     assert "ninfer:memory_kv_tokens" in names
+
+
+def test_the_cpu_block_leaves_out_what_the_cpu_does_not_measure():
+    text = "\n".join(summary_lines(summary(device="cpu")))
+    assert "startup retained" not in text and "headroom" not in text and "CUDA graphs" not in text
+
+
+# -- ninfer generate prints the block of its start; --vram-budget is its budget --------------------------------
+def test_generate_prints_the_memory_block_with_its_budget(capsys):
+    from ninfer.cli import main
+
+    args = ["generate", "--prompt", "ROMEO:", "--max-tokens", "2", "--device", "cpu"]
+    assert main([*args, "--vram-budget", "256"]) == 0
+    err = capsys.readouterr().err
+    block = err[err.index("memory: cpu"):].splitlines()[:3]
+    assert "weights" in block[0] and "KV " in block[0] and "tokens)" in block[0]
+    assert "runtime reservation" in block[1]
+    assert "budget 256.0 MiB" in block[2] and "host: Snapshots" in block[2]
+    assert "finish: length" in err
+
+
+def test_generate_refuses_a_budget_too_small_with_its_numbers(capsys):
+    from ninfer.cli import main
+
+    assert main(["generate", "--prompt", "x", "--device", "cpu", "--vram-budget", "16"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ninfer generate: ") and "does not fit" in err and "short by" in err
+    with pytest.raises(SystemExit):
+        main(["generate", "--prompt", "x", "--vram-budget", "-5"])
+    assert "argument --vram-budget: must be >= 1, got -5" in capsys.readouterr().err

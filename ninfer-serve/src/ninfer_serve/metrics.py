@@ -12,6 +12,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from ninfer.engine.memory_report import memory_gauges
+
 
 def _histogram(name: str, doc: str, snap: Any, model_name: str) -> HistogramMetricFamily:
     cumulative = snap.cumulative()  # one more entry than bounds: the last is +Inf
@@ -119,6 +121,9 @@ class EngineCollector(Collector):
         yield counter("ninfer:generation_tokens", "Tokens generated.", m.generated_tokens)
         yield from _context_cache(m, self.model_name, gauge, counter)
         yield from _speculative(m, self.model_name, gauge, counter)
+        if self.engine.memory is not None:  # what the start took: fixed once the engine is up
+            for g in memory_gauges(self.engine.memory):
+                yield gauge(g.name, g.help, g.value)
         success = CounterMetricFamily("ninfer:request_success", "Finished requests by finish reason.",
                                       labels=["model_name", "finished_reason"])
         for reason, n in sorted(m.requests_finished.items()):

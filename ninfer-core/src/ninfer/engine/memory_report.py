@@ -29,15 +29,18 @@ def format_bytes(n: int | float) -> str:
 
 
 def summary_lines(m: MemorySummary) -> list[str]:
-    """The startup block, 2-4 lines: weights, KV and context; the Program's reservation and what the start kept;
-    the CUDA graphs' figures (only on CUDA); the budget, what the allocator holds and the host budgets."""
+    """The startup block, 2-4 lines: weights, KV and context; the Program's reservation and workspace (on CUDA
+    also what the start kept and the headroom); the CUDA graphs' figures (only on CUDA); the budget, what the
+    allocator holds and the host budgets."""
     kv = f"KV {m.kv_pages:,} pages ({m.kv_tokens:,} tokens{'' if m.kv_automatic else ', num_pages'})"
+    cuda = m.device.startswith("cuda")
     lines = [f"memory: {m.device} · weights {format_bytes(m.weights_bytes)} ({m.placement}) · {kv} · "
              f"context {m.max_model_len:,}",
              f"runtime reservation {format_bytes(m.runtime_reservation_bytes)} (StateImages, KV, checkpoints, "
-             f"verify records) · workspace {format_bytes(m.workspace_bytes)} · startup retained "
-             f"{format_bytes(m.startup_retained_bytes)} · headroom {format_bytes(m.headroom_bytes)}"]
-    if m.device.startswith("cuda"):
+             f"verify records) · workspace {format_bytes(m.workspace_bytes)}"
+             + (f" · startup retained {format_bytes(m.startup_retained_bytes)} · headroom "
+                f"{format_bytes(m.headroom_bytes)}" if cuda else "")]  # the CPU measures neither
+    if cuda:
         g = m.cuda_graph
         lines.append(f"CUDA graphs: calibration growth {format_bytes(g.calibration_growth)} · retained after "
                      f"release {format_bytes(g.retained_after_release)} · rebuild est. "
