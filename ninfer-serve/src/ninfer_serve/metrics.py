@@ -1,7 +1,8 @@
 """Prometheus ``/metrics``: a per-app registry whose engine metrics are read from ``engine.metrics()``.
 
 Names follow vLLM's (``ninfer:num_requests_running``, ``ninfer:time_to_first_token_seconds``, ...).
-The engine keeps the counts; this collector only translates one consistent snapshot per scrape.
+The engine keeps the counts; this collector only translates one consistent snapshot per scrape. What the
+start took (``engine.memory``) reads as the ``ninfer:memory_*`` gauges (``ninfer.engine.memory_report``).
 """
 
 from __future__ import annotations
