@@ -21,6 +21,7 @@ class StubEngine:
 
     configs: list = []
     verified: tuple[tuple[int, int], ...] = ()
+    memory = None  # no start took memory: generate prints no memory block
 
     def __init__(self, model, *, config) -> None:
         StubEngine.configs.append(config)

@@ -63,6 +63,7 @@ def text_events(request_id, prompt_tokens, pieces, reason=FinishReason.STOP, **d
 class ScriptedEngine:
     model_name = "tiny-test"
     max_model_len = 128
+    memory = None  # no start took memory (a test sets a MemorySummary to see its gauges)
 
     def __init__(self):
         self.submitted = []

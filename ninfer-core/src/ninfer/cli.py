@@ -89,6 +89,9 @@ class _CoreCommands:
         from ninfer.engine.generate_cli import add_generate_command  # light: no torch until it runs
 
         add_generate_command(subparsers)
+        from ninfer.engine.plan_cli import add_plan_command  # light: no torch until it runs
+
+        add_plan_command(subparsers)
 
 
 def build_parser(host: PluginHost) -> argparse.ArgumentParser:

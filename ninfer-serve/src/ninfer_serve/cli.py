@@ -8,6 +8,7 @@ import sys
 from ninfer import env
 from ninfer.contract.config import MAX_CONCURRENCY, StartupFeatures
 from ninfer.engine.cache_cli import add_context_cache_arguments, with_context_cache
+from ninfer.engine.plan_cli import add_vram_budget_argument, vram_budget_bytes
 from ninfer.engine.speculative_cli import add_speculative_arguments, speculative_features
 
 API_KEY_ENV = "NINFER_API_KEY"
@@ -63,6 +64,7 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
                    help="a request not admitted within this time gets 503")
     p.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
     p.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
+    add_vram_budget_argument(p)
     p.add_argument("--prefill-chunk", type=int, metavar="TOKENS",
                    help="prompt tokens per prefill unit (default: 2048 on a GPU, 512 on the CPU)")
     p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template replacing the artifact's")
@@ -153,6 +155,7 @@ def _load_and_serve(args: argparse.Namespace, model: str, chat_template: str | N
         from ninfer import Engine, EngineConfig
     except ImportError as exc:
         return _fail(f"the generation engine is not available: {exc}")
+    from ninfer.engine.memory_report import summary_text
     from ninfer_serve.app import create_app
     from ninfer_serve.server import ServerOptions, serve
     from ninfer_serve.warmup import WarmupFailed, warmup
@@ -161,11 +164,14 @@ def _load_and_serve(args: argparse.Namespace, model: str, chat_template: str | N
         config = EngineConfig(max_concurrency=args.max_concurrency, max_queue=args.max_queue,
                               verify=not args.no_verify, max_model_len=args.max_model_len, device=args.device,
                               prefill_chunk=args.prefill_chunk, chat_template=chat_template,
-                              special_tokens_in_content=args.special_tokens_in_content, features=features)
+                              special_tokens_in_content=args.special_tokens_in_content, features=features,
+                              device_budget_bytes=vram_budget_bytes(args))
         engine = Engine(model, config=with_context_cache(config, args))
     except Exception as exc:  # a bad artifact or device must read as a message, not a traceback
         return _fail(f"cannot start the engine for {model}: {type(exc).__name__}: {exc}")
     with engine:
+        if engine.memory is not None:
+            print(summary_text(engine.memory, prefix="ninfer serve: "), file=sys.stderr, flush=True)
         if not args.no_warmup:
             try:
                 seconds = warmup(engine, concurrency=args.max_concurrency)

@@ -1,7 +1,8 @@
 """Prometheus ``/metrics``: a per-app registry whose engine metrics are read from ``engine.metrics()``.
 
 Names follow vLLM's (``ninfer:num_requests_running``, ``ninfer:time_to_first_token_seconds``, ...).
-The engine keeps the counts; this collector only translates one consistent snapshot per scrape.
+The engine keeps the counts; this collector only translates one consistent snapshot per scrape. What the
+start took (``engine.memory``) reads as the ``ninfer:memory_*`` gauges (``ninfer.engine.memory_report``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+
+from ninfer.engine.memory_report import memory_gauges
 
 
 def _histogram(name: str, doc: str, snap: Any, model_name: str) -> HistogramMetricFamily:
@@ -119,6 +122,9 @@ class EngineCollector(Collector):
         yield counter("ninfer:generation_tokens", "Tokens generated.", m.generated_tokens)
         yield from _context_cache(m, self.model_name, gauge, counter)
         yield from _speculative(m, self.model_name, gauge, counter)
+        if self.engine.memory is not None:  # what the start took: fixed once the engine is up
+            for g in memory_gauges(self.engine.memory):
+                yield gauge(g.name, g.help, g.value)
         success = CounterMetricFamily("ninfer:request_success", "Finished requests by finish reason.",
                                       labels=["model_name", "finished_reason"])
         for reason, n in sorted(m.requests_finished.items()):

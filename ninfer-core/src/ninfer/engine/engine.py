@@ -16,6 +16,7 @@ import attrs
 from ninfer.contract.config import EngineConfig, PauseChoice
 from ninfer.contract.constraint import ConstraintError
 from ninfer.contract.errors import PromptTooLong
+from ninfer.contract.memory import MemorySummary
 from ninfer.contract.model import ModelInstance, ResourceUsage, StartupFeatures
 from ninfer.contract.prompt import PreparedPrompt
 from ninfer.contract.request import GenerationRequest, SamplingParams
@@ -174,6 +175,13 @@ class Engine:
     def usage(self) -> ResourceUsage:
         """The Program's own resource ledger, read on the worker between cycles."""
         return self._core.on_worker(self._core.program.usage)
+
+    @property
+    def memory(self) -> MemorySummary | None:
+        """What the start took (weights, the Program's reservation, CUDA graphs, KV pages and tokens, headroom,
+        budget, host budgets; docs/memory.md). None for an engine over a ModelInstance built without the
+        runtime's startup (``from_instance``)."""
+        return self.instance.memory
 
     def clear_context_cache(self) -> None:
         """Drop every context-cache checkpoint (device copies and host replicas); requests in flight go on."""

@@ -2,7 +2,8 @@
 
 Streams one generation to the terminal. A raw prompt's continuation is printed as is; chat output is
 printed in sections: reasoning apart from the answer (dimmed on a terminal, under its own header), tool
-calls as name + JSON arguments. The end prints time to first token and tokens/s to stderr, on a line
+calls as name + JSON arguments. The start prints the memory it took (a short block on stderr,
+``memory_report``); the end prints time to first token and tokens/s to stderr, on a line
 of its own. Text arguments are always text: files (or stdin, ``-``) are read only through the ``-file``
 options. ``--json-schema``, ``--grammar``, ``--regex`` and ``--choice`` constrain the output (constraint_cli);
 ``--speculative mtp`` decodes with drafts (speculative_cli), and the stats line then adds their acceptance.
@@ -18,6 +19,7 @@ from typing import TextIO
 
 from ninfer.engine.cache_cli import add_context_cache_arguments, with_context_cache
 from ninfer.engine.constraint_cli import add_constraint_arguments, constraint_from_args, constraint_option
+from ninfer.engine.plan_cli import add_vram_budget_argument, vram_budget_bytes
 from ninfer.engine.speculative_cli import add_speculative_arguments, speculative_features
 
 
@@ -48,6 +50,7 @@ def add_generate_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--no-verify", action="store_true", help="load without checking the artifact's checksums")
     p.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
+    add_vram_budget_argument(p)
     p.add_argument("--prefill-chunk", type=int, metavar="TOKENS",
                    help="prompt tokens per prefill unit (default: 2048 on a GPU, 512 on the CPU)")
     add_constraint_arguments(p)
@@ -157,6 +160,7 @@ def _generate(args: argparse.Namespace) -> int:
     from ninfer.contract.events import merge_tool_call_fragments
     from ninfer.engine.engine import Engine
     from ninfer.engine.errors import EngineError, InvalidConstraint
+    from ninfer.engine.memory_report import summary_text
 
     model = ninfer.resolve_model_path(args.model)
     chat = args.chat is not None or args.chat_file is not None
@@ -179,9 +183,11 @@ def _generate(args: argparse.Namespace) -> int:
     config = EngineConfig(max_concurrency=1, device=args.device, max_model_len=args.max_model_len,
                           chat_template=_template_arg(args.chat_template), prefill_chunk=args.prefill_chunk,
                           verify=not args.no_verify, special_tokens_in_content=args.special_tokens_in_content,
-                          features=speculative_features(args))
+                          features=speculative_features(args), device_budget_bytes=vram_budget_bytes(args))
     try:
         with Engine(model, config=with_context_cache(config, args)) as engine:
+            if engine.memory is not None:
+                print(summary_text(engine.memory), file=sys.stderr, flush=True)
             check_max_tokens(args.max_tokens, engine.max_model_len)
             handle = engine.submit(GenerationRequest(input=request_input, sampling=sampling, constraint=constraint))
             result = _stream(handle, sys.stdout, GenerationResult, OutputDelta, merge_tool_call_fragments,

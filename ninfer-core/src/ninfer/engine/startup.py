@@ -82,8 +82,8 @@ def device_room(options: StartupOptions, snapshot: MemorySnapshot | None, *, hel
     """What a plan may take: the budget less ``held`` (bytes the engine already holds), bounded by the device and
     its free memory on CUDA; the configured budget alone (or nothing) on the CPU."""
     budget = device_budget(options)
-    if snapshot is None:
-        return DeviceRoom(is_cuda=Device.parse(options.device).is_cuda,
+    if snapshot is None:  # a CUDA plan needs no GPU here (``ninfer plan --vram-budget``): the kind, not the device
+        return DeviceRoom(is_cuda=torch.device(options.device).type == "cuda",
                           budget_bytes=None if budget is None else budget - held)
     budget = min(budget or snapshot.total, snapshot.total)
     return DeviceRoom(is_cuda=True, budget_bytes=budget - held, free_bytes=snapshot.free, total_bytes=snapshot.total)
