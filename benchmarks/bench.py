@@ -372,11 +372,9 @@ def bench_engine(artifact: Path, shape: str, cfg: dict, args, device: str, chain
     _sync(device)
     res: dict = {"start_s": clock() - t, "max_model_len": max_len, "prefill_chunk": args.prefill_chunk,
                  "graphs": getattr(engine.instance.program, "graphs", None) is not None}
-    plan = getattr(engine.instance.program, "plan", None)
-    if plan is not None:
-        import attrs
+    import attrs
 
-        res["plan"] = attrs.asdict(plan)
+    res["memory"] = attrs.asdict(engine.memory)
     vocab = cfg["vocab_size"]
     try:
         t = clock()

@@ -66,7 +66,7 @@ def test_bench_tiny_cpu(tmp_path, capsys):
     assert [p["tokens"] for p in eng["prefill"]] == [16, 40]
     assert all(p["tokens_per_s"] > 0 and len(p["seconds_all"]) == 2 for p in eng["prefill"])
     assert eng["engine_metrics"]["preemptions"] == 0
-    assert eng["plan"]["max_model_len"] >= eng["max_model_len"]
+    assert eng["memory"]["max_model_len"] >= eng["max_model_len"]
 
     hf = tiny["hf"]
     assert "error" not in hf, hf
