@@ -130,9 +130,10 @@ def shape_config(shape: str) -> dict:
     return dict(SHAPES[shape], dtype="bfloat16", mtp_num_hidden_layers=1)  # an MTP head: --speculative mtp plans
 
 
-def write_sparse_source(directory: Path, config: dict) -> int:
+def write_sparse_source(directory: Path, config: dict, shard_bytes: int = 4 * GIB) -> int:
     """A checkpoint in published naming (flat text + ``mtp.*``) whose tensor data is a hole: config.json, tokenizer
-    files and one model.safetensors with a real header. Returns the tensor bytes it declares."""
+    files, safetensors shards with real headers (and their index). Shards as published: one mapping of 54 GB
+    is refused where memory overcommit is heuristic. Returns the tensor bytes it declares."""
     from ninfer_qwen35.config import parse_config
     from ninfer_qwen35.source_mapping import expected_parameters
     from ninfer_qwen35.testing.checkpoints import CHAT_TEMPLATE, make_tokenizer_json
@@ -143,22 +144,30 @@ def write_sparse_source(directory: Path, config: dict) -> int:
     (directory / "tokenizer.json").write_text(tok)
     (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [special["<|im_end|>"]]}))
-    entries: dict = {"__metadata__": {"format": "pt"}}
-    offset = 0
+    shards: list[dict] = [{}]
+    sizes = [0]
     for name, (_, shape) in expected_parameters(parse_config(config), ("text", "mtp")).items():
         fp32 = name.endswith(("A_log", "linear_attn.norm.weight"))  # fp32 in published checkpoints
         nbytes = math.prod(shape) * (4 if fp32 else 2)
-        entries[name] = {"dtype": "F32" if fp32 else "BF16", "shape": list(shape),
-                         "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(entries).encode()
-    raw += b" " * (-len(raw) % 8)
-    file = directory / "model.safetensors"
-    with open(file, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-    os.truncate(file, 8 + len(raw) + offset)
-    return offset
+        if sizes[-1] and sizes[-1] + nbytes > shard_bytes:
+            shards.append({})
+            sizes.append(0)
+        shards[-1][name] = {"dtype": "F32" if fp32 else "BF16", "shape": list(shape),
+                            "data_offsets": [sizes[-1], sizes[-1] + nbytes]}
+        sizes[-1] += nbytes
+    weight_map = {}
+    for i, (entries, size) in enumerate(zip(shards, sizes, strict=True)):
+        file = directory / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        raw = json.dumps({"__metadata__": {"format": "pt"}, **entries}).encode()
+        raw += b" " * (-len(raw) % 8)
+        with open(file, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)))
+            f.write(raw)
+        os.truncate(file, 8 + len(raw) + size)
+        weight_map.update(dict.fromkeys(entries, file.name))
+    (directory / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}))
+    return sum(sizes)
 
 
 def write_sparse_artifact(shape: str, workdir: Path) -> Path:
@@ -276,7 +285,7 @@ def engine_row(path: Path, kwargs: dict, memory, *, budget: int, prompt_tokens: 
         row["workload_seconds"] = time.perf_counter() - t1
         if cuda:
             row["peak_reserved"] = memory.peak_reserved()
-            row["peak_within_budget"] = row["peak_reserved"] <= budget
+            row["peak_within_budget"] = max(row["peak_reserved"], row["start_peak_reserved"]) <= budget
         else:
             row["peak_reserved"] = row["peak_within_budget"] = None  # the CPU has no allocator to read
     finally:
@@ -284,16 +293,24 @@ def engine_row(path: Path, kwargs: dict, memory, *, budget: int, prompt_tokens: 
         del engine
         gc.collect()
         memory.settle()
+    if cuda:  # what the next start finds held: the engine must have given everything back
+        row["reserved_after_close"] = memory.snapshot().reserved
     return row
 
 
 def run(shapes, budgets, *, device: str, workdir: Path, max_concurrency: int, speculative, prompt_tokens,
-        max_tokens: int, timeout: float) -> dict:
+        max_tokens: int, timeout: float, plan_only: bool = False, json_path: Path | None = None) -> dict:
+    """Every (shape, speculative, budget) row; ``json_path`` is rewritten after each row, so a run cut short by
+    its time limit still leaves the rows it finished."""
     from ninfer.core.device import Device
     from ninfer.core.device_memory import DeviceMemory
 
     memory = DeviceMemory(Device.parse(device))
-    rows = []
+    rows: list[dict] = []
+    out: dict = {"device": device, "rows": rows}
+    if memory.measures:
+        out["gpu"] = torch.cuda.get_device_name(memory.device.torch)
+        out["device_total_bytes"] = torch.cuda.mem_get_info(memory.device.torch)[1]
     for shape in shapes:
         t0 = time.perf_counter()
         path = write_sparse_artifact(shape, workdir)
@@ -305,7 +322,9 @@ def run(shapes, budgets, *, device: str, workdir: Path, max_concurrency: int, sp
                 row = {"shape": shape, "speculative": spec, "budget_bytes": budget,
                        "max_concurrency": max_concurrency, "artifact_bytes": path.stat().st_size,
                        "artifact_write_seconds": write_s, "plan": plan_row(path, kwargs, memory)}
-                if row["plan"]["fits"]:
+                if plan_only:
+                    pass
+                elif row["plan"]["fits"]:
                     try:
                         row["engine"] = engine_row(path, kwargs, memory, budget=budget,
                                                    prompt_tokens=prompt_tokens, max_tokens=max_tokens,
@@ -318,11 +337,9 @@ def run(shapes, budgets, *, device: str, workdir: Path, max_concurrency: int, sp
                     row["refusal"] = refusal_row(path, kwargs)
                 print(format_row(row), file=sys.stderr)
                 rows.append(row)
+                if json_path is not None:
+                    json_path.write_text(json.dumps(out, indent=1, default=str))
         path.unlink()
-    out = {"device": device, "rows": rows}
-    if memory.measures:
-        out["gpu"] = torch.cuda.get_device_name(memory.device.torch)
-        out["device_total_bytes"] = torch.cuda.mem_get_info(memory.device.torch)[1]
     return out
 
 
@@ -331,8 +348,9 @@ def _g(n) -> str:
 
 
 COLUMNS = ("shape", "spec", "budget GiB", "plan weights GiB", "plan KV tokens", "plan fits", "weights GiB",
-           "KV tokens", "graphs calib / rebuild GiB", "reserved after start GiB", "peak in workload GiB",
-           "peak <= budget", "start s", "calibration s", "plan s")
+           "KV tokens", "graphs calib / rebuild GiB", "reserved after start GiB", "peak in start GiB",
+           "peak in workload GiB", "peaks <= budget", "start s", "calibration s", "plan s")
+_ENGINE_CELLS = len(COLUMNS) - 7  # from "weights GiB" to "calibration s"
 
 
 def format_row(row: dict) -> str:
@@ -343,19 +361,22 @@ def format_row(row: dict) -> str:
     if eng is not None and "memory" in eng:
         m, graphs = eng["memory"], eng["memory"]["cuda_graph"]
         peak_ok = eng.get("peak_within_budget")
+        verdict = {None: "-", True: "PASS", False: "FAIL"}[peak_ok]
+        if not eng.get("workload_ok"):
+            verdict += " (workload error)"
         cells += [_g(m["weights_bytes"]), str(eng["kv_tokens"]),
                   f"{_g(graphs['calibration_growth'])} / {_g(graphs['rebuild_estimate'])}",
-                  _g(eng.get("reserved_after_start")), _g(eng.get("peak_reserved")),
-                  "-" if peak_ok is None else ("PASS" if peak_ok else "FAIL")
-                  + ("" if eng.get("workload_ok") else " (workload error)"),
-                  f"{eng['start_seconds']:.1f}", f"{eng['calibration_seconds']:.1f}"]
+                  _g(eng.get("reserved_after_start")), _g(eng.get("start_peak_reserved")), _g(eng.get("peak_reserved")),
+                  verdict, f"{eng['start_seconds']:.1f}", f"{eng['calibration_seconds']:.1f}"]
     elif eng is not None:
-        cells += [f"start failed: {eng['error'][:120]}"] + ["-"] * 7
-    else:
+        cells += [f"start failed: {eng['error'][:160]}"] + ["-"] * (_ENGINE_CELLS - 1)
+    elif ref is not None:
         what = "refused" if ref["refused"] else "STARTED (plan said no)"
         read = ref.get("read_bytes")
         cells += [f"{what} in {ref['seconds']:.2f} s" + ("" if read is None else f", read {read / MIB:.1f} MiB")]
-        cells += ["-"] * 7
+        cells += ["-"] * (_ENGINE_CELLS - 1)
+    else:  # --plan-only
+        cells += ["-"] * _ENGINE_CELLS
     cells.append(f"{plan['seconds']:.2f}")
     return "| " + " | ".join(cells) + " |"
 
@@ -375,6 +396,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-tokens", type=int, help="prompt length per request (default: the prefill chunk)")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--timeout", type=float, default=300.0, help="hang guard for the workload's requests (s)")
+    p.add_argument("--plan-only", action="store_true", help="plan from the header alone; start no Engine")
     p.add_argument("--workdir", help="folder for the sparse artifacts (default: a temp dir)")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
@@ -389,7 +411,8 @@ def main(argv=None) -> int:
     try:
         res = run(args.shapes, budget_bytes, device=args.device, workdir=workdir,
                   max_concurrency=args.max_concurrency, speculative=args.speculative,
-                  prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens, timeout=args.timeout)
+                  prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens, timeout=args.timeout,
+                  plan_only=args.plan_only, json_path=Path(args.json) if args.json else None)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print("| " + " | ".join(COLUMNS) + " |")
@@ -399,8 +422,6 @@ def main(argv=None) -> int:
     for row in res["rows"]:
         if not row["plan"]["fits"]:
             print(f"{row['shape']} {row['speculative']} @ {_g(row['budget_bytes'])} GiB: {row['plan']['error']}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1, default=str))
     return 0
 
 
