@@ -371,7 +371,8 @@ def format_row(row: dict) -> str:
     elif eng is not None:
         cells += [f"start failed: {eng['error'][:160]}"] + ["-"] * (_ENGINE_CELLS - 1)
     elif ref is not None:
-        what = "refused" if ref["refused"] else "STARTED (plan said no)"
+        what = ("STARTED (plan said no)" if not ref["refused"] else "refused" if ref["error_type"] == "PlanError"
+                else f"failed with {ref['error_type']}, not PlanError")
         read = ref.get("read_bytes")
         cells += [f"{what} in {ref['seconds']:.2f} s" + ("" if read is None else f", read {read / MIB:.1f} MiB")]
         cells += ["-"] * (_ENGINE_CELLS - 1)
