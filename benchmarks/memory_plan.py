@@ -37,7 +37,6 @@ import tempfile
 import time
 import zlib
 from pathlib import Path
-from unittest import mock
 
 from benchmarks.load_throughput import _host, _import_paths
 
@@ -178,8 +177,7 @@ def write_sparse_artifact(shape: str, workdir: Path) -> Path:
     shutil.rmtree(src, ignore_errors=True)
     write_sparse_source(src, shape_config(shape))
     try:
-        with mock.patch.object(convert, "ArtifactWriter", SparseArtifactWriter):
-            convert.convert_checkpoint(src, out, name=f"sparse-{shape}", host=_host())
+        convert.convert_checkpoint(src, out, name=f"sparse-{shape}", host=_host(), make_writer=SparseArtifactWriter)
     finally:
         shutil.rmtree(src, ignore_errors=True)
     return out

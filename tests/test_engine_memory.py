@@ -13,8 +13,8 @@ import torch
 
 from ninfer import default_model_path
 from ninfer.contract.config import StartupFeatures
-from ninfer.contract.request import GenerationRequest, SamplingParams
 from ninfer.contract.prompt import TextInput
+from ninfer.contract.request import GenerationRequest, SamplingParams
 from ninfer.core.device_plan import GIB, MIB, PlanError
 from ninfer.engine.engine import Engine
 from ninfer.testing.scheduling import submit_together

@@ -134,8 +134,10 @@ def _plan_tensors(ckpt: Checkpoint, mapping) -> tuple[dict[str, tuple[str, Sourc
 
 def convert_checkpoint(src: str | os.PathLike[str], out: str | os.PathLike[str], *, name: str | None = None,
                        host: PluginHost | None = None, progress: bool | Callable[[int, int], None] = False,
-                       alignment: int = 4096) -> ConversionSummary:
-    """Convert ``src`` (a Hugging Face checkpoint directory) into ``out``; atomic, never leaves a partial file."""
+                       alignment: int = 4096, make_writer: Callable[[int], ArtifactWriter] = ArtifactWriter
+                       ) -> ConversionSummary:
+    """Convert ``src`` (a Hugging Face checkpoint directory) into ``out``; atomic, never leaves a partial file.
+    ``make_writer``: makes the ArtifactWriter from the alignment (a benchmark's writer may leave the data a hole)."""
     start = time.perf_counter()
     src, out = Path(src), Path(out)
     if not out.parent.is_dir():
@@ -151,7 +153,7 @@ def convert_checkpoint(src: str | os.PathLike[str], out: str | os.PathLike[str],
             raise ConversionError(f"tokenizer.json has token id {fe.max_token_id} but the embedding has {vocab} rows "
                                   f"(vocab_size): the config disagrees with the tokenizer")
 
-        writer = ArtifactWriter(alignment)
+        writer = make_writer(alignment)
         order = {f: i for i, f in enumerate(_FEATURE_ORDER)}
         expected_order = {n: i for i, n in enumerate(mapping.expected_parameters(mapping.validated_features))}
         fused_of: dict[str, tuple[str, list[str]]] = {}
