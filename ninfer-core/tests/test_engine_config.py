@@ -103,12 +103,12 @@ def test_contract_declares_what_the_engine_reads():
 class _RecordingPlugin:
     """Claims the embedded model's architecture; its Startup records what each step received."""
 
-    def __init__(self, module: str, arch: str) -> None:
-        self.module, self.arch = module, arch
+    def __init__(self, module: str, arch: str, attr: str = "RecordingStartup") -> None:
+        self.module, self.arch, self.attr = module, arch, attr
 
     @hookimpl
     def ninfer_register_architectures(self, register):
-        register(ArchitectureSpec(name="recorded", handles=(self.arch,), startup=f"{self.module}:RecordingStartup"))
+        register(ArchitectureSpec(name="recorded", handles=(self.arch,), startup=f"{self.module}:{self.attr}"))
 
 
 class _RecordedProgram:
@@ -176,3 +176,18 @@ def test_the_startup_always_receives_the_typed_options(recording_host):
         artifact.close()
     with pytest.raises(TypeError, match="StartupOptions"):
         build_instance(ninfer.default_model_path(), {"device": "cpu"}, host=host)
+
+
+def test_a_startup_slot_naming_a_function_is_refused_by_name(monkeypatch):
+    from ninfer.artifact import open_artifact
+
+    with open_artifact(ninfer.default_model_path()) as art:
+        arch = art.metadata.architecture
+    mod = types.ModuleType("_ninfer_one_step_startup")
+    mod.build = lambda artifact, options: None  # the old one-step contract
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    monkeypatch.delenv("NINFER_EXTRA_PLUGINS", raising=False)
+    host = make_plugin_host(autoload=False)
+    host.register_module(_RecordingPlugin(mod.__name__, arch, attr="build"), "one-step")
+    with pytest.raises(TypeError, match="lacks profile, load, instance of ninfer.contract.Startup"):
+        build_instance(ninfer.default_model_path(), StartupOptions(device="cpu"), host=host)
