@@ -12,7 +12,17 @@ import pytest
 
 import ninfer
 from ninfer import ArchitectureSpec, hookimpl
-from ninfer.contract import EngineConfig, Frontend, ModelInstance, Program, StartupFeatures, StartupOptions
+from ninfer.contract import (
+    EngineConfig,
+    Frontend,
+    ModelInstance,
+    ModelProfile,
+    Program,
+    ProgramCapacity,
+    StartupFeatures,
+    StartupOptions,
+    WeightPlacement,
+)
 from ninfer.contract.config import MAX_CONCURRENCY, MODEL_KNOBS, default_prefill_chunk
 from ninfer.engine.startup import build_instance
 from ninfer.plugins import make_plugin_host
@@ -91,14 +101,26 @@ def test_contract_declares_what_the_engine_reads():
 
 # -- the Startup receives typed options -----------------------------------------------------------------
 class _RecordingPlugin:
-    """Claims the embedded model's architecture; its Startup records what it received."""
+    """Claims the embedded model's architecture; its Startup records what each step received."""
 
-    def __init__(self, module: str, arch: str) -> None:
-        self.module, self.arch = module, arch
+    def __init__(self, module: str, arch: str, attr: str = "RecordingStartup") -> None:
+        self.module, self.arch, self.attr = module, arch, attr
 
     @hookimpl
     def ninfer_register_architectures(self, register):
-        register(ArchitectureSpec(name="recorded", handles=(self.arch,), startup=f"{self.module}:build"))
+        register(ArchitectureSpec(name="recorded", handles=(self.arch,), startup=f"{self.module}:{self.attr}"))
+
+
+class _RecordedProgram:
+    """What the runtime's startup reads of a Program (a direct fake: the recorder runs no sequence)."""
+
+    graph_error = None
+
+    def __init__(self, capacity: ProgramCapacity) -> None:
+        self.capacity, self.max_model_len = capacity, capacity.max_model_len
+
+    def backing_bytes(self) -> int:
+        return 0
 
 
 @pytest.fixture
@@ -109,13 +131,25 @@ def recording_host(monkeypatch):
         arch = art.metadata.architecture
     seen: list = []
 
-    def build(artifact, options):  # exactly the contract's two parameters: nothing to probe
-        seen.append((artifact, options))
-        return ModelInstance(architecture="recorded", config=None, model=None, parameters=None, frontend=None,
-                             program=object())
+    class RecordingStartup:  # exactly the contract's parameters: nothing to probe
+        def profile(self, artifact, options):
+            seen.append(("profile", artifact, options))
+            return ModelProfile(architecture="recorded", dtype="float32", features=("text",),
+                                placements=(WeightPlacement(name="all-device", device_bytes=1024),),
+                                state_slot_bytes=0, kv_page_bytes=256, page_size=options.page_size,
+                                workspace_bytes=0, model_limit=4096, layers=1)
+
+        def load(self, artifact, options, placement):
+            seen.append(("load", artifact, options, placement))
+            return artifact
+
+        def instance(self, loaded, options, capacity):
+            seen.append(("instance", loaded, options, capacity))
+            return ModelInstance(architecture="recorded", config=None, model=None, parameters=None, frontend=None,
+                                 program=_RecordedProgram(capacity))
 
     mod = types.ModuleType("_ninfer_recording_startup")
-    mod.build = build
+    mod.RecordingStartup = RecordingStartup
     monkeypatch.setitem(sys.modules, mod.__name__, mod)
     monkeypatch.delenv("NINFER_EXTRA_PLUGINS", raising=False)  # only the recorder claims the architecture
     host = make_plugin_host(autoload=False)
@@ -127,9 +161,33 @@ def test_the_startup_always_receives_the_typed_options(recording_host):
     host, seen = recording_host
     for options in (StartupOptions(device="cpu"), StartupOptions(device="cpu", max_model_len=77, dtype="float16",
                                                                  pdl=False, num_pages=3)):
+        seen.clear()
         instance, name, artifact = build_instance(ninfer.default_model_path(), options, host=host)
-        assert seen[-1] == (artifact, options) and seen[-1][1] is options
+        assert [step[0] for step in seen] == ["profile", "load", "instance"]  # no graph calibration on the CPU
+        assert all(step[2] is options for step in seen)
+        assert seen[0][1] is artifact and seen[1][1] is artifact and seen[2][1] is artifact  # load's result
+        assert seen[1][3].name == "all-device"
+        capacity = seen[2][3]
+        assert isinstance(capacity, ProgramCapacity) and not capacity.calibration
+        if options.num_pages is not None:
+            assert (capacity.kv_pages, capacity.max_model_len) == (3, 3 * options.page_size)
         assert instance.architecture == "recorded" and name == artifact.metadata.name
+        assert instance.memory is not None and instance.memory.kv_pages == capacity.kv_pages
         artifact.close()
     with pytest.raises(TypeError, match="StartupOptions"):
         build_instance(ninfer.default_model_path(), {"device": "cpu"}, host=host)
+
+
+def test_a_startup_slot_naming_a_function_is_refused_by_name(monkeypatch):
+    from ninfer.artifact import open_artifact
+
+    with open_artifact(ninfer.default_model_path()) as art:
+        arch = art.metadata.architecture
+    mod = types.ModuleType("_ninfer_one_step_startup")
+    mod.build = lambda artifact, options: None  # the old one-step contract
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    monkeypatch.delenv("NINFER_EXTRA_PLUGINS", raising=False)
+    host = make_plugin_host(autoload=False)
+    host.register_module(_RecordingPlugin(mod.__name__, arch, attr="build"), "one-step")
+    with pytest.raises(TypeError, match="lacks profile, load, instance of ninfer.contract.Startup"):
+        build_instance(ninfer.default_model_path(), StartupOptions(device="cpu"), host=host)

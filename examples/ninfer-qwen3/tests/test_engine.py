@@ -124,9 +124,9 @@ def test_decode_through_the_graph_input_buffers_matches_transformers(converted, 
     """The CUDA-graph input path (static buffers, exact-B), run eagerly on the CPU."""
     _, path = converted
     with ninfer.Engine(path, device="cpu", dtype="float32", max_concurrency=2, page_size=PAGE) as built:
-        model, plan = built.instance.program.model, built.instance.program.plan
+        model, memory = built.instance.program.model, built.instance.memory
         program = Qwen3Program(model, kv_pool=built.instance.program.kv_pools[0], device="cpu", max_concurrency=2,
-                               num_pages=plan.kv_pages, max_model_len=plan.max_model_len, static_decode=True)
+                               num_pages=memory.kv_pages, max_model_len=memory.max_model_len, static_decode=True)
         assert program.graphs is not None
         instance = ModelInstance(architecture="qwen3", config=model.config, model=model,
                                                  parameters=model.params, frontend=built.frontend, program=program)
@@ -156,9 +156,10 @@ def test_startup_names_what_it_cannot_build(converted):
     _, path = converted
     with pytest.raises(ValueError, match="runs text only"):
         ninfer.Engine(path, device="cpu", features=StartupFeatures(vision=True))
-    with pytest.raises(PlanError, match="no room for KV pages"):
+    with pytest.raises(PlanError, match=r"\(text, float32\) does not fit: it needs .*weights .*workspace"):
         ninfer.Engine(path, device="cpu", device_budget_bytes=1 << 20)  # less than the weights and workspace
     with ninfer.Engine(path, device="cpu", max_concurrency=2, num_pages=6, page_size=PAGE) as engine:
-        plan = engine.instance.program.plan
-        assert (plan.kv_pages, plan.max_model_len, plan.dtype, plan.state_bytes) == (6, 24, "float32", 0)
+        memory = engine.instance.memory
+        assert (memory.kv_pages, memory.max_model_len, memory.page_size, memory.kv_automatic) == (6, 24, PAGE, False)
+        assert memory.weights_bytes > 0 and memory.runtime_reservation_bytes == engine.instance.program.backing_bytes()
         assert engine.max_model_len == 24 and engine.usage().kv_pages_total == 6

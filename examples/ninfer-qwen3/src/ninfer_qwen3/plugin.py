@@ -10,7 +10,7 @@ def ninfer_register_architectures(register):
         handles=("Qwen3ForCausalLM",),
         description="Qwen3 dense: attention-only, per-head q/k RMSNorm, RoPE, SwiGLU (example plugin)",
         config="ninfer_qwen3.config:parse_config",
-        startup="ninfer_qwen3.startup:build",
+        startup="ninfer_qwen3.startup:Qwen3Startup",
         program="ninfer_qwen3.program:Qwen3Program",
         frontend="ninfer.models.common.qwen:QwenFrontend",
         source_mapping="ninfer_qwen3.source_mapping:source_mapping",

@@ -48,6 +48,8 @@ def build_instance(model: str | os.PathLike, options: StartupOptions, *, host: P
 
     Returns the instance, its public name (``metadata.name``) and the opened artifact (the engine keeps
     it alive: loaded weights may borrow its mapping)."""
+    if not isinstance(options, StartupOptions):  # before anything reads it (the device memory readings do)
+        raise TypeError(f"options must be StartupOptions, got {type(options).__name__}")
     artifact = open_model(model, verify=verify)
     try:
         startup = native_startup(artifact, host)

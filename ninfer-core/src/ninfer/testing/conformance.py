@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import subprocess
 import sys
@@ -66,15 +67,33 @@ def _check_state_layout(name: str, layout: Any) -> None:
 
 
 def _check_protocol_classes(spec) -> None:
-    """Classes named by startup/program/frontend must define every method of their Protocol."""
+    """Classes named by startup/program/frontend must define every method of their Protocol; the startup slot
+    must name such a class, made with no arguments (a bare function is the old one-step contract)."""
     for slot, proto in (("startup", Startup), ("program", Program), ("frontend", Frontend)):
         if getattr(spec, slot) is None:
             continue
         obj = spec.load(slot)
+        if slot == "startup":
+            _check_startup_class(spec.name, getattr(spec, slot), obj)
         if isinstance(obj, type):
             missing = [m for m in _protocol_methods(proto) if not callable(getattr(obj, m, None))]
             if missing:
                 raise ConformanceError(f"{spec.name}.{slot} {obj.__name__} lacks {missing} of {proto.__name__}")
+
+
+def _check_startup_class(name: str, target: str, obj: Any) -> None:
+    if not isinstance(obj, type):
+        raise ConformanceError(
+            f"{name}.startup target {target!r} is a {type(obj).__name__}, not a class: the slot names a class of "
+            f"the ninfer.contract.Startup shape ({', '.join(_protocol_methods(Startup))}), made with no arguments")
+    try:
+        signature = inspect.signature(obj)
+    except ValueError:  # no signature to read (a class built in C): the runtime's own call will tell
+        return
+    try:
+        signature.bind()
+    except TypeError as exc:
+        raise ConformanceError(f"{name}.startup {obj.__name__} cannot be made with no arguments: {exc}") from None
 
 
 def _protocol_methods(proto: type) -> list[str]:
