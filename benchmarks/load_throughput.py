@@ -53,13 +53,9 @@ def _host():
     return host
 
 
-def write_source(directory: Path, config: dict, device: str, shard_bytes: int = 4 << 30) -> int:
-    """A random checkpoint in published naming (flat text-only); returns the tensor bytes written."""
-    import torch
-    from safetensors.torch import save_file
-
-    from ninfer_qwen35.config import parse_config
-    from ninfer_qwen35.source_mapping import expected_parameters
+def write_source_files(directory: Path, config: dict) -> None:
+    """A new checkpoint directory's files beside the weights: config.json, the small test tokenizer, its chat
+    template and generation config."""
     from ninfer_qwen35.testing.checkpoints import CHAT_TEMPLATE, make_tokenizer_json
 
     directory.mkdir(parents=True)
@@ -68,6 +64,17 @@ def write_source(directory: Path, config: dict, device: str, shard_bytes: int = 
     (directory / "tokenizer.json").write_text(tok)
     (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [special["<|im_end|>"]]}))
+
+
+def write_source(directory: Path, config: dict, device: str, shard_bytes: int = 4 << 30) -> int:
+    """A random checkpoint in published naming (flat text-only); returns the tensor bytes written."""
+    import torch
+    from safetensors.torch import save_file
+
+    from ninfer_qwen35.config import parse_config
+    from ninfer_qwen35.source_mapping import expected_parameters
+
+    write_source_files(directory, config)
     gen_device = "cuda" if device.startswith("cuda") else "cpu"
     g = torch.Generator(device=gen_device).manual_seed(0)
     params = expected_parameters(parse_config(config), ("text",))

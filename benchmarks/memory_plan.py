@@ -133,16 +133,11 @@ def write_sparse_source(directory: Path, config: dict, shard_bytes: int = 4 * GI
     """A checkpoint in published naming (flat text + ``mtp.*``) whose tensor data is a hole: config.json, tokenizer
     files, safetensors shards with real headers (and their index). Shards as published: one mapping of 54 GB
     is refused where memory overcommit is heuristic. Returns the tensor bytes it declares."""
+    from benchmarks.load_throughput import write_source_files
     from ninfer_qwen35.config import parse_config
     from ninfer_qwen35.source_mapping import expected_parameters
-    from ninfer_qwen35.testing.checkpoints import CHAT_TEMPLATE, make_tokenizer_json
 
-    directory.mkdir(parents=True)
-    (directory / "config.json").write_text(json.dumps(config, indent=2))
-    tok, special = make_tokenizer_json()
-    (directory / "tokenizer.json").write_text(tok)
-    (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
-    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [special["<|im_end|>"]]}))
+    write_source_files(directory, config)
     shards: list[dict] = [{}]
     sizes = [0]
     for name, (_, shape) in expected_parameters(parse_config(config), ("text", "mtp")).items():
