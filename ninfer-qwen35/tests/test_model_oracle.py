@@ -1,4 +1,4 @@
-"""Qwen3.5 model execution vs Hugging Face transformers (fp32, CPU, tiny random configs), and the
+"""Qwen3.5 model execution (dense and MoE) vs Hugging Face transformers (fp32, CPU, tiny random configs), and the
 invariances the Program relies on: chunked prefill, prefill + decode, batch-neighbour independence.
 
 The model runs over the real stores (StateImageStorage, PagedKVPool) filled with NaN first, so any
@@ -40,6 +40,11 @@ CONFIGS = {
                       linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
                       tie_word_embeddings=False,
                       layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"]),
+    # Qwen3.5 MoE: every MLP a sparse block (8 experts, top-3, a shared expert)
+    "moe_r2": dict(vocab_size=288, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                   linear_key_head_dim=16, linear_value_head_dim=16, tie_word_embeddings=False, num_experts=8,
+                   num_experts_per_tok=3, moe_intermediate_size=32, shared_expert_intermediate_size=48),
 }
 
 
@@ -63,7 +68,7 @@ def _randomise(hf: torch.nn.Module, seed: int) -> None:
             elif name.endswith("embed_tokens.weight"):
                 p.copy_(torch.randn(p.shape, generator=gen))
             else:
-                fan_in = math.prod(p.shape[1:])
+                fan_in = p.shape[-1]  # an expert bank [E, out, in] too
                 p.copy_(torch.randn(p.shape, generator=gen) * (1.5 / math.sqrt(fan_in)))
 
 
@@ -71,9 +76,10 @@ def _randomise(hf: torch.nn.Module, seed: int) -> None:
 def tiny(request) -> Tiny:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    hf_config = transformers.Qwen3_5TextConfig(**CONFIGS[request.param])
+    kind = "Qwen3_5Moe" if "num_experts" in CONFIGS[request.param] else "Qwen3_5"
+    hf_config = getattr(transformers, f"{kind}TextConfig")(**CONFIGS[request.param])
     hf_config._attn_implementation = "eager"
-    hf = transformers.Qwen3_5ForCausalLM(hf_config).eval()
+    hf = getattr(transformers, f"{kind}ForCausalLM")(hf_config).eval()
     _randomise(hf, seed=len(request.param))
     config = parse_config(hf_config.to_dict())
     tensors = {k: v.detach().clone() for k, v in hf.state_dict().items()}
@@ -81,7 +87,8 @@ def tiny(request) -> Tiny:
         tensors.pop("lm_head.weight", None)
     weights = WeightSet.from_tensors(tensors, fused_parents(config))
     params = Qwen35Parameters.from_weights(config, weights, torch.float32)
-    assert all(layer.mlp.gate_up.shares_parent for layer in params.layers)
+    splits = [layer.mlp.shared.gate_up if config.moe else layer.mlp.gate_up for layer in params.layers]
+    assert all(split.shares_parent for split in splits)
     return Tiny(hf=hf, model=Qwen35Model(params))
 
 

@@ -15,12 +15,30 @@ class ConfigError(ValueError):
 
 
 @attrs.frozen(kw_only=True)
+class MoEConfig:
+    """The sparse MoE block of Qwen3.5 MoE (HF ``Qwen3_5MoeTextConfig``): every layer's MLP is ``num_experts``
+    routed SwiGLU experts of ``moe_intermediate_size``, ``num_experts_per_tok`` chosen per token (softmax, top-k
+    renormalised), plus one shared SwiGLU expert of ``shared_expert_intermediate_size`` behind a sigmoid gate."""
+
+    num_experts: int = attrs.field(validator=v.gt(0))
+    num_experts_per_tok: int = attrs.field(validator=v.gt(0))
+    moe_intermediate_size: int = attrs.field(validator=v.gt(0))
+    shared_expert_intermediate_size: int = attrs.field(validator=v.gt(0))
+
+    def __attrs_post_init__(self) -> None:
+        if self.num_experts_per_tok > self.num_experts:
+            raise ConfigError(f"num_experts_per_tok {self.num_experts_per_tok} exceeds num_experts {self.num_experts}")
+
+
+@attrs.frozen(kw_only=True)
 class Qwen35Config:
-    """Instance parameters of a Qwen3.5 dense text model (names follow HF's Qwen3_5TextConfig)."""
+    """Instance parameters of a Qwen3.5 text model (names follow HF's Qwen3_5TextConfig / Qwen3_5MoeTextConfig):
+    dense (``intermediate_size``) or MoE (``moe``; every layer's MLP is the sparse block)."""
 
     vocab_size: int = attrs.field(validator=v.gt(0))
     hidden_size: int = attrs.field(validator=v.gt(0))
-    intermediate_size: int = attrs.field(validator=v.gt(0))
+    intermediate_size: int = attrs.field(default=0, validator=v.ge(0))  # dense MLP width (0 in a MoE model)
+    moe: MoEConfig | None = None
     num_hidden_layers: int = attrs.field(validator=v.gt(0))
     num_attention_heads: int = attrs.field(validator=v.gt(0))
     num_key_value_heads: int = attrs.field(validator=v.gt(0))
@@ -48,6 +66,9 @@ class Qwen35Config:
     vision: dict[str, Any] | None = attrs.field(default=None, eq=False)
 
     def __attrs_post_init__(self) -> None:
+        if self.moe is None and self.intermediate_size <= 0:
+            raise ConfigError("a dense Qwen3.5 config needs intermediate_size > 0 (a MoE config gives num_experts, "
+                              "num_experts_per_tok, moe_intermediate_size, shared_expert_intermediate_size)")
         if len(self.layer_types) != self.num_hidden_layers:
             raise ConfigError(f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is "
                               f"{self.num_hidden_layers}")
@@ -81,6 +102,15 @@ class Qwen35Config:
         return 2 * self.key_dim + self.value_dim
 
     @property
+    def ffn_width(self) -> int:
+        """Elements per token a layer's feed-forward activations hold at once (gate and up of what runs)."""
+        if self.moe is None:
+            return 2 * self.intermediate_size
+        m = self.moe
+        return 2 * m.moe_intermediate_size * m.num_experts_per_tok + 2 * m.shared_expert_intermediate_size \
+            + m.num_experts + 1
+
+    @property
     def gdn_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
 
@@ -89,9 +119,10 @@ class Qwen35Config:
         return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
 
 
-_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
              "num_key_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
              "linear_num_value_heads")
+_MOE = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
 
 
 def parse_config(raw: dict[str, Any]) -> Qwen35Config:
@@ -99,7 +130,8 @@ def parse_config(raw: dict[str, Any]) -> Qwen35Config:
     if not isinstance(raw, dict):
         raise ConfigError("config.json must be a JSON object")
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
-    missing = [k for k in _REQUIRED if k not in text]
+    is_moe = "num_experts" in text
+    missing = [k for k in (*_REQUIRED, *(_MOE if is_moe else ("intermediate_size",))) if k not in text]
     if missing:
         raise ConfigError(f"config.json is missing {', '.join(missing)}")
     n = text["num_hidden_layers"]
@@ -117,7 +149,8 @@ def parse_config(raw: dict[str, Any]) -> Qwen35Config:
     try:
         return Qwen35Config(
             vocab_size=text["vocab_size"], hidden_size=text["hidden_size"],
-            intermediate_size=text["intermediate_size"], num_hidden_layers=n,
+            intermediate_size=0 if is_moe else text["intermediate_size"],
+            moe=MoEConfig(**{k: text[k] for k in _MOE}) if is_moe else None, num_hidden_layers=n,
             num_attention_heads=text["num_attention_heads"], num_key_value_heads=text["num_key_value_heads"],
             head_dim=text.get("head_dim", text["hidden_size"] // text["num_attention_heads"]),
             linear_conv_kernel_dim=text.get("linear_conv_kernel_dim", 4),

@@ -19,6 +19,17 @@ def ninfer_register_architectures(register):
         source_mapping="ninfer_qwen35.source_mapping:source_mapping",
         state_layout="ninfer_qwen35.state:state_layout",
     ))
+    register(ArchitectureSpec(
+        name="qwen35_moe",
+        handles=("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
+        description="Qwen3.5 MoE: the same mixers, every MLP a sparse block (routed experts + a shared expert)",
+        config="ninfer_qwen35.config:parse_config",
+        startup="ninfer_qwen35.startup:Qwen35Startup",
+        program="ninfer_qwen35.program:Qwen35Program",
+        frontend="ninfer.models.common.qwen:QwenFrontend",
+        source_mapping="ninfer_qwen35.source_mapping:source_mapping",
+        state_layout="ninfer_qwen35.state:state_layout",
+    ))
 
 
 @hookimpl

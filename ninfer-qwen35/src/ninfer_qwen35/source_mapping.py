@@ -28,14 +28,27 @@ def canonical_name(hf_name: str) -> tuple[str, str] | None:
     return None
 
 
+def _ffn_names(m: str, c: Qwen35Config) -> dict[str, tuple[int, ...]]:
+    """A layer's MLP: the dense SwiGLU, or the sparse MoE block (router ``gate``, the routed experts as the
+    published fused banks ``experts.gate_up_proj`` [E, 2I, H] / ``experts.down_proj`` [E, H, I], the shared
+    expert and its gate)."""
+    H = c.hidden_size
+    if c.moe is None:
+        return {m + "gate_proj.weight": (c.intermediate_size, H), m + "up_proj.weight": (c.intermediate_size, H),
+                m + "down_proj.weight": (H, c.intermediate_size)}
+    E, inter, shared = c.moe.num_experts, c.moe.moe_intermediate_size, c.moe.shared_expert_intermediate_size
+    return {m + "gate.weight": (E, H), m + "experts.gate_up_proj": (E, 2 * inter, H),
+            m + "experts.down_proj": (E, H, inter), m + "shared_expert.gate_proj.weight": (shared, H),
+            m + "shared_expert.up_proj.weight": (shared, H), m + "shared_expert.down_proj.weight": (H, shared),
+            m + "shared_expert_gate.weight": (1, H)}
+
+
 def _layer_names(prefix: str, kind: str, c: Qwen35Config) -> dict[str, tuple[int, ...]]:
     H = c.hidden_size
     names: dict[str, tuple[int, ...]] = {
         f"{prefix}input_layernorm.weight": (H,),
         f"{prefix}post_attention_layernorm.weight": (H,),
-        f"{prefix}mlp.gate_proj.weight": (c.intermediate_size, H),
-        f"{prefix}mlp.up_proj.weight": (c.intermediate_size, H),
-        f"{prefix}mlp.down_proj.weight": (H, c.intermediate_size),
+        **_ffn_names(f"{prefix}mlp.", c),
     }
     if kind == "linear_attention":
         a = f"{prefix}linear_attn."
@@ -126,8 +139,15 @@ def fused_parents(c: Qwen35Config) -> list[FusedParent]:
     groups: list[FusedParent] = []
 
     def layer(prefix: str, kind: str, feature: str) -> None:
-        groups.append(FusedParent(name=f"{prefix}mlp.gate_up_proj", feature=feature,
-                                  members=(f"{prefix}mlp.gate_proj.weight", f"{prefix}mlp.up_proj.weight")))
+        m = f"{prefix}mlp."
+        if c.moe is None:
+            groups.append(FusedParent(name=m + "gate_up_proj", feature=feature,
+                                      members=(m + "gate_proj.weight", m + "up_proj.weight")))
+        else:  # the router and the shared expert's gate read the same input: one matmul
+            groups.append(FusedParent(name=m + "router_shared_gate", feature=feature,
+                                      members=(m + "gate.weight", m + "shared_expert_gate.weight")))
+            groups.append(FusedParent(name=m + "shared_expert.gate_up_proj", feature=feature,
+                                      members=(m + "shared_expert.gate_proj.weight", m + "shared_expert.up_proj.weight")))
         if kind == "linear_attention":
             a = f"{prefix}linear_attn."
             groups.append(FusedParent(name=a + "in_proj_qkvzba", feature=feature, members=(

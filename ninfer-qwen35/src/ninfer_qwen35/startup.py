@@ -116,7 +116,7 @@ class Qwen35Startup:
             program = Qwen35MTPProgram(loaded.executor, mtp=loaded.mtp, steps=steps, draft_tokens=k, **common)
         else:
             program = Qwen35Program(loaded.executor, **common)
-        return ModelInstance(architecture="qwen35", config=config, model=loaded, parameters=loaded.executor.params,
+        return ModelInstance(architecture="qwen35_moe" if config.moe else "qwen35", config=config, model=loaded, parameters=loaded.executor.params,
                              frontend=loaded.frontend, program=program)
 
 
@@ -131,7 +131,7 @@ def build(artifact: Any, options: StartupOptions) -> ModelInstance:
 
 def activation_width(config: Qwen35Config) -> int:
     """Elements per token a prefill chunk holds at once: residual stream and projections, MLP, conv, logits rows."""
-    return 4 * config.hidden_size + 2 * config.intermediate_size + 2 * config.conv_dim + config.vocab_size // 8
+    return 4 * config.hidden_size + config.ffn_width + 2 * config.conv_dim + config.vocab_size // 8
 
 
 def _checked(artifact: Any, options: StartupOptions) -> tuple[Qwen35Config, tuple[str, ...]]:

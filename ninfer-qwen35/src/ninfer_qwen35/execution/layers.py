@@ -1,4 +1,4 @@
-"""The per-layer calls of Qwen3.5: Gated DeltaNet mixer, gated full attention, SwiGLU MLP.
+"""The per-layer calls of Qwen3.5: Gated DeltaNet mixer, gated full attention, SwiGLU MLP or sparse MoE block.
 
 Plain functions over tensors (no nn.Module, no autograd); the model runs them under inference_mode.
 """
@@ -15,6 +15,8 @@ from ninfer.ops import (
     gdn_prefill,
     gdn_verify,
     linear,
+    moe_experts,
+    moe_route,
     norm_rope_write_kv,
     paged_attention,
     rms_norm_gated,
@@ -22,7 +24,7 @@ from ninfer.ops import (
 )
 from ninfer_qwen35.config import Qwen35Config
 from ninfer_qwen35.execution.forward_batch import ForwardBatch
-from ninfer_qwen35.execution.parameters import AttentionParams, GDNParams, MLPParams
+from ninfer_qwen35.execution.parameters import AttentionParams, GDNParams, MLPParams, MoEParams
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -93,5 +95,12 @@ def attention_mixer(c: Qwen35Config, p: AttentionParams, x: torch.Tensor, batch:
     return linear(o.reshape(N, nh * d), p.o_proj)
 
 
-def mlp(p: MLPParams, x: torch.Tensor) -> torch.Tensor:
-    return linear(swiglu(x, p.gate_up.weight), p.down)
+def mlp(p: MLPParams | MoEParams, x: torch.Tensor) -> torch.Tensor:
+    """The layer's feed-forward: the SwiGLU MLP, or the sparse MoE block (routed experts + the shared expert
+    scaled by sigmoid of its gate logit)."""
+    if isinstance(p, MLPParams):
+        return linear(swiglu(x, p.gate_up.weight), p.down)
+    logits, shared_gate = p.router_shared_gate(x)
+    weights, ids = moe_route(logits, p.top_k)
+    routed = moe_experts(x, p.gate_up, p.down, ids, weights)
+    return routed + torch.sigmoid(shared_gate) * linear(swiglu(x, p.shared.gate_up.weight), p.shared.down)

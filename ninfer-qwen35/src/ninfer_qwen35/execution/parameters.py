@@ -27,6 +27,19 @@ class MLPParams:
 
 
 @attrs.frozen(kw_only=True, eq=False)
+class MoEParams:
+    """The sparse MoE block: the router and the shared expert's gate in one matmul (``router_shared_gate``:
+    [E routing logits | 1 gate logit]), the routed experts as fused banks (``gate_up`` [E, 2I, H], ``down``
+    [E, H, I]), the shared SwiGLU expert."""
+
+    router_shared_gate: LinearSplit
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    shared: MLPParams
+    top_k: int
+
+
+@attrs.frozen(kw_only=True, eq=False)
 class GDNParams:
     in_proj: LinearSplit      # qkv (conv input), z (output gate), b (beta logits), a (decay input)
     conv: torch.Tensor        # [conv_dim, K]
@@ -52,7 +65,7 @@ class LayerParams:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     mixer: GDNParams | AttentionParams
-    mlp: MLPParams
+    mlp: MLPParams | MoEParams
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -71,7 +84,7 @@ class Qwen35Parameters:
         dtype = dtype if dtype is not None else weights["model.embed_tokens.weight"].dtype
         device = torch.device(device) if device is not None else weights["model.embed_tokens.weight"].device
 
-        build = _Builder(weights, dtype, device)
+        build = _Builder(config, weights, dtype, device)
         w, split = build.w, build.split
         layers = []
         gdn_index = {i: n for n, i in enumerate(config.gdn_layers)}
@@ -127,7 +140,7 @@ class MTPParams:
         if not config.mtp_num_hidden_layers:
             raise WeightsError("this Qwen3.5 config has no MTP block (mtp_num_hidden_layers is 0)")
         check_weights(config, weights, ("mtp",))
-        build = _Builder(weights, dtype, torch.device(device))
+        build = _Builder(config, weights, dtype, torch.device(device))
         layers = tuple(build.layer(f"mtp.layers.{j}.", index=j, kind="full_attention", state_index=j,
                                    mixer=build.attention(f"mtp.layers.{j}."))
                        for j in range(config.mtp_num_hidden_layers))
@@ -142,7 +155,12 @@ class MTPParams:
 def _layer_tensors(layers: tuple[LayerParams, ...]) -> list[torch.Tensor]:
     out = []
     for layer in layers:
-        out += [layer.input_norm, layer.post_norm, layer.mlp.gate_up.weight, layer.mlp.down]
+        out += [layer.input_norm, layer.post_norm]
+        f = layer.mlp
+        if isinstance(f, MoEParams):
+            out += [f.router_shared_gate.weight, f.gate_up, f.down, f.shared.gate_up.weight, f.shared.down]
+        else:
+            out += [f.gate_up.weight, f.down]
         m = layer.mixer
         if isinstance(m, GDNParams):
             out += [m.in_proj.weight, m.conv, m.A_log, m.dt_bias, m.norm, m.out_proj]
@@ -154,8 +172,8 @@ def _layer_tensors(layers: tuple[LayerParams, ...]) -> list[torch.Tensor]:
 class _Builder:
     """Per-layer parameter groups from bound weights, in one dtype on one device (main layers and MTP alike)."""
 
-    def __init__(self, weights: WeightSet, dtype: torch.dtype, device: torch.device) -> None:
-        self.weights, self.dtype, self.device = weights, dtype, device
+    def __init__(self, config: Qwen35Config, weights: WeightSet, dtype: torch.dtype, device: torch.device) -> None:
+        self.config, self.weights, self.dtype, self.device = config, weights, dtype, device
 
     def w(self, name: str, as_dtype: torch.dtype | None = None) -> torch.Tensor:
         return self.weights[name].to(device=self.device, dtype=as_dtype or self.dtype)
@@ -173,9 +191,18 @@ class _Builder:
               mixer: GDNParams | AttentionParams) -> LayerParams:
         return LayerParams(
             index=index, kind=kind, state_index=state_index, input_norm=self.w(prefix + "input_layernorm.weight"),
-            post_norm=self.w(prefix + "post_attention_layernorm.weight"), mixer=mixer,
-            mlp=MLPParams(gate_up=self.split([prefix + "mlp.gate_proj.weight", prefix + "mlp.up_proj.weight"]),
-                          down=self.w(prefix + "mlp.down_proj.weight")))
+            post_norm=self.w(prefix + "post_attention_layernorm.weight"), mixer=mixer, mlp=self.ffn(prefix + "mlp."))
+
+    def ffn(self, m: str) -> MLPParams | MoEParams:
+        if self.config.moe is None:
+            return self.swiglu(m)
+        return MoEParams(router_shared_gate=self.split([m + "gate.weight", m + "shared_expert_gate.weight"]),
+                         gate_up=self.w(m + "experts.gate_up_proj"), down=self.w(m + "experts.down_proj"),
+                         shared=self.swiglu(m + "shared_expert."), top_k=self.config.moe.num_experts_per_tok)
+
+    def swiglu(self, m: str) -> MLPParams:
+        return MLPParams(gate_up=self.split([m + "gate_proj.weight", m + "up_proj.weight"]),
+                         down=self.w(m + "down_proj.weight"))
 
 
 def check_weights(config: Qwen35Config, weights: WeightSet, features: tuple[str, ...] = ("text",)) -> None:

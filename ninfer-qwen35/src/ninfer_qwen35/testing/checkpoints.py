@@ -37,6 +37,8 @@ TINY_TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidd
                  num_key_value_heads=2, head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8,
                  linear_num_key_heads=2, linear_num_value_heads=4, linear_conv_kernel_dim=4,
                  max_position_embeddings=4096, rms_norm_eps=1e-6)
+# The MoE block of a tiny Qwen3_5MoeForCausalLM (it replaces intermediate_size).
+TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
 TINY_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, num_position_embeddings=64,
                    patch_size=16, temporal_patch_size=2, spatial_merge_size=2, in_channels=3)
 
@@ -81,20 +83,17 @@ def _to_checkpoint_dtypes(model) -> None:
 
 def make_tiny_checkpoint(directory: str | Path, *, layout: str = "text", mtp: bool = True,
                          tie_word_embeddings: bool = False, seed: int = 0, sharded: bool | None = None,
-                         **config_overrides: Any) -> Path:
+                         moe: bool = False, **config_overrides: Any) -> Path:
     """Write a tiny random Qwen3.5 checkpoint into ``directory`` and return it (see the module docstring).
 
     ``config_overrides`` update the text config (``vision_config=`` replaces the vision config). ``sharded``
     defaults to True for ``vl`` (several shards + model.safetensors.index.json) and False for ``text``.
+    ``moe``: a Qwen3.5 MoE checkpoint (``Qwen3_5MoeForCausalLM`` / ``...ForConditionalGeneration``, ``TINY_MOE``
+    experts in the published fused layout; the MTP layer gets a MoE block too).
     """
     import torch
+    import transformers
     from safetensors.torch import load_file, save_file
-    from transformers import (
-        Qwen3_5Config,
-        Qwen3_5ForCausalLM,
-        Qwen3_5ForConditionalGeneration,
-        Qwen3_5TextConfig,
-    )
 
     if layout not in ("text", "vl"):
         raise ValueError(f"layout must be 'text' or 'vl', got {layout!r}")
@@ -103,25 +102,31 @@ def make_tiny_checkpoint(directory: str | Path, *, layout: str = "text", mtp: bo
     sharded = layout == "vl" if sharded is None else sharded
     tokenizer_json, added = make_tokenizer_json()
     vision = dict(TINY_VISION, **config_overrides.pop("vision_config", {}))
-    text = dict(TINY_TEXT, **config_overrides)
+    text = dict(TINY_TEXT, **(TINY_MOE if moe else {}), **config_overrides)
+    if moe:
+        text.pop("intermediate_size")
+    kind = "Qwen3_5Moe" if moe else "Qwen3_5"
+    text_config, config_class = getattr(transformers, f"{kind}TextConfig"), getattr(transformers, f"{kind}Config")
     text["tie_word_embeddings"] = tie_word_embeddings
     text["eos_token_id"] = added["<|endoftext|>"]
     torch.manual_seed(seed)
     if layout == "text":
-        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text))
+        model = getattr(transformers, f"{kind}ForCausalLM")(text_config(**text))
     else:
         vision["out_hidden_size"] = text["hidden_size"]
-        cfg = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=tie_word_embeddings,
+        cfg = config_class(text_config=text, vision_config=vision, tie_word_embeddings=tie_word_embeddings,
                             image_token_id=added["<|image_pad|>"], video_token_id=added["<|video_pad|>"],
                             vision_start_token_id=added["<|vision_start|>"],
                             vision_end_token_id=added["<|vision_end|>"])
-        model = Qwen3_5ForConditionalGeneration(cfg)
+        model = getattr(transformers, f"{kind}ForConditionalGeneration")(cfg)
     _randomize(model, seed)
     _to_checkpoint_dtypes(model)
     model.config.dtype = torch.bfloat16
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     model.save_pretrained(out, max_shard_size=total // 2 + 1 if sharded else "50GB")
 
+    if moe:  # transformers saves the experts one by one; published Qwen3.5 MoE checkpoints hold fused banks
+        _fuse_experts(out, load_file, save_file)
     config_path = out / "config.json"
     config = json.loads(config_path.read_text())
     target = config.get("text_config", config)
@@ -146,6 +151,43 @@ def make_tiny_checkpoint(directory: str | Path, *, layout: str = "text", mtp: bo
             "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_rescale": True,
             "rescale_factor": 1 / 255, "do_normalize": True, "resample": 3}, indent=2))
     return out
+
+
+def _fuse_experts(out: Path, load_file, save_file) -> None:
+    """Rewrite every shard's per-expert ``...mlp.experts.{e}.{gate,up,down}_proj.weight`` as the published fused
+    banks ``...mlp.experts.gate_up_proj`` [E, 2I, H] (each expert's gate rows, then its up rows) and
+    ``...mlp.experts.down_proj`` [E, H, I] (the index too)."""
+    import re
+
+    import torch
+
+    part = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+    renamed: dict[str, str] = {}
+    for shard in sorted(out.glob("*.safetensors")):
+        tensors = load_file(str(shard))
+        banks: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+        kept = {}
+        for name, t in tensors.items():
+            m = part.match(name)
+            if m is None:
+                kept[name] = t
+                continue
+            banks.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
+            renamed[name] = shard.name
+        for prefix, experts in banks.items():
+            order = [experts[e] for e in sorted(experts)]
+            kept[prefix + ".gate_up_proj"] = torch.stack([torch.cat([x["gate"], x["up"]]) for x in order])
+            kept[prefix + ".down_proj"] = torch.stack([x["down"] for x in order])
+        save_file(kept, str(shard), metadata={"format": "pt"})
+    index_path = out / "model.safetensors.index.json"
+    if index_path.exists():
+        index = json.loads(index_path.read_text())
+        weight_map = {n: f for n, f in index["weight_map"].items() if n not in renamed}
+        for name, shard in renamed.items():
+            prefix = part.match(name).group(1)
+            weight_map[prefix + ".gate_up_proj"] = weight_map[prefix + ".down_proj"] = shard
+        index["weight_map"] = weight_map
+        index_path.write_text(json.dumps(index, indent=2))
 
 
 def _add_mtp(out: Path, config: dict, seed: int, sharded: bool, load_file, save_file) -> None:
