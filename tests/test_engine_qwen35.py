@@ -37,8 +37,18 @@ pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 @pytest.fixture(scope="module")
 def parts():
+    return _parts(moe=False)
+
+
+@pytest.fixture(scope="module")
+def moe_parts():
+    """The same engine over a Qwen3.5 MoE model (every MLP a sparse block)."""
+    return _parts(moe=True)
+
+
+def _parts(*, moe: bool):
     tokenizer_json, special = make_tokenizer_json()
-    hf = decisive_tiny_hf(5, vocab_size=VOCAB)
+    hf = decisive_tiny_hf(5, vocab_size=VOCAB, moe=moe)
     resources = FrontendResources(tokenizer_json=tokenizer_json, eos_token_ids=(special["<|im_end|>"],),
                                   embedding_vocab=VOCAB)
     models: dict[str, Qwen35Model] = {}
@@ -176,9 +186,12 @@ def test_events_and_text_through_the_qwen_frontend(parts):
     eng.close()
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2, 3])
-def test_randomized_lifecycle_on_the_real_program(parts, seed):
-    """Arrivals, cancellations, deadlines and a tiny KV pool forcing pauses, through the real Program."""
+@pytest.mark.parametrize("kind,seed", [("dense", 0), ("dense", 1), ("dense", 2), ("dense", 3), ("moe", 4),
+                                       ("moe", 5)])
+def test_randomized_lifecycle_on_the_real_program(request, kind, seed):
+    """Arrivals, cancellations, deadlines and a tiny KV pool forcing pauses, through the real Program (dense and
+    MoE)."""
+    parts = request.getfixturevalue("parts" if kind == "dense" else "moe_parts")
     rng = random.Random(seed)
     work = workload(10, 100 + seed, seeded=seed % 2 == 1)
     solo = make_engine(parts, max_concurrency=1)

@@ -39,23 +39,30 @@ def float32_program(model: Any, *, page_size: int, num_pages: int, device: str =
                          **options)
 
 
-def decisive_tiny_hf(seed: int, *, vocab_size: int = 448, max_position_embeddings: int = 512) -> Any:
-    """A tiny ``Qwen3_5ForCausalLM`` (4 layers: 3 GDN, 1 attention) whose weights are O(1) Gaussian draws of
-    ``seed``, so greedy choices are decisive rather than near-ties (engine tests compare tokens exactly)."""
+def decisive_tiny_hf(seed: int, *, vocab_size: int = 448, max_position_embeddings: int = 512,
+                     moe: bool = False) -> Any:
+    """A tiny ``Qwen3_5ForCausalLM`` (4 layers: 3 GDN, 1 attention; ``moe``: ``Qwen3_5MoeForCausalLM``, 8 experts,
+    top-2, a shared expert) whose weights are O(1) Gaussian draws of ``seed``, so greedy choices are decisive
+    rather than near-ties (engine tests compare tokens exactly)."""
     import math
 
     import transformers
 
-    cfg = transformers.Qwen3_5TextConfig(
-        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8,
-        linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=True)
+    common = dict(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=4, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8,
+                  linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=max_position_embeddings,
+                  tie_word_embeddings=True)
+    if moe:
+        cfg = transformers.Qwen3_5MoeTextConfig(**common, num_experts=8, num_experts_per_tok=2,
+                                                moe_intermediate_size=16, shared_expert_intermediate_size=24)
+        model_class = transformers.Qwen3_5MoeForCausalLM
+    else:
+        cfg, model_class = transformers.Qwen3_5TextConfig(**common, intermediate_size=64), transformers.Qwen3_5ForCausalLM
     torch.manual_seed(seed)
-    hf = transformers.Qwen3_5ForCausalLM(cfg).eval()
+    hf = model_class(cfg).eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in hf.parameters():
-            if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=gen) * (1.5 / math.sqrt(math.prod(p.shape[1:]))))
+            if p.dim() >= 2:  # fan-in is the last dim (an expert bank [E, out, in] too)
+                p.copy_(torch.randn(p.shape, generator=gen) * (1.5 / math.sqrt(p.shape[-1])))
     return hf
