@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ninfer.contract.config import StartupOptions
 from ninfer.contract.prompt import TextInput
 from ninfer.contract.request import GenerationRequest, SamplingParams
-from ninfer.contract.config import StartupOptions
 from ninfer.engine.engine import Engine
 from ninfer.engine.scoring import CausalScoreCore
 from ninfer.engine.startup import build_instance
