@@ -107,3 +107,34 @@ def test_mtp_speculative_decoding_of_a_moe_model_gives_plain_greedy_tokens(tmp_p
         finally:
             eng.close()
     assert outs[2] == outs[0]
+
+
+def test_host_experts_are_chosen_when_the_device_cannot_hold_the_banks_and_give_the_same_tokens(moe):
+    """A budget that holds every weight but the routed expert banks: the plan picks the host-experts candidate
+    (banks in host memory, everything else on the device), and greedy output is the all-device output."""
+    from ninfer.artifact import open_artifact
+    from ninfer_qwen35.startup import Qwen35Startup
+
+    art, _ = moe
+    options = StartupOptions(device="cpu", dtype="float32", max_concurrency=2, context_cache=False)
+    with open_artifact(art) as a:
+        profile = Qwen35Startup().profile(a, options)
+    everything, hosted = profile.placements
+    assert (everything.name, hosted.name) == ("all-device", "host-experts")
+    assert hosted.host_bytes > 0 and hosted.device_bytes + hosted.host_bytes == everything.device_bytes
+    others = profile.state_slot_bytes * 3 + profile.workspace_bytes
+    budget = hosted.device_bytes + others + 64 * profile.kv_page_bytes
+    assert everything.device_bytes + others + 2 * profile.kv_page_bytes > budget  # all-device cannot fit
+    outs = {}
+    for name, kwargs in (("all-device", {}), ("host-experts", {"device_budget_bytes": budget})):
+        eng = Engine(art, device="cpu", dtype="float32", max_concurrency=2, context_cache=False, **kwargs)
+        try:
+            assert eng.memory.placement == name
+            assert eng.memory.host.weights_bytes == (hosted.host_bytes if name == "host-experts" else 0)
+            hs = [eng.submit(GenerationRequest(input=TextInput(text=t), sampling=SamplingParams(
+                temperature=0.0, max_tokens=10, ignore_eos=True))) for t in PROMPTS]
+            outs[name] = [list(h.result(timeout=120).token_ids) for h in hs]
+            assert eng.usage().all_free
+        finally:
+            eng.close()
+    assert outs["host-experts"] == outs["all-device"]

@@ -41,6 +41,7 @@ class Qwen35Loaded:
     mtp: Any  # Qwen35MTP when speculative="mtp"
     frontend: Any
     compute: torch.dtype
+    host_experts: bool = False  # the MoE routed expert banks live in host memory (placement "host-experts")
 
 
 class Qwen35Startup:
@@ -55,11 +56,14 @@ class Qwen35Startup:
         weights = meta_weights(artifact, features=features)
         compute = _compute_dtype(options, weights[EMBED].dtype)
         meta = torch.device("meta")
-        fixed = [*weights.parents.values(), *Qwen35Parameters.from_weights(config, weights, compute, meta).tensors()]
+        params = Qwen35Parameters.from_weights(config, weights, compute, meta)
+        fixed, banks = [*weights.parents.values(), *params.tensors()], params.expert_banks()
         k = options.features.draft_tokens
         backing = 0
         if k:
-            fixed += MTPParams.from_weights(config, weights, compute, meta).tensors()
+            mtp = MTPParams.from_weights(config, weights, compute, meta)
+            fixed += mtp.tensors()
+            banks += mtp.expert_banks()
             steps = verify_steps(config, rows=options.max_concurrency, draft_tokens=k, dtype=compute, device=meta)
             backing = resident_bytes([steps.conv, steps.recurrent])
         layout, pool = _stores(config, options, compute)
@@ -67,7 +71,8 @@ class Qwen35Startup:
         width = activation_width(config)
         return ModelProfile(
             architecture=artifact.metadata.architecture, dtype=dtype_name(compute), features=features,
-            placements=(WeightPlacement(name="all-device", device_bytes=resident_bytes(fixed)),),
+            placements=_placements(resident_bytes(fixed),
+                                   resident_bytes([*(weights.parents[o] for o in _bank_objects(weights)), *banks])),
             state_slot_bytes=layout.nbytes_per_slot, kv_page_bytes=PagedKVPool.page_bytes(pool),
             page_size=pool.page_size, backing_bytes=backing, workspace_bytes=WORKSPACE_TOKENS * width * size,
             graph_bytes=graph_estimate(vocab_size=config.vocab_size, activation_width=width, element_size=size,
@@ -76,27 +81,29 @@ class Qwen35Startup:
             model_limit=config.max_position_embeddings, layers=config.num_hidden_layers)
 
     def load(self, artifact: Any, options: StartupOptions, placement: WeightPlacement) -> Qwen35Loaded:
-        from ninfer.artifact import load_weights
+        from ninfer.artifact import load_weights, meta_weights
         from ninfer.models.common.qwen import QwenFrontend
         from ninfer_qwen35.execution.model import Qwen35Model
         from ninfer_qwen35.execution.mtp import Qwen35MTP
         from ninfer_qwen35.execution.parameters import MTPParams, Qwen35Parameters
 
-        if placement.host_bytes:
-            raise StartupError(f"Qwen3.5 dense places every weight on the device; placement {placement.name!r} "
-                               f"asks for {placement.host_bytes} host bytes")
         config, features = _checked(artifact, options)
+        if placement.name not in (ALL_DEVICE, HOST_EXPERTS) or (placement.name == HOST_EXPERTS and not config.moe):
+            raise StartupError(f"Qwen3.5 has no weight placement {placement.name!r} for this model")
+        host = placement.name == HOST_EXPERTS
         dev = Device.parse(options.device)
         frontend = QwenFrontend.from_resources(artifact.frontend, chat_template_override=options.chat_template,
                                                special_tokens_in_content=options.special_tokens_in_content)
-        weights, report = load_weights(artifact, features=features, device=str(dev))
+        banks = _bank_objects(meta_weights(artifact, features=features)) if host else frozenset()
+        weights, report = load_weights(artifact, features=features, device=str(dev), host_objects=banks)
         compute = _compute_dtype(options, weights[EMBED].dtype)
-        executor = Qwen35Model(Qwen35Parameters.from_weights(config, weights, compute, dev.torch))
+        experts = "cpu" if host else None
+        executor = Qwen35Model(Qwen35Parameters.from_weights(config, weights, compute, dev.torch, experts))
         mtp = None
         if options.features.draft_tokens:
-            mtp = Qwen35MTP(MTPParams.from_weights(config, weights, compute, dev.torch), executor)
+            mtp = Qwen35MTP(MTPParams.from_weights(config, weights, compute, dev.torch, experts), executor)
         return Qwen35Loaded(config=config, weights=weights, load_report=report, executor=executor, mtp=mtp,
-                            frontend=frontend, compute=compute)
+                            frontend=frontend, compute=compute, host_experts=host)
 
     def instance(self, loaded: Qwen35Loaded, options: StartupOptions, capacity: ProgramCapacity) -> ModelInstance:
         from ninfer_qwen35.program import Qwen35Program
@@ -104,11 +111,13 @@ class Qwen35Startup:
 
         config, compute, dev = loaded.config, loaded.compute, Device.parse(options.device)
         layout, pool = _stores(config, options, compute)
+        # Host experts run eagerly: the host work cannot sit inside a decode graph (segmented graphs: issue 21).
+        graphs = options.cuda_graphs and not loaded.host_experts
         common = dict(state_layout=layout, kv_pool=pool, device=dev, max_concurrency=options.max_concurrency,
                       num_pages=capacity.kv_pages, kv_dtype=compute, vocab_size=config.vocab_size,
                       host_budget_bytes=capacity.host_budget_bytes,
                       sampling_defaults=loaded.frontend.sampling_defaults(), max_model_len=capacity.max_model_len,
-                      cuda_graphs=options.cuda_graphs, pdl=capacity.pdl, checkpoint_slots=capacity.checkpoint_slots,
+                      cuda_graphs=graphs, pdl=capacity.pdl, checkpoint_slots=capacity.checkpoint_slots,
                       cache_host_budget_bytes=capacity.cache_host_budget_bytes, calibration=capacity.calibration)
         k = options.features.draft_tokens
         if k:
@@ -116,6 +125,8 @@ class Qwen35Startup:
             program = Qwen35MTPProgram(loaded.executor, mtp=loaded.mtp, steps=steps, draft_tokens=k, **common)
         else:
             program = Qwen35Program(loaded.executor, **common)
+        if graphs != options.cuda_graphs and dev.is_cuda:
+            program.graph_error = "the MoE routed experts live in host memory (placement host-experts): decode runs eagerly"
         return ModelInstance(architecture="qwen35_moe" if config.moe else "qwen35", config=config, model=loaded, parameters=loaded.executor.params,
                              frontend=loaded.frontend, program=program)
 
@@ -127,6 +138,24 @@ def build(artifact: Any, options: StartupOptions) -> ModelInstance:
     from ninfer.engine.startup import start
 
     return start(Qwen35Startup(), artifact, options, DeviceMemory(Device.parse(options.device)))
+
+
+ALL_DEVICE, HOST_EXPERTS = "all-device", "host-experts"
+BANKS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def _placements(total: int, banks: int) -> tuple[WeightPlacement, ...]:
+    """Every weight on the device; for a MoE model, then the routed expert banks in host memory (the shared
+    expert, router and every dense weight stay on the device)."""
+    out = (WeightPlacement(name=ALL_DEVICE, device_bytes=total),)
+    if banks:
+        out += (WeightPlacement(name=HOST_EXPERTS, device_bytes=total - banks, host_bytes=banks),)
+    return out
+
+
+def _bank_objects(weights: Any) -> frozenset[str]:
+    """The artifact objects behind the routed expert banks."""
+    return frozenset(weights.params[n].parent for n in weights if n.endswith(BANKS))
 
 
 def activation_width(config: Qwen35Config) -> int:

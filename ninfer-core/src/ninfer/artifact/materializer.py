@@ -93,9 +93,12 @@ class Materializer:
         read: dict[str, int] = defaultdict(int)
         raw: dict[str, torch.Tensor] = {}
         host_jobs, device_jobs = [], []
+        # Host parents of a CUDA load are pinned: CUDA copies them asynchronously (MoE experts on the host).
+        pin = any(d.startswith("cuda") for d in placement.values())
         for o in plan.objects:  # one allocation per physical parent and device, however many Uses share it
             device = torch.device(placement[o.id])
-            raw[o.id] = torch.empty(o.nbytes, dtype=torch.uint8, device=device)
+            raw[o.id] = torch.empty(o.nbytes, dtype=torch.uint8, device=device,
+                                    pin_memory=pin and device.type == "cpu")
             (host_jobs if device.type == "cpu" else device_jobs).append((o, raw[o.id]))
             read[o.feature] += o.nbytes
         with ThreadPoolExecutor(max_workers=workers) as pool:
@@ -213,14 +216,16 @@ def _expected(artifact: Artifact, features: tuple[str, ...], host) -> dict[str, 
 
 
 def load_weights(artifact: Artifact, *, features=("text",), device="cpu", verify: bool | None = None,
-                 budget_bytes: int | None = None, check_expected: bool = True, host=None):
+                 budget_bytes: int | None = None, check_expected: bool = True, host=None,
+                 host_objects: frozenset[str] = frozenset()):
     """Bind, place and materialize the selected features: returns ``(WeightSet, LoadReport)``.
 
     Only the selected features' Uses, their Bindings and the objects behind them are read, each object once.
     ``verify`` (default: the artifact's ``verify_on_load``, itself on unless opened with ``verify=False``)
     checks the crc32 of every object read, as it is read; a mismatch raises ChecksumError naming the object
-    (``ninfer inspect --verify`` checks the whole file).
+    (``ninfer inspect --verify`` checks the whole file). ``host_objects``: object ids kept in host memory
+    (``resolve_load``).
     """
     plan = plan_load(artifact, features, check_expected=check_expected, host=host)
-    resolved = resolve_load(plan, device, budget_bytes=budget_bytes)
+    resolved = resolve_load(plan, device, budget_bytes=budget_bytes, host_objects=host_objects)
     return Materializer(artifact, resolved).run(verify=verify)

@@ -41,10 +41,16 @@ def _device_name(device) -> str:
 
 
 def resolve_load(plan: LoadPlan, device="cpu", *, budget_bytes: int | None = None,
-                 staging_bytes: int = 64 << 20) -> ResolvedLoad:
-    """Place every object of ``plan`` on ``device``; fail before reading anything if it cannot fit."""
+                 staging_bytes: int = 64 << 20, host_objects: frozenset[str] = frozenset()) -> ResolvedLoad:
+    """Place every object of ``plan`` on ``device``, except ``host_objects`` (object ids), which stay in host
+    memory (pinned when ``device`` is CUDA: MoE experts a host team computes with, or uploads); fail before
+    reading anything if the device part cannot fit."""
     name = _device_name(device)
-    placements = tuple(Placement(object=o.id, device=name, nbytes=o.nbytes) for o in plan.objects)
+    unknown = sorted(host_objects - {o.id for o in plan.objects})
+    if unknown:
+        raise ArtifactError(f"host placement names objects the load does not read: {', '.join(unknown[:4])}")
+    placements = tuple(Placement(object=o.id, device="cpu" if o.id in host_objects else name, nbytes=o.nbytes)
+                       for o in plan.objects)
     per_device: dict[str, int] = defaultdict(int)
     for p in placements:
         per_device[p.device] += p.nbytes

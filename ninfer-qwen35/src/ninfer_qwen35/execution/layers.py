@@ -102,5 +102,9 @@ def mlp(p: MLPParams | MoEParams, x: torch.Tensor) -> torch.Tensor:
         return linear(swiglu(x, p.gate_up.weight), p.down)
     logits, shared_gate = p.router_shared_gate(x)
     weights, ids = moe_route(logits, p.top_k)
-    routed = moe_experts(x, p.gate_up, p.down, ids, weights)
+    bank = p.gate_up.device
+    if bank == x.device:
+        routed = moe_experts(x, p.gate_up, p.down, ids, weights)
+    else:  # host experts: the routed experts run where their banks live, the result comes back
+        routed = moe_experts(x.to(bank), p.gate_up, p.down, ids.to(bank), weights.to(bank)).to(x.device)
     return routed + torch.sigmoid(shared_gate) * linear(swiglu(x, p.shared.gate_up.weight), p.shared.down)

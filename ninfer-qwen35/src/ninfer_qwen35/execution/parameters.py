@@ -79,12 +79,14 @@ class Qwen35Parameters:
 
     @classmethod
     def from_weights(cls, config: Qwen35Config, weights: WeightSet, dtype: torch.dtype | None = None,
-                     device: torch.device | str | None = None) -> Qwen35Parameters:
+                     device: torch.device | str | None = None,
+                     experts_device: torch.device | str | None = None) -> Qwen35Parameters:
+        """``experts_device``: where the MoE routed expert banks live (default ``device``; "cpu" for host experts)."""
         check_weights(config, weights)
         dtype = dtype if dtype is not None else weights["model.embed_tokens.weight"].dtype
         device = torch.device(device) if device is not None else weights["model.embed_tokens.weight"].device
 
-        build = _Builder(config, weights, dtype, device)
+        build = _Builder(config, weights, dtype, device, experts_device)
         w, split = build.w, build.split
         layers = []
         gdn_index = {i: n for n, i in enumerate(config.gdn_layers)}
@@ -113,6 +115,10 @@ class Qwen35Parameters:
     def tensors(self) -> list[torch.Tensor]:
         return [self.embed, self.final_norm, self.lm_head, *_layer_tensors(self.layers)]
 
+    def expert_banks(self) -> list[torch.Tensor]:
+        """The routed experts' banks of every MoE layer (what a host-experts placement keeps on the host)."""
+        return _expert_banks(self.layers)
+
     @property
     def nbytes(self) -> int:
         """Bytes of the distinct storages behind the parameters (a tied head or shared parent counts once)."""
@@ -136,11 +142,11 @@ class MTPParams:
 
     @classmethod
     def from_weights(cls, config: Qwen35Config, weights: WeightSet, dtype: torch.dtype,
-                     device: torch.device | str) -> MTPParams:
+                     device: torch.device | str, experts_device: torch.device | str | None = None) -> MTPParams:
         if not config.mtp_num_hidden_layers:
             raise WeightsError("this Qwen3.5 config has no MTP block (mtp_num_hidden_layers is 0)")
         check_weights(config, weights, ("mtp",))
-        build = _Builder(config, weights, dtype, torch.device(device))
+        build = _Builder(config, weights, dtype, torch.device(device), experts_device)
         layers = tuple(build.layer(f"mtp.layers.{j}.", index=j, kind="full_attention", state_index=j,
                                    mixer=build.attention(f"mtp.layers.{j}."))
                        for j in range(config.mtp_num_hidden_layers))
@@ -150,6 +156,13 @@ class MTPParams:
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.pre_fc_norm_embedding, self.pre_fc_norm_hidden, self.fc, self.norm, *_layer_tensors(self.layers)]
+
+    def expert_banks(self) -> list[torch.Tensor]:
+        return _expert_banks(self.layers)
+
+
+def _expert_banks(layers: tuple[LayerParams, ...]) -> list[torch.Tensor]:
+    return [t for layer in layers if isinstance(layer.mlp, MoEParams) for t in (layer.mlp.gate_up, layer.mlp.down)]
 
 
 def _layer_tensors(layers: tuple[LayerParams, ...]) -> list[torch.Tensor]:
@@ -172,11 +185,13 @@ def _layer_tensors(layers: tuple[LayerParams, ...]) -> list[torch.Tensor]:
 class _Builder:
     """Per-layer parameter groups from bound weights, in one dtype on one device (main layers and MTP alike)."""
 
-    def __init__(self, config: Qwen35Config, weights: WeightSet, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: Qwen35Config, weights: WeightSet, dtype: torch.dtype, device: torch.device,
+                 experts_device: torch.device | str | None = None) -> None:
         self.config, self.weights, self.dtype, self.device = config, weights, dtype, device
+        self.experts_device = torch.device(experts_device) if experts_device is not None else device
 
-    def w(self, name: str, as_dtype: torch.dtype | None = None) -> torch.Tensor:
-        return self.weights[name].to(device=self.device, dtype=as_dtype or self.dtype)
+    def w(self, name: str, as_dtype: torch.dtype | None = None, device: torch.device | None = None) -> torch.Tensor:
+        return self.weights[name].to(device=device or self.device, dtype=as_dtype or self.dtype)
 
     def split(self, names: list[str]) -> LinearSplit:
         return LinearSplit.from_weights(self.weights, names, self.dtype, self.device)
@@ -197,7 +212,8 @@ class _Builder:
         if self.config.moe is None:
             return self.swiglu(m)
         return MoEParams(router_shared_gate=self.split([m + "gate.weight", m + "shared_expert_gate.weight"]),
-                         gate_up=self.w(m + "experts.gate_up_proj"), down=self.w(m + "experts.down_proj"),
+                         gate_up=self.w(m + "experts.gate_up_proj", device=self.experts_device),
+                         down=self.w(m + "experts.down_proj", device=self.experts_device),
                          shared=self.swiglu(m + "shared_expert."), top_k=self.config.moe.num_experts_per_tok)
 
     def swiglu(self, m: str) -> MLPParams:
