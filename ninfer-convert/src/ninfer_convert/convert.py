@@ -1,8 +1,10 @@
 """Convert a Hugging Face checkpoint directory into a .ninfer v3 artifact (value-preserving import).
 
 The architecture plugin (``ArchitectureSpec.source_mapping``) names every source tensor, says which
-parameters the config implies (shapes are checked) and which ones are stored fused. Bytes are copied
-unchanged (bf16 stays bf16); a fused parent is one physical object whose members are row-range Bindings.
+parameters the config implies (shapes are checked), which ones a checkpoint stores split into several tensors
+(stacked sources, e.g. per-expert MoE weights) and which ones are stored fused. Bytes are copied unchanged
+(bf16 stays bf16); a stacked parameter is its parts' bytes in order; a fused parent is one physical object whose
+members are row-range Bindings.
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ from ninfer.artifact.format import (
     Use,
     dense_nbytes,
 )
+from ninfer.artifact.mapping import SourceMapping, missing_members
 from ninfer.artifact.writer import ArtifactWriter
 from ninfer.plugins import PluginHost, UnknownArchitecture, default_host
 from ninfer_convert import __version__
 from ninfer_convert.frontend import read_frontend
 from ninfer_convert.progress import ProgressLine
-from ninfer_convert.source import Checkpoint, ConversionError, SourceTensor
+from ninfer_convert.source import Checkpoint, ConversionError, PlannedTensor
+from ninfer_convert.stacking import plan_stacked
 
 _FEATURE_ORDER = ("text", "mtp", "dflash", "vision")
 
@@ -71,7 +75,7 @@ class ConversionSummary:
         return "\n".join(lines)
 
 
-def _mapping_for(config: dict, host: PluginHost):
+def _mapping_for(config: dict, host: PluginHost) -> tuple[str, SourceMapping]:
     archs = config.get("architectures")
     if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
         raise ConversionError("config.json has no 'architectures' list naming the model class")
@@ -82,33 +86,46 @@ def _mapping_for(config: dict, host: PluginHost):
     if spec.source_mapping is None:
         raise ConversionError(f"architecture {spec.name!r} ({archs[0]}) provides no source mapping for the converter")
     try:
-        return archs[0], spec.load("source_mapping")(config)
+        mapping = spec.load("source_mapping")(config)
     except ValueError as exc:
         raise ConversionError(f"config.json: {exc}") from None
+    if not isinstance(mapping, SourceMapping):
+        lacks = missing_members(mapping)
+        raise ConversionError(f"architecture {spec.name!r}: its source mapping {type(mapping).__name__} lacks "
+                              f"{lacks} of ninfer.artifact.mapping.SourceMapping")
+    return archs[0], mapping
 
 
-def _plan_tensors(ckpt: Checkpoint, mapping) -> tuple[dict[str, tuple[str, SourceTensor]], list[str], list[str]]:
-    """logical name -> (feature, source tensor); skipped source names; notes. Validates names and shapes."""
-    logical: dict[str, tuple[str, SourceTensor]] = {}
+def _plan_tensors(ckpt: Checkpoint, mapping: SourceMapping) -> tuple[dict[str, PlannedTensor], list[str], list[str]]:
+    """logical name -> its planned source; skipped source names; notes. Validates names and shapes."""
+    try:
+        groups = mapping.stacked_sources(tuple(ckpt.tensors))
+    except ValueError as exc:  # a group the config cannot shape (StackedSource checks its own geometry)
+        raise ConversionError(f"config.json: {exc}") from None
+    logical = plan_stacked(ckpt.tensors, groups)
+    consumed = {p.name for t in logical.values() for p in t.parts}
     skipped: list[str] = []
     for name, t in ckpt.tensors.items():
+        if name in consumed:
+            continue
         mapped = mapping.canonical_name(name)
         if mapped is None:
             skipped.append(name)
             continue
         feature, lname = mapped
         if lname in logical:
-            raise ConversionError(f"tensors {logical[lname][1].name!r} and {name!r} both map to {lname!r}")
-        logical[lname] = (feature, t)
-    present = {f for f, _ in logical.values()}
+            mixed = (": the checkpoint holds both the whole tensor and its parts" if logical[lname].stacked else "")
+            raise ConversionError(f"tensors {logical[lname].label} and {name!r} both map to {lname!r}{mixed}")
+        logical[lname] = PlannedTensor.single(feature, t)
+    present = {t.feature for t in logical.values()}
     configured = set(mapping.configured_features())
     notes: list[str] = []
     if "text" not in present:
         raise ConversionError(f"no text weights found in {ckpt.dir} (expected names like model.layers.* or "
                               f"model.language_model.*)")
     for feature in sorted(present - configured):
-        example = next(t.name for f, t in logical.values() if f == feature)
-        raise ConversionError(f"the checkpoint has {feature} tensors (e.g. {example!r}) but config.json does not "
+        example = next(t.label for t in logical.values() if t.feature == feature)
+        raise ConversionError(f"the checkpoint has {feature} tensors (e.g. {example}) but config.json does not "
                               f"configure {feature}: the config disagrees with the weights")
     for feature in sorted(configured - present):
         notes.append(f"config.json configures {feature} but the checkpoint has no {feature} tensors; "
@@ -121,13 +138,13 @@ def _plan_tensors(ckpt: Checkpoint, mapping) -> tuple[dict[str, tuple[str, Sourc
             if lname not in logical:
                 raise ConversionError(f"missing tensor {lname!r} ({feature}) in {ckpt.dir}: config.json implies "
                                       f"shape {list(shape)}")
-            t = logical[lname][1]
+            t = logical[lname]
             if tuple(t.shape) != tuple(shape):
-                raise ConversionError(f"tensor {t.name!r} has shape {list(t.shape)} but config.json implies "
+                raise ConversionError(f"tensor {t.label} has shape {list(t.shape)} but config.json implies "
                                       f"{list(shape)}: the config disagrees with the weights")
-        for lname, (f, t) in logical.items():
-            if f == feature and lname not in expected:
-                raise ConversionError(f"tensor {t.name!r} ({lname}) is not part of the model config.json "
+        for lname, t in logical.items():
+            if t.feature == feature and lname not in expected:
+                raise ConversionError(f"tensor {t.label} ({lname}) is not part of the model config.json "
                                       f"describes: the config disagrees with the weights")
     return logical, skipped, notes
 
@@ -146,7 +163,7 @@ def convert_checkpoint(src: str | os.PathLike[str], out: str | os.PathLike[str],
     try:
         architecture, mapping = _mapping_for(ckpt.config, host or default_host())
         logical, skipped, notes = _plan_tensors(ckpt, mapping)
-        features = tuple(f for f in _FEATURE_ORDER if any(feat == f for feat, _ in logical.values()))
+        features = tuple(f for f in _FEATURE_ORDER if any(t.feature == f for t in logical.values()))
         fe = read_frontend(src, ckpt.config, with_media="vision" in features)
         vocab = mapping.embedding_vocab()
         if fe.max_token_id >= vocab:
@@ -161,8 +178,8 @@ def convert_checkpoint(src: str | os.PathLike[str], out: str | os.PathLike[str],
             members = list(group.members)
             if not all(m in logical for m in members):
                 continue
-            dtypes = {logical[m][1].dtype for m in members}
-            tails = {logical[m][1].shape[1:] for m in members}
+            dtypes = {logical[m].dtype for m in members}
+            tails = {logical[m].shape[1:] for m in members}
             if len(dtypes) > 1 or len(tails) > 1:
                 notes.append(f"{group.name}: members differ in dtype or trailing shape; stored unfused")
                 continue
@@ -171,32 +188,34 @@ def convert_checkpoint(src: str | os.PathLike[str], out: str | os.PathLike[str],
 
         # Objects in file order: by feature, then model order, so each feature's bytes are contiguous.
         def key(lname: str) -> tuple:
-            return (order[logical[lname][0]], expected_order.get(lname, len(expected_order)), lname)
+            return (order[logical[lname].feature], expected_order.get(lname, len(expected_order)), lname)
 
         written: set[str] = set()
         digest_parts: list[tuple[str, str, list[int], str]] = []
         for lname in sorted(logical, key=key):
-            feature, t = logical[lname]
+            t = logical[lname]
+            feature = t.feature
             group = fused_of.get(lname)
             members = group[1] if group else [lname]
             oid = group[0] if group else lname
             if oid in written:
                 continue
             written.add(oid)
-            tensors = [logical[m][1] for m in members]
+            tensors = [logical[m] for m in members]
             rows = sum(s.shape[0] for s in tensors) if group else None
             shape = (rows, *t.shape[1:]) if group else t.shape
             writer.add_object(oid, feature=feature, dtype=t.dtype, shape=shape, nbytes=dense_nbytes(t.dtype, shape),
-                              source=lambda names=tuple(s.name for s in tensors): (ckpt.read(n) for n in names))
+                              source=lambda names=tuple(p.name for s in tensors for p in s.parts): (
+                                  ckpt.read(n) for n in names))
             pos = 0
             for m, s in zip(members, tensors, strict=True):
                 r = (pos, pos + s.shape[0]) if group else None
                 writer.add_binding(Binding(name=m, feature=feature, object=oid, shape=s.shape, rows=r))
                 pos += s.shape[0] if group else 0
-                digest_parts.append((s.name, s.dtype, list(s.shape), oid))
+                digest_parts += [(p.name, p.dtype, list(p.shape), oid) for p in s.parts]
         bound = set(logical)
         for lname in logical:
-            writer.add_use(Use(site=lname, feature=logical[lname][0], binding=lname))
+            writer.add_use(Use(site=lname, feature=logical[lname].feature, binding=lname))
         for use in mapping.shared_uses(bound, features):
             writer.add_use(use)
 
@@ -236,6 +255,7 @@ def convert_checkpoint(src: str | os.PathLike[str], out: str | os.PathLike[str],
     for o in header.objects:
         by_feature[o.feature] += o.nbytes
     return ConversionSummary(out=out, name=metadata.name, architecture=architecture, features=features,
-                             tensors=len(logical), objects=len(header.objects), bindings=len(header.bindings),
+                             tensors=sum(len(t.parts) for t in logical.values()), objects=len(header.objects),
+                             bindings=len(header.bindings),
                              bytes_by_feature=dict(by_feature), skipped=tuple(skipped), notes=tuple(notes),
                              seconds=time.perf_counter() - start)

@@ -31,6 +31,25 @@ class SourceTensor:
     shape: tuple[int, ...]
 
 
+@attrs.frozen
+class PlannedTensor:
+    """One logical parameter and the source tensors whose bytes, in order, make it (one, or a stacked group)."""
+
+    feature: str
+    dtype: str
+    shape: tuple[int, ...]  # the logical shape
+    parts: tuple[SourceTensor, ...]
+    label: str  # how error messages name its source
+
+    @classmethod
+    def single(cls, feature: str, t: SourceTensor) -> PlannedTensor:
+        return cls(feature, t.dtype, t.shape, (t,), repr(t.name))
+
+    @property
+    def stacked(self) -> bool:
+        return len(self.parts) > 1
+
+
 def read_json(path: Path, what: str) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))

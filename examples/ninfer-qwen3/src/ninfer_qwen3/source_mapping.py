@@ -3,7 +3,10 @@ Hugging Face tensor names are the logical names; q/k/v and gate/up are stored fu
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from ninfer.artifact import Use
+from ninfer.artifact.mapping import StackedSource
 from ninfer.models.common.weights import FusedParent
 from ninfer_qwen3.config import Qwen3Config, parse_config
 
@@ -50,6 +53,9 @@ class Qwen3SourceMapping:
         if source_name.startswith("model.") or source_name == "lm_head.weight":
             return "text", source_name
         return None
+
+    def stacked_sources(self, source_names: Collection[str]) -> tuple[StackedSource, ...]:
+        return ()  # Qwen3 checkpoints store every parameter whole
 
     def configured_features(self) -> tuple[str, ...]:
         return ("text",)

@@ -1,4 +1,5 @@
-"""``ninfer inspect [FILE.ninfer]``: metadata, config summary, features, objects and bytes per feature.
+"""``ninfer inspect [FILE.ninfer]``: metadata, config summary, features, objects and bytes per feature, and
+MoE expert banks (3-D ``experts`` parameters: experts x rows x cols) summed per feature and kind.
 
 Without a file (or with ``default``) it shows the embedded model."""
 
@@ -39,6 +40,23 @@ def config_summary(config: dict) -> dict:
     return out
 
 
+def expert_banks(header) -> list[dict]:
+    """Per (feature, bank kind, per-expert shape, dtype): how many layers hold such a bank, experts, bytes."""
+    objects = {o.id: o for o in header.objects}
+    groups: dict[tuple, dict] = {}
+    for b in header.bindings:
+        if len(b.shape) != 3 or "experts" not in b.name.split("."):
+            continue
+        o = objects[b.object]
+        kind = b.name.rsplit("experts.", 1)[1]
+        key = (b.feature, kind, b.shape, o.dtype)
+        g = groups.setdefault(key, {"feature": b.feature, "kind": kind, "layers": 0, "experts": b.shape[0],
+                                    "expert_shape": list(b.shape[1:]), "dtype": o.dtype, "bytes": 0})
+        g["layers"] += 1
+        g["bytes"] += o.nbytes if b.rows is None else o.nbytes * (b.rows[1] - b.rows[0]) // o.shape[0]
+    return list(groups.values())
+
+
 def describe(artifact, *, with_objects: bool = False) -> dict:
     h = artifact.header
     per_feature: dict[str, dict[str, int]] = defaultdict(lambda: {"objects": 0, "bytes": 0, "bindings": 0})
@@ -56,7 +74,7 @@ def describe(artifact, *, with_objects: bool = False) -> dict:
         "config": config_summary(h.config), "features": list(h.features),
         "objects": len(h.objects), "bindings": len(h.bindings), "uses": len(h.uses),
         "shared_uses": [f"{u.site} -> {u.binding}" for u in h.uses if u.site != u.binding],
-        "per_feature": dict(per_feature),
+        "per_feature": dict(per_feature), "expert_banks": expert_banks(h),
         "frontend": None if fe is None else {
             "special_tokens": len(fe.special_tokens), "eos_token_ids": list(fe.eos_token_ids),
             "embedding_vocab": fe.embedding_vocab, "chat_template": fe.chat_template is not None,
@@ -83,6 +101,9 @@ def _print_text(d: dict) -> None:
     print(f"  {'feature':<10} {'objects':>8} {'bindings':>9} {'bytes':>16}")
     for f, row in sorted(d["per_feature"].items()):
         print(f"  {f:<10} {row['objects']:>8} {row['bindings']:>9} {row['bytes']:>16,}")
+    for bank in d["expert_banks"]:
+        print(f"  expert banks  {bank['feature']} {bank['kind']}: {bank['layers']} layers x {bank['experts']} "
+              f"experts x {bank['expert_shape']} {bank['dtype']}, {bank['bytes']:,} bytes")
     fe = d["frontend"]
     if fe:
         print(f"  frontend      {fe['special_tokens']} special tokens, eos {fe['eos_token_ids']}, embedding vocab "

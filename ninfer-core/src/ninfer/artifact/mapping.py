@@ -1,17 +1,49 @@
 """The contract an architecture plugin fills for the converter and the loader (slot ``source_mapping``).
 
 The plugin's ``source_mapping`` target is called with the raw config.json dict and returns an object
-with this shape. The converter uses it to name, validate and fuse source tensors; the loader uses
+with this shape. The converter uses it to name, validate, stack and fuse source tensors; the loader uses
 ``expected_parameters`` to check what an artifact actually binds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Collection, Mapping, Sequence
 from typing import Protocol, runtime_checkable
+
+import attrs
 
 from ninfer.artifact.format import Use
 from ninfer.models.common.weights import FusedParent
+
+
+def _shape(value) -> tuple[int, ...]:
+    return tuple(int(v) for v in value)
+
+
+@attrs.frozen(kw_only=True)
+class StackedSource:
+    """One logical parameter assembled from several source tensors of one shape (``part_shape``), stored
+    back to back in ``parts`` order: its bytes are the parts' bytes concatenated, viewed as ``shape``.
+
+    A MoE layer's expert bank from a per-expert checkpoint: ``mlp.experts.gate_up_proj`` [E, 2I, H] has the
+    parts ``experts.0.gate_proj.weight, experts.0.up_proj.weight, experts.1.gate_proj.weight, ...`` of [I, H],
+    byte-identical to a checkpoint that stores the fused 3-D tensor itself."""
+
+    name: str  # the logical name
+    feature: str
+    parts: tuple[str, ...] = attrs.field(converter=tuple)  # every source tensor the group needs, in storage order
+    part_shape: tuple[int, ...] = attrs.field(converter=_shape)
+    shape: tuple[int, ...] = attrs.field(converter=_shape)  # the logical shape
+
+    def __attrs_post_init__(self) -> None:
+        tail = self.part_shape[1:]
+        fits = (len(self.parts) > 0 and len(self.part_shape) >= 1 and len(self.shape) >= len(self.part_shape)
+                and self.shape[len(self.shape) - len(tail):] == tail
+                and math.prod(self.shape) == len(self.parts) * math.prod(self.part_shape))
+        if not fits:
+            raise ValueError(f"stacked source {self.name!r}: {len(self.parts)} parts of {list(self.part_shape)} "
+                             f"cannot be viewed as {list(self.shape)}")
 
 
 @runtime_checkable
@@ -22,6 +54,12 @@ class SourceMapping(Protocol):
 
     def canonical_name(self, source_name: str) -> tuple[str, str] | None:
         """(feature, logical name) of a checkpoint tensor, or None for tensors the model does not use."""
+
+    def stacked_sources(self, source_names: Collection[str]) -> Sequence[StackedSource]:
+        """Logical parameters this checkpoint stores split into several tensors (per-expert MoE weights), for
+        the groups recognised among ``source_names``; empty when there are none. Each group lists every part
+        it needs, present or not (the converter names the missing ones). Parts are consumed by their group:
+        ``canonical_name`` is not asked about them."""
 
     def configured_features(self) -> tuple[str, ...]:
         """Features config.json describes (text always; vision, mtp when configured)."""
@@ -37,3 +75,9 @@ class SourceMapping(Protocol):
 
     def embedding_vocab(self) -> int:
         """Number of embedding rows (token ids the model accepts)."""
+
+
+def missing_members(mapping: object) -> list[str]:
+    """The SourceMapping members ``mapping`` lacks (a plugin written against an older contract)."""
+    members = set(SourceMapping.__annotations__) | {n for n in vars(SourceMapping) if not n.startswith("_")}
+    return sorted(n for n in members if not hasattr(mapping, n))
