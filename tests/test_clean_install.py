@@ -31,9 +31,9 @@ def test_clean_venv_install(tmp_path):
     assert [p["name"] for p in plugins["plugins"]] == ["qwen35"]
     archs = json.loads(subprocess.run([str(ninfer), "archs", "--json"], capture_output=True, text=True,
                                       check=True).stdout)
-    assert [a["name"] for a in archs] == ["qwen35"]
+    assert [a["name"] for a in archs] == ["qwen35", "qwen35_moe"]
     pip(str(ROOT / "tests/example_plugin"))
     archs = json.loads(subprocess.run([str(ninfer), "archs", "--json"], capture_output=True, text=True,
                                       check=True).stdout)
-    assert sorted(a["name"] for a in archs) == ["example_arch", "qwen35"]
+    assert sorted(a["name"] for a in archs) == ["example_arch", "qwen35", "qwen35_moe"]
     assert sys.version_info >= (3, 11)

@@ -7,6 +7,10 @@ language model ``model.language_model.*`` and the vision tower ``model.visual.*`
 
 from __future__ import annotations
 
+import re
+from collections.abc import Collection
+
+from ninfer.artifact.mapping import StackedSource
 from ninfer.models.common.weights import FusedParent
 from ninfer_qwen35.config import Qwen35Config
 
@@ -134,6 +138,32 @@ def vision_parameters(c: Qwen35Config) -> dict[str, tuple[str, tuple[int, ...]]]
     return {n: ("vision", shape) for n, shape in shapes.items()}
 
 
+# A per-expert routed-expert tensor (fine-tunes, Qwen3-MoE-style exports): group 1 is the layer's ``...experts.``.
+_PER_EXPERT = re.compile(r"^(.+\.mlp\.experts\.)\d+\.(?:gate|up|down)_proj\.weight$")
+
+
+def stacked_sources(c: Qwen35Config, source_names: Collection[str]) -> list[StackedSource]:
+    """Per-expert tensors stacked into the published fused banks: ``experts.gate_up_proj`` [E, 2I, H] is, per
+    expert, gate rows then up rows; ``experts.down_proj`` [E, H, I] is the experts' down_proj in order."""
+    prefixes = sorted({m.group(1) for n in source_names if (m := _PER_EXPERT.match(n))})
+    if c.moe is None or not prefixes:
+        return []  # a dense config: per-expert names are refused as not part of the model
+    E, inter, H = c.moe.num_experts, c.moe.moe_intermediate_size, c.hidden_size
+    groups: list[StackedSource] = []
+    for p in prefixes:
+        mapped = canonical_name(p + "gate_up_proj")
+        if mapped is None:
+            continue
+        feature, bank = mapped
+        base = bank[: -len("gate_up_proj")]
+        groups.append(StackedSource(name=base + "gate_up_proj", feature=feature, part_shape=(inter, H),
+                                    shape=(E, 2 * inter, H),
+                                    parts=[f"{p}{e}.{w}_proj.weight" for e in range(E) for w in ("gate", "up")]))
+        groups.append(StackedSource(name=base + "down_proj", feature=feature, part_shape=(H, inter),
+                                    shape=(E, H, inter), parts=[f"{p}{e}.down_proj.weight" for e in range(E)]))
+    return groups
+
+
 def fused_parents(c: Qwen35Config) -> list[FusedParent]:
     """Projections stored as one physical parent so one matmul serves them (LinearSplit)."""
     groups: list[FusedParent] = []
@@ -176,6 +206,9 @@ class Qwen35SourceMapping:
         if source_name == "lm_head.weight" and self.config.tie_word_embeddings:
             return None  # some tied checkpoints still ship a copy; the tied head is a Use of the embedding
         return canonical_name(source_name)
+
+    def stacked_sources(self, source_names: Collection[str]) -> list[StackedSource]:
+        return stacked_sources(self.config, source_names)
 
     def configured_features(self) -> tuple[str, ...]:
         out = ["text"]
