@@ -90,6 +90,15 @@ def test_causal_scoring_matches_transformers(moe):
         artifact.close()
 
 
+def greedy(eng: Engine) -> list[list[int]]:
+    """Ten greedy tokens for each prompt, submitted together; every page and slot free afterwards."""
+    hs = [eng.submit(GenerationRequest(input=TextInput(text=t), sampling=SamplingParams(
+        temperature=0.0, max_tokens=10, ignore_eos=True))) for t in PROMPTS]
+    outs = [list(h.result(timeout=120).token_ids) for h in hs]
+    assert eng.usage().all_free
+    return outs
+
+
 def test_mtp_speculative_decoding_of_a_moe_model_gives_plain_greedy_tokens(tmp_path):
     """The MoE model's MTP layer has its own sparse block; drafting with it changes no greedy token."""
     from ninfer.contract.config import StartupFeatures
@@ -100,10 +109,7 @@ def test_mtp_speculative_decoding_of_a_moe_model_gives_plain_greedy_tokens(tmp_p
         eng = Engine(art, device="cpu", dtype="float32", max_concurrency=2, context_cache=False,
                      features=StartupFeatures(speculative="mtp", num_draft_tokens=k) if k else StartupFeatures())
         try:
-            hs = [eng.submit(GenerationRequest(input=TextInput(text=t), sampling=SamplingParams(
-                temperature=0.0, max_tokens=10, ignore_eos=True))) for t in PROMPTS]
-            outs[k] = [list(h.result(timeout=120).token_ids) for h in hs]
-            assert eng.usage().all_free
+            outs[k] = greedy(eng)
         finally:
             eng.close()
     assert outs[2] == outs[0]
@@ -131,10 +137,7 @@ def test_host_experts_are_chosen_when_the_device_cannot_hold_the_banks_and_give_
         try:
             assert eng.memory.placement == name
             assert eng.memory.host.weights_bytes == (hosted.host_bytes if name == "host-experts" else 0)
-            hs = [eng.submit(GenerationRequest(input=TextInput(text=t), sampling=SamplingParams(
-                temperature=0.0, max_tokens=10, ignore_eos=True))) for t in PROMPTS]
-            outs[name] = [list(h.result(timeout=120).token_ids) for h in hs]
-            assert eng.usage().all_free
+            outs[name] = greedy(eng)
         finally:
             eng.close()
     assert outs["host-experts"] == outs["all-device"]

@@ -5,31 +5,26 @@ import argparse
 
 from ninfer import ArchitectureSpec, hookimpl
 
+# Dense and MoE share every native part: the MoE block is a config choice of the same model code.
+_SLOTS = dict(
+    config="ninfer_qwen35.config:parse_config",
+    startup="ninfer_qwen35.startup:Qwen35Startup",
+    program="ninfer_qwen35.program:Qwen35Program",
+    frontend="ninfer.models.common.qwen:QwenFrontend",
+    source_mapping="ninfer_qwen35.source_mapping:source_mapping",
+    state_layout="ninfer_qwen35.state:state_layout",
+)
+
 
 @hookimpl
 def ninfer_register_architectures(register):
     register(ArchitectureSpec(
-        name="qwen35",
-        handles=("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
-        description="Qwen3.5 dense: Gated DeltaNet + gated attention (3:1), text part of VL checkpoints",
-        config="ninfer_qwen35.config:parse_config",
-        startup="ninfer_qwen35.startup:Qwen35Startup",
-        program="ninfer_qwen35.program:Qwen35Program",
-        frontend="ninfer.models.common.qwen:QwenFrontend",
-        source_mapping="ninfer_qwen35.source_mapping:source_mapping",
-        state_layout="ninfer_qwen35.state:state_layout",
-    ))
+        name="qwen35", handles=("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
+        description="Qwen3.5 dense: Gated DeltaNet + gated attention (3:1), text part of VL checkpoints", **_SLOTS))
     register(ArchitectureSpec(
-        name="qwen35_moe",
-        handles=("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
+        name="qwen35_moe", handles=("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
         description="Qwen3.5 MoE: the same mixers, every MLP a sparse block (routed experts + a shared expert)",
-        config="ninfer_qwen35.config:parse_config",
-        startup="ninfer_qwen35.startup:Qwen35Startup",
-        program="ninfer_qwen35.program:Qwen35Program",
-        frontend="ninfer.models.common.qwen:QwenFrontend",
-        source_mapping="ninfer_qwen35.source_mapping:source_mapping",
-        state_layout="ninfer_qwen35.state:state_layout",
-    ))
+        **_SLOTS))
 
 
 @hookimpl
