@@ -2,7 +2,8 @@
 unfused kernel sequence), and the configuration sweeps its defaults were chosen from.
 
 Correctness is the job of ``ninfer-core/tests/gpu`` (``python3 -m pytest -q -m gpu ninfer-core/tests/gpu``);
-only the ``moe`` entry also compares its kernel with the reference at the timed sizes, where no test covers them. Run on the GPU machine through ``scripts/gpu-check`` (the tests, then this):
+only the ``moe`` entry also checks its kernel against the reference, on the routings it times. Run on the GPU
+machine through ``scripts/gpu-check`` (the tests, then this):
 
     scripts/gpu-check                     # tests, then every timing at 9B shapes
     scripts/gpu-check --only linear --shape 0.8b
