@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ninfer.ops._dispatch import triton_kernel
+
 
 def moe_route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [N, E] -> (weights [N, k] in the logits' dtype, expert ids [N, k] int64), renormalised top-k
@@ -64,4 +66,7 @@ def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids:
     if ids.shape != weights.shape or ids.dim() != 2 or ids.shape[0] != N:
         raise ValueError(f"moe_experts: ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be "
                          f"[{N}, k]")
+    kernel = triton_kernel("moe", "moe_experts", x)
+    if kernel is not None:
+        return kernel(x, gate_up, down, ids, weights)
     return moe_experts_ref(x, gate_up, down, ids, weights)

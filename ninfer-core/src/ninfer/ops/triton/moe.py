@@ -1,0 +1,220 @@
+"""Routed MoE experts on the GPU: grouped GEMMs over the fused expert bank, gathered through an expert-grouped
+routing (``moe_align.align_by_expert``), in three launches after the alignment.
+
+1. ``_gate_up_kernel``: a program owns one block of pairs (all routed to one expert) and BLOCK_N intermediate
+   columns. It gathers the pairs' token rows of x, multiplies them by that expert's gate rows and the matching
+   up rows of ``gate_up`` [E, 2I, H] in the same K loop, and stores silu(gate)·up (rounded where the unfused
+   ops round) to a per-pair cache [N·k, I]: no [N·k, 2I] intermediate is written and read back.
+2. ``_down_kernel``: the same grouping over ``down`` [E, H, I]; its epilogue scales each pair's row by its
+   routing weight and stores it, in the activations' dtype, to a per-pair [N·k, H] buffer.
+3. ``_sum_slots_kernel``: out[t] = the sum of the k rows of token t, in fp32 and in slot order.
+
+The sum is a separate small step rather than atomic adds into [N, H] from the down kernel: atomics would add
+the k contributions in whatever order the programs finish, so a token's output would change from run to run
+in its last bits; here it is the same on every run, and independent of which other tokens share the batch.
+
+Accumulation is fp32; fp32 inputs multiply in full fp32 (``input_precision="ieee"``, not TF32). Block sizes
+follow the token count (``default_config``): BLOCK_M stays 16 while each expert sees few rows and grows for
+long prefill chunks. Grids depend on the shapes only and the used-block count is read on the device, so a call
+is CUDA-graph capturable at a fixed token count.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+import triton
+import triton.language as tl
+
+from ninfer.ops.triton._pdl import pdl_args
+from ninfer.ops.triton._pdl_jit import pdl_prologue
+from ninfer.ops.triton.moe_align import ExpertBlocks, align_by_expert
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@attrs.frozen
+class MoeConfig:
+    """Tile sizes of both grouped GEMMs. ``block_n`` counts output columns of a program: for the gate_up GEMM
+    it is split between the gate and the up half, so a program reads as many weight rows in both."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# By token count: vLLM's tuned H200 table for E=512, I=512 (the 35B-A3B geometry but E), as summarised in
+# shared/reference/kernels_quant.md section 3.1; benchmarks/gpu_check.py ("moe") times them on our kernels.
+_BY_TOKENS: tuple[tuple[int, MoeConfig], ...] = (
+    (1, MoeConfig(16, 32, 64, 4, 4)),
+    (16, MoeConfig(16, 128, 64, 4, 3)),
+    (256, MoeConfig(16, 128, 128, 4, 3)),
+    (512, MoeConfig(16, 256, 128, 8, 2)),
+    (1024, MoeConfig(32, 128, 64, 4, 3)),
+    (3072, MoeConfig(64, 128, 64, 4, 3)),
+)
+_LARGEST = MoeConfig(128, 256, 64, 8, 4)
+
+
+def default_config(tokens: int, dtype: torch.dtype) -> MoeConfig:
+    """The tiles for a call over ``tokens`` tokens; fp32 tiles take twice the shared memory, so they use a
+    shorter K step and at most two pipeline stages."""
+    cfg = next((c for limit, c in _BY_TOKENS if tokens <= limit), _LARGEST)
+    if dtype == torch.float32:
+        cfg = attrs.evolve(cfg, block_k=min(cfg.block_k, 32), num_stages=min(cfg.num_stages, 2))
+    return cfg
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w_ptr, h_ptr, pairs_ptr, experts_ptr, used_ptr, numel, INTER, H,
+    s_xm, s_xk, s_we, s_wn, s_wk, s_hm,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pdl_prologue(USE_PDL)
+    if pid_m * BLOCK_M >= tl.load(used_ptr):
+        return
+    pair = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pair < numel
+    token = (pair // TOP_K).to(tl.int64)
+    expert = tl.load(experts_ptr + pid_m).to(tl.int64)
+    nn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = nn < INTER
+    kk = tl.arange(0, BLOCK_K)
+    x_tile = x_ptr + token[:, None] * s_xm + kk[None, :] * s_xk
+    gate_tile = w_ptr + expert * s_we + nn.to(tl.int64)[:, None] * s_wn + kk[None, :] * s_wk
+    up_tile = gate_tile + INTER * s_wn
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        mask_k = kk < H - k0
+        a = tl.load(x_tile, mask=valid[:, None] & mask_k[None, :], other=0.0)
+        g = tl.load(gate_tile, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        u = tl.load(up_tile, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        acc_gate = tl.dot(a, tl.trans(g), acc_gate, input_precision=PRECISION)
+        acc_up = tl.dot(a, tl.trans(u), acc_up, input_precision=PRECISION)
+        x_tile += BLOCK_K * s_xk
+        gate_tile += BLOCK_K * s_wk
+        up_tile += BLOCK_K * s_wk
+    # Round as the unfused ops do: both projections, silu(gate), the product.
+    dtype = h_ptr.dtype.element_ty
+    gate = acc_gate.to(dtype).to(tl.float32)
+    act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+    hidden = (act * acc_up.to(dtype).to(tl.float32)).to(dtype)
+    out = h_ptr + pair.to(tl.int64)[:, None] * s_hm + nn[None, :]
+    tl.store(out, hidden, mask=valid[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr, w_ptr, y_ptr, pairs_ptr, experts_ptr, used_ptr, route_ptr, numel, H, INTER,
+    s_hm, s_we, s_wn, s_wk, s_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pdl_prologue(USE_PDL)
+    if pid_m * BLOCK_M >= tl.load(used_ptr):
+        return
+    pair = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pair < numel
+    row = pair.to(tl.int64)
+    expert = tl.load(experts_ptr + pid_m).to(tl.int64)
+    nn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = nn < H
+    kk = tl.arange(0, BLOCK_K)
+    h_tile = h_ptr + row[:, None] * s_hm + kk[None, :]
+    w_tile = w_ptr + expert * s_we + nn.to(tl.int64)[:, None] * s_wn + kk[None, :] * s_wk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, INTER, BLOCK_K):
+        mask_k = kk < INTER - k0
+        a = tl.load(h_tile, mask=valid[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(w_tile, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+        h_tile += BLOCK_K
+        w_tile += BLOCK_K * s_wk
+    # The expert's output rounded as the unfused projection does, then scaled by the pair's routing weight.
+    dtype = y_ptr.dtype.element_ty
+    route = tl.load(route_ptr + row, mask=valid, other=0.0).to(tl.float32)
+    y = (acc.to(dtype).to(tl.float32) * route[:, None]).to(dtype)
+    tl.store(y_ptr + row[:, None] * s_ym + nn[None, :], y, mask=valid[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _sum_slots_kernel(y_ptr, out_ptr, H, s_om, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+                      USE_PDL: tl.constexpr = False):
+    token = tl.program_id(0).to(tl.int64)
+    cc = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cc < H
+    pdl_prologue(USE_PDL)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for slot in tl.static_range(TOP_K):
+        acc += tl.load(y_ptr + (token * TOP_K + slot) * H + cc, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * s_om + cc, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
+                weights: torch.Tensor, *, out: torch.Tensor | None = None,
+                config: MoeConfig | None = None) -> torch.Tensor:
+    """Routed experts (``ninfer.ops.moe.moe_experts``, which checks the shapes): x [N, H], ``gate_up``
+    [E, 2I, H], ``down`` [E, H, I], ``ids`` / ``weights`` [N, k] -> [N, H] in x's dtype (into ``out`` if
+    given). ``config`` overrides the tiles chosen by token count."""
+    if not (x.dtype == gate_up.dtype == down.dtype) or x.dtype not in _DTYPES:
+        raise ValueError(f"moe_experts: x, gate_up and down must share one of bf16/fp16/fp32, got {x.dtype}, "
+                         f"{gate_up.dtype}, {down.dtype}")
+    N, H = x.shape
+    E, two_i, _ = gate_up.shape
+    inter, top_k = two_i // 2, ids.shape[1]
+    if out is None:
+        out = torch.empty((N, H), dtype=x.dtype, device=x.device)
+    if N == 0:
+        return out
+    cfg = config or default_config(N, x.dtype)
+    blocks = align_by_expert(ids, E, cfg.block_m)
+    hidden = torch.empty((blocks.numel, inter), dtype=x.dtype, device=x.device)
+    per_pair = torch.empty((blocks.numel, H), dtype=x.dtype, device=x.device)
+    gate_up_grouped(x, gate_up, blocks, top_k, hidden, cfg)
+    down_grouped(hidden, down, blocks, weights.reshape(-1).contiguous(), per_pair, cfg)
+    block = min(1024, triton.next_power_of_2(H))
+    _sum_slots_kernel[(N, triton.cdiv(H, block))](per_pair, out, H, out.stride(0), TOP_K=top_k, BLOCK=block,
+                                                  num_warps=4, **pdl_args(x.device))
+    return out
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # only fp32 operands are affected
+
+
+def _tile(width: int, dim: int) -> int:
+    return max(16, min(width, triton.next_power_of_2(dim)))
+
+
+def gate_up_grouped(x: torch.Tensor, gate_up: torch.Tensor, blocks: ExpertBlocks, top_k: int, hidden: torch.Tensor,
+                    cfg: MoeConfig) -> None:
+    """hidden[p] = silu(x[p // k] Wg_e^T) * (x[p // k] Wu_e^T) for every pair p routed to expert e."""
+    H, inter = x.shape[1], hidden.shape[1]
+    block_n = _tile(cfg.block_n // 2, inter)
+    _gate_up_kernel[(blocks.max_blocks, triton.cdiv(inter, block_n))](
+        x, gate_up, hidden, blocks.sorted_pairs, blocks.block_experts, blocks.used, blocks.numel, inter, H,
+        x.stride(0), x.stride(1), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), hidden.stride(0),
+        TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=_tile(cfg.block_k, H),
+        PRECISION=_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device))
+
+
+def down_grouped(hidden: torch.Tensor, down: torch.Tensor, blocks: ExpertBlocks, route: torch.Tensor,
+                 per_pair: torch.Tensor, cfg: MoeConfig) -> None:
+    """per_pair[p] = route[p] * (hidden[p] Wd_e^T) for every pair p routed to expert e."""
+    inter, H = hidden.shape[1], per_pair.shape[1]
+    block_n = _tile(cfg.block_n, H)
+    _down_kernel[(blocks.max_blocks, triton.cdiv(H, block_n))](
+        hidden, down, per_pair, blocks.sorted_pairs, blocks.block_experts, blocks.used, route, blocks.numel,
+        H, inter, hidden.stride(0), down.stride(0), down.stride(1), down.stride(2), per_pair.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=_tile(cfg.block_k, inter),
+        PRECISION=_precision(hidden.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_args(hidden.device))

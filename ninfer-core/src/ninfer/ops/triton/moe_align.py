@@ -1,0 +1,70 @@
+"""Grouping a routing by expert for the grouped-GEMM MoE kernels (``ninfer.ops.triton.moe``), in torch.
+
+A routing ``ids`` [N, k] names k experts per token; its N·k (token, slot) pairs are numbered ``p = token·k +
+slot``. ``align_by_expert`` lays the pair numbers out grouped by expert (in pair order within an expert), each
+expert's segment padded to a multiple of ``block_m`` with the sentinel ``N·k`` (which the kernels mask), so
+every block of ``block_m`` entries belongs to one expert. Everything has a size fixed by the shapes alone and
+nothing is read back to the host (no ``.item()``, ``bincount`` or ``nonzero``), so the step runs inside a CUDA
+graph; how many blocks are used is a device tensor and the kernels' programs past it return at once.
+
+Static size: each expert that is hit adds at most ``block_m - 1`` padding entries and at most ``min(E, N·k)``
+experts are hit, so ``N·k + min(E, N·k)·(block_m - 1)`` entries, rounded up to whole blocks, always suffice
+(tighter than ``N·k + E·(block_m - 1)`` when few tokens route, the decode case, where it launches far fewer
+idle programs).
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+
+@attrs.frozen
+class ExpertBlocks:
+    """A routing grouped by expert: ``sorted_pairs`` [capacity] int32 pair numbers (``numel`` = padding),
+    ``block_experts`` [capacity / block_m] int32 (the expert of each block; meaningless past the used ones),
+    ``used`` [1] int32 (entries in used blocks, a multiple of block_m)."""
+
+    sorted_pairs: torch.Tensor
+    block_experts: torch.Tensor
+    used: torch.Tensor
+    block_m: int
+    numel: int
+
+    @property
+    def max_blocks(self) -> int:
+        return self.sorted_pairs.shape[0] // self.block_m
+
+
+def capacity(numel: int, experts: int, block_m: int) -> int:
+    """Entries of the padded layout for ``numel`` pairs over ``experts`` experts (see the module docstring)."""
+    entries = numel + min(experts, numel) * (block_m - 1)
+    return -(-entries // block_m) * block_m
+
+
+def align_by_expert(ids: torch.Tensor, experts: int, block_m: int) -> ExpertBlocks:
+    """Group the pairs of the routing ``ids`` [N, k] (expert numbers in [0, experts)) by expert, each expert's
+    segment padded to a multiple of ``block_m``."""
+    if ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"align_by_expert: ids must be an [N, k] integer tensor, got {tuple(ids.shape)} {ids.dtype}")
+    if block_m < 1 or experts < 1:
+        raise ValueError(f"align_by_expert: block_m ({block_m}) and experts ({experts}) must be positive")
+    dev = ids.device
+    flat = ids.reshape(-1).long()
+    numel = flat.numel()
+    cap = capacity(numel, experts, block_m)
+    counts = torch.zeros(experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + (block_m - 1)) // block_m * block_m
+    seg_end = padded.cumsum(0)
+    seg_start = seg_end - padded           # where each expert's padded segment starts
+    first = counts.cumsum(0) - counts      # where each expert's pairs start in the unpadded sorted order
+    order = torch.argsort(flat, stable=True)
+    expert_of = flat[order]
+    dest = seg_start[expert_of] + torch.arange(numel, device=dev) - first[expert_of]
+    sorted_pairs = torch.full((cap,), numel, dtype=torch.int32, device=dev)
+    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
+    # A used block starts with a real pair (a segment's padding is shorter than a block), whose expert it takes.
+    heads = sorted_pairs[::block_m].long().clamp_(max=max(numel - 1, 0))
+    block_experts = (flat[heads] if numel else torch.zeros_like(heads)).to(torch.int32)
+    used = seg_end[-1:].to(torch.int32)
+    return ExpertBlocks(sorted_pairs, block_experts, used, block_m, numel)
