@@ -111,8 +111,12 @@ class Qwen35Startup:
 
         config, compute, dev = loaded.config, loaded.compute, Device.parse(options.device)
         layout, pool = _stores(config, options, compute)
-        # Host experts run eagerly: the host work cannot sit inside a decode graph (segmented graphs: issue 21).
-        graphs = options.cuda_graphs and not loaded.host_experts
+        # MoE decode runs eagerly for now: host experts cannot sit inside a decode graph, and the routed experts'
+        # reference reads which experts were hit on the host (the graph-capturable Triton path is not listed yet).
+        eager = ("the MoE routed experts live in host memory (placement host-experts)" if loaded.host_experts else
+                 "the MoE routed experts run the torch reference, which reads the hit experts on the host"
+                 if config.moe is not None and not _graphable_experts() else None)
+        graphs = options.cuda_graphs and eager is None
         common = dict(state_layout=layout, kv_pool=pool, device=dev, max_concurrency=options.max_concurrency,
                       num_pages=capacity.kv_pages, kv_dtype=compute, vocab_size=config.vocab_size,
                       host_budget_bytes=capacity.host_budget_bytes,
@@ -125,8 +129,8 @@ class Qwen35Startup:
             program = Qwen35MTPProgram(loaded.executor, mtp=loaded.mtp, steps=steps, draft_tokens=k, **common)
         else:
             program = Qwen35Program(loaded.executor, **common)
-        if graphs != options.cuda_graphs and dev.is_cuda:
-            program.graph_error = "the MoE routed experts live in host memory (placement host-experts): decode runs eagerly"
+        if eager is not None and options.cuda_graphs and dev.is_cuda:
+            program.graph_error = f"{eager}: decode runs eagerly"
         return ModelInstance(architecture="qwen35_moe" if config.moe else "qwen35", config=config, model=loaded, parameters=loaded.executor.params,
                              frontend=loaded.frontend, program=program)
 
@@ -151,6 +155,13 @@ def _placements(total: int, banks: int) -> tuple[WeightPlacement, ...]:
     if banks:
         out += (WeightPlacement(name=HOST_EXPERTS, device_bytes=total - banks, host_bytes=banks),)
     return out
+
+
+def _graphable_experts() -> bool:
+    """Whether the routed experts run a graph-capturable kernel (the Triton path, once listed in TRITON_OPS)."""
+    from ninfer.ops._dispatch import TRITON_OPS
+
+    return "moe.moe_experts" in TRITON_OPS
 
 
 def _bank_objects(weights: Any) -> frozenset[str]:
