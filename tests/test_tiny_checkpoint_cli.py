@@ -52,3 +52,16 @@ def test_the_same_seed_writes_the_same_weights_and_a_used_directory_is_refused(t
     with pytest.raises(SystemExit) as info:
         main(["tiny-checkpoint", str(tmp_path / "c"), "--layers", "3"])
     assert info.value.code == 2 and "must be >= 4" in capsys.readouterr().err
+
+
+def test_a_tiny_moe_checkpoint_converts_and_inspect_shows_its_expert_banks(tmp_path, capsys):
+    ckpt, art = tmp_path / "moe", tmp_path / "moe.ninfer"
+    assert main(["tiny-checkpoint", str(ckpt), "--moe", "--no-mtp"]) == 0
+    config = json.loads((ckpt / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3_5MoeForCausalLM"] and config["num_experts"] == 8
+    capsys.readouterr()
+    assert main(["convert", str(ckpt), str(art)]) == 0
+    assert main(["inspect", str(art)]) == 0
+    assert "expert banks" in capsys.readouterr().out
+    assert main(["generate", str(art), "--prompt", "Hello", "--max-tokens", "4", "--temperature", "0",
+                 "--ignore-eos", "--device", "cpu"]) == 0

@@ -34,6 +34,9 @@ def add_tiny_checkpoint_command(subparsers: argparse._SubParsersAction) -> None:
                         "tower and sharded weights")
     p.add_argument("--mtp", action=argparse.BooleanOptionalAction, default=True,
                    help="include a multi-token-prediction layer (mtp.*), as published checkpoints do")
+    p.add_argument("--moe", action="store_true",
+                   help="a Qwen3.5 MoE checkpoint (Qwen3_5MoeForCausalLM: every MLP 8 routed experts, top-2, and "
+                        "a shared expert; the experts as the published fused banks)")
     p.set_defaults(func=run_tiny_checkpoint)
 
 
@@ -76,7 +79,7 @@ def run_tiny_checkpoint(args: argparse.Namespace) -> int:
     # Written beside OUT_DIR and renamed into place: an interrupted run leaves no half checkpoint behind.
     partial = out.parent / f".{out.name}.partial-{os.getpid()}"
     try:
-        make_tiny_checkpoint(partial, layout=args.layout, mtp=args.mtp, seed=args.seed,
+        make_tiny_checkpoint(partial, layout=args.layout, mtp=args.mtp, seed=args.seed, moe=args.moe,
                              num_hidden_layers=args.layers)
         _readable_as_umask_allows(partial)
         if out.exists():
