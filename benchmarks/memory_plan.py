@@ -124,9 +124,10 @@ class SparseArtifactWriter(ArtifactWriter):
 
 
 def shape_config(shape: str) -> dict:
-    from benchmarks.shapes import SHAPES
+    from benchmarks.shapes import MOE_SHAPES, SHAPES
 
-    return dict(SHAPES[shape], dtype="bfloat16", mtp_num_hidden_layers=1)  # an MTP head: --speculative mtp plans
+    # an MTP head: --speculative mtp plans
+    return dict({**SHAPES, **MOE_SHAPES}[shape], dtype="bfloat16", mtp_num_hidden_layers=1)
 
 
 def write_sparse_source(directory: Path, config: dict, shard_bytes: int = 4 * GIB) -> int:
@@ -376,10 +377,10 @@ def format_row(row: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from benchmarks.shapes import SHAPES
+    from benchmarks.shapes import MOE_SHAPES, SHAPES
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", nargs="+", default=["9b", "27b"], choices=sorted(SHAPES))
+    p.add_argument("--shapes", nargs="+", default=["9b", "27b"], choices=sorted({**SHAPES, **MOE_SHAPES}))
     budgets = p.add_mutually_exclusive_group()
     budgets.add_argument("--budgets-gib", nargs="+", type=float, default=[24, 48, 80])
     budgets.add_argument("--budgets-mib", nargs="+", type=float, help="budgets in MiB (CPU smoke runs)")

@@ -25,6 +25,15 @@ SHAPES: dict[str, dict] = {
 }
 
 
+# Published Qwen3.5 MoE shapes (qwen35_arch.md section 7), for planning and the MoE benchmarks.
+MOE_SHAPES: dict[str, dict] = {
+    "35b-a3b": {**_BASE, "architectures": ["Qwen3_5MoeForCausalLM"], "hidden_size": 2048, "num_hidden_layers": 40,
+                "num_attention_heads": 16, "num_key_value_heads": 2, "linear_num_key_heads": 16,
+                "linear_num_value_heads": 32, "num_experts": 256, "num_experts_per_tok": 8,
+                "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "tie_word_embeddings": False},
+}
+
+
 def decode_weight_shapes(cfg: dict) -> list[tuple[int, int]]:
     """(out, in) of every 2-D weight a decode step reads (all but the input embedding, a row lookup)."""
     H, n = cfg["hidden_size"], cfg["num_hidden_layers"]

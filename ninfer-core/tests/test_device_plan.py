@@ -121,10 +121,20 @@ def attrs_evolve(obj, **changes):
     return attrs.evolve(obj, **changes)
 
 
+def test_host_weights_come_first_and_default_budgets_share_what_they_leave():
+    hosted = WeightPlacement(name="host-experts", device_bytes=100, host_bytes=12 * GIB)
+    p = plan_memory(profile(weights=3 * GIB, extra=(hosted,)), StartupOptions(device="cuda"), cuda(2 * GIB),
+                    host_available=16 * GIB)
+    assert p.placement.name == "host-experts" and p.host.snapshot_budget_bytes == GIB == p.host.cache_budget_bytes
+    with pytest.raises(PlanError, match="placement 'host-experts' needs 12.00 GiB"):
+        plan_memory(profile(weights=3 * GIB, extra=(hosted,)), StartupOptions(device="cuda"), cuda(2 * GIB),
+                    host_available=8 * GIB)
+
+
 def test_host_budgets_are_planned_against_the_host():
     p = plan_memory(profile(), StartupOptions(device="cuda"), cuda(8 * GIB), host_available=16 * GIB)
     assert p.host.snapshot_budget_bytes == 4 * GIB and p.host.cache_budget_bytes == 4 * GIB  # a quarter each
-    with pytest.raises(PlanError, match="host memory: the plan needs"):
+    with pytest.raises(PlanError, match="host memory: placement .all-device. needs"):
         plan_memory(profile(), StartupOptions(device="cuda", host_budget_bytes=20 * GIB), cuda(8 * GIB),
                     host_available=16 * GIB)
 

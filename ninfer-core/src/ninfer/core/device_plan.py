@@ -204,14 +204,17 @@ def plan_memory(profile: ModelProfile, options: StartupOptions, room: DeviceRoom
 def plan_host(options: StartupOptions, is_cuda: bool, placement: WeightPlacement,
               available: int | None) -> HostMemory:
     """Host budgets: explicit ones must fit the available memory with the host weights; defaults (8 GiB of
-    Snapshots and 16 GiB of cache replicas on CUDA, 256 MiB each on the CPU) take at most a quarter of it each."""
+    Snapshots and 16 GiB of cache replicas on CUDA, 256 MiB each on the CPU) take at most a quarter each of what
+    the host weights leave."""
+    left = None if available is None else max(0, available - placement.host_bytes)
+
     def pick(explicit: int | None, variable: str, default: int) -> tuple[int, bool]:
         if explicit is None:
             mib = env.get(variable)
             explicit = None if mib is None else mib * MIB
         if explicit is not None:
             return explicit, True
-        return (default if available is None else min(default, available // HOST_DEFAULT_SHARE)), False
+        return (default if left is None else min(default, left // HOST_DEFAULT_SHARE)), False
 
     snapshots, s_explicit = pick(options.host_budget_bytes, "NINFER_HOST_BUDGET_MIB",
                                  CUDA_HOST_BUDGET if is_cuda else CPU_HOST_BUDGET)
@@ -221,7 +224,7 @@ def plan_host(options: StartupOptions, is_cuda: bool, placement: WeightPlacement
     host = HostMemory(weights_bytes=placement.host_bytes, snapshot_budget_bytes=snapshots, cache_budget_bytes=cache,
                       available_bytes=available)
     if available is not None and (s_explicit or c_explicit or placement.host_bytes) and host.planned_bytes > available:
-        raise PlanError(f"host memory: the plan needs {_size(host.planned_bytes)} (host weights "
+        raise PlanError(f"host memory: placement {placement.name!r} needs {_size(host.planned_bytes)} (host weights "
                         f"{_size(placement.host_bytes)}, Snapshot budget {_size(snapshots)}, cache replicas "
                         f"{_size(cache)}) but {_size(available)} is available")
     return host
