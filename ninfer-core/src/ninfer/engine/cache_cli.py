@@ -10,20 +10,9 @@ import argparse
 import attrs
 
 from ninfer.contract.config import EngineConfig
+from ninfer.engine.cli_numbers import whole_number
 
 MIB = 1 << 20
-
-
-def _count(lo: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-        if value < lo:
-            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {value}")
-        return value
-    return parse
 
 
 def add_context_cache_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,13 +20,13 @@ def add_context_cache_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-context-cache", action="store_true",
                        help="turn the context cache off: every request computes its whole prompt (outputs are "
                             "the same either way)")
-    group.add_argument("--checkpoint-grid", type=_count(1), metavar="N",
+    group.add_argument("--checkpoint-grid", type=whole_number(1), metavar="N",
                        help="prompt positions between checkpoints inside a long prompt (default: the prefill "
                             "chunk)")
-    group.add_argument("--checkpoint-slots", type=_count(0), metavar="N",
+    group.add_argument("--checkpoint-slots", type=whole_number(0), metavar="N",
                        help="device slots for checkpoints (default: sized from the memory budget; 0 keeps "
                             "checkpoints on the host only)")
-    group.add_argument("--cache-host-budget-mib", type=_count(0), metavar="N",
+    group.add_argument("--cache-host-budget-mib", type=whole_number(0), metavar="N",
                        help="pinned host MiB for checkpoint replicas (default: the model's; "
                             "NINFER_CACHE_HOST_BUDGET_MIB also sets it; 0: no host replicas)")
 

@@ -19,27 +19,15 @@ import json
 import sys
 
 from ninfer.contract.config import DTYPES, MAX_CONCURRENCY
+from ninfer.engine.cli_numbers import whole_number
 from ninfer.engine.memory_report import MIB, format_bytes
 from ninfer.engine.speculative_cli import add_speculative_arguments, speculative_features
 
 FITS, DOES_NOT_FIT, BAD_INPUT = 0, 1, 2
 
 
-def _whole(lo: int, hi: int | None = None, unit: str = ""):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number{unit}, got {text!r}") from None
-        if value < lo or (hi is not None and value > hi):
-            bound = f"in {lo}..{hi}" if hi is not None else f">= {lo}"
-            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
-        return value
-    return parse
-
-
 def add_vram_budget_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--vram-budget", type=_whole(1, unit=" of MiB"), metavar="MIB",
+    parser.add_argument("--vram-budget", type=whole_number(1, unit=" of MiB"), metavar="MIB",
                         help="device MiB the engine may use in all: weights, StateImages, KV, workspace, CUDA "
                              "graphs (default: the device's memory; NINFER_VRAM_BUDGET_MIB also sets it; free "
                              "memory is the other bound)")
@@ -61,14 +49,14 @@ def add_plan_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cuda",
                    help="cuda, cuda:N or cpu (default: cuda; without a GPU here, --vram-budget is the GPU "
                         "planned for)")
-    p.add_argument("--max-concurrency", type=_whole(1, MAX_CONCURRENCY), default=4, metavar=f"1..{MAX_CONCURRENCY}",
+    p.add_argument("--max-concurrency", type=whole_number(1, MAX_CONCURRENCY), default=4, metavar=f"1..{MAX_CONCURRENCY}",
                    help="requests resident at once (default 4, as ninfer serve)")
-    p.add_argument("--context", type=_whole(2), metavar="TOKENS", help="context limit (default: the model's)")
+    p.add_argument("--context", type=whole_number(2), metavar="TOKENS", help="context limit (default: the model's)")
     p.add_argument("--dtype", choices=DTYPES, help="compute dtype (default: the artifact's)")
-    p.add_argument("--page-size", type=_whole(1), default=16, metavar="N", help="KV positions per page (default 16)")
-    p.add_argument("--num-pages", type=_whole(1), metavar="N", help="KV pages, exactly (default: from the budget)")
+    p.add_argument("--page-size", type=whole_number(1), default=16, metavar="N", help="KV positions per page (default 16)")
+    p.add_argument("--num-pages", type=whole_number(1), metavar="N", help="KV pages, exactly (default: from the budget)")
     p.add_argument("--no-context-cache", action="store_true", help="plan without the context cache")
-    p.add_argument("--checkpoint-slots", type=_whole(0), metavar="N",
+    p.add_argument("--checkpoint-slots", type=whole_number(0), metavar="N",
                    help="device slots for context-cache checkpoints (default: from the budget)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     add_speculative_arguments(p)

@@ -11,20 +11,11 @@ import argparse
 import attrs
 
 from ninfer.contract.config import MAX_DRAFT_TOKENS, StartupFeatures
+from ninfer.engine.cli_numbers import whole_number
 
 # The speculative backends a command line can select (the others have no Startup yet).
 CLI_METHODS = ("mtp",)
 DEFAULT_DRAFT_TOKENS = attrs.fields(StartupFeatures).num_draft_tokens.default
-
-
-def _draft_count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if not 1 <= value <= MAX_DRAFT_TOKENS:
-        raise argparse.ArgumentTypeError(f"must be in 1..{MAX_DRAFT_TOKENS}, got {value}")
-    return value
 
 
 def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,7 +24,7 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--speculative", choices=CLI_METHODS,
                        help="draft tokens with the model's multi-token-prediction head (mtp) and verify them "
                             "in one step of the model (default: off)")
-    group.add_argument("--num-draft-tokens", type=_draft_count, metavar=f"1..{MAX_DRAFT_TOKENS}",
+    group.add_argument("--num-draft-tokens", type=whole_number(1, MAX_DRAFT_TOKENS), metavar=f"1..{MAX_DRAFT_TOKENS}",
                        help=f"draft tokens per step with --speculative (default {DEFAULT_DRAFT_TOKENS})")
 
 
