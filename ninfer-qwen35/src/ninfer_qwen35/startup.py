@@ -71,8 +71,8 @@ class Qwen35Startup:
         width = activation_width(config)
         return ModelProfile(
             architecture=artifact.metadata.architecture, dtype=dtype_name(compute), features=features,
-            placements=_placements(resident_bytes(fixed),
-                                   resident_bytes([*(weights.parents[o] for o in _bank_objects(weights)), *banks])),
+            placements=_placements(resident_bytes(fixed), resident_bytes(
+                [*(weights.parents[o] for o in _bank_objects(artifact, features)), *banks])),
             state_slot_bytes=layout.nbytes_per_slot, kv_page_bytes=PagedKVPool.page_bytes(pool),
             page_size=pool.page_size, backing_bytes=backing, workspace_bytes=WORKSPACE_TOKENS * width * size,
             graph_bytes=graph_estimate(vocab_size=config.vocab_size, activation_width=width, element_size=size,
@@ -81,7 +81,7 @@ class Qwen35Startup:
             model_limit=config.max_position_embeddings, layers=config.num_hidden_layers)
 
     def load(self, artifact: Any, options: StartupOptions, placement: WeightPlacement) -> Qwen35Loaded:
-        from ninfer.artifact import load_weights, meta_weights
+        from ninfer.artifact import load_weights
         from ninfer.models.common.qwen import QwenFrontend
         from ninfer_qwen35.execution.model import Qwen35Model
         from ninfer_qwen35.execution.mtp import Qwen35MTP
@@ -94,7 +94,7 @@ class Qwen35Startup:
         dev = Device.parse(options.device)
         frontend = QwenFrontend.from_resources(artifact.frontend, chat_template_override=options.chat_template,
                                                special_tokens_in_content=options.special_tokens_in_content)
-        banks = _bank_objects(meta_weights(artifact, features=features)) if host else frozenset()
+        banks = _bank_objects(artifact, features) if host else frozenset()
         weights, report = load_weights(artifact, features=features, device=str(dev), host_objects=banks)
         compute = _compute_dtype(options, weights[EMBED].dtype)
         experts = "cpu" if host else None
@@ -111,11 +111,7 @@ class Qwen35Startup:
 
         config, compute, dev = loaded.config, loaded.compute, Device.parse(options.device)
         layout, pool = _stores(config, options, compute)
-        # MoE decode runs eagerly for now: host experts cannot sit inside a decode graph, and the routed experts'
-        # reference reads which experts were hit on the host (the graph-capturable Triton path is not listed yet).
-        eager = ("the MoE routed experts live in host memory (placement host-experts)" if loaded.host_experts else
-                 "the MoE routed experts run the torch reference, which reads the hit experts on the host"
-                 if config.moe is not None and not _graphable_experts() else None)
+        eager = _eager_reason(loaded)
         graphs = options.cuda_graphs and eager is None
         common = dict(state_layout=layout, kv_pool=pool, device=dev, max_concurrency=options.max_concurrency,
                       num_pages=capacity.kv_pages, kv_dtype=compute, vocab_size=config.vocab_size,
@@ -138,10 +134,9 @@ class Qwen35Startup:
 def build(artifact: Any, options: StartupOptions) -> ModelInstance:
     """The whole start of an opened artifact as the engine runs it (plan, load, calibration on CUDA, formal
     Program): for direct Program users and tests. ``instance.memory`` is its MemorySummary."""
-    from ninfer.core.device_memory import DeviceMemory
     from ninfer.engine.startup import start
 
-    return start(Qwen35Startup(), artifact, options, DeviceMemory(Device.parse(options.device)))
+    return start(Qwen35Startup(), artifact, options)
 
 
 ALL_DEVICE, HOST_EXPERTS = "all-device", "host-experts"
@@ -157,16 +152,22 @@ def _placements(total: int, banks: int) -> tuple[WeightPlacement, ...]:
     return out
 
 
-def _graphable_experts() -> bool:
-    """Whether the routed experts run a graph-capturable kernel (the Triton path, once listed in TRITON_OPS)."""
+def _eager_reason(loaded: Qwen35Loaded) -> str | None:
+    """Why decode cannot run through CUDA graphs (None: it can). Host experts cannot sit inside a decode graph,
+    and the routed experts' torch reference reads which experts were hit on the host; the graph-capturable Triton
+    path serves once it is listed in TRITON_OPS."""
     from ninfer.ops._dispatch import TRITON_OPS
 
-    return "moe.moe_experts" in TRITON_OPS
+    if loaded.host_experts:
+        return "the MoE routed experts live in host memory (placement host-experts)"
+    if loaded.config.moe is not None and "moe.moe_experts" not in TRITON_OPS:
+        return "the MoE routed experts run the torch reference, which reads the hit experts on the host"
+    return None
 
 
-def _bank_objects(weights: Any) -> frozenset[str]:
-    """The artifact objects behind the routed expert banks."""
-    return frozenset(weights.params[n].parent for n in weights if n.endswith(BANKS))
+def _bank_objects(artifact: Any, features: tuple[str, ...]) -> frozenset[str]:
+    """The artifact objects behind the selected features' routed expert banks (from the header's bindings)."""
+    return frozenset(b.object for b in artifact.bindings.values() if b.feature in features and b.name.endswith(BANKS))
 
 
 def activation_width(config: Qwen35Config) -> int:
