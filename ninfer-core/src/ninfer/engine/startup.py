@@ -48,12 +48,9 @@ def build_instance(model: str | os.PathLike, options: StartupOptions, *, host: P
 
     Returns the instance, its public name (``metadata.name``) and the opened artifact (the engine keeps
     it alive: loaded weights may borrow its mapping)."""
-    if not isinstance(options, StartupOptions):  # before anything reads it (the device memory readings do)
-        raise TypeError(f"options must be StartupOptions, got {type(options).__name__}")
     artifact = open_model(model, verify=verify)
     try:
-        startup = native_startup(artifact, host)
-        instance = start(startup, artifact, options, memory or DeviceMemory(Device.parse(options.device)))
+        instance = start(native_startup(artifact, host), artifact, options, memory)
     except BaseException:
         artifact.close()
         raise
@@ -101,9 +98,13 @@ def profile_and_plan(startup: Startup, artifact: Artifact, options: StartupOptio
     return profile, plan_memory(profile, options, device_room(options, snapshot), host_available=host_available_bytes())
 
 
-def start(startup: Startup, artifact: Artifact, options: StartupOptions, memory: DeviceMemory) -> ModelInstance:
-    if not isinstance(options, StartupOptions):
+def start(startup: Startup, artifact: Artifact, options: StartupOptions,
+          memory: DeviceMemory | None = None) -> ModelInstance:
+    """Start ``startup``'s model from an opened artifact (the steps of the module docstring). ``memory``: the
+    device readings (default: the device's own)."""
+    if not isinstance(options, StartupOptions):  # before anything reads it (the device readings do)
         raise TypeError(f"options must be StartupOptions, got {type(options).__name__}")
+    memory = memory or DeviceMemory(Device.parse(options.device))
     memory.settle()
     first = memory.snapshot()
     profile, plan = profile_and_plan(startup, artifact, options, first)
@@ -122,9 +123,8 @@ def start(startup: Startup, artifact: Artifact, options: StartupOptions, memory:
     if program is None:
         raise ValueError(f"architecture {artifact.metadata.architecture!r} built no Program; generation needs one")
     after = memory.snapshot()
-    budget = device_room(options, first).budget_bytes
     summary = MemorySummary(
-        device=options.device, placement=plan.placement.name, budget_bytes=budget,
+        device=options.device, placement=plan.placement.name, budget_bytes=plan.room.budget_bytes,
         device_total_bytes=first.total if first is not None else None, weights_bytes=plan.placement.device_bytes,
         runtime_reservation_bytes=program.backing_bytes(),
         startup_retained_bytes=(before.used - first.used - plan.placement.device_bytes) if first is not None else 0,
@@ -188,7 +188,7 @@ def build_formal(startup: Startup, loaded, options: StartupOptions, plan: Memory
             why = "after one correction rebuild" if attempt else "and num_pages is explicit, so it is not cut"
             raise PlanError(f"the formal Program does not fit: {error} ({why}); lower max_concurrency, "
                             f"max_model_len or num_pages, or raise the budget")
-        instance = None
+        instance = None  # the short Program goes before the rebuild allocates
         memory.settle()
         page = plan.profile.kv_page_bytes
         cut = math.ceil(max(over, 0) / page) + max(1, plan.kv_pages // 16)  # the overshoot and a margin
