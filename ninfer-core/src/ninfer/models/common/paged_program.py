@@ -102,8 +102,8 @@ class PagedProgram(Checkpointing, abc.ABC):
         (self._scratch_page,) = self.pool.allocator.allocate(1)
         self.page_size = kv_pool.page_size
         capacity = num_pages * self.page_size
-        self.max_model_len = max_model_len if calibration and max_model_len else min(max_model_len or capacity,
-                                                                                     capacity)
+        limit = max_model_len or capacity
+        self.max_model_len = limit if calibration else min(limit, capacity)
         self.kv = KVHistoryStore(self.pool)
         self.sequences = SequenceTable(self.states, self.kv, max_model_len=self.max_model_len,
                                        vocab_size=vocab_size, sampling_defaults=sampling_defaults)
