@@ -25,9 +25,8 @@ import attrs
 from ninfer import env
 from ninfer.contract.config import StartupOptions
 from ninfer.contract.memory import HostMemory, ModelProfile, ProgramCapacity, WeightPlacement
+from ninfer.core.sizes import GIB, MIB, format_bytes
 
-GIB = 1 << 30
-MIB = 1 << 20
 CPU_KV_BUDGET = 256 * MIB
 CPU_HOST_BUDGET = 256 * MIB
 CUDA_HOST_BUDGET = 8 * GIB
@@ -170,8 +169,8 @@ def plan_memory(profile: ModelProfile, options: StartupOptions, room: DeviceRoom
         need = sum(b for _, b in parts)
         raise PlanError(
             f"{profile.architecture} ({'+'.join(profile.features)}, {profile.dtype}) does not fit: it needs "
-            f"{_size(need)} ({', '.join(f'{k} {_size(b)}' for k, b in parts if b)}) but {_room(room)}; short by "
-            f"{_size(need - avail)}" + (f" (placement candidates tried: {', '.join(c.name for c in candidates)})"
+            f"{format_bytes(need)} ({', '.join(f'{k} {format_bytes(b)}' for k, b in parts if b)}) but {_room(room)}; short by "
+            f"{format_bytes(need - avail)}" + (f" (placement candidates tried: {', '.join(c.name for c in candidates)})"
                                         if len(candidates) > 1 else ""))
     cand, weights, fixed = plan
     host = plan_host(options, room.is_cuda, cand, host_available)
@@ -181,16 +180,16 @@ def plan_memory(profile: ModelProfile, options: StartupOptions, room: DeviceRoom
     if options.num_pages is not None:
         pages = options.num_pages
         if left is not None and checkpoint + pages * page_bytes > left:
-            raise PlanError(f"num_pages={pages} needs {_size(pages * page_bytes)} of KV, but after the fixed needs "
-                            f"({_size(fixed)}) and {slots} checkpoint slots ({_size(checkpoint)}) {_room(room)} "
-                            f"leaves {_size(max(0, left - checkpoint))}")
+            raise PlanError(f"num_pages={pages} needs {format_bytes(pages * page_bytes)} of KV, but after the fixed needs "
+                            f"({format_bytes(fixed)}) and {slots} checkpoint slots ({format_bytes(checkpoint)}) {_room(room)} "
+                            f"leaves {format_bytes(max(0, left - checkpoint))}")
     else:
         kv_room = CPU_KV_BUDGET if left is None else left - checkpoint
         pages = min(max(0, kv_room) // page_bytes, useful)
         if pages < minimum:  # the checkpoint slots took it: the fixed needs alone were judged to fit
             if options.checkpoint_slots:
-                raise PlanError(f"checkpoint_slots={slots} ({_size(checkpoint)}) leave fewer than {minimum} KV "
-                                f"pages after the fixed needs ({_size(fixed)}); {_room(room)}")
+                raise PlanError(f"checkpoint_slots={slots} ({format_bytes(checkpoint)}) leave fewer than {minimum} KV "
+                                f"pages after the fixed needs ({format_bytes(fixed)}); {_room(room)}")
             slots, checkpoint = 0, 0
             pages = min(max(0, left) // page_bytes, useful) if left is not None else useful
     return MemoryPlan(profile=profile, placement=cand, room=room, weights_bytes=weights, state_bytes=state,
@@ -224,9 +223,9 @@ def plan_host(options: StartupOptions, is_cuda: bool, placement: WeightPlacement
     host = HostMemory(weights_bytes=placement.host_bytes, snapshot_budget_bytes=snapshots, cache_budget_bytes=cache,
                       available_bytes=available)
     if available is not None and (s_explicit or c_explicit or placement.host_bytes) and host.planned_bytes > available:
-        raise PlanError(f"host memory: placement {placement.name!r} needs {_size(host.planned_bytes)} (host weights "
-                        f"{_size(placement.host_bytes)}, Snapshot budget {_size(snapshots)}, cache replicas "
-                        f"{_size(cache)}) but {_size(available)} is available")
+        raise PlanError(f"host memory: placement {placement.name!r} needs {format_bytes(host.planned_bytes)} (host weights "
+                        f"{format_bytes(placement.host_bytes)}, Snapshot budget {format_bytes(snapshots)}, cache replicas "
+                        f"{format_bytes(cache)}) but {format_bytes(available)} is available")
     return host
 
 
@@ -259,14 +258,10 @@ def _pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
 
 
-def _size(n: float) -> str:
-    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB else f"{n / MIB:.1f} MiB"
-
-
 def _room(room: DeviceRoom) -> str:
     parts = []
     if room.budget_bytes is not None:
-        parts.append(f"the budget allows {_size(room.budget_bytes)}")
+        parts.append(f"the budget allows {format_bytes(room.budget_bytes)}")
     if room.free_bytes is not None:
-        parts.append(f"{_size(room.free_bytes)} is free on the device")
+        parts.append(f"{format_bytes(room.free_bytes)} is free on the device")
     return " and ".join(parts) or "nothing bounds it"

@@ -1,6 +1,6 @@
 """What a start took (``MemorySummary``), shown to people and to monitoring: the short block ``ninfer generate``
 and ``ninfer serve`` print at startup (``summary_lines``), and the gauges ``/metrics`` exports
-(``memory_gauges``). ``format_bytes`` is the one way sizes read here and in ``ninfer plan``.
+(``memory_gauges``). Sizes read as ``ninfer.core.sizes.format_bytes`` writes them.
 
 Light at import (the memory contract only), so ``ninfer --help`` loads no torch.
 """
@@ -10,22 +10,7 @@ from __future__ import annotations
 import attrs
 
 from ninfer.contract.memory import MemorySummary
-
-KIB = 1 << 10
-MIB = 1 << 20
-GIB = 1 << 30
-
-
-def format_bytes(n: int | float) -> str:
-    """``16.70 GiB``, ``512.0 MiB``, ``12.0 KiB``, ``100 B``; signed figures (growth) keep their sign."""
-    size = abs(n)
-    if size >= GIB:
-        return f"{n / GIB:.2f} GiB"
-    if size >= MIB:
-        return f"{n / MIB:.1f} MiB"
-    if size >= KIB:
-        return f"{n / KIB:.1f} KiB"
-    return f"{int(n)} B"
+from ninfer.core.sizes import GIB, KIB, MIB, format_bytes
 
 
 def summary_lines(m: MemorySummary) -> list[str]:
@@ -115,4 +100,4 @@ def memory_gauges(m: MemorySummary) -> list[MemoryGauge]:
     return [MemoryGauge(name=f"ninfer:memory_{name}", help=doc, value=float(value)) for name, doc, value in rows]
 
 
-__all__ = ["MemoryGauge", "format_bytes", "memory_gauges", "summary_lines", "summary_text"]
+__all__ = ["GIB", "KIB", "MIB", "MemoryGauge", "format_bytes", "memory_gauges", "summary_lines", "summary_text"]
