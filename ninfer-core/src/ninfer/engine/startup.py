@@ -139,7 +139,8 @@ def start(startup: Startup, artifact: Artifact, options: StartupOptions,
 def calibrate(startup: Startup, loaded, options: StartupOptions, plan: MemoryPlan,
               memory: DeviceMemory) -> tuple[GraphMemory, float]:
     """Capture the complete graph set on a calibration Program (a few pages, no checkpoint slots or host cache),
-    measure, destroy it. Returns the calibration figures and the seconds it took."""
+    measure, drop it (the caller settles before its next reading). Returns the calibration figures and the
+    seconds it took."""
     t0 = time.perf_counter()
     memory.settle()
     s0 = memory.snapshot()
@@ -152,8 +153,7 @@ def calibrate(startup: Startup, loaded, options: StartupOptions, plan: MemoryPla
     program.release_graphs()
     memory.settle()
     s2 = memory.snapshot()
-    del program
-    memory.settle()
+    del program  # released by the caller's settle before it reads free memory again
     return GraphMemory(calibration_growth=s1.used - s0.used, retained_after_release=s2.used - s0.used - backing,
                        rebuild_estimate=max(0, s1.used - s2.used)), time.perf_counter() - t0
 
