@@ -135,6 +135,8 @@ _SHARED: dict[str, tuple[Any, Any]] = {
     "pdl": (None, _flag(optional=True)),
     "chat_template": (None, _text),
     "special_tokens_in_content": (False, _flag()),
+    "placement": (None, _text),
+    "expert_cache_bytes": (None, _int_range(0, optional=True)),
 }
 MODEL_KNOBS = tuple(_SHARED)[3:]
 
@@ -158,7 +160,9 @@ class StartupOptions:
     ``context_cache``: build the checkpoint store (prefix reuse, session continuations); ``checkpoint_slots``:
     device StateImage slots for checkpoints (None: sized from the budget; 0 keeps checkpoints on the host
     only); ``cache_host_budget_bytes``: pinned host bytes for checkpoint replicas (None: the model's
-    default, ``NINFER_CACHE_HOST_BUDGET_MIB`` sets it).
+    default, ``NINFER_CACHE_HOST_BUDGET_MIB`` sets it). ``placement``: the weight placement to use (one of the
+    model's candidates, e.g. "host-experts"; None: the first that fits the budget). ``expert_cache_bytes``: device
+    bytes for the GPU cache of host-resident MoE experts (None: sized from the budget; 0: no cache).
     """
 
     device: str = attrs.field(validator=_device(optional=False))
@@ -177,6 +181,8 @@ class StartupOptions:
     pdl: bool | None = _shared("pdl")
     chat_template: str | None = _shared("chat_template")
     special_tokens_in_content: bool = _shared("special_tokens_in_content")
+    placement: str | None = _shared("placement")
+    expert_cache_bytes: int | None = _shared("expert_cache_bytes")
 
 
 @attrs.frozen(kw_only=True)
@@ -216,6 +222,8 @@ class EngineConfig:
     pdl: bool | None = _shared("pdl")
     chat_template: str | None = _shared("chat_template")
     special_tokens_in_content: bool = _shared("special_tokens_in_content")
+    placement: str | None = _shared("placement")
+    expert_cache_bytes: int | None = _shared("expert_cache_bytes")
 
     def for_device(self, device: str) -> EngineConfig:
         """This configuration on ``device``, with ``prefill_chunk`` fixed (the device's default when unset)."""

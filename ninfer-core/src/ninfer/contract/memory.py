@@ -17,11 +17,18 @@ _bytes = v.and_(v.instance_of(int), v.ge(0))
 @attrs.frozen(kw_only=True)
 class WeightPlacement:
     """One way to place the fixed weights (a startup candidate): bytes resident on the device and on the host.
-    All-device is the only candidate of a dense model; a MoE model adds host placements for its experts."""
+    All-device is the only candidate of a dense model; a MoE model adds host placements for its experts.
+
+    A placement with host experts also needs ``staging_bytes`` of device memory (the buffers whole layers stream
+    through for long token runs) and may cache experts on the device: ``expert_bytes`` is one cacheable expert
+    (0: nothing to cache), ``experts`` how many there are (the cache never needs more slots)."""
 
     name: str
     device_bytes: int = attrs.field(validator=_bytes)
     host_bytes: int = attrs.field(default=0, validator=_bytes)
+    staging_bytes: int = attrs.field(default=0, validator=_bytes)
+    expert_bytes: int = attrs.field(default=0, validator=_bytes)
+    experts: int = attrs.field(default=0, validator=_bytes)
 
 
 @attrs.frozen(kw_only=True)
@@ -64,6 +71,7 @@ class ProgramCapacity:
     captured for the real context; a calibration Program never runs a sequence). ``checkpoint_slots`` /
     ``cache_host_budget_bytes``: the context cache's device StateImages and pinned host bytes.
     ``host_budget_bytes``: host bytes paused Snapshots may hold. ``pdl``: programmatic dependent launch.
+    ``expert_cache_slots``: device slots of the host experts' cache (one expert each; 0 with all-device weights).
     """
 
     kv_pages: int = attrs.field(validator=v.and_(v.instance_of(int), v.ge(1)))
@@ -73,6 +81,7 @@ class ProgramCapacity:
     cache_host_budget_bytes: int = attrs.field(default=0, validator=_bytes)
     pdl: bool = False
     calibration: bool = False
+    expert_cache_slots: int = attrs.field(default=0, validator=_bytes)
 
 
 @attrs.frozen(kw_only=True)
@@ -114,7 +123,8 @@ class MemorySummary:
     less the weights (CUDA context, kernels, calibration leftovers). ``workspace_bytes``: the planned transient
     peak. ``kv_automatic``: the KV capacity came from the budget (not ``num_pages``). ``corrections``: capacity
     rebuilds after a formal allocation fell short (0 or 1). ``reserved_bytes``: what the caching allocator held
-    once the start was done.
+    once the start was done. ``expert_cache_slots`` / ``expert_cache_bytes``: the host experts' device cache;
+    ``staging_bytes``: the device buffers whole host-expert layers stream through.
     """
 
     device: str
@@ -135,6 +145,9 @@ class MemorySummary:
     corrections: int
     host: HostMemory
     calibration_seconds: float = 0.0
+    expert_cache_slots: int = 0
+    expert_cache_bytes: int = 0
+    staging_bytes: int = 0
 
     @property
     def kv_tokens(self) -> int:
