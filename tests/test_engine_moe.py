@@ -129,7 +129,8 @@ def test_host_experts_are_chosen_when_the_device_cannot_hold_the_banks_and_give_
     assert (everything.name, hosted.name) == ("all-device", "host-experts")
     assert hosted.host_bytes > 0 and hosted.device_bytes + hosted.host_bytes == everything.device_bytes
     others = profile.state_slot_bytes * 3 + profile.workspace_bytes
-    budget = hosted.device_bytes + others + 64 * profile.kv_page_bytes
+    assert hosted.staging_bytes > 0 and hosted.expert_bytes > 0 and hosted.experts > 0
+    budget = hosted.device_bytes + hosted.staging_bytes + others + 64 * profile.kv_page_bytes
     assert everything.device_bytes + others + 2 * profile.kv_page_bytes > budget  # all-device cannot fit
     outs = {}
     for name, kwargs in (("all-device", {}), ("host-experts", {"device_budget_bytes": budget})):
@@ -138,6 +139,96 @@ def test_host_experts_are_chosen_when_the_device_cannot_hold_the_banks_and_give_
             assert eng.memory.placement == name
             assert eng.memory.host.weights_bytes == (hosted.host_bytes if name == "host-experts" else 0)
             outs[name] = greedy(eng)
+            runtime = eng.instance.program.host_experts
+            assert (runtime is not None) == (name == "host-experts")
+            if runtime is not None:  # what the budget left beside 64 KV pages went to the cache, or the KV
+                assert eng.memory.expert_cache_slots == runtime.cache.slots
+                assert runtime.stats.mixed_calls > 0 and runtime.stats.cache_misses > 0
         finally:
             eng.close()
     assert outs["host-experts"] == outs["all-device"]
+
+
+@pytest.mark.parametrize("cache_experts", [0, 5])
+def test_host_experts_stream_prefill_and_mix_decode_with_mtp_and_give_the_same_tokens(tmp_path, monkeypatch,
+                                                                                      cache_experts):
+    """Forced host experts with a small device cache: prompts of 4 tokens or more stream whole layers (the
+    threshold set low), decode and MTP verification split their pairs between cache hits and the CPU team;
+    greedy output (with MTP drafting) equals all-device's, and the runtime saw every mode."""
+    from ninfer.contract.config import StartupFeatures
+
+    monkeypatch.setenv("NINFER_MOE_STREAM_TOKENS", "4")
+    art = convert_tiny(make_tiny_checkpoint(tmp_path / "ckpt", moe=True, mtp=True, seed=6), tmp_path / "m.ninfer")
+    outs, stats = {}, None
+    for placement in ("all-device", "host-experts"):
+        eng = Engine(art, device="cpu", dtype="float32", max_concurrency=2, context_cache=False,
+                     placement=placement, features=StartupFeatures(speculative="mtp", num_draft_tokens=2),
+                     expert_cache_bytes=None if placement == "all-device" else cache_experts * _expert_bytes(art))
+        try:
+            outs[placement] = greedy(eng)
+            runtime = eng.instance.program.host_experts
+            if runtime is not None:
+                stats = runtime.stats
+                assert runtime.cache.slots == cache_experts == eng.memory.expert_cache_slots
+        finally:
+            eng.close()
+    assert outs["host-experts"] == outs["all-device"]
+    assert stats.streamed_calls > 0 and stats.streamed_layers > 0 and stats.mixed_calls > 0
+    assert stats.cache_misses > 0
+    assert (stats.cache_hits > 0) == (cache_experts > 0)
+
+
+def test_plan_shows_the_host_experts_staging_and_cache(moe, capsys):
+    """``ninfer plan --placement host-experts --expert-cache MIB``: the staging buffers and the cache in the table,
+    the cache's experts on their own line; JSON carries the slots."""
+    import json
+
+    from ninfer.cli import main
+
+    art, _ = moe
+    per_expert = _expert_bytes(art)
+    mib = -(-3 * per_expert // (1 << 20))
+    rc = main(["plan", str(art), "--device", "cuda", "--vram-budget", "4096", "--placement", "host-experts",
+               "--expert-cache", str(mib), "--dtype", "float32", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 0 and report["placement"] == "host-experts"
+    assert report["expert_cache_slots"] == min(report["experts"], mib * (1 << 20) // per_expert)
+    assert report["categories"]["expert staging"] > 0 and report["categories"]["expert cache"] > 0
+    rc = main(["plan", str(art), "--device", "cuda", "--vram-budget", "4096", "--placement", "host-experts",
+               "--dtype", "float32"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "expert staging" in out and "routed experts on the device" in out
+
+
+@pytest.mark.gpu
+def test_host_experts_on_cuda_give_the_all_device_tokens(tmp_path, monkeypatch):
+    """On CUDA: pinned host banks, the transfer stream, the staging buffers and the cache in device memory;
+    streamed prefill (prompts of 4 tokens or more) and mixed decode with MTP give all-device's greedy tokens."""
+    from ninfer.contract.config import StartupFeatures
+
+    monkeypatch.setenv("NINFER_MOE_STREAM_TOKENS", "4")
+    art = convert_tiny(make_tiny_checkpoint(tmp_path / "ckpt", moe=True, mtp=True, seed=6), tmp_path / "m.ninfer")
+    outs, stats = {}, None
+    for placement in ("all-device", "host-experts"):
+        eng = Engine(art, device="cuda", dtype="float32", max_concurrency=2, context_cache=False,
+                     placement=placement, features=StartupFeatures(speculative="mtp", num_draft_tokens=2),
+                     expert_cache_bytes=None if placement == "all-device" else 5 * _expert_bytes(art))
+        try:
+            outs[placement] = greedy(eng)
+            runtime = eng.instance.program.host_experts
+            if runtime is not None:
+                stats = runtime.stats
+                assert runtime.banks[0][0].is_pinned() and runtime.cache.gate_up.is_cuda
+        finally:
+            eng.close()
+    assert outs["host-experts"] == outs["all-device"]
+    assert stats.streamed_calls > 0 and stats.mixed_calls > 0 and stats.cache_hits > 0 and stats.cache_misses > 0
+
+
+def _expert_bytes(art) -> int:
+    from ninfer.artifact import open_artifact
+    from ninfer_qwen35.startup import Qwen35Startup
+
+    with open_artifact(art) as a:
+        profile = Qwen35Startup().profile(a, StartupOptions(device="cpu", dtype="float32"))
+    return profile.placements[-1].expert_bytes

@@ -12,13 +12,16 @@ import threading
 import time
 
 import pytest
+import torch
 
 from ninfer.contract.events import FinishReason, GenerationResult, GenerationStart
 from ninfer.contract.model import ModelInstance
 from ninfer.contract.prompt import TextInput
 from ninfer.contract.request import GenerationRequest, SamplingParams
 from ninfer.contract.resources import FrontendResources
+from ninfer.core.cpu_executor import CpuExecutor
 from ninfer.engine.engine import Engine
+from ninfer.models.common.moe.host_experts import HostExperts
 from ninfer.models.common.qwen.frontend import QwenFrontend
 from ninfer.testing.scheduling import submit_together
 from ninfer_qwen35.testing.checkpoints import make_tokenizer_json
@@ -62,11 +65,21 @@ def _parts(*, moe: bool):
 
 
 def make_engine(parts, *, max_concurrency=2, pages=64, host_bytes=1 << 24, pause_mode="auto", prefill_chunk=16,
-                bypass_limit=None, device="cpu", cuda_graphs=False) -> Engine:
+                bypass_limit=None, device="cpu", cuda_graphs=False, host_experts=False) -> Engine:
+    """``host_experts``: the MoE banks served through a HostExperts runtime (3 cached experts, prompts of 4
+    tokens or more streamed), as the host-experts placement runs them."""
     cfg, model_on, resources = parts
     model = model_on(device)
+    runtime = None
+    if host_experts:
+        blocks = [layer.mlp for layer in model.params.layers]
+        routers = [b.router_shared_gate.weight[:-1] for b in blocks[1:]] + [None]  # [E routing | shared gate]
+        runtime = HostExperts([(b.gate_up, b.down) for b in blocks], device=torch.device(device), cache_slots=3,
+                              team=CpuExecutor(1), top_k=blocks[0].top_k, next_routers=routers,
+                              stream_min_tokens=4)
     prog = float32_program(model, page_size=PAGE, num_pages=pages, device=device, max_concurrency=max_concurrency,
-                           host_budget_bytes=host_bytes, max_model_len=128, cuda_graphs=cuda_graphs)
+                           host_budget_bytes=host_bytes, max_model_len=128, cuda_graphs=cuda_graphs,
+                           host_experts=runtime)
     inst = ModelInstance(architecture="qwen35", config=cfg, model=model, parameters=model.params,
                          frontend=QwenFrontend.from_resources(resources), program=prog)
     return Engine.from_instance(inst, max_concurrency=max_concurrency, device=device,
@@ -187,10 +200,10 @@ def test_events_and_text_through_the_qwen_frontend(parts):
 
 
 @pytest.mark.parametrize("kind,seed", [("dense", 0), ("dense", 1), ("dense", 2), ("dense", 3), ("moe", 4),
-                                       ("moe", 5)])
+                                       ("moe", 5), ("moe-host", 6), ("moe-host", 7)])
 def test_randomized_lifecycle_on_the_real_program(request, kind, seed):
-    """Arrivals, cancellations, deadlines and a tiny KV pool forcing pauses, through the real Program (dense and
-    MoE)."""
+    """Arrivals, cancellations, deadlines and a tiny KV pool forcing pauses, through the real Program (dense,
+    MoE, and MoE with host experts whose reference is the all-device solo run)."""
     parts = request.getfixturevalue("parts" if kind == "dense" else "moe_parts")
     rng = random.Random(seed)
     work = workload(10, 100 + seed, seeded=seed % 2 == 1)
@@ -198,7 +211,8 @@ def test_randomized_lifecycle_on_the_real_program(request, kind, seed):
     reference = [solo.generate(req(p, **s), timeout=120).token_ids for p, s in work]
     solo.close()
     eng = make_engine(parts, max_concurrency=rng.choice([2, 4]), pages=rng.choice([7, 10]),
-                      host_bytes=rng.choice([0, 1 << 24]), prefill_chunk=rng.choice([3, 8]), bypass_limit=1)
+                      host_bytes=rng.choice([0, 1 << 24]), prefill_chunk=rng.choice([3, 8]), bypass_limit=1,
+                      host_experts=kind == "moe-host")
     hs = []
     for p, s in work:
         sampling = SamplingParams(**{"temperature": 0.0, "ignore_eos": True, **s})
@@ -215,14 +229,18 @@ def test_randomized_lifecycle_on_the_real_program(request, kind, seed):
         if res.finish_reason is FinishReason.LENGTH:
             assert res.token_ids == ref
     settled(eng)
+    if kind == "moe-host":
+        assert eng.instance.program.host_experts.stats.mixed_calls > 0
     assert eng._core.scheduler.max_bypass_seen <= 1
     eng.close()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("seeded", [False, True])
-def test_cuda_graph_replay_matches_eager(parts, seeded):
-    """Decode through CUDA graphs captured per exact B (1..8) gives the eager path's tokens."""
+@pytest.mark.parametrize("kind,seeded", [("dense", False), ("dense", True), ("moe", False), ("moe", True)])
+def test_cuda_graph_replay_matches_eager(request, kind, seeded):
+    """Decode through CUDA graphs captured per exact B (1..8) gives the eager path's tokens (MoE: the routed
+    experts' Triton kernels inside the graphs)."""
+    parts = request.getfixturevalue("parts" if kind == "dense" else "moe_parts")
     work = workload(12, 21, seeded=seeded)
     tokens = {}
     for graphs in (False, True):

@@ -110,7 +110,7 @@ def test_the_first_placement_candidate_that_fits_is_chosen():
     hosted = WeightPlacement(name="host-experts", device_bytes=100, host_bytes=3 * GIB)
     p = plan(profile(weights=3 * GIB, extra=(hosted,)), cuda(2 * GIB), device="cuda")
     assert p.placement.name == "host-experts" and p.host.weights_bytes == 3 * GIB
-    with pytest.raises(PlanError, match="placement candidates tried: all-device, host-experts"):
+    with pytest.raises(PlanError, match="candidates tried: all-device, host-experts"):
         plan(profile(weights=3 * GIB, extra=(attrs_evolve(hosted, device_bytes=2 * GIB),)), cuda(2 * GIB),
              device="cuda")
 
@@ -176,3 +176,52 @@ def test_resident_bytes_counts_each_storage_once_meta_tensors_too():
     assert resident_bytes([parent, *views, torch.zeros(3, dtype=torch.float16)]) == 160 + 6
     meta = torch.empty(10, 4, device="meta")
     assert resident_bytes([meta, meta[:5], torch.empty(3, dtype=torch.float16, device="meta")]) == 160 + 6
+
+
+# -- host experts: staging buffers, the expert cache, a named placement ------------------------------------------
+EXPERT = 4 * MIB
+STAGING = 64 * MIB
+HOST_EXPERTS = WeightPlacement(name="host-experts", device_bytes=1 * GIB, host_bytes=30 * GIB,
+                               staging_bytes=STAGING, expert_bytes=EXPERT, experts=1000)
+
+
+def moe_profile(limit: int = 64) -> ModelProfile:
+    return profile(weights=31 * GIB, limit=limit, extra=(HOST_EXPERTS,))
+
+
+def test_host_experts_are_chosen_when_all_device_does_not_fit_and_the_cache_shares_with_kv():
+    p = plan(moe_profile(limit=1 << 24), cuda(8 * GIB), device="cuda", context_cache=False)
+    assert p.placement.name == "host-experts" and p.staging_bytes == STAGING
+    assert p.expert_cache_slots > 0 and p.expert_cache_bytes == p.expert_cache_slots * EXPERT
+    assert p.needed_bytes <= 8 * GIB
+    # The KV pages (wanting far more than there is) and the cache split what the minimum KV leaves, near halves.
+    assert abs(p.expert_cache_bytes - p.kv_bytes) <= 2 * EXPERT + 4 * PAGE
+    assert p.capacity().expert_cache_slots == p.expert_cache_slots
+    assert ("expert staging", STAGING) in p.table() and ("expert cache", p.expert_cache_bytes) in p.table()
+
+
+def test_the_cache_takes_what_the_kv_pages_cannot_use_up_to_every_expert():
+    p = plan(moe_profile(limit=64), cuda(8 * GIB), device="cuda", context_cache=False)
+    useful = 64 // 4 * 4  # pages of a 64-position history for 4 sequences
+    assert p.kv_pages == useful
+    assert p.expert_cache_slots == min(1000, (8 * GIB - (p.needed_bytes - p.expert_cache_bytes)) // EXPERT)
+    roomy = plan(moe_profile(limit=64), cuda(40 * GIB), device="cuda", context_cache=False, placement="host-experts")
+    assert roomy.expert_cache_slots == 1000  # never more slots than experts
+
+
+def test_explicit_expert_cache_is_charged_before_the_kv_pages_or_refused():
+    p = plan(moe_profile(limit=1 << 20), cuda(8 * GIB), device="cuda", context_cache=False,
+             expert_cache_bytes=100 * EXPERT + 5)
+    assert p.expert_cache_slots == 100
+    with pytest.raises(PlanError, match="expert cache"):
+        plan(moe_profile(), cuda(4 * GIB), device="cuda", expert_cache_bytes=8 * GIB)
+    assert plan(moe_profile(), cuda(8 * GIB), device="cuda", expert_cache_bytes=0).expert_cache_slots == 0
+
+
+def test_a_named_placement_is_used_or_refused_with_the_names():
+    p = plan(moe_profile(), cuda(80 * GIB), device="cuda", placement="host-experts")
+    assert p.placement.name == "host-experts"
+    assert plan(moe_profile(), cuda(80 * GIB), device="cuda").placement.name == "all-device"
+    assert plan(moe_profile(), cuda(80 * GIB), device="cuda").expert_cache_slots == 0
+    with pytest.raises(ValueError, match="'on-disk' is not one of this model's: all-device, host-experts"):
+        plan(moe_profile(), cuda(80 * GIB), device="cuda", placement="on-disk")

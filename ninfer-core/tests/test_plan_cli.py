@@ -107,6 +107,8 @@ def test_the_environment_budget_is_a_budget(capsys, monkeypatch):
     (["--vram-budget", "2048", "--context", "4096"], "--context 4096 exceeds the model's limit 2048", 2),
     (["--vram-budget", "2048", "--num-draft-tokens", "2"], "--num-draft-tokens needs --speculative", 2),
     (["missing.ninfer", "--vram-budget", "2048"], "model file not found: missing.ninfer", 2),
+    (["--vram-budget", "2048", "--placement", "host-experts"],
+     "placement 'host-experts' is not one of this model's: all-device", 2),
 ])
 def test_bad_input_is_one_clear_line(capsys, args, words, code):
     rc, out, err = plan(capsys, *args)

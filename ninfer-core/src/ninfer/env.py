@@ -45,6 +45,16 @@ def _mib(raw: str) -> int:
     return value
 
 
+def _count(raw: str) -> int:
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ValueError("expected a whole number") from None
+    if value <= 0:
+        raise ValueError("expected a positive whole number")
+    return value
+
+
 def _choice(*allowed: str) -> Callable[[str], str]:
     def parse(raw: str) -> str:
         value = raw.strip().lower()
@@ -99,6 +109,9 @@ REGISTRY: tuple[EnvVar, ...] = (
     EnvVar(name="NINFER_VRAM_BUDGET_MIB", kind="MiB", default=None, parse=_mib,
            meaning="device bytes the engine may use (weights, StateImages, KV, workspace, CUDA graphs: "
                    "docs/memory.md); the free memory is the other bound"),
+    EnvVar(name="NINFER_MOE_STREAM_TOKENS", kind="count", default=None, parse=_count,
+           meaning="tokens from which a MoE layer call with host experts streams the layer's whole banks to the "
+                   "device instead of splitting its pairs between the expert cache and the CPU (unset: 256)"),
     EnvVar(name="NINFER_HOST_BUDGET_MIB", kind="MiB", default=None, parse=_mib,
            meaning="host bytes paused requests' Snapshots may hold (unset: the model's default)"),
     EnvVar(name="NINFER_CACHE_HOST_BUDGET_MIB", kind="MiB", default=None, parse=_mib,

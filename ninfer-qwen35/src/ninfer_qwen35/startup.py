@@ -21,6 +21,7 @@ from ninfer.contract.model import ModelInstance
 from ninfer.core.device import Device, dtype_name, torch_dtype
 from ninfer.core.device_plan import WORKSPACE_TOKENS, graph_estimate, resident_bytes
 from ninfer.core.kv_pool import PagedKVPool
+from ninfer.models.common.moe.host_experts import expert_bytes, staging_bytes
 from ninfer_qwen35.config import Qwen35Config, parse_config
 
 EMBED = "model.embed_tokens.weight"
@@ -72,7 +73,7 @@ class Qwen35Startup:
         return ModelProfile(
             architecture=artifact.metadata.architecture, dtype=dtype_name(compute), features=features,
             placements=_placements(resident_bytes(fixed), resident_bytes(
-                [*(weights.parents[o] for o in _bank_objects(artifact, features)), *banks])),
+                [*(weights.parents[o] for o in _bank_objects(artifact, features)), *banks]), banks),
             state_slot_bytes=layout.nbytes_per_slot, kv_page_bytes=PagedKVPool.page_bytes(pool),
             page_size=pool.page_size, backing_bytes=backing, workspace_bytes=WORKSPACE_TOKENS * width * size,
             graph_bytes=graph_estimate(vocab_size=config.vocab_size, activation_width=width, element_size=size,
@@ -118,7 +119,8 @@ class Qwen35Startup:
                       host_budget_bytes=capacity.host_budget_bytes,
                       sampling_defaults=loaded.frontend.sampling_defaults(), max_model_len=capacity.max_model_len,
                       cuda_graphs=graphs, pdl=capacity.pdl, checkpoint_slots=capacity.checkpoint_slots,
-                      cache_host_budget_bytes=capacity.cache_host_budget_bytes, calibration=capacity.calibration)
+                      cache_host_budget_bytes=capacity.cache_host_budget_bytes, calibration=capacity.calibration,
+                      host_experts=_host_experts(loaded, dev, capacity.expert_cache_slots))
         k = options.features.draft_tokens
         if k:
             steps = verify_steps(config, rows=options.max_concurrency, draft_tokens=k, dtype=compute, device=dev.torch)
@@ -143,26 +145,48 @@ ALL_DEVICE, HOST_EXPERTS = "all-device", "host-experts"
 BANKS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
-def _placements(total: int, banks: int) -> tuple[WeightPlacement, ...]:
+def _placements(total: int, host: int, banks: list[torch.Tensor]) -> tuple[WeightPlacement, ...]:
     """Every weight on the device; for a MoE model, then the routed expert banks in host memory (the shared
-    expert, router and every dense weight stay on the device)."""
+    expert, router and every dense weight stay on the device), with two layers' staging buffers and experts
+    to cache (``banks``: the prepared gate_up / down bank of every MoE layer, in pairs)."""
     out = (WeightPlacement(name=ALL_DEVICE, device_bytes=total),)
     if banks:
-        out += (WeightPlacement(name=HOST_EXPERTS, device_bytes=total - banks, host_bytes=banks),)
+        gate_up, down = banks[0], banks[1]
+        out += (WeightPlacement(name=HOST_EXPERTS, device_bytes=total - host, host_bytes=host,
+                                staging_bytes=staging_bytes(gate_up, down), expert_bytes=expert_bytes(gate_up, down),
+                                experts=len(banks) // 2 * gate_up.shape[0]),)
     return out
 
 
 def _eager_reason(loaded: Qwen35Loaded) -> str | None:
-    """Why decode cannot run through CUDA graphs (None: it can). Host experts cannot sit inside a decode graph,
-    and the routed experts' torch reference reads which experts were hit on the host; the graph-capturable Triton
-    path serves once it is listed in TRITON_OPS."""
-    from ninfer.ops._dispatch import TRITON_OPS
+    """Why decode cannot run through CUDA graphs (None: it can). Host experts read each MoE layer's routing on the
+    host; the routed experts' torch reference reads which experts were hit (their Triton kernels do not)."""
+    from ninfer.ops._dispatch import triton_selected
 
     if loaded.host_experts:
         return "the MoE routed experts live in host memory (placement host-experts)"
-    if loaded.config.moe is not None and "moe.moe_experts" not in TRITON_OPS:
+    if loaded.config.moe is not None and not triton_selected("moe", "moe_experts"):
         return "the MoE routed experts run the torch reference, which reads the hit experts on the host"
     return None
+
+
+def _host_experts(loaded: Qwen35Loaded, dev: Device, cache_slots: int):
+    """The Program's runtime of the host-resident routed experts (None when the banks are on the device)."""
+    if not loaded.host_experts:
+        return None
+    from ninfer.core.cpu_executor import CpuExecutor
+    from ninfer.models.common.moe.host_experts import HostExperts
+    from ninfer_qwen35.execution.parameters import MoEParams
+
+    moe = loaded.config.moe
+    stacks = [loaded.executor.params.layers, loaded.mtp.params.layers if loaded.mtp is not None else ()]
+    blocks = [[layer.mlp for layer in stack if isinstance(layer.mlp, MoEParams)] for stack in stacks]
+    banks = [(b.gate_up, b.down) for stack in blocks for b in stack]
+    # Each layer's successor in the same forward (main layers, then the MTP layers' own chain) predicts ahead.
+    routers = [stack[i + 1].router_shared_gate.weight[:moe.num_experts] if i + 1 < len(stack) else None
+               for stack in blocks for i in range(len(stack))]
+    return HostExperts(banks, device=dev.torch, cache_slots=cache_slots, team=CpuExecutor(),
+                       top_k=moe.num_experts_per_tok, next_routers=routers)
 
 
 def _bank_objects(artifact: Any, features: tuple[str, ...]) -> frozenset[str]:

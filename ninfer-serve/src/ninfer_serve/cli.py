@@ -8,7 +8,7 @@ import sys
 from ninfer import env
 from ninfer.contract.config import MAX_CONCURRENCY, StartupFeatures
 from ninfer.engine.cache_cli import add_context_cache_arguments, with_context_cache
-from ninfer.engine.plan_cli import add_vram_budget_argument, vram_budget_bytes
+from ninfer.engine.plan_cli import add_memory_arguments, with_memory_options
 from ninfer.engine.speculative_cli import add_speculative_arguments, speculative_features
 
 API_KEY_ENV = "NINFER_API_KEY"
@@ -64,7 +64,7 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
                    help="a request not admitted within this time gets 503")
     p.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
     p.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
-    add_vram_budget_argument(p)
+    add_memory_arguments(p)
     p.add_argument("--prefill-chunk", type=int, metavar="TOKENS",
                    help="prompt tokens per prefill unit (default: 2048 on a GPU, 512 on the CPU)")
     p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template replacing the artifact's")
@@ -164,9 +164,8 @@ def _load_and_serve(args: argparse.Namespace, model: str, chat_template: str | N
         config = EngineConfig(max_concurrency=args.max_concurrency, max_queue=args.max_queue,
                               verify=not args.no_verify, max_model_len=args.max_model_len, device=args.device,
                               prefill_chunk=args.prefill_chunk, chat_template=chat_template,
-                              special_tokens_in_content=args.special_tokens_in_content, features=features,
-                              device_budget_bytes=vram_budget_bytes(args))
-        engine = Engine(model, config=with_context_cache(config, args))
+                              special_tokens_in_content=args.special_tokens_in_content, features=features)
+        engine = Engine(model, config=with_memory_options(with_context_cache(config, args), args))
     except Exception as exc:  # a bad artifact or device must read as a message, not a traceback
         return _fail(f"cannot start the engine for {model}: {type(exc).__name__}: {exc}")
     with engine:

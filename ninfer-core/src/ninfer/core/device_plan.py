@@ -11,7 +11,10 @@ Fixed needs: the weights, one StateImage slot per sequence plus the scratch slot
 not counted exactly (design document). Context-cache checkpoint slots come next (``checkpoint_slots``, else
 up to 8 per concurrent sequence within an eighth of the room). KV pages take the rest, up to what the
 resident sequences could use at once (4x with the context cache: cached prefixes share the pool); an explicit
-``num_pages`` is granted exactly or refused. The budget is ``device_budget_bytes`` (else
+``num_pages`` is granted exactly or refused. A placement with host experts adds its staging buffers to the fixed
+needs and may cache experts on the device: an explicit ``expert_cache_bytes`` is charged before the KV pages;
+otherwise the cache takes half of what the minimum KV leaves (up to every expert), the KV pages the rest, and
+what the KV pages cannot use goes back to the cache. The budget is ``device_budget_bytes`` (else
 ``NINFER_VRAM_BUDGET_MIB``, else the device); free memory is a second bound. Host budgets (paused Snapshots,
 the cache's pinned replicas) are planned against the host's available memory the same way.
 """
@@ -76,6 +79,8 @@ class MemoryPlan:
     workspace_bytes: int
     graph_bytes: int
     headroom_bytes: int
+    staging_bytes: int
+    expert_cache_slots: int
     kv_pages: int
     kv_automatic: bool
     max_model_len: int
@@ -91,6 +96,10 @@ class MemoryPlan:
         return self.kv_pages * self.profile.page_size
 
     @property
+    def expert_cache_bytes(self) -> int:
+        return self.expert_cache_slots * self.placement.expert_bytes
+
+    @property
     def needed_bytes(self) -> int:
         return sum(b for _, b in self.table())
 
@@ -99,14 +108,15 @@ class MemoryPlan:
         return [("weights", self.weights_bytes), ("StateImages", self.state_bytes),
                 ("checkpoint slots", self.checkpoint_bytes), ("verify records", self.backing_bytes),
                 ("workspace", self.workspace_bytes), ("CUDA graphs", self.graph_bytes),
-                ("headroom", self.headroom_bytes), ("KV pages", self.kv_bytes)]
+                ("headroom", self.headroom_bytes), ("expert staging", self.staging_bytes),
+                ("expert cache", self.expert_cache_bytes), ("KV pages", self.kv_bytes)]
 
     def capacity(self, *, kv_pages: int | None = None, calibration: bool = False) -> ProgramCapacity:
         """The ProgramCapacity this plan grants (``kv_pages``: a calibration build's few pages)."""
         return ProgramCapacity(kv_pages=kv_pages or self.kv_pages, max_model_len=self.max_model_len,
                                checkpoint_slots=self.checkpoint_slots, host_budget_bytes=self.host.snapshot_budget_bytes,
                                cache_host_budget_bytes=self.host.cache_budget_bytes, pdl=self.pdl,
-                               calibration=calibration)
+                               calibration=calibration, expert_cache_slots=self.expert_cache_slots)
 
 
 def resident_bytes(tensors: Iterable) -> int:
@@ -150,31 +160,35 @@ def plan_memory(profile: ModelProfile, options: StartupOptions, room: DeviceRoom
     state = profile.state_slot_bytes * (options.max_concurrency + 1)
     headroom = HEADROOM if room.is_cuda else 0
     graphs = (profile.graph_bytes if graph_bytes is None else max(0, graph_bytes)) if room.is_cuda else 0
-    candidates = (placement,) if placement is not None else profile.placements
+    candidates = (placement,) if placement is not None else _candidates(profile, options)
     minimum = options.num_pages or options.max_concurrency  # at least one page per concurrent sequence
     avail = room.available
     plan = None
     for cand in candidates:
         weights = 0 if weights_resident else cand.device_bytes
-        fixed = weights + state + profile.backing_bytes + profile.workspace_bytes + graphs + headroom
+        fixed = (weights + state + profile.backing_bytes + profile.workspace_bytes + graphs + headroom
+                 + cand.staging_bytes + _explicit_cache(options, cand) * cand.expert_bytes)
         if avail is None or fixed + minimum * page_bytes <= avail:
             plan = (cand, weights, fixed)
             break
-    if plan is None:
-        cand = candidates[0]
+    if plan is None:  # the numbers of the most frugal candidate (the last)
+        cand = candidates[-1]
         weights = 0 if weights_resident else cand.device_bytes
         parts = [("weights", weights), ("StateImages", state), ("verify records", profile.backing_bytes),
                  ("workspace", profile.workspace_bytes), ("CUDA graphs", graphs), ("headroom", headroom),
+                 ("expert staging", cand.staging_bytes),
+                 ("expert cache", _explicit_cache(options, cand) * cand.expert_bytes),
                  (f"KV minimum ({minimum} pages)", minimum * page_bytes)]
         need = sum(b for _, b in parts)
         raise PlanError(
             f"{profile.architecture} ({'+'.join(profile.features)}, {profile.dtype}) does not fit: it needs "
             f"{format_bytes(need)} ({', '.join(f'{k} {format_bytes(b)}' for k, b in parts if b)}) but {_room(room)}; short by "
-            f"{format_bytes(need - avail)}" + (f" (placement candidates tried: {', '.join(c.name for c in candidates)})"
-                                        if len(candidates) > 1 else ""))
+            f"{format_bytes(need - avail)}" + (f" (placement {cand.name}; candidates tried: "
+                                               f"{', '.join(c.name for c in candidates)})" if len(candidates) > 1 else ""))
     cand, weights, fixed = plan
     host = plan_host(options, room.is_cuda, cand, host_available)
     left = None if avail is None else avail - fixed
+    cache_slots = _explicit_cache(options, cand)
     slots = _checkpoint_slots(options, profile.state_slot_bytes, left)
     checkpoint = slots * profile.state_slot_bytes
     if options.num_pages is not None:
@@ -183,21 +197,52 @@ def plan_memory(profile: ModelProfile, options: StartupOptions, room: DeviceRoom
             raise PlanError(f"num_pages={pages} needs {format_bytes(pages * page_bytes)} of KV, but after the fixed needs "
                             f"({format_bytes(fixed)}) and {slots} checkpoint slots ({format_bytes(checkpoint)}) {_room(room)} "
                             f"leaves {format_bytes(max(0, left - checkpoint))}")
+        if left is not None and options.expert_cache_bytes is None and cand.expert_bytes:
+            spare = left - checkpoint - pages * page_bytes
+            cache_slots = max(0, min(cand.experts, spare // cand.expert_bytes))
     else:
         kv_room = CPU_KV_BUDGET if left is None else left - checkpoint
+        if left is not None and options.expert_cache_bytes is None and cand.expert_bytes:
+            share = max(0, kv_room - minimum * page_bytes) // 2
+            cache_slots = min(cand.experts, share // cand.expert_bytes)
+            kv_room -= cache_slots * cand.expert_bytes
         pages = min(max(0, kv_room) // page_bytes, useful)
         if pages < minimum:  # the checkpoint slots took it: the fixed needs alone were judged to fit
             if options.checkpoint_slots:
                 raise PlanError(f"checkpoint_slots={slots} ({format_bytes(checkpoint)}) leave fewer than {minimum} KV "
                                 f"pages after the fixed needs ({format_bytes(fixed)}); {_room(room)}")
             slots, checkpoint = 0, 0
+            if options.expert_cache_bytes is None:
+                cache_slots = 0
             pages = min(max(0, left) // page_bytes, useful) if left is not None else useful
+        if left is not None and options.expert_cache_bytes is None and cand.expert_bytes:  # what KV cannot use
+            spare = left - checkpoint - pages * page_bytes - cache_slots * cand.expert_bytes
+            cache_slots += max(0, min(cand.experts - cache_slots, spare // cand.expert_bytes))
     return MemoryPlan(profile=profile, placement=cand, room=room, weights_bytes=weights, state_bytes=state,
                       checkpoint_slots=slots, checkpoint_bytes=checkpoint, backing_bytes=profile.backing_bytes,
                       workspace_bytes=profile.workspace_bytes, graph_bytes=graphs, headroom_bytes=headroom,
+                      staging_bytes=cand.staging_bytes, expert_cache_slots=int(cache_slots),
                       kv_pages=int(pages), kv_automatic=options.num_pages is None,
                       max_model_len=min(limit, int(pages) * profile.page_size), host=host,
                       pdl=_pdl(options, room.is_cuda, cand.device_bytes / profile.layers))
+
+
+def _candidates(profile: ModelProfile, options: StartupOptions) -> tuple[WeightPlacement, ...]:
+    """The profile's placement candidates, or the one ``options.placement`` names."""
+    if options.placement is None:
+        return profile.placements
+    chosen = tuple(c for c in profile.placements if c.name == options.placement)
+    if not chosen:  # bad input, not a budget too small
+        raise ValueError(f"placement {options.placement!r} is not one of this model's: "
+                        f"{', '.join(c.name for c in profile.placements)}")
+    return chosen
+
+
+def _explicit_cache(options: StartupOptions, placement: WeightPlacement) -> int:
+    """Expert cache slots an explicit ``expert_cache_bytes`` asks for (0 without experts to cache)."""
+    if options.expert_cache_bytes is None or not placement.expert_bytes:
+        return 0
+    return min(placement.experts, options.expert_cache_bytes // placement.expert_bytes)
 
 
 def plan_host(options: StartupOptions, is_cuda: bool, placement: WeightPlacement,

@@ -19,7 +19,7 @@ from typing import TextIO
 
 from ninfer.engine.cache_cli import add_context_cache_arguments, with_context_cache
 from ninfer.engine.constraint_cli import add_constraint_arguments, constraint_from_args, constraint_option
-from ninfer.engine.plan_cli import add_vram_budget_argument, vram_budget_bytes
+from ninfer.engine.plan_cli import add_memory_arguments, with_memory_options
 from ninfer.engine.speculative_cli import add_speculative_arguments, speculative_features
 
 
@@ -50,7 +50,7 @@ def add_generate_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--no-verify", action="store_true", help="load without checking the artifact's checksums")
     p.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
-    add_vram_budget_argument(p)
+    add_memory_arguments(p)
     p.add_argument("--prefill-chunk", type=int, metavar="TOKENS",
                    help="prompt tokens per prefill unit (default: 2048 on a GPU, 512 on the CPU)")
     add_constraint_arguments(p)
@@ -183,9 +183,9 @@ def _generate(args: argparse.Namespace) -> int:
     config = EngineConfig(max_concurrency=1, device=args.device, max_model_len=args.max_model_len,
                           chat_template=_template_arg(args.chat_template), prefill_chunk=args.prefill_chunk,
                           verify=not args.no_verify, special_tokens_in_content=args.special_tokens_in_content,
-                          features=speculative_features(args), device_budget_bytes=vram_budget_bytes(args))
+                          features=speculative_features(args))
     try:
-        with Engine(model, config=with_context_cache(config, args)) as engine:
+        with Engine(model, config=with_memory_options(with_context_cache(config, args), args)) as engine:
             if engine.memory is not None:
                 print(summary_text(engine.memory), file=sys.stderr, flush=True)
             check_max_tokens(args.max_tokens, engine.max_model_len)

@@ -25,6 +25,9 @@ def summary_lines(m: MemorySummary) -> list[str]:
              f"verify records) · workspace {format_bytes(m.workspace_bytes)}"
              + (f" · startup retained {format_bytes(m.startup_retained_bytes)} · headroom "
                 f"{format_bytes(m.headroom_bytes)}" if cuda else "")]  # the CPU measures neither
+    if m.staging_bytes or m.expert_cache_slots:
+        lines[0] += (f" · expert cache {m.expert_cache_slots:,} experts ({format_bytes(m.expert_cache_bytes)}), "
+                     f"staging {format_bytes(m.staging_bytes)}")
     if cuda:
         g = m.cuda_graph
         lines.append(f"CUDA graphs: calibration growth {format_bytes(g.calibration_growth)} · retained after "
@@ -86,6 +89,8 @@ def memory_gauges(m: MemorySummary) -> list[MemoryGauge]:
         ("headroom_bytes", "Device bytes the plan left for what is not counted exactly.", m.headroom_bytes),
         ("reserved_bytes", "What the caching allocator held once the start was done.", m.reserved_bytes),
         ("corrections", "Capacity rebuilds after a formal allocation fell short (0 or 1).", m.corrections),
+        ("expert_cache_bytes", "Device bytes of the host experts' cache.", m.expert_cache_bytes),
+        ("expert_staging_bytes", "Device bytes the host experts' whole layers stream through.", m.staging_bytes),
         ("host_weights_bytes", "Host bytes of resident host weights.", h.weights_bytes),
         ("host_snapshot_budget_bytes", "Host bytes paused requests' Snapshots may hold.", h.snapshot_budget_bytes),
         ("host_cache_budget_bytes", "Pinned host bytes the context cache's replicas may hold.",

@@ -7,7 +7,7 @@ and tokens and the context they allow, or what does not fit and by how much (exi
 default: on a machine with a GPU its size and free memory bound the plan (``--vram-budget`` lowers the bound);
 on one without, ``--vram-budget`` alone is the GPU planned for ("will it fit on a 24 GiB GPU?"). The CUDA graph
 figure is the profile's estimate (a start replaces it by a calibrated one). ``--vram-budget`` is one definition
-for ``plan``, ``generate`` and ``serve`` (``add_vram_budget_argument``).
+for ``plan``, ``generate`` and ``serve``, with ``--placement`` and ``--expert-cache`` (``add_memory_arguments``).
 
 Light at import (argparse and the config contract only), so ``ninfer --help`` loads no torch.
 """
@@ -17,25 +17,37 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TypeVar
 
-from ninfer.contract.config import DTYPES, MAX_CONCURRENCY
+import attrs
+
+from ninfer.contract.config import DTYPES, MAX_CONCURRENCY, EngineConfig, StartupOptions
 from ninfer.engine.cli_numbers import whole_number
 from ninfer.engine.memory_report import MIB, format_bytes
 from ninfer.engine.speculative_cli import add_speculative_arguments, speculative_features
 
 FITS, DOES_NOT_FIT, BAD_INPUT = 0, 1, 2
+_Options = TypeVar("_Options", EngineConfig, StartupOptions)
 
 
-def add_vram_budget_argument(parser: argparse.ArgumentParser) -> None:
+def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vram-budget", type=whole_number(1, unit=" of MiB"), metavar="MIB",
                         help="device MiB the engine may use in all: weights, StateImages, KV, workspace, CUDA "
                              "graphs (default: the device's memory; NINFER_VRAM_BUDGET_MIB also sets it; free "
                              "memory is the other bound)")
+    parser.add_argument("--placement", metavar="NAME",
+                        help="weight placement to use, e.g. host-experts (a MoE model's routed experts in host "
+                             "memory; default: the first placement that fits the budget)")
+    parser.add_argument("--expert-cache", type=whole_number(0, unit=" of MiB"), metavar="MIB",
+                        help="device MiB for the cache of host-resident MoE experts (default: sized from the "
+                             "budget; 0: none)")
 
 
-def vram_budget_bytes(args: argparse.Namespace) -> int | None:
-    """The ``device_budget_bytes`` that ``--vram-budget`` asks for (None: not given)."""
-    return None if args.vram_budget is None else args.vram_budget * MIB
+def with_memory_options(config: _Options, args: argparse.Namespace) -> _Options:
+    """``config`` (an EngineConfig or StartupOptions) with what ``add_memory_arguments``' flags ask for."""
+    return attrs.evolve(config, device_budget_bytes=None if args.vram_budget is None else args.vram_budget * MIB,
+                        placement=args.placement,
+                        expert_cache_bytes=None if args.expert_cache is None else args.expert_cache * MIB)
 
 
 def add_plan_command(subparsers: argparse._SubParsersAction) -> None:
@@ -45,7 +57,7 @@ def add_plan_command(subparsers: argparse._SubParsersAction) -> None:
                                           "headroom and KV pages against the device budget; the KV tokens and "
                                           "context that fit, or what does not fit and by how much (exit 1).")
     p.add_argument("model", nargs="?", help="a .ninfer artifact, or 'default' (default: the embedded model)")
-    add_vram_budget_argument(p)
+    add_memory_arguments(p)
     p.add_argument("--device", default="cuda",
                    help="cuda, cuda:N or cpu (default: cuda; without a GPU here, --vram-budget is the GPU "
                         "planned for)")
@@ -86,8 +98,9 @@ def _plan(args: argparse.Namespace, model: str) -> int:
 
     options = StartupOptions(device=args.device, max_concurrency=args.max_concurrency, max_model_len=args.context,
                              context_cache=not args.no_context_cache, features=speculative_features(args),
-                             device_budget_bytes=vram_budget_bytes(args), checkpoint_slots=args.checkpoint_slots,
-                             dtype=args.dtype, page_size=args.page_size, num_pages=args.num_pages)
+                             checkpoint_slots=args.checkpoint_slots, dtype=args.dtype, page_size=args.page_size,
+                             num_pages=args.num_pages)
+    options = with_memory_options(options, args)
     snapshot = _snapshot(options.device)
     if snapshot is None and options.device.startswith("cuda") and device_budget(options) is None:
         raise ValueError("no CUDA device here to plan against: give --vram-budget MIB (the GPU's memory to plan "
@@ -132,6 +145,7 @@ def plan_report(model: str, options, profile, plan) -> dict:
         "kv_pages": plan.kv_pages, "page_size": profile.page_size, "kv_tokens": plan.kv_tokens,
         "kv_bytes_per_token": profile.kv_bytes_per_token, "model_limit": profile.model_limit,
         "context": plan.max_model_len, "full_contexts_at_once": plan.kv_tokens // plan.max_model_len,
+        "expert_cache_slots": plan.expert_cache_slots, "experts": plan.placement.experts,
         "host": {"weights_bytes": plan.host.weights_bytes, "snapshot_budget_bytes": plan.host.snapshot_budget_bytes,
                  "cache_budget_bytes": plan.host.cache_budget_bytes, "available_bytes": plan.host.available_bytes},
         "fits": True, "error": None,
@@ -161,6 +175,8 @@ def render(r: dict) -> str:
                  f"({format_bytes(r['kv_bytes_per_token'])} per token)")
     lines.append(f"  context: {r['context']:,} of the model's {r['model_limit']:,}; {r['full_contexts_at_once']:,} "
                  f"full-length sequence(s) at once")
+    if r["experts"]:
+        lines.append(f"  expert cache: {r['expert_cache_slots']:,} of {r['experts']:,} routed experts on the device")
     host = r["host"]
     lines.append(f"  host: Snapshots {format_bytes(host['snapshot_budget_bytes'])}, cache replicas "
                  f"{format_bytes(host['cache_budget_bytes'])}"

@@ -132,7 +132,8 @@ def start(startup: Startup, artifact: Artifact, options: StartupOptions,
         kv_pages=formal.kv_pages, page_size=profile.page_size,
         kv_automatic=formal.kv_automatic, max_model_len=program.max_model_len, headroom_bytes=formal.headroom_bytes,
         reserved_bytes=after.reserved if after is not None else 0, corrections=corrections, host=formal.host,
-        calibration_seconds=seconds)
+        calibration_seconds=seconds, expert_cache_slots=formal.expert_cache_slots,
+        expert_cache_bytes=formal.expert_cache_bytes, staging_bytes=formal.staging_bytes)
     return attrs.evolve(instance, memory=summary)
 
 
@@ -145,7 +146,7 @@ def calibrate(startup: Startup, loaded, options: StartupOptions, plan: MemoryPla
     memory.settle()
     s0 = memory.snapshot()
     capacity = attrs.evolve(plan.capacity(kv_pages=min(plan.kv_pages, CALIBRATION_PAGES), calibration=True),
-                            checkpoint_slots=0, cache_host_budget_bytes=0, host_budget_bytes=0)
+                            checkpoint_slots=0, cache_host_budget_bytes=0, host_budget_bytes=0, expert_cache_slots=0)
     program = startup.instance(loaded, options, capacity).program
     memory.settle()
     s1 = memory.snapshot()

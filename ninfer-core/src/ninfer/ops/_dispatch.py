@@ -32,7 +32,7 @@ TRITON_OPS: frozenset[str] = frozenset({
     "conv1d.causal_conv1d_decode", "conv1d.causal_conv1d_prefill",
     "attention.write_kv", "attention.paged_attention", "attention.paged_attention_gated",
     "attention.norm_rope_write_kv", "linear.linear", "linear.swiglu", "sampling.greedy",
-    "sampling.apply_token_mask",
+    "sampling.apply_token_mask", "moe.moe_experts",
 })
 
 
@@ -43,6 +43,13 @@ def _mode() -> str:
 @functools.cache
 def _load(module: str, name: str) -> Callable:
     return getattr(importlib.import_module(f"ninfer.ops.triton.{module}"), name)
+
+
+def triton_selected(module: str, name: str) -> bool:
+    """Whether ``module.name`` runs its Triton kernel on CUDA under the current ``NINFER_OPS`` (listed, or every
+    kernel with ``triton``)."""
+    mode = _mode()
+    return mode != "torch" and (f"{module}.{name}" in TRITON_OPS or mode == "triton")
 
 
 def triton_kernel(module: str, name: str, tensor: torch.Tensor) -> Callable | None:

@@ -19,6 +19,8 @@ from ninfer.core.forward_batch import ForwardBatch, PagedKVViews
 if TYPE_CHECKING:
     import torch
 
+    from ninfer.models.common.moe.host_experts import HostExperts
+
 __all__ = ["ForwardBatch", "ModelStateViews"]
 
 
@@ -27,8 +29,10 @@ class ModelStateViews(PagedKVViews):
     """Typed views into the Program's stores: ``kv`` and ``page_size`` of the attention layers
     (``PagedKVViews``), plus conv [S, L_gdn, conv_dim, K-1] and recurrent [S, L_gdn, HV, Dk, Dv] (fp32),
     strided views into one contiguous StateImage per slot (slot stride = the image size), indexed by
-    ForwardBatch.state_slots.
+    ForwardBatch.state_slots. ``experts``: the Program's host experts runtime when the MoE routed experts live
+    in host memory (None: their banks are on the device).
     """
 
     conv: torch.Tensor
     recurrent: torch.Tensor
+    experts: HostExperts | None = None

@@ -5,6 +5,8 @@ Plain functions over tensors (no nn.Module, no autograd); the model runs them un
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import attrs
 import torch
 
@@ -25,6 +27,9 @@ from ninfer.ops import (
 from ninfer_qwen35.config import Qwen35Config
 from ninfer_qwen35.execution.forward_batch import ForwardBatch
 from ninfer_qwen35.execution.parameters import AttentionParams, GDNParams, MLPParams, MoEParams
+
+if TYPE_CHECKING:
+    from ninfer.models.common.moe.host_experts import HostExperts
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -95,16 +100,15 @@ def attention_mixer(c: Qwen35Config, p: AttentionParams, x: torch.Tensor, batch:
     return linear(o.reshape(N, nh * d), p.o_proj)
 
 
-def mlp(p: MLPParams | MoEParams, x: torch.Tensor) -> torch.Tensor:
+def mlp(p: MLPParams | MoEParams, x: torch.Tensor, experts: HostExperts | None = None) -> torch.Tensor:
     """The layer's feed-forward: the SwiGLU MLP, or the sparse MoE block (routed experts + the shared expert
-    scaled by sigmoid of its gate logit)."""
+    scaled by sigmoid of its gate logit). ``experts``: the runtime of routed experts kept in host memory."""
     if isinstance(p, MLPParams):
         return linear(swiglu(x, p.gate_up.weight), p.down)
     logits, shared_gate = p.router_shared_gate(x)
     weights, ids = moe_route(logits, p.top_k)
-    bank = p.gate_up.device
-    if bank == x.device:
+    if experts is None:
         routed = moe_experts(x, p.gate_up, p.down, ids, weights)
-    else:  # host experts: the routed experts run where their banks live, the result comes back
-        routed = moe_experts(x.to(bank), p.gate_up, p.down, ids.to(bank), weights.to(bank)).to(x.device)
+    else:
+        routed = experts.routed(p.gate_up, x, ids, weights)
     return routed + torch.sigmoid(shared_gate) * linear(swiglu(x, p.shared.gate_up.weight), p.shared.down)

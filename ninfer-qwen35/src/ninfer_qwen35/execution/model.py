@@ -44,7 +44,7 @@ class Qwen35Model:
                 k_cache, v_cache = state.kv[layer.state_index]
                 h = attention_mixer(c, layer.mixer, h, batch, self.rope_inv_freq, k_cache, v_cache)
             h, x = add_rms_norm(h, x, layer.post_norm, eps)
-            h, x = add_rms_norm(mlp(layer.mlp, h), x, next_norm, eps)
+            h, x = add_rms_norm(mlp(layer.mlp, h, state.experts), x, next_norm, eps)
         return h
 
     @torch.inference_mode()

@@ -13,6 +13,8 @@ rejected draft's entry is simply overwritten by the next pass.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
@@ -21,6 +23,9 @@ from ninfer_qwen35.execution.forward_batch import ForwardBatch
 from ninfer_qwen35.execution.layers import attention_mixer, mlp
 from ninfer_qwen35.execution.model import Qwen35Model
 from ninfer_qwen35.execution.parameters import MTPParams
+
+if TYPE_CHECKING:
+    from ninfer.models.common.moe.host_experts import HostExperts
 
 
 class Qwen35MTP:
@@ -32,11 +37,12 @@ class Qwen35MTP:
         self.config = model.config
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, hidden: torch.Tensor,
-                kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, hidden: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]],
+                experts: HostExperts | None = None) -> torch.Tensor:
         """The block's normed output [N, H] for every row of ``batch``: ``batch.input_ids`` are the next tokens
         x_{t+1}, ``batch.positions`` the target positions t, ``hidden`` [N, H] the target's (or, chained, this
-        block's) normed hidden at t; ``kv`` holds one (k_cache, v_cache) per MTP layer, written at t."""
+        block's) normed hidden at t; ``kv`` holds one (k_cache, v_cache) per MTP layer, written at t; ``experts``:
+        the Program's host experts runtime (routed experts in host memory)."""
         c, p = self.config, self.params
         if hidden.shape != (batch.input_ids.shape[0], c.hidden_size) or len(kv) != len(p.layers):
             raise ValueError(f"Qwen35MTP.forward: hidden {tuple(hidden.shape)} must be [{batch.input_ids.shape[0]}, "
@@ -49,7 +55,7 @@ class Qwen35MTP:
         for layer, next_norm, (k_cache, v_cache) in zip(p.layers, next_norms, kv, strict=True):
             h = attention_mixer(c, layer.mixer, h, batch, self.model.rope_inv_freq, k_cache, v_cache)
             h, x = add_rms_norm(h, x, layer.post_norm, eps)
-            h, x = add_rms_norm(mlp(layer.mlp, h), x, next_norm, eps)
+            h, x = add_rms_norm(mlp(layer.mlp, h, experts), x, next_norm, eps)
         return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

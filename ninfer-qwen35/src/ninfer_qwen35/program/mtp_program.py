@@ -67,4 +67,4 @@ class Qwen35MTPProgram(SpeculativeProgram, Qwen35Program):
                           self.steps.recurrent[:B], steps)
 
     def draft_forward(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
-        return self.mtp.forward(batch, hidden, self.mtp_kv)
+        return self.mtp.forward(batch, hidden, self.mtp_kv, self.views.experts)

@@ -10,7 +10,7 @@ Snapshot / Replay pause and resume, sampling and scoring windows are the shared 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,6 +21,9 @@ from ninfer.core.forward_batch import ForwardBatch
 from ninfer.models.common.paged_program import PagedProgram
 from ninfer_qwen35.execution.forward_batch import ModelStateViews
 
+if TYPE_CHECKING:
+    from ninfer.models.common.moe.host_experts import HostExperts
+
 
 class Qwen35Program(PagedProgram):
     """Implements ``ninfer.contract.Program`` for Qwen3.5 over the native model (``forward`` / ``logits``)."""
@@ -30,13 +33,14 @@ class Qwen35Program(PagedProgram):
                  vocab_size: int, host_budget_bytes: int = 0, sampling_defaults: SamplingParams | None = None,
                  max_model_len: int | None = None, cuda_graphs: bool = True, static_decode: bool = False,
                  pdl: bool = False, checkpoint_slots: int = 0, cache_host_budget_bytes: int = 0,
-                 calibration: bool = False) -> None:
+                 calibration: bool = False, host_experts: HostExperts | None = None) -> None:
         """``model``: a ``Qwen35Model``. ``state_layout`` / ``kv_pool``: ``ninfer_qwen35.state``'s. ``cuda_graphs``:
         capture decode graphs on CUDA. ``static_decode``: without graphs, still decode through the graphs'
         static input buffers (checks that input path on CPU). ``pdl``: launch this Program's Triton kernels
         with programmatic dependent launch (``ops.triton._pdl``). ``max_concurrency`` comes validated from
         ``StartupOptions`` (1..8). ``checkpoint_slots`` / ``cache_host_budget_bytes``: the context cache's store.
-        ``calibration``: a graph-calibration build (``PagedProgram``)."""
+        ``calibration``: a graph-calibration build (``PagedProgram``). ``host_experts``: this Program's runtime of
+        MoE routed experts kept in host memory (it runs them outside CUDA graphs)."""
         super().__init__(state_layout=state_layout, kv_pool=kv_pool, device=device, max_concurrency=max_concurrency,
                          num_pages=num_pages, kv_dtype=kv_dtype, vocab_size=vocab_size,
                          host_budget_bytes=host_budget_bytes, sampling_defaults=sampling_defaults,
@@ -46,7 +50,8 @@ class Qwen35Program(PagedProgram):
         # The pool's first layers are the target's attention layers (an MTP drafter's follow them).
         self.views = ModelStateViews(conv=self.states.view("conv"), recurrent=self.states.view("recurrent"),
                                      kv=self.pool.caches()[:len(model.config.attention_layers)],
-                                     page_size=self.page_size)
+                                     page_size=self.page_size, experts=host_experts)
+        self.host_experts = host_experts
         self.start_graphs(cuda_graphs=cuda_graphs, static_decode=static_decode)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

@@ -12,13 +12,15 @@ class ExpertStats:
     ``cache_hits`` / ``cache_misses``: pairs of few-token calls whose expert was / was not in the device cache
     (misses run on the CPU team). ``streamed_pairs``: pairs of many-token calls, served from a whole layer
     streamed to the device. ``streamed_layers``: layer banks uploaded whole. ``admitted``: experts copied into
-    the cache. ``mixed_calls`` / ``streamed_calls``: MoE layer calls by mode."""
+    the cache on a miss or from a streamed layer; ``prefetched``: experts uploaded ahead because the previous
+    layer's input predicted them. ``mixed_calls`` / ``streamed_calls``: MoE layer calls by mode."""
 
     cache_hits: int = 0
     cache_misses: int = 0
     streamed_pairs: int = 0
     streamed_layers: int = 0
     admitted: int = 0
+    prefetched: int = 0
     mixed_calls: int = 0
     streamed_calls: int = 0
 
