@@ -193,6 +193,14 @@ class _Builder:
     def w(self, name: str, as_dtype: torch.dtype | None = None, device: torch.device | None = None) -> torch.Tensor:
         return self.weights[name].to(device=device or self.device, dtype=as_dtype or self.dtype)
 
+    def bank(self, name: str) -> torch.Tensor:
+        """A routed expert bank where the experts live; a host bank beside a CUDA model is pinned (its uploads
+        and copies run asynchronously), also when the compute dtype made it a copy of the artifact's parent."""
+        t = self.w(name, device=self.experts_device)
+        if t.device.type == "cpu" and self.device.type == "cuda" and not t.is_pinned():
+            t = t.pin_memory()
+        return t
+
     def split(self, names: list[str]) -> LinearSplit:
         return LinearSplit.from_weights(self.weights, names, self.dtype, self.device)
 
@@ -212,8 +220,7 @@ class _Builder:
         if self.config.moe is None:
             return self.swiglu(m)
         return MoEParams(router_shared_gate=self.split([m + "gate.weight", m + "shared_expert_gate.weight"]),
-                         gate_up=self.w(m + "experts.gate_up_proj", device=self.experts_device),
-                         down=self.w(m + "experts.down_proj", device=self.experts_device),
+                         gate_up=self.bank(m + "experts.gate_up_proj"), down=self.bank(m + "experts.down_proj"),
                          shared=self.swiglu(m + "shared_expert."), top_k=self.config.moe.num_experts_per_tok)
 
     def swiglu(self, m: str) -> MLPParams:
