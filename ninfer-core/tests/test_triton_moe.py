@@ -1,10 +1,12 @@
 """The routed-experts Triton kernels (ninfer.ops.triton.moe) against ``moe_experts_ref``, on the CPU through Triton's
 interpreter: tiny shapes, fp32/fp16 (the interpreter has no bf16 arithmetic). Real shapes, bf16 and CUDA-graph
 capture are the GPU tests' job (ninfer-core/tests/gpu/test_moe.py). The dispatch only picks Triton for CUDA
-tensors, so these call the kernel's entry point directly."""
+tensors, so these call the kernel's entry point directly; on CPU tensors the routing is grouped by the torch
+steps unless a test asks for the one-program alignment kernel (``kernel_alignment``)."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -16,6 +18,8 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 
 from ninfer.ops.moe import moe_experts_ref, moe_route  # noqa: E402
 from ninfer.ops.triton import moe as t_moe  # noqa: E402
+from ninfer.ops.triton import moe_align_kernel  # noqa: E402
+from ninfer.ops.triton.moe_align import align_by_expert  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # Triton's interpreter converts 1-element arrays to ints, which numpy deprecates; not our code.
@@ -40,12 +44,41 @@ def close(out, ref, tol):
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
+@pytest.fixture
+def kernel_alignment(monkeypatch):
+    """moe_experts groups the routing with the one-program kernel, as it does for small CUDA routings; the
+    returned list counts the kernel's launches."""
+    launches = []
+    small = moe_align_kernel.align_small
+
+    def counted(*args):
+        launches.append(args)
+        return small(*args)
+
+    monkeypatch.setattr(moe_align_kernel, "align_small", counted)
+    monkeypatch.setattr(t_moe, "align_by_expert", functools.partial(align_by_expert, kernel=True))
+    return launches
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 3e-3)])
 @pytest.mark.parametrize("tokens", [1, 5, 9])
 def test_matches_the_reference(dtype, tol, tokens):
     x, gate_up, down, ids, weights = bank(tokens, 4, 32, 16, tokens, 2, dtype)
     ref = moe_experts_ref(x.float(), gate_up.float(), down.float(), ids, weights.float())
     close(t_moe.moe_experts(x, gate_up, down, ids, weights), ref, tol)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 9])
+def test_matches_the_reference_through_the_alignment_kernel(kernel_alignment, tokens):
+    """Small decode-like calls grouped by the one-program kernel: the same output as the torch steps give."""
+    x, gate_up, down, ids, weights = bank(tokens + 20, 8, 32, 16, tokens, 4, torch.float32)
+    ref = moe_experts_ref(x, gate_up, down, ids, weights)
+    out = t_moe.moe_experts(x, gate_up, down, ids, weights)
+    assert len(kernel_alignment) == 1
+    close(out, ref, 1e-5)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(t_moe, "align_by_expert", functools.partial(align_by_expert, kernel=False))
+        assert torch.equal(out, t_moe.moe_experts(x, gate_up, down, ids, weights))
 
 
 def test_k_loop_edges_blocks_and_strides():

@@ -1,6 +1,8 @@
 """The routed-experts Triton kernels (ninfer.ops.triton.moe) against ``moe_experts_ref`` on the GPU: the
 Qwen3.5-35B-A3B expert bank (E=256, top-8, H=2048, I=512) and smaller banks whose sizes fill no tile, bf16 and
-fp32, one decode token to a 4096-token prefill chunk; then the whole call inside a CUDA graph.
+fp32, one decode token to a 4096-token prefill chunk; then the whole call inside a CUDA graph. Up to
+``moe_align_kernel.MAX_PAIRS`` pairs the routing is grouped by the one-program alignment kernel, past it by the
+torch steps, so both paths run here; the alignment tests compare the two directly.
 
 The reference runs in fp32 on the upcast inputs. bf16 rounds where the unfused ops round (both projections,
 silu(gate), their product, each expert's output times its weight), so its tolerance is that of two chained
@@ -8,6 +10,8 @@ bf16 GEMMs; fp32 multiplies in full fp32 (no TF32), so its tolerance is an fp32 
 """
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -136,3 +140,104 @@ def test_dispatch_reaches_the_kernel(case, monkeypatch):
     args = routed_bank(case, 16, 4, 256, 64, 9, torch.bfloat16)
     monkeypatch.setenv("NINFER_OPS", "triton")
     assert torch.equal(ops_moe.moe_experts(*args), moe_experts(*args))
+
+
+@pytest.fixture
+def align_launches(monkeypatch):
+    """The calls of the one-program alignment kernel, counted (it still runs)."""
+    from ninfer.ops.triton import moe_align_kernel
+
+    launches = []
+    small = moe_align_kernel.align_small
+
+    def counted(*args):
+        launches.append(args)
+        return small(*args)
+
+    monkeypatch.setattr(moe_align_kernel, "align_small", counted)
+    return launches
+
+
+def torch_aligned(monkeypatch):
+    """moe_experts grouping the routing with the torch steps (inside ``with monkeypatch.context()``)."""
+    from ninfer.ops.triton import moe as t_moe
+    from ninfer.ops.triton.moe_align import align_by_expert
+
+    monkeypatch.setattr(t_moe, "align_by_expert", functools.partial(align_by_expert, kernel=False))
+    return t_moe.moe_experts
+
+
+@pytest.mark.parametrize("block_m", (16, 32))
+@pytest.mark.parametrize("tokens", (1, 2, 3, 8, 16, 33, 64, 100, 128, 256), ids=lambda n: f"N{n}")
+def test_alignment_kernel_equals_the_torch_steps(case, align_launches, tokens, block_m):
+    """CUDA routings of the 35B-A3B bank up to the kernel's limit (256 tokens at top-8) take the kernel, which
+    lays them out exactly as the torch steps do."""
+    from ninfer.ops.triton.moe_align import align_by_expert, align_by_expert_torch
+
+    experts, top_k = A3B[:2]
+    for _ in range(3):
+        _, ids, _ = routing(case, experts, top_k, 16, tokens, torch.bfloat16)
+        got, want = align_by_expert(ids, experts, block_m), align_by_expert_torch(ids, experts, block_m)
+        assert torch.equal(got.sorted_pairs, want.sorted_pairs) and torch.equal(got.used, want.used)
+        blocks = int(want.used.item()) // block_m
+        assert torch.equal(got.block_experts[:blocks], want.block_experts[:blocks])
+        assert (got.block_experts[blocks:] == 0).all()
+    assert len(align_launches) == 3
+
+
+def test_alignment_past_the_kernel_limit_takes_the_torch_steps(case, align_launches):
+    from ninfer.ops.triton.moe_align import align_by_expert, align_by_expert_torch
+    from ninfer.ops.triton.moe_align_kernel import MAX_PAIRS
+
+    experts, top_k = A3B[:2]
+    _, ids, _ = routing(case, experts, top_k, 16, MAX_PAIRS // top_k + 1, torch.bfloat16)
+    assert torch.equal(align_by_expert(ids, experts, 16).sorted_pairs,
+                       align_by_expert_torch(ids, experts, 16).sorted_pairs)
+    assert align_launches == []
+
+
+def test_decode_call_is_four_launches(case):
+    """One decode token: the alignment kernel and the three grouped kernels, nothing else on the device."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ninfer.ops.triton.moe import moe_experts
+
+    args = routed_bank(case, *A3B, 1, torch.bfloat16)
+    out = case.nans(1, A3B[2])
+    moe_experts(*args, out=out)  # compiled outside the profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        moe_experts(*args, out=out)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type.name == "CUDA"]  # kernels and copies
+    assert len(kernels) == 4 and any("_align_kernel" in name for name in kernels), kernels
+
+
+@pytest.mark.parametrize("pdl", (False, True), ids=("plain", "pdl"))
+@pytest.mark.parametrize("tokens", (1, 8), ids=lambda n: f"N{n}")
+def test_cuda_graph_with_the_alignment_kernel(case, align_launches, monkeypatch, tokens, pdl):
+    """The decode call captured with the alignment kernel, with and without PDL, replays new routings exactly
+    as eager runs them, and as the call grouped by the torch steps does."""
+    from ninfer.ops.triton import _pdl
+    from ninfer.ops.triton.moe import moe_experts
+
+    static = routed_bank(case, *A3B, tokens, torch.bfloat16)
+    x, gate_up, down, ids, weights = static
+    out = case.nans(tokens, A3B[2])
+    with _pdl.scope(pdl):
+        moe_experts(*static, out=out)  # compile and warm outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            moe_experts(*static, out=out)
+    assert len(align_launches) == 2
+    for _ in range(2):
+        for captured, new in zip((x, ids, weights), routing(case, A3B[0], A3B[1], A3B[2], tokens, torch.bfloat16),
+                                 strict=True):
+            captured.copy_(new)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, moe_experts(x, gate_up, down, ids, weights))
+        with monkeypatch.context() as mp:
+            assert torch.equal(out, torch_aligned(mp)(x, gate_up, down, ids, weights))
