@@ -1,0 +1,199 @@
+"""Timed units on a started Qwen3.5 MoE Program, for benchmarks/moe.py: decode steps of B rows, a prompt's prefill,
+the head a unit runs once whatever the depth, the host experts' counters over a window, and the distinct experts
+the router picks for B tokens.
+
+Program-level, as benchmarks/decode_step.py times a step: ``reserve_units``, ``decode`` (or ``prefill``) and
+``commit``, with the device synchronised around each timed unit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import statistics
+import time
+from pathlib import Path
+
+clock = time.perf_counter
+WARMUP_STEPS = 3
+ROUTING_PROBE_TOKENS = 256
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _median_ms(fn, device: str, iters: int = 10) -> float:
+    fn()
+    times = []
+    for _ in range(iters):
+        _sync(device)
+        t = clock()
+        fn()
+        _sync(device)
+        times.append((clock() - t) * 1e3)
+    return statistics.median(times)
+
+
+# -- the Program, started as the engine starts it ---------------------------------------------------------
+
+def on_instance(path: Path, options, fn):
+    """``fn(instance)`` on the artifact's instance, built as the engine builds it (``ninfer_qwen35.startup.build``);
+    the instance is dropped, then the artifact closed (its weights may borrow the artifact's mapping) and the
+    device memory given back, before this returns ``fn``'s result."""
+    import torch
+
+    from ninfer.artifact import open_artifact
+    from ninfer_qwen35.startup import build
+
+    artifact = open_artifact(path, verify=False)
+    try:
+        instance = build(artifact, options)
+        try:
+            return fn(instance)
+        finally:
+            del instance
+            gc.collect()  # Programs hold reference cycles (bound methods)
+    finally:
+        artifact.close()
+        if options.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+
+def head_ms(program, device: str, rows: int, tokens: int) -> float:
+    """The part of a unit that does not grow with depth: embedding ``tokens`` ids, lm_head and argmax of ``rows``."""
+    import torch
+    import torch.nn.functional as F
+
+    p = program.model.params
+    ids = torch.randint(0, p.embed.shape[0], (tokens,), device=p.embed.device)
+    hidden = torch.randn(rows, p.embed.shape[1], dtype=p.embed.dtype, device=p.embed.device)
+    with torch.inference_mode():
+        return _median_ms(lambda: (F.embedding(ids, p.embed), program.model.logits(hidden).argmax(-1)), device)
+
+
+def decode_run(program, config, device: str, B: int, context: int, steps: int, stats=None) -> dict:
+    """Median ms of a B-row decode step (reserve + decode + commit) after ``context`` prompt tokens per row;
+    ``stats()`` (the host experts' counters) is read around the timed steps."""
+    from benchmarks.decode_step import prefilled_sequences
+    from ninfer.contract.batch import RowDecision
+
+    seqs = prefilled_sequences(program, config, B, context)
+
+    def step() -> None:
+        for sid in seqs:
+            if not program.reserve_units(sid, 1):
+                raise RuntimeError("the KV pool is too small for the decode run")
+        program.commit(program.decode(seqs), [RowDecision(accepted=1)] * B)
+
+    try:
+        for _ in range(WARMUP_STEPS):
+            step()
+        before = stats() if stats else None
+        times = []
+        for _ in range(steps):
+            _sync(device)
+            t = clock()
+            step()
+            _sync(device)
+            times.append((clock() - t) * 1e3)
+        after = stats() if stats else None
+    finally:
+        for sid in seqs:
+            program.release(sid)
+    ms = statistics.median(times)
+    row = {"batch": B, "context": context, "steps": steps, "ms_per_step": ms, "ms_mean": statistics.mean(times),
+           "tokens_per_s": B / ms * 1e3}
+    if stats:
+        row["experts"] = stats_delta(before, after)
+    return row
+
+
+def prefill_run(program, config, device: str, tokens: int, chunk: int, reps: int = 2) -> dict:
+    """Seconds from a ``tokens``-token prompt to its first sampled token, in chunks of ``chunk``; best of ``reps``."""
+    import torch
+
+    from ninfer.contract.batch import RowDecision
+    from ninfer.contract.prompt import PreparedPrompt
+    from ninfer.contract.request import SamplingParams
+
+    g = torch.Generator().manual_seed(tokens)
+    seconds = []
+    for _ in range(reps):
+        prompt = PreparedPrompt(token_ids=torch.randint(0, config.vocab_size, (tokens,), generator=g).tolist())
+        sid = program.open_sequence(prompt, SamplingParams(temperature=0.0))
+        try:
+            _sync(device)
+            t = clock()
+            while program.input_remaining(sid):
+                n = min(chunk, program.input_remaining(sid))
+                if not program.reserve_units(sid, n):
+                    raise RuntimeError("the KV pool is too small for the prefill run")
+                batch = program.prefill(sid, n)
+                if batch is not None:
+                    program.commit(batch, [RowDecision(accepted=1)])
+            _sync(device)
+            seconds.append(clock() - t)
+        finally:
+            program.release(sid)
+    best = min(seconds)
+    return {"tokens": tokens, "chunk": chunk, "seconds": best, "seconds_all": seconds, "tokens_per_s": tokens / best}
+
+
+def stats_delta(before, after) -> dict:
+    """The host experts' counters over a window (ExpertStats is cumulative) and its cache hit rate."""
+    import attrs
+
+    a, b = attrs.asdict(before), attrs.asdict(after)
+    d = {k: b[k] - a[k] for k in b}
+    pairs = d["cache_hits"] + d["cache_misses"]
+    return {**d, "hit_rate": d["cache_hits"] / pairs if pairs else None}
+
+
+@contextlib.contextmanager
+def recorded_routing():
+    """The expert ids every MoE layer call routes to, recorded while the block is open (the model's ``moe_route``
+    wrapped; an instrument for this benchmark only, restored on exit)."""
+    from ninfer_qwen35.execution import layers
+
+    original, calls = layers.moe_route, []
+
+    def recording(logits, top_k):
+        weights, ids = original(logits, top_k)
+        calls.append(ids.to("cpu"))
+        return weights, ids
+
+    layers.moe_route = recording
+    try:
+        yield calls
+    finally:
+        layers.moe_route = original
+
+
+def routing_spread(program, config, batch: int) -> dict:
+    """Distinct experts per layer among ``batch`` tokens, measured over the routing of one random prompt: the
+    tokens of each layer's call in groups of ``batch`` spread over the prompt (rows j, j + n, j + 2n, ...)."""
+    import torch
+
+    from benchmarks.decode_step import prefilled_sequences
+
+    with recorded_routing() as calls:
+        seqs = prefilled_sequences(program, config, 1, ROUTING_PROBE_TOKENS)
+    for sid in seqs:
+        program.release(sid)
+    counts, loads = [], []
+    for ids in calls:
+        n = ids.shape[0] // batch
+        if n == 0:
+            continue
+        groups = ids[:n * batch].reshape(batch, n, -1).transpose(0, 1).reshape(n, -1)
+        counts += [g.unique().numel() for g in groups]
+        load = torch.bincount(ids.reshape(-1), minlength=config.moe.num_experts).float()
+        loads.append(float(load.max() / load.mean()))
+    if not counts:
+        return {"source": "none recorded"}
+    return {"source": "measured", "distinct": statistics.mean(counts), "groups": len(counts),
+            "load_max_over_mean": statistics.mean(loads)}

@@ -1,0 +1,163 @@
+"""Weights and bytes for benchmarks/moe.py: a Qwen3.5 MoE shape at a chosen depth, a random bf16 checkpoint of it
+in the published layout (written shard by shard), the bytes a decode step must move, and the planner's expert
+cache for a budget, read from a sparse full-depth artifact.
+
+The checkpoint's weights are random (std 0.02, the router too), so a token's experts are spread over the bank as
+a trained router spreads them, not piled onto experts 0..k-1 as zero weights would pile them. The routed experts
+are the published fused banks ``mlp.experts.gate_up_proj`` [E, 2I, H] and ``mlp.experts.down_proj`` [E, H, I].
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+from benchmarks.shapes import MOE_SHAPES, SHAPES
+
+GIB = 1 << 30
+HF_MODEL_TYPE = "qwen3_5_moe_text"  # transformers' AutoModelForCausalLM reads it as Qwen3_5MoeForCausalLM
+EMBED = "model.embed_tokens.weight"
+BANKS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+FP32 = ("A_log", "linear_attn.norm.weight")  # kept fp32 in published checkpoints
+
+# For CPU smoke runs: the tiny dense shape with a sparse block (8 experts, top-2), 8 layers at full depth.
+_TINY = {k: v for k, v in SHAPES["tiny"].items() if k != "intermediate_size"}
+TINY_MOE = {**_TINY, "architectures": ["Qwen3_5MoeForCausalLM"], "num_hidden_layers": 8, "num_experts": 8,
+            "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48}
+BENCH_SHAPES = {"35b-a3b": MOE_SHAPES["35b-a3b"], "tiny": TINY_MOE}
+
+
+def moe_config(shape: str, layers: int | None = None) -> dict:
+    """The shape's config.json (text-only, no MTP head) with ``layers`` decoder layers (default: full depth)."""
+    cfg = dict(BENCH_SHAPES[shape], dtype="bfloat16", mtp_num_hidden_layers=0, model_type=HF_MODEL_TYPE)
+    if layers is not None:
+        cfg["num_hidden_layers"] = layers
+    return cfg
+
+
+def parameters(cfg: dict) -> dict[str, tuple[tuple[int, ...], int]]:
+    """Every text parameter: name -> (shape, bytes per element), as the checkpoint stores it."""
+    from ninfer_qwen35.config import parse_config
+    from ninfer_qwen35.source_mapping import expected_parameters
+
+    return {name: (tuple(shape), 4 if name.endswith(FP32) else 2)
+            for name, (_, shape) in expected_parameters(parse_config(dict(cfg)), ("text",)).items()}
+
+
+def weight_bytes(cfg: dict) -> dict:
+    """The weights by role: ``dense_read`` is what every decode step reads whatever the routing (all but the
+    embedding, a row lookup, and the routed banks); ``expert`` is one routed expert of one layer."""
+    params = parameters(cfg)
+    size = {n: math.prod(s) * b for n, (s, b) in params.items()}
+    banks = sum(b for n, b in size.items() if n.endswith(BANKS))
+    H, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    return {"total": sum(size.values()), "embedding": size[EMBED], "banks": banks,
+            "dense_read": sum(size.values()) - size[EMBED] - banks, "expert": 3 * inter * H * 2}
+
+
+def expected_distinct(experts: int, top_k: int, batch: int) -> float:
+    """Distinct experts B tokens hit in one layer when each picks its k uniformly at random."""
+    return experts * (1 - (1 - top_k / experts) ** batch)
+
+
+def step_bytes(cfg: dict, batch: int, context: int, distinct: float) -> float:
+    """Bytes one decode step of B rows must move: the dense weights once, ``distinct`` experts per MoE layer, each
+    row's StateImage slot read and written and its KV prefix read (as benchmarks/bench.py counts a dense step)."""
+    from ninfer.core.kv_pool import PagedKVPool
+    from ninfer_qwen35.config import parse_config
+    from ninfer_qwen35.state import kv_pools, state_layout
+
+    config = parse_config(dict(cfg))
+    w = weight_bytes(cfg)
+    state = state_layout(config, "bfloat16").nbytes_per_slot
+    kv_per_token = sum(PagedKVPool.page_bytes(p) for p in kv_pools(config, 16, "bfloat16")) // 16
+    experts = cfg["num_hidden_layers"] * distinct * w["expert"]
+    return w["dense_read"] + experts + batch * (2 * state + context * kv_per_token)
+
+
+def write_checkpoint(directory: Path, cfg: dict, device: str, *, shard_bytes: int = 2 * GIB, seed: int = 0) -> int:
+    """A random checkpoint of ``cfg`` (config.json, the small test tokenizer, safetensors shards + index). Tensors
+    are made on ``device`` one at a time and a shard is written once full, so host memory holds one shard at most.
+    Returns the tensor bytes written."""
+    import torch
+    from safetensors.torch import save_file
+
+    from benchmarks.load_throughput import write_source_files
+
+    write_source_files(directory, cfg)
+    gen_device = "cuda" if device.startswith("cuda") else "cpu"
+    g = torch.Generator(device=gen_device).manual_seed(seed)
+    shard: dict[str, torch.Tensor] = {}
+    files: list[list[str]] = []  # the names each shard holds, in order
+    size = total = 0
+
+    def flush() -> None:
+        save_file(shard, str(directory / f"part-{len(files):05d}.safetensors"), metadata={"format": "pt"})
+        files.append(list(shard))
+        shard.clear()
+
+    for name, (shape, elem) in parameters(cfg).items():
+        dtype = torch.float32 if elem == 4 else torch.bfloat16
+        t = torch.randn(shape, generator=g, device=gen_device, dtype=torch.float32).mul_(0.02).to(dtype).cpu()
+        nbytes = t.numel() * elem
+        if shard and size + nbytes > shard_bytes:
+            flush()
+            size = 0
+        shard[name] = t
+        size += nbytes
+        total += nbytes
+    flush()
+    weight_map = {}
+    for i, names in enumerate(files):  # the published shard names, now that their count is known
+        final = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+        (directory / f"part-{i:05d}.safetensors").rename(directory / final)
+        weight_map.update(dict.fromkeys(names, final))
+    (directory / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}))
+    return total
+
+
+def expert_cache_plan(shape: str, workdir: Path, *, device: str, budget_bytes: int, max_concurrency: int,
+                      max_model_len: int | None = None) -> dict:
+    """The planner's host-experts plan for the full-depth shape under ``budget_bytes``, from a sparse artifact (the
+    converter's header over a hole: no weight is written or read). ``slots_per_layer``: the plan's expert cache
+    slots over the model's MoE layers."""
+    from benchmarks.load_throughput import _host
+    from benchmarks.memory_plan import SparseArtifactWriter, write_sparse_source
+    from ninfer.artifact import open_artifact
+    from ninfer.contract.config import StartupOptions
+    from ninfer.core.device_plan import DeviceRoom, PlanError, plan_memory
+    from ninfer_convert.convert import convert_checkpoint
+    from ninfer_qwen35.startup import HOST_EXPERTS, Qwen35Startup
+
+    cfg = moe_config(shape)
+    src, out = workdir / f"{shape}-sparse-source", workdir / f"{shape}-sparse.ninfer"
+    write_sparse_source(src, cfg)
+    try:
+        convert_checkpoint(src, out, name=f"sparse-{shape}", host=_host(), make_writer=SparseArtifactWriter)
+    finally:
+        shutil.rmtree(src, ignore_errors=True)
+    options = StartupOptions(device=device, max_concurrency=max_concurrency, device_budget_bytes=budget_bytes,
+                             placement=HOST_EXPERTS, max_model_len=max_model_len)
+    res: dict = {"shape": shape, "full_layers": cfg["num_hidden_layers"], "budget_bytes": budget_bytes,
+                 "options": {"max_concurrency": max_concurrency, "placement": HOST_EXPERTS,
+                             "max_model_len": max_model_len}}
+    try:
+        with open_artifact(out, verify=False) as artifact:
+            profile = Qwen35Startup().profile(artifact, options)
+        candidate = next((p for p in profile.placements if p.name == HOST_EXPERTS), None)
+        if candidate is None:
+            raise ValueError(f"the {shape} profile has no {HOST_EXPERTS!r} placement candidate")
+        room = DeviceRoom(is_cuda=device.startswith("cuda"), budget_bytes=budget_bytes)
+        plan = plan_memory(profile, options, room, placement=candidate)
+    except PlanError as exc:
+        return {**res, "error": f"PlanError: {exc}"}
+    finally:
+        out.unlink(missing_ok=True)
+    slots = plan.capacity().expert_cache_slots
+    return {**res, "placement": {"device_bytes": candidate.device_bytes, "host_bytes": candidate.host_bytes,
+                                 "staging_bytes": candidate.staging_bytes, "expert_bytes": candidate.expert_bytes},
+            "table": dict(plan.table()), "kv_pages": plan.kv_pages, "expert_cache_slots": slots,
+            "slots_per_layer": slots // cfg["num_hidden_layers"]}
