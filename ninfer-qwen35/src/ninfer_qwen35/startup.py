@@ -174,8 +174,7 @@ def _host_experts(loaded: Qwen35Loaded, dev: Device, cache_slots: int):
     """The Program's runtime of the host-resident routed experts (None when the banks are on the device)."""
     if not loaded.host_experts:
         return None
-    from ninfer.core.cpu_executor import CpuExecutor
-    from ninfer.models.common.moe.host_experts import HostExperts
+    from ninfer.models.common.moe.host_experts import HostExperts, default_team
     from ninfer_qwen35.execution.parameters import MoEParams
 
     moe = loaded.config.moe
@@ -185,7 +184,7 @@ def _host_experts(loaded: Qwen35Loaded, dev: Device, cache_slots: int):
     # Each layer's successor in the same forward (main layers, then the MTP layers' own chain) predicts ahead.
     routers = [stack[i + 1].router_shared_gate.weight[:moe.num_experts] if i + 1 < len(stack) else None
                for stack in blocks for i in range(len(stack))]
-    return HostExperts(banks, device=dev.torch, cache_slots=cache_slots, team=CpuExecutor(),
+    return HostExperts(banks, device=dev.torch, cache_slots=cache_slots, team=default_team(),
                        top_k=moe.num_experts_per_tok, next_routers=routers)
 
 

@@ -5,7 +5,7 @@ verification alike):
 
 * **mixed** (fewer than ``stream_min_tokens`` tokens): the pairs whose expert is in the device cache
   (``ExpertCache``) run on the device through the routed-experts op over the cache's slots; the rest run on the
-  CPU team from the host banks (``cpu_experts``), overlapping the device work; the CPU contribution is copied
+  CPU team from the host banks (``cpu_experts``: whole experts per rank), overlapping the device work; the CPU contribution is copied
   up and added. Missed experts that now score above the coldest resident one are then uploaded into the cache
   (at most ``admit_per_call`` per call, on the transfer stream), so the next steps find them. With the next
   layer's router (``next_routers``), the call also predicts the next layer's experts from its own input (the
@@ -39,9 +39,19 @@ from ninfer.models.common.moe.stats import ExpertStats
 from ninfer.models.common.moe.transfers import Transfers
 from ninfer.ops.moe import moe_experts
 
+TEAM_THREADS = 8  # more Python workers contend for the GIL between their matrix products (measured: docs/moe.md)
 STREAM_MIN_TOKENS = 256  # from here a layer's whole banks go up: the CPU share would take longer than PCIe
 ADMIT_PER_CALL = 2  # cache uploads a mixed call may start (each is one expert's bytes over PCIe)
 PREFETCH_PER_CALL = 4  # uploads of predicted next-layer experts a mixed call may start
+
+
+def default_team() -> CpuExecutor:
+    """A team of up to ``TEAM_THREADS`` workers on the CPUs this process may use, leaving one to the control
+    thread."""
+    import os
+
+    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return CpuExecutor(max(1, min(TEAM_THREADS, allowed - 1)))
 
 
 def staging_bytes(gate_up: torch.Tensor, down: torch.Tensor) -> int:
@@ -167,14 +177,13 @@ class HostExperts:
         tokens, slots = np.nonzero(missed)
         experts = ids[tokens, slots]
         order = np.argsort(experts, kind="stable")
-        inter = self.banks[0][0].shape[1] // 2
         work = []
         for expert in np.unique(experts):
             sel = order[experts[order] == expert]
             rows = torch.from_numpy(tokens[sel])
             w = weights[rows, torch.from_numpy(slots[sel])].unsqueeze(1)
             work.append(ExpertRows(expert=int(expert), rows=rows, x=x[rows], weights=w,
-                                   hidden=torch.empty((len(sel), inter), dtype=x.dtype)))
+                                   y=torch.empty((len(sel), x.shape[1]), dtype=x.dtype)))
         return work
 
     # -- many tokens: whole layers streamed through the staging buffers ------------------------------------------

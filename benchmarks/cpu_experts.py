@@ -1,0 +1,103 @@
+"""The CPU team's share of host experts at a MoE shape: time per call of ``cpu_experts`` (and ways to divide
+the work) for a few missed experts of one token, against the experts' bytes (a table and JSON).
+
+    python -m benchmarks.cpu_experts [--shape 35b-a3b] [--experts 6] [--rows 1] [--threads 15] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.shapes import MOE_SHAPES
+from ninfer.core.cpu_executor import CpuExecutor
+from ninfer.models.common.moe.cpu_experts import ExpertRows, cpu_experts
+
+
+def _time_ms(fn, iters: int = 20, warmup: int = 5) -> float:
+    for _ in range(warmup):
+        fn()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t0) / iters * 1e3
+
+
+def bench_rows(n: int, args, gate_up: torch.Tensor, down: torch.Tensor, per_expert: int) -> list[dict]:
+    """Every way of computing ``args.experts`` missed experts for ``n`` token rows, timed."""
+    dtype, (_, H, inter) = gate_up.dtype, down.shape
+    x = (torch.randn(n, H) * 0.5).to(dtype)
+    experts = list(range(3, 3 + args.experts))
+    out = torch.zeros(n, H, dtype=dtype)
+
+    def work() -> list[ExpertRows]:
+        return [ExpertRows(expert=e, rows=torch.arange(n), x=x, weights=torch.full((n, 1), 0.1, dtype=dtype),
+                           hidden=torch.empty(n, inter, dtype=dtype)) for e in experts]
+
+    def whole_expert(e: int) -> None:
+        h = F.linear(x, gate_up[e])
+        g, u = h.split(inter, dim=-1)
+        F.linear(F.silu(g) * u, down[e])
+
+    def serial() -> None:
+        for e in experts:
+            whole_expert(e)
+
+    def per_rank(team: CpuExecutor) -> None:
+        @torch.inference_mode()
+        def fn(rank: int, size: int) -> None:
+            for i in CpuExecutor.split(len(experts), rank, size):
+                whole_expert(experts[i])
+        team.run(fn)
+
+    results = []
+    with torch.inference_mode():
+        results.append(_row(n, "torch ops on the caller (intra-op threads)", _time_ms(serial), args, per_expert))
+    for t in args.threads:
+        with CpuExecutor(t) as team:
+            for name, fn in ((f"cpu_experts, team of {t}", lambda: cpu_experts(team, work(), gate_up, down, out)),
+                             (f"cpu_experts, no keep_active, team of {t}",
+                              lambda: cpu_experts(team, work(), gate_up, down, out, keep_active=False)),
+                             (f"whole experts per rank, team of {t}", lambda: per_rank(team))):
+                results.append(_row(n, name, _time_ms(fn), args, per_expert))
+    return results
+
+
+def _row(n: int, name: str, ms: float, args, per_expert: int) -> dict:
+    gbs = args.experts * per_expert / (ms * 1e-3) / 1e9
+    print(f"rows={n:<3} {name:<45} {ms:8.3f} ms  {gbs:7.1f} GB/s", flush=True)
+    return {"rows": n, "case": name, "ms": ms, "GB_per_s": gbs}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--shape", default="35b-a3b", choices=sorted(MOE_SHAPES))
+    p.add_argument("--experts", type=int, default=6, help="missed experts per call")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--threads", type=int, nargs="+", default=[15, 8, 4])
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    cfg = MOE_SHAPES[args.shape]
+    H, inter, E = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts"]
+    dtype = getattr(torch, args.dtype)
+    gate_up = (torch.randn(E, 2 * inter, H) * 0.02).to(dtype)
+    down = (torch.randn(E, H, inter) * 0.02).to(dtype)
+    per_expert = (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
+    rows_out: list[dict] = []
+    print(f"# {args.shape}: H={H} I={inter}, {args.experts} experts of {per_expert / 2**20:.1f} MiB, {args.dtype}; "
+          f"torch threads {torch.get_num_threads()}")
+    for n in args.rows:
+        rows_out += bench_rows(n, args, gate_up, down, per_expert)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows_out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
