@@ -112,3 +112,40 @@ def test_default_tiles_grow_with_tokens():
     sizes = [t_moe.default_config(n, torch.bfloat16).block_m for n in (1, 8, 64, 512, 1024, 4096)]
     assert sizes == [16, 16, 16, 16, 32, 128]
     assert t_moe.default_config(4096, torch.float32).num_stages <= 2
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 3e-3)])
+def test_the_shared_expert_joins_in_the_last_step(dtype, tol):
+    """shared / shared_gate: routed + sigmoid(gate) * shared, the gate a strided column as the fused router
+    projection gives it."""
+    x, gate_up, down, ids, weights = bank(5, experts=6, hidden=40, inter=24, tokens=7, top_k=2, dtype=dtype)
+    fused = torch.randn(7, 7, device=DEV).to(dtype)  # [6 routing logits | 1 shared-gate logit]
+    gate = fused[:, 6:]
+    shared = torch.randn(7, 40, device=DEV).to(dtype)
+    out = t_moe.moe_experts(x, gate_up, down, ids, weights, shared=shared, shared_gate=gate)
+    close(out, moe_experts_ref(x, gate_up, down, ids, weights, shared, gate), tol)
+
+
+@pytest.mark.parametrize("experts,top_k,tokens", [(8, 2, 1), (10, 3, 5), (256, 8, 3), (7, 7, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_route_kernel_picks_the_reference_experts(experts, top_k, tokens, dtype):
+    """One launch: the fp32 softmax's k largest, renormalised, from strided logits; ids in descending order."""
+    from ninfer.ops.triton.moe_route import moe_route as route_kernel
+
+    gen = torch.Generator(device=DEV).manual_seed(experts + tokens)
+    fused = (torch.randn(tokens, experts + 1, generator=gen, device=DEV) * 3).to(dtype)
+    logits = fused[:, :experts]
+    weights, ids = route_kernel(logits, top_k)
+    ref_w, ref_ids = moe_route(logits.cpu(), top_k)  # CPU tensors take the torch path
+    assert ids.dtype == torch.int64 and weights.dtype == dtype
+    assert torch.equal(ids.cpu(), ref_ids)
+    close(weights.cpu(), ref_w, 1e-6 if dtype == torch.float32 else 1e-3)
+
+
+def test_the_route_kernel_breaks_ties_by_the_lower_expert_number():
+    from ninfer.ops.triton.moe_route import moe_route as route_kernel
+
+    logits = torch.tensor([[0.0, 2.0, 2.0, 1.0, 2.0]], device=DEV)
+    weights, ids = route_kernel(logits, 3)
+    assert ids.tolist() == [[1, 2, 4]]
+    close(weights, torch.full((1, 3), 1 / 3, device=DEV), 1e-6)

@@ -241,3 +241,36 @@ def test_cuda_graph_with_the_alignment_kernel(case, align_launches, monkeypatch,
         assert torch.equal(out, moe_experts(x, gate_up, down, ids, weights))
         with monkeypatch.context() as mp:
             assert torch.equal(out, torch_aligned(mp)(x, gate_up, down, ids, weights))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("tokens", (1, 8, 512, 4096), ids=lambda n: f"N{n}")
+def test_route_kernel_at_a3b(case, dtype, tokens):
+    """The one-launch router (E=256, top-8) from the strided logits of the fused router projection: the experts
+    it picks have the reference's top-k probabilities (two experts within an ulp may swap), and its weights are
+    the renormalised ones."""
+    from ninfer.ops.triton.moe_route import moe_route as route_kernel
+
+    experts, top_k = A3B[0], A3B[1]
+    fused = case.randn(tokens, experts + 1, scale=2.0, dtype=dtype)
+    logits = fused[:, :experts]
+    weights, ids = route_kernel(logits, top_k)
+    probs = torch.softmax(logits.float(), dim=-1)
+    top, _ = torch.topk(probs, top_k, dim=-1)
+    picked = torch.gather(probs, 1, ids).sort(dim=-1, descending=True).values
+    torch.testing.assert_close(picked, top, rtol=1e-5, atol=1e-7)
+    assert all(len(set(row)) == top_k for row in ids.tolist()), "an expert picked twice for one token"
+    case.within(weights.float(), picked / picked.sum(-1, keepdim=True), TOL[dtype], "route weights")
+
+
+@pytest.mark.parametrize("tokens", (1, 8, 512), ids=lambda n: f"N{n}")
+def test_shared_expert_joins_the_last_step_at_a3b(case, tokens):
+    from ninfer.ops.moe import moe_experts_ref
+    from ninfer.ops.triton.moe import moe_experts
+
+    x, gate_up, down, ids, weights = routed_bank(case, *A3B, tokens, torch.bfloat16)
+    gate = case.randn(tokens, A3B[0] + 1)[:, -1:]  # the shared-gate column of the fused router projection
+    shared = case.randn(tokens, A3B[2], scale=0.1)
+    out = moe_experts(x, gate_up, down, ids, weights, shared=shared, shared_gate=gate)
+    ref = moe_experts_ref(x.float(), gate_up.float(), down.float(), ids, weights.float(), shared.float(), gate.float())
+    case.within(out, ref, TOL[torch.bfloat16], "routed + shared")

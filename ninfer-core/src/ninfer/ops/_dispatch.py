@@ -32,7 +32,7 @@ TRITON_OPS: frozenset[str] = frozenset({
     "conv1d.causal_conv1d_decode", "conv1d.causal_conv1d_prefill",
     "attention.write_kv", "attention.paged_attention", "attention.paged_attention_gated",
     "attention.norm_rope_write_kv", "linear.linear", "linear.swiglu", "sampling.greedy",
-    "sampling.apply_token_mask", "moe.moe_experts",
+    "sampling.apply_token_mask", "moe.moe_experts", "moe_route.moe_route",
 })
 
 

@@ -107,8 +107,7 @@ def mlp(p: MLPParams | MoEParams, x: torch.Tensor, experts: HostExperts | None =
         return linear(swiglu(x, p.gate_up.weight), p.down)
     logits, shared_gate = p.router_shared_gate(x)
     weights, ids = moe_route(logits, p.top_k)
-    if experts is None:
-        routed = moe_experts(x, p.gate_up, p.down, ids, weights)
-    else:
-        routed = experts.routed(p.gate_up, x, ids, weights)
-    return routed + torch.sigmoid(shared_gate) * linear(swiglu(x, p.shared.gate_up.weight), p.shared.down)
+    shared = linear(swiglu(x, p.shared.gate_up.weight), p.shared.down)
+    if experts is None:  # the shared expert joins in the routed experts' last step
+        return moe_experts(x, p.gate_up, p.down, ids, weights, shared=shared, shared_gate=shared_gate)
+    return experts.routed(p.gate_up, x, ids, weights) + torch.sigmoid(shared_gate) * shared

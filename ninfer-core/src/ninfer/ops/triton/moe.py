@@ -147,8 +147,8 @@ def _down_kernel(
 
 
 @triton.jit
-def _sum_slots_kernel(y_ptr, out_ptr, H, s_om, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
-                      USE_PDL: tl.constexpr = False):
+def _sum_slots_kernel(y_ptr, out_ptr, shared_ptr, gate_ptr, H, s_om, s_sm, s_gm, TOP_K: tl.constexpr,
+                      BLOCK: tl.constexpr, HAS_SHARED: tl.constexpr, USE_PDL: tl.constexpr = False):
     token = tl.program_id(0).to(tl.int64)
     cc = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cc < H
@@ -156,15 +156,23 @@ def _sum_slots_kernel(y_ptr, out_ptr, H, s_om, TOP_K: tl.constexpr, BLOCK: tl.co
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for slot in tl.static_range(TOP_K):
         acc += tl.load(y_ptr + (token * TOP_K + slot) * H + cc, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + token * s_om + cc, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    dtype = out_ptr.dtype.element_ty
+    out = acc.to(dtype)
+    if HAS_SHARED:  # + sigmoid(gate) * shared, rounded where the unfused ops round
+        g = tl.load(gate_ptr + token * s_gm).to(tl.float32)
+        scale = tl.sigmoid(g).to(dtype).to(tl.float32)
+        s = tl.load(shared_ptr + token * s_sm + cc, mask=mask, other=0.0).to(tl.float32)
+        out = (out.to(tl.float32) + (scale * s).to(dtype).to(tl.float32)).to(dtype)
+    tl.store(out_ptr + token * s_om + cc, out, mask=mask)
 
 
 def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
-                weights: torch.Tensor, *, out: torch.Tensor | None = None,
-                config: MoeConfig | None = None) -> torch.Tensor:
+                weights: torch.Tensor, *, out: torch.Tensor | None = None, config: MoeConfig | None = None,
+                shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None) -> torch.Tensor:
     """Routed experts (``ninfer.ops.moe.moe_experts``, which checks the shapes): x [N, H], ``gate_up``
     [E, 2I, H], ``down`` [E, H, I], ``ids`` / ``weights`` [N, k] -> [N, H] in x's dtype (into ``out`` if
-    given). ``config`` overrides the tiles chosen by token count."""
+    given). ``config`` overrides the tiles chosen by token count. ``shared`` [N, H] / ``shared_gate`` [N, 1]:
+    the shared expert's output and gate logit, added by the last step (sigmoid(gate) * shared)."""
     if not (x.dtype == gate_up.dtype == down.dtype) or x.dtype not in _DTYPES:
         raise ValueError(f"moe_experts: x, gate_up and down must share one of bf16/fp16/fp32, got {x.dtype}, "
                          f"{gate_up.dtype}, {down.dtype}")
@@ -182,8 +190,13 @@ def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids:
     gate_up_grouped(x, gate_up, blocks, top_k, hidden, cfg)
     down_grouped(hidden, down, blocks, weights.reshape(-1).contiguous(), per_pair, cfg)
     block = min(1024, triton.next_power_of_2(H))
-    _sum_slots_kernel[(N, triton.cdiv(H, block))](per_pair, out, H, out.stride(0), TOP_K=top_k, BLOCK=block,
-                                                  num_warps=4, **pdl_args(x.device))
+    has_shared = shared is not None
+    if has_shared and shared.stride(1) != 1:
+        shared = shared.contiguous()
+    _sum_slots_kernel[(N, triton.cdiv(H, block))](
+        per_pair, out, shared if has_shared else out, shared_gate if has_shared else out, H, out.stride(0),
+        shared.stride(0) if has_shared else 0, shared_gate.stride(0) if has_shared else 0, TOP_K=top_k,
+        BLOCK=block, HAS_SHARED=has_shared, num_warps=4, **pdl_args(x.device))
     return out
 
 

@@ -42,7 +42,7 @@ from ninfer.ops.moe import moe_experts
 TEAM_THREADS = 8  # more Python workers contend for the GIL between their matrix products (measured: docs/moe.md)
 STREAM_MIN_TOKENS = 256  # from here a layer's whole banks go up: the CPU share would take longer than PCIe
 ADMIT_PER_CALL = 2  # cache uploads a mixed call may start (each is one expert's bytes over PCIe)
-PREFETCH_PER_CALL = 4  # uploads of predicted next-layer experts a mixed call may start
+PREFETCH_PER_CALL = 8  # uploads of predicted next-layer experts a mixed call may start (a token's k at top-8)
 
 
 def default_team() -> CpuExecutor:
