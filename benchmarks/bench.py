@@ -592,10 +592,15 @@ def markdown(result: dict) -> str:
             lines.append(f"\ntransformers {hf['transformers']} (fla {hf['fla']}), {hf['prompt']}-token prompt, "
                          f"{hf['new_tokens']} new tokens: " + ", ".join(
                              f"B={x['batch']} {x['decode_ms_per_step']:.1f} ms/step" for x in hf["rows"]))
-        for k, t in r.get("targets", {}).items():
-            lines.append(f"- target {k} >= {t['target']}: measured {_f(t['measured'], '.2f')} -> "
-                         f"{'met' if t['met'] else 'NOT met' if t['met'] is not None else 'not measured'}")
+        lines += target_lines(r.get("targets", {}))
     return "\n".join(lines)
+
+
+def target_lines(targets: dict) -> list[str]:
+    """One line per target: what was measured and whether it met the target."""
+    return [f"- target {k} >= {t['target']}: measured {_f(t['measured'], '.2f')} -> "
+            f"{'met' if t['met'] else 'NOT met' if t['met'] is not None else 'not measured'}"
+            for k, t in targets.items()]
 
 
 # -- entry point ----------------------------------------------------------------------------------------

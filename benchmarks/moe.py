@@ -38,6 +38,7 @@ import traceback
 from pathlib import Path
 
 from benchmarks import moe_weights as mw
+from benchmarks.bench import target_lines
 from benchmarks.moe_runs import (
     ROUTING_PROBE_TOKENS,
     WARMUP_STEPS,
@@ -228,9 +229,7 @@ def markdown(r: dict) -> str:
                      f" tok/s at {L} layers" + ("" if "decode" not in hf else
                      f"; full depth: decode {_f(hf['decode']['full_ms'], '.2f')} ms/step, prefill "
                      f"{_f(hf['prefill']['full_ms'], '.0f')} ms"))
-    for k, t in r.get("targets", {}).items():
-        lines.append(f"- target {k} >= {t['target']}: measured {_f(t['measured'], '.2f')} -> "
-                     f"{'met' if t['met'] else 'NOT met' if t['met'] is not None else 'not measured'}")
+    lines += target_lines(r.get("targets", {}))
     return "\n".join(lines)
 
 

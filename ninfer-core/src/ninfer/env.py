@@ -35,24 +35,21 @@ def _names(raw: str) -> tuple[str, ...]:
     return tuple(n.strip() for n in raw.split(",") if n.strip())
 
 
-def _mib(raw: str) -> int:
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        raise ValueError("expected a whole number of MiB") from None
-    if value <= 0:
-        raise ValueError("expected a positive number of MiB")
-    return value
+def _positive(unit: str) -> Callable[[str], int]:
+    """A parser of positive whole numbers (``unit``: " of MiB" or "")."""
+    def parse(raw: str) -> int:
+        try:
+            value = int(raw.strip())
+        except ValueError:
+            raise ValueError(f"expected a whole number{unit}") from None
+        if value <= 0:
+            raise ValueError(f"expected a positive number{unit}" if unit else "expected a positive whole number")
+        return value
+    return parse
 
 
-def _count(raw: str) -> int:
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        raise ValueError("expected a whole number") from None
-    if value <= 0:
-        raise ValueError("expected a positive whole number")
-    return value
+_mib = _positive(" of MiB")
+_count = _positive("")
 
 
 def _choice(*allowed: str) -> Callable[[str], str]:
