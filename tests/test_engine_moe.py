@@ -155,11 +155,15 @@ def test_host_experts_stream_prefill_and_mix_decode_with_mtp_and_give_the_same_t
     """Forced host experts with a small device cache: prompts of 4 tokens or more stream whole layers (the
     threshold set low), decode and MTP verification split their pairs between cache hits and the CPU team;
     greedy output (with MTP drafting) equals all-device's, and the runtime saw every mode."""
+    import gc
+    import threading
+
     from ninfer.contract.config import StartupFeatures
 
     monkeypatch.setenv("NINFER_MOE_STREAM_TOKENS", "4")
     art = convert_tiny(make_tiny_checkpoint(tmp_path / "ckpt", moe=True, mtp=True, seed=6), tmp_path / "m.ninfer")
     outs, stats = {}, None
+    before = set(threading.enumerate())
     for placement in ("all-device", "host-experts"):
         eng = Engine(art, device="cpu", dtype="float32", max_concurrency=2, context_cache=False,
                      placement=placement, features=StartupFeatures(speculative="mtp", num_draft_tokens=2),
@@ -172,6 +176,9 @@ def test_host_experts_stream_prefill_and_mix_decode_with_mtp_and_give_the_same_t
                 assert runtime.cache.slots == cache_experts == eng.memory.expert_cache_slots
         finally:
             eng.close()
+    del eng, runtime
+    gc.collect()  # the closed engine's Program, its runtime and so its CPU team
+    assert not [t.name for t in set(threading.enumerate()) - before if t.name.startswith("ninfer-cpu")]
     assert outs["host-experts"] == outs["all-device"]
     assert stats.streamed_calls > 0 and stats.streamed_layers > 0 and stats.mixed_calls > 0
     assert stats.cache_misses > 0
