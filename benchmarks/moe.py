@@ -146,9 +146,28 @@ def run_host_experts(path: Path, cfg: dict, full_cfg: dict, args, device: str, b
                      inst.memory.expert_cache_slots, "graphs": inst.program.graphs is not None}
         res.update(measure(inst.program, inst.config, cfg, args, device, full_cfg, bw, distinct,
                            stats=lambda: experts.stats))
+        res["variants"] = [host_variant(inst, experts, v, args, device) for v in args.host_variants]
         return res
 
     return on_instance(path, options, run)
+
+
+def host_variant(inst, experts, spec: str, args, device: str) -> dict:
+    """Decode B=1 again with ``spec`` = "prefetch,admit,team" (uploads per call, CPU team size)."""
+    from ninfer.core.cpu_executor import CpuExecutor
+
+    prefetch, admit, team = (int(v) for v in spec.split(","))
+    experts.prefetch_per_call, experts.admit_per_call = prefetch, admit
+    if team != experts.team.size:
+        experts.replace_team(CpuExecutor(team))
+    row = decode_run(inst.program, inst.config, device, 1, args.context, args.steps, lambda: experts.stats)
+    row.update(prefetch=prefetch, admit=admit, team=team)
+    e = row["experts"]
+    print(f"#   host variant prefetch {prefetch} admit {admit} team {team}: {row['ms_per_step']:.3f} ms/step, "
+          f"hit rate {_f(e['hit_rate'], '.3f')}, per call: wait {e['wait_s'] / e['mixed_calls'] * 1e3:.2f} ms, "
+          f"team {e['team_s'] / e['mixed_calls'] * 1e3:.2f} ms, uploads {e['upload_s'] / e['mixed_calls'] * 1e3:.2f} "
+          f"ms, total {e['mixed_s'] / e['mixed_calls'] * 1e3:.2f} ms", flush=True)
+    return row
 
 
 def run_hf(src: Path, args, device: str, heads: dict | None, layers: int, full: int) -> dict:
@@ -211,6 +230,13 @@ def markdown(r: dict) -> str:
                          f"| {_f(d['full_tokens_per_s'])} | {d['full_floor_ms']:.3f} "
                          f"| {_f(d['of_floor'], '.2f')} / {_f(d['full_of_floor'], '.2f')} "
                          f"| {d['distinct_experts']:.1f} | {_f(hit, '.3f')} |")
+        phases = [(d["batch"], d["experts"]) for d in m["decode"] if d.get("experts", {}).get("mixed_calls")]
+        for B, e in phases:  # where a host-experts MoE call's host time goes
+            calls = e["mixed_calls"]
+            lines.append(f"- B={B}: per MoE call {e['mixed_s'] / calls * 1e3:.2f} ms on the host: waiting for the "
+                         f"device {e['wait_s'] / calls * 1e3:.2f}, CPU team {e['team_s'] / calls * 1e3:.2f}, issuing "
+                         f"uploads {e['upload_s'] / calls * 1e3:.2f}; {e['cache_misses'] / calls:.1f} misses, "
+                         f"{(e['admitted'] + e['prefetched']) / calls:.1f} uploads per call")
         p = m["prefill"]
         lines.append(f"\nPrefill {p['tokens']} tokens (chunk {p['chunk']}): {p['tokens_per_s']:.0f} tok/s at {L} "
                      f"layers, {_f(p['full_tokens_per_s'], '.0f')} tok/s at full depth")
@@ -248,6 +274,9 @@ def parse_args(argv=None):
     p.add_argument("--budget-gib", type=float, default=24.0, help="device budget of the host-experts plan")
     p.add_argument("--plan-max-model-len", type=int, default=None,
                    help="max_model_len of the host-experts plan (default: the model's limit)")
+    p.add_argument("--host-variants", nargs="*", default=[], metavar="PREFETCH,ADMIT,TEAM",
+                   help="after the host-experts run, decode B=1 again with these uploads per call and team sizes "
+                        "(e.g. 0,0,8 for no uploads), on the same instance")
     p.add_argument("--hf-new-tokens", type=int, default=32)
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers baseline")
     p.add_argument("--workdir", default=None, help="folder for the checkpoint and artifact (default: temp dir)")
@@ -257,6 +286,10 @@ def parse_args(argv=None):
 
 
 def _validate(args) -> str | None:
+    for spec in args.host_variants:
+        parts = spec.split(",")
+        if len(parts) != 3 or not all(p.isdigit() for p in parts) or int(parts[2]) < 1:
+            return f"--host-variants {spec!r}: expected PREFETCH,ADMIT,TEAM whole numbers, TEAM >= 1"
     if args.layers < 4 or args.layers % 4:
         return "--layers must be a positive multiple of 4 (each group: 3 Gated DeltaNet layers + 1 attention)"
     if not all(1 <= b <= 8 for b in args.batches):

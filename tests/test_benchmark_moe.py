@@ -31,7 +31,7 @@ def run(tmp_path_factory):
     out, work = root / "moe.json", root / "work"
     argv = ["--shape", "tiny", "--layers", str(LAYERS), "--device", "cpu", "--context", "12", "--steps", "3",
             "--prefill", "40", "--prefill-chunk", "16", "--budget-gib", "0.01", "--hf-new-tokens", "2",
-            "--workdir", str(work), "--json", str(out)]
+            "--host-variants", "0,0,1", "--workdir", str(work), "--json", str(out)]
     stdout = io.StringIO()  # capsys is per test; the run is per module
     with contextlib.redirect_stdout(stdout):
         code = moe.main(argv)
@@ -95,7 +95,12 @@ def test_host_experts_report_the_cache_hit_rate(run):
         stats = d["experts"]
         assert stats["cache_hits"] + stats["cache_misses"] > 0
         assert 0 <= stats["hit_rate"] <= 1
+        assert stats["mixed_s"] >= stats["wait_s"] + stats["team_s"] + stats["upload_s"]
     assert _positive(he["prefill"]["tokens_per_s"])
+    (variant,) = he["variants"]  # no uploads, a team of one
+    assert (variant["prefetch"], variant["admit"], variant["team"]) == (0, 0, 1)
+    assert variant["experts"]["admitted"] == variant["experts"]["prefetched"] == 0
+    assert "per MoE call" in run["table"]
 
 
 def test_transformers_ran_on_the_same_checkpoint(run):

@@ -78,6 +78,7 @@ def test_mixed_calls_equal_the_reference(team, slots):
             torch.testing.assert_close(got, moe_experts_ref(x, gate_up, down, ids, weights), rtol=1e-5, atol=1e-6)
     stats = experts.stats
     assert stats.mixed_calls == 12 and stats.streamed_calls == 0
+    assert stats.mixed_s >= stats.wait_s + stats.team_s + stats.upload_s and min(stats.team_s, stats.wait_s) >= 0
     assert stats.cache_hits + stats.cache_misses == sum(2 * (1 + s % 3) * K for s in range(6))
     if slots == 0:
         assert stats.cache_hits == 0 and stats.admitted == 0
@@ -151,6 +152,9 @@ def test_the_next_layers_predicted_experts_are_uploaded_ahead(team):
         got = experts.routed(gate_up, x, ids, weights)
         torch.testing.assert_close(got, moe_experts_ref(x, gate_up, down, ids, weights), rtol=1e-5, atol=1e-6)
     stats = experts.stats
+    old = experts.team
+    experts.replace_team(CpuExecutor(1))
+    assert old.closed and not experts.team.closed
     assert stats.prefetched == K and stats.admitted == 0
     assert (stats.cache_hits, stats.cache_misses) == (K, K)  # layer 0 missed everything, layer 1 hit everything
     with pytest.raises(ValueError, match="1 next-layer routers for 2 layers"):

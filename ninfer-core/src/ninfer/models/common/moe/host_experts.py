@@ -24,6 +24,7 @@ back a request leaves them as they are.
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Sequence
 
@@ -116,6 +117,12 @@ class HostExperts:
         """Stop the CPU team (also done when this runtime is collected)."""
         self._close()
 
+    def replace_team(self, team: CpuExecutor) -> None:
+        """Compute the misses on ``team`` from now on; the previous team is stopped."""
+        self._close()
+        self.team = team
+        self._close = weakref.finalize(self, team.close)
+
     def routed(self, gate_up: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The routed experts of the layer whose host bank is ``gate_up``: x [N, H] and the routing ``ids`` /
         ``weights`` [N, k] on the device -> [N, H] on the device."""
@@ -128,6 +135,7 @@ class HostExperts:
 
     # -- few tokens: cache hits on the device, misses on the CPU team ------------------------------------------
     def _mixed(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
         N = x.shape[0]
         x_host = self.x_host[:N]
         x_host.copy_(x, non_blocking=True)
@@ -136,8 +144,10 @@ class HostExperts:
         predicted = None
         if router is not None and self.cache.slots:
             predicted = torch.topk(x @ router.T, self.top_k, dim=-1).indices.to("cpu", non_blocking=True)
+        t_wait = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the routing and x are on the host now
+        t_wait = time.perf_counter() - t_wait
         ids_np = ids_host.numpy()
         self.cache.observe(layer, ids_np)
         slots = self.cache.lookup(layer, ids_np)
@@ -148,19 +158,27 @@ class HostExperts:
             w_hits = torch.where(torch.from_numpy(hit), w_host, 0).to(self.device, non_blocking=True)
             out = moe_experts(x, self.cache.gate_up, self.cache.down, slot_ids, w_hits)
         misses = int((~hit).sum())
+        t_team = t_upload = 0.0
         if misses:
             out_host = self.out_host[:N]
             out_host.zero_()
             gate_up, down = self.banks[layer]
+            t_team = time.perf_counter()
             cpu_experts(self.team, self._work(ids_np, w_host, ~hit, x_host), gate_up, down, out_host)
+            t_team = time.perf_counter() - t_team
             cpu = out_host.to(self.device, non_blocking=True)
             out = cpu if out is None else out + cpu
             missed = np.unique(ids_np[~hit])
+            t_upload = time.perf_counter()
             self._add(admitted=self.cache.admit(layer, self.cache.by_score(layer, missed), gate_up, down,
                                                 self.admit_per_call))
+            t_upload = time.perf_counter() - t_upload
         if predicted is not None:
+            t = time.perf_counter()
             self._prefetch(layer + 1, predicted.numpy())
-        self._add(cache_hits=int(hit.sum()), cache_misses=misses, mixed_calls=1)
+            t_upload += time.perf_counter() - t
+        self._add(cache_hits=int(hit.sum()), cache_misses=misses, mixed_calls=1, wait_s=t_wait, team_s=t_team,
+                  upload_s=t_upload, mixed_s=time.perf_counter() - t0)
         return out
 
     def _prefetch(self, layer: int, predicted: np.ndarray) -> None:
@@ -214,6 +232,6 @@ class HostExperts:
         self._add(streamed_layers=1)
         return i
 
-    def _add(self, **counts: int) -> None:
+    def _add(self, **counts: float) -> None:
         for name, n in counts.items():
             self._counts[name] += n
