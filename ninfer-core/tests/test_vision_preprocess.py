@@ -178,6 +178,7 @@ def test_clip_normalisation_from_config_equals_transformers():
     ({"size": {"shortest_edge": 500, "longest_edge": 100}}, "min_pixels 500 exceeds max_pixels 100"),
     ({"image_std": [0.5, 0.0, 0.5]}, "std must not contain 0"),
     ({"image_mean": [0.5, 0.5]}, "3 per-channel values"),
+    ({"size": {"height": 224, "width": 224}}, "gives no pixel bounds"),
 ])
 def test_config_refuses_what_it_cannot_honour(change, message):
     with pytest.raises(ValueError, match=message):
