@@ -1,0 +1,374 @@
+"""Image and video preprocessing for the Qwen vision encoder: bytes to decoded image, then to patch rows.
+
+The output reproduces the Hugging Face Qwen2-VL image processor (the one the Qwen3.5 processor uses for
+images) and the Qwen3-VL video processor:
+
+- a picture is converted to RGB (transparency composited on white), resized with PIL's bicubic filter to
+  ``smart_resize``'s size (both sides multiples of patch_size * merge_size, the area within the pixel
+  bounds), scaled by ``rescale`` in float64 and cast to float32, then normalised as (x - mean) / std in
+  float32;
+- the result is cut into patch_size x patch_size patches whose rows come in merge-block-major order (each
+  merge_size x merge_size block of patches is contiguous, blocks row by row), each row laid out as
+  [channel][frame][y][x] (3 * temporal_patch_size * patch_size**2 values), which is what the encoder's
+  Conv3d patch embedding and its 2x2 merger expect;
+- a still image is repeated to temporal_patch_size frames; a video's frame count is padded to a multiple
+  of temporal_patch_size by repeating its last frame.
+
+Reference implementations: transformers ships two image processors for Qwen2-VL. ``Qwen2VLImageProcessorPil``
+(PIL/numpy, the "slow" one) resizes with PIL, as here, and its pixel values equal ours exactly (the tests
+compare them with zero tolerance). ``Qwen2VLImageProcessor`` (the default "fast" one, torchvision) resizes
+uint8 tensors with torchvision's antialiased bicubic and fuses rescale and normalisation into one float32
+step; torchvision's and PIL's bicubic resampling are separate implementations, so their pixels can differ
+slightly where the image is resized. The Qwen3-VL video processor always uses the torchvision path; our
+video frames are resampled with PIL like images, so only the grid and layout follow it exactly.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+# The largest decoded image accepted, in pixels (width * height), checked from the header before the
+# pixels are decoded, so a small compressed file cannot expand into gigabytes (a decompression bomb).
+# It equals Pillow's own warning threshold; a 9459 x 9459 RGB image is about 256 MiB decoded.
+DEFAULT_MAX_DECODED_PIXELS = 89_478_485
+
+# An aspect ratio above this is refused by the reference smart_resize.
+MAX_ASPECT_RATIO = 200
+
+
+class MediaError(ValueError):
+    """An image or video the Frontend cannot use: undecodable, empty, too large or of unusable shape."""
+
+
+def _positive_int(_instance: Any, attribute: attrs.Attribute, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{attribute.name} must be a positive integer, got {value!r}")
+
+
+def _three_floats(value: Any) -> tuple[float, float, float]:
+    if isinstance(value, (int, float)):
+        value = [value] * 3
+    values = tuple(float(v) for v in value)
+    if len(values) != 3:
+        raise ValueError(f"expected 3 per-channel values (R, G, B), got {len(values)}")
+    return values  # type: ignore[return-value]
+
+
+@attrs.frozen(kw_only=True)
+class PreprocessConfig:
+    """What the vision preprocessing needs from ``preprocessor_config.json`` and its video counterpart.
+
+    Defaults are the published Qwen3.5 values. Pixel bounds are areas (height * width) of the resized
+    picture; a video's bounds cover all its frames together (frames * height * width), as in the reference.
+    """
+
+    patch_size: int = attrs.field(default=16, validator=_positive_int)
+    temporal_patch_size: int = attrs.field(default=2, validator=_positive_int)
+    merge_size: int = attrs.field(default=2, validator=_positive_int)
+    min_pixels: int = attrs.field(default=65536, validator=_positive_int)
+    max_pixels: int = attrs.field(default=16777216, validator=_positive_int)
+    video_min_pixels: int = attrs.field(default=4096, validator=_positive_int)
+    video_max_pixels: int = attrs.field(default=25165824, validator=_positive_int)
+    # The Qwen3-VL video processor's optional per-frame cap (qwen-vl-utils behaviour); off by default there.
+    cap_pixels_per_frame: bool = False
+    max_video_tokens: int = attrs.field(default=768, validator=_positive_int)
+    mean: tuple[float, float, float] = attrs.field(default=(0.5, 0.5, 0.5), converter=_three_floats)
+    std: tuple[float, float, float] = attrs.field(default=(0.5, 0.5, 0.5), converter=_three_floats)
+    rescale: float = attrs.field(default=1 / 255, converter=float)
+
+    def __attrs_post_init__(self) -> None:
+        if self.min_pixels > self.max_pixels:
+            raise ValueError(f"min_pixels {self.min_pixels} exceeds max_pixels {self.max_pixels}")
+        if self.video_min_pixels > self.video_max_pixels:
+            raise ValueError(
+                f"video min_pixels {self.video_min_pixels} exceeds video max_pixels {self.video_max_pixels}")
+        if any(s == 0 for s in self.std):
+            raise ValueError(f"std must not contain 0, got {self.std}")
+        if not self.rescale > 0:
+            raise ValueError(f"rescale must be positive, got {self.rescale}")
+
+    @property
+    def factor(self) -> int:
+        """The side length, in pixels, that resized images are multiples of (one merge block)."""
+        return self.patch_size * self.merge_size
+
+    @classmethod
+    def from_preprocessor_config(
+        cls, image: Mapping[str, Any], video: Mapping[str, Any] | None = None,
+    ) -> PreprocessConfig:
+        """Read ``preprocessor_config.json`` (and ``video_preprocessor_config.json`` when present).
+
+        Pixel bounds come from ``size: {shortest_edge, longest_edge}`` (or an older ``size: {min_pixels,
+        max_pixels}``); top-level ``min_pixels`` / ``max_pixels`` keys override them, as in transformers.
+        Keys that are absent keep the published Qwen3.5 values. Steps ninfer does not implement
+        (``do_resize`` / ``do_rescale`` / ``do_normalize`` / ``do_convert_rgb`` false, a resampling filter
+        other than bicubic) and a video config that disagrees with the image config on the shared
+        encoder settings are refused with a ValueError.
+        """
+        _refuse_unsupported(image, "preprocessor_config")
+        image_min, image_max = _pixel_bounds(image, "preprocessor_config")
+        fields: dict[str, Any] = {
+            name: image[key] for name, key in _SHARED_KEYS.items() if key in image}
+        if image_min is not None:
+            fields["min_pixels"] = image_min
+        if image_max is not None:
+            fields["max_pixels"] = image_max
+        if video is not None:
+            _refuse_unsupported(video, "video_preprocessor_config")
+            for name, key in _SHARED_KEYS.items():
+                if key in video and name in fields and _normalised(video[key]) != _normalised(fields[name]):
+                    raise ValueError(
+                        f"video_preprocessor_config {key}={video[key]!r} differs from preprocessor_config's "
+                        f"{fields[name]!r}; the encoder takes one value")
+                if key in video:
+                    fields[name] = video[key]
+            video_min, video_max = _pixel_bounds(video, "video_preprocessor_config")
+            if video_min is not None:
+                fields["video_min_pixels"] = video_min
+            if video_max is not None:
+                fields["video_max_pixels"] = video_max
+            if video.get("cap_pixels_per_frame") is not None:
+                fields["cap_pixels_per_frame"] = bool(video["cap_pixels_per_frame"])
+            if "max_video_tokens" in video:
+                fields["max_video_tokens"] = video["max_video_tokens"]
+        return cls(**fields)
+
+
+# PreprocessConfig field -> preprocessor_config.json key, for settings images and videos share.
+_SHARED_KEYS = {
+    "patch_size": "patch_size",
+    "temporal_patch_size": "temporal_patch_size",
+    "merge_size": "merge_size",
+    "mean": "image_mean",
+    "std": "image_std",
+    "rescale": "rescale_factor",
+}
+
+_BICUBIC = int(Image.Resampling.BICUBIC)
+
+
+def _normalised(value: Any) -> Any:
+    return tuple(float(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def _refuse_unsupported(config: Mapping[str, Any], name: str) -> None:
+    for flag in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb"):
+        if config.get(flag) is False:
+            raise ValueError(f"{name} sets {flag}=false, which ninfer's vision preprocessing does not support")
+    resample = config.get("resample")
+    if resample is not None and resample != _BICUBIC:
+        raise ValueError(f"{name} asks for resample={resample!r}; ninfer resizes with bicubic ({_BICUBIC}) only")
+
+
+def _pixel_bounds(config: Mapping[str, Any], name: str) -> tuple[int | None, int | None]:
+    size = config.get("size") or {}
+    if not isinstance(size, Mapping):
+        raise ValueError(f"{name} size must be an object, got {size!r}")
+    if size and not {"shortest_edge", "longest_edge", "min_pixels", "max_pixels"} & size.keys():
+        raise ValueError(f"{name} size {dict(size)!r} gives no pixel bounds (shortest_edge / longest_edge)")
+    low = size.get("shortest_edge", size.get("min_pixels"))
+    high = size.get("longest_edge", size.get("max_pixels"))
+    if config.get("min_pixels") is not None:
+        low = config["min_pixels"]
+    if config.get("max_pixels") is not None:
+        high = config["max_pixels"]
+    return low, high
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """The (height, width) a picture is resized to: multiples of ``factor``, area within the bounds.
+
+    Each side is rounded to the nearest multiple of ``factor`` (Python's round: halves go to even); if the
+    area then exceeds ``max_pixels`` both sides are scaled down by the same ratio and floored (never below
+    ``factor``), and if it is under ``min_pixels`` they are scaled up and ceiled. Aspect ratios above 200
+    are refused, as in the reference.
+    """
+    if height <= 0 or width <= 0:
+        raise ValueError(f"an image needs a positive size, got {width}x{height} (width x height)")
+    ratio = max(height, width) / min(height, width)
+    if ratio > MAX_ASPECT_RATIO:
+        raise ValueError(
+            f"image aspect ratio {ratio:.1f} ({width}x{height}) exceeds the limit of {MAX_ASPECT_RATIO}")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def smart_resize_video(
+    num_frames: int, height: int, width: int, *, temporal_factor: int, factor: int,
+    min_pixels: int, max_pixels: int,
+) -> tuple[int, int]:
+    """The Qwen3-VL video processor's frame size: like ``smart_resize`` with the bounds over all frames.
+
+    Frames smaller than ``factor`` on a side are first scaled up (truncating) until both sides reach it;
+    a video needs at least ``temporal_factor`` frames.
+    """
+    if num_frames < temporal_factor:
+        raise ValueError(f"a video needs at least {temporal_factor} frames, got {num_frames}")
+    if height <= 0 or width <= 0:
+        raise ValueError(f"video frames need a positive size, got {width}x{height} (width x height)")
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    ratio = max(height, width) / min(height, width)
+    if ratio > MAX_ASPECT_RATIO:
+        raise ValueError(
+            f"video aspect ratio {ratio:.1f} ({width}x{height}) exceeds the limit of {MAX_ASPECT_RATIO}")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    t_bar = round(num_frames / temporal_factor) * temporal_factor
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt(num_frames * height * width / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (num_frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def decode_image(data: bytes, *, max_pixels: int = DEFAULT_MAX_DECODED_PIXELS) -> Image.Image:
+    """Decode image bytes (any format Pillow reads; the first frame of an animation) to an RGB image.
+
+    The EXIF orientation is applied and transparency is composited on white. Raises ``MediaError`` for
+    empty or undecodable data and for images over ``max_pixels`` (checked before decoding the pixels).
+    """
+    if not data:
+        raise MediaError("image data is empty")
+    try:
+        image = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError as exc:
+        # Pillow's own limit (twice Image.MAX_IMAGE_PIXELS) applies even when max_pixels is larger
+        raise MediaError(f"image is too large to decode (the limit is {max_pixels} pixels): {exc}") from exc
+    except UnidentifiedImageError as exc:
+        raise MediaError(f"image data ({len(data)} bytes) is not in an image format ninfer reads") from exc
+    except Exception as exc:  # Pillow's format plugins raise many types on foreign or corrupt data
+        raise MediaError(f"image data is not a readable image ({len(data)} bytes): {exc}") from exc
+    width, height = image.size
+    if width <= 0 or height <= 0:
+        raise MediaError(f"image has no pixels ({width}x{height})")
+    if width * height > max_pixels:
+        raise MediaError(
+            f"image is {width}x{height} = {width * height} pixels, more than the limit of {max_pixels}")
+    try:
+        image.load()
+        image = ImageOps.exif_transpose(image)
+        return to_rgb(image)
+    except Exception as exc:  # truncated or corrupt pixel data surfaces only while decoding
+        raise MediaError(f"image data could not be decoded ({image.format} {width}x{height}): {exc}") from exc
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """RGB with any transparency (alpha band or palette/colour-key transparency) composited on white."""
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class PreparedVision:
+    """One image's or video's encoder input: patch rows, the patch grid and its LM token count."""
+
+    pixel_values: torch.Tensor  # float32 [t*h*w, 3 * temporal_patch_size * patch_size**2]
+    grid_thw: tuple[int, int, int]  # in patches: frames / temporal_patch_size, rows, columns
+    tokens: int  # placeholder tokens in the prompt: t*h*w / merge_size**2
+
+
+def preprocess_image(image: Image.Image, cfg: PreprocessConfig) -> PreparedVision:
+    """Resize, normalise and patchify one picture (repeated to ``temporal_patch_size`` frames)."""
+    height, width = _checked_size(image, "image")
+    try:
+        new_height, new_width = smart_resize(height, width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
+    except ValueError as exc:
+        raise MediaError(str(exc)) from exc
+    frame = _normalised_frame(image, new_height, new_width, cfg)
+    frames = np.broadcast_to(frame, (cfg.temporal_patch_size, *frame.shape))
+    return _patchify(frames, cfg)
+
+
+def preprocess_video(frames: Sequence[Image.Image], cfg: PreprocessConfig) -> PreparedVision:
+    """Resize, normalise and patchify a video's sampled frames, all of one size, in order."""
+    if not frames:
+        raise MediaError("a video needs at least one frame")
+    height, width = _checked_size(frames[0], "video frame 0")
+    for index, frame in enumerate(frames[1:], start=1):
+        if _checked_size(frame, f"video frame {index}") != (height, width):
+            raise MediaError(
+                f"video frame {index} is {frame.width}x{frame.height}, frame 0 is {width}x{height}; "
+                "all frames of a video must have one size")
+    max_pixels = cfg.video_max_pixels
+    if cfg.cap_pixels_per_frame:
+        # The reference's optional cap: a frame costs at most max_video_tokens merge blocks or an even share.
+        per_frame = max(min(cfg.max_video_tokens * cfg.factor ** 2, cfg.video_max_pixels // len(frames)),
+                        int(cfg.video_min_pixels * 1.05))
+        max_pixels = per_frame * len(frames)
+    try:
+        new_height, new_width = smart_resize_video(
+            len(frames), height, width, temporal_factor=cfg.temporal_patch_size, factor=cfg.factor,
+            min_pixels=cfg.video_min_pixels, max_pixels=max_pixels)
+    except ValueError as exc:
+        raise MediaError(str(exc)) from exc
+    stacked = [_normalised_frame(frame, new_height, new_width, cfg) for frame in frames]
+    stacked += [stacked[-1]] * (-len(stacked) % cfg.temporal_patch_size)
+    return _patchify(np.stack(stacked), cfg)
+
+
+def _checked_size(image: Image.Image, what: str) -> tuple[int, int]:
+    if image.width <= 0 or image.height <= 0:
+        raise MediaError(f"{what} has no pixels ({image.width}x{image.height})")
+    return image.height, image.width
+
+
+def _normalised_frame(image: Image.Image, height: int, width: int, cfg: PreprocessConfig) -> np.ndarray:
+    """[3, height, width] float32: RGB, bicubic-resized, then each byte mapped through ``_value_table``."""
+    resized = np.asarray(to_rgb(image).resize((width, height), resample=Image.Resampling.BICUBIC))
+    table = _value_table(cfg)
+    out = np.empty((3, height, width), dtype=np.float32)
+    for channel in range(3):
+        np.take(table[channel], resized[:, :, channel], out=out[channel])
+    return out
+
+
+def _value_table(cfg: PreprocessConfig) -> np.ndarray:
+    """[3, 256] float32: the normalised value of each byte per channel, computed as the reference does
+    (x * rescale in float64, cast to float32, then (x - mean) / std in float32). A lookup gives the same
+    bits without a float64 copy of the whole picture."""
+    scaled = (np.arange(256, dtype=np.float64) * cfg.rescale).astype(np.float32)
+    mean = np.asarray(cfg.mean, dtype=np.float32)[:, None]
+    std = np.asarray(cfg.std, dtype=np.float32)[:, None]
+    return (scaled[None, :] - mean) / std
+
+
+def _patchify(frames: np.ndarray, cfg: PreprocessConfig) -> PreparedVision:
+    """[F, C, H, W] (F a multiple of temporal_patch_size) -> merge-block-major patch rows [C][T][y][x]."""
+    num_frames, channels, height, width = frames.shape
+    p, m, tp = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
+    grid_t, grid_h, grid_w = num_frames // tp, height // p, width // p
+    blocks = frames.reshape(grid_t, tp, channels, grid_h // m, m, p, grid_w // m, m, p)
+    # -> (t, block row, block col, row in block, col in block, channel, frame, y, x)
+    rows = blocks.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(
+        grid_t * grid_h * grid_w, channels * tp * p * p)
+    return PreparedVision(
+        pixel_values=torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32)),
+        grid_thw=(grid_t, grid_h, grid_w),
+        tokens=grid_t * grid_h * grid_w // (m * m),
+    )
