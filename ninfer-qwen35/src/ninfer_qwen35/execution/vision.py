@@ -256,12 +256,11 @@ def merge_block_rows_cols(h: int, w: int, merge: int, device: torch.device | Non
 def interpolated_pos_embed(table: torch.Tensor, grids: Sequence[Grid], side: int, merge: int) -> torch.Tensor:
     """[n_patches, hidden] fp32: the learned side x side position grid resampled bilinearly (align_corners=True)
     to each frame's h x w patch grid, in merge-block order, repeated for every frame."""
-    out = []
+    pe, out = table.float(), []
     for t, h, w in grids:
         rows, cols = merge_block_rows_cols(h, w, merge, table.device)
         (r0, r1), wr = _bilinear_taps(rows, h, side)
         (c0, c1), wc = _bilinear_taps(cols, w, side)
-        pe = table.float()
         frame = ((1 - wr) * (1 - wc))[:, None] * pe[r0 * side + c0] + ((1 - wr) * wc)[:, None] * pe[r0 * side + c1] \
             + (wr * (1 - wc))[:, None] * pe[r1 * side + c0] + (wr * wc)[:, None] * pe[r1 * side + c1]
         out.append(frame.repeat(t, 1))
