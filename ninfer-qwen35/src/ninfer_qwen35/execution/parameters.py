@@ -13,7 +13,7 @@ import torch
 from ninfer.models.common.weights import WeightSet
 from ninfer_qwen35.config import Qwen35Config
 from ninfer_qwen35.execution.linear import LinearSplit
-from ninfer_qwen35.source_mapping import expected_parameters
+from ninfer_qwen35.source_mapping import expected_parameters, vision_parameters
 
 
 class WeightsError(ValueError):
@@ -231,7 +231,10 @@ class _Builder:
 def check_weights(config: Qwen35Config, weights: WeightSet, features: tuple[str, ...] = ("text",)) -> None:
     """Raise WeightsError naming every missing or mis-shaped parameter of ``features``."""
     missing, wrong = [], []
-    for name, (_, shape) in expected_parameters(config, features).items():
+    expected = expected_parameters(config, features)
+    if "vision" in features:
+        expected.update(vision_parameters(config))
+    for name, (_, shape) in expected.items():
         if name not in weights:
             missing.append(name)
         elif tuple(weights[name].shape) != shape:

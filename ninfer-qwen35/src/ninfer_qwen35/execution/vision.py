@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from ninfer.models.common.weights import WeightSet
 from ninfer.ops import apply_rope
 from ninfer_qwen35.config import Qwen35Config
-from ninfer_qwen35.execution.parameters import WeightsError
-from ninfer_qwen35.source_mapping import _VISION_DEFAULTS, vision_parameters
+from ninfer_qwen35.execution.parameters import check_weights
+from ninfer_qwen35.source_mapping import _VISION_DEFAULTS
 
 LAYER_NORM_EPS = 1e-6  # every vision LayerNorm (blocks and merger), fixed in HF's modeling code
 _ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}  # hidden_act -> F.gelu(approximate=...)
@@ -153,19 +153,7 @@ class VisionParams:
 
 def check_vision_weights(config: Qwen35Config, weights: WeightSet) -> None:
     """Raise WeightsError naming every missing or mis-shaped vision parameter."""
-    missing, wrong = [], []
-    for name, (_, shape) in vision_parameters(config).items():
-        if name not in weights:
-            missing.append(name)
-        elif tuple(weights[name].shape) != shape:
-            wrong.append(f"{name} {tuple(weights[name].shape)} (want {shape})")
-    if missing or wrong:
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} missing: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
-        if wrong:
-            parts.append(f"{len(wrong)} with the wrong shape: {', '.join(wrong[:8])}{' ...' if len(wrong) > 8 else ''}")
-        raise WeightsError("Qwen3.5 vision weights do not match the config: " + "; ".join(parts))
+    check_weights(config, weights, ("vision",))
 
 
 Grid = tuple[int, int, int]
