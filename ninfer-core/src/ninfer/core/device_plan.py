@@ -189,6 +189,7 @@ def plan_memory(profile: ModelProfile, options: StartupOptions, room: DeviceRoom
     host = plan_host(options, room.is_cuda, cand, host_available)
     left = None if avail is None else avail - fixed
     cache_slots = _explicit_cache(options, cand)
+    auto_cache = left is not None and options.expert_cache_bytes is None and cand.expert_bytes > 0
     slots = _checkpoint_slots(options, profile.state_slot_bytes, left)
     checkpoint = slots * profile.state_slot_bytes
     if options.num_pages is not None:
@@ -197,12 +198,9 @@ def plan_memory(profile: ModelProfile, options: StartupOptions, room: DeviceRoom
             raise PlanError(f"num_pages={pages} needs {format_bytes(pages * page_bytes)} of KV, but after the fixed needs "
                             f"({format_bytes(fixed)}) and {slots} checkpoint slots ({format_bytes(checkpoint)}) {_room(room)} "
                             f"leaves {format_bytes(max(0, left - checkpoint))}")
-        if left is not None and options.expert_cache_bytes is None and cand.expert_bytes:
-            spare = left - checkpoint - pages * page_bytes
-            cache_slots = max(0, min(cand.experts, spare // cand.expert_bytes))
     else:
         kv_room = CPU_KV_BUDGET if left is None else left - checkpoint
-        if left is not None and options.expert_cache_bytes is None and cand.expert_bytes:
+        if auto_cache:
             share = max(0, kv_room - minimum * page_bytes) // 2
             cache_slots = min(cand.experts, share // cand.expert_bytes)
             kv_room -= cache_slots * cand.expert_bytes
@@ -212,12 +210,12 @@ def plan_memory(profile: ModelProfile, options: StartupOptions, room: DeviceRoom
                 raise PlanError(f"checkpoint_slots={slots} ({format_bytes(checkpoint)}) leave fewer than {minimum} KV "
                                 f"pages after the fixed needs ({format_bytes(fixed)}); {_room(room)}")
             slots, checkpoint = 0, 0
-            if options.expert_cache_bytes is None:
+            if auto_cache:
                 cache_slots = 0
             pages = min(max(0, left) // page_bytes, useful) if left is not None else useful
-        if left is not None and options.expert_cache_bytes is None and cand.expert_bytes:  # what KV cannot use
-            spare = left - checkpoint - pages * page_bytes - cache_slots * cand.expert_bytes
-            cache_slots += max(0, min(cand.experts - cache_slots, spare // cand.expert_bytes))
+    if auto_cache:  # the cache also takes what the KV pages cannot use
+        spare = left - checkpoint - pages * page_bytes - cache_slots * cand.expert_bytes
+        cache_slots += max(0, min(cand.experts - cache_slots, spare // cand.expert_bytes))
     return MemoryPlan(profile=profile, placement=cand, room=room, weights_bytes=weights, state_bytes=state,
                       checkpoint_slots=slots, checkpoint_bytes=checkpoint, backing_bytes=profile.backing_bytes,
                       workspace_bytes=profile.workspace_bytes, graph_bytes=graphs, headroom_bytes=headroom,
