@@ -69,6 +69,14 @@ def _cpu_ranges(cpus: Sequence[int]) -> str:
     return ",".join(parts)
 
 
+def default_threads() -> int:
+    """The team size ``threads=None`` gives: the CPUs this process may use minus one for the control thread
+    (at least 1, at most ``MAX_DEFAULT_THREADS``)."""
+    allowed = _allowed_cpus()
+    usable = (os.cpu_count() or 1) if allowed is None else len(allowed)
+    return min(MAX_DEFAULT_THREADS, max(1, usable - 1))
+
+
 def _resolve_cpus(threads: int | None, cpus: Sequence[int] | None) -> tuple[int | None, ...]:
     """The CPU of each worker (None: unpinned); its length is the team size. See ``CpuExecutor``."""
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
@@ -91,12 +99,10 @@ def _resolve_cpus(threads: int | None, cpus: Sequence[int] | None) -> tuple[int 
             raise ValueError(f"cpus {_cpu_ranges(outside)} are not among the CPUs this process may use "
                              f"({_cpu_ranges(allowed)})")
         return chosen
+    count = threads if threads is not None else default_threads()
     if allowed is None:
-        usable = max(1, (os.cpu_count() or 1) - 1)
-        count = threads if threads is not None else min(MAX_DEFAULT_THREADS, usable)
         return (None,) * count
     pool = allowed[1:] if len(allowed) > 1 else allowed  # the first allowed CPU stays with the control thread
-    count = threads if threads is not None else min(MAX_DEFAULT_THREADS, len(pool))
     return tuple(pool[i % len(pool)] for i in range(count))
 
 

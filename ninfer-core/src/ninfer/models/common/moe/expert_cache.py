@@ -34,14 +34,10 @@ class ExpertCache:
         self.down = torch.empty((self.slots, *down_shape), dtype=dtype, device=device)
         self.transfers = transfers
         self.slot_of = np.full((layers, experts), -1, dtype=np.int64)  # resident or loading: the slot, else -1
-        self.owner = np.full((max(self.slots, 1),), -1, dtype=np.int64)  # layer * experts + expert, -1 free
+        self.owner = np.full((self.slots,), -1, dtype=np.int64)  # layer * experts + expert, -1 free
         self.score = np.zeros((layers, experts), dtype=np.float64)
         self.loading: dict[int, object] = {}  # slot -> completion of its upload (not looked up as a hit before)
         self.experts = experts
-
-    @property
-    def nbytes(self) -> int:
-        return self.gate_up.nbytes + self.down.nbytes
 
     def observe(self, layer: int, ids: np.ndarray) -> None:
         """Decay the layer's scores and count this call's routed pairs (``ids``: expert numbers)."""
@@ -90,13 +86,11 @@ class ExpertCache:
 
     def _victim(self, score: float) -> int | None:
         """A free slot, else the resident (not loading) slot of the lowest score below ``score``, else None."""
-        free = np.flatnonzero(self.owner[:self.slots] < 0)
+        free = np.flatnonzero(self.owner < 0)
         if free.size:
             return int(free[0])
-        owners = self.owner[:self.slots]
-        scores = self.score.reshape(-1)[owners]
+        scores = self.score.reshape(-1)[self.owner]  # a copy (fancy indexing)
         if self.loading:
-            scores = scores.copy()
             scores[list(self.loading)] = np.inf
         slot = int(np.argmin(scores))
         return slot if scores[slot] < score else None

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ninfer import env
-from ninfer.core.cpu_executor import CpuExecutor
+from ninfer.core.cpu_executor import CpuExecutor, default_threads
 from ninfer.models.common.moe.cpu_experts import ExpertRows, cpu_experts
 from ninfer.models.common.moe.expert_cache import ExpertCache
 from ninfer.models.common.moe.stats import ExpertStats
@@ -47,12 +47,8 @@ PREFETCH_PER_CALL = 8  # uploads of predicted next-layer experts a mixed call ma
 
 
 def default_team() -> CpuExecutor:
-    """A team of up to ``TEAM_THREADS`` workers on the CPUs this process may use, leaving one to the control
-    thread."""
-    import os
-
-    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return CpuExecutor(max(1, min(TEAM_THREADS, allowed - 1)))
+    """The CPU team's default (the allowed CPUs less the control thread's), at most ``TEAM_THREADS`` workers."""
+    return CpuExecutor(min(TEAM_THREADS, default_threads()))
 
 
 def staging_bytes(gate_up: torch.Tensor, down: torch.Tensor) -> int:
@@ -108,10 +104,6 @@ class HostExperts:
     @property
     def stats(self) -> ExpertStats:
         return ExpertStats(**self._counts)
-
-    @property
-    def cache_bytes(self) -> int:
-        return self.cache.nbytes
 
     def close(self) -> None:
         """Stop the CPU team (also done when this runtime is collected)."""
@@ -212,9 +204,9 @@ class HostExperts:
         gate_up, down = self.staging[buffer]
         out = moe_experts(x, gate_up, down, ids, weights)
         self._stage((layer + 1) % len(self.banks))  # the next layer goes up while this one computes
-        counts = torch.bincount(ids.reshape(-1), minlength=gate_up.shape[0]).cpu().numpy()
-        hot = np.flatnonzero(counts)
-        self.cache.observe(layer, np.repeat(hot, counts[hot]))
+        routed = ids.reshape(-1).cpu().numpy()
+        self.cache.observe(layer, routed)
+        hot = np.unique(routed)
         warm = max(1, self.cache.slots // len(self.banks))
         admitted = self.cache.admit(layer, self.cache.by_score(layer, hot), gate_up, down, warm)
         self._add(streamed_pairs=ids.numel(), streamed_calls=1, admitted=admitted)
