@@ -128,7 +128,7 @@ class VisionParams:
     def from_weights(cls, config: Qwen35Config, weights: WeightSet, dtype: torch.dtype | None = None,
                      device: torch.device | str | None = None) -> VisionParams:
         vc = VisionConfig.from_config(config)
-        check_vision_weights(config, weights)
+        check_weights(config, weights, ("vision",))
         first = weights["visual.patch_embed.proj.weight"]
         dtype = dtype if dtype is not None else first.dtype
         device = torch.device(device) if device is not None else first.device
@@ -150,10 +150,6 @@ class VisionParams:
                    pos_embed=w("visual.pos_embed.weight"), blocks=blocks, merger_norm=affine("visual.merger.norm"),
                    merger_fc1=affine("visual.merger.linear_fc1"), merger_fc2=affine("visual.merger.linear_fc2"))
 
-
-def check_vision_weights(config: Qwen35Config, weights: WeightSet) -> None:
-    """Raise WeightsError naming every missing or mis-shaped vision parameter."""
-    check_weights(config, weights, ("vision",))
 
 
 Grid = tuple[int, int, int]
