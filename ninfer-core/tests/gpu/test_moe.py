@@ -123,17 +123,23 @@ def test_cuda_graph_replays_as_eager(case, tokens):
     with torch.cuda.graph(graph):
         moe_experts(*static, out=out)
     for _ in range(2):
-        for captured, new in zip((x, ids, weights), routing(case, A3B[0], A3B[1], A3B[2], tokens, torch.bfloat16),
-                                 strict=True):
-            captured.copy_(new)
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+        replay_with_new_routing(case, graph, static, out, tokens)
         assert torch.equal(out, moe_experts(x, gate_up, down, ids, weights))
 
 
+def replay_with_new_routing(case, graph, static, out, tokens: int) -> None:
+    """Copy fresh activations and a fresh routing into the captured inputs, poison the output, replay."""
+    x, _, _, ids, weights = static
+    for captured, new in zip((x, ids, weights), routing(case, A3B[0], A3B[1], A3B[2], tokens, torch.bfloat16),
+                             strict=True):
+        captured.copy_(new)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+
+
 def test_dispatch_reaches_the_kernel(case, monkeypatch):
-    """ops.moe.moe_experts hands CUDA tensors to the kernel when Triton is asked for (it is not listed yet)."""
+    """ops.moe.moe_experts hands CUDA tensors to the kernel (under NINFER_OPS=triton, as when listed)."""
     from ninfer.ops import moe as ops_moe
     from ninfer.ops.triton.moe import moe_experts
 
@@ -232,12 +238,7 @@ def test_cuda_graph_with_the_alignment_kernel(case, align_launches, monkeypatch,
             moe_experts(*static, out=out)
     assert len(align_launches) == 2
     for _ in range(2):
-        for captured, new in zip((x, ids, weights), routing(case, A3B[0], A3B[1], A3B[2], tokens, torch.bfloat16),
-                                 strict=True):
-            captured.copy_(new)
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+        replay_with_new_routing(case, graph, static, out, tokens)
         assert torch.equal(out, moe_experts(x, gate_up, down, ids, weights))
         with monkeypatch.context() as mp:
             assert torch.equal(out, torch_aligned(mp)(x, gate_up, down, ids, weights))
