@@ -20,10 +20,10 @@ Sizes depend on the shapes only and nothing is read back to the host, so it is C
 whose id is outside [0, experts) (a broken routing: the torch steps fail on it, which a graph cannot report)
 is left out of the layout, so nothing downstream reads or writes out of bounds for it.
 
-``MAX_PAIRS`` = 2048 (256 decode tokens at top-8) bounds the routing. The program compiles for sm_90 without
-register spills at 4 pairs per thread up to 4096 pairs (32 warps, 54 registers; 8192 spills at the 64
-registers that 1024 threads leave each), but its sort runs on one SM with work growing as n·log²n, while from
-a few hundred tokens on the grouped GEMMs dwarf the launches it saves: past 2048 pairs the torch steps run.
+``MAX_PAIRS`` = 2048 (256 decode tokens at top-8) bounds the routing: larger routings still compile without
+spills up to a point (docs/kernels.md has the register figures), but the sort runs on one SM with work
+growing as n·log²n, while from a few hundred tokens on the grouped GEMMs dwarf the launches it saves: past
+2048 pairs the torch steps run.
 """
 
 from __future__ import annotations

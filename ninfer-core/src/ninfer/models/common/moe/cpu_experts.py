@@ -4,7 +4,7 @@ One collective per call: the team's ranks take contiguous ranges of the missed e
 experts whole (gate_up, silu(gate)·up, down) for the tokens routed to them, into the expert's own output rows;
 the caller then adds the weighted rows into the output in one step. Whole experts keep every matrix product the
 same shape from call to call (the CPU GEMM libraries cache their plans by shape; splitting experts into
-varying column ranges made each call re-plan and ran ~10x slower on the H200's host), and no two ranks write
+varying column ranges made each call re-plan, many times slower: docs/performance.md), and no two ranks write
 the same bytes. Scratch comes from the caller before the collective. Rounding follows
 ``ninfer.ops.moe.moe_experts_ref``: projections, silu(gate)·up and each pair's weighted output are rounded to
 the activations' dtype, and the sum over pairs is in that dtype too.
