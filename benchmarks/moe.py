@@ -46,6 +46,8 @@ from benchmarks.moe_runs import (
     head_ms,
     on_instance,
     prefill_run,
+    print_profile,
+    profile_run,
     routing_spread,
     stats_delta,
 )
@@ -86,6 +88,11 @@ def measure(program, config, cfg: dict, args, device: str, full_cfg: dict, bw: f
         res["decode"].append(row)
         print(f"#   decode B={B}: {row['ms_per_step']:.3f} ms/step ({L} layers), full depth "
               f"{_f(row['full_ms'], '.3f')} ms, {_f(row['full_of_floor'], '.2f')} of the floor", flush=True)
+    if args.profile:
+        tag = "host_experts" if stats else "all_device"
+        out = Path(args.json).with_name(f"profile_{tag}.txt") if args.json else None
+        res["profile"] = profile_run(program, config, device, 1, args.context, args.profile, out)
+        print_profile(tag, res["profile"])
     before = stats() if stats else None
     p = prefill_run(program, config, device, args.prefill, args.prefill_chunk)
     if stats:
@@ -277,6 +284,8 @@ def parse_args(argv=None):
     p.add_argument("--host-variants", nargs="*", default=[], metavar="PREFETCH,ADMIT,TEAM",
                    help="after the host-experts run, decode B=1 again with these uploads per call and team sizes "
                         "(e.g. 0,0,8 for no uploads), on the same instance")
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="also profile STEPS decode steps at B=1 in each placement (kernels and host ops per step)")
     p.add_argument("--hf-new-tokens", type=int, default=32)
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers baseline")
     p.add_argument("--workdir", default=None, help="folder for the checkpoint and artifact (default: temp dir)")

@@ -31,11 +31,11 @@ def run(tmp_path_factory):
     out, work = root / "moe.json", root / "work"
     argv = ["--shape", "tiny", "--layers", str(LAYERS), "--device", "cpu", "--context", "12", "--steps", "3",
             "--prefill", "40", "--prefill-chunk", "16", "--budget-gib", "0.01", "--hf-new-tokens", "2",
-            "--host-variants", "0,0,1", "--workdir", str(work), "--json", str(out)]
+            "--host-variants", "0,0,1", "--profile", "2", "--workdir", str(work), "--json", str(out)]
     stdout = io.StringIO()  # capsys is per test; the run is per module
     with contextlib.redirect_stdout(stdout):
         code = moe.main(argv)
-    return {"code": code, "json": json.loads(out.read_text()), "table": stdout.getvalue(), "work": work}
+    return {"code": code, "json": json.loads(out.read_text()), "json_path": out, "table": stdout.getvalue(), "work": work}
 
 
 def _positive(x) -> bool:
@@ -143,3 +143,13 @@ def test_the_checkpoint_is_written_shard_by_shard_in_the_published_layout(tmp_pa
     router = tensors["model.layers.0.mlp.gate.weight"].float()
     assert 0.01 < float(router.std()) < 0.04  # random, so tokens spread over the experts
     assert sum(t.numel() * t.element_size() for t in tensors.values()) == total
+
+
+def test_profile_lists_host_ops_per_step_in_both_placements(run):
+    for key in ("all_device", "host_experts"):
+        prof = run["json"][key]["profile"]
+        assert prof["batch"] == 1 and prof["steps"] == 2 and _positive(prof["ms_per_step_profiled"])
+        assert prof["kernels"] == [] and prof["device_busy_ms_per_step"] == 0  # the CPU records no device kernels
+        assert prof["host"] and all(_positive(e["calls_per_step"]) for e in prof["host"])
+        assert (run["json_path"].parent / f"profile_{key}.txt").is_file()
+    assert "#   profile host_experts B=1" in run["table"]

@@ -46,7 +46,7 @@ from ninfer.contract.model import (
     SnapshotCost,
     Startup,
 )
-from ninfer.contract.prompt import ChatInput, MediaItem, MediaSpan, PreparedPrompt, TextInput
+from ninfer.contract.prompt import ChatInput, MediaItem, MediaSpan, PreparedPrompt, TextInput, VisionItem
 from ninfer.contract.request import GenerationRequest, SamplingParams
 from ninfer.contract.resources import FrontendResources
 from ninfer.contract.state import KVPoolSpec, StateField, StateImageLayout
@@ -56,5 +56,5 @@ __all__ = [
     "GrammarConstraint", "GraphMemory", "HostMemory", "JsonConstraint", "MaskFill", "RegexConstraint", "TokenMasks", "ToolCallConstraint", "ContextStore", "EngineConfig", "FinishReason", "Frontend", "FrontendResources", "GenerationRequest", "GenerationResult", "GenerationStart",
     "KVPoolSpec", "LaunchedUnit", "MediaItem", "MediaSpan", "MemorySummary", "ModelInstance", "ModelProfile", "OutputDelta", "OutputSession", "PendingBatch",
     "PendingRow", "PipelinedDecode", "PreparedPrompt", "Preview", "Program", "ProgramCapacity", "PromptTooLong", "ResourceUsage", "RowDecision", "SamplingParams", "SnapshotCost", "StateField", "StateImageLayout",
-    "Startup", "StartupFeatures", "StartupOptions", "TextInput", "Timings", "TurnBoundary", "Usage", "WeightPlacement",
+    "Startup", "StartupFeatures", "StartupOptions", "TextInput", "VisionItem", "Timings", "TurnBoundary", "Usage", "WeightPlacement",
 ]

@@ -11,11 +11,26 @@ from ninfer.contract._validate import token_ids
 
 @attrs.frozen(kw_only=True)
 class MediaItem:
-    """One image or video a request carries, as acquired bytes (decoding belongs to the Frontend)."""
+    """One image or video a request carries, as acquired bytes (decoding belongs to the Frontend).
+
+    An image is its encoded file in ``data``. A video is its sampled frames in ``frames`` (each an encoded image,
+    in time order; choosing frames from a video file is the caller's), taken at ``fps`` frames per second: the
+    Qwen3.5 prompt puts each frame group's timestamp before it (None: the Frontend's default rate).
+    """
 
     kind: Literal["image", "video"]
-    data: bytes = attrs.field(repr=lambda b: f"<{len(b)} bytes>")
+    data: bytes = attrs.field(default=b"", repr=lambda b: f"<{len(b)} bytes>")
     mime_type: str | None = None
+    frames: tuple[bytes, ...] = attrs.field(default=(), converter=tuple, repr=lambda f: f"<{len(f)} frames>")
+    fps: float | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.kind == "image" and (not self.data or self.frames):
+            raise ValueError("an image MediaItem needs its bytes in data and no frames")
+        if self.kind == "video" and (not self.frames or self.data or not all(self.frames)):
+            raise ValueError("a video MediaItem needs its sampled frames (non-empty encoded images) and no data")
+        if self.fps is not None and not self.fps > 0:
+            raise ValueError(f"fps must be positive, got {self.fps}")
 
 
 @attrs.frozen(kw_only=True)
@@ -45,12 +60,38 @@ class ChatInput:
 
 @attrs.frozen(kw_only=True)
 class MediaSpan:
-    """Where one media item's placeholder tokens sit in the prompt, with its patch grid (t, h, w)."""
+    """Where one run of placeholder tokens sits in the prompt: tokens ``start .. start + length`` take rows
+    ``offset .. offset + length`` of the encoder output of ``PreparedPrompt.vision[item_index]``. ``grid_thw`` is
+    the run's own patch grid (t, h, w) in encoder patches (before the 2x2 merge), which MRoPE positions follow:
+    an image is one span with its whole grid; a video is one span per temporal patch group (grid (1, h, w),
+    ``offset`` = group x h·w/4), since the Qwen3.5 processor puts a timestamp before each group."""
 
     item_index: int
     start: int
     length: int
     grid_thw: tuple[int, int, int]
+    offset: int = 0
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class VisionItem:
+    """One preprocessed image or video, what the Program's vision encoder consumes (built by the Frontend).
+
+    ``pixel_values`` [patches, C·T·P·P] float32: a CPU torch.Tensor, rows in the processor's patch order.
+    ``grid_thw`` (t, h, w) in patches (patches = t·h·w); the encoder yields t·h·w/4 embedding rows.
+    ``digest``: the item's identity (hex SHA-256 of its grid and pixel values): the context cache mixes it into
+    the prefix digest of the placeholder tokens, so the same media reuses a prefix and different media never does.
+    """
+
+    kind: Literal["image", "video"]
+    pixel_values: Any = attrs.field(repr=lambda t: f"<pixels {tuple(t.shape)}>")
+    grid_thw: tuple[int, int, int] = attrs.field(converter=tuple)
+    digest: str
+
+    @property
+    def embedding_rows(self) -> int:
+        t, h, w = self.grid_thw
+        return t * h * w // 4
 
 
 @attrs.frozen(kw_only=True)
@@ -69,6 +110,7 @@ class PreparedPrompt:
     token_ids: tuple[int, ...] = attrs.field(converter=tuple, validator=token_ids)
     media: tuple[MediaItem, ...] = attrs.field(default=(), converter=tuple)
     media_spans: tuple[MediaSpan, ...] = attrs.field(default=(), converter=tuple)
+    vision: tuple[VisionItem, ...] = attrs.field(default=(), converter=tuple)
     reasoning_open: bool = False
     tools: tuple[dict[str, Any], ...] = attrs.field(default=(), converter=tuple)
     text: str | None = None

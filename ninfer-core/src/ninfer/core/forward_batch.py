@@ -29,6 +29,10 @@ class ForwardBatch:
     block_tables [B, P] int32 (KV page ids per sequence; unused entries may hold any valid page id);
     slot_mapping [N] int64 (flat KV index page * page_size + offset where each new token's K/V goes);
     logits_indices [M] int64 (rows of the N new tokens whose logits are wanted).
+    Vision (all None in a text-only batch): ``mrope_positions`` [3, N] int64, the (t, h, w) rotary positions of
+    every new token when a sequence's chunk holds media placeholders (None: all three axes are ``positions``,
+    which then already carry each sequence's MRoPE offset); ``vision_rows`` [M] int64 and ``vision_embeds``
+    [M, H]: the encoder's embeddings that replace the token embeddings of those rows of the N new tokens.
     ``max_query_len`` / ``max_seq_len`` are host ints for kernel grids (no device sync needed).
     ``all_initial_state`` is the host copy of ``has_initial_state.all()`` when the builder knows it: a
     model with recurrent state may take a batched decode path only when every row continues a state.
@@ -48,6 +52,9 @@ class ForwardBatch:
     max_query_len: int
     max_seq_len: int
     all_initial_state: bool | None = None
+    mrope_positions: torch.Tensor | None = None
+    vision_rows: torch.Tensor | None = None
+    vision_embeds: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
