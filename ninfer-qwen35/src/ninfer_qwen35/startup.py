@@ -201,7 +201,7 @@ def activation_width(config: Qwen35Config) -> int:
 def _checked(artifact: Any, options: StartupOptions) -> tuple[Qwen35Config, tuple[str, ...]]:
     """The config and the features to bind; refuses what this Startup cannot run."""
     features = options.features
-    if features.vision:
+    if features.vision:  # None (bind it when present) starts text only until the Program runs the encoder
         raise StartupError("Qwen3.5 Vision is not implemented yet; start without the vision feature")
     if features.speculative not in (None, "mtp"):
         raise StartupError(f"speculative backend {features.speculative!r} is not implemented yet for Qwen3.5")

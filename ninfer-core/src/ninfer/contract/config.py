@@ -29,17 +29,20 @@ MAX_DRAFT_TOKENS = 3
 class StartupFeatures:
     """Features selected at startup: Text is always on; Vision optional; none or one spec backend.
 
+    ``vision``: None binds the vision encoder when the artifact carries it; True requires it (a start on an
+    artifact without it fails, naming the problem); False leaves it unread (requests with media are refused).
+
     ``num_draft_tokens``: draft tokens a speculative backend proposes per step (1..3; the verify step runs
     1 + that many positions per row). It means nothing without ``speculative``.
     """
 
-    vision: bool = attrs.field(default=False)
+    vision: bool | None = attrs.field(default=None)
     speculative: Literal["mtp", "dflash", "dflash2"] | None = attrs.field(default=None)
     num_draft_tokens: int = attrs.field(default=2)
 
     @vision.validator
     def _vision(self, attribute: attrs.Attribute, value: Any) -> None:
-        _flag()(self, attribute, value)
+        _flag(optional=True)(self, attribute, value)
 
     @speculative.validator
     def _speculative(self, attribute: attrs.Attribute, value: Any) -> None:
