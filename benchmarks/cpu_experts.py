@@ -28,42 +28,38 @@ def _time_ms(fn, iters: int = 20, warmup: int = 5) -> float:
 
 
 def bench_rows(n: int, args, gate_up: torch.Tensor, down: torch.Tensor, per_expert: int) -> list[dict]:
-    """Every way of computing ``args.experts`` missed experts for ``n`` token rows, timed."""
-    dtype, (_, H, inter) = gate_up.dtype, down.shape
+    """Every way of computing ``args.experts`` missed experts for ``n`` token rows, timed: the same experts on
+    every call (cache-warm), and with ``args.cold`` a fresh random set of the bank's experts per call (read from
+    DRAM, as a decode step meets them)."""
+    dtype, (E, H, inter) = gate_up.dtype, down.shape
     x = (torch.randn(n, H) * 0.5).to(dtype)
-    experts = list(range(3, 3 + args.experts))
+    gen = torch.Generator().manual_seed(n)
+    fixed = list(range(3, 3 + args.experts))
     out = torch.zeros(n, H, dtype=dtype)
 
-    def work() -> list[ExpertRows]:
+    def pick(cold: bool) -> list[int]:
+        return torch.randperm(E, generator=gen)[:args.experts].tolist() if cold else fixed
+
+    def work(cold: bool) -> list[ExpertRows]:
         return [ExpertRows(expert=e, rows=torch.arange(n), x=x, weights=torch.full((n, 1), 0.1, dtype=dtype),
-                           hidden=torch.empty(n, inter, dtype=dtype)) for e in experts]
+                           y=torch.empty(n, H, dtype=dtype)) for e in pick(cold)]
 
-    def whole_expert(e: int) -> None:
-        h = F.linear(x, gate_up[e])
-        g, u = h.split(inter, dim=-1)
-        F.linear(F.silu(g) * u, down[e])
-
-    def serial() -> None:
-        for e in experts:
-            whole_expert(e)
-
-    def per_rank(team: CpuExecutor) -> None:
-        @torch.inference_mode()
-        def fn(rank: int, size: int) -> None:
-            for i in CpuExecutor.split(len(experts), rank, size):
-                whole_expert(experts[i])
-        team.run(fn)
+    def serial(cold: bool) -> None:
+        for e in pick(cold):
+            g, u = F.linear(x, gate_up[e]).split(inter, dim=-1)
+            F.linear(F.silu(g) * u, down[e])
 
     results = []
-    with torch.inference_mode():
-        results.append(_row(n, "torch ops on the caller (intra-op threads)", _time_ms(serial), args, per_expert))
-    for t in args.threads:
-        with CpuExecutor(t) as team:
-            for name, fn in ((f"cpu_experts, team of {t}", lambda: cpu_experts(team, work(), gate_up, down, out)),
-                             (f"cpu_experts, no keep_active, team of {t}",
-                              lambda: cpu_experts(team, work(), gate_up, down, out, keep_active=False)),
-                             (f"whole experts per rank, team of {t}", lambda: per_rank(team))):
-                results.append(_row(n, name, _time_ms(fn), args, per_expert))
+    for cold in (False, True) if args.cold else (False,):
+        tag = "cold" if cold else "warm"
+        with torch.inference_mode():
+            results.append(_row(n, f"{tag}: torch ops on the caller ({torch.get_num_threads()} intra-op threads)",
+                                _time_ms(lambda c=cold: serial(c)), args, per_expert))
+        for t in args.threads:
+            with CpuExecutor(t) as team:
+                results.append(_row(n, f"{tag}: cpu_experts, team of {t}",
+                                    _time_ms(lambda c=cold: cpu_experts(team, work(c), gate_up, down, out)), args,
+                                    per_expert))
     return results
 
 
@@ -80,6 +76,8 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4])
     p.add_argument("--threads", type=int, nargs="+", default=[15, 8, 4])
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--cold", action="store_true", help="also time random experts of the whole bank per call")
+    p.add_argument("--pin", action="store_true", help="pin the banks (as host experts beside a CUDA model are)")
     p.add_argument("--json")
     args = p.parse_args(argv)
     cfg = MOE_SHAPES[args.shape]
@@ -87,10 +85,12 @@ def main(argv=None) -> int:
     dtype = getattr(torch, args.dtype)
     gate_up = (torch.randn(E, 2 * inter, H) * 0.02).to(dtype)
     down = (torch.randn(E, H, inter) * 0.02).to(dtype)
+    if args.pin:
+        gate_up, down = gate_up.pin_memory(), down.pin_memory()
     per_expert = (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
     rows_out: list[dict] = []
     print(f"# {args.shape}: H={H} I={inter}, {args.experts} experts of {per_expert / 2**20:.1f} MiB, {args.dtype}; "
-          f"torch threads {torch.get_num_threads()}")
+          f"torch threads {torch.get_num_threads()}, banks {'pinned' if args.pin else 'pageable'}")
     for n in args.rows:
         rows_out += bench_rows(n, args, gate_up, down, per_expert)
     if args.json:

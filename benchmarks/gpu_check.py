@@ -31,7 +31,7 @@ from functools import partial
 import attrs
 import torch
 
-from benchmarks.shapes import SHAPES
+from benchmarks.shapes import MOE_SHAPES, SHAPES
 
 TIMINGS: dict[str, Callable[[Ctx], None]] = {}
 
@@ -813,7 +813,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", default="", help="comma-separated timing names (default: all)")
     p.add_argument("--list", action="store_true", help="list the timings and exit")
-    p.add_argument("--shape", default="9b", choices=sorted(SHAPES))
+    p.add_argument("--shape", default="9b", choices=sorted(SHAPES) + sorted(MOE_SHAPES),
+                   help="a dense shape, or a MoE shape for the dense decode weights' timings (linear)")
     p.add_argument("--out", default=os.environ.get("OUT") or ".gpu-out", help="folder for the log and JSON")
     args = p.parse_args(argv)
     if args.list:
@@ -831,7 +832,7 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
     with open(os.path.join(args.out, "gpu_check.log"), "w") as log_file:
-        ctx = Ctx(args.shape, SHAPES[args.shape], "cuda" if gpu else "cpu",
+        ctx = Ctx(args.shape, SHAPES.get(args.shape) or MOE_SHAPES[args.shape], "cuda" if gpu else "cpu",
                   torch.bfloat16 if gpu else torch.float32, args.out, log_file)
         if gpu:
             import triton

@@ -104,15 +104,19 @@ def measure(program, config, cfg: dict, args, device: str, full_cfg: dict, bw: f
     return res
 
 
-def run_all_device(path: Path, cfg: dict, full_cfg: dict, args, device: str, bw: float) -> dict:
+PDL = {"auto": None, "on": True, "off": False}
+
+
+def run_all_device(path: Path, cfg: dict, full_cfg: dict, args, device: str, bw: float, pdl: str = "auto") -> dict:
+    """``pdl``: programmatic dependent launch as the model prefers it (auto), or forced on / off."""
     from ninfer.contract.config import StartupOptions
 
     options = StartupOptions(device=device, max_concurrency=max(args.batches), max_model_len=_max_len(args),
-                             context_cache=False)
+                             context_cache=False, pdl=PDL[pdl] if device.startswith("cuda") else None)
     t = clock()
 
     def run(inst) -> dict:
-        res: dict = {"start_s": clock() - t, "placement": inst.memory.placement,
+        res: dict = {"start_s": clock() - t, "placement": inst.memory.placement, "pdl": pdl,
                      "graphs": inst.program.graphs is not None, "graph_note": inst.program.graph_error}
         res["routing"] = {B: routing_spread(inst.program, inst.config, B) for B in args.batches if B > 1}
         res.update(measure(inst.program, inst.config, cfg, args, device, full_cfg, bw, measured_distinct(res)))
@@ -284,9 +288,13 @@ def parse_args(argv=None):
     p.add_argument("--host-variants", nargs="*", default=[], metavar="PREFETCH,ADMIT,TEAM",
                    help="after the host-experts run, decode B=1 again with these uploads per call and team sizes "
                         "(e.g. 0,0,8 for no uploads), on the same instance")
+    p.add_argument("--pdl", nargs="+", default=["auto"], choices=sorted(PDL),
+                   help="all-device runs with programmatic dependent launch as the model prefers it, on, off; "
+                        "the first is the reported run, the others add all_device_pdl_<value> to the JSON")
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="also profile STEPS decode steps at B=1 in each placement (kernels and host ops per step)")
     p.add_argument("--hf-new-tokens", type=int, default=32)
+    p.add_argument("--no-host", dest="host", action="store_false", help="skip the host-experts placement")
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers baseline")
     p.add_argument("--workdir", default=None, help="folder for the checkpoint and artifact (default: temp dir)")
     p.add_argument("--json", default=None, help="write every figure here")
@@ -367,11 +375,11 @@ def _run(argv) -> int:
         if not args.hf:
             shutil.rmtree(src)
         save()
-        for key in ("all_device", "host_experts"):
+        for key in ("all_device", "host_experts")[:2 if args.host else 1]:
             print(f"# {key}", flush=True)
             try:
                 common = (art, cfg, full_cfg, args, device, res["copy_tb_s"])
-                res[key] = run_all_device(*common) if key == "all_device" else \
+                res[key] = run_all_device(*common, args.pdl[0]) if key == "all_device" else \
                     run_host_experts(*common, res["plan"], measured_distinct(res["all_device"]))
             except HostExpertsUnavailable as exc:
                 res[key] = {"unavailable": str(exc)}
@@ -380,6 +388,11 @@ def _run(argv) -> int:
                 traceback.print_exc()
                 res[key] = {"error": f"{type(exc).__name__}: {exc}"}
                 failed = True
+            save()
+        for extra in args.pdl[1:]:
+            print(f"# all_device, pdl {extra}", flush=True)
+            once = argparse.Namespace(**{**vars(args), "profile": 0})  # the profile is the first run's
+            res[f"all_device_pdl_{extra}"] = run_all_device(art, cfg, full_cfg, once, device, res["copy_tb_s"], extra)
             save()
         art.unlink()
         if args.hf:

@@ -35,9 +35,12 @@ MOE_SHAPES: dict[str, dict] = {
 
 
 def decode_weight_shapes(cfg: dict) -> list[tuple[int, int]]:
-    """(out, in) of every 2-D weight a decode step reads (all but the input embedding, a row lookup)."""
+    """(out, in) of every 2-D weight a decode step reads (all but the input embedding, a row lookup). For a MoE
+    shape: the dense ones (mixers, the router with the shared expert's gate, the shared expert as the MLP), not
+    the routed expert banks."""
     H, n = cfg["hidden_size"], cfg["num_hidden_layers"]
-    inter = cfg["intermediate_size"]
+    moe = "num_experts" in cfg
+    inter = cfg["shared_expert_intermediate_size"] if moe else cfg["intermediate_size"]
     kd = cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
     vd = cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"]
     hv = cfg["linear_num_value_heads"]
@@ -48,6 +51,6 @@ def decode_weight_shapes(cfg: dict) -> list[tuple[int, int]]:
             out += [(2 * nh * d + 2 * nkv * d, H), (H, nh * d)]
         else:
             out += [(2 * kd + vd + vd + 2 * hv, H), (H, vd)]
-        out += [(2 * inter, H), (H, inter)]
+        out += [(2 * inter, H), (H, inter)] + ([(cfg["num_experts"] + 1, H)] if moe else [])
     out.append((cfg["vocab_size"], H))
     return out

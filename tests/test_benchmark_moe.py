@@ -31,7 +31,7 @@ def run(tmp_path_factory):
     out, work = root / "moe.json", root / "work"
     argv = ["--shape", "tiny", "--layers", str(LAYERS), "--device", "cpu", "--context", "12", "--steps", "3",
             "--prefill", "40", "--prefill-chunk", "16", "--budget-gib", "0.01", "--hf-new-tokens", "2",
-            "--host-variants", "0,0,1", "--profile", "2", "--workdir", str(work), "--json", str(out)]
+            "--host-variants", "0,0,1", "--profile", "2", "--pdl", "auto", "on", "--workdir", str(work), "--json", str(out)]
     stdout = io.StringIO()  # capsys is per test; the run is per module
     with contextlib.redirect_stdout(stdout):
         code = moe.main(argv)
@@ -153,3 +153,9 @@ def test_profile_lists_host_ops_per_step_in_both_placements(run):
         assert prof["host"] and all(_positive(e["calls_per_step"]) for e in prof["host"])
         assert (run["json_path"].parent / f"profile_{key}.txt").is_file()
     assert "#   profile host_experts B=1" in run["table"]
+
+
+def test_a_second_pdl_value_adds_its_all_device_run(run):
+    extra = run["json"]["all_device_pdl_on"]
+    assert extra["pdl"] == "on" and [d["batch"] for d in extra["decode"]] == [1, 8]
+    assert run["json"]["all_device"]["pdl"] == "auto"
