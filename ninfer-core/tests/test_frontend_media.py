@@ -428,3 +428,21 @@ def test_encoded_video_equals_decoded_frames():
     a = preprocess_encoded_video(frames, CFG)
     b = preprocess_video([decode_image(f) for f in frames], CFG)
     assert a.grid_thw == b.grid_thw and torch.equal(a.pixel_values, b.pixel_values)
+
+
+def test_a_prepared_prompt_with_media_passes_through_when_its_spans_hold(frontend):
+    prompt = frontend.prepare(ChatInput(messages=[user("a", IMAGE, VIDEO)], media=[image(), video(frames=4)]))
+    assert frontend.prepare(prompt) is prompt
+    span = prompt.media_spans[1]
+    broken = {
+        "names media item 5": attrs.evolve(span, item_index=5),
+        "has 3 tokens for grid": attrs.evolve(span, length=3),
+        "takes rows past the 8 of media item 1": attrs.evolve(span, offset=6),
+        "covers tokens other than its video's placeholder": attrs.evolve(span, start=span.start - 1),
+        "lies outside the prompt": attrs.evolve(span, start=len(prompt.token_ids) - 2),
+    }
+    for message, bad in broken.items():
+        spans = list(prompt.media_spans)
+        spans[1] = bad
+        with pytest.raises(MediaInputError, match=message):
+            frontend.prepare(attrs.evolve(prompt, media_spans=spans))

@@ -36,6 +36,7 @@ from ninfer.models.common.qwen.media_prompt import (
     VisionNotEnabled,
     canonical_media_parts,
     check_media_parts,
+    check_prepared_media,
     expanded_length,
     fewest_media_tokens,
     placeholder_runs,
@@ -177,6 +178,11 @@ class QwenFrontend:
                 raise VisionNotEnabled(self._without_vision)
             self._check_count(len(input.token_ids), max_tokens)
             self.tokenizer.check_ids(input.token_ids)
+            if input.media_spans:
+                check_prepared_media(input.token_ids, input.media_spans, input.vision,
+                                     merge_size=self._media.config.merge_size,
+                                     image_pad=self.tokenizer.token_id(IMAGE_PAD),
+                                     video_pad=self.tokenizer.token_id(VIDEO_PAD))
             return input
         if isinstance(input, TextInput):
             if input.token_ids is not None:

@@ -119,11 +119,6 @@ def group_times(frames: int, fps: float, temporal_patch_size: int) -> list[float
             for i in range(0, len(indices), temporal_patch_size)]
 
 
-def video_groups(item: MediaItem, temporal_patch_size: int) -> int:
-    """Temporal patch groups of a video item (its frames padded to a multiple of the temporal patch size)."""
-    return math.ceil(len(item.frames) / temporal_patch_size)
-
-
 def video_prompt_text(item: MediaItem, temporal_patch_size: int) -> str:
     """The text a video's placeholder becomes before widening: per group its timestamp and one pad."""
     fps = DEFAULT_VIDEO_FPS if item.fps is None else item.fps
@@ -205,3 +200,24 @@ def fewest_media_tokens(media: Sequence[MediaItem], *, min_image_pixels: int, fa
     holds: an image is resized to at least ``min_image_pixels``, a token per ``factor``² pixels."""
     images = sum(1 for item in media if item.kind == "image")
     return images * (math.ceil(min_image_pixels / factor ** 2) - 1)
+
+
+def check_prepared_media(ids: Sequence[int], spans: Sequence[MediaSpan], vision: Sequence[Any], *, image_pad: int,
+                         video_pad: int, merge_size: int) -> None:
+    """MediaInputError unless each span of a given PreparedPrompt lies on its item's pad tokens, within the
+    prompt, and within its item's encoder rows (what the Program relies on)."""
+    for index, span in enumerate(spans):
+        where = f"media_spans[{index}]"
+        if not 0 <= span.item_index < len(vision):
+            raise MediaInputError(f"{where} names media item {span.item_index}, the prompt has {len(vision)}")
+        item = vision[span.item_index]
+        t, h, w = span.grid_thw
+        if min(span.grid_thw) <= 0 or span.length != t * h * w // merge_size ** 2 or span.length <= 0:
+            raise MediaInputError(f"{where} has {span.length} tokens for grid {span.grid_thw}")
+        if span.start < 0 or span.start + span.length > len(ids):
+            raise MediaInputError(f"{where} lies outside the prompt's {len(ids)} tokens")
+        if span.offset < 0 or span.offset + span.length > item.embedding_rows:
+            raise MediaInputError(f"{where} takes rows past the {item.embedding_rows} of media item {span.item_index}")
+        pad = image_pad if item.kind == "image" else video_pad
+        if any(token != pad for token in ids[span.start:span.start + span.length]):
+            raise MediaInputError(f"{where} covers tokens other than its {item.kind}'s placeholder")
