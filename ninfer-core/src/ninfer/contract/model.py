@@ -237,6 +237,7 @@ class ModelInstance:
     frontend: Frontend
     program: Program | None
     memory: MemorySummary | None = None  # what the start took (set by the runtime's startup)
+    features: tuple[str, ...] = attrs.field(default=("text",), converter=tuple)  # bound: "text", "vision", "mtp"
 
 
 @runtime_checkable
