@@ -237,6 +237,7 @@ class ModelInstance:
     frontend: Frontend
     program: Program | None
     memory: MemorySummary | None = None  # what the start took (set by the runtime's startup)
+    features: tuple[str, ...] = ("text",)  # the features bound at startup: "vision" when the encoder is
 
 
 @runtime_checkable
