@@ -16,6 +16,7 @@ vision feature, or refuses the image request at ``submit``. A failure after that
 from __future__ import annotations
 
 import io
+import shutil
 import statistics
 import time
 import traceback
@@ -30,9 +31,15 @@ QUESTION = "Describe this image in one sentence."
 def run(args, device: str, vision: dict, workdir: Path) -> dict:
     from benchmarks.load_throughput import _host
     from ninfer_convert.convert import convert_checkpoint
+    from ninfer_qwen35.testing.checkpoints import make_tokenizer_json
 
     src, art = workdir / "hf", workdir / "model.ninfer"
     res: dict = {"text_shape": args.text_shape, "side": args.ttft_side, "repeats": args.ttft_repeats}
+    need = 2.05 * vw.checkpoint_bytes(vw.vl_config(args.text_shape, vision, make_tokenizer_json()[1]))
+    free = shutil.disk_usage(workdir).free
+    if free < need:  # checkpoint and artifact side by side
+        raise RuntimeError(f"{workdir} has {free / 1e9:.1f} GB free; the {args.text_shape} checkpoint and its "
+                           f"artifact need about {need / 1e9:.1f} GB (pass --workdir)")
     t = clock()
     cfg = vw.write_vl_checkpoint(src, args.text_shape, vision, device)
     res["write_s"], res["checkpoint_bytes"] = clock() - t, vw.checkpoint_bytes(cfg)
