@@ -76,6 +76,8 @@ def test_shape_errors_are_clear():
         vision_attention(q, k, v, PackedSequences.of([4, 5], "cpu"))
     with pytest.raises(ValueError, match="must be"):
         vision_attention(q, k[:, :1], v, PackedSequences.of([4, 4], "cpu"))
+    with pytest.raises(ValueError, match="share a dtype"):
+        vision_attention(q, k.double(), v, PackedSequences.of([4, 4], "cpu"))
 
 
 _INTERPRETED = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"

@@ -71,6 +71,8 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: PackedSequen
     if q.dim() != 3 or k.shape != q.shape or v.shape != q.shape or q.shape[0] != seqs.total:
         raise ValueError(f"vision_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must be "
                          f"[N, H, D] alike with N = {seqs.total} (the packed lengths' sum)")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"vision_attention: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.device != seqs.cu_seqlens.device:
         raise ValueError(f"vision_attention: q is on {q.device}, cu_seqlens on {seqs.cu_seqlens.device}")
 
