@@ -100,7 +100,8 @@ class Qwen35Startup:
         host = placement.name == HOST_EXPERTS
         dev = Device.parse(options.device)
         frontend = QwenFrontend.from_resources(artifact.frontend, chat_template_override=options.chat_template,
-                                               special_tokens_in_content=options.special_tokens_in_content)
+                                               special_tokens_in_content=options.special_tokens_in_content,
+                                               vision="vision" in features)
         banks = _bank_objects(artifact, features) if host else frozenset()
         weights, report = load_weights(artifact, features=features, device=str(dev), host_objects=banks)
         compute = _compute_dtype(options, weights[EMBED].dtype)

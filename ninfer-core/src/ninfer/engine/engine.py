@@ -226,6 +226,9 @@ class Engine:
         core = getattr(self, "_core", None)
         if core is not None:
             core.close(drain=drain, timeout=timeout)
+        frontend = getattr(self, "frontend", None)
+        if frontend is not None:
+            frontend.close()  # its media threads, after the worker: no request prepares any more
 
     def __enter__(self) -> Engine:
         return self

@@ -50,7 +50,7 @@ class TinyVL:
     vision: Qwen35Vision
 
 
-def _randomise(model: torch.nn.Module, seed: int) -> None:
+def randomise(model: torch.nn.Module, seed: int) -> None:
     """HF's init is near-zero: every weight gets an O(1) effect, so the images and every position matter."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -76,7 +76,7 @@ def tiny_vl(seed: int = 3) -> TinyVL:
                                      video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
     cfg.text_config._attn_implementation = "eager"
     hf = transformers.Qwen3_5ForConditionalGeneration(cfg).eval()
-    _randomise(hf, seed)
+    randomise(hf, seed)
     config = parse_config(cfg.to_dict())
     by_feature: dict[str, dict[str, torch.Tensor]] = {"text": {}, "vision": {}}
     for name, t in hf.state_dict().items():
