@@ -248,7 +248,7 @@ def test_frame_tables_are_evicted_by_bytes():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("size", sorted(SIZES))
-@pytest.mark.parametrize("ops", ["auto", "triton"])
+@pytest.mark.parametrize("ops", ["auto"])  # "triton": the quarantined attention kernel (docs/kernels.md)
 def test_cuda_path_matches_fp32_reference(size, ops, monkeypatch):
     """bf16 weights on CUDA take the CUDA path; against the fp32 reference on the same device (TF32 off) its
     relative error is at most 3e-2 and at most 1.5x the bf16 torch reference's own (about 1e-2 for both on

@@ -51,6 +51,12 @@ def heads(request):
     return HEADS[request.param]
 
 
+# The Triton kernel hit an illegal address on the H200 (split head, 448- and 1024-pixel images) in its first
+# device run; it is not listed in TRITON_OPS and its tests stay off until it is rewritten (docs/kernels.md).
+QUARANTINED = pytest.mark.skip(reason="the Triton vision attention kernel is quarantined: docs/kernels.md")
+
+
+@QUARANTINED
 @pytest.mark.parametrize("mix", sorted(MIXES))
 @pytest.mark.parametrize("head_split", [True, False], ids=["split-head", "padded-head"])
 def test_kernel_against_fp32(case, heads, mix, head_split):
@@ -65,6 +71,7 @@ def test_kernel_against_fp32(case, heads, mix, head_split):
     case.within(out, _reference(q, k, v, lengths), TOL, f"{mix} {heads}")
 
 
+@QUARANTINED
 @pytest.mark.parametrize("block_m", [64, 128])
 def test_kernel_tiles(case, heads, block_m):
     """Both query-block sizes the default rule picks from, on the mixed lengths."""
@@ -88,6 +95,7 @@ def test_torch_path_against_fp32(case, heads, mix):
     case.within(out, _reference(q, k, v, lengths), TOL, mix)
 
 
+@QUARANTINED
 def test_fp16_and_fp32_inputs(case):
     from ninfer.ops.triton.vision_attention import vision_attention
     from ninfer.ops.vision import PackedSequences
@@ -101,6 +109,7 @@ def test_fp16_and_fp32_inputs(case):
         case.within(out, _reference(q, k, v, lengths), tol, str(dtype))
 
 
+@QUARANTINED
 def test_offsets_past_int32(case):
     """622,080 rows of a fused 16-head projection: element offsets pass 2 ** 31, so the kernel takes 64-bit
     offsets; the last sequences (and the first) are checked."""
@@ -115,6 +124,7 @@ def test_offsets_past_int32(case):
     case.within(out[:2 * 256], _reference(q, k, v, lengths, count=2), TOL, "first sequences")
 
 
+@QUARANTINED
 def test_graph_replay_equals_eager(case):
     """No host sync in the launch: captured once, replayed on new contents, equal to an eager call bitwise."""
     from ninfer.ops.triton.vision_attention import vision_attention
@@ -136,6 +146,7 @@ def test_graph_replay_equals_eager(case):
         assert torch.equal(out, vision_attention(q, k, v, seqs))
 
 
+@QUARANTINED
 def test_dispatch_on_cuda(case, monkeypatch):
     """``ninfer.ops.vision.vision_attention`` on CUDA: the torch path under NINFER_OPS=torch, the kernel under
     NINFER_OPS=triton (listed or not); both within the tolerance."""
