@@ -136,8 +136,10 @@ def runs(ids, token: int) -> list[tuple[int, int]]:
     return out
 
 
-def digest(grid, pixels: torch.Tensor) -> str:
-    return hashlib.sha256(",".join(map(str, grid)).encode() + b";" + pixels.numpy().tobytes()).hexdigest()
+def digest(item: MediaItem, cfg, grid) -> str:
+    head = f"{item.kind};{cfg!r};{','.join(map(str, grid))};{item.fps}".encode()
+    frames = (item.data,) if item.kind == "image" else item.frames
+    return hashlib.sha256(head + b"".join(len(d).to_bytes(8, "little") + d for d in frames)).hexdigest()
 
 
 # -- prompts ----------------------------------------------------------------------------------------------------
@@ -151,7 +153,7 @@ def test_one_image(frontend, plain_tokenizer):
     expected = preprocess_image(decode_image(item.data), CFG)
     assert vision.kind == "image" and vision.grid_thw == expected.grid_thw == (1, 14, 20)  # 224 x 320 pixels
     assert torch.equal(vision.pixel_values, expected.pixel_values)
-    assert vision.digest == digest(vision.grid_thw, expected.pixel_values)
+    assert vision.digest == digest(item, CFG, vision.grid_thw)
     pad = frontend.tokenizer.token_id("<|image_pad|>")
     ((start, length),) = runs(prompt.token_ids, pad)
     assert prompt.media_spans == (MediaSpan(item_index=0, start=start, length=70, grid_thw=(1, 14, 20), offset=0),)

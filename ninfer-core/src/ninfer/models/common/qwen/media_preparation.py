@@ -61,10 +61,16 @@ class MediaLimits:
     max_video_frames: int = attrs.field(default=768, validator=_positive)
 
 
-def media_digest(grid_thw: tuple[int, int, int], pixel_values) -> str:
-    """An item's identity: hex SHA-256 of its grid ("t,h,w;") and its float32 pixel values' bytes."""
-    digest = hashlib.sha256(",".join(map(str, grid_thw)).encode() + b";")
-    digest.update(memoryview(pixel_values.contiguous().numpy()).cast("B"))
+def media_digest(item: MediaItem, config: PreprocessConfig, grid_thw: tuple[int, int, int]) -> str:
+    """An item's identity: hex SHA-256 of what determines its pixel values (preprocessing is deterministic): the
+    preprocessing settings, the grid, and the encoded bytes (a video: its frame rate and every frame, each behind
+    its length). The bytes are several times smaller than the float32 pixel rows, so hashing them keeps the
+    digest off the time to first token; the same picture in another encoding is another item (a cache miss,
+    never a wrong hit)."""
+    digest = hashlib.sha256(f"{item.kind};{config!r};{','.join(map(str, grid_thw))};{item.fps}".encode())
+    for data in (item.data,) if item.kind == "image" else item.frames:
+        digest.update(len(data).to_bytes(8, "little"))
+        digest.update(data)
     return digest.hexdigest()
 
 
@@ -129,7 +135,7 @@ class MediaPreparer:
         else:
             prepared = preprocess_encoded_video(item.frames, cfg, max_pixels=max_pixels)
         return VisionItem(kind=item.kind, pixel_values=prepared.pixel_values, grid_thw=prepared.grid_thw,
-                          digest=media_digest(prepared.grid_thw, prepared.pixel_values))
+                          digest=media_digest(item, cfg, prepared.grid_thw))
 
     def close(self, timeout: float | None = None) -> None:
         """Refuse new media, finish what was accepted and join the threads."""
