@@ -78,7 +78,7 @@ def norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weig
     and ``axes`` (``ninfer.ops.rope.mrope_axes``: the row each frequency slot reads).
 
     Without the fused kernel this is that sequence of dispatched ops (rms_norm, apply_rope, write_kv). The MRoPE
-    form of the kernel is its own entry (``norm_rope_write_kv_mrope``), used once it is validated on the GPU.
+    form of the kernel is its own entry (``norm_rope_write_kv_mrope``, listed since its GPU test passed).
     """
     if axes is None:
         kernel = triton_kernel("attention", "norm_rope_write_kv", q)
