@@ -30,7 +30,18 @@ _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", 
 def _calls(gen: torch.Generator) -> list[tuple[str, callable]]:
     """(name, thunk) per kernel variant: each thunk calls a public wrapper once on small bf16 inputs."""
     from ninfer.ops.rope import rope_cos_sin
-    from ninfer.ops.triton import activation, attention, conv1d, gdn, linear, norm, rope, sampling
+    from ninfer.ops.triton import (
+        activation,
+        attention,
+        conv1d,
+        gdn,
+        linear,
+        norm,
+        rope,
+        sampling,
+        vision_attention,
+    )
+    from ninfer.ops.vision import PackedSequences
 
     bf = torch.bfloat16
 
@@ -52,6 +63,8 @@ def _calls(gen: torch.Generator) -> list[tuple[str, callable]]:
              randn(HV, dtype=torch.float32), randn(HV, dtype=torch.float32),
              randn(S, HV, DK, DV, dtype=torch.float32), torch.tensor([4, 0, 2]))
     cos, sin = rope_cos_sin(torch.arange(3), 16, 1e7, torch.float32)
+    vqkv, packed = randn(40, 3 * 4, 72), PackedSequences.of([7, 1, 32], "cpu")  # vision heads: D = 72
+    vision = (vqkv[:, :4], vqkv[:, 4:8], vqkv[:, 8:], packed)
     return [
         ("linear", lambda: linear.linear(x, w)),
         ("linear split-K", lambda: linear.linear(x, w, split_k=2, block_k=64)),
@@ -88,6 +101,8 @@ def _calls(gen: torch.Generator) -> list[tuple[str, callable]]:
         ("greedy bf16 one chunk", lambda: sampling.greedy(randn(2, 300))),
         ("apply_token_mask fp32", lambda: sampling.apply_token_mask(
             randn(2, 5000, dtype=torch.float32), torch.randint(-2**31, 2**31 - 1, (2, 157), dtype=torch.int32))),
+        ("vision_attention split head", lambda: vision_attention.vision_attention(*vision)),
+        ("vision_attention padded head", lambda: vision_attention.vision_attention(*vision, head_split=False)),
         ("apply_token_mask bf16", lambda: sampling.apply_token_mask(
             randn(2, 77), torch.randint(-2**31, 2**31 - 1, (2, 3), dtype=torch.int32))),
     ]

@@ -322,6 +322,9 @@ class TokenFrontend:
     def token_text(self, token_id: int) -> str:
         return str(token_id)
 
+    def close(self) -> None:
+        pass
+
 
 def ledger_instance(**program_kw) -> ModelInstance:
     return ModelInstance(architecture="ledger", config=None, model=None, parameters=None,

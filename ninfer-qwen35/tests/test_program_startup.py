@@ -65,8 +65,8 @@ def test_capacity_from_budget_and_clear_refusals(artifact_path, monkeypatch):
         assert inst.model.compute == torch.bfloat16  # the artifact's dtype by default
         with pytest.raises(PlanError, match="does not fit: it needs .* short by"):
             build(art, StartupOptions(device="cpu", max_concurrency=1, device_budget_bytes=1 << 20))
-        with pytest.raises(StartupError, match="Vision is not implemented"):
-            build(art, StartupOptions(device="cpu", features=StartupFeatures(vision=True)))
+        with pytest.raises(StartupError, match="vision with speculative='mtp' is not supported"):
+            build(art, StartupOptions(device="cpu", features=StartupFeatures(vision=True, speculative="mtp")))
         with pytest.raises(StartupError, match="speculative backend 'dflash' is not implemented"):
             build(art, StartupOptions(device="cpu", features=StartupFeatures(speculative="dflash")))
         monkeypatch.setenv("NINFER_HOST_BUDGET_MIB", "lots")

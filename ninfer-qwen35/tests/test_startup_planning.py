@@ -19,7 +19,7 @@ from ninfer.core.device_plan import GIB, MIB, PlanError, resident_bytes
 pytest.importorskip("transformers")
 from ninfer.artifact import Artifact, open_artifact  # noqa: E402
 from ninfer.engine.startup import build_instance, start  # noqa: E402
-from ninfer_qwen35.startup import Qwen35Startup  # noqa: E402
+from ninfer_qwen35.startup import Qwen35Startup, vision_tensors  # noqa: E402
 from ninfer_qwen35.testing.checkpoints import convert_tiny, make_tiny_checkpoint  # noqa: E402
 
 MTP = StartupFeatures(speculative="mtp", num_draft_tokens=2)
@@ -44,6 +44,9 @@ def test_the_profile_counts_exactly_what_a_start_allocates(artifact_path, dtype,
         tensors = [*loaded.weights.parents.values(), *loaded.executor.params.tensors()]
         if loaded.mtp is not None:
             tensors += loaded.mtp.params.tensors()
+        if loaded.vision is not None:
+            tensors += vision_tensors(loaded.vision.params)
+        assert (loaded.vision is not None) == (features.speculative is None)  # None binds it, but not with MTP
         assert profile.placements[0].device_bytes == resident_bytes(tensors)
         inst = start(startup, art, options, DeviceMemory(Device.parse("cpu")))
     prog, memory = inst.program, inst.memory

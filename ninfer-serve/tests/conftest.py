@@ -64,6 +64,7 @@ class ScriptedEngine:
     model_name = "tiny-test"
     max_model_len = 128
     memory = None  # no start took memory (a test sets a MemorySummary to see its gauges)
+    vision_enabled = False  # a test that sends media sets it
 
     def __init__(self):
         self.submitted = []

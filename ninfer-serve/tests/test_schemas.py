@@ -77,11 +77,13 @@ def test_n_choices_are_separate_requests_seeded_apart():
     assert choices(gen, 1) == [gen]
 
 
-def test_image_parts_have_a_clear_error():
+def test_image_parts_become_media_parts_of_the_chat_input():
+    """Translation marks where the media sit; their bytes are acquired later (test_media.py)."""
     msgs = [{"role": "user", "content": [{"type": "text", "text": "see"},
                                          {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]}]
-    e = err(chat_request, structure({"messages": msgs}, ChatCompletionRequest))
-    assert e.param == "messages[0].content[1]" and "vision" in e.message
+    gen, _ = chat_request(structure({"messages": msgs}, ChatCompletionRequest))
+    assert gen.input.messages[0]["content"] == [{"type": "text", "text": "see"}, {"type": "image"}]
+    assert gen.input.media == ()
 
 
 def test_chat_translation():

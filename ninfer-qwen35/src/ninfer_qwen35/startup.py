@@ -1,7 +1,7 @@
 """Native Qwen3.5 Startup (``ninfer.contract.Startup``): profile -> load -> instance.
 
-Only the selected features are bound and read (Text; with ``speculative="mtp"`` the MTP head too; Vision and
-the DFlash backends are refused clearly until they exist). ``profile`` prepares the very Parameters execution
+Only the selected features are bound and read (Text; Vision when the artifact has it and ``features.vision`` is
+not False; with ``speculative="mtp"`` the MTP head too; the DFlash backends are refused clearly until they exist). ``profile`` prepares the very Parameters execution
 uses, on the meta device from the artifact's header (``ninfer.artifact.meta_weights``), so the weight bytes it
 reports are what a load allocates (views of the artifact's parents where dtype and layout allow, copies
 where not); StateImage slot, KV page, verify records, workspace and graph estimate complete the profile.
@@ -43,6 +43,8 @@ class Qwen35Loaded:
     frontend: Any
     compute: torch.dtype
     host_experts: bool = False  # the MoE routed expert banks live in host memory (placement "host-experts")
+    vision: Any = None  # Qwen35Vision when the vision feature is bound
+    features: tuple[str, ...] = ("text",)
 
 
 class Qwen35Startup:
@@ -51,6 +53,7 @@ class Qwen35Startup:
     def profile(self, artifact: Any, options: StartupOptions) -> ModelProfile:
         from ninfer.artifact import meta_weights
         from ninfer_qwen35.execution.parameters import MTPParams, Qwen35Parameters
+        from ninfer_qwen35.execution.vision import VisionParams
         from ninfer_qwen35.program.mtp_program import verify_steps
 
         config, features = _checked(artifact, options)
@@ -59,6 +62,8 @@ class Qwen35Startup:
         meta = torch.device("meta")
         params = Qwen35Parameters.from_weights(config, weights, compute, meta)
         fixed, banks = [*weights.parents.values(), *params.tensors()], params.expert_banks()
+        if "vision" in features:  # the encoder's prepared weights (copies where the dtype differs)
+            fixed += vision_tensors(VisionParams.from_weights(config, weights, compute, meta))
         k = options.features.draft_tokens
         backing = 0
         if k:
@@ -87,6 +92,7 @@ class Qwen35Startup:
         from ninfer_qwen35.execution.model import Qwen35Model
         from ninfer_qwen35.execution.mtp import Qwen35MTP
         from ninfer_qwen35.execution.parameters import MTPParams, Qwen35Parameters
+        from ninfer_qwen35.execution.vision import Qwen35Vision, VisionParams
 
         config, features = _checked(artifact, options)
         if placement.name not in (ALL_DEVICE, HOST_EXPERTS) or (placement.name == HOST_EXPERTS and not config.moe):
@@ -94,17 +100,20 @@ class Qwen35Startup:
         host = placement.name == HOST_EXPERTS
         dev = Device.parse(options.device)
         frontend = QwenFrontend.from_resources(artifact.frontend, chat_template_override=options.chat_template,
-                                               special_tokens_in_content=options.special_tokens_in_content)
+                                               special_tokens_in_content=options.special_tokens_in_content,
+                                               vision="vision" in features)
         banks = _bank_objects(artifact, features) if host else frozenset()
         weights, report = load_weights(artifact, features=features, device=str(dev), host_objects=banks)
         compute = _compute_dtype(options, weights[EMBED].dtype)
         experts = "cpu" if host else None
         executor = Qwen35Model(Qwen35Parameters.from_weights(config, weights, compute, dev.torch, experts))
-        mtp = None
+        mtp = vision = None
         if options.features.draft_tokens:
             mtp = Qwen35MTP(MTPParams.from_weights(config, weights, compute, dev.torch, experts), executor)
+        if "vision" in features:
+            vision = Qwen35Vision(VisionParams.from_weights(config, weights, compute, dev.torch))
         return Qwen35Loaded(config=config, weights=weights, load_report=report, executor=executor, mtp=mtp,
-                            frontend=frontend, compute=compute, host_experts=host)
+                            frontend=frontend, compute=compute, host_experts=host, vision=vision, features=features)
 
     def instance(self, loaded: Qwen35Loaded, options: StartupOptions, capacity: ProgramCapacity) -> ModelInstance:
         from ninfer_qwen35.program import Qwen35Program
@@ -126,11 +135,12 @@ class Qwen35Startup:
             steps = verify_steps(config, rows=options.max_concurrency, draft_tokens=k, dtype=compute, device=dev.torch)
             program = Qwen35MTPProgram(loaded.executor, mtp=loaded.mtp, steps=steps, draft_tokens=k, **common)
         else:
-            program = Qwen35Program(loaded.executor, **common)
+            program = Qwen35Program(loaded.executor, vision=loaded.vision, **common)
         if eager is not None and options.cuda_graphs and dev.is_cuda:
             program.graph_error = f"{eager}: decode runs eagerly"
-        return ModelInstance(architecture="qwen35_moe" if config.moe else "qwen35", config=config, model=loaded, parameters=loaded.executor.params,
-                             frontend=loaded.frontend, program=program)
+        return ModelInstance(architecture="qwen35_moe" if config.moe else "qwen35", config=config, model=loaded,
+                             parameters=loaded.executor.params, frontend=loaded.frontend, program=program,
+                             features=loaded.features)
 
 
 def build(artifact: Any, options: StartupOptions) -> ModelInstance:
@@ -201,15 +211,35 @@ def activation_width(config: Qwen35Config) -> int:
 def _checked(artifact: Any, options: StartupOptions) -> tuple[Qwen35Config, tuple[str, ...]]:
     """The config and the features to bind; refuses what this Startup cannot run."""
     features = options.features
-    if features.vision:  # None (bind it when present) starts text only until the Program runs the encoder
-        raise StartupError("Qwen3.5 Vision is not implemented yet; start without the vision feature")
     if features.speculative not in (None, "mtp"):
         raise StartupError(f"speculative backend {features.speculative!r} is not implemented yet for Qwen3.5")
     config = parse_config(artifact.config)
     if features.draft_tokens and not config.mtp_num_hidden_layers:
         raise StartupError("speculative='mtp' needs an MTP head, and this model's config has "
                            "mtp_num_hidden_layers = 0")
-    return config, ("text", "mtp") if features.draft_tokens else ("text",)
+    present = "vision" in artifact.features and bool(config.vision)
+    if features.vision and not present:
+        raise StartupError("vision=True, but this artifact has no vision feature (a text-only conversion)")
+    if features.vision and features.draft_tokens:
+        raise StartupError("vision with speculative='mtp' is not supported yet: the MTP units do not place tokens "
+                           "at MRoPE positions; start with vision=False or without speculative decoding")
+    pads = config.image_token_id is not None or config.video_token_id is not None
+    if features.vision and not pads:
+        raise StartupError("vision=True, but the config names no image_token_id / video_token_id")
+    # None binds the encoder when the artifact has it (and text-only when MTP is on: it cannot run media yet)
+    vision = present and pads and features.vision is not False and not features.draft_tokens
+    return config, ("text", *(("vision",) if vision else ()), *(("mtp",) if features.draft_tokens else ()))
+
+
+def vision_tensors(params: Any) -> list[torch.Tensor]:
+    """Every tensor of the encoder's prepared weights (``VisionParams``: nested attrs records and tuples)."""
+    if isinstance(params, torch.Tensor):
+        return [params]
+    if isinstance(params, tuple):
+        return [t for item in params for t in vision_tensors(item)]
+    if attrs.has(type(params)):
+        return [t for f in attrs.fields(type(params)) for t in vision_tensors(getattr(params, f.name))]
+    return []
 
 
 def _compute_dtype(options: StartupOptions, stored: torch.dtype) -> torch.dtype:

@@ -1,7 +1,8 @@
 """The Starlette application: routes, request flow and connection lifecycle around one ``ninfer.Engine``.
 
 Flow of a generation request: read the JSON body within the body timeout (408 otherwise), parse and
-validate it (400 on anything wrong) -> ``engine.submit`` as a task of the gateway's own TaskPool (it
+validate it (400 on anything wrong) -> acquire a chat's images and videos as a task of the gateway's media
+TaskPool (ninfer_serve.media) -> ``engine.submit`` as a task of the gateway's HTTP TaskPool (it
 renders the template and tokenizes; a full pool queue answers 429, engine rejections 429 / 400 / 503)
 -> wait for the first output while watching the connection (a queue timeout still answers 503, a
 client that leaves cancels) -> answer whole or as SSE. Whatever way the exchange ends, the handles are
@@ -28,11 +29,13 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ninfer.contract.events import FinishReason, GenerationResult, GenerationStart, OutputDelta
-from ninfer.core.task_pool import PoolClosed, Task, TaskPool
+from ninfer.core.task_pool import Task, TaskPool
 from ninfer.engine.errors import InvalidConstraint
 from ninfer_serve.access import access_middleware
 from ninfer_serve.errors import APIError, from_engine_error, from_error_result, internal_error, new_request_id
+from ninfer_serve.media import MediaAcquirer, MediaPolicy
 from ninfer_serve.metrics import GatewayMetrics
+from ninfer_serve.offload import ClientGone, submit_or_refuse, unless_disconnected
 from ninfer_serve.openapi import openapi_document
 from ninfer_serve.responses import DONE, ChatResponse, CompletionResponse
 from ninfer_serve.schemas import ChatCompletionRequest, CompletionRequest, parse_json, structure
@@ -41,34 +44,6 @@ from ninfer_serve.translate import chat_request, choices, completion_request
 log = logging.getLogger("ninfer_serve")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-class ClientGone(Exception):
-    """The client closed the connection before the answer started."""
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _unless_disconnected(request: Request, coro: Any) -> Any:
-    """Run ``coro`` but raise ClientGone as soon as the client disconnects (the body is already read)."""
-    work = asyncio.ensure_future(coro)
-    gone = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if work in done:
-            return work.result()
-        raise ClientGone
-    finally:
-        pending = {t for t in (work, gone) if not t.done()}
-        for task in pending:
-            task.cancel()
-        if pending:  # let them unwind; asyncio.wait neither raises their errors nor hides our own cancellation
-            await asyncio.wait(pending)
 
 
 def _error_of(handle: Any, result: GenerationResult, request_id: str) -> APIError:
@@ -127,7 +102,7 @@ class Gateway:
     """Request handling bound to one engine; ``create_app`` wires it into Starlette routes."""
 
     def __init__(self, engine: Any, *, model_id: str | None, queue_timeout_s: float | None,
-                 retry_after_s: int, body_timeout_s: float, pool: TaskPool) -> None:
+                 retry_after_s: int, body_timeout_s: float, pool: TaskPool, media: MediaAcquirer) -> None:
         self.engine = engine
         self.model_id = model_id or engine.model_name
         self.aliases = {self.model_id, engine.model_name}
@@ -135,7 +110,8 @@ class Gateway:
         self.retry_after_s = retry_after_s
         self.body_timeout_s = body_timeout_s
         self.pool = pool
-        self.metrics = GatewayMetrics(engine, self.model_id, pool)
+        self.media = media
+        self.metrics = GatewayMetrics(engine, self.model_id, pool, media.pool)
         self.created = int(time.time())
 
     # -- plain endpoints -------------------------------------------------------------------------------
@@ -181,6 +157,12 @@ class Gateway:
         rid = request.state.request_id
         gen, options = translate(req, queue_timeout_s=self.queue_timeout_s, request_id=rid)
         self._check_budget(gen)
+        if isinstance(req, ChatCompletionRequest):
+            try:
+                gen = await self.media.attach(request, req, gen, self.engine.vision_enabled)
+            except ClientGone:
+                self.metrics.disconnects.labels(endpoint).inc()
+                return Response(status_code=499)
         return await self._generate(request, endpoint, gen, options, builder_cls, rid)
 
     async def _read_body(self, request: Request) -> bytes:
@@ -204,17 +186,9 @@ class Gateway:
         """Submit every choice through the gateway's TaskPool; a full pool queue answers 429. A client
         that leaves meanwhile abandons the task: it never runs, or its handles are closed."""
         task: Task[list[Any]] = Task(lambda: _submit_each(self.engine, gens), on_abandon=_close_all)
-        retry = {"Retry-After": str(self.retry_after_s)}
+        submit_or_refuse(self.pool, task, retry_after_s=self.retry_after_s, waiting_for="to be prepared")
         try:
-            accepted = self.pool.try_submit(task)
-        except PoolClosed:
-            raise APIError(503, "the server is shutting down", type="service_unavailable", code="closed",
-                           headers=retry) from None
-        if not accepted:
-            raise APIError(429, f"too many requests are waiting to be prepared (at most {self.pool.max_queued}); "
-                           "retry later", type="rate_limit_error", code="overload", headers=retry)
-        try:
-            return await _unless_disconnected(request, task.wait())
+            return await unless_disconnected(request, task.wait())
         except (APIError, ClientGone):
             raise
         except Exception as exc:  # RequestRejected, EngineFailed, EngineClosed, anything else
@@ -238,7 +212,7 @@ class Gateway:
             # Answer only once every choice is admitted (GenerationStart) or has ended, so a queue timeout
             # still gets its status; a client leaving while queued cancels the request.
             try:
-                firsts = await _unless_disconnected(request, asyncio.gather(*(anext(s) for s in streams)))
+                firsts = await unless_disconnected(request, asyncio.gather(*(anext(s) for s in streams)))
             except ClientGone:
                 self.metrics.disconnects.labels(endpoint).inc()
                 return Response(status_code=499)
@@ -252,7 +226,7 @@ class Gateway:
                                          media_type="text/event-stream", headers=SSE_HEADERS | headers)
             rest = asyncio.gather(*(self._rest(streams[i], builder, firsts[i], i) for i in range(len(streams))))
             try:
-                results = await _unless_disconnected(request, rest)
+                results = await unless_disconnected(request, rest)
             except ClientGone:
                 self.metrics.disconnects.labels(endpoint).inc()
                 return Response(status_code=499)
@@ -326,18 +300,20 @@ class Gateway:
 def create_app(engine: Any, *, model_id: str | None = None, queue_timeout_s: float | None = 60.0,
                retry_after_s: int = 1, max_body_bytes: int = 32 << 20, body_timeout_s: float = 30.0,
                http_threads: int = 4, http_queue: int = 64, api_key: str | None = None,
-               allowed_hosts: Sequence[str] | None = None,
-               allowed_origins: Sequence[str] | None = None) -> Starlette:
+               allowed_hosts: Sequence[str] | None = None, allowed_origins: Sequence[str] | None = None,
+               media: MediaPolicy | None = None) -> Starlette:
     """An ASGI app serving ``engine``; the caller owns the engine (and closes it after serving).
 
     The app owns a TaskPool (``http_threads`` threads, ``http_queue`` waiting requests) for
-    ``engine.submit``; its lifespan shuts the pool down (drained and joined) when the server stops.
+    ``engine.submit``, and one for media acquisition as ``media`` says (default ``MediaPolicy()``: data URLs
+    only); its lifespan shuts both down (drained and joined) when the server stops.
     ``allowed_hosts=None`` accepts any Host header; ``api_key`` guards every ``/v1`` route;
     ``allowed_origins`` turns CORS on for those origins (off by default).
     """
     pool = TaskPool("ninfer-http", threads=http_threads, max_queued=http_queue)
+    acquirer = MediaAcquirer(media or MediaPolicy(), retry_after_s=retry_after_s)
     gw = Gateway(engine, model_id=model_id, queue_timeout_s=queue_timeout_s, retry_after_s=retry_after_s,
-                 body_timeout_s=body_timeout_s, pool=pool)
+                 body_timeout_s=body_timeout_s, pool=pool, media=acquirer)
     openapi = openapi_document(title="ninfer", version=_version())
 
     def counted(endpoint: str, handler: Any) -> Any:
@@ -379,6 +355,7 @@ def create_app(engine: Any, *, model_id: str | None = None, queue_timeout_s: flo
         try:
             yield
         finally:  # after the server's graceful wait: accepted preparations finish, then the threads end
+            await run_in_threadpool(acquirer.pool.shutdown)
             await run_in_threadpool(pool.shutdown)
 
     routes = [

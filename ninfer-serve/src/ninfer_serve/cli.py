@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+import attrs
 
 from ninfer import env
 from ninfer.contract.config import MAX_CONCURRENCY, StartupFeatures
 from ninfer.engine.cache_cli import add_context_cache_arguments, with_context_cache
+from ninfer.engine.cli_numbers import whole_number
 from ninfer.engine.plan_cli import add_memory_arguments, with_memory_options
 from ninfer.engine.speculative_cli import add_speculative_arguments, speculative_features
+from ninfer.engine.vision_cli import add_vision_argument, with_vision
+from ninfer_serve.media_policy import MAX_MEDIA_THREADS, MIB, MediaPolicy
 
 API_KEY_ENV = "NINFER_API_KEY"
+_MEDIA = attrs.fields(MediaPolicy)  # the defaults, written once
 
 DESCRIPTION = """\
 Serve one .ninfer model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
@@ -47,6 +54,17 @@ def _names(text: str) -> list[str]:
     return [n.strip() for n in text.split(",") if n.strip()]
 
 
+_BYTE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def _byte_size(text: str) -> int:
+    """A byte count, with an optional binary suffix: 20M is 20 MiB (K, M, G)."""
+    number, unit = (text[:-1], text[-1].upper()) if text[-1:].isalpha() else (text, "")
+    if unit not in _BYTE_UNITS or not number.isdigit() or int(number) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive byte count such as 20971520 or 20M, got {text!r}")
+    return int(number) * _BYTE_UNITS[unit]
+
+
 def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="serve a .ninfer model over an OpenAI-compatible HTTP API",
                               description=DESCRIPTION, formatter_class=_HelpFormatter)
@@ -78,6 +96,7 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-verify", action="store_true", help="load without checking the artifact's checksums")
     add_context_cache_arguments(p)
     add_speculative_arguments(p)
+    _add_media_arguments(p)
     limits = p.add_argument_group("request preparation and slow or many clients")
     limits.add_argument("--http-threads", type=_positive_int, default=4, metavar="N",
                         help="threads that prepare requests for the engine (chat template, tokenization)")
@@ -106,6 +125,38 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_serve)
 
 
+def _add_media_arguments(p: argparse.ArgumentParser) -> None:
+    media = p.add_argument_group("images and videos (need a model with vision; data: URLs are always accepted)")
+    add_vision_argument(media)
+    media.add_argument("--media-root", metavar="DIR",
+                       help="read local media (file:// URLs and paths) under DIR only; paths that lead out of it, "
+                            "symbolic links included, are refused (default: no local files)")
+    media.add_argument("--allow-remote-media", action="store_true",
+                       help="fetch http(s) media URLs (default: refused); the server then reaches any address a "
+                            "client names")
+    media.add_argument("--media-max-bytes", type=_byte_size, default=f"{_MEDIA.max_bytes.default // MIB}M",
+                       metavar="BYTES",
+                       help="bytes of one image, or of one video's frames together (K, M, G suffixes: 20M)")
+    media.add_argument("--media-timeout", type=_positive_float, default=_MEDIA.timeout_s.default, metavar="SECONDS",
+                       help="time to fetch one http(s) media item")
+    media.add_argument("--media-max-items", type=_positive_int, default=_MEDIA.max_items.default, metavar="N",
+                       help="images and videos in one request")
+    media.add_argument("--media-max-frames", type=_positive_int, default=_MEDIA.max_frames.default, metavar="N",
+                       help="frames of one video")
+    media.add_argument("--media-threads", type=whole_number(1, MAX_MEDIA_THREADS), default=_MEDIA.threads.default,
+                       metavar="N", help=f"threads that fetch media (1..{MAX_MEDIA_THREADS})")
+    media.add_argument("--media-queue", type=whole_number(0), default=_MEDIA.queue.default, metavar="N",
+                       help="requests waiting for a media thread before new ones get 429")
+
+
+def _media_policy(args: argparse.Namespace) -> MediaPolicy:
+    if args.media_root is not None and not os.path.isdir(args.media_root):
+        raise ValueError(f"--media-root: {args.media_root} is not a directory")
+    return MediaPolicy(root=args.media_root, allow_remote=args.allow_remote_media, max_bytes=args.media_max_bytes,
+                       timeout_s=args.media_timeout, max_items=args.media_max_items, max_frames=args.media_max_frames,
+                       threads=args.media_threads, queue=args.media_queue)
+
+
 def _fail(message: str) -> int:
     print(f"ninfer serve: {message}", file=sys.stderr)
     return 2
@@ -125,7 +176,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if not args.queue_timeout > 0:
         return _fail(f"--queue-timeout must be > 0, got {args.queue_timeout}")
     try:
-        features = speculative_features(args)
+        features = with_vision(speculative_features(args), args)
+        media = _media_policy(args)
     except ValueError as exc:
         return _fail(str(exc))
     chat_template = None
@@ -145,12 +197,12 @@ def run_serve(args: argparse.Namespace) -> int:
     except OSError as exc:  # address in use, permission denied, unknown host
         return _fail(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}")
     with listener:
-        return _load_and_serve(args, model, chat_template, features, listener,
+        return _load_and_serve(args, model, chat_template, features, listener, media,
                                allowed_hosts=args.allowed_hosts or list(default_allowed_hosts(args.host)))
 
 
 def _load_and_serve(args: argparse.Namespace, model: str, chat_template: str | None, features: StartupFeatures,
-                    listener: object, *, allowed_hosts: list[str]) -> int:
+                    listener: object, media: MediaPolicy, *, allowed_hosts: list[str]) -> int:
     try:
         from ninfer import Engine, EngineConfig
     except ImportError as exc:
@@ -181,7 +233,7 @@ def _load_and_serve(args: argparse.Namespace, model: str, chat_template: str | N
                          body_timeout_s=args.body_timeout, http_threads=args.http_threads,
                          http_queue=args.http_queue, api_key=args.api_key or env.get(API_KEY_ENV) or None,
                          allowed_hosts=None if "*" in allowed_hosts else allowed_hosts,
-                         allowed_origins=args.allowed_origins)
+                         allowed_origins=args.allowed_origins, media=media)
         host, port = listener.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
         print(f"ninfer serve: serving {args.model_id or engine.model_name} on http://{shown}:{port}",

@@ -144,7 +144,7 @@ class EngineCollector(Collector):
 class GatewayMetrics:
     """The app's registry: the engine collector plus HTTP-level metrics the gateway itself owns."""
 
-    def __init__(self, engine: Any, model_name: str, pool: Any) -> None:
+    def __init__(self, engine: Any, model_name: str, pool: Any, media_pool: Any) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(engine, model_name))
         self.http_requests = Counter("ninfer:http_requests", "HTTP requests by endpoint and status.",
@@ -158,3 +158,9 @@ class GatewayMetrics:
         queued.set_function(lambda: pool.queued)
         running = Gauge("ninfer:http_prepare_running", "Requests being prepared now.", registry=self.registry)
         running.set_function(lambda: pool.running)
+        media_queued = Gauge("ninfer:http_media_queued", "Requests waiting for a thread to fetch their images and "
+                             "videos.", registry=self.registry)
+        media_queued.set_function(lambda: media_pool.queued)
+        media_running = Gauge("ninfer:http_media_running", "Requests whose media is being fetched now.",
+                              registry=self.registry)
+        media_running.set_function(lambda: media_pool.running)

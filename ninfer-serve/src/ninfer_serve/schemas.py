@@ -111,11 +111,34 @@ class StructuredOutputs:
 
 
 @attrs.frozen(kw_only=True)
+class ImageURL:
+    """OpenAI's ``image_url`` object; ``detail`` is accepted at its neutral value ("auto") only."""
+
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+@attrs.frozen(kw_only=True)
+class VideoURL:
+    """``video_url``: a video as its sampled frames (``url``: the frames' URLs in time order), taken at ``fps``."""
+
+    url: str | list[str]
+    fps: float | None = None
+
+
+@attrs.frozen(kw_only=True)
 class ContentPart:
+    """One part of a message's content. Media (ninfer_serve.media): ``image_url`` (OpenAI; also in
+    ``input_image``), ``image`` (Qwen's form: the URL), ``video_url`` and ``video`` (Qwen's form: the frames'
+    URLs, with ``fps``)."""
+
     type: Literal["text", "image_url", "input_image", "image", "video_url", "video", "input_audio", "file"]
     text: str | None = None
-    image_url: str | dict[str, JSON] | None = None
-    video_url: str | dict[str, JSON] | None = None
+    image_url: str | ImageURL | None = None
+    image: str | None = None
+    video_url: VideoURL | None = None
+    video: str | list[str] | None = None
+    fps: float | None = None
     input_audio: dict[str, JSON] | None = None
     file: dict[str, JSON] | None = None
 

@@ -109,7 +109,8 @@ def scrape(url: str) -> dict[str, float]:
 IDLE_GAUGES = ("ninfer:num_requests_running", "ninfer:num_requests_waiting", "ninfer:num_requests_paused",
                "ninfer:num_requests_outstanding", "ninfer:kv_cache_pages_used", "ninfer:kv_cache_pages_reserved",
                "ninfer:state_slots_used", "ninfer:host_bytes_used", "ninfer:http_requests_in_flight",
-               "ninfer:http_prepare_queued", "ninfer:http_prepare_running")
+               "ninfer:http_prepare_queued", "ninfer:http_prepare_running", "ninfer:http_media_queued",
+               "ninfer:http_media_running")
 
 
 def wait_idle(read: Callable[[], dict[str, float]], *, timeout_s: float = 60.0) -> dict[str, float]:

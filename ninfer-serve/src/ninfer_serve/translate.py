@@ -15,6 +15,7 @@ from ninfer.contract import ChatInput, GenerationRequest, SamplingParams, TextIn
 from ninfer.contract.request import MAX_STOP_CHARS
 from ninfer_serve.constraints import request_constraint
 from ninfer_serve.errors import bad_request
+from ninfer_serve.media_parts import check_part_fields, media_kind
 from ninfer_serve.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 MAX_STOP_STRINGS = 16
@@ -115,28 +116,42 @@ def _stream_options(req: Any) -> tuple[bool, bool]:
 # ---------------------------------------------------------------- chat
 
 
-def _message_text(m: ChatMessage, i: int) -> str | None:
+def _message_content(m: ChatMessage, i: int) -> str | list[dict[str, Any]] | None:
+    """The content as the chat template takes it: text parts joined by newlines; with media, a list in which each
+    image or video is a ``{"type": "image"}`` / ``{"type": "video"}`` part (its bytes come later, as
+    ``ChatInput.media``, in the same order) and each run of text parts one text part."""
     if m.content is None or isinstance(m.content, str):
         return m.content
-    texts = []
+    parts: list[dict[str, Any]] = []
+    texts: list[str] = []
     for j, part in enumerate(m.content):
         where = f"messages[{i}].content[{j}]"
+        check_part_fields(part, where)
+        kind = media_kind(part)
         if part.type == "text":
             if part.text is None:
                 raise bad_request(f"a text content part needs 'text' ({where})", param=f"{where}.text")
             texts.append(part.text)
-        elif part.type in ("image_url", "input_image", "image", "video_url", "video"):
-            raise bad_request(f"{where}: image and video input needs a vision-enabled model; this server "
-                              "serves text only", param=where, code="vision_not_enabled")
+        elif kind is not None:
+            if m.role in ("system", "developer"):
+                raise bad_request(f"{where}: a {m.role} message cannot carry images or videos", param=where)
+            if texts:
+                parts.append({"type": "text", "text": "\n".join(texts)})
+                texts = []
+            parts.append({"type": kind})
         else:
             raise bad_request(f"{where}: content parts of type '{part.type}' are not supported", param=where)
-    return "\n".join(texts)
+    if not parts:
+        return "\n".join(texts)
+    if texts:
+        parts.append({"type": "text", "text": "\n".join(texts)})
+    return parts
 
 
 def _message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
     """One OpenAI message as the chat template expects it (tool-call arguments as a mapping)."""
     out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
-                           "content": _message_text(m, i)}
+                           "content": _message_content(m, i)}
     if m.role != "assistant" and out["content"] is None:
         raise bad_request(f"messages[{i}] ({m.role}) needs 'content'", param=f"messages[{i}].content")
     if m.name is not None:

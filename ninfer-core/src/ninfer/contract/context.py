@@ -42,6 +42,30 @@ class TurnBoundary:
     exact: bool | None = None
 
 
+@attrs.frozen(kw_only=True)
+class MediaRun:
+    """The identity of a run of media placeholder tokens (they share one token id, so the ids cannot tell two
+    images apart): tokens ``start .. start + length`` take rows ``offset ..`` of the item whose ``digest``
+    (``VisionItem.digest``) is given. A prefix matches another only when its token ids and its runs agree."""
+
+    start: int
+    length: int
+    digest: str
+    offset: int = 0
+
+
+def media_runs(prompt: PreparedPrompt) -> tuple[MediaRun, ...]:
+    """The runs of a prompt's media spans, in token order."""
+    return tuple(MediaRun(start=s.start, length=s.length, digest=prompt.vision[s.item_index].digest, offset=s.offset)
+                 for s in sorted(prompt.media_spans, key=lambda s: s.start))
+
+
+def clip_runs(runs: Sequence[MediaRun], length: int) -> tuple[MediaRun, ...]:
+    """The runs as the prefix of ``length`` tokens holds them (a run cut by the end keeps its first part)."""
+    return tuple(r if r.start + r.length <= length else attrs.evolve(r, length=length - r.start)
+                 for r in runs if r.start < length)
+
+
 @attrs.frozen(kw_only=True, eq=False)
 class CheckpointInfo:
     """One checkpoint as its Program's store holds it now. ``generation`` grows on every publication or
@@ -56,6 +80,7 @@ class CheckpointInfo:
     device_bytes: int  # what dropping the device copy frees now (its state slot, pages nobody else holds)
     host_bytes: int    # what the host replica holds, or would hold once made
     pages_alone: int = 0  # KV pages only this checkpoint holds (what its eviction gives back to the pool)
+    media: tuple[MediaRun, ...] = attrs.field(default=(), converter=tuple)  # its tokens' media identity
 
     @property
     def length(self) -> int:

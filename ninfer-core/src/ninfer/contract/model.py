@@ -225,6 +225,10 @@ class Frontend(Protocol):
     def token_text(self, token_id: int) -> str:
         """One token's text on its own (logprob reports name each token by it)."""
 
+    def close(self) -> None:
+        """Stop any threads of its own (media preparation) once accepted work is done; text still prepares.
+        The Engine calls it when it closes."""
+
 
 @attrs.frozen(kw_only=True, eq=False)
 class ModelInstance:
@@ -237,6 +241,7 @@ class ModelInstance:
     frontend: Frontend
     program: Program | None
     memory: MemorySummary | None = None  # what the start took (set by the runtime's startup)
+    features: tuple[str, ...] = attrs.field(default=("text",), converter=tuple)  # bound: "text", "vision", "mtp"
 
 
 @runtime_checkable

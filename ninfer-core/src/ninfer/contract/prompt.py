@@ -79,8 +79,9 @@ class VisionItem:
 
     ``pixel_values`` [patches, C·T·P·P] float32: a CPU torch.Tensor, rows in the processor's patch order.
     ``grid_thw`` (t, h, w) in patches (patches = t·h·w); the encoder yields t·h·w/4 embedding rows.
-    ``digest``: the item's identity (hex SHA-256 of its grid and pixel values): the context cache mixes it into
-    the prefix digest of the placeholder tokens, so the same media reuses a prefix and different media never does.
+    ``digest``: the item's identity (hex SHA-256 of what determines its pixels: the encoded bytes, the
+    preprocessing settings and the grid): the context cache mixes it into the prefix digest of the placeholder
+    tokens, so the same media reuses a prefix and different media never does.
     """
 
     kind: Literal["image", "video"]

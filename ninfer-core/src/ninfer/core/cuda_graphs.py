@@ -124,12 +124,14 @@ class DecodeGraphs:
 
     def load(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int],
              tables: Sequence[Sequence[int]], keys: Sequence[object], *,
-             device_tokens: torch.Tensor | None = None) -> None:
+             device_tokens: torch.Tensor | None = None, rope_positions: Sequence[int] | None = None) -> None:
         """Write B = len(tokens) decode rows into the static input buffers (one host->device copy).
 
         ``keys`` identify each row's page list (sequence id and truncation epoch): a row whose key is
         unchanged since the last step only had pages appended, so only the new entries are written.
         ``device_tokens`` [B], when given, replace ``tokens`` (a chained step's inputs, still on the device).
+        ``rope_positions``: the rows' rotary positions when they differ from ``positions`` (the KV positions), as
+        a prompt with media shifts them; the graphs read them from the same buffer.
         """
         B = len(tokens)
         if self._staged is not None:
@@ -141,6 +143,8 @@ class DecodeGraphs:
         h[:, :B] = (tokens, positions, slots,
                     [pages[p // ps] * ps + p % ps for p, pages in zip(positions, tables, strict=True)])
         np.add(h[1, :B], 1, out=self._h_seq_lens[:B], casting="unsafe")
+        if rope_positions is not None:
+            h[1, :B] = rope_positions
         ht = self._h_tables  # entries past a row's pages hold stale but valid page ids, never read
         row_key, row_len, width = self._row_key, self._row_len, self.max_pages
         spans = []  # changed table entries, as flat int32 index ranges

@@ -18,10 +18,16 @@ from ninfer.contract.constraint import ConstraintError
 from ninfer.contract.errors import PromptTooLong
 from ninfer.contract.memory import MemorySummary
 from ninfer.contract.model import ModelInstance, ResourceUsage, StartupFeatures
-from ninfer.contract.prompt import PreparedPrompt
+from ninfer.contract.prompt import ChatInput, PreparedPrompt
 from ninfer.contract.request import GenerationRequest, SamplingParams
 from ninfer.engine.core import EngineCore
-from ninfer.engine.errors import InputTooLong, InvalidConstraint, RequestRejected, Unrepresentable
+from ninfer.engine.errors import (
+    InputTooLong,
+    InvalidConstraint,
+    RequestRejected,
+    Unrepresentable,
+    VisionNotEnabled,
+)
 from ninfer.engine.handle import GenerationHandle, ResponseChannel
 from ninfer.engine.metrics import EngineMetrics
 from ninfer.engine.request import RequestRecord
@@ -77,7 +83,11 @@ class Engine:
         config = _config(config, given)
         config = config.for_device(config.device or default_device())
         instance, name, self.artifact = build_instance(model, config.startup_options(), verify=config.verify)
-        self._start(instance, name=name, config=config)
+        try:
+            self._start(instance, name=name, config=config)
+        except BaseException:
+            self.artifact.close()
+            raise
 
     @classmethod
     def from_instance(cls, instance: ModelInstance, *, config: EngineConfig | None = None, name: str | None = None,
@@ -108,6 +118,7 @@ class Engine:
             raise ValueError(f"the Program was built for {program.max_concurrency} concurrent sequences; the "
                              f"engine asks for max_concurrency={config.max_concurrency}")
         config = config.for_model(program.max_model_len)
+        _check_vision(config.features.vision, instance.features)
         self.instance = instance
         self.model_name = name
         self.frontend = instance.frontend
@@ -125,6 +136,7 @@ class Engine:
         try:
             if not isinstance(request, GenerationRequest):
                 raise Unrepresentable(f"submit() takes a GenerationRequest, got {type(request).__name__}")
+            self._check_media(request.input)
             prompt = self._prepare(request)
             sampling = merge_sampling(self._defaults, request.sampling)
             try:
@@ -149,6 +161,21 @@ class Engine:
                 queue_deadline_at=None if request.queue_timeout_s is None else submitted + request.queue_timeout_s)
 
         return GenerationHandle(core.ingress.enqueue(make_record).channel)
+
+    @property
+    def vision_enabled(self) -> bool:
+        """Whether the model was started with the vision feature: only then does a ChatInput carry media."""
+        return "vision" in self.instance.features
+
+    def _check_media(self, input: object) -> None:
+        """Media for a model without the vision feature is refused before the Frontend sees it."""
+        if self.vision_enabled or not isinstance(input, ChatInput) or not _carries_media(input):
+            return
+        why = ("it was turned off (StartupFeatures(vision=False), --vision off)" if self.config.features.vision
+               is False else "the model does not provide it (its artifact has no vision tower, or its startup "
+               "cannot run one)")
+        raise VisionNotEnabled(f"image and video input needs the vision feature, which this engine was started "
+                               f"without: {why}")
 
     def _prepare(self, request: GenerationRequest) -> PreparedPrompt:
         try:
@@ -199,6 +226,9 @@ class Engine:
         core = getattr(self, "_core", None)
         if core is not None:
             core.close(drain=drain, timeout=timeout)
+        frontend = getattr(self, "frontend", None)
+        if frontend is not None:
+            frontend.close()  # its media threads, after the worker: no request prepares any more
 
     def __enter__(self) -> Engine:
         return self
@@ -211,6 +241,23 @@ def _check_purpose(purpose: str) -> None:
     if purpose not in PURPOSES:
         raise ValueError(f"Engine purpose {purpose!r} is not a generation purpose; offline causal scoring "
                          f"runs through ninfer.engine.scoring, not the Generation scheduler")
+
+
+def _carries_media(chat: ChatInput) -> bool:
+    """Media items, or content parts that mark where media sit."""
+    if chat.media:
+        return True
+    contents = (m.get("content") for m in chat.messages if isinstance(m, dict))
+    return any(isinstance(part, dict) and part.get("type") in ("image", "video")
+               for content in contents if isinstance(content, list | tuple) for part in content)
+
+
+def _check_vision(asked: bool | None, bound: tuple[str, ...]) -> None:
+    """The model's startup kept StartupFeatures.vision: True binds the encoder, False leaves it."""
+    if asked is True and "vision" not in bound:
+        raise ValueError("vision was required (StartupFeatures(vision=True)) but the model started without it")
+    if asked is False and "vision" in bound:
+        raise ValueError("vision was turned off (StartupFeatures(vision=False)) but the model bound its encoder")
 
 
 def _config(config: EngineConfig | None, given: dict[str, object]) -> EngineConfig:

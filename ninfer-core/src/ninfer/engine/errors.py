@@ -45,6 +45,13 @@ class Unrepresentable(RequestRejected):
     http_status = 400
 
 
+class VisionNotEnabled(Unrepresentable):
+    """The request carries images or videos and the model was started without the vision feature."""
+
+    kind = "vision_not_enabled"
+    http_status = 400
+
+
 class InvalidConstraint(RequestRejected):
     """The request's constraint does not compile (schema, regex, grammar or tool choice); the message says why."""
 

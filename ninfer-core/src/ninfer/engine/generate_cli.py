@@ -7,6 +7,7 @@ calls as name + JSON arguments. The start prints the memory it took (a short blo
 of its own. Text arguments are always text: files (or stdin, ``-``) are read only through the ``-file``
 options. ``--json-schema``, ``--grammar``, ``--regex`` and ``--choice`` constrain the output (constraint_cli);
 ``--speculative mtp`` decodes with drafts (speculative_cli), and the stats line then adds their acceptance.
+``--image`` and ``--video`` put media into the chat message; ``--vision`` selects the encoder (vision_cli).
 Imports stay lazy so ``ninfer --help`` does not load torch.
 """
 
@@ -21,6 +22,13 @@ from ninfer.engine.cache_cli import add_context_cache_arguments, with_context_ca
 from ninfer.engine.constraint_cli import add_constraint_arguments, constraint_from_args, constraint_option
 from ninfer.engine.plan_cli import add_memory_arguments, with_memory_options
 from ninfer.engine.speculative_cli import add_speculative_arguments, speculative_features
+from ninfer.engine.vision_cli import (
+    add_media_arguments,
+    add_vision_argument,
+    media_from_args,
+    user_content,
+    with_vision,
+)
 
 
 def add_generate_command(subparsers: argparse._SubParsersAction) -> None:
@@ -56,6 +64,8 @@ def add_generate_command(subparsers: argparse._SubParsersAction) -> None:
     add_constraint_arguments(p)
     add_context_cache_arguments(p)
     add_speculative_arguments(p)
+    add_vision_argument(p)
+    add_media_arguments(p)
     p.set_defaults(func=cmd_generate)
 
 
@@ -164,12 +174,18 @@ def _generate(args: argparse.Namespace) -> int:
 
     model = ninfer.resolve_model_path(args.model)
     chat = args.chat is not None or args.chat_file is not None
+    if args.image or args.video:
+        if args.vision == "off":
+            raise ValueError("--image and --video need the vision feature, which --vision off turns off")
+        if not chat:
+            raise ValueError("--image and --video go into a chat message: use --chat or --chat-file")
+    media = media_from_args(args)
     if chat:
         message = args.chat if args.chat is not None else read_text_file(args.chat_file, "--chat-file")
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-            {"role": "user", "content": message}]
+            {"role": "user", "content": user_content(message, media)}]
         kwargs = {"enable_thinking": False} if args.no_think else {}
-        request_input = ChatInput(messages=messages, template_kwargs=kwargs)
+        request_input = ChatInput(messages=messages, template_kwargs=kwargs, media=media)
     else:
         if args.system or args.no_think:
             raise ValueError("--system and --no-think apply to --chat only (and --chat-file)")
@@ -183,7 +199,7 @@ def _generate(args: argparse.Namespace) -> int:
     config = EngineConfig(max_concurrency=1, device=args.device, max_model_len=args.max_model_len,
                           chat_template=_template_arg(args.chat_template), prefill_chunk=args.prefill_chunk,
                           verify=not args.no_verify, special_tokens_in_content=args.special_tokens_in_content,
-                          features=speculative_features(args))
+                          features=with_vision(speculative_features(args), args))
     try:
         with Engine(model, config=with_memory_options(with_context_cache(config, args), args)) as engine:
             if engine.memory is not None:

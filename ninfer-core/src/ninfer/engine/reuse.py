@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import enum
 
-from ninfer.contract.context import ContextStore, TurnBoundary
+from ninfer.contract.context import ContextStore, MediaRun, TurnBoundary, media_runs
 from ninfer.contract.events import FinishReason
 from ninfer.contract.model import Program
 from ninfer.engine.context_cache import ResourceManager
+from ninfer.engine.context_cache.prefix_index import common_prefix
 from ninfer.engine.metrics import MetricsRecorder
 from ninfer.engine.request import RequestRecord, RequestState
 
@@ -37,7 +38,7 @@ class Reuse:
         self.manager = ResourceManager(self.store, block=block, grid=grid) if self.store is not None else None
         self.block = block
         self.min_wait_gain = block  # waiting for another's save must save at least one block of prefill
-        self.planned: dict[int, tuple[tuple[int, ...], list[int]]] = {}  # sequence -> (prompt, save points)
+        self.planned: dict[int, tuple[tuple[int, ...], tuple[MediaRun, ...], list[int]]] = {}  # (prompt, media, points)
         self.waiting_on_save = False
 
     def applies(self, rec: RequestRecord) -> bool:
@@ -51,10 +52,10 @@ class Reuse:
         program = self.program
         if not self.applies(rec):
             return program.open_sequence(rec.prompt, rec.sampling)
-        tokens = rec.prompt.token_ids
-        hit = self.manager.lookup(tokens, rec.request.session_key)
+        tokens, media = rec.prompt.token_ids, media_runs(rec.prompt)  # media: which image each placeholder is
+        hit = self.manager.lookup(tokens, rec.request.session_key, media=media)
         have = hit.length if hit is not None else 0
-        if self._pending_save(tokens, residents) >= have + self.min_wait_gain:
+        if self._pending_save(tokens, media, residents) >= have + self.min_wait_gain:
             self.waiting_on_save = True
             return Admission.WAIT
         seq = None
@@ -68,10 +69,10 @@ class Reuse:
             seq = program.open_sequence(rec.prompt, rec.sampling)
         rec.cached_tokens = have
         named = () if rec.prompt.history_boundary is None else (rec.prompt.history_boundary,)
-        points = self.manager.save_points(tokens, have, named)
+        points = self.manager.save_points(tokens, have, named, media=media)
         self.store.plan_saves(seq, points)
         if points:
-            self.planned[seq] = (tuple(tokens), points)
+            self.planned[seq] = (tuple(tokens), media, points)
         return seq
 
     def admitted(self, rec: RequestRecord) -> None:
@@ -79,16 +80,17 @@ class Reuse:
         if self.applies(rec):
             self.metrics.prefix_cache_lookup(len(rec.prompt), rec.cached_tokens)
 
-    def _pending_save(self, tokens: tuple[int, ...], residents: list[RequestRecord]) -> int:
+    def _pending_save(self, tokens: tuple[int, ...], media: tuple[MediaRun, ...],
+                      residents: list[RequestRecord]) -> int:
         """The furthest save point a prefilling resident has still to reach inside ``tokens[:-1]``."""
         best = 0
         for r in residents:
             plan = self.planned.get(r.sequence_id) if r.state is RequestState.PREFILL else None
             if plan is None:
                 continue
-            prompt, points = plan
+            prompt, prompt_media, points = plan
             frontier = len(prompt) - 1 - self.program.input_remaining(r.sequence_id)
-            common = _common_prefix(tokens, prompt)
+            common = common_prefix(tokens, media, prompt, prompt_media)
             reach = [p for p in points if frontier < p <= min(common, len(tokens) - 1)]
             if reach:
                 best = max(best, reach[-1])
@@ -122,8 +124,8 @@ class Reuse:
         boundary = rec.boundary
         if isinstance(boundary, TurnBoundary) and boundary.exact is False:
             return  # the next turn re-renders differently: its prompt-end checkpoint is what it can reuse
-        history = (*rec.prompt.token_ids, *rec.token_ids)
-        if self.manager.known(history[:-1]) or self.manager.known(history):
+        history, media = (*rec.prompt.token_ids, *rec.token_ids), media_runs(rec.prompt)
+        if self.manager.known(history[:-1], media=media) or self.manager.known(history, media=media):
             return  # an identical continuation is kept already (the same prompt, the same answer)
         if not self._ensure_free_slot():
             return
@@ -161,11 +163,3 @@ class Reuse:
     def record_stats(self) -> None:
         if self.manager is not None:
             self.metrics.cache_state(self.manager.stats())
-
-
-def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

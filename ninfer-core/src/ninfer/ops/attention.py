@@ -31,24 +31,26 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     return write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
 
 
-def _check_norm_rope_write_kv(q, k, v, q_weight, k_weight, positions, inv_freq, k_cache, slot_mapping) -> None:
+def _check_norm_rope_write_kv(q, k, v, q_weight, k_weight, positions, inv_freq, k_cache, slot_mapping,
+                              axes=None) -> None:
     N, D = q.shape[0], q.shape[-1]
+    mrope = axes is not None and positions.shape == (3, N) and axes.shape == inv_freq.shape
     if q.dim() != 3 or k.shape != v.shape or k.dim() != 3 or k.shape[0] != N or k.shape[1:] != k_cache.shape[2:] \
             or k.shape[2] != D or q_weight.shape != (D,) or k_weight.shape != (D,) \
-            or positions.shape != (N,) or slot_mapping.shape != (N,) or 2 * inv_freq.numel() > D:
+            or (positions.shape != (N,) and not mrope) or slot_mapping.shape != (N,) or 2 * inv_freq.numel() > D:
         raise ValueError(f"norm_rope_write_kv: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
                          f"norm weights {tuple(q_weight.shape)} / {tuple(k_weight.shape)}, positions "
-                         f"{tuple(positions.shape)}, inv_freq {tuple(inv_freq.shape)}, cache "
-                         f"{tuple(k_cache.shape)}, slot_mapping {tuple(slot_mapping.shape)} do not fit")
+                         f"{tuple(positions.shape)} (axes {None if axes is None else tuple(axes.shape)}), inv_freq "
+                         f"{tuple(inv_freq.shape)}, cache {tuple(k_cache.shape)}, slot_mapping {tuple(slot_mapping.shape)} do not fit")
 
 
 def _norm_rope_write_kv_steps(norm, rope, store, q, k, v, q_weight, k_weight, eps, positions, inv_freq, k_cache,
-                              v_cache, slot_mapping) -> torch.Tensor:
+                              v_cache, slot_mapping, axes) -> torch.Tensor:
     """The op as its unfused sequence, with the given rms_norm / apply_rope / write_kv implementations."""
     from ninfer.ops.rope import rope_angles_cos_sin
 
-    _check_norm_rope_write_kv(q, k, v, q_weight, k_weight, positions, inv_freq, k_cache, slot_mapping)
-    cos, sin = rope_angles_cos_sin(positions, inv_freq, q.dtype)
+    _check_norm_rope_write_kv(q, k, v, q_weight, k_weight, positions, inv_freq, k_cache, slot_mapping, axes)
+    cos, sin = rope_angles_cos_sin(positions, inv_freq, q.dtype, axes)
     rot = 2 * inv_freq.numel()
     store(rope(norm(k, k_weight, eps), cos, sin, rot), v, k_cache, v_cache, slot_mapping)
     return rope(norm(q, q_weight, eps), cos, sin, rot)
@@ -56,32 +58,42 @@ def _norm_rope_write_kv_steps(norm, rope, store, q, k, v, q_weight, k_weight, ep
 
 def norm_rope_write_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
                            k_weight: torch.Tensor, eps: float, positions: torch.Tensor, inv_freq: torch.Tensor,
-                           k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+                           k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
+                           axes: torch.Tensor | None = None) -> torch.Tensor:
     from ninfer.ops.norm import rms_norm_ref
     from ninfer.ops.rope import apply_rope_ref
 
     return _norm_rope_write_kv_steps(rms_norm_ref, apply_rope_ref, write_kv_ref, q, k, v, q_weight, k_weight, eps,
-                                     positions, inv_freq, k_cache, v_cache, slot_mapping)
+                                     positions, inv_freq, k_cache, v_cache, slot_mapping, axes)
 
 
 def norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
                        k_weight: torch.Tensor, eps: float, positions: torch.Tensor, inv_freq: torch.Tensor,
-                       k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
+                       axes: torch.Tensor | None = None) -> torch.Tensor:
     """The attention inputs of Qwen3.5 in one op: the per-head (1 + w) RMSNorm of q [N, H, D] and k [N, KVH, D],
     rotary embedding at ``positions`` (rates ``inv_freq``, the first 2 * len(inv_freq) dims), and the store of
     the new k and v [N, KVH, D] at ``slot_mapping``. Returns the new q [N, H, D]. Normed values and cos/sin are
-    rounded to q's dtype before the rotation, as the unfused sequence does.
+    rounded to q's dtype before the rotation, as the unfused sequence does. MRoPE: ``positions`` [3, N] (t, h, w)
+    and ``axes`` (``ninfer.ops.rope.mrope_axes``: the row each frequency slot reads).
 
-    Without the fused kernel this is that sequence of dispatched ops (rms_norm, apply_rope, write_kv).
+    Without the fused kernel this is that sequence of dispatched ops (rms_norm, apply_rope, write_kv). The MRoPE
+    form of the kernel is its own entry (``norm_rope_write_kv_mrope``, listed since its GPU test passed).
     """
-    kernel = triton_kernel("attention", "norm_rope_write_kv", q)
-    if kernel is not None:
-        return kernel(q, k, v, q_weight, k_weight, eps, positions, inv_freq, k_cache, v_cache, slot_mapping)
+    if axes is None:
+        kernel = triton_kernel("attention", "norm_rope_write_kv", q)
+        if kernel is not None:
+            return kernel(q, k, v, q_weight, k_weight, eps, positions, inv_freq, k_cache, v_cache, slot_mapping)
+    else:
+        kernel = triton_kernel("attention", "norm_rope_write_kv_mrope", q)
+        if kernel is not None:
+            return kernel(q, k, v, q_weight, k_weight, eps, positions, inv_freq, k_cache, v_cache, slot_mapping,
+                          axes)
     from ninfer.ops.norm import rms_norm
     from ninfer.ops.rope import apply_rope
 
     return _norm_rope_write_kv_steps(rms_norm, apply_rope, write_kv, q, k, v, q_weight, k_weight, eps, positions,
-                                     inv_freq, k_cache, v_cache, slot_mapping)
+                                     inv_freq, k_cache, v_cache, slot_mapping, axes)
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

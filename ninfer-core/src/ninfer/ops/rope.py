@@ -1,6 +1,7 @@
 """Partial rotary position embedding (NeoX rotate_half on the first rotary_dim dims of each head).
 
-Text positions only for now; MRoPE positions (vision) arrive later as the same cos/sin tables.
+MRoPE (vision prompts) gives each token three positions (t, h, w); each frequency slot reads one of them
+(``mrope_axes``), so the cos/sin tables keep their shape and ``apply_rope`` is the same.
 """
 
 from __future__ import annotations
@@ -18,10 +19,31 @@ def rope_inv_freq(rotary_dim: int, theta: float, device: torch.device | str | No
     return 1.0 / (theta ** exponent)
 
 
-def rope_angles_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
-                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [N, len(inv_freq)] of the fp32 angles positions * inv_freq, rounded to ``dtype``."""
-    angles = positions.to(torch.float32)[:, None] * inv_freq.to(positions.device)[None, :]
+def mrope_axes(rotary_dim: int, section: tuple[int, ...], device: torch.device | str | None = None) -> torch.Tensor:
+    """int64 [rotary_dim // 2]: which of the (t, h, w) positions each frequency slot rotates by, interleaved as
+    Qwen3.5 does: slot j takes h when j % 3 == 1 and j < 3 * section[1], w when j % 3 == 2 and j < 3 * section[2],
+    t otherwise (transformers' ``recomposition_frequencies``)."""
+    if len(section) != 3 or min(section) < 0:
+        raise ValueError(f"mrope_section must be three non-negative slot counts (t, h, w), got {section}")
+    j = torch.arange(rotary_dim // 2)
+    axes = torch.zeros_like(j)
+    axes[(j % 3 == 1) & (j < 3 * section[1])] = 1
+    axes[(j % 3 == 2) & (j < 3 * section[2])] = 2
+    return axes.to(device)
+
+
+def rope_angles_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
+                        axes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [N, len(inv_freq)] of the fp32 angles positions * inv_freq, rounded to ``dtype``. ``positions``
+    is [N], or [3, N] (t, h, w) with ``axes`` (``mrope_axes``) naming the row each frequency slot reads."""
+    inv = inv_freq.to(positions.device)
+    if positions.dim() == 2:
+        if axes is None or positions.shape[0] != 3 or axes.shape != inv.shape:
+            raise ValueError(f"MRoPE positions {tuple(positions.shape)} need [3, N] and axes of one entry per "
+                             f"frequency slot ({inv.numel()})")
+        angles = positions.to(torch.float32)[axes.to(positions.device)].T * inv[None, :]
+    else:
+        angles = positions.to(torch.float32)[:, None] * inv[None, :]
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 

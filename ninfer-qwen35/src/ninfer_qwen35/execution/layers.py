@@ -87,14 +87,20 @@ def gdn_mixer(c: Qwen35Config, p: GDNParams, x: torch.Tensor, batch: ForwardBatc
 
 
 def attention_mixer(c: Qwen35Config, p: AttentionParams, x: torch.Tensor, batch: ForwardBatch,
-                    rope_inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-    """Gated full attention: x [N, H] -> [N, H], writing this batch's K/V into the paged caches first."""
+                    rope_inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    rope_axes: torch.Tensor | None = None) -> torch.Tensor:
+    """Gated full attention: x [N, H] -> [N, H], writing this batch's K/V into the paged caches first. A batch
+    with ``mrope_positions`` rotates at them (``rope_axes``: the row each frequency slot reads)."""
     N, nh, kvh, d = x.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
     q_gate, k, v = p.qkv(x)
     q_gate = q_gate.view(N, nh, 2 * d)  # each head's block is [query | gate]
     gate = q_gate[..., d:]
+    mrope = batch.mrope_positions is not None
+    if mrope and rope_axes is None:
+        raise ValueError("attention_mixer: a batch with mrope_positions needs rope_axes")
     q = norm_rope_write_kv(q_gate[..., :d], k.view(N, kvh, d), v.view(N, kvh, d), p.q_norm, p.k_norm,
-                           c.rms_norm_eps, batch.positions, rope_inv_freq, k_cache, v_cache, batch.slot_mapping)
+                           c.rms_norm_eps, batch.mrope_positions if mrope else batch.positions, rope_inv_freq,
+                           k_cache, v_cache, batch.slot_mapping, axes=rope_axes if mrope else None)
     o = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
                         batch.max_query_len, batch.max_seq_len, d ** -0.5, gate=gate)
     return linear(o.reshape(N, nh * d), p.o_proj)

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ninfer.ops import add_rms_norm, linear, rms_norm, rope_inv_freq
+from ninfer.ops.rope import mrope_axes
 from ninfer_qwen35.execution.forward_batch import ForwardBatch, ModelStateViews
 from ninfer_qwen35.execution.layers import GDNPlan, VerifySteps, attention_mixer, gdn_mixer, mlp
 from ninfer_qwen35.execution.parameters import GDNParams, Qwen35Parameters
@@ -19,6 +20,8 @@ class Qwen35Model:
         self.config = params.config
         # Rotary rates, made once: a decode graph reads them, and per-forward cos/sin tables cost launches.
         self.rope_inv_freq = rope_inv_freq(self.config.rotary_dim, self.config.rope_theta, params.embed.device)
+        # MRoPE (a prefill chunk with media placeholders): the (t, h, w) row each frequency slot reads.
+        self.rope_axes = mrope_axes(self.config.rotary_dim, self.config.mrope_section, params.embed.device)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, state: ModelStateViews, verify: VerifySteps | None = None) -> torch.Tensor:
@@ -30,6 +33,8 @@ class Qwen35Model:
         c, p = self.config, self.params
         self._check(batch, state)
         x = F.embedding(batch.input_ids, p.embed)  # the residual stream
+        if batch.vision_rows is not None:  # media placeholders take the vision encoder's rows
+            x.index_copy_(0, batch.vision_rows, batch.vision_embeds.to(x.dtype))
         plan = GDNPlan(decode=False, verify=verify) if verify is not None else self._gdn_plan(batch)
         # Each sublayer's output joins the stream in the op of the norm after it (one kernel once enabled):
         # the mixer's with the post-attention norm, the MLP's with the next layer's input norm or the final norm.
@@ -42,7 +47,7 @@ class Qwen35Model:
                 h = gdn_mixer(c, layer.mixer, h, batch, plan, state.conv[:, i], state.recurrent[:, i], i)
             else:
                 k_cache, v_cache = state.kv[layer.state_index]
-                h = attention_mixer(c, layer.mixer, h, batch, self.rope_inv_freq, k_cache, v_cache)
+                h = attention_mixer(c, layer.mixer, h, batch, self.rope_inv_freq, k_cache, v_cache, self.rope_axes)
             h, x = add_rms_norm(h, x, layer.post_norm, eps)
             h, x = add_rms_norm(mlp(layer.mlp, h, state.experts), x, next_norm, eps)
         return h
@@ -75,6 +80,13 @@ class Qwen35Model:
         if batch.positions.shape != (N,) or batch.slot_mapping.shape != (N,):
             problems.append(f"positions {tuple(batch.positions.shape)} / slot_mapping "
                             f"{tuple(batch.slot_mapping.shape)} must be [{N}]")
+        if batch.mrope_positions is not None and batch.mrope_positions.shape != (3, N):
+            problems.append(f"mrope_positions {tuple(batch.mrope_positions.shape)} must be [3, {N}]")
+        rows, embeds = batch.vision_rows, batch.vision_embeds
+        if (rows is None) != (embeds is None) or (rows is not None and (
+                rows.dim() != 1 or embeds.shape != (rows.shape[0], c.hidden_size))):
+            problems.append(f"vision_rows {None if rows is None else tuple(rows.shape)} / vision_embeds "
+                            f"{None if embeds is None else tuple(embeds.shape)} must be [M] / [M, {c.hidden_size}]")
         if batch.query_start_loc.shape != (B + 1,) or batch.seq_lens.shape != (B,) \
                 or batch.has_initial_state.shape != (B,) or batch.block_tables.shape[0] != B:
             problems.append(f"per-sequence tensors must have {B} rows (query_start_loc {B + 1})")

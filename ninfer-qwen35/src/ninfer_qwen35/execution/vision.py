@@ -22,12 +22,20 @@ import torch.nn.functional as F
 
 from ninfer.models.common.weights import WeightSet
 from ninfer.ops import apply_rope
+from ninfer.ops.vision import PackedSequences, vision_attention, vision_attention_ref
 from ninfer_qwen35.config import Qwen35Config
 from ninfer_qwen35.execution.parameters import check_weights
+from ninfer_qwen35.execution.vision_positions import (
+    FrameTableCache,
+    Grid,
+    axial_rope_cos_sin,
+    interpolated_pos_embed,
+)
 from ninfer_qwen35.source_mapping import _VISION_DEFAULTS
 
 LAYER_NORM_EPS = 1e-6  # every vision LayerNorm (blocks and merger), fixed in HF's modeling code
 _ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}  # hidden_act -> F.gelu(approximate=...)
+TABLE_CACHE_BYTES = 256 << 20  # the CUDA path's per-frame-size tables (a 1024 x 1024 image's: about 10 MiB)
 
 
 @attrs.frozen(kw_only=True)
@@ -152,45 +160,72 @@ class VisionParams:
 
 
 
-Grid = tuple[int, int, int]
-
-
 class Qwen35Vision:
-    """The vision encoder over one batch of images and videos, packed patch rows in, merged tokens out."""
+    """The vision encoder over one batch of images and videos, packed patch rows in, merged tokens out.
 
-    def __init__(self, params: VisionParams) -> None:
+    Two paths compute the same function. The torch reference (``reference``; ``forward`` on the CPU or with fp32
+    weights) follows HF's modeling step by step, attention by torch's SDPA. The CUDA path (``forward`` when the
+    weights are bf16 or fp16 on a CUDA device) differs only where it saves work: the resampled positions and the
+    rotary tables are kept per frame size (``FrameTableCache``), the positions and the patch embedding's bias
+    join the patch projection as one cuBLAS addmm, and every frame's attention is one ``vision_attention``
+    launch over the packed frames (the Triton kernel once validated, else SDPA per distinct frame length). No
+    CUDA graphs: the shapes change with every batch of grids, and from a few hundred patches on the matmuls,
+    not the launches, set the time.
+    """
+
+    def __init__(self, params: VisionParams, *, fast: bool | None = None,
+                 table_cache_bytes: int = TABLE_CACHE_BYTES) -> None:
+        """``fast``: None takes the CUDA path when the weights allow it (``fast_path_applies``), False always runs
+        the reference, True the CUDA path's steps on any device and dtype (the CPU tests check them in fp32)."""
         self.params = params
         self.config = params.config
+        self.fast = fast_path_applies(params) if fast is None else fast
+        c = self.config
+        self.tables = FrameTableCache(pos_table=params.pos_embed, patch_bias=params.patch_embed.bias,
+                                      side=c.grid_side, merge=c.spatial_merge_size, head_dim=c.head_dim,
+                                      theta=c.rope_theta, max_bytes=table_cache_bytes) if self.fast else None
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: Sequence[Sequence[int]] | torch.Tensor) -> torch.Tensor:
         """pixel_values [n_patches, patch_values] (every image/video's patches in order, each frame's in
         merge-block order, as the HF processor emits them); grid_thw: (t, h, w) per image/video in patches
         (t = temporal patches: a still image is 1). Returns [n_patches / merge ** 2, out_hidden_size]:
-        the tokens of every image/video concatenated in order."""
-        grids = self.check_inputs(pixel_values, grid_thw)
+        the tokens of every image/video concatenated in order, in the weights' dtype."""
+        return self._encode(pixel_values, self.check_inputs(pixel_values, grid_thw), fast=self.fast)
+
+    __call__ = forward
+
+    def reference(self, pixel_values: torch.Tensor, grid_thw: Sequence[Sequence[int]] | torch.Tensor) -> torch.Tensor:
+        """``forward`` through the torch reference, whatever the device and dtype."""
+        return self._encode(pixel_values, self.check_inputs(pixel_values, grid_thw), fast=False)
+
+    def _encode(self, pixel_values: torch.Tensor, grids: list[Grid], *, fast: bool) -> torch.Tensor:
         p, c = self.params, self.config
-        x = F.linear(pixel_values.to(device=p.pos_embed.device, dtype=p.dtype), p.patch_embed.weight,
-                     p.patch_embed.bias)
-        x = x + interpolated_pos_embed(p.pos_embed, grids, c.grid_side, c.spatial_merge_size).to(x.dtype)
-        cos, sin = axial_rope_cos_sin(grids, c.spatial_merge_size, c.head_dim, c.rope_theta, x.device)
-        frames = [h * w for t, h, w in grids for _ in range(t)]
+        pixels = pixel_values.to(device=p.pos_embed.device).to(p.dtype)
+        if fast:
+            tables = self.tables.batch(grids)
+            x = torch.addmm(tables.pos_bias, pixels, p.patch_embed.weight.t())
+            cos, sin, attend = tables.cos, tables.sin, vision_attention
+        else:
+            x = F.linear(pixels, p.patch_embed.weight, p.patch_embed.bias)
+            x += interpolated_pos_embed(p.pos_embed, grids, c.grid_side, c.spatial_merge_size).to(x.dtype)
+            cos, sin = axial_rope_cos_sin(grids, c.spatial_merge_size, c.head_dim, c.rope_theta, x.device)
+            attend = vision_attention_ref
+        frames = PackedSequences.of([h * w for t, h, w in grids for _ in range(t)], x.device)
         for block in p.blocks:
-            x = x + self._attention(_layer_norm(x, block.norm1), block, cos, sin, frames)
+            x += self._attention(_layer_norm(x, block.norm1), block, cos, sin, frames, attend)
             hidden = F.gelu(F.linear(_layer_norm(x, block.norm2), block.fc1.weight, block.fc1.bias),
                             approximate=_ACTIVATIONS[c.hidden_act])
-            x = x + F.linear(hidden, block.fc2.weight, block.fc2.bias)
+            x += F.linear(hidden, block.fc2.weight, block.fc2.bias)
         merged = _layer_norm(x, p.merger_norm).reshape(-1, c.hidden_size * c.spatial_merge_size ** 2)
         merged = F.gelu(F.linear(merged, p.merger_fc1.weight, p.merger_fc1.bias))  # exact GELU here, as HF
         return F.linear(merged, p.merger_fc2.weight, p.merger_fc2.bias)
 
-    __call__ = forward
-
     def _attention(self, x: torch.Tensor, block: VisionBlockParams, cos: torch.Tensor, sin: torch.Tensor,
-                   frames: list[int]) -> torch.Tensor:
+                   frames: PackedSequences, attend) -> torch.Tensor:
         n, heads, d = x.shape[0], self.config.num_heads, self.config.head_dim
         qkv = F.linear(x, block.qkv.weight, block.qkv.bias).view(n, 3 * heads, d)
         qk = apply_rope(qkv[:, : 2 * heads], cos, sin, d)  # q and k heads together; the angles are per patch
-        out = frame_attention(qk[:, :heads], qk[:, heads:], qkv[:, 2 * heads:], frames)
+        out = attend(qk[:, :heads], qk[:, heads:], qkv[:, 2 * heads:], frames)
         return F.linear(out.reshape(n, heads * d), block.proj.weight, block.proj.bias)
 
     def check_inputs(self, pixel_values: torch.Tensor, grid_thw: Sequence[Sequence[int]] | torch.Tensor) -> list[Grid]:
@@ -220,67 +255,10 @@ class Qwen35Vision:
         return grids
 
 
+def fast_path_applies(params: VisionParams) -> bool:
+    """Whether ``params`` can take the CUDA path: bf16 or fp16 weights on a CUDA device."""
+    return params.pos_embed.is_cuda and params.dtype in (torch.bfloat16, torch.float16)
+
+
 def _layer_norm(x: torch.Tensor, norm: Affine) -> torch.Tensor:
     return F.layer_norm(x, (x.shape[-1],), norm.weight, norm.bias, LAYER_NORM_EPS)
-
-
-def merge_block_rows_cols(h: int, w: int, merge: int, device: torch.device | None = None
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row, col) of each patch of one h x w frame, listed in merge-block order: blocks in raster order, and
-    within a block its merge x merge patches in raster order."""
-    rows = torch.arange(h, device=device)[:, None].expand(h, w)
-    cols = torch.arange(w, device=device)[None, :].expand(h, w)
-
-    def blocked(t: torch.Tensor) -> torch.Tensor:
-        return t.reshape(h // merge, merge, w // merge, merge).transpose(1, 2).flatten()
-
-    return blocked(rows), blocked(cols)
-
-
-def interpolated_pos_embed(table: torch.Tensor, grids: Sequence[Grid], side: int, merge: int) -> torch.Tensor:
-    """[n_patches, hidden] fp32: the learned side x side position grid resampled bilinearly (align_corners=True)
-    to each frame's h x w patch grid, in merge-block order, repeated for every frame."""
-    pe, out = table.float(), []
-    for t, h, w in grids:
-        rows, cols = merge_block_rows_cols(h, w, merge, table.device)
-        (r0, r1), wr = _bilinear_taps(rows, h, side)
-        (c0, c1), wc = _bilinear_taps(cols, w, side)
-        frame = ((1 - wr) * (1 - wc))[:, None] * pe[r0 * side + c0] + ((1 - wr) * wc)[:, None] * pe[r0 * side + c1] \
-            + (wr * (1 - wc))[:, None] * pe[r1 * side + c0] + (wr * wc)[:, None] * pe[r1 * side + c1]
-        out.append(frame.repeat(t, 1))
-    return torch.cat(out)
-
-
-def _bilinear_taps(index: torch.Tensor, size: int, side: int) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The two source taps of each target index on one axis and the far tap's weight (align_corners=True:
-    target 0 and size-1 land exactly on source 0 and side-1)."""
-    src = index.to(torch.float32) * (side - 1) / max(size - 1, 1)
-    lo = src.floor()
-    return (lo.long(), (lo.long() + 1).clamp(max=side - 1)), src - lo
-
-
-def axial_rope_cos_sin(grids: Sequence[Grid], merge: int, head_dim: int, theta: float,
-                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 cos, sin [n_patches, head_dim / 2] of the 2-D axial RoPE: the angles are [row * f, col * f] with
-    f = theta ** (-2i / (head_dim / 2)) (head_dim / 4 rates), applied with rotate_half over the whole head."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim // 2, 2, dtype=torch.float32, device=device) / (head_dim // 2))
-    angles = []
-    for t, h, w in grids:
-        rows, cols = merge_block_rows_cols(h, w, merge, device)
-        frame = torch.cat([rows.float()[:, None] * inv_freq, cols.float()[:, None] * inv_freq], dim=-1)
-        angles.append(frame.repeat(t, 1))
-    a = torch.cat(angles)
-    return a.cos(), a.sin()
-
-
-def frame_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
-    """Non-causal attention within each frame's span of patches (q, k, v [N, heads, head_dim], spans of
-    ``lengths`` back to back); [N, heads, head_dim]. Per-span SDPA is the reference; on the GPU a variable-length
-    flash kernel over cu_seqlens = cumsum(lengths) would serve all spans in one launch."""
-    out = []
-    start = 0
-    for n in lengths:
-        span = [x[start:start + n].transpose(0, 1) for x in (q, k, v)]  # [heads, n, d]
-        out.append(F.scaled_dot_product_attention(*span).transpose(0, 1))
-        start += n
-    return torch.cat(out)

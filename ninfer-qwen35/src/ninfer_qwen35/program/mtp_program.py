@@ -43,7 +43,11 @@ class Qwen35MTPProgram(SpeculativeProgram, Qwen35Program):
         self.mtp = mtp
         self.steps = steps
         cuda_graphs, static_decode = kwargs.pop("cuda_graphs", True), kwargs.pop("static_decode", False)
+        if kwargs.get("vision") is not None:
+            raise ValueError("speculative decoding (MTP) does not run the vision encoder yet: start without one")
         super().__init__(model=model, draft_tokens=draft_tokens, cuda_graphs=False, **kwargs)
+        # Its verify and draft units place tokens at plain ledger positions (no MRoPE shift).
+        self.sequences.no_vision = "speculative decoding (MTP) does not run prompts with images or videos yet"
         if steps.conv.shape[:2] != (self.max_concurrency, draft_tokens + 1):
             raise ValueError(f"verify steps {tuple(steps.conv.shape[:2])} must be [max_concurrency, draft_tokens + 1]")
         attention = len(model.config.attention_layers)

@@ -18,6 +18,7 @@ from ninfer.contract.request import SamplingParams
 from ninfer.contract.state import KVPoolSpec, StateImageLayout
 from ninfer.core.device import Device
 from ninfer.core.forward_batch import ForwardBatch
+from ninfer.models.common.context.prompt_media import VisionSpec
 from ninfer.models.common.paged_program import PagedProgram
 from ninfer_qwen35.execution.forward_batch import ModelStateViews
 
@@ -33,14 +34,15 @@ class Qwen35Program(PagedProgram):
                  vocab_size: int, host_budget_bytes: int = 0, sampling_defaults: SamplingParams | None = None,
                  max_model_len: int | None = None, cuda_graphs: bool = True, static_decode: bool = False,
                  pdl: bool = False, checkpoint_slots: int = 0, cache_host_budget_bytes: int = 0,
-                 calibration: bool = False, host_experts: HostExperts | None = None) -> None:
+                 calibration: bool = False, host_experts: HostExperts | None = None, vision: Any = None) -> None:
         """``model``: a ``Qwen35Model``. ``state_layout`` / ``kv_pool``: ``ninfer_qwen35.state``'s. ``cuda_graphs``:
         capture decode graphs on CUDA. ``static_decode``: without graphs, still decode through the graphs'
         static input buffers (checks that input path on CPU). ``pdl``: launch this Program's Triton kernels
         with programmatic dependent launch (``ops.triton._pdl``). ``max_concurrency`` comes validated from
         ``StartupOptions`` (1..8). ``checkpoint_slots`` / ``cache_host_budget_bytes``: the context cache's store.
         ``calibration``: a graph-calibration build (``PagedProgram``). ``host_experts``: this Program's runtime of
-        MoE routed experts kept in host memory (it runs them outside CUDA graphs)."""
+        MoE routed experts kept in host memory (it runs them outside CUDA graphs). ``vision``: the model's
+        ``Qwen35Vision`` encoder; with it the Program takes prompts with images and videos (docs/vision.md)."""
         super().__init__(state_layout=state_layout, kv_pool=kv_pool, device=device, max_concurrency=max_concurrency,
                          num_pages=num_pages, kv_dtype=kv_dtype, vocab_size=vocab_size,
                          host_budget_bytes=host_budget_bytes, sampling_defaults=sampling_defaults,
@@ -52,6 +54,8 @@ class Qwen35Program(PagedProgram):
                                      kv=self.pool.caches()[:len(model.config.attention_layers)],
                                      page_size=self.page_size, experts=host_experts)
         self.host_experts = host_experts
+        if vision is not None:
+            self._take_media(vision)
         self.start_graphs(cuda_graphs=cuda_graphs, static_decode=static_decode)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -59,3 +63,11 @@ class Qwen35Program(PagedProgram):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.logits(hidden)
+
+    def _take_media(self, vision: Any) -> None:
+        c = self.model.config
+        pads = [t for t in (c.image_token_id, c.video_token_id) if t is not None]
+        if not pads:
+            raise ValueError("a vision encoder needs the config's image_token_id / video_token_id")
+        self.vision.encode = vision.forward
+        self.sequences.vision = VisionSpec(merge_size=vision.config.spatial_merge_size, placeholder_ids=pads)

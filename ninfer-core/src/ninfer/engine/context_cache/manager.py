@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
-from ninfer.contract.context import CheckpointInfo, ContextStore
+from ninfer.contract.context import CheckpointInfo, ContextStore, MediaRun, clip_runs
 from ninfer.engine.context_cache.prefix_index import PrefixIndex
 from ninfer.engine.context_cache.retention import (
     CostModel,
@@ -81,18 +81,20 @@ class ResourceManager:
             del self._restore[other]
 
     # -- requests --------------------------------------------------------------------------------------
-    def lookup(self, tokens: Sequence[int], session_key: str | None = None) -> CheckpointInfo | None:
-        """The longest known checkpoint a prompt of ``tokens`` can restore: an exact prefix leaving at least
-        one token to run. The session's own continuation wins when it is at least as long as the best."""
+    def lookup(self, tokens: Sequence[int], session_key: str | None = None, *,
+               media: Sequence[MediaRun] = ()) -> CheckpointInfo | None:
+        """The longest known checkpoint a prompt of ``tokens`` (its placeholder tokens: ``media``, the prompt's
+        ``media_runs``) can restore: an exact prefix leaving at least one token to run. The session's own
+        continuation wins when it is at least as long as the best."""
         self._recency.tick()
         limit = len(tokens) - 1
         if limit < 1:
             return None
-        best = self._index.longest(tokens, limit)
+        best = self._index.longest(tokens, limit, media=media)
         bound_id = self._sessions.get(session_key) if session_key is not None else None
         bound = self._index.get(bound_id) if bound_id is not None else None
         if bound is not None and 0 < bound.length <= limit and (best is None or bound.length >= best.length) \
-                and bound.tokens == tuple(tokens[:bound.length]):
+                and bound.tokens == tuple(tokens[:bound.length]) and bound.media == clip_runs(media, bound.length):
             best = bound
         if best is None or best.length == 0:
             return None
@@ -100,7 +102,8 @@ class ResourceManager:
         self._hits[best.id] += 1
         return best
 
-    def save_points(self, tokens: Sequence[int], start: int, named: Iterable[int] = ()) -> list[int]:
+    def save_points(self, tokens: Sequence[int], start: int, named: Iterable[int] = (), *,
+                    media: Sequence[MediaRun] = ()) -> list[int]:
         """Where a prefill beyond ``start`` should save: grid multiples inside the prompt, the ``named``
         positions (the Frontend's: where a chat's next turn stops reproducing this prompt), then its
         last-but-one position (the prompt-end recovery point); positions already covered are left out."""
@@ -109,12 +112,13 @@ class ResourceManager:
             return []
         first = (start // self.grid + 1) * self.grid
         points = sorted({*range(first, last, self.grid), *(p for p in named if start < p < last), last})
-        known = self._index.present(tokens, points)
+        known = self._index.present(tokens, points, media=media)
         return [p for p in points if p not in known]
 
-    def known(self, tokens: Sequence[int]) -> bool:
-        """Whether a checkpoint of exactly ``tokens`` is known (a second copy would hold a slot for nothing)."""
-        return bool(tokens) and bool(self._index.present(tokens, [len(tokens)]))
+    def known(self, tokens: Sequence[int], *, media: Sequence[MediaRun] = ()) -> bool:
+        """Whether a checkpoint of exactly ``tokens`` (and ``media``) is known (a second copy would hold a slot
+        for nothing)."""
+        return bool(tokens) and bool(self._index.present(tokens, [len(tokens)], media=media))
 
     def lease(self, checkpoint_id: int) -> CheckpointInfo | None:
         """Pin a checkpoint for a materialization; None (and forgotten) when the store no longer has it."""
@@ -240,7 +244,7 @@ class ResourceManager:
         published later that would be longer is not looked for, so the figure errs towards keeping."""
         known = self._restore.get(info.id)
         if known is None:
-            other = self._index.longest(info.tokens, info.length, exclude=info.id)
+            other = self._index.longest(info.tokens, info.length, exclude=info.id, media=info.media)
             known = (0, None) if other is None else (other.length, other.id)
             self._restore[info.id] = known
         return known[0]

@@ -5,17 +5,23 @@ chained digest (the digest of block ``k`` covers every token before it), under i
 the digest of its partial tail. A lookup walks the query's full blocks only while some checkpoint passes
 through them, then checks the candidates deepest first. Digests only narrow the candidates: a hit is
 confirmed by comparing the token ids themselves, so a digest collision can never give a wrong hit.
+
+Media placeholder tokens share one token id, so a block's digest also takes, for each run of placeholders in
+it, the item's digest and the rows the run takes (``MediaRun``), and a hit is confirmed on the runs too: the
+same image at the same place hits, a different image (even of the same size) never does.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+import struct
 import sys
 from array import array
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 
-from ninfer.contract.context import CheckpointInfo
+from ninfer.contract.context import CheckpointInfo, MediaRun, clip_runs
 
 DIGEST_BYTES = 16
 _ROOT = b""  # the chain digest of the empty prefix
@@ -42,6 +48,27 @@ def _digest(prefix_digest: bytes, data: bytes | memoryview) -> bytes:
     h.update(prefix_digest)
     h.update(data)
     return h.digest()
+
+
+class MediaIdentity:
+    """The media runs of one token sequence, as bytes per range of positions (nothing for text)."""
+
+    def __init__(self, runs: Sequence[MediaRun]) -> None:
+        self.runs = sorted(runs, key=lambda r: r.start)
+        self._ends = [r.start + r.length for r in self.runs]
+
+    def between(self, lo: int, hi: int) -> bytes:
+        """Each run's part inside positions lo..hi: its place, length, first row and item digest."""
+        out = []
+        for r in self.runs[bisect.bisect_right(self._ends, lo):]:
+            if r.start >= hi:
+                break
+            a, b = max(r.start, lo), min(r.start + r.length, hi)
+            if a >= b:  # an empty range (a tail of no tokens)
+                continue
+            digest = r.digest.encode()
+            out.append(struct.pack("<4i", a - lo, b - a, r.offset + a - r.start, len(digest)) + digest)
+        return b"".join(out)
 
 
 _Node = tuple[int, bytes]  # (full blocks k, chain digest of the first k blocks)
@@ -80,11 +107,11 @@ class PrefixIndex:
                 raise ValueError(f"checkpoint {info.id} changed its tokens ({known.length} -> {info.length})")
             self._infos[info.id] = info
             return
-        buf = memoryview(token_bytes(info.tokens))
-        chain = self._chain(buf, info.length // self.block, known_only=False)
+        buf, media = memoryview(token_bytes(info.tokens)), MediaIdentity(info.media)
+        chain = self._chain(buf, media, info.length // self.block, known_only=False)
         nodes = list(enumerate(chain))
         k, r = divmod(info.length, self.block)
-        tail = self._tail_digest(buf, chain[k], k, r)
+        tail = self._tail_digest(buf, media, chain[k], k, r)
         self._through.update(nodes[1:])
         self._ends.setdefault(nodes[k], {}).setdefault(r, {}).setdefault(tail, []).append(info.id)
         self._infos[info.id] = info
@@ -110,68 +137,96 @@ class PrefixIndex:
         return info
 
     # -- lookup ----------------------------------------------------------------------------------------
-    def longest(self, tokens: Sequence[int], limit: int, *, exclude: int | None = None) -> CheckpointInfo | None:
-        """The checkpoint with the largest length <= ``limit`` whose tokens are exactly ``tokens[:length]``
-        (leaving out the checkpoint ``exclude``), or None."""
+    def longest(self, tokens: Sequence[int], limit: int, *, exclude: int | None = None,
+                media: Sequence[MediaRun] = ()) -> CheckpointInfo | None:
+        """The checkpoint with the largest length <= ``limit`` whose tokens are exactly ``tokens[:length]`` and
+        whose media runs are ``media``'s there (leaving out the checkpoint ``exclude``), or None."""
         limit = min(limit, len(tokens))
         if limit < 0:
             return None
-        query = tuple(tokens[:limit])
+        query, identity = tuple(tokens[:limit]), MediaIdentity(media)
         buf = memoryview(token_bytes(query))
-        chain = self._chain(buf, limit // self.block, known_only=True)
+        chain = self._chain(buf, identity, limit // self.block, known_only=True)
         for k in reversed(range(len(chain))):
             ends = self._ends.get((k, chain[k]))
             if not ends:
                 continue
             for r in sorted(ends, reverse=True):
                 if k * self.block + r <= limit:
-                    found = self._exact(query, buf, k, chain[k], r, exclude)
+                    found = self._exact(query, buf, identity, k, chain[k], r, exclude)
                     if found is not None:
                         return found
         return None
 
-    def present(self, tokens: Sequence[int], lengths: Iterable[int]) -> set[int]:
-        """Those of ``lengths`` at which a checkpoint holding exactly ``tokens[:length]`` is indexed."""
+    def present(self, tokens: Sequence[int], lengths: Iterable[int], *,
+                media: Sequence[MediaRun] = ()) -> set[int]:
+        """Those of ``lengths`` at which a checkpoint holding exactly ``tokens[:length]`` (and ``media`` there) is
+        indexed."""
         wanted = sorted({n for n in lengths if 0 <= n <= len(tokens)})
         if not wanted:
             return set()
-        query = tuple(tokens[:wanted[-1]])
+        query, identity = tuple(tokens[:wanted[-1]]), MediaIdentity(media)
         buf = memoryview(token_bytes(query))
-        chain = self._chain(buf, wanted[-1] // self.block, known_only=True)
+        chain = self._chain(buf, identity, wanted[-1] // self.block, known_only=True)
         found = set()
         for n in wanted:
             k, r = divmod(n, self.block)
-            if k < len(chain) and self._exact(query, buf, k, chain[k], r, None) is not None:
+            if k < len(chain) and self._exact(query, buf, identity, k, chain[k], r, None) is not None:
                 found.add(n)
         return found
 
     # -- digests ---------------------------------------------------------------------------------------
-    def _chain(self, buf: memoryview, blocks: int, *, known_only: bool) -> list[bytes]:
+    def _chain(self, buf: memoryview, media: MediaIdentity, blocks: int, *, known_only: bool) -> list[bytes]:
         """Chain digests of the first 0..m full blocks (m <= ``blocks``); ``known_only`` stops before the
         first node that no indexed checkpoint reaches, since nothing deeper can match."""
-        step = self.block * _TOKEN_BYTES
         chain = [_ROOT]
         for k in range(1, blocks + 1):
-            d = _digest(chain[-1], buf[(k - 1) * step:k * step])
+            d = self._block_digest(chain[-1], buf, media, (k - 1) * self.block, self.block)
             if known_only and (k, d) not in self._through:
                 break
             chain.append(d)
         return chain
 
-    def _tail_digest(self, buf: memoryview, chain_k: bytes, k: int, r: int) -> bytes:
-        start = k * self.block * _TOKEN_BYTES
-        return _digest(chain_k, buf[start:start + r * _TOKEN_BYTES])
+    def _tail_digest(self, buf: memoryview, media: MediaIdentity, chain_k: bytes, k: int, r: int) -> bytes:
+        return self._block_digest(chain_k, buf, media, k * self.block, r)
 
-    def _exact(self, query: tuple[int, ...], buf: memoryview, k: int, chain_k: bytes, r: int,
+    @staticmethod
+    def _block_digest(prefix_digest: bytes, buf: memoryview, media: MediaIdentity, start: int, n: int) -> bytes:
+        """The digest of tokens start..start+n after ``prefix_digest``: their ids, then their media identity."""
+        ids = buf[start * _TOKEN_BYTES:(start + n) * _TOKEN_BYTES]
+        runs = media.between(start, start + n) if media.runs else b""
+        return _digest(prefix_digest, ids if not runs else bytes(ids) + runs)
+
+    def _exact(self, query: tuple[int, ...], buf: memoryview, media: MediaIdentity, k: int, chain_k: bytes, r: int,
                exclude: int | None) -> CheckpointInfo | None:
-        """The newest checkpoint whose tokens are exactly ``query[:k * block + r]``."""
+        """The newest checkpoint whose tokens are exactly ``query[:k * block + r]``, with the same media there."""
         by_tail = self._ends.get((k, chain_k), {}).get(r)
         if not by_tail:
             return None
-        ids = by_tail.get(self._tail_digest(buf, chain_k, k, r), ())
+        ids = by_tail.get(self._tail_digest(buf, media, chain_k, k, r), ())
         length = k * self.block + r
+        runs = None
         for cid in reversed(ids):
             info = self._infos[cid]
             if cid != exclude and info.length == length and info.tokens == query[:length]:
-                return info
+                runs = clip_runs(media.runs, length) if runs is None else runs
+                if tuple(info.media) == runs:
+                    return info
         return None
+
+
+def common_prefix(a: Sequence[int], a_media: Sequence[MediaRun], b: Sequence[int],
+                  b_media: Sequence[MediaRun]) -> int:
+    """How many leading tokens two sequences share: equal token ids, and the same media on every placeholder."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    if not a_media and not b_media:
+        return i
+    rows_a, rows_b = _placeholder_rows(a_media, i), _placeholder_rows(b_media, i)
+    return min((p for p in rows_a.keys() | rows_b.keys() if rows_a.get(p) != rows_b.get(p)), default=i)
+
+
+def _placeholder_rows(runs: Sequence[MediaRun], n: int) -> dict[int, tuple[str, int]]:
+    return {r.start + j: (r.digest, r.offset + j) for r in clip_runs(runs, n) for j in range(r.length)}

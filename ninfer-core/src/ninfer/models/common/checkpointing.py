@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ninfer.contract.context import CacheUsage, CheckpointInfo, CheckpointKind
+from ninfer.contract.context import CacheUsage, CheckpointInfo, CheckpointKind, clip_runs
 from ninfer.contract.prompt import PreparedPrompt
 from ninfer.contract.request import SamplingParams
 from ninfer.models.common.context.checkpoints import CheckpointStore
@@ -57,14 +57,16 @@ class Checkpointing:
     def open_cached(self, prompt: PreparedPrompt, sampling: SamplingParams, checkpoint_id: int) -> int | None:
         ck = self.checkpoints.get(checkpoint_id)
         n = len(ck.tokens)
-        self.sequences.validate(prompt)
-        if not (n < len(prompt) and tuple(prompt.token_ids[:n]) == ck.tokens):
-            raise ProgramError(f"checkpoint {checkpoint_id} ({n} tokens) is not a proper prefix of the prompt")
+        media = self.sequences.validate(prompt)
+        runs = clip_runs(media.runs, n) if media is not None else ()
+        if not (n < len(prompt) and tuple(prompt.token_ids[:n]) == ck.tokens and runs == ck.media):
+            raise ProgramError(f"checkpoint {checkpoint_id} ({n} tokens) is not a proper prefix of the prompt (token "
+                               f"ids and media)")
         table = self.sequences
         if table.states.num_free == 0 or self.checkpoints.pages_to_restore(ck) > table.kv.pool.allocator.num_free:
             return None
         seq = SequenceRecord(id=table.new_id(), slot=table.states.allocate(), prompt_len=len(prompt),
-                             ledger=list(prompt.token_ids), first_by_decode=n == len(prompt) - 1,
+                             ledger=list(prompt.token_ids), first_by_decode=n == len(prompt) - 1, media=media,
                              sampling=RowSampling.resolve(sampling, table.sampling_defaults))
         try:
             self.checkpoints.restore(ck, seq)

@@ -47,6 +47,7 @@ from ninfer.models.common.context.sequence import SequenceRecord
 from ninfer.models.common.context.sequence_table import SequenceTable
 from ninfer.models.common.sampler import Sampler, pending_rows
 from ninfer.models.common.scoring import score_window
+from ninfer.models.common.vision_handoff import VisionHandoff, decode_positions
 
 _program_ids = itertools.count(1)
 
@@ -114,6 +115,8 @@ class PagedProgram(Checkpointing, abc.ABC):
         self.sampler = Sampler(self.device.torch, mask_rows=max_concurrency)
         self.graphs: DecodeGraphs | None = None
         self.graph_error: str | None = None
+        # Prompts with media: a subclass with an encoder sets ``vision.encode`` and ``sequences.vision``.
+        self.vision = VisionHandoff()
 
     # -- the native model ---------------------------------------------------------------------------
     @abc.abstractmethod
@@ -178,6 +181,7 @@ class PagedProgram(Checkpointing, abc.ABC):
     def release(self, sequence_id: int) -> None:
         self.sequences.release(sequence_id)
         self.sampler.forget(sequence_id)
+        self.vision.drop(sequence_id)
 
     def reserve_units(self, sequence_id: int, tokens: int) -> bool:
         """Hold the pages positions computed..computed+tokens need; False (nothing taken) when they do not fit."""
@@ -206,8 +210,10 @@ class PagedProgram(Checkpointing, abc.ABC):
                                               pages=seq.pages, want_logits=sample)],
                                     self.page_size, self.device.torch)
         with self._unit([seq]), torch.inference_mode():
+            self.vision.fill(batch, seq, start, n)  # a prompt with media: rotary positions, encoder rows
             hidden = self.forward(batch)
             seq.computed += n
+            self.vision.passed(seq)
             self.save_point_reached(seq)
             if not sample:
                 self._prefilled(seq, batch, hidden, start, None)
@@ -236,16 +242,20 @@ class PagedProgram(Checkpointing, abc.ABC):
         ids, seqs, prev = self._decode_rows(sequence_ids, after)
         # A chained row's input is on the device: a placeholder goes through the host path, then the copy.
         inputs = [0] * len(seqs) if prev is not None else [s.ledger[s.computed] for s in seqs]
+        rope = decode_positions(seqs)  # None unless a row's prompt has media (its MRoPE shift)
         with self._unit(seqs), torch.inference_mode():
             if self.graphs is not None:
                 self.graphs.load(inputs, [s.computed for s in seqs], [s.slot for s in seqs], [s.pages for s in seqs],
                                  [(s.id, s.pages_epoch) for s in seqs],
-                                 device_tokens=None if prev is None else self._sampled(prev).tokens)
+                                 device_tokens=None if prev is None else self._sampled(prev).tokens,
+                                 rope_positions=rope)
                 logits = self.graphs.replay(len(seqs))
             else:
                 batch = build_forward_batch(
                     [RowInput(tokens=[t], start=s.computed, slot=s.slot, pages=s.pages, want_logits=True)
                      for s, t in zip(seqs, inputs, strict=True)], self.page_size, self.device.torch)
+                if rope is not None:
+                    batch.positions = torch.tensor(rope, dtype=torch.int64, device=self.device.torch)
                 if prev is not None:
                     batch.input_ids.copy_(self._sampled(prev).tokens)
                 logits = self._decode_logits(batch)

@@ -70,11 +70,12 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping):
 
 @triton.jit
 def _norm_rope_write_kv_kernel(
-    q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, inv_ptr, qo_ptr, kc_ptr, vc_ptr, slot_ptr,
+    q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, inv_ptr, qo_ptr, kc_ptr, vc_ptr, slot_ptr, axes_ptr,
     s_qn, s_qh, s_kn, s_kh, s_vn, s_vh, s_qon, s_qoh,
-    s_kcp, s_kco, s_kch, s_vcp, s_vco, s_vch,
+    s_kcp, s_kco, s_kch, s_vcp, s_vco, s_vch, s_pos,
     page_size, eps,
-    H: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False,
+    H: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, MROPE: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):
     pdl_prologue(USE_PDL)
     # One program per (token, head): heads 0..H-1 are query heads, H.. the key heads (each also stores its v).
@@ -100,8 +101,13 @@ def _norm_rope_write_kv_kernel(
     dt = qo_ptr.dtype.element_ty
     normed = (x * rstd * (1.0 + w)).to(dt).to(tl.float32)
     normed_p = (xp * rstd * (1.0 + wp)).to(dt).to(tl.float32)
-    angle = tl.load(pos_ptr + n).to(tl.float32) * tl.load(inv_ptr + tl.where(first, dd, dd - HALF), mask=rot,
-                                                          other=0.0)
+    slot_j = tl.where(first, dd, dd - HALF)  # the frequency slot of each rotated dim
+    if MROPE:  # positions [3, N]: each frequency slot rotates by the t, h or w row that axes names
+        axis = tl.load(axes_ptr + slot_j, mask=rot, other=0)
+        pos = tl.load(pos_ptr + axis * s_pos + n, mask=rot, other=0).to(tl.float32)
+    else:
+        pos = tl.load(pos_ptr + n).to(tl.float32)
+    angle = pos * tl.load(inv_ptr + slot_j, mask=rot, other=0.0)
     # tl.cos/sin compile to libdevice's precise cosf/sinf (not the .approx instructions, wrong for angles of
     # 1e5 rad and more; checked in the sm_90 PTX), the functions torch's CUDA cos/sin use.
     c = tl.cos(angle).to(dt).to(tl.float32)
@@ -124,11 +130,29 @@ def norm_rope_write_kv(q, k, v, q_weight, k_weight, eps, positions, inv_freq, k_
                        out=None):
     """Per-head (1 + w) RMSNorm + rotary embedding of q and k, and the K/V store, in one launch (see
     ``ninfer.ops.attention.norm_rope_write_kv``); q, k, v may be strided per token and head."""
+    return _norm_rope_write_kv(q, k, v, q_weight, k_weight, eps, positions, inv_freq, k_cache, v_cache,
+                               slot_mapping, None, out)
+
+
+def norm_rope_write_kv_mrope(q, k, v, q_weight, k_weight, eps, positions, inv_freq, k_cache, v_cache, slot_mapping,
+                             axes, *, out=None):
+    """``norm_rope_write_kv`` at MRoPE positions [3, N]: frequency slot j rotates by row ``axes[j]`` (the same
+    kernel, its 1-D path compiled out)."""
+    if axes is None or tuple(axes.shape) != tuple(inv_freq.shape):
+        raise ValueError(f"norm_rope_write_kv_mrope: axes must have one entry per frequency slot "
+                         f"({inv_freq.numel()})")
+    return _norm_rope_write_kv(q, k, v, q_weight, k_weight, eps, positions, inv_freq, k_cache, v_cache,
+                               slot_mapping, axes, out)
+
+
+def _norm_rope_write_kv(q, k, v, q_weight, k_weight, eps, positions, inv_freq, k_cache, v_cache, slot_mapping, axes,
+                        out):
     N, H, D = q.shape
     KVH = k.shape[1]
     half = inv_freq.numel()
+    want_pos = (N,) if axes is None else (3, N)
     if k.shape != (N, KVH, D) or v.shape != k.shape or tuple(k_cache.shape[2:]) != (KVH, D) \
-            or v_cache.shape != k_cache.shape or tuple(slot_mapping.shape) != (N,) or positions.shape != (N,) \
+            or v_cache.shape != k_cache.shape or tuple(slot_mapping.shape) != (N,) or positions.shape != want_pos \
             or 2 * half > D or q_weight.shape != (D,) or k_weight.shape != (D,):
         raise ValueError(f"norm_rope_write_kv: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
                          f"caches {tuple(k_cache.shape)}, positions {tuple(positions.shape)}, inv_freq "
@@ -139,12 +163,16 @@ def norm_rope_write_kv(q, k, v, q_weight, k_weight, eps, positions, inv_freq, k_
         out = torch.empty((N, H, D), dtype=q.dtype, device=q.device)
     if N == 0:
         return out
+    mrope = axes is not None
+    if mrope:
+        positions = positions.contiguous()  # the kernel steps rows by stride(0) and tokens by 1
     _norm_rope_write_kv_kernel[(N, H + KVH)](
         q, k, v, q_weight, k_weight, positions, inv_freq.to(torch.float32), out, k_cache, v_cache, slot_mapping,
+        axes.to(device=q.device, dtype=torch.int32) if mrope else slot_mapping,  # 1-D: never read
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), k_cache.shape[1], eps,
-        H=H, D=D, HALF=half, BLOCK_D=triton.next_power_of_2(D), num_warps=2, **pdl_args(q.device)
+        v_cache.stride(2), positions.stride(0) if mrope else 0, k_cache.shape[1], eps,
+        H=H, D=D, HALF=half, BLOCK_D=triton.next_power_of_2(D), MROPE=mrope, num_warps=2, **pdl_args(q.device)
     )
     return out
 

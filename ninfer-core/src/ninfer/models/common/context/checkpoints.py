@@ -16,7 +16,7 @@ from collections import Counter
 import attrs
 import torch
 
-from ninfer.contract.context import CacheUsage, CheckpointInfo, CheckpointKind
+from ninfer.contract.context import CacheUsage, CheckpointInfo, CheckpointKind, MediaRun, clip_runs
 from ninfer.core.kv_pool import pages_for
 from ninfer.core.state_store import StateImageStorage
 from ninfer.models.common.context.errors import ProgramError
@@ -30,6 +30,7 @@ class Checkpoint:
     generation: int
     tokens: tuple[int, ...]
     kind: CheckpointKind
+    media: tuple[MediaRun, ...] = ()        # the media identity of its placeholder tokens
     slot: int | None = None                 # device copy: a slot of the store's image storage
     prefix: KVPrefixRef | None = None       # device copy: the exact KV prefix
     host_image: torch.Tensor | None = None  # host replica (pinned on CUDA)
@@ -72,7 +73,7 @@ class CheckpointStore:
             device = self.states.image_bytes + alone * self.pool.nbytes_per_page
         return CheckpointInfo(id=ck.id, generation=ck.generation, tokens=ck.tokens, kind=ck.kind,
                               on_device=ck.on_device, on_host=ck.on_host, device_bytes=device,
-                              host_bytes=self.host_bytes(len(ck.tokens)), pages_alone=alone)
+                              host_bytes=self.host_bytes(len(ck.tokens)), pages_alone=alone, media=ck.media)
 
     def usage(self) -> CacheUsage:
         refs = Counter(p for ck in self.records.values() if ck.prefix is not None for p in ck.prefix.pages)
@@ -96,7 +97,8 @@ class CheckpointStore:
         slot = self.images.allocate()
         self.images.buffer[slot].copy_(self.states.buffer[seq.slot])
         ck = Checkpoint(id=next(self._ids), generation=next(self._generations), kind=kind,
-                        tokens=tuple(seq.ledger[:seq.computed]), slot=slot, prefix=self.kv.save_prefix(seq, seq.computed))
+                        tokens=tuple(seq.ledger[:seq.computed]), slot=slot, prefix=self.kv.save_prefix(seq, seq.computed),
+                        media=clip_runs(seq.media.runs, seq.computed) if seq.media is not None else ())
         self.records[ck.id] = ck
         info = self.info(ck)
         if publish:

@@ -11,7 +11,7 @@ seed and the token index). ``demote`` revokes a Snapshot to a Replay of the same
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -22,6 +22,9 @@ from ninfer.core.state_store import StateImageStorage
 from ninfer.models.common.context.errors import ProgramError
 from ninfer.models.common.context.kv_history import KVHistoryStore
 from ninfer.models.common.context.sequence import RowSampling, SequenceRecord
+
+if TYPE_CHECKING:
+    from ninfer.models.common.context.prompt_media import PromptMedia
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -39,6 +42,7 @@ class ReplayResume:
     frontier: int
     first_by_decode: bool = False  # the prompt's last token is the first decode input (``SequenceRecord``)
     drafts: tuple[int, ...] = ()  # a speculative Program's drafts (Replay makes them again as it rebuilds)
+    media: PromptMedia | None = None  # the prompt's images and videos (the encoder runs again when reached)
 
     @property
     def host_bytes(self) -> int:
@@ -48,7 +52,7 @@ class ReplayResume:
         """The same accepted history without host copies (what a revoked Snapshot becomes)."""
         return ReplayResume(program_id=self.program_id, ledger=self.ledger, prompt_len=self.prompt_len,
                             sampling=self.sampling, frontier=self.frontier, first_by_decode=self.first_by_decode,
-                            drafts=self.drafts)
+                            drafts=self.drafts, media=self.media)
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -87,7 +91,7 @@ class PausedStates:
         """An owning ResumeState of ``seq`` at its committed boundary (the caller then releases ``seq``)."""
         common = dict(program_id=self.program_id, ledger=tuple(seq.ledger), prompt_len=seq.prompt_len,
                       sampling=seq.sampling, frontier=seq.computed, first_by_decode=seq.first_by_decode,
-                      drafts=seq.drafts)
+                      drafts=seq.drafts, media=seq.media)
         if mode == "snapshot":
             if not self.can_snapshot(seq):
                 raise ProgramError(f"sequence {seq.id}: snapshot needs {self.snapshot_bytes(seq)} host bytes, "
@@ -112,7 +116,7 @@ class PausedStates:
         self._drop(state)
         seq = SequenceRecord(id=new_id(), slot=self.states.allocate(), prompt_len=state.prompt_len,
                              ledger=list(state.ledger), sampling=state.sampling,
-                             first_by_decode=state.first_by_decode, drafts=state.drafts)
+                             first_by_decode=state.first_by_decode, drafts=state.drafts, media=state.media)
         self.kv.append_fresh(seq, need)
         if isinstance(state, SnapshotResume):
             self.states.restore(seq.slot, state.state_image)

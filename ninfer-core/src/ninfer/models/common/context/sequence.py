@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import secrets
+from typing import TYPE_CHECKING
 
 import attrs
 
 from ninfer.contract.request import SamplingParams
+
+if TYPE_CHECKING:
+    from ninfer.models.common.context.prompt_media import PromptMedia
 
 
 @attrs.frozen(kw_only=True)
@@ -63,7 +67,8 @@ class SequenceRecord:
     pages beyond those covering ``computed`` are this sequence's reservation. ``first_by_decode``: the
     prompt is prefilled up to its last token, which is the first decode input (then the state after
     every prompt token but the last is a checkpoint any extension of the prompt can restore).
-    ``save_points``: frontier positions where prefill ends a unit and saves a checkpoint.
+    ``save_points``: frontier positions where prefill ends a unit and saves a checkpoint. ``media``: the
+    prompt's images and videos (None: text only), which set its rotary positions and its encoder inputs.
     """
 
     id: int
@@ -81,6 +86,7 @@ class SequenceRecord:
     first_by_decode: bool = False
     save_points: list[int] = attrs.field(factory=list)
     drafts: tuple[int, ...] = ()  # a speculative Program's drafts for the next unit (after the last accepted token)
+    media: PromptMedia | None = None
 
     @property
     def generated(self) -> int:

@@ -19,11 +19,16 @@ from ninfer.core.kv_pool import PoolExhausted
 from ninfer.core.state_store import StateImageStorage
 from ninfer.models.common.context.errors import ProgramError
 from ninfer.models.common.context.kv_history import KVHistoryStore
+from ninfer.models.common.context.prompt_media import PromptMedia, VisionSpec, prompt_media
 from ninfer.models.common.context.sequence import RowSampling, SequenceRecord
+
+NO_VISION = "this model was started without the vision feature: the prompt carries images or videos"
 
 
 class SequenceTable:
-    """Sequences bound to ``states`` slots and ``pages`` block tables, with their accepted ledgers."""
+    """Sequences bound to ``states`` slots and ``pages`` block tables, with their accepted ledgers.
+
+    ``vision``: the media prompts the Program's encoder takes (None: text only, and ``no_vision`` says why)."""
 
     def __init__(self, states: StateImageStorage, kv: KVHistoryStore, *, max_model_len: int, vocab_size: int,
                  sampling_defaults: SamplingParams | None = None) -> None:
@@ -34,27 +39,29 @@ class SequenceTable:
         self.sampling_defaults = sampling_defaults
         self.records: dict[int, SequenceRecord] = {}
         self._ids = itertools.count(1)
+        self.vision: VisionSpec | None = None
+        self.no_vision = NO_VISION
 
     def new_id(self) -> int:
         return next(self._ids)
 
     def open(self, prompt: PreparedPrompt, sampling: SamplingParams) -> int:
-        """Bind a StateImage slot for a new text sequence (no KV pages yet)."""
-        self.validate(prompt)
+        """Bind a StateImage slot for a new sequence (no KV pages yet)."""
+        media = self.validate(prompt)
         slot = self._allocate_slot("for a new sequence")
         return self.bind(SequenceRecord(id=self.new_id(), slot=slot, prompt_len=len(prompt),
-                                        ledger=list(prompt.token_ids),
+                                        ledger=list(prompt.token_ids), media=media,
                                         sampling=RowSampling.resolve(sampling, self.sampling_defaults)))
 
-    def validate(self, prompt: PreparedPrompt) -> None:
-        """ValueError naming what this Program cannot run in ``prompt`` (a request-level rejection)."""
+    def validate(self, prompt: PreparedPrompt) -> PromptMedia | None:
+        """ValueError naming what this Program cannot run in ``prompt`` (a request-level rejection); the prompt's
+        media as the sequence keeps it (None: text only)."""
         if len(prompt) >= self.max_model_len:
             raise ValueError(f"prompt of {len(prompt)} tokens does not fit max_model_len {self.max_model_len}")
         bad = [t for t in prompt.token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} outside the model vocabulary 0..{self.vocab_size - 1}")
-        if prompt.media:
-            raise ValueError("this Program runs text only: the prompt carries media")
+        return prompt_media(prompt, self.vision, self.no_vision)
 
     def fork(self, sequence_id: int, sampling: SamplingParams | None = None) -> int:
         """A new sequence continuing from this one's committed state: the StateImage is copied whole,
@@ -65,7 +72,7 @@ class SequenceTable:
         self.states.copy_slot(src.slot, slot)
         resolved = src.sampling if sampling is None else RowSampling.resolve(sampling, self.sampling_defaults)
         seq = SequenceRecord(id=self.new_id(), slot=slot, prompt_len=src.prompt_len, ledger=list(src.ledger),
-                             sampling=resolved, first_by_decode=src.first_by_decode)
+                             sampling=resolved, first_by_decode=src.first_by_decode, media=src.media)
         if src.computed:
             ref = self.kv.save_prefix(src, src.computed)
             self.kv.adopt(seq, ref)

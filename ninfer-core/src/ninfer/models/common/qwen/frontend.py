@@ -8,11 +8,14 @@ Special-token strings inside chat messages are plain text unless ``special_token
 (``literal_specials``); a raw text prompt is the user's own, so its special-token strings are tokens.
 A prompt that cannot fit ``max_tokens`` is rejected before tokenizing: each token stands for at most
 ``tokenizer.longest_token_bytes`` bytes of text.
+
+A chat's images and videos (``ChatInput.media``) are prepared on the frontend's own threads
+(``media_preparation``) and placed into the prompt as ``media_prompt`` says, when the model runs with vision.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ninfer.contract.constraint import Constraint
@@ -25,11 +28,30 @@ from ninfer.models.common.qwen import tool_calls as tc
 from ninfer.models.common.qwen.chat_template import ChatTemplate, builtin_template, normalize_inputs
 from ninfer.models.common.qwen.errors import FrontendInputError, TemplateError
 from ninfer.models.common.qwen.literal_specials import LiteralSpecials, Rendered, client_strings
+from ninfer.models.common.qwen.media_preparation import MediaLimits, MediaPreparer
+from ninfer.models.common.qwen.media_prompt import (
+    IMAGE_PAD,
+    VIDEO_PAD,
+    VISION_TOKENS,
+    VisionNotEnabled,
+    canonical_media_parts,
+    check_media_parts,
+    check_prepared_media,
+    expanded_length,
+    fewest_media_tokens,
+    placeholder_runs,
+    rewrite_placeholders,
+)
 from ninfer.models.common.qwen.output_session import THINK_CLOSE, THINK_OPEN, QwenOutputSession
 from ninfer.models.common.qwen.tokenizer import QwenTokenizer
+from ninfer.models.common.qwen.vision_preprocess import PreprocessConfig
 
 BUILTIN_PREFIX = "builtin:"
-_VISION_PADS = ("<|image_pad|>", "<|video_pad|>")
+_VISION_PADS = (IMAGE_PAD, VIDEO_PAD)
+TEXT_ONLY_ARTIFACT = ("this model has no vision encoder (its artifact carries no preprocessor config), so it takes "
+                      "no images or videos")
+STARTED_WITHOUT_VISION = ("this model was started without vision (the vision feature is off), so it takes no images "
+                          "or videos")
 
 
 def _eos_from_generation_config(config: Mapping[str, Any]) -> tuple[int, ...]:
@@ -58,7 +80,10 @@ class QwenFrontend:
     """``ninfer.contract.Frontend`` for the Qwen family (shared by Qwen3.5 and Qwen4Exp)."""
 
     def __init__(self, tokenizer: QwenTokenizer, *, chat_template: str | None, eos_token_ids: tuple[int, ...],
-                 generation_config: Mapping[str, Any], special_tokens_in_content: bool = False) -> None:
+                 generation_config: Mapping[str, Any], special_tokens_in_content: bool = False,
+                 media: MediaPreparer | None = None, without_vision: str = TEXT_ONLY_ARTIFACT) -> None:
+        """``media``: prepares images and videos (the frontend owns it: ``close`` stops it); without one, a
+        request with media is refused with ``without_vision`` as the reason."""
         self.tokenizer = tokenizer
         self.special_tokens_in_content = special_tokens_in_content
         self._literal = None if special_tokens_in_content else LiteralSpecials(tokenizer)
@@ -77,6 +102,14 @@ class QwenFrontend:
         self._think_open = tokenizer.token_id(THINK_OPEN)
         self._think_close = tokenizer.token_id(THINK_CLOSE)
         self._vision_pads = {i for i in (tokenizer.token_id(t) for t in _VISION_PADS) if i is not None}
+        if media is not None:
+            missing = [t for t in VISION_TOKENS if tokenizer.token_id(t) is None]
+            if missing:
+                raise ValueError(f"vision needs the tokens {missing}, which this tokenizer lacks")
+            if media.config.merge_size != 2:  # MediaSpan / VisionItem count h·w/4 rows per frame group
+                raise ValueError(f"the vision prompt format needs merge_size 2, the config has {media.config.merge_size}")
+        self._media = media
+        self._without_vision = without_vision
         # Compiled grammars for this vocabulary (built on first use); the Qwen formats write these as text.
         text_markers = (THINK_OPEN, THINK_CLOSE, tc.TOOL_CALL_OPEN, tc.TOOL_CALL_CLOSE)
         self.grammars = GrammarBook(lambda: tokenizer.grammar_vocabulary(text_markers),
@@ -84,11 +117,15 @@ class QwenFrontend:
 
     @classmethod
     def from_resources(cls, resources: FrontendResources, *, chat_template_override: str | None = None,
-                       special_tokens_in_content: bool = False) -> QwenFrontend:
+                       special_tokens_in_content: bool = False, vision: bool = False,
+                       media_limits: MediaLimits | None = None, media_threads: int | None = None) -> QwenFrontend:
         """Build from an artifact's FrontendResources. ``chat_template_override``: template text, or
         ``"builtin:qwen3_5"`` for the project's own Qwen3.5 template; it replaces the artifact's template.
         ``special_tokens_in_content``: special-token strings in chat messages are control tokens (by default
-        they are plain text)."""
+        they are plain text). ``vision``: whether the model runs with its vision encoder (the startup that binds
+        it says so); it needs the artifact's preprocessor config (``resources.media``). Off, requests with
+        media are refused. ``media_limits`` / ``media_threads``: the MediaPreparer's (defaults: MediaLimits(),
+        min(4, CPUs) threads)."""
         template = chat_template_override if chat_template_override is not None else resources.chat_template
         if template is not None and template.startswith(BUILTIN_PREFIX):
             try:
@@ -101,8 +138,31 @@ class QwenFrontend:
                 raise ValueError(f"the artifact lists special token {text!r} as id {token_id}, but its "
                                  f"tokenizer.json has {tokenizer.token_id(text)}")
         eos = tuple(resources.eos_token_ids) or _eos_from_generation_config(resources.generation_config)
-        return cls(tokenizer, chat_template=template, eos_token_ids=eos, generation_config=resources.generation_config,
-                   special_tokens_in_content=special_tokens_in_content)
+        if vision and resources.media is None:
+            raise ValueError("vision was asked for, but the artifact carries no preprocessor config (resources.media)")
+        media = None
+        if vision:
+            media = MediaPreparer(PreprocessConfig.from_preprocessor_config(resources.media), limits=media_limits,
+                                  threads=media_threads)
+        try:
+            return cls(tokenizer, chat_template=template, eos_token_ids=eos,
+                       generation_config=resources.generation_config,
+                       special_tokens_in_content=special_tokens_in_content, media=media,
+                       without_vision=TEXT_ONLY_ARTIFACT if resources.media is None else STARTED_WITHOUT_VISION)
+        except BaseException:
+            if media is not None:
+                media.close()
+            raise
+
+    @property
+    def vision(self) -> bool:
+        """Whether this frontend prepares images and videos."""
+        return self._media is not None
+
+    def close(self) -> None:
+        """Stop the media threads once the media accepted so far is prepared (text prompts still work)."""
+        if self._media is not None:
+            self._media.close()
 
     # -- Frontend contract ----------------------------------------------------------------------------
 
@@ -111,8 +171,18 @@ class QwenFrontend:
         """The PreparedPrompt for ``input``; more than ``max_tokens`` tokens raise PromptTooLong (text
         that cannot fit is rejected before it is rendered or tokenized)."""
         if isinstance(input, PreparedPrompt):
+            if input.media:
+                raise FrontendInputError("a PreparedPrompt carries its media prepared (vision, media_spans); "
+                                         "send raw media in a ChatInput")
+            if (input.vision or input.media_spans) and self._media is None:
+                raise VisionNotEnabled(self._without_vision)
             self._check_count(len(input.token_ids), max_tokens)
             self.tokenizer.check_ids(input.token_ids)
+            if input.media_spans:
+                check_prepared_media(input.token_ids, input.media_spans, input.vision,
+                                     merge_size=self._media.config.merge_size,
+                                     image_pad=self.tokenizer.token_id(IMAGE_PAD),
+                                     video_pad=self.tokenizer.token_id(VIDEO_PAD))
             return input
         if isinstance(input, TextInput):
             if input.token_ids is not None:
@@ -180,9 +250,12 @@ class QwenFrontend:
         return text if rendered is None else rendered.text
 
     def _render(self, messages, tools, *, add_generation_prompt: bool, kwargs: Mapping[str, Any],
-                max_tokens: int | None = None) -> tuple[str, Rendered | None]:
-        """The template's output; with special-token strings in client strings kept literal, also its split
-        at the template's own special tokens (``literal_specials``)."""
+                max_tokens: int | None = None, rewrite: Callable[[str], str] | None = None
+                ) -> tuple[str, Rendered | None]:
+        """The template's output, passed through ``rewrite`` (which sees only the template's own special tokens:
+        client ones are placeholders then); with special-token strings in client strings kept literal, also its
+        split at the template's own special tokens (``literal_specials``)."""
+        rewrite = rewrite or (lambda text: text)
         if self.template is None:
             raise TemplateError("this model has no chat template (the artifact carries none and no override "
                                 "was given at startup); send a raw text prompt instead")
@@ -193,16 +266,18 @@ class QwenFrontend:
                               max_tokens, "conversation text")
         protected = None if self._literal is None else self._literal.protect(messages, tools, kwargs)
         if protected is None:
-            return self.template.render_normalized(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                                   kwargs=kwargs), None
-        text = self.template.render_normalized(protected.messages, tools=protected.tools,
-                                               add_generation_prompt=add_generation_prompt, kwargs=protected.kwargs)
+            return rewrite(self.template.render_normalized(
+                messages, tools=tools, add_generation_prompt=add_generation_prompt, kwargs=kwargs)), None
+        text = rewrite(self.template.render_normalized(protected.messages, tools=protected.tools,
+                                                       add_generation_prompt=add_generation_prompt,
+                                                       kwargs=protected.kwargs))
         return text, self._literal.split(text, protected)
 
     def _encode_chat(self, messages, tools, *, add_generation_prompt: bool, kwargs: Mapping[str, Any],
-                     max_tokens: int | None = None) -> tuple[str, list[int]]:
+                     max_tokens: int | None = None, rewrite: Callable[[str], str] | None = None
+                     ) -> tuple[str, list[int]]:
         text, rendered = self._render(messages, tools, add_generation_prompt=add_generation_prompt, kwargs=kwargs,
-                                      max_tokens=max_tokens)
+                                      max_tokens=max_tokens, rewrite=rewrite)
         if rendered is not None:
             text = rendered.text
         self._check_bytes(self.tokenizer.text_bytes(text), max_tokens, "rendered conversation")
@@ -224,9 +299,6 @@ class QwenFrontend:
             raise PromptTooLong(tokens=tokens, limit=max_tokens, exact=True)
 
     def _prepare_chat(self, chat: ChatInput, max_tokens: int | None) -> PreparedPrompt:
-        if chat.media:
-            raise FrontendInputError("image and video input needs the vision feature, which this frontend "
-                                     "does not provide yet")
         if not chat.messages:
             raise FrontendInputError("a chat needs at least one message")
         for i, tool in enumerate(chat.tools):
@@ -235,14 +307,43 @@ class QwenFrontend:
                 raise FrontendInputError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}")
         if not isinstance(chat.template_kwargs, Mapping) or not all(isinstance(k, str) for k in chat.template_kwargs):
             raise FrontendInputError("template kwargs must be an object with string keys")
+        messages, kinds = canonical_media_parts(chat.messages)
+        if kinds or chat.media:
+            return self._prepare_media_chat(chat, messages, kinds, max_tokens)
         text, ids = self._encode_chat(chat.messages, chat.tools, add_generation_prompt=chat.add_generation_prompt,
                                       kwargs=chat.template_kwargs, max_tokens=max_tokens)
         if not ids:
             raise TemplateError("the chat template rendered an empty prompt")
         if self._vision_pads.intersection(ids):
-            raise FrontendInputError("the conversation contains images or videos, which this frontend does not "
-                                     "support yet")
+            raise FrontendInputError("the rendered conversation holds image/video placeholder tokens but the "
+                                     "messages have no image or video parts")
         return PreparedPrompt(token_ids=ids, reasoning_open=self._reasoning_open(ids), tools=chat.tools, text=text,
+                              history_boundary=self._turn_opening(ids) if chat.add_generation_prompt else None)
+
+    def _prepare_media_chat(self, chat: ChatInput, messages, kinds, max_tokens: int | None) -> PreparedPrompt:
+        """A chat with images or videos: checks, then the text with one placeholder per image or frame group,
+        the media prepared on the pool, and the placeholders widened (``media_prompt``)."""
+        if self._media is None:
+            raise VisionNotEnabled(self._without_vision)
+        check_media_parts(kinds, chat.media)
+        self._media.check(chat.media)
+        cfg = self._media.config
+        text, ids = self._encode_chat(
+            messages, chat.tools, add_generation_prompt=chat.add_generation_prompt, kwargs=chat.template_kwargs,
+            max_tokens=max_tokens, rewrite=lambda t: rewrite_placeholders(t, chat.media, cfg.temporal_patch_size))
+        fewest = len(ids) + fewest_media_tokens(chat.media, min_image_pixels=cfg.min_pixels, factor=cfg.factor)
+        if max_tokens is not None and fewest > max_tokens:  # refused before any media is decoded
+            raise PromptTooLong(tokens=fewest, limit=max_tokens, exact=False,
+                                detail=" (counting each image at its smallest size)")
+        vision = self._media.prepare(chat.media)
+        grids = [(item.kind, item.grid_thw) for item in vision]
+        pads = sum(1 for t in ids if t in self._vision_pads)
+        self._check_count(expanded_length(len(ids), pads, grids, cfg.merge_size), max_tokens)
+        ids, spans = placeholder_runs(ids, image_pad=self.tokenizer.token_id(IMAGE_PAD),
+                                      video_pad=self.tokenizer.token_id(VIDEO_PAD), grids=grids,
+                                      merge_size=cfg.merge_size)
+        return PreparedPrompt(token_ids=ids, media_spans=spans, vision=vision, reasoning_open=self._reasoning_open(ids),
+                              tools=chat.tools, text=text,
                               history_boundary=self._turn_opening(ids) if chat.add_generation_prompt else None)
 
     def _turn_opening(self, ids) -> int | None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import io
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -46,6 +46,10 @@ MAX_ASPECT_RATIO = 200
 
 class MediaError(ValueError):
     """An image or video the Frontend cannot use: undecodable, empty, too large or of unusable shape."""
+
+
+class MediaOverLimit(MediaError):
+    """An image or video frame with more pixels than the decoding limit."""
 
 
 def _positive_int(_instance: Any, attribute: attrs.Attribute, value: int) -> None:
@@ -248,7 +252,8 @@ def decode_image(data: bytes, *, max_pixels: int = DEFAULT_MAX_DECODED_PIXELS) -
     """Decode image bytes (any format Pillow reads; the first frame of an animation) to an RGB image.
 
     The EXIF orientation is applied and transparency is composited on white. Raises ``MediaError`` for
-    empty or undecodable data and for images over ``max_pixels`` (checked before decoding the pixels).
+    empty or undecodable data and ``MediaOverLimit`` for images over ``max_pixels`` (checked before decoding
+    the pixels).
     """
     if not data:
         raise MediaError("image data is empty")
@@ -256,7 +261,7 @@ def decode_image(data: bytes, *, max_pixels: int = DEFAULT_MAX_DECODED_PIXELS) -
         image = Image.open(io.BytesIO(data))
     except Image.DecompressionBombError as exc:
         # Pillow's own limit (twice Image.MAX_IMAGE_PIXELS) applies even when max_pixels is larger
-        raise MediaError(f"image is too large to decode (the limit is {max_pixels} pixels): {exc}") from exc
+        raise MediaOverLimit(f"image is too large to decode (the limit is {max_pixels} pixels): {exc}") from exc
     except UnidentifiedImageError as exc:
         raise MediaError(f"image data ({len(data)} bytes) is not in an image format ninfer reads") from exc
     except Exception as exc:  # Pillow's format plugins raise many types on foreign or corrupt data
@@ -265,7 +270,7 @@ def decode_image(data: bytes, *, max_pixels: int = DEFAULT_MAX_DECODED_PIXELS) -
     if width <= 0 or height <= 0:
         raise MediaError(f"image has no pixels ({width}x{height})")
     if width * height > max_pixels:
-        raise MediaError(
+        raise MediaOverLimit(
             f"image is {width}x{height} = {width * height} pixels, more than the limit of {max_pixels}")
     try:
         image.load()
@@ -307,29 +312,54 @@ def preprocess_image(image: Image.Image, cfg: PreprocessConfig) -> PreparedVisio
 
 def preprocess_video(frames: Sequence[Image.Image], cfg: PreprocessConfig) -> PreparedVision:
     """Resize, normalise and patchify a video's sampled frames, all of one size, in order."""
-    if not frames:
+    return _video(len(frames), frames.__getitem__, cfg)
+
+
+def preprocess_encoded_video(frames: Sequence[bytes], cfg: PreprocessConfig, *,
+                             max_pixels: int = DEFAULT_MAX_DECODED_PIXELS) -> PreparedVision:
+    """``preprocess_video`` of encoded frames (``decode_image`` each, ``max_pixels`` per frame), decoding one
+    frame at a time: besides the output only one decoded frame is held, however many frames there are."""
+
+    def frame(index: int) -> Image.Image:
+        try:
+            return decode_image(frames[index], max_pixels=max_pixels)
+        except MediaError as exc:
+            raise type(exc)(f"video frame {index}: {exc}") from exc
+
+    return _video(len(frames), frame, cfg)
+
+
+def _video(count: int, frame_at: Callable[[int], Image.Image], cfg: PreprocessConfig) -> PreparedVision:
+    """The frames ``frame_at(0 .. count - 1)`` resized to one size chosen from frame 0 and the count."""
+    if not count:
         raise MediaError("a video needs at least one frame")
-    height, width = _checked_size(frames[0], "video frame 0")
-    for index, frame in enumerate(frames[1:], start=1):
+    first = frame_at(0)
+    height, width = _checked_size(first, "video frame 0")
+    max_pixels = cfg.video_max_pixels
+    if cfg.cap_pixels_per_frame:
+        # The reference's optional cap: a frame costs at most max_video_tokens merge blocks or an even share.
+        per_frame = max(min(cfg.max_video_tokens * cfg.factor ** 2, cfg.video_max_pixels // count),
+                        int(cfg.video_min_pixels * 1.05))
+        max_pixels = per_frame * count
+    try:
+        new_height, new_width = smart_resize_video(
+            count, height, width, temporal_factor=cfg.temporal_patch_size, factor=cfg.factor,
+            min_pixels=cfg.video_min_pixels, max_pixels=max_pixels)
+    except ValueError as exc:
+        raise MediaError(str(exc)) from exc
+    padded = count + (-count % cfg.temporal_patch_size)  # the last frame repeats to fill the temporal patch
+    stacked = np.empty((padded, 3, new_height, new_width), dtype=np.float32)
+    stacked[0] = _normalised_frame(first, new_height, new_width, cfg)
+    del first
+    for index in range(1, count):
+        frame = frame_at(index)
         if _checked_size(frame, f"video frame {index}") != (height, width):
             raise MediaError(
                 f"video frame {index} is {frame.width}x{frame.height}, frame 0 is {width}x{height}; "
                 "all frames of a video must have one size")
-    max_pixels = cfg.video_max_pixels
-    if cfg.cap_pixels_per_frame:
-        # The reference's optional cap: a frame costs at most max_video_tokens merge blocks or an even share.
-        per_frame = max(min(cfg.max_video_tokens * cfg.factor ** 2, cfg.video_max_pixels // len(frames)),
-                        int(cfg.video_min_pixels * 1.05))
-        max_pixels = per_frame * len(frames)
-    try:
-        new_height, new_width = smart_resize_video(
-            len(frames), height, width, temporal_factor=cfg.temporal_patch_size, factor=cfg.factor,
-            min_pixels=cfg.video_min_pixels, max_pixels=max_pixels)
-    except ValueError as exc:
-        raise MediaError(str(exc)) from exc
-    stacked = [_normalised_frame(frame, new_height, new_width, cfg) for frame in frames]
-    stacked += [stacked[-1]] * (-len(stacked) % cfg.temporal_patch_size)
-    return _patchify(np.stack(stacked), cfg)
+        stacked[index] = _normalised_frame(frame, new_height, new_width, cfg)
+    stacked[count:] = stacked[count - 1]
+    return _patchify(stacked, cfg)
 
 
 def _checked_size(image: Image.Image, what: str) -> tuple[int, int]:

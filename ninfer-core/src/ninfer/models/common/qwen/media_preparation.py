@@ -1,0 +1,142 @@
+"""MediaPreparer: a request's images and videos decoded and preprocessed on the Frontend's own TaskPool.
+
+Each media item is one task (decode, resize, normalise, patchify, digest: ``vision_preprocess``), so the items of
+a request are prepared in parallel; their results are taken in order, and the first failure cancels the tasks
+not yet started. Limits that need no decoding (encoded bytes, frame count) are checked before any task is
+queued. The pool is a bounded FIFO: a request waits for room, and since no task waits on another, room always
+comes. ``close`` lets the accepted tasks finish and joins the threads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+from functools import partial
+
+import attrs
+
+from ninfer.contract.prompt import MediaItem, VisionItem
+from ninfer.core.task_pool import PoolClosed, Task, TaskPool
+from ninfer.engine.errors import EngineClosed
+from ninfer.models.common.qwen.media_prompt import MediaInputError, MediaTooLarge
+from ninfer.models.common.qwen.vision_preprocess import (
+    DEFAULT_MAX_DECODED_PIXELS,
+    MediaError,
+    MediaOverLimit,
+    PreprocessConfig,
+    decode_image,
+    preprocess_encoded_video,
+    preprocess_image,
+)
+
+MAX_MEDIA_THREADS = 16
+# Tasks waiting for a thread, over all requests; a request with more items waits for room as they run.
+DEFAULT_MEDIA_QUEUE = 64
+
+
+def default_media_threads() -> int:
+    """Threads for media preparation: the CPUs this process may use, at most 4 (decoding shares the machine
+    with tokenizing, the gateway and the engine worker)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(4, cpus))
+
+
+def _positive(_instance, attribute: attrs.Attribute, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{attribute.name} must be a positive integer, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class MediaLimits:
+    """What one media item may be. ``max_item_bytes``: encoded bytes of an image, or of all frames of a video;
+    ``max_decoded_pixels``: width x height of an image or a frame, read from its header before decoding;
+    ``max_video_frames``: sampled frames of a video (Qwen's video pipeline samples at most 768)."""
+
+    max_item_bytes: int = attrs.field(default=64 << 20, validator=_positive)
+    max_decoded_pixels: int = attrs.field(default=DEFAULT_MAX_DECODED_PIXELS, validator=_positive)
+    max_video_frames: int = attrs.field(default=768, validator=_positive)
+
+
+def media_digest(item: MediaItem, config: PreprocessConfig, grid_thw: tuple[int, int, int]) -> str:
+    """An item's identity: hex SHA-256 of what determines its pixel values (preprocessing is deterministic): the
+    preprocessing settings, the grid, and the encoded bytes (a video: its frame rate and every frame, each behind
+    its length). The bytes are several times smaller than the float32 pixel rows, so hashing them keeps the
+    digest off the time to first token; the same picture in another encoding is another item (a cache miss,
+    never a wrong hit)."""
+    digest = hashlib.sha256(f"{item.kind};{config!r};{','.join(map(str, grid_thw))};{item.fps}".encode())
+    for data in (item.data,) if item.kind == "image" else item.frames:
+        digest.update(len(data).to_bytes(8, "little"))
+        digest.update(data)
+    return digest.hexdigest()
+
+
+class MediaPreparer:
+    """Turns MediaItems into VisionItems on ``threads`` worker threads (see the module docstring)."""
+
+    def __init__(self, config: PreprocessConfig, *, limits: MediaLimits | None = None, threads: int | None = None,
+                 max_queued: int = DEFAULT_MEDIA_QUEUE) -> None:
+        threads = default_media_threads() if threads is None else threads
+        if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_MEDIA_THREADS:
+            raise ValueError(f"media preparation takes 1..{MAX_MEDIA_THREADS} threads, got {threads!r}")
+        self.config = config
+        self.limits = MediaLimits() if limits is None else limits
+        self._pool = TaskPool("ninfer-media", threads=threads, max_queued=max_queued)
+
+    @property
+    def threads(self) -> int:
+        return self._pool.threads
+
+    def check(self, media: Sequence[MediaItem]) -> None:
+        """MediaTooLarge for an item over the limits that need no decoding."""
+        limits = self.limits
+        for index, item in enumerate(media):
+            size = len(item.data) + sum(len(frame) for frame in item.frames)
+            if size > limits.max_item_bytes:
+                raise MediaTooLarge(f"media item {index} ({item.kind}) is {size} bytes, more than the limit of "
+                                    f"{limits.max_item_bytes}")
+            if item.kind == "video" and len(item.frames) > limits.max_video_frames:
+                raise MediaTooLarge(f"media item {index} (video) has {len(item.frames)} frames, more than the limit "
+                                    f"of {limits.max_video_frames}")
+
+    def prepare(self, media: Sequence[MediaItem]) -> list[VisionItem]:
+        """The VisionItems of ``media``, in order; a failing item raises MediaInputError (MediaTooLarge over a
+        pixel limit) naming its index."""
+        tasks: list[Task[VisionItem]] = []
+        try:
+            for item in media:
+                task = Task(partial(self._prepare_one, item))
+                try:
+                    self._pool.submit(task)
+                except PoolClosed as exc:
+                    raise EngineClosed("the frontend is closed: it prepares no more media") from exc
+                tasks.append(task)
+            return [self._result(index, item, task) for index, (item, task) in enumerate(zip(media, tasks, strict=True))]
+        finally:
+            for task in tasks:  # after a failure: the items not started never run
+                task.cancel()
+
+    @staticmethod
+    def _result(index: int, item: MediaItem, task: Task[VisionItem]) -> VisionItem:
+        try:
+            return task.result()
+        except MediaOverLimit as exc:
+            raise MediaTooLarge(f"media item {index} ({item.kind}): {exc}") from exc
+        except MediaError as exc:
+            raise MediaInputError(f"media item {index} ({item.kind}): {exc}") from exc
+
+    def _prepare_one(self, item: MediaItem) -> VisionItem:
+        cfg, max_pixels = self.config, self.limits.max_decoded_pixels
+        if item.kind == "image":
+            prepared = preprocess_image(decode_image(item.data, max_pixels=max_pixels), cfg)
+        else:
+            prepared = preprocess_encoded_video(item.frames, cfg, max_pixels=max_pixels)
+        return VisionItem(kind=item.kind, pixel_values=prepared.pixel_values, grid_thw=prepared.grid_thw,
+                          digest=media_digest(item, cfg, prepared.grid_thw))
+
+    def close(self, timeout: float | None = None) -> None:
+        """Refuse new media, finish what was accepted and join the threads."""
+        self._pool.shutdown(timeout=timeout)

@@ -1,0 +1,159 @@
+"""Test helpers for Qwen3.5 with media: a tiny random transformers VL model with ours over its tensors, and
+prompts built as the Frontend builds them (``vision_preprocess`` for pixels and grids, each placeholder expanded
+to its token run; a video as one run per temporal patch group with a timestamp before each).
+
+    tiny = tiny_vl(seed=3)                             # HF Qwen3_5ForConditionalGeneration + our model + encoder
+    built = build_prompt([[5, 6], ("image", image(1, 24, 16)), [8, 9]])
+    built.prompt                                       # PreparedPrompt with vision / media_spans
+    hf_logits(tiny.hf, built)                          # transformers' logits of the prompt
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+from PIL import Image
+
+from ninfer.contract.prompt import MediaSpan, PreparedPrompt, VisionItem
+from ninfer.models.common.qwen.vision_preprocess import PreprocessConfig, preprocess_image, preprocess_video
+from ninfer.models.common.weights import WeightSet
+from ninfer_qwen35.config import parse_config
+from ninfer_qwen35.execution.model import Qwen35Model
+from ninfer_qwen35.execution.parameters import Qwen35Parameters
+from ninfer_qwen35.execution.vision import Qwen35Vision, VisionParams
+from ninfer_qwen35.source_mapping import canonical_name, fused_parents
+
+VOCAB, START, END, IMAGE, VIDEO = 160, 150, 151, 152, 153
+# head_dim 32 x 0.5: 16 rotary dims, 8 frequency slots interleaved t, h, w, t, h, w, t, h: every axis matters
+TEXT = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=32, linear_key_head_dim=8, linear_value_head_dim=8,
+            linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=1024,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5,
+                             "mrope_section": [11, 11, 10], "mrope_interleaved": True})
+VISION = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=4, temporal_patch_size=2,
+              spatial_merge_size=2, in_channels=3, num_position_embeddings=64, out_hidden_size=48)
+PIXELS = PreprocessConfig(patch_size=4, temporal_patch_size=2, merge_size=2, min_pixels=64, max_pixels=64 * 64,
+                          video_min_pixels=64, video_max_pixels=4 * 32 * 32)
+
+
+@attrs.frozen(eq=False)
+class TinyVL:
+    hf: Any  # transformers' Qwen3_5ForConditionalGeneration
+    model: Qwen35Model
+    vision: Qwen35Vision
+
+
+def randomise(model: torch.nn.Module, seed: int) -> None:
+    """HF's init is near-zero: every weight gets an O(1) effect, so the images and every position matter."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(-1.0, 1.5, generator=gen))
+            elif "norm" in name and name.endswith(".weight") and "visual" in name:
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen))
+            elif p.dim() == 1:
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(("embed_tokens.weight", "pos_embed.weight")):
+                p.copy_(torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * (1.5 / math.sqrt(math.prod(p.shape[1:]))))
+
+
+def tiny_vl(seed: int = 3) -> TinyVL:
+    """A tiny random VL model (fp32, CPU; GDN and attention layers as ``TEXT`` says) and ours on its tensors."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3_5Config(text_config=TEXT, vision_config=VISION, image_token_id=IMAGE,
+                                     video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
+    cfg.text_config._attn_implementation = "eager"
+    hf = transformers.Qwen3_5ForConditionalGeneration(cfg).eval()
+    randomise(hf, seed)
+    config = parse_config(cfg.to_dict())
+    by_feature: dict[str, dict[str, torch.Tensor]] = {"text": {}, "vision": {}}
+    for name, t in hf.state_dict().items():
+        mapped = canonical_name(name)
+        if mapped is not None:
+            by_feature[mapped[0]][mapped[1]] = t.detach().clone()
+    params = Qwen35Parameters.from_weights(config, WeightSet.from_tensors(by_feature["text"], fused_parents(config)),
+                                           torch.float32)
+    vision = Qwen35Vision(VisionParams.from_weights(config, WeightSet.from_tensors(by_feature["vision"]),
+                                                    torch.float32))
+    return TinyVL(hf=hf, model=Qwen35Model(params), vision=vision)
+
+
+def image(seed: int, width: int, height: int) -> Image.Image:
+    """A random RGB picture."""
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+@attrs.frozen(eq=False)
+class BuiltPrompt:
+    prompt: PreparedPrompt
+    hf_inputs: dict[str, torch.Tensor]  # what transformers' forward takes besides input_ids
+
+
+def build_prompt(parts: Sequence[Any]) -> BuiltPrompt:
+    """``parts``: lists of text token ids, ("image", picture) or ("video", [frames])."""
+    ids: list[int] = []
+    items, spans = [], []
+    for part in parts:
+        if isinstance(part, list):
+            ids += part
+            continue
+        kind, media = part
+        prepared = preprocess_image(media, PIXELS) if kind == "image" else preprocess_video(media, PIXELS)
+        index = len(items)
+        digest = hashlib.sha256(repr(prepared.grid_thw).encode() + prepared.pixel_values.numpy().tobytes())
+        items.append(VisionItem(kind=kind, pixel_values=prepared.pixel_values, grid_thw=prepared.grid_thw,
+                                digest=digest.hexdigest()))
+        t, h, w = prepared.grid_thw
+        per_group = h * w // 4
+        groups = [(t, 0)] if kind == "image" else [(1, g) for g in range(t)]
+        for group_t, g in groups:
+            if kind == "video":
+                ids += [90 + g, 91]  # "<g.0 seconds>"
+            ids.append(START)
+            spans.append(MediaSpan(item_index=index, start=len(ids), length=group_t * per_group,
+                                   grid_thw=(group_t, h, w), offset=g * per_group))
+            ids += [IMAGE if kind == "image" else VIDEO] * (group_t * per_group)
+            ids.append(END)
+    prompt = PreparedPrompt(token_ids=ids, vision=items, media_spans=spans)
+    images = [i for i in items if i.kind == "image"]
+    videos = [i for i in items if i.kind == "video"]
+    hf_inputs = dict(mm_token_type_ids=torch.tensor([[1 if t == IMAGE else 2 if t == VIDEO else 0 for t in ids]]))
+    if images:
+        hf_inputs.update(pixel_values=torch.cat([i.pixel_values for i in images]),
+                         image_grid_thw=torch.tensor([i.grid_thw for i in images]))
+    if videos:
+        hf_inputs.update(pixel_values_videos=torch.cat([i.pixel_values for i in videos]),
+                         video_grid_thw=torch.tensor([i.grid_thw for i in videos]))
+    return BuiltPrompt(prompt=prompt, hf_inputs=hf_inputs)
+
+
+def hf_logits(hf: Any, built: BuiltPrompt, extra: Sequence[int] = ()) -> torch.Tensor:
+    """transformers' logits [len, V] of the prompt followed by the text tokens ``extra``."""
+    ids = [*built.prompt.token_ids, *extra]
+    inputs = dict(built.hf_inputs)
+    inputs["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"], torch.zeros(1, len(extra), dtype=torch.long)],
+                                            dim=1)
+    with torch.no_grad():
+        return hf(input_ids=torch.tensor([ids]), **inputs).logits[0]
+
+
+def hf_greedy(hf: Any, built: BuiltPrompt, steps: int) -> list[int]:
+    """transformers' greedy tokens, each from a full forward over the prompt and the tokens so far
+    (``get_rope_index`` then places the generated tokens itself)."""
+    out: list[int] = []
+    for _ in range(steps):
+        out.append(int(hf_logits(hf, built, out)[-1].argmax()))
+    return out
