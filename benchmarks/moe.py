@@ -163,13 +163,30 @@ def run_host_experts(path: Path, cfg: dict, full_cfg: dict, args, device: str, b
     return on_instance(path, options, run)
 
 
+class CallerTeam:
+    """The CPU share on the calling thread with torch's own intra-op threads, in place of a CpuExecutor team (an
+    experiment: ``benchmarks/cpu_experts.py`` measured that path ~10x faster than a team of pinned one-thread
+    workers on cold experts; docs/performance.md)."""
+
+    size = 1
+
+    def run(self, fn) -> None:
+        fn(0, 1)
+
+    def close(self) -> None:
+        pass
+
+
 def host_variant(inst, experts, spec: str, args, device: str) -> dict:
-    """Decode B=1 again with ``spec`` = "prefetch,admit,team" (uploads per call, CPU team size)."""
+    """Decode B=1 again with ``spec`` = "prefetch,admit,team" (uploads per call, CPU team size; 0: the caller
+    thread with torch's intra-op threads, ``CallerTeam``)."""
     from ninfer.core.cpu_executor import CpuExecutor
 
     prefetch, admit, team = (int(v) for v in spec.split(","))
     experts.prefetch_per_call, experts.admit_per_call = prefetch, admit
-    if team != experts.team.size:
+    if team == 0:
+        experts.replace_team(CallerTeam())
+    elif team != experts.team.size or isinstance(experts.team, CallerTeam):
         experts.replace_team(CpuExecutor(team))
     row = decode_run(inst.program, inst.config, device, 1, args.context, args.steps, lambda: experts.stats)
     row.update(prefetch=prefetch, admit=admit, team=team)
@@ -287,7 +304,8 @@ def parse_args(argv=None):
                    help="max_model_len of the host-experts plan (default: the model's limit)")
     p.add_argument("--host-variants", nargs="*", default=[], metavar="PREFETCH,ADMIT,TEAM",
                    help="after the host-experts run, decode B=1 again with these uploads per call and team sizes "
-                        "(e.g. 0,0,8 for no uploads), on the same instance")
+                        "(e.g. 0,0,8 for no uploads; team 0: the caller thread with torch's intra-op threads), on "
+                        "the same instance")
     p.add_argument("--pdl", nargs="+", default=["auto"], choices=sorted(PDL),
                    help="all-device runs with programmatic dependent launch as the model prefers it, on, off; "
                         "the first is the reported run, the others add all_device_pdl_<value> to the JSON")
@@ -305,8 +323,8 @@ def parse_args(argv=None):
 def _validate(args) -> str | None:
     for spec in args.host_variants:
         parts = spec.split(",")
-        if len(parts) != 3 or not all(p.isdigit() for p in parts) or int(parts[2]) < 1:
-            return f"--host-variants {spec!r}: expected PREFETCH,ADMIT,TEAM whole numbers, TEAM >= 1"
+        if len(parts) != 3 or not all(p.isdigit() for p in parts):
+            return f"--host-variants {spec!r}: expected PREFETCH,ADMIT,TEAM whole numbers (TEAM 0: the caller thread)"
     if args.layers < 4 or args.layers % 4:
         return "--layers must be a positive multiple of 4 (each group: 3 Gated DeltaNet layers + 1 attention)"
     if not all(1 <= b <= 8 for b in args.batches):

@@ -31,7 +31,7 @@ def run(tmp_path_factory):
     out, work = root / "moe.json", root / "work"
     argv = ["--shape", "tiny", "--layers", str(LAYERS), "--device", "cpu", "--context", "12", "--steps", "3",
             "--prefill", "40", "--prefill-chunk", "16", "--budget-gib", "0.01", "--hf-new-tokens", "2",
-            "--host-variants", "0,0,1", "--profile", "2", "--pdl", "auto", "on", "--workdir", str(work), "--json", str(out)]
+            "--host-variants", "0,0,1", "0,0,0", "--profile", "2", "--pdl", "auto", "on", "--workdir", str(work), "--json", str(out)]
     stdout = io.StringIO()  # capsys is per test; the run is per module
     with contextlib.redirect_stdout(stdout):
         code = moe.main(argv)
@@ -97,9 +97,11 @@ def test_host_experts_report_the_cache_hit_rate(run):
         assert 0 <= stats["hit_rate"] <= 1
         assert stats["mixed_s"] >= stats["wait_s"] + stats["team_s"] + stats["upload_s"]
     assert _positive(he["prefill"]["tokens_per_s"])
-    (variant,) = he["variants"]  # no uploads, a team of one
+    variant, caller = he["variants"]  # no uploads and a team of one; then the caller thread computing the misses
     assert (variant["prefetch"], variant["admit"], variant["team"]) == (0, 0, 1)
     assert variant["experts"]["admitted"] == variant["experts"]["prefetched"] == 0
+    assert (caller["prefetch"], caller["admit"], caller["team"]) == (0, 0, 0)
+    assert caller["experts"]["mixed_calls"] > 0
     assert "per MoE call" in run["table"]
 
 
@@ -159,3 +161,11 @@ def test_a_second_pdl_value_adds_its_all_device_run(run):
     extra = run["json"]["all_device_pdl_on"]
     assert extra["pdl"] == "on" and [d["batch"] for d in extra["decode"]] == [1, 8]
     assert run["json"]["all_device"]["pdl"] == "auto"
+
+
+def test_the_caller_team_runs_the_collective_once_on_the_calling_thread():
+    import threading
+
+    calls = []
+    moe.CallerTeam().run(lambda rank, size: calls.append((rank, size, threading.current_thread())))
+    assert calls == [(0, 1, threading.current_thread())]
