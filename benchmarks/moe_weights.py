@@ -9,7 +9,6 @@ are the published fused banks ``mlp.experts.gate_up_proj`` [E, 2I, H] and ``mlp.
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 from pathlib import Path
@@ -82,41 +81,20 @@ def write_checkpoint(directory: Path, cfg: dict, device: str, *, shard_bytes: in
     are made on ``device`` one at a time and a shard is written once full, so host memory holds one shard at most.
     Returns the tensor bytes written."""
     import torch
-    from safetensors.torch import save_file
 
     from benchmarks.load_throughput import write_source_files
+    from benchmarks.shards import write_shards
 
     write_source_files(directory, cfg)
     gen_device = "cuda" if device.startswith("cuda") else "cpu"
     g = torch.Generator(device=gen_device).manual_seed(seed)
-    shard: dict[str, torch.Tensor] = {}
-    files: list[list[str]] = []  # the names each shard holds, in order
-    size = total = 0
 
-    def flush() -> None:
-        save_file(shard, str(directory / f"part-{len(files):05d}.safetensors"), metadata={"format": "pt"})
-        files.append(list(shard))
-        shard.clear()
+    def tensors():
+        for name, (shape, elem) in parameters(cfg).items():
+            dtype = torch.float32 if elem == 4 else torch.bfloat16
+            yield name, torch.randn(shape, generator=g, device=gen_device, dtype=torch.float32).mul_(0.02).to(dtype).cpu()
 
-    for name, (shape, elem) in parameters(cfg).items():
-        dtype = torch.float32 if elem == 4 else torch.bfloat16
-        t = torch.randn(shape, generator=g, device=gen_device, dtype=torch.float32).mul_(0.02).to(dtype).cpu()
-        nbytes = t.numel() * elem
-        if shard and size + nbytes > shard_bytes:
-            flush()
-            size = 0
-        shard[name] = t
-        size += nbytes
-        total += nbytes
-    flush()
-    weight_map = {}
-    for i, names in enumerate(files):  # the published shard names, now that their count is known
-        final = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
-        (directory / f"part-{i:05d}.safetensors").rename(directory / final)
-        weight_map.update(dict.fromkeys(names, final))
-    (directory / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": weight_map}))
-    return total
+    return write_shards(directory, tensors(), shard_bytes=shard_bytes)
 
 
 def expert_cache_plan(shape: str, workdir: Path, *, device: str, budget_bytes: int, max_concurrency: int,

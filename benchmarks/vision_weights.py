@@ -114,8 +114,8 @@ def write_vl_checkpoint(directory: Path, text_shape: str, vision: dict, device: 
     Qwen3.5 added tokens, chat template, generation config, the published preprocessor_config.json, safetensors
     shards + index), written shard by shard. Returns its config.json."""
     import torch
-    from safetensors.torch import save_file
 
+    from benchmarks.shards import write_shards
     from ninfer_qwen35.testing.checkpoints import CHAT_TEMPLATE, make_tokenizer_json
 
     tok, ids = make_tokenizer_json()
@@ -131,36 +131,16 @@ def write_vl_checkpoint(directory: Path, text_shape: str, vision: dict, device: 
     (directory / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2))
     gen_device = "cuda" if device.startswith("cuda") else "cpu"
     gen = torch.Generator(device=gen_device).manual_seed(seed)
-    shard: dict[str, torch.Tensor] = {}
-    files: list[list[str]] = []
-    size = total = 0
 
-    def flush() -> None:
-        save_file(shard, str(directory / f"part-{len(files):05d}.safetensors"), metadata={"format": "pt"})
-        files.append(list(shard))
-        shard.clear()
+    def tensors():
+        for name, (shape, is_vision) in checkpoint_parameters(cfg).items():
+            if is_vision:
+                t = vision_init(name, shape, gen, gen_device)
+            else:
+                t = torch.randn(shape, generator=gen, device=gen_device, dtype=torch.float32).mul_(0.02)
+            yield name, t.to(torch.float32 if name.endswith(FP32) else torch.bfloat16).cpu()
 
-    for name, (shape, is_vision) in checkpoint_parameters(cfg).items():
-        if is_vision:
-            t = vision_init(name, shape, gen, gen_device)
-        else:
-            t = torch.randn(shape, generator=gen, device=gen_device, dtype=torch.float32).mul_(0.02)
-        t = t.to(torch.float32 if name.endswith(FP32) else torch.bfloat16).cpu()
-        nbytes = t.numel() * t.element_size()
-        if shard and size + nbytes > shard_bytes:
-            flush()
-            size = 0
-        shard[name] = t
-        size += nbytes
-        total += nbytes
-    flush()
-    weight_map = {}
-    for i, names in enumerate(files):
-        final = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
-        (directory / f"part-{i:05d}.safetensors").rename(directory / final)
-        weight_map.update(dict.fromkeys(names, final))
-    (directory / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": weight_map}))
+    write_shards(directory, tensors(), shard_bytes=shard_bytes)
     return cfg
 
 

@@ -23,7 +23,7 @@ from PIL import Image  # noqa: E402
 
 from ninfer import Engine  # noqa: E402
 from ninfer_qwen35.testing.checkpoints import convert_tiny, make_tiny_checkpoint  # noqa: E402
-from ninfer_qwen35.testing.vision_prompts import randomise  # noqa: E402
+from ninfer_qwen35.testing.vision_prompts import hf_media_inputs, randomise  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 GREEDY = dict(temperature=0.0, max_tokens=6, ignore_eos=True)  # the tiny model may sample an end token
@@ -90,23 +90,11 @@ def hf(checkpoint):
 def hf_greedy(hf, engine, request_chat: ChatInput, steps: int) -> list[int]:
     """transformers' greedy tokens on the token ids and pixels our Frontend prepared."""
     prompt = engine.frontend.prepare(request_chat)
-    config = hf.config
-    kinds = {config.image_token_id: 1, config.video_token_id: 2}
-    extra = {}
-    images = [v for v in prompt.vision if v.kind == "image"]
-    videos = [v for v in prompt.vision if v.kind == "video"]
-    if images:
-        extra.update(pixel_values=torch.cat([v.pixel_values for v in images]),
-                     image_grid_thw=torch.tensor([v.grid_thw for v in images]))
-    if videos:
-        extra.update(pixel_values_videos=torch.cat([v.pixel_values for v in videos]),
-                     video_grid_thw=torch.tensor([v.grid_thw for v in videos]))
-    ids = list(prompt.token_ids)
-    out: list[int] = []
+    ids, out = list(prompt.token_ids), []
     for _ in range(steps):
-        types = torch.tensor([[kinds.get(t, 0) for t in ids]])
+        extra = hf_media_inputs(prompt, hf.config.image_token_id, hf.config.video_token_id, extra=len(out))
         with torch.no_grad():
-            logits = hf(input_ids=torch.tensor([ids]), mm_token_type_ids=types, **extra).logits
+            logits = hf(input_ids=torch.tensor([ids]), **extra).logits
         out.append(int(logits[0, -1].argmax()))
         ids.append(out[-1])
     return out

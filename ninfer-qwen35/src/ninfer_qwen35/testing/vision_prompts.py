@@ -128,16 +128,24 @@ def build_prompt(parts: Sequence[Any]) -> BuiltPrompt:
             ids += [IMAGE if kind == "image" else VIDEO] * (group_t * per_group)
             ids.append(END)
     prompt = PreparedPrompt(token_ids=ids, vision=items, media_spans=spans)
-    images = [i for i in items if i.kind == "image"]
-    videos = [i for i in items if i.kind == "video"]
-    hf_inputs = dict(mm_token_type_ids=torch.tensor([[1 if t == IMAGE else 2 if t == VIDEO else 0 for t in ids]]))
+    return BuiltPrompt(prompt=prompt, hf_inputs=hf_media_inputs(prompt, IMAGE, VIDEO))
+
+
+def hf_media_inputs(prompt: PreparedPrompt, image_id: int, video_id: int, extra: int = 0) -> dict[str, Any]:
+    """transformers' media inputs for ``prompt`` followed by ``extra`` text tokens: the token types (1 image,
+    2 video placeholder) and the pixel rows and grids of its images and videos."""
+    kinds = {image_id: 1, video_id: 2}
+    inputs: dict[str, Any] = {"mm_token_type_ids": torch.tensor([[kinds.get(t, 0) for t in prompt.token_ids]
+                                                                 + [0] * extra])}
+    images = [i for i in prompt.vision if i.kind == "image"]
+    videos = [i for i in prompt.vision if i.kind == "video"]
     if images:
-        hf_inputs.update(pixel_values=torch.cat([i.pixel_values for i in images]),
-                         image_grid_thw=torch.tensor([i.grid_thw for i in images]))
+        inputs.update(pixel_values=torch.cat([i.pixel_values for i in images]),
+                      image_grid_thw=torch.tensor([i.grid_thw for i in images]))
     if videos:
-        hf_inputs.update(pixel_values_videos=torch.cat([i.pixel_values for i in videos]),
-                         video_grid_thw=torch.tensor([i.grid_thw for i in videos]))
-    return BuiltPrompt(prompt=prompt, hf_inputs=hf_inputs)
+        inputs.update(pixel_values_videos=torch.cat([i.pixel_values for i in videos]),
+                      video_grid_thw=torch.tensor([i.grid_thw for i in videos]))
+    return inputs
 
 
 def hf_logits(hf: Any, built: BuiltPrompt, extra: Sequence[int] = ()) -> torch.Tensor:
