@@ -101,6 +101,24 @@ def test_the_plan_counts_the_encoder_weights(artifact_path):
     assert with_vision.placements[0].device_bytes > without.placements[0].device_bytes
 
 
+def test_the_plan_reserves_the_encoders_peak_for_the_largest_image(artifact_path):
+    """The workspace covers the encoder over the largest image the Frontend accepts (max_pixels of the artifact's
+    preprocessor config), so an image at that bound cannot run the device out of memory mid-request."""
+    from ninfer.models.common.qwen.vision_preprocess import PreprocessConfig
+    from ninfer_qwen35.config import parse_config
+    from ninfer_qwen35.execution.vision import VisionConfig
+
+    with open_artifact(artifact_path) as art:
+        startup = Qwen35Startup()
+        with_vision, without = (startup.profile(art, _options(vision=v)) for v in (None, False))
+        vc = VisionConfig.from_config(parse_config(art.config))
+        pre = PreprocessConfig.from_preprocessor_config(art.frontend.media)
+    patches = pre.max_pixels // vc.patch_size ** 2
+    encoder = vc.workspace_bytes(patches, 4)  # the test starts in float32
+    assert with_vision.workspace_bytes >= max(encoder, without.workspace_bytes + vc.output_bytes(patches, 4))
+    assert with_vision.workspace_bytes > without.workspace_bytes
+
+
 def test_vision_false_and_mtp_start_text_only(artifact_path):
     with open_artifact(artifact_path) as art:
         off = build(art, _options(vision=False))

@@ -75,12 +75,15 @@ class Qwen35Startup:
         layout, pool = _stores(config, options, compute)
         size = torch.empty((), dtype=compute).element_size()
         width = activation_width(config)
+        workspace = WORKSPACE_TOKENS * width * size
+        if "vision" in features:  # the encoder runs before its chunk; its output rows stay for the chunk
+            workspace = _vision_workspace(config, artifact.frontend.media, size, workspace)
         return ModelProfile(
             architecture=artifact.metadata.architecture, dtype=dtype_name(compute), features=features,
             placements=_placements(resident_bytes(fixed), resident_bytes(
                 [*(weights.parents[o] for o in _bank_objects(artifact, features)), *banks]), banks),
             state_slot_bytes=layout.nbytes_per_slot, kv_page_bytes=PagedKVPool.page_bytes(pool),
-            page_size=pool.page_size, backing_bytes=backing, workspace_bytes=WORKSPACE_TOKENS * width * size,
+            page_size=pool.page_size, backing_bytes=backing, workspace_bytes=workspace,
             graph_bytes=graph_estimate(vocab_size=config.vocab_size, activation_width=width, element_size=size,
                                        max_batch=options.max_concurrency, rows_per_sequence=k + 1,
                                        graph_sets=3 if k else 1),
@@ -201,6 +204,22 @@ def _host_experts(loaded: Qwen35Loaded, dev: Device, cache_slots: int):
 def _bank_objects(artifact: Any, features: tuple[str, ...]) -> frozenset[str]:
     """The artifact objects behind the selected features' routed expert banks (from the header's bindings)."""
     return frozenset(b.object for b in artifact.bindings.values() if b.feature in features and b.name.endswith(BANKS))
+
+
+def _vision_workspace(config: Qwen35Config, media: dict | None, element_size: int, text_workspace: int) -> int:
+    """The transient peak with the encoder: its call over the largest item the Frontend accepts (an image at
+    ``max_pixels``, or a video at its pixel bound over all frames, each patch row covering the temporal patch),
+    or a prefill chunk's activations beside that item's output rows, whichever is larger; plus the CUDA path's
+    per-frame-size table cache, which stays (at most ``TABLE_CACHE_BYTES``)."""
+    from ninfer.models.common.qwen.vision_preprocess import PreprocessConfig
+    from ninfer_qwen35.execution.vision import TABLE_CACHE_BYTES, VisionConfig
+
+    vc = VisionConfig.from_config(config)
+    pre = PreprocessConfig.from_preprocessor_config(media) if media else PreprocessConfig()
+    area = vc.patch_size ** 2
+    patches = max(pre.max_pixels // area, pre.video_max_pixels // (area * vc.temporal_patch_size))
+    return max(vc.workspace_bytes(patches, element_size),
+               text_workspace + vc.output_bytes(patches, element_size)) + TABLE_CACHE_BYTES
 
 
 def activation_width(config: Qwen35Config) -> int:

@@ -100,6 +100,19 @@ class VisionConfig:
     def grid_side(self) -> int:
         return math.isqrt(self.num_position_embeddings)
 
+    def workspace_bytes(self, patches: int, element_size: int) -> int:
+        """The encoder's transient device peak for one call over ``patches`` patch rows (an upper estimate):
+        the fp32 pixel rows, one block's live activations in the compute dtype (residual, norm, fused qkv,
+        attention output, projection, both MLP halves) and its fp32 rotary tables, per patch; then the output
+        rows (patches / merge² of ``out_hidden_size``), which outlive the call until their chunk has run."""
+        h, inter = self.hidden_size, self.intermediate_size
+        per_patch = self.patch_values * 4 + (6 * h + 2 * inter) * element_size + 2 * self.head_dim * 4
+        return patches * per_patch + self.output_bytes(patches, element_size)
+
+    def output_bytes(self, patches: int, element_size: int) -> int:
+        """The encoder's output rows for ``patches`` patch rows (one embedding per merged block)."""
+        return patches // self.spatial_merge_size ** 2 * self.out_hidden_size * element_size
+
 
 @attrs.frozen(kw_only=True, eq=False)
 class Affine:
