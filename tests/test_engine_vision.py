@@ -162,6 +162,27 @@ def test_the_gateway_answers_with_the_engines_tokens(engine):
     settled(engine)
 
 
+def test_the_choices_of_one_request_decode_its_image_once(engine, monkeypatch):
+    from starlette.testclient import TestClient
+
+    from ninfer_serve.app import create_app
+
+    decoded = []
+    preparer = engine.frontend._media
+    original = preparer.prepare
+    monkeypatch.setattr(preparer, "prepare", lambda media, *a, **k: decoded.append(len(media)) or original(media, *a, **k))
+    body = {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": _data_url(png(1, 64, 48))}}, {"type": "text", "text": "Hi."}]}],
+        "max_tokens": 3, "temperature": 0.0, "n": 3, "ignore_eos": True}
+    with TestClient(create_app(engine)) as c:
+        r = c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    texts = [choice["message"]["content"] for choice in r.json()["choices"]]
+    assert len(texts) == 3 and len(set(texts)) == 1  # greedy choices are the same answer
+    assert decoded == [1]
+    settled(engine)
+
+
 @pytest.mark.parametrize("mode", ["snapshot", "replay"])
 def test_forced_preemption_of_image_requests_changes_no_token(artifact, engine, mode):
     """Three image requests (31-35 prompt tokens, 10 new) one at a time, then together on 10 pages of 8 positions

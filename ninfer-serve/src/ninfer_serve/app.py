@@ -18,6 +18,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+import attrs
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -29,6 +30,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ninfer.contract.events import FinishReason, GenerationResult, GenerationStart, OutputDelta
+from ninfer.contract.prompt import ChatInput
 from ninfer.core.task_pool import Task, TaskPool
 from ninfer.engine.errors import InvalidConstraint
 from ninfer_serve.access import access_middleware
@@ -64,8 +66,12 @@ def _require_json(request: Request) -> None:
 
 
 def _submit_each(engine: Any, gens: list[Any]) -> list[Any]:
-    """Submit every choice (in a pool thread: this renders templates and tokenizes); all or none."""
+    """Submit every choice (in a pool thread: this renders templates and tokenizes); all or none. The choices of
+    a chat with media share one prepared prompt: its images and videos are decoded once, not once per choice."""
     handles: list[Any] = []
+    if len(gens) > 1 and isinstance(gens[0].input, ChatInput) and gens[0].input.media:
+        prompt = engine.prepare(gens[0].input)
+        gens = [attrs.evolve(gen, input=prompt) for gen in gens]
     try:
         for gen in gens:
             handles.append(engine.submit(gen))

@@ -18,7 +18,7 @@ from ninfer.contract.constraint import ConstraintError
 from ninfer.contract.errors import PromptTooLong
 from ninfer.contract.memory import MemorySummary
 from ninfer.contract.model import ModelInstance, ResourceUsage, StartupFeatures
-from ninfer.contract.prompt import ChatInput, PreparedPrompt
+from ninfer.contract.prompt import ChatInput, PreparedPrompt, TextInput
 from ninfer.contract.request import GenerationRequest, SamplingParams
 from ninfer.engine.core import EngineCore
 from ninfer.engine.errors import (
@@ -137,7 +137,7 @@ class Engine:
             if not isinstance(request, GenerationRequest):
                 raise Unrepresentable(f"submit() takes a GenerationRequest, got {type(request).__name__}")
             self._check_media(request.input)
-            prompt = self._prepare(request)
+            prompt = self._prepare(request.input)
             sampling = merge_sampling(self._defaults, request.sampling)
             try:
                 session = self.frontend.open_session(prompt, sampling, request.constraint)
@@ -177,9 +177,21 @@ class Engine:
         raise VisionNotEnabled(f"image and video input needs the vision feature, which this engine was started "
                                f"without: {why}")
 
-    def _prepare(self, request: GenerationRequest) -> PreparedPrompt:
+    def prepare(self, input: TextInput | ChatInput | PreparedPrompt) -> PreparedPrompt:
+        """The prompt ``submit`` would make of ``input``, raising what ``submit`` raises for it. Submitting the
+        result for several requests (the choices of one HTTP request) prepares the input, media decoding
+        included, once."""
+        self._core.ingress.check_open()
         try:
-            prompt = self.frontend.prepare(request.input, max_tokens=self.max_model_len - 1)
+            self._check_media(input)
+            return self._prepare(input)
+        except RequestRejected as exc:
+            self._core.metrics.rejected_request(exc.kind)
+            raise
+
+    def _prepare(self, input: TextInput | ChatInput | PreparedPrompt) -> PreparedPrompt:
+        try:
+            prompt = self.frontend.prepare(input, max_tokens=self.max_model_len - 1)
         except RequestRejected:
             raise
         except PromptTooLong as exc:  # found by the Frontend, possibly before tokenizing all of it
