@@ -201,3 +201,20 @@ def test_forced_preemption_of_image_requests_changes_no_token(artifact, engine, 
         assert (m.preemptions_snapshot if mode == "snapshot" else m.preemptions_replay) == m.preemptions
         assert [list(r.token_ids) for r in results] == alone
         settled(tight)
+
+
+def test_plan_says_what_the_encoder_costs(artifact, capsys):
+    """``ninfer plan --vision off`` plans without the encoder: fewer weight bytes and a smaller workspace."""
+    import json
+
+    from ninfer.cli import main
+
+    reports = {}
+    for setting in ("auto", "off"):
+        assert main(["plan", str(artifact), "--device", "cpu", "--num-pages", "64", "--vision", setting,
+                     "--json"]) == 0
+        reports[setting] = json.loads(capsys.readouterr().out)
+    on, off = reports["auto"], reports["off"]
+    assert on["features"] == ["text", "vision"] and off["features"] == ["text"]
+    assert on["categories"]["workspace"] > off["categories"]["workspace"]
+    assert on["categories"]["weights"] > off["categories"]["weights"]

@@ -25,6 +25,7 @@ from ninfer.contract.config import DTYPES, MAX_CONCURRENCY, EngineConfig, Startu
 from ninfer.engine.cli_numbers import whole_number
 from ninfer.engine.memory_report import MIB, format_bytes
 from ninfer.engine.speculative_cli import add_speculative_arguments, speculative_features
+from ninfer.engine.vision_cli import add_vision_argument, with_vision
 
 FITS, DOES_NOT_FIT, BAD_INPUT = 0, 1, 2
 _Options = TypeVar("_Options", EngineConfig, StartupOptions)
@@ -58,6 +59,7 @@ def add_plan_command(subparsers: argparse._SubParsersAction) -> None:
                                           "context that fit, or what does not fit and by how much (exit 1).")
     p.add_argument("model", nargs="?", help="a .ninfer artifact, or 'default' (default: the embedded model)")
     add_memory_arguments(p)
+    add_vision_argument(p)
     p.add_argument("--device", default="cuda",
                    help="cuda, cuda:N or cpu (default: cuda; without a GPU here, --vram-budget is the GPU "
                         "planned for)")
@@ -97,7 +99,8 @@ def _plan(args: argparse.Namespace, model: str) -> int:
     from ninfer.engine.startup import native_startup, open_model, profile_and_plan
 
     options = StartupOptions(device=args.device, max_concurrency=args.max_concurrency, max_model_len=args.context,
-                             context_cache=not args.no_context_cache, features=speculative_features(args),
+                             context_cache=not args.no_context_cache,
+                             features=with_vision(speculative_features(args), args),
                              checkpoint_slots=args.checkpoint_slots, dtype=args.dtype, page_size=args.page_size,
                              num_pages=args.num_pages)
     options = with_memory_options(options, args)
