@@ -218,3 +218,13 @@ def test_plan_says_what_the_encoder_costs(artifact, capsys):
     assert on["features"] == ["text", "vision"] and off["features"] == ["text"]
     assert on["categories"]["workspace"] > off["categories"]["workspace"]
     assert on["categories"]["weights"] > off["categories"]["weights"]
+
+
+def test_serve_warmup_runs_an_image_through_the_encoder(engine, monkeypatch):
+    from ninfer_serve.warmup import warmup
+
+    vision = engine.instance.program.vision
+    before = vision.encoded
+    warmup(engine, concurrency=2)
+    assert vision.encoded == before + 1  # the picture went through the encoder once
+    settled(engine)

@@ -158,9 +158,10 @@ class _Done:
 class _IdleEngine:
     """Answers every request at once and is always empty: what warmup needs to finish."""
 
-    def __init__(self, inner):
+    def __init__(self, inner, vision_enabled: bool = False):
         self.inner = inner
         self.submitted = []
+        self.vision_enabled = vision_enabled
 
     def submit(self, request):
         self.submitted.append(request)
@@ -179,6 +180,10 @@ def test_warmup_requests_stay_out_of_the_context_cache(engine):
     assert len(idle.submitted) == 3
     assert [r.context_cache for r in idle.submitted] == [False] * 3
     assert all(r.session_key is None for r in idle.submitted)
+    with_vision = _IdleEngine(engine, vision_enabled=True)
+    warmup(with_vision, concurrency=3)  # one more request: a chat with a picture, outside the cache too
+    assert len(with_vision.submitted) == 4 and with_vision.submitted[-1].input.media
+    assert [r.context_cache for r in with_vision.submitted] == [False] * 4
 
 
 # -- the real engine on the embedded model, in process -------------------------------------------------------
