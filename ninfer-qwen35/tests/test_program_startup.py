@@ -57,7 +57,9 @@ def test_startup_is_registered_with_the_plugin(artifact_path):
 
 def test_capacity_from_budget_and_clear_refusals(artifact_path, monkeypatch):
     with open_artifact(artifact_path) as art:
-        inst = build(art, StartupOptions(device="cpu", max_concurrency=1, device_budget_bytes=64 << 20))
+        # text only: 64 MiB is sized to the text model (the encoder's workspace for a context-long image is ~110)
+        inst = build(art, StartupOptions(device="cpu", max_concurrency=1, device_budget_bytes=64 << 20,
+                                         features=StartupFeatures(vision=False)))
         memory = inst.memory
         assert memory.budget_bytes == 64 << 20 and memory.kv_automatic
         assert memory.weights_bytes + memory.runtime_reservation_bytes + memory.workspace_bytes <= 64 << 20

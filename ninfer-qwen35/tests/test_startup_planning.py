@@ -23,6 +23,7 @@ from ninfer_qwen35.startup import Qwen35Startup, vision_tensors  # noqa: E402
 from ninfer_qwen35.testing.checkpoints import convert_tiny, make_tiny_checkpoint  # noqa: E402
 
 MTP = StartupFeatures(speculative="mtp", num_draft_tokens=2)
+TEXT = StartupFeatures(vision=False)  # for budgets sized to the text model (the encoder's workspace is not small)
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +165,7 @@ def test_calibration_builds_a_few_pages_with_the_real_context_then_the_formal_po
 @pytest.mark.parametrize("how", ["over the budget", "out of memory"])
 def test_a_short_formal_allocation_is_corrected_once_by_cutting_automatic_kv(artifact_path, how):
     startup = RecordingStartup(fail_first_formal=how == "out of memory")
-    options = StartupOptions(device="cpu", max_concurrency=2, device_budget_bytes=GIB + 12 * MIB)
+    options = StartupOptions(device="cpu", max_concurrency=2, device_budget_bytes=GIB + 12 * MIB, features=TEXT)
     inst, _ = _fake_start(artifact_path, options, startup, excess=100 << 10 if how == "over the budget" else None)
     _, first, corrected = startup.capacities
     assert inst.memory.corrections == 1 and corrected.kv_pages < first.kv_pages
@@ -175,7 +176,8 @@ def test_a_short_formal_allocation_is_corrected_once_by_cutting_automatic_kv(art
 
 def test_explicit_capacity_is_never_cut_and_a_second_shortfall_fails(artifact_path):
     startup = RecordingStartup()
-    options = StartupOptions(device="cpu", max_concurrency=2, device_budget_bytes=GIB + 12 * MIB, num_pages=64)
+    options = StartupOptions(device="cpu", max_concurrency=2, device_budget_bytes=GIB + 12 * MIB, num_pages=64,
+                             features=TEXT)
     with pytest.raises(PlanError, match="num_pages is explicit, so it is not cut"):
         _fake_start(artifact_path, options, startup, excess=100 << 10)
     startup = RecordingStartup()

@@ -102,8 +102,9 @@ def test_the_plan_counts_the_encoder_weights(artifact_path):
 
 
 def test_the_plan_reserves_the_encoders_peak_for_the_largest_image(artifact_path):
-    """The workspace covers the encoder over the largest image the Frontend accepts (max_pixels of the artifact's
-    preprocessor config), so an image at that bound cannot run the device out of memory mid-request."""
+    """The workspace covers the encoder over the largest image a request can carry (max_pixels of the artifact's
+    preprocessor config, and no more placeholder tokens than the context), so such an image cannot run the
+    device out of memory mid-request."""
     from ninfer.models.common.qwen.vision_preprocess import PreprocessConfig
     from ninfer_qwen35.config import parse_config
     from ninfer_qwen35.execution.vision import VisionConfig
@@ -113,7 +114,7 @@ def test_the_plan_reserves_the_encoders_peak_for_the_largest_image(artifact_path
         with_vision, without = (startup.profile(art, _options(vision=v)) for v in (None, False))
         vc = VisionConfig.from_config(parse_config(art.config))
         pre = PreprocessConfig.from_preprocessor_config(art.frontend.media)
-    patches = pre.max_pixels // vc.patch_size ** 2
+    patches = min(pre.max_pixels // vc.patch_size ** 2, with_vision.model_limit * 4)
     encoder = vc.workspace_bytes(patches, 4)  # the test starts in float32
     assert with_vision.workspace_bytes >= max(encoder, without.workspace_bytes + vc.output_bytes(patches, 4))
     assert with_vision.workspace_bytes > without.workspace_bytes

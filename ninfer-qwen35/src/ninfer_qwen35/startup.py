@@ -77,7 +77,9 @@ class Qwen35Startup:
         width = activation_width(config)
         workspace = WORKSPACE_TOKENS * width * size
         if "vision" in features:  # the encoder runs before its chunk; its output rows stay for the chunk
-            workspace = _vision_workspace(config, artifact.frontend.media, size, workspace)
+            context = options.max_model_len or config.max_position_embeddings
+            workspace = _vision_workspace(config, artifact.frontend.media, size, workspace, context,
+                                          cuda=Device.parse(options.device).is_cuda)
         return ModelProfile(
             architecture=artifact.metadata.architecture, dtype=dtype_name(compute), features=features,
             placements=_placements(resident_bytes(fixed), resident_bytes(
@@ -206,20 +208,23 @@ def _bank_objects(artifact: Any, features: tuple[str, ...]) -> frozenset[str]:
     return frozenset(b.object for b in artifact.bindings.values() if b.feature in features and b.name.endswith(BANKS))
 
 
-def _vision_workspace(config: Qwen35Config, media: dict | None, element_size: int, text_workspace: int) -> int:
-    """The transient peak with the encoder: its call over the largest item the Frontend accepts (an image at
-    ``max_pixels``, or a video at its pixel bound over all frames, each patch row covering the temporal patch),
-    or a prefill chunk's activations beside that item's output rows, whichever is larger; plus the CUDA path's
-    per-frame-size table cache, which stays (at most ``TABLE_CACHE_BYTES``)."""
+def _vision_workspace(config: Qwen35Config, media: dict | None, element_size: int, text_workspace: int,
+                      context: int, *, cuda: bool) -> int:
+    """The transient peak with the encoder: its call over the largest item a request can carry (an image at
+    ``max_pixels``, or a video at its pixel bound over all frames, each patch row covering the temporal patch;
+    and never more placeholder tokens than the context holds), or a prefill chunk's activations beside that
+    item's output rows, whichever is larger; on CUDA plus the encoder's per-frame-size table cache, which stays
+    (at most ``TABLE_CACHE_BYTES``)."""
     from ninfer.models.common.qwen.vision_preprocess import PreprocessConfig
     from ninfer_qwen35.execution.vision import TABLE_CACHE_BYTES, VisionConfig
 
     vc = VisionConfig.from_config(config)
     pre = PreprocessConfig.from_preprocessor_config(media) if media else PreprocessConfig()
     area = vc.patch_size ** 2
-    patches = max(pre.max_pixels // area, pre.video_max_pixels // (area * vc.temporal_patch_size))
-    return max(vc.workspace_bytes(patches, element_size),
-               text_workspace + vc.output_bytes(patches, element_size)) + TABLE_CACHE_BYTES
+    patches = min(max(pre.max_pixels // area, pre.video_max_pixels // (area * vc.temporal_patch_size)),
+                  context * vc.spatial_merge_size ** 2)
+    peak = max(vc.workspace_bytes(patches, element_size), text_workspace + vc.output_bytes(patches, element_size))
+    return peak + (TABLE_CACHE_BYTES if cuda else 0)
 
 
 def activation_width(config: Qwen35Config) -> int:
