@@ -197,21 +197,8 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     """
     if height <= 0 or width <= 0:
         raise ValueError(f"an image needs a positive size, got {width}x{height} (width x height)")
-    ratio = max(height, width) / min(height, width)
-    if ratio > MAX_ASPECT_RATIO:
-        raise ValueError(
-            f"image aspect ratio {ratio:.1f} ({width}x{height}) exceeds the limit of {MAX_ASPECT_RATIO}")
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt(height * width / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
+    _check_aspect(height, width, "image")
+    return _fit(height, width, factor, min_pixels, max_pixels)
 
 
 def smart_resize_video(
@@ -230,19 +217,30 @@ def smart_resize_video(
     if height < factor or width < factor:
         scale = max(factor / height, factor / width)
         height, width = int(height * scale), int(width * scale)
+    _check_aspect(height, width, "video")
+    return _fit(height, width, factor, min_pixels, max_pixels, frames=num_frames,
+                rounded_frames=round(num_frames / temporal_factor) * temporal_factor)
+
+
+def _check_aspect(height: int, width: int, what: str) -> None:
     ratio = max(height, width) / min(height, width)
     if ratio > MAX_ASPECT_RATIO:
         raise ValueError(
-            f"video aspect ratio {ratio:.1f} ({width}x{height}) exceeds the limit of {MAX_ASPECT_RATIO}")
+            f"{what} aspect ratio {ratio:.1f} ({width}x{height}) exceeds the limit of {MAX_ASPECT_RATIO}")
+
+
+def _fit(height: int, width: int, factor: int, min_pixels: int, max_pixels: int, *, frames: int = 1,
+         rounded_frames: int = 1) -> tuple[int, int]:
+    """Both sides rounded to multiples of ``factor``, then scaled (floored / ceiled) into the bounds on the area
+    over ``rounded_frames`` frames, the scale taken from the ``frames`` frames' unrounded area."""
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
-    t_bar = round(num_frames / temporal_factor) * temporal_factor
-    if t_bar * h_bar * w_bar > max_pixels:
-        beta = math.sqrt(num_frames * height * width / max_pixels)
+    if rounded_frames * h_bar * w_bar > max_pixels:
+        beta = math.sqrt(frames * height * width / max_pixels)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)
         w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif t_bar * h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (num_frames * height * width))
+    elif rounded_frames * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (frames * height * width))
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
