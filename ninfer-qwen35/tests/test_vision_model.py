@@ -25,9 +25,12 @@ from ninfer_qwen35.testing.vision_prompts import (  # noqa: E402
     VOCAB,
     TinyVL,
     build_prompt,
+    decode_greedy,
     hf_greedy,
     hf_logits,
     image,
+    prefill_greedy,
+    program_greedy,
     tiny_vl,
 )
 
@@ -102,35 +105,6 @@ def test_the_image_matters(tiny):
     assert (la[-1] - lb[-1]).abs().max() > 1e-2 * la[-1].abs().max()
 
 
-def _generate(prog, prompt: PreparedPrompt, steps: int, chunk: int) -> list[int]:
-    sid = prog.open_sequence(prompt, GREEDY)
-    tokens = _prefill(prog, sid, chunk)
-    tokens += _decode(prog, sid, steps - len(tokens))
-    prog.release(sid)
-    return tokens
-
-
-def _prefill(prog, sid: int, chunk: int) -> list[int]:
-    batch = None
-    while prog.input_remaining(sid):
-        assert prog.reserve_units(sid, min(chunk, prog.input_remaining(sid)))
-        batch = prog.prefill(sid, chunk)
-    if batch is None:
-        return []
-    prog.commit(batch, [RowDecision(accepted=1)])
-    return [batch.rows[0].tokens[0]]
-
-
-def _decode(prog, sid: int, steps: int) -> list[int]:
-    out = []
-    for _ in range(steps):
-        assert prog.reserve_units(sid, 1)
-        batch = prog.decode([sid])
-        prog.commit(batch, [RowDecision(accepted=1)])
-        out.append(batch.rows[0].tokens[0])
-    return out
-
-
 @pytest.fixture(scope="module")
 def greedy(tiny):
     """(prompt, HF's greedy tokens) of each case."""
@@ -146,7 +120,7 @@ def greedy(tiny):
 def test_greedy_tokens_match_transformers(tiny, greedy, case, chunk):
     prompt, want = greedy[case]
     prog = _program(tiny)
-    assert _generate(prog, prompt, len(want), chunk) == want
+    assert program_greedy(prog, prompt, len(want), chunk) == want
     assert prog.vision.encoded == len(prompt.vision)  # each item once, however the chunks split it
     assert prog.usage().all_free and prog.vision.items_held == 0
 
@@ -159,7 +133,7 @@ def test_decode_through_static_graph_buffers(tiny, greedy):
     prog = _program(tiny, static_decode=True)
     assert prog.graphs is not None
     a, b = prog.open_sequence(prompt, GREEDY), prog.open_sequence(text, GREEDY)
-    got = {a: _prefill(prog, a, 64), b: _prefill(prog, b, 64)}
+    got = {a: prefill_greedy(prog, a, 64), b: prefill_greedy(prog, b, 64)}
     for _ in range(len(want) - 1):
         for sid in (a, b):
             assert prog.reserve_units(sid, 1)
@@ -168,7 +142,7 @@ def test_decode_through_static_graph_buffers(tiny, greedy):
         for sid, row in zip((a, b), batch.rows, strict=True):
             got[sid].append(row.tokens[0])
     assert got[a] == want
-    assert got[b] == _generate(_program(tiny), text, len(want), 64)
+    assert got[b] == program_greedy(_program(tiny), text, len(want), 64)
     for sid in (a, b):
         prog.release(sid)
     assert prog.usage().all_free
@@ -190,13 +164,13 @@ def test_pause_and_resume(tiny, greedy, mode, at):
         assert prog.prefill(sid, n) is None
         assert prog.vision.items_held == 1  # the image is half done: its rows stay for the next chunk
     else:
-        got = _prefill(prog, sid, 64) + _decode(prog, sid, 1)
+        got = prefill_greedy(prog, sid, 64) + decode_greedy(prog, sid, 1)
     state = prog.pause(sid, mode)
     assert prog.vision.items_held == 0 and prog.usage().kv_pages_used == 0
     encoded = prog.vision.encoded
     sid = prog.resume(state)
-    got += _prefill(prog, sid, 5)
-    got += _decode(prog, sid, len(want) - len(got))
+    got += prefill_greedy(prog, sid, 5)
+    got += decode_greedy(prog, sid, len(want) - len(got))
     assert got == want
     reencoded = prog.vision.encoded - encoded
     assert reencoded == (1 if at == "inside_the_image" or mode == "replay" else 0)
@@ -215,10 +189,10 @@ def test_fork_and_rollback_keep_the_media(tiny, greedy):
         assert prog.reserve_units(sid, 64)
         batch = prog.prefill(sid, 64)
     prog.abort_pending(batch)  # rollback: the whole prompt runs again
-    first = _prefill(prog, sid, 6)
+    first = prefill_greedy(prog, sid, 6)
     assert first == want[:1] and prog.vision.encoded == 2
     child = prog.fork(sid)
-    assert _decode(prog, child, 3) == _decode(prog, sid, 3) == want[1:4]
+    assert decode_greedy(prog, child, 3) == decode_greedy(prog, sid, 3) == want[1:4]
     prog.release(child)
     prog.release(sid)
     assert prog.usage().all_free and prog.vision.items_held == 0

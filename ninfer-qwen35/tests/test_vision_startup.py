@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ninfer.contract.batch import RowDecision
 from ninfer.contract.config import StartupFeatures, StartupOptions
 from ninfer.contract.prompt import MediaSpan, PreparedPrompt, TextInput, VisionItem
 from ninfer.contract.request import SamplingParams
@@ -18,7 +17,7 @@ from ninfer.artifact import open_artifact  # noqa: E402
 from ninfer.models.common.qwen.vision_preprocess import PreprocessConfig, preprocess_image  # noqa: E402
 from ninfer_qwen35.startup import Qwen35Startup, StartupError, build  # noqa: E402
 from ninfer_qwen35.testing.checkpoints import convert_tiny, make_tiny_checkpoint  # noqa: E402
-from ninfer_qwen35.testing.vision_prompts import image  # noqa: E402
+from ninfer_qwen35.testing.vision_prompts import image, program_greedy  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)
 PIXELS = PreprocessConfig(patch_size=16, temporal_patch_size=2, merge_size=2, min_pixels=32 * 32,
@@ -55,23 +54,6 @@ def _media_prompt(inst) -> tuple[PreparedPrompt, dict]:
                  mm_token_type_ids=types))
 
 
-def _greedy(prog, prompt: PreparedPrompt, steps: int) -> list[int]:
-    sid = prog.open_sequence(prompt, GREEDY)
-    batch = None
-    while prog.input_remaining(sid):
-        assert prog.reserve_units(sid, 6)
-        batch = prog.prefill(sid, 6)
-    prog.commit(batch, [RowDecision(accepted=1)])
-    out = [batch.rows[0].tokens[0]]
-    while len(out) < steps:
-        assert prog.reserve_units(sid, 1)
-        batch = prog.decode([sid])
-        prog.commit(batch, [RowDecision(accepted=1)])
-        out.append(batch.rows[0].tokens[0])
-    prog.release(sid)
-    return out
-
-
 def test_default_binds_the_encoder_and_runs_media_like_transformers(artifact_path, checkpoint):
     import transformers
 
@@ -80,7 +62,7 @@ def test_default_binds_the_encoder_and_runs_media_like_transformers(artifact_pat
     assert inst.features == ("text", "vision") and inst.model.vision is not None
     assert "vision" in inst.model.load_report.features
     prompt, extra = _media_prompt(inst)
-    ours = _greedy(inst.program, prompt, 6)
+    ours = program_greedy(inst.program, prompt, 6, chunk=6)
     hf = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
     want: list[int] = []
     for _ in range(6):

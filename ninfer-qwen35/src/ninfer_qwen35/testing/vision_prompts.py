@@ -20,7 +20,9 @@ import numpy as np
 import torch
 from PIL import Image
 
+from ninfer.contract.batch import RowDecision
 from ninfer.contract.prompt import MediaSpan, PreparedPrompt, VisionItem
+from ninfer.contract.request import SamplingParams
 from ninfer.models.common.qwen.vision_preprocess import PreprocessConfig, preprocess_image, preprocess_video
 from ninfer.models.common.weights import WeightSet
 from ninfer_qwen35.config import parse_config
@@ -165,3 +167,42 @@ def hf_greedy(hf: Any, built: BuiltPrompt, steps: int) -> list[int]:
     for _ in range(steps):
         out.append(int(hf_logits(hf, built, out)[-1].argmax()))
     return out
+
+
+# -- greedy generation through a Program ---------------------------------------------------------------------
+
+def program_greedy(prog, prompt: PreparedPrompt, steps: int, chunk: int) -> list[int]:
+    """``steps`` greedy tokens of ``prompt`` through a Program, prefilled in chunks of ``chunk`` tokens."""
+    sid = prog.open_sequence(prompt, SamplingParams(temperature=0.0))
+    tokens = prefill_greedy(prog, sid, chunk)
+    tokens += decode_greedy(prog, sid, steps - len(tokens))
+    prog.release(sid)
+    return tokens
+
+
+def prefill_greedy(prog, sid: int, chunk: int) -> list[int]:
+    """Prefill sequence ``sid``'s remaining input in chunks; its first token (none if nothing was left)."""
+    batch = None
+    while prog.input_remaining(sid):
+        _reserve(prog, sid, min(chunk, prog.input_remaining(sid)))
+        batch = prog.prefill(sid, chunk)
+    if batch is None:
+        return []
+    prog.commit(batch, [RowDecision(accepted=1)])
+    return [batch.rows[0].tokens[0]]
+
+
+def decode_greedy(prog, sid: int, steps: int) -> list[int]:
+    """``steps`` decode steps of sequence ``sid`` alone, each committed."""
+    out = []
+    for _ in range(steps):
+        _reserve(prog, sid, 1)
+        batch = prog.decode([sid])
+        prog.commit(batch, [RowDecision(accepted=1)])
+        out.append(batch.rows[0].tokens[0])
+    return out
+
+
+def _reserve(prog, sid: int, tokens: int) -> None:
+    if not prog.reserve_units(sid, tokens):
+        raise RuntimeError(f"the Program could not reserve {tokens} tokens for sequence {sid}")
