@@ -11,7 +11,7 @@ import attrs
 from ninfer import env
 from ninfer.contract.config import MAX_CONCURRENCY, StartupFeatures
 from ninfer.engine.cache_cli import add_context_cache_arguments, with_context_cache
-from ninfer.engine.cli_numbers import whole_number
+from ninfer.engine.cli_numbers import positive_number, whole_number
 from ninfer.engine.plan_cli import add_memory_arguments, with_memory_options
 from ninfer.engine.speculative_cli import add_speculative_arguments, speculative_features
 from ninfer.engine.vision_cli import add_vision_argument, with_vision
@@ -40,13 +40,6 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
 
 
@@ -102,10 +95,10 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
                         help="threads that prepare requests for the engine (chat template, tokenization)")
     limits.add_argument("--http-queue", type=int, default=64, metavar="N",
                         help="requests waiting for a preparation thread before new ones get 429")
-    limits.add_argument("--body-timeout", type=_positive_float, default=30.0, metavar="SECONDS",
+    limits.add_argument("--body-timeout", type=positive_number, default=30.0, metavar="SECONDS",
                         help="a request body not received within this time after its headers gets 408 and "
                              "the connection is closed")
-    limits.add_argument("--keep-alive-timeout", type=_positive_float, default=5.0, metavar="SECONDS",
+    limits.add_argument("--keep-alive-timeout", type=positive_number, default=5.0, metavar="SECONDS",
                         help="a connection must send complete request headers within this time; also how "
                              "long an idle connection stays open between requests")
     limits.add_argument("--max-connections", type=_positive_int, default=512, metavar="N",
@@ -137,7 +130,7 @@ def _add_media_arguments(p: argparse.ArgumentParser) -> None:
     media.add_argument("--media-max-bytes", type=_byte_size, default=f"{_MEDIA.max_bytes.default // MIB}M",
                        metavar="BYTES",
                        help="bytes of one image, or of one video's frames together (K, M, G suffixes: 20M)")
-    media.add_argument("--media-timeout", type=_positive_float, default=_MEDIA.timeout_s.default, metavar="SECONDS",
+    media.add_argument("--media-timeout", type=positive_number, default=_MEDIA.timeout_s.default, metavar="SECONDS",
                        help="time to fetch one http(s) media item")
     media.add_argument("--media-max-items", type=_positive_int, default=_MEDIA.max_items.default, metavar="N",
                        help="images and videos in one request")

@@ -1,5 +1,5 @@
-"""Whole-number command-line values (argparse ``type=``), one parser for every ``ninfer`` subcommand: the error
-names what was expected and the bound it broke."""
+"""Numeric command-line values (argparse ``type=``), one parser per kind for every ``ninfer`` subcommand: the
+error names what was expected and the bound it broke."""
 
 from __future__ import annotations
 
@@ -20,3 +20,14 @@ def whole_number(lo: int, hi: int | None = None, unit: str = "") -> Callable[[st
             raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
         return value
     return parse
+
+
+def positive_number(text: str) -> float:
+    """An argparse type: a finite number > 0 (seconds, frames per second)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be > 0 and finite, got {text}")
+    return value

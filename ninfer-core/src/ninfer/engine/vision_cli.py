@@ -16,6 +16,7 @@ import attrs
 
 from ninfer.contract.config import StartupFeatures
 from ninfer.contract.prompt import MediaItem
+from ninfer.engine.cli_numbers import positive_number
 
 VISION_SETTINGS: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
 
@@ -32,16 +33,6 @@ def with_vision(features: StartupFeatures, args: argparse.Namespace) -> StartupF
     return attrs.evolve(features, vision=VISION_SETTINGS[args.vision])
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
-
-
 def add_media_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("images and videos (with --chat or --chat-file; need a model with vision)")
     group.add_argument("--image", action="append", default=[], metavar="FILE",
@@ -49,7 +40,7 @@ def add_media_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--video", action="append", nargs="+", default=[], metavar="FRAME",
                        help="one video as its sampled frames, image files in time order (repeatable: one video "
                             "per --video; after the images, before the text)")
-    group.add_argument("--video-fps", type=_positive_float, metavar="FPS",
+    group.add_argument("--video-fps", type=positive_number, metavar="FPS",
                        help="the rate the --video frames were sampled at, frames per second (default: the "
                             "model's)")
 
