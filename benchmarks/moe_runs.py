@@ -75,9 +75,10 @@ def head_ms(program, device: str, rows: int, tokens: int) -> float:
         return _median_ms(lambda: (F.embedding(ids, p.embed), program.model.logits(hidden).argmax(-1)), device)
 
 
-def decode_run(program, config, device: str, B: int, context: int, steps: int, stats=None) -> dict:
-    """Median ms of a B-row decode step (reserve + decode + commit) after ``context`` prompt tokens per row;
-    ``stats()`` (the host experts' counters) is read around the timed steps."""
+@contextlib.contextmanager
+def warm_decode(program, config, B: int, context: int):
+    """B greedy sequences after ``context`` prompt tokens each, warmed by ``WARMUP_STEPS`` decode steps; yields
+    one step (reserve, decode, commit of every row) and releases the sequences on exit."""
     from benchmarks.decode_step import prefilled_sequences
     from ninfer.contract.batch import RowDecision
 
@@ -92,6 +93,16 @@ def decode_run(program, config, device: str, B: int, context: int, steps: int, s
     try:
         for _ in range(WARMUP_STEPS):
             step()
+        yield step
+    finally:
+        for sid in seqs:
+            program.release(sid)
+
+
+def decode_run(program, config, device: str, B: int, context: int, steps: int, stats=None) -> dict:
+    """Median ms of a B-row decode step (reserve + decode + commit) after ``context`` prompt tokens per row;
+    ``stats()`` (the host experts' counters) is read around the timed steps."""
+    with warm_decode(program, config, B, context) as step:
         before = stats() if stats else None
         times = []
         for _ in range(steps):
@@ -101,9 +112,6 @@ def decode_run(program, config, device: str, B: int, context: int, steps: int, s
             _sync(device)
             times.append((clock() - t) * 1e3)
         after = stats() if stats else None
-    finally:
-        for sid in seqs:
-            program.release(sid)
     ms = statistics.median(times)
     row = {"batch": B, "context": context, "steps": steps, "ms_per_step": ms, "ms_mean": statistics.mean(times),
            "tokens_per_s": B / ms * 1e3}
@@ -119,21 +127,8 @@ def profile_run(program, config, device: str, B: int, context: int, steps: int, 
     to ``path``."""
     from torch.profiler import ProfilerActivity, profile
 
-    from benchmarks.decode_step import prefilled_sequences
-    from ninfer.contract.batch import RowDecision
-
     cuda = device.startswith("cuda")
-    seqs = prefilled_sequences(program, config, B, context)
-
-    def step() -> None:
-        for sid in seqs:
-            if not program.reserve_units(sid, 1):
-                raise RuntimeError("the KV pool is too small for the profiled run")
-        program.commit(program.decode(seqs), [RowDecision(accepted=1)] * B)
-
-    try:
-        for _ in range(WARMUP_STEPS):
-            step()
+    with warm_decode(program, config, B, context) as step:
         _sync(device)
         with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
             t = clock()
@@ -141,9 +136,6 @@ def profile_run(program, config, device: str, B: int, context: int, steps: int, 
                 step()
             _sync(device)
             wall = clock() - t
-    finally:
-        for sid in seqs:
-            program.release(sid)
     events = prof.key_averages()
     kernels = sorted((e for e in events if e.device_type.name == "CUDA"), key=lambda e: e.self_device_time_total,
                      reverse=True)
