@@ -29,7 +29,9 @@ at full depth is computed from the full-depth config directly.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -161,6 +163,20 @@ def run_host_experts(path: Path, cfg: dict, full_cfg: dict, args, device: str, b
         return res
 
     return on_instance(path, options, run)
+
+
+@contextlib.contextmanager
+def _ops_off(ops: str):
+    """NINFER_OPS_OFF=ops inside the block (the instance built there captures its graphs with those ops)."""
+    before = os.environ.get("NINFER_OPS_OFF")
+    os.environ["NINFER_OPS_OFF"] = ops
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["NINFER_OPS_OFF"]
+        else:
+            os.environ["NINFER_OPS_OFF"] = before
 
 
 class CallerTeam:
@@ -309,6 +325,9 @@ def parse_args(argv=None):
     p.add_argument("--pdl", nargs="+", default=["auto"], choices=sorted(PDL),
                    help="all-device runs with programmatic dependent launch as the model prefers it, on, off; "
                         "the first is the reported run, the others add all_device_pdl_<value> to the JSON")
+    p.add_argument("--ops-off", nargs="*", default=[], metavar="OPS",
+                   help="all-device runs again with these NINFER_OPS_OFF values (e.g. moe.moe_block: the block as "
+                        "its parts), as all_device_ops_off_<value> in the JSON")
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="also profile STEPS decode steps at B=1 in each placement (kernels and host ops per step)")
     p.add_argument("--hf-new-tokens", type=int, default=32)
@@ -407,10 +426,16 @@ def _run(argv) -> int:
                 res[key] = {"error": f"{type(exc).__name__}: {exc}"}
                 failed = True
             save()
+        once = argparse.Namespace(**{**vars(args), "profile": 0})  # the profile is the first run's
         for extra in args.pdl[1:]:
             print(f"# all_device, pdl {extra}", flush=True)
-            once = argparse.Namespace(**{**vars(args), "profile": 0})  # the profile is the first run's
             res[f"all_device_pdl_{extra}"] = run_all_device(art, cfg, full_cfg, once, device, res["copy_tb_s"], extra)
+            save()
+        for ops in args.ops_off:
+            print(f"# all_device, NINFER_OPS_OFF={ops}", flush=True)
+            with _ops_off(ops):
+                res[f"all_device_ops_off_{ops}"] = run_all_device(art, cfg, full_cfg, once, device, res["copy_tb_s"],
+                                                                  args.pdl[0])
             save()
         art.unlink()
         if args.hf:

@@ -205,21 +205,26 @@ def stats_delta(before, after) -> dict:
 @contextlib.contextmanager
 def recorded_routing():
     """The expert ids every MoE layer call routes to, recorded while the block is open (the model's ``moe_route``
-    wrapped; an instrument for this benchmark only, restored on exit)."""
+    and ``moe_block`` wrapped, the latter routing once more to record; an instrument for this benchmark only,
+    restored on exit)."""
     from ninfer_qwen35.execution import layers
 
-    original, calls = layers.moe_route, []
+    route, block, calls = layers.moe_route, layers.moe_block, []
 
-    def recording(logits, top_k):
-        weights, ids = original(logits, top_k)
+    def recording_route(logits, top_k):
+        weights, ids = route(logits, top_k)
         calls.append(ids.to("cpu"))
         return weights, ids
 
-    layers.moe_route = recording
+    def recording_block(x, logits, *rest):
+        calls.append(route(logits, rest[-1])[1].to("cpu"))
+        return block(x, logits, *rest)
+
+    layers.moe_route, layers.moe_block = recording_route, recording_block
     try:
         yield calls
     finally:
-        layers.moe_route = original
+        layers.moe_route, layers.moe_block = route, block
 
 
 def routing_spread(program, config, batch: int) -> dict:

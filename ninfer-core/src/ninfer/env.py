@@ -100,6 +100,9 @@ REGISTRY: tuple[EnvVar, ...] = (
     EnvVar(name="NINFER_OPS", kind="auto, torch or triton", default="auto", parse=_choice("auto", "torch", "triton"),
            meaning="op implementations: validated Triton kernels on CUDA (auto), the torch references "
                    "everywhere, or every Triton kernel listed or not"),
+    EnvVar(name="NINFER_OPS_OFF", kind="comma list", default=(), parse=_names,
+           meaning="Triton kernels (module.name, e.g. moe.moe_block) left to their torch composition, to compare a "
+                   "fused kernel with what it replaces"),
     EnvVar(name="NINFER_PDL", kind="flag", default=None, parse=_flag,
            meaning="programmatic dependent launch on or off for every Program (unset: each model's startup "
                    "chooses by its layer size)"),

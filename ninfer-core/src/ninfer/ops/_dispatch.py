@@ -8,7 +8,8 @@ importing ``ninfer.ops`` never imports triton.
 
 ``NINFER_OPS=torch`` forces the references everywhere (debugging, kernel comparisons);
 ``NINFER_OPS=triton`` uses every Triton kernel that exists, listed or not (to try kernels end to end
-before listing them).
+before listing them). ``NINFER_OPS_OFF=module.name,...`` leaves the named kernels out (a fused kernel against
+the composition it replaces, in one process).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ TRITON_OPS: frozenset[str] = frozenset({
     "conv1d.causal_conv1d_decode", "conv1d.causal_conv1d_prefill",
     "attention.write_kv", "attention.paged_attention", "attention.paged_attention_gated",
     "attention.norm_rope_write_kv", "linear.linear", "linear.swiglu", "sampling.greedy",
-    "sampling.apply_token_mask", "moe.moe_experts", "moe_route.moe_route",
+    "sampling.apply_token_mask", "moe.moe_experts", "moe_route.moe_route", "moe.moe_block",
     "attention.norm_rope_write_kv_mrope",
 })
 
@@ -49,8 +50,8 @@ def _load(module: str, name: str) -> Callable:
 def triton_selected(module: str, name: str) -> bool:
     """Whether ``module.name`` runs its Triton kernel on CUDA under the current ``NINFER_OPS`` (listed, or every
     kernel with ``triton``)."""
-    mode = _mode()
-    return mode != "torch" and (f"{module}.{name}" in TRITON_OPS or mode == "triton")
+    mode, op = _mode(), f"{module}.{name}"
+    return mode != "torch" and (op in TRITON_OPS or mode == "triton") and op not in env.get("NINFER_OPS_OFF")
 
 
 def triton_kernel(module: str, name: str, tensor: torch.Tensor) -> Callable | None:
@@ -58,7 +59,7 @@ def triton_kernel(module: str, name: str, tensor: torch.Tensor) -> Callable | No
     if tensor.device.type != "cuda":
         return None
     mode = _mode()
-    if mode == "torch":
+    if mode == "torch" or f"{module}.{name}" in env.get("NINFER_OPS_OFF"):
         return None
     if f"{module}.{name}" in TRITON_OPS:
         return _load(module, name)

@@ -4,8 +4,8 @@ routed experts over a fused expert bank.
 Expert bank layout (the published Qwen3.5 MoE storage, kept as is): ``gate_up`` [E, 2I, H] (rows 0..I-1 the gate
 projection, I..2I-1 the up projection) and ``down`` [E, H, I]. Routing: p = softmax(x Wr^T) in fp32, the top k of
 p, renormalised to sum to 1 (always, in Qwen3.5), then cast to the activations' dtype; the routed output of a
-token is sum_j w_j * down_e(silu(gate_e x) * up_e x) over its k experts. The shared expert and its sigmoid gate
-are a dense SwiGLU the model adds itself.
+token is sum_j w_j * down_e(silu(gate_e x) * up_e x) over its k experts. ``moe_block`` is the whole block:
+the routing, the routed experts and the shared SwiGLU expert scaled by sigmoid of its gate logit.
 """
 
 from __future__ import annotations
@@ -83,3 +83,40 @@ def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids:
     if kernel is not None:
         return kernel(x, gate_up, down, ids, weights, shared=shared, shared_gate=shared_gate)
     return moe_experts_ref(x, gate_up, down, ids, weights, shared, shared_gate)
+
+
+def moe_block_ref(x: torch.Tensor, logits: torch.Tensor, shared_gate: torch.Tensor, gate_up: torch.Tensor,
+                  down: torch.Tensor, shared_gate_up: torch.Tensor, shared_down: torch.Tensor, top_k: int
+                  ) -> torch.Tensor:
+    """The block as its parts: ``moe_route``, the shared expert's two linears, ``moe_experts`` joining them."""
+    from ninfer.ops.linear import linear, swiglu
+
+    weights, ids = moe_route(logits, top_k)
+    shared = linear(swiglu(x, shared_gate_up), shared_down)
+    return moe_experts(x, gate_up, down, ids, weights, shared=shared, shared_gate=shared_gate)
+
+
+def moe_block(x: torch.Tensor, logits: torch.Tensor, shared_gate: torch.Tensor, gate_up: torch.Tensor,
+              down: torch.Tensor, shared_gate_up: torch.Tensor, shared_down: torch.Tensor, top_k: int
+              ) -> torch.Tensor:
+    """The sparse MoE block of x [N, H]: router ``logits`` [N, E] and the shared expert's gate logit
+    ``shared_gate`` [N, 1] (both may be views of one fused projection), the routed banks ``gate_up`` [E, 2I, H] /
+    ``down`` [E, H, I], the shared SwiGLU expert ``shared_gate_up`` [2Is, H] / ``shared_down`` [H, Is] ->
+    routed + sigmoid(shared_gate) * shared, [N, H] in x's dtype. On the GPU a decode-sized call runs the shared
+    expert as one more expert of the grouped kernels (``ninfer.ops.triton.moe.moe_block``)."""
+    N, H = x.shape
+    if logits.dim() != 2 or logits.shape[0] != N or shared_gate.shape != (N, 1):
+        raise ValueError(f"moe_block: logits must be [{N}, E] and shared_gate [{N}, 1], got {tuple(logits.shape)} "
+                         f"and {tuple(shared_gate.shape)}")
+    if gate_up.dim() != 3 or logits.shape[1] != gate_up.shape[0]:
+        raise ValueError(f"moe_block: logits {tuple(logits.shape)} do not match the bank {tuple(gate_up.shape)}")
+    if shared_gate_up.dim() != 2 or shared_down.dim() != 2 or shared_gate_up.shape[1] != H or \
+            shared_down.shape != (H, shared_gate_up.shape[0] // 2):
+        raise ValueError(f"moe_block: the shared expert must be [2Is, {H}] and [{H}, Is], got "
+                         f"{tuple(shared_gate_up.shape)} and {tuple(shared_down.shape)}")
+    if not 1 <= top_k <= logits.shape[1]:
+        raise ValueError(f"moe_block: top_k must be in 1..{logits.shape[1]}, got {top_k}")
+    kernel = triton_kernel("moe", "moe_block", x)
+    if kernel is not None:
+        return kernel(x, logits, shared_gate, gate_up, down, shared_gate_up, shared_down, top_k)
+    return moe_block_ref(x, logits, shared_gate, gate_up, down, shared_gate_up, shared_down, top_k)

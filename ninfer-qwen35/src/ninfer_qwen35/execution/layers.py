@@ -17,7 +17,7 @@ from ninfer.ops import (
     gdn_prefill,
     gdn_verify,
     linear,
-    moe_experts,
+    moe_block,
     moe_route,
     norm_rope_write_kv,
     paged_attention,
@@ -112,8 +112,8 @@ def mlp(p: MLPParams | MoEParams, x: torch.Tensor, experts: HostExperts | None =
     if isinstance(p, MLPParams):
         return linear(swiglu(x, p.gate_up.weight), p.down)
     logits, shared_gate = p.router_shared_gate(x)
+    if experts is None:
+        return moe_block(x, logits, shared_gate, p.gate_up, p.down, p.shared.gate_up.weight, p.shared.down, p.top_k)
     weights, ids = moe_route(logits, p.top_k)
     shared = linear(swiglu(x, p.shared.gate_up.weight), p.shared.down)
-    if experts is None:  # the shared expert joins in the routed experts' last step
-        return moe_experts(x, p.gate_up, p.down, ids, weights, shared=shared, shared_gate=shared_gate)
     return experts.routed(p.gate_up, x, ids, weights) + torch.sigmoid(shared_gate) * shared

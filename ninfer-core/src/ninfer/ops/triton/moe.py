@@ -68,11 +68,21 @@ def default_config(tokens: int, dtype: torch.dtype) -> MoeConfig:
 
 
 @triton.jit
+def _expert_offset(block_expert_ptr, s_we, bank_experts, shared_off, SHARED: tl.constexpr):
+    """Where a block's expert starts, in elements from the bank's base; with SHARED, expert ``bank_experts`` is
+    the shared expert, ``shared_off`` elements away (its weights keep the bank's row and column strides)."""
+    expert = tl.load(block_expert_ptr).to(tl.int64)
+    if SHARED:
+        return tl.where(expert == bank_experts, shared_off, expert * s_we)
+    return expert * s_we
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, w_ptr, h_ptr, pairs_ptr, experts_ptr, used_ptr, numel, INTER, H,
-    s_xm, s_xk, s_we, s_wn, s_wk, s_hm,
+    s_xm, s_xk, s_we, s_wn, s_wk, s_hm, bank_experts, shared_off,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False,
+    PRECISION: tl.constexpr, SHARED: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -82,12 +92,12 @@ def _gate_up_kernel(
     pair = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = pair < numel
     token = (pair // TOP_K).to(tl.int64)
-    expert = tl.load(experts_ptr + pid_m).to(tl.int64)
+    expert = _expert_offset(experts_ptr + pid_m, s_we, bank_experts, shared_off, SHARED)
     nn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = nn < INTER
     kk = tl.arange(0, BLOCK_K)
     x_tile = x_ptr + token[:, None] * s_xm + kk[None, :] * s_xk
-    gate_tile = w_ptr + expert * s_we + nn.to(tl.int64)[:, None] * s_wn + kk[None, :] * s_wk
+    gate_tile = w_ptr + expert + nn.to(tl.int64)[:, None] * s_wn + kk[None, :] * s_wk
     up_tile = gate_tile + INTER * s_wn
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -113,9 +123,9 @@ def _gate_up_kernel(
 @triton.jit
 def _down_kernel(
     h_ptr, w_ptr, y_ptr, pairs_ptr, experts_ptr, used_ptr, route_ptr, numel, H, INTER,
-    s_hm, s_we, s_wn, s_wk, s_ym,
+    s_hm, s_we, s_wn, s_wk, s_ym, bank_experts, shared_off,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    SHARED: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -125,12 +135,12 @@ def _down_kernel(
     pair = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = pair < numel
     row = pair.to(tl.int64)
-    expert = tl.load(experts_ptr + pid_m).to(tl.int64)
+    expert = _expert_offset(experts_ptr + pid_m, s_we, bank_experts, shared_off, SHARED)
     nn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = nn < H
     kk = tl.arange(0, BLOCK_K)
     h_tile = h_ptr + row[:, None] * s_hm + kk[None, :]
-    w_tile = w_ptr + expert * s_we + nn.to(tl.int64)[:, None] * s_wn + kk[None, :] * s_wk
+    w_tile = w_ptr + expert + nn.to(tl.int64)[:, None] * s_wn + kk[None, :] * s_wk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
         mask_k = kk < INTER - k0
@@ -177,27 +187,72 @@ def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids:
         raise ValueError(f"moe_experts: x, gate_up and down must share one of bf16/fp16/fp32, got {x.dtype}, "
                          f"{gate_up.dtype}, {down.dtype}")
     N, H = x.shape
-    E, two_i, _ = gate_up.shape
-    inter, top_k = two_i // 2, ids.shape[1]
+    E, top_k = gate_up.shape[0], ids.shape[1]
     if out is None:
         out = torch.empty((N, H), dtype=x.dtype, device=x.device)
     if N == 0:
         return out
     cfg = config or default_config(N, x.dtype)
     blocks = align_by_expert(ids, E, cfg.block_m)
-    hidden = torch.empty((blocks.numel, inter), dtype=x.dtype, device=x.device)
-    per_pair = torch.empty((blocks.numel, H), dtype=x.dtype, device=x.device)
-    gate_up_grouped(x, gate_up, blocks, top_k, hidden, cfg)
-    down_grouped(hidden, down, blocks, weights.reshape(-1).contiguous(), per_pair, cfg)
+    per_pair = _grouped(x, gate_up, down, blocks, top_k, weights.reshape(-1).contiguous(), cfg)
+    _sum_slots(per_pair, out, top_k, shared, shared_gate)
+    return out
+
+
+def moe_block(x: torch.Tensor, logits: torch.Tensor, shared_gate: torch.Tensor, gate_up: torch.Tensor,
+              down: torch.Tensor, shared_gate_up: torch.Tensor, shared_down: torch.Tensor, top_k: int, *,
+              config: MoeConfig | None = None) -> torch.Tensor:
+    """The sparse MoE block (``ninfer.ops.moe.moe_block``, which checks the shapes). A decode-sized call (up to
+    ``moe_route_align.MAX_TOKENS`` tokens, the shared expert shaped as one routed expert) is four launches: the
+    routing, the shared expert as slot k of every token (expert E, weight sigmoid(gate)) and the grouping in one
+    (``moe_route_align``), then the grouped kernels and the slot sum over k + 1 slots. Larger calls route,
+    run the shared expert as two linears and the routed experts as ``moe_experts``."""
+    from ninfer.ops.linear import linear, swiglu
+    from ninfer.ops.triton import moe_route_align
+
+    N, H = x.shape
+    E = gate_up.shape[0]
+    folded = (moe_route_align.fits(N, E, top_k, shared=True) and shared_gate_up.shape == gate_up.shape[1:]
+              and shared_down.shape == down.shape[1:] and shared_gate_up.stride() == gate_up.stride()[1:]
+              and shared_down.stride() == down.stride()[1:] and x.dtype == gate_up.dtype == shared_gate_up.dtype
+              == down.dtype == shared_down.dtype == logits.dtype and x.dtype in _DTYPES)
+    if not folded:
+        from ninfer.ops.moe import moe_route
+
+        weights, ids = moe_route(logits, top_k)
+        shared = linear(swiglu(x, shared_gate_up), shared_down)
+        return moe_experts(x, gate_up, down, ids, weights, config=config, shared=shared, shared_gate=shared_gate)
+    cfg = config or default_config(N, x.dtype)
+    weights, _, blocks = moe_route_align.route_align(logits, top_k, cfg.block_m, shared_gate)
+    per_pair = _grouped(x, gate_up, down, blocks, top_k + 1, weights.reshape(-1), cfg,
+                        shared=(shared_gate_up, shared_down))
+    out = torch.empty((N, H), dtype=x.dtype, device=x.device)
+    _sum_slots(per_pair, out, top_k + 1, None, None)
+    return out
+
+
+def _grouped(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, blocks: ExpertBlocks, slots: int,
+             route: torch.Tensor, cfg: MoeConfig, shared: tuple[torch.Tensor, torch.Tensor] | None = None
+             ) -> torch.Tensor:
+    """Both grouped GEMMs: the weighted output of every (token, slot) pair, [N·slots, H]."""
+    hidden = torch.empty((blocks.numel, gate_up.shape[1] // 2), dtype=x.dtype, device=x.device)
+    per_pair = torch.empty((blocks.numel, x.shape[1]), dtype=x.dtype, device=x.device)
+    gate_up_grouped(x, gate_up, blocks, slots, hidden, cfg, None if shared is None else shared[0])
+    down_grouped(hidden, down, blocks, route, per_pair, cfg, None if shared is None else shared[1])
+    return per_pair
+
+
+def _sum_slots(per_pair: torch.Tensor, out: torch.Tensor, slots: int, shared: torch.Tensor | None,
+               shared_gate: torch.Tensor | None) -> None:
+    N, H = out.shape
     block = min(1024, triton.next_power_of_2(H))
     has_shared = shared is not None
     if has_shared and shared.stride(1) != 1:
         shared = shared.contiguous()
     _sum_slots_kernel[(N, triton.cdiv(H, block))](
         per_pair, out, shared if has_shared else out, shared_gate if has_shared else out, H, out.stride(0),
-        shared.stride(0) if has_shared else 0, shared_gate.stride(0) if has_shared else 0, TOP_K=top_k,
-        BLOCK=block, HAS_SHARED=has_shared, num_warps=4, **pdl_args(x.device))
-    return out
+        shared.stride(0) if has_shared else 0, shared_gate.stride(0) if has_shared else 0, TOP_K=slots,
+        BLOCK=block, HAS_SHARED=has_shared, num_warps=4, **pdl_args(out.device))
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -208,21 +263,35 @@ def _tile(width: int, dim: int) -> int:
     return max(16, min(width, triton.next_power_of_2(dim)))
 
 
+def _shared_args(bank: torch.Tensor, shared: torch.Tensor | None) -> dict:
+    """The kernels' arguments that make expert E (one past ``bank`` [E, ...]) the ``shared`` matrix."""
+    if shared is None:
+        return {"bank_experts": bank.shape[0], "shared_off": 0, "SHARED": False}
+    offset, rem = divmod(shared.data_ptr() - bank.data_ptr(), bank.element_size())
+    if rem or shared.shape != bank.shape[1:] or shared.stride() != bank.stride()[1:] or shared.dtype != bank.dtype:
+        raise ValueError(f"moe: the shared expert {tuple(shared.shape)} {shared.dtype} must be laid out as one "
+                         f"expert of the bank {tuple(bank.shape)} {bank.dtype}")
+    return {"bank_experts": bank.shape[0], "shared_off": offset, "SHARED": True}
+
+
 def gate_up_grouped(x: torch.Tensor, gate_up: torch.Tensor, blocks: ExpertBlocks, top_k: int, hidden: torch.Tensor,
-                    cfg: MoeConfig) -> None:
-    """hidden[p] = silu(x[p // k] Wg_e^T) * (x[p // k] Wu_e^T) for every pair p routed to expert e."""
+                    cfg: MoeConfig, shared: torch.Tensor | None = None) -> None:
+    """hidden[p] = silu(x[p // k] Wg_e^T) * (x[p // k] Wu_e^T) for every pair p routed to expert e; with
+    ``shared`` [2I, H], expert E is that matrix."""
     H, inter = x.shape[1], hidden.shape[1]
     block_n = _tile(cfg.block_n // 2, inter)
     _gate_up_kernel[(blocks.max_blocks, triton.cdiv(inter, block_n))](
         x, gate_up, hidden, blocks.sorted_pairs, blocks.block_experts, blocks.used, blocks.numel, inter, H,
         x.stride(0), x.stride(1), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), hidden.stride(0),
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=_tile(cfg.block_k, H),
-        PRECISION=_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device))
+        PRECISION=_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **_shared_args(gate_up, shared), **pdl_args(x.device))
 
 
 def down_grouped(hidden: torch.Tensor, down: torch.Tensor, blocks: ExpertBlocks, route: torch.Tensor,
-                 per_pair: torch.Tensor, cfg: MoeConfig) -> None:
-    """per_pair[p] = route[p] * (hidden[p] Wd_e^T) for every pair p routed to expert e."""
+                 per_pair: torch.Tensor, cfg: MoeConfig, shared: torch.Tensor | None = None) -> None:
+    """per_pair[p] = route[p] * (hidden[p] Wd_e^T) for every pair p routed to expert e; with ``shared``
+    [H, I], expert E is that matrix."""
     inter, H = hidden.shape[1], per_pair.shape[1]
     block_n = _tile(cfg.block_n, H)
     _down_kernel[(blocks.max_blocks, triton.cdiv(H, block_n))](
@@ -230,4 +299,4 @@ def down_grouped(hidden: torch.Tensor, down: torch.Tensor, blocks: ExpertBlocks,
         H, inter, hidden.stride(0), down.stride(0), down.stride(1), down.stride(2), per_pair.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=_tile(cfg.block_k, inter),
         PRECISION=_precision(hidden.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl_args(hidden.device))
+        **_shared_args(down, shared), **pdl_args(hidden.device))

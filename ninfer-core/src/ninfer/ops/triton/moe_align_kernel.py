@@ -54,6 +54,15 @@ def _align_kernel(
     BLOCK: tl.constexpr, FILL: tl.constexpr, BLOCK_M: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     pdl_prologue(USE_PDL)
+    align_pairs(ids_ptr, pairs_ptr, experts_ptr, used_ptr, numel, experts, top_k, s_in, s_ik, cap, max_blocks,
+                BLOCK, FILL, BLOCK_M)
+
+
+@triton.jit
+def align_pairs(ids_ptr, pairs_ptr, experts_ptr, used_ptr, numel, experts, top_k, s_in, s_ik, cap, max_blocks,
+                BLOCK: tl.constexpr, FILL: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The whole layout (module docstring) from the routing at ``ids_ptr``, by one program; also called by the
+    fused router (``moe_route_align``) once its ids are written."""
     lane = tl.arange(0, BLOCK)
     expert = tl.load(ids_ptr + (lane // top_k) * s_in + (lane % top_k) * s_ik, mask=lane < numel, other=-1)
     routed = (expert >= 0) & (expert < experts)

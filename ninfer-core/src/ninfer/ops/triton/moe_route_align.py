@@ -1,0 +1,113 @@
+"""The decode MoE block's routing in one launch: the router's top-k for every token, the shared expert as one
+more slot of each token, and the grouping by expert that the grouped kernels read.
+
+One program (a decode batch has few tokens):
+
+1. loads the router logits of all N tokens as one [BLOCK_T, BLOCK_E] tile, takes each row's fp32 softmax and
+   picks its k largest probabilities one after another (the lowest expert number first among equal ones), then
+   renormalises them to sum to 1, as ``moe_route`` does for one token per program;
+2. with ``shared_gate`` [N, 1], appends slot k to every token: the shared expert, numbered E (one past the
+   bank), weighted by sigmoid(gate) rounded to the activations' dtype as the unfused block rounds it;
+3. stores the routing (weights [N, S] in the logits' dtype, ids [N, S] int32, S = k or k + 1), waits for every
+   thread's stores (``tl.debug_barrier`` also orders global memory within the program) and groups its N·S
+   pairs by expert with ``moe_align_kernel.align_pairs``, the layout ``align_by_expert`` builds.
+
+Sizes depend on the shapes only and nothing is read back to the host: a call is CUDA-graph capturable. The
+separate route and alignment kernels are two launches of a few microseconds each per MoE layer of a decode
+step, against one here.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ninfer.ops.triton._pdl import pdl_args
+from ninfer.ops.triton._pdl_jit import pdl_prologue
+from ninfer.ops.triton.moe_align import ExpertBlocks, capacity
+from ninfer.ops.triton.moe_align_kernel import align_pairs, launch_shape, max_experts
+
+MAX_TOKENS = 16  # the logits tile stays [16, E]: decode batches and speculative verification rows
+MAX_EXPERTS = 1024
+
+
+@triton.jit
+def _route_align_kernel(
+    logits_ptr, gate_ptr, w_ptr, ids_ptr, pairs_ptr, experts_ptr, used_ptr, N, E, s_l, s_g, cap, max_blocks,
+    TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK: tl.constexpr, FILL: tl.constexpr, BLOCK_M: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
+    SLOTS: tl.constexpr = TOP_K + SHARED
+    tt = tl.arange(0, BLOCK_T)
+    ee = tl.arange(0, BLOCK_E)
+    ss = tl.arange(0, BLOCK_S)
+    rows = tl.minimum(tt, N - 1).to(tl.int64)  # padding rows repeat the last token and are never stored
+    pdl_prologue(USE_PDL)
+    z = tl.load(logits_ptr + rows[:, None] * s_l + ee[None, :], mask=(ee < E)[None, :], other=-float("inf"))
+    z = z.to(tl.float32)
+    p = tl.exp(z - tl.max(z, 1)[:, None])
+    p = p / tl.sum(p, 1)[:, None]
+    p = tl.where((ee < E)[None, :], p, -1.0)  # padding experts are never picked
+    top = tl.zeros((BLOCK_T, BLOCK_S), dtype=tl.float32)
+    ids = tl.zeros((BLOCK_T, BLOCK_S), dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(p, 1)
+        pick = tl.min(tl.where(p == best[:, None], ee[None, :], BLOCK_E), 1)
+        top = tl.where(ss[None, :] == j, best[:, None], top)
+        ids = tl.where(ss[None, :] == j, pick[:, None], ids)
+        p = tl.where(ee[None, :] == pick[:, None], -1.0, p)
+    top = top / tl.sum(tl.where(ss[None, :] < TOP_K, top, 0.0), 1)[:, None]
+    dtype = w_ptr.dtype.element_ty
+    if SHARED:  # slot k: the shared expert, behind sigmoid(gate) in the activations' dtype
+        g = tl.load(gate_ptr + rows * s_g).to(tl.float32)
+        scale = tl.sigmoid(g).to(dtype).to(tl.float32)
+        top = tl.where(ss[None, :] == TOP_K, scale[:, None], top)
+        ids = tl.where(ss[None, :] == TOP_K, E, ids)
+    out = tt[:, None] * SLOTS + ss[None, :]
+    stored = (tt < N)[:, None] & (ss < SLOTS)[None, :]
+    tl.store(w_ptr + out, top.to(dtype), mask=stored)
+    tl.store(ids_ptr + out, ids, mask=stored)
+    tl.debug_barrier()  # the routing is in memory before the alignment's lanes read it
+    align_pairs(ids_ptr, pairs_ptr, experts_ptr, used_ptr, N * SLOTS, E + SHARED, SLOTS, SLOTS, 1, cap,
+                max_blocks, BLOCK, FILL, BLOCK_M)
+
+
+def fits(tokens: int, experts: int, top_k: int, shared: bool) -> bool:
+    """Whether one program routes and groups ``tokens`` tokens over ``experts`` experts."""
+    slots = top_k + shared
+    return 1 <= tokens <= MAX_TOKENS and experts <= MAX_EXPERTS and top_k <= experts and \
+        experts + shared <= max_experts(tokens * slots)
+
+
+def route_align(logits: torch.Tensor, top_k: int, block_m: int, shared_gate: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, ExpertBlocks]:
+    """Router logits [N, E] (rows may be strided) -> (weights [N, S] in the logits' dtype, ids [N, S] int32, the
+    pairs grouped by expert in blocks of ``block_m``), S = k, or k + 1 with ``shared_gate`` [N, 1]: the shared
+    expert as expert E of every token (weight sigmoid(gate)). For routings that ``fits``."""
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    N, E = logits.shape
+    shared = shared_gate is not None
+    if not fits(N, E, top_k, shared):
+        raise ValueError(f"route_align: one program routes 1 to {MAX_TOKENS} tokens over at most {MAX_EXPERTS} "
+                         f"experts, got {N} tokens, {E} experts, top-{top_k}")
+    slots = top_k + shared
+    dev = logits.device
+    weights = torch.empty((N, slots), dtype=logits.dtype, device=dev)
+    ids = torch.empty((N, slots), dtype=torch.int32, device=dev)
+    numel, experts = N * slots, E + shared
+    cap = capacity(numel, experts, block_m)
+    pairs = torch.empty(cap, dtype=torch.int32, device=dev)
+    block_experts = torch.empty(cap // block_m, dtype=torch.int32, device=dev)
+    used = torch.empty(1, dtype=torch.int32, device=dev)
+    block, pair_warps = launch_shape(numel)
+    block_t, block_e = max(2, triton.next_power_of_2(N)), triton.next_power_of_2(E)
+    warps = max(pair_warps, min(8, block_t * block_e // 512))
+    _route_align_kernel[(1,)](
+        logits, shared_gate if shared else logits, weights, ids, pairs, block_experts, used, N, E,
+        logits.stride(0), shared_gate.stride(0) if shared else 0, cap, cap // block_m, TOP_K=top_k, SHARED=shared,
+        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_S=triton.next_power_of_2(slots), BLOCK=block, FILL=32 * 4 * warps,
+        BLOCK_M=block_m, num_warps=warps, num_stages=1, **pdl_args(dev))
+    return weights, ids, ExpertBlocks(pairs, block_experts, used, block_m, numel)
