@@ -11,6 +11,7 @@ random experts at once (no team, no collective): whether one-thread torch produc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import threading
@@ -66,7 +67,25 @@ def bench_rows(n: int, args, gate_up: torch.Tensor, down: torch.Tensor, per_expe
                 results.append(_row(n, f"{tag}: cpu_experts, team of {t}",
                                     _time_ms(lambda c=cold: cpu_experts(team, work(c), gate_up, down, out)), args,
                                     per_expert))
+                with _caller_threads(1):  # the caller's own torch ops start no OpenMP team that could spin
+                    results.append(_row(n, f"{tag}: cpu_experts, team of {t}, caller 1 thread",
+                                        _time_ms(lambda c=cold: cpu_experts(team, work(c), gate_up, down, out)),
+                                        args, per_expert))
+                with team.keep_active():
+                    results.append(_row(n, f"{tag}: cpu_experts, team of {t}, keep_active",
+                                        _time_ms(lambda c=cold: cpu_experts(team, work(c), gate_up, down, out)),
+                                        args, per_expert))
     return results
+
+
+@contextlib.contextmanager
+def _caller_threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _expert(e: int, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> None:

@@ -187,7 +187,14 @@ class CallerTeam:
     size = 1
 
     def run(self, fn) -> None:
-        fn(0, 1)
+        import torch
+
+        before = torch.get_num_threads()
+        torch.set_num_threads(os.cpu_count() or 1)  # the host experts hold the caller at one thread around this
+        try:
+            fn(0, 1)
+        finally:
+            torch.set_num_threads(before)
 
     def close(self) -> None:
         pass

@@ -346,3 +346,14 @@ def test_linear_split_across_ranks_equals_the_single_thread_result(team):
 
     team.run(fn)
     assert torch.equal(out, expected)
+
+
+def test_single_threaded_caller_restores_the_thread_count():
+    import torch
+
+    from ninfer.core.cpu_executor import single_threaded_caller
+
+    before = torch.get_num_threads()
+    with single_threaded_caller():
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before

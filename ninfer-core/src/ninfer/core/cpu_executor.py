@@ -106,6 +106,24 @@ def _resolve_cpus(threads: int | None, cpus: Sequence[int] | None) -> tuple[int 
     return tuple(pool[i % len(pool)] for i in range(count))
 
 
+@contextlib.contextmanager
+def single_threaded_caller() -> Iterator[None]:
+    """The calling thread's torch CPU ops use one intra-op thread inside the block (restored after).
+
+    For the thread that feeds a team: an op it runs with several intra-op threads starts an OpenMP team whose
+    threads keep spinning for a while after the op, on the same cores as the pinned workers, which then compute
+    several times slower (measured: docs/moe.md). The caller's own ops around a collective are small."""
+    before = torch.get_num_threads()
+    if before == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 class CpuExecutor:
     """A fixed team of ``size`` worker threads, worker ``rank`` pinned to ``cpus[rank]``.
 

@@ -13,6 +13,11 @@ The sum is a separate small step rather than atomic adds into [N, H] from the do
 the k contributions in whatever order the programs finish, so a token's output would change from run to run
 in its last bits; here it is the same on every run, and independent of which other tokens share the batch.
 
+``moe_block`` runs the whole decode-sized MoE block this way with the shared expert as expert E of the grouped
+kernels (one slot more per token, its weight sigmoid(gate); ``_expert_offset`` points expert E at the shared
+matrices) after one program that routes and groups (``moe_route_align``): four launches, where the block's parts
+take seven (route, align, the shared expert's two linears, the three above).
+
 Accumulation is fp32; fp32 inputs multiply in full fp32 (``input_precision="ieee"``, not TF32). Block sizes
 follow the token count (``default_config``): BLOCK_M stays 16 while each expert sees few rows and grows for
 long prefill chunks. Grids depend on the shapes only and the used-block count is read on the device, so a call
@@ -46,10 +51,11 @@ class MoeConfig:
 
 
 # By token count: vLLM's tuned H200 table for E=512, I=512 (the 35B-A3B geometry but E), as summarised in
-# shared/reference/kernels_quant.md section 3.1; benchmarks/gpu_check.py ("moe") times them on our kernels.
+# shared/reference/kernels_quant.md section 3.1, except the decode rows (1 and up to 16 tokens), which are the
+# best of our own sweep at 1 and 8 tokens (benchmarks/gpu_check.py "moe"; docs/performance.md, issue 21).
 _BY_TOKENS: tuple[tuple[int, MoeConfig], ...] = (
-    (1, MoeConfig(16, 32, 64, 4, 4)),
-    (16, MoeConfig(16, 128, 64, 4, 3)),
+    (1, MoeConfig(16, 64, 128, 4, 4)),
+    (16, MoeConfig(16, 64, 64, 4, 4)),
     (256, MoeConfig(16, 128, 128, 4, 3)),
     (512, MoeConfig(16, 256, 128, 8, 2)),
     (1024, MoeConfig(32, 128, 64, 4, 3)),

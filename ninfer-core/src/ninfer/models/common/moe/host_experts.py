@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ninfer import env
-from ninfer.core.cpu_executor import CpuExecutor, default_threads
+from ninfer.core.cpu_executor import CpuExecutor, default_threads, single_threaded_caller
 from ninfer.models.common.moe.cpu_experts import ExpertRows, cpu_experts
 from ninfer.models.common.moe.expert_cache import ExpertCache
 from ninfer.models.common.moe.stats import ExpertStats
@@ -123,7 +123,8 @@ class HostExperts:
             raise ValueError("HostExperts.routed: this bank is not one of the host experts' layers")
         if x.shape[0] >= self.stream_min_tokens:
             return self._streamed(layer, x, ids, weights)
-        return self._mixed(layer, x, ids, weights)
+        with single_threaded_caller():  # no OpenMP threads of this thread spin on the team's cores
+            return self._mixed(layer, x, ids, weights)
 
     # -- few tokens: cache hits on the device, misses on the CPU team ------------------------------------------
     def _mixed(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
