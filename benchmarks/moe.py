@@ -334,7 +334,8 @@ def parse_args(argv=None):
                         "the first is the reported run, the others add all_device_pdl_<value> to the JSON")
     p.add_argument("--ops-off", nargs="*", default=[], metavar="OPS",
                    help="all-device runs again with these NINFER_OPS_OFF values (e.g. moe.moe_block: the block as "
-                        "its parts), as all_device_ops_off_<value> in the JSON")
+                        "its parts; none: nothing off), as all_device_ops_off_<value> in the JSON (_<i> added to a "
+                        "value given more than once)")
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="also profile STEPS decode steps at B=1 in each placement (kernels and host ops per step)")
     p.add_argument("--hf-new-tokens", type=int, default=32)
@@ -438,11 +439,11 @@ def _run(argv) -> int:
             print(f"# all_device, pdl {extra}", flush=True)
             res[f"all_device_pdl_{extra}"] = run_all_device(art, cfg, full_cfg, once, device, res["copy_tb_s"], extra)
             save()
-        for ops in args.ops_off:
+        for i, ops in enumerate(args.ops_off):  # a value given twice runs twice (A/B/A/B: instances differ)
             print(f"# all_device, NINFER_OPS_OFF={ops}", flush=True)
+            key = f"all_device_ops_off_{ops}" + (f"_{i}" if args.ops_off.count(ops) > 1 else "")
             with _ops_off(ops):
-                res[f"all_device_ops_off_{ops}"] = run_all_device(art, cfg, full_cfg, once, device, res["copy_tb_s"],
-                                                                  args.pdl[0])
+                res[key] = run_all_device(art, cfg, full_cfg, once, device, res["copy_tb_s"], args.pdl[0])
             save()
         art.unlink()
         if args.hf:
