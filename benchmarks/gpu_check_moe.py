@@ -10,11 +10,14 @@ from functools import partial
 
 import torch
 
+from benchmarks.gpu_harness import nbytes, timed
+
 # The Qwen3.5-35B-A3B routed-expert bank (SHAPES holds the dense models): experts, top-k, hidden, moe intermediate.
 MOE_A3B = (256, 8, 2048, 512)
 
 
-def time_moe(ctx, nbytes) -> None:
+@timed("moe")
+def time_moe(ctx) -> None:
     """Routed experts over the 35B-A3B bank: the kernel against the fp32 reference (a failure is reported),
     then its time per call against the bytes of the experts the routing hits (each read once) and of x and
     the output; the torch reference beside it at decode sizes (it reads the routing on the host: do_bench),
@@ -72,7 +75,8 @@ def _moe_sweep(n: int, ctx) -> list:
     return [MoeConfig(bm, bn, 64, w, 3) for bm in (16, 32, 64, 128) for bn, w in ((128, 4), (256, 8))]
 
 
-def time_moe_block(ctx, nbytes) -> None:
+@timed("moe_block")
+def time_moe_block(ctx) -> None:
     """The sparse MoE block at decode sizes: the Triton block (``moe.moe_block``: the shared expert folded in as
     expert E, one routing-and-grouping program) against the fp32 parts, and timed beside the parts as they ran
     before it (route kernel, the shared expert's two linears, ``moe_experts`` joining them), against the bytes
