@@ -115,6 +115,17 @@ class Case:
         return torch.full(shape, float("nan"), dtype=dtype, device=self.device)
 
     @staticmethod
+    def no_host_sync(fn) -> None:
+        """``fn()`` twice: once to compile and warm, then under the sync debug mode that raises on a host sync."""
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    @staticmethod
     def within(out, ref, tol: float, what: str = "") -> None:
         rel, mx = rel_error(out, ref)
         assert rel <= tol, f"{what}: relative error {rel:.3e} over the tolerance {tol:.0e} (max error {mx:.3e})"

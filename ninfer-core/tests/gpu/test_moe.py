@@ -95,13 +95,7 @@ def test_no_host_sync(case):
     from ninfer.ops.triton.moe import moe_experts
 
     args = routed_bank(case, *A3B, 8, torch.bfloat16)
-    moe_experts(*args)  # compiled outside the check
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        moe_experts(*args)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    case.no_host_sync(lambda: moe_experts(*args))
 
 
 @pytest.mark.parametrize("tokens", (1, 8, 64), ids=lambda n: f"N{n}")

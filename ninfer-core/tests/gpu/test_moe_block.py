@@ -79,13 +79,7 @@ def test_no_host_sync(case):
     from ninfer.ops.triton.moe import moe_block
 
     args = block(case, *A3B, 8, torch.bfloat16)
-    moe_block(*args)  # compiled outside the check
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        moe_block(*args)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    case.no_host_sync(lambda: moe_block(*args))
 
 
 def test_decode_call_is_four_launches(case):
