@@ -31,7 +31,7 @@ def run(tmp_path_factory):
     out, work = root / "moe.json", root / "work"
     argv = ["--shape", "tiny", "--layers", str(LAYERS), "--device", "cpu", "--context", "12", "--steps", "3",
             "--prefill", "40", "--prefill-chunk", "16", "--budget-gib", "0.01", "--hf-new-tokens", "2",
-            "--host-variants", "0,0,1", "0,0,0", "--profile", "2", "--pdl", "auto", "on", "--workdir", str(work), "--json", str(out)]
+            "--host-variants", "0,0,1", "0,0,0", "--profile", "2", "--pdl", "auto", "on", "--ops-off", "moe.moe_block", "none", "none", "--workdir", str(work), "--json", str(out)]
     stdout = io.StringIO()  # capsys is per test; the run is per module
     with contextlib.redirect_stdout(stdout):
         code = moe.main(argv)
@@ -163,9 +163,17 @@ def test_a_second_pdl_value_adds_its_all_device_run(run):
     assert run["json"]["all_device"]["pdl"] == "auto"
 
 
+def test_ops_off_values_add_all_device_runs_under_their_own_keys(run):
+    """A value given twice runs twice, each under its own key (instances of the same code differ: A/B/A/B)."""
+    for key in ("all_device_ops_off_moe.moe_block", "all_device_ops_off_none_1", "all_device_ops_off_none_2"):
+        assert [d["batch"] for d in run["json"][key]["decode"]] == [1, 8], key
+
+
 def test_the_caller_team_runs_the_collective_once_on_the_calling_thread():
     import threading
 
+    from benchmarks.moe_variants import CallerTeam
+
     calls = []
-    moe.CallerTeam().run(lambda rank, size: calls.append((rank, size, threading.current_thread())))
+    CallerTeam().run(lambda rank, size: calls.append((rank, size, threading.current_thread())))
     assert calls == [(0, 1, threading.current_thread())]

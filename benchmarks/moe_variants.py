@@ -1,0 +1,66 @@
+"""What ``benchmarks/moe.py`` re-times beside its main runs: an all-device instance built with some Triton kernels
+left to their parts (``NINFER_OPS_OFF``), and host-experts decode with other upload limits and CPU teams.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+from benchmarks.moe_runs import decode_run
+
+
+@contextlib.contextmanager
+def ops_off(ops: str):
+    """NINFER_OPS_OFF=ops inside the block (the instance built there captures its graphs with those ops)."""
+    before = os.environ.get("NINFER_OPS_OFF")
+    os.environ["NINFER_OPS_OFF"] = ops
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["NINFER_OPS_OFF"]
+        else:
+            os.environ["NINFER_OPS_OFF"] = before
+
+
+class CallerTeam:
+    """The CPU share on the calling thread with torch's own intra-op threads, in place of a CpuExecutor team (an
+    experiment: ``benchmarks/cpu_experts.py`` measured that path ~10x faster than a team of pinned one-thread
+    workers on cold experts; docs/performance.md)."""
+
+    size = 1
+
+    def run(self, fn) -> None:
+        import torch
+
+        before = torch.get_num_threads()
+        torch.set_num_threads(os.cpu_count() or 1)  # the host experts hold the caller at one thread around this
+        try:
+            fn(0, 1)
+        finally:
+            torch.set_num_threads(before)
+
+    def close(self) -> None:
+        pass
+
+
+def host_variant(inst, experts, spec: str, args, device: str) -> dict:
+    """Decode B=1 again with ``spec`` = "prefetch,admit,team" (uploads per call, CPU team size; 0: the caller
+    thread with torch's intra-op threads, ``CallerTeam``)."""
+    from ninfer.core.cpu_executor import CpuExecutor
+
+    prefetch, admit, team = (int(v) for v in spec.split(","))
+    experts.prefetch_per_call, experts.admit_per_call = prefetch, admit
+    if team == 0:
+        experts.replace_team(CallerTeam())
+    elif team != experts.team.size or isinstance(experts.team, CallerTeam):
+        experts.replace_team(CpuExecutor(team))
+    row = decode_run(inst.program, inst.config, device, 1, args.context, args.steps, lambda: experts.stats)
+    row.update(prefetch=prefetch, admit=admit, team=team)
+    e = row["experts"]
+    print(f"#   host variant prefetch {prefetch} admit {admit} team {team}: {row['ms_per_step']:.3f} ms/step, "
+          f"hit rate {'-' if e['hit_rate'] is None else format(e['hit_rate'], '.3f')}, per call: wait {e['wait_s'] / e['mixed_calls'] * 1e3:.2f} ms, "
+          f"team {e['team_s'] / e['mixed_calls'] * 1e3:.2f} ms, uploads {e['upload_s'] / e['mixed_calls'] * 1e3:.2f} "
+          f"ms, total {e['mixed_s'] / e['mixed_calls'] * 1e3:.2f} ms", flush=True)
+    return row
