@@ -160,3 +160,26 @@ def test_the_next_layers_predicted_experts_are_uploaded_ahead(team):
     with pytest.raises(ValueError, match="1 next-layer routers for 2 layers"):
         HostExperts(banks, device=torch.device("cpu"), cache_slots=0, team=team, top_k=K, next_routers=[None])
     experts.close()
+
+
+def test_a_mixed_call_holds_the_caller_at_one_intra_op_thread(team, monkeypatch):
+    """While the team computes, the control thread's own torch ops start no OpenMP team (whose spinning threads
+    slowed the pinned workers several times on the H200's host: docs/moe.md); its thread count comes back."""
+    from ninfer.models.common.moe import host_experts as he
+
+    seen = []
+    real = he.cpu_experts
+
+    def recording(*args):
+        seen.append(torch.get_num_threads())
+        return real(*args)
+
+    monkeypatch.setattr(he, "cpu_experts", recording)
+    banks = _banks(1)
+    experts = HostExperts(banks, device=torch.device("cpu"), cache_slots=0, team=team, top_k=K, stream_min_tokens=64)
+    before = torch.get_num_threads()
+    x, ids, weights = _routing(2, seed=3)
+    torch.testing.assert_close(experts.routed(banks[0][0], x, ids, weights),
+                               moe_experts_ref(x, *banks[0], ids, weights), rtol=1e-5, atol=1e-6)
+    assert seen == [1] and torch.get_num_threads() == before
+    experts.close()
