@@ -12,3 +12,14 @@ def one_cpu_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def embedded_model() -> str:
+    """The path of the embedded default model (its absence is a broken install: a failure, not a skip)."""
+    import ninfer
+
+    path = ninfer.default_model_path()
+    if path is None:
+        pytest.fail("the embedded model is missing")
+    return path

@@ -32,16 +32,8 @@ IMAGE_CHAT = ChatInput(messages=[{"role": "user", "content": [{"type": "image"},
 
 
 @pytest.fixture(scope="module")
-def model():
-    path = ninfer.default_model_path()
-    if path is None:
-        pytest.fail("the embedded model is missing")
-    return path
-
-
-@pytest.fixture(scope="module")
-def engine(model):
-    with ninfer.Engine(model, device="cpu", max_concurrency=1, max_model_len=128) as e:
+def engine(embedded_model):
+    with ninfer.Engine(embedded_model, device="cpu", max_concurrency=1, max_model_len=128) as e:
         yield e
 
 
@@ -58,17 +50,17 @@ def test_the_engine_refuses_media_without_vision(engine):
     assert result.error is None
 
 
-def test_vision_off_says_it_was_turned_off(model):
-    with ninfer.Engine(model, device="cpu", max_concurrency=1, max_model_len=64,
+def test_vision_off_says_it_was_turned_off(embedded_model):
+    with ninfer.Engine(embedded_model, device="cpu", max_concurrency=1, max_model_len=64,
                        features=StartupFeatures(vision=False)) as e:
         assert e.vision_enabled is False
         with pytest.raises(VisionNotEnabled, match="it was turned off"):
             e.submit(GenerationRequest(input=IMAGE_CHAT))
 
 
-def test_vision_required_on_a_model_without_it_does_not_start(model):
+def test_vision_required_on_a_model_without_it_does_not_start(embedded_model):
     with pytest.raises(ValueError, match="(?i)vision"):
-        ninfer.Engine(model, device="cpu", max_concurrency=1, max_model_len=64, features=StartupFeatures(vision=True))
+        ninfer.Engine(embedded_model, device="cpu", max_concurrency=1, max_model_len=64, features=StartupFeatures(vision=True))
 
 
 @pytest.mark.parametrize("asked,bound,words", [
@@ -192,9 +184,9 @@ def test_generate_sends_the_media_in_the_user_message(frames, capsys, monkeypatc
     assert [m.kind for m in chat.media] == ["image", "video"] and chat.media[1].frames == (b"f1", b"f2")
 
 
-def test_generate_with_an_image_on_a_text_only_model(model, frames, capsys):
-    assert main(["generate", model, "--chat", "what is this?", "--image", frames["a.png"], "--device", "cpu",
+def test_generate_with_an_image_on_a_text_only_model(embedded_model, frames, capsys):
+    assert main(["generate", embedded_model, "--chat", "what is this?", "--image", frames["a.png"], "--device", "cpu",
                  "--max-tokens", "2"]) == 1
     assert "image and video input needs the vision feature" in capsys.readouterr().err
-    assert main(["generate", model, "--chat", "hi", "--vision", "on", "--device", "cpu", "--max-tokens", "2"]) == 2
+    assert main(["generate", embedded_model, "--chat", "hi", "--vision", "on", "--device", "cpu", "--max-tokens", "2"]) == 2
     assert "vision" in capsys.readouterr().err.lower()
