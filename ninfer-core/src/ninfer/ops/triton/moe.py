@@ -206,29 +206,22 @@ def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids:
 
 
 def moe_block(x: torch.Tensor, logits: torch.Tensor, shared_gate: torch.Tensor, gate_up: torch.Tensor,
-              down: torch.Tensor, shared_gate_up: torch.Tensor, shared_down: torch.Tensor, top_k: int, *,
-              config: MoeConfig | None = None) -> torch.Tensor:
+              down: torch.Tensor, shared_gate_up: torch.Tensor, shared_down: torch.Tensor, top_k: int) -> torch.Tensor:
     """The sparse MoE block (``ninfer.ops.moe.moe_block``, which checks the shapes). A decode-sized call (up to
     ``moe_route_align.MAX_TOKENS`` tokens, the shared expert shaped as one routed expert) is four launches: the
     routing, the shared expert as slot k of every token (expert E, weight sigmoid(gate)) and the grouping in one
-    (``moe_route_align``), then the grouped kernels and the slot sum over k + 1 slots. Larger calls route,
-    run the shared expert as two linears and the routed experts as ``moe_experts``."""
-    from ninfer.ops.linear import linear, swiglu
+    (``moe_route_align``), then the grouped kernels and the slot sum over k + 1 slots. Other calls run the block
+    as its parts (``moe_block_ref``)."""
+    from ninfer.ops.moe import moe_block_ref
     from ninfer.ops.triton import moe_route_align
 
     N, H = x.shape
-    E = gate_up.shape[0]
-    folded = (moe_route_align.fits(N, E, top_k, shared=True) and shared_gate_up.shape == gate_up.shape[1:]
-              and shared_down.shape == down.shape[1:] and shared_gate_up.stride() == gate_up.stride()[1:]
-              and shared_down.stride() == down.stride()[1:] and x.dtype == gate_up.dtype == shared_gate_up.dtype
-              == down.dtype == shared_down.dtype == logits.dtype and x.dtype in _DTYPES)
+    folded = (moe_route_align.fits(N, gate_up.shape[0], top_k, shared=True) and _as_expert(gate_up, shared_gate_up)
+              and _as_expert(down, shared_down) and x.dtype == gate_up.dtype == down.dtype == logits.dtype
+              and x.dtype in _DTYPES)
     if not folded:
-        from ninfer.ops.moe import moe_route
-
-        weights, ids = moe_route(logits, top_k)
-        shared = linear(swiglu(x, shared_gate_up), shared_down)
-        return moe_experts(x, gate_up, down, ids, weights, config=config, shared=shared, shared_gate=shared_gate)
-    cfg = config or default_config(N, x.dtype)
+        return moe_block_ref(x, logits, shared_gate, gate_up, down, shared_gate_up, shared_down, top_k)
+    cfg = default_config(N, x.dtype)
     weights, _, blocks = moe_route_align.route_align(logits, top_k, cfg.block_m, shared_gate)
     per_pair = _grouped(x, gate_up, down, blocks, top_k + 1, weights.reshape(-1), cfg,
                         shared=(shared_gate_up, shared_down))
@@ -269,12 +262,17 @@ def _tile(width: int, dim: int) -> int:
     return max(16, min(width, triton.next_power_of_2(dim)))
 
 
+def _as_expert(bank: torch.Tensor, shared: torch.Tensor) -> bool:
+    """Whether ``shared`` is laid out as one expert of ``bank`` [E, ...]: its shape, strides and dtype."""
+    return shared.shape == bank.shape[1:] and shared.stride() == bank.stride()[1:] and shared.dtype == bank.dtype
+
+
 def _shared_args(bank: torch.Tensor, shared: torch.Tensor | None) -> dict:
     """The kernels' arguments that make expert E (one past ``bank`` [E, ...]) the ``shared`` matrix."""
     if shared is None:
         return {"bank_experts": bank.shape[0], "shared_off": 0, "SHARED": False}
     offset, rem = divmod(shared.data_ptr() - bank.data_ptr(), bank.element_size())
-    if rem or shared.shape != bank.shape[1:] or shared.stride() != bank.stride()[1:] or shared.dtype != bank.dtype:
+    if rem or not _as_expert(bank, shared):
         raise ValueError(f"moe: the shared expert {tuple(shared.shape)} {shared.dtype} must be laid out as one "
                          f"expert of the bank {tuple(bank.shape)} {bank.dtype}")
     return {"bank_experts": bank.shape[0], "shared_off": offset, "SHARED": True}
