@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.shapes import MOE_SHAPES
-from ninfer.core.cpu_executor import CpuExecutor
+from ninfer.core.cpu_executor import CpuExecutor, single_threaded_caller
 from ninfer.models.common.moe.cpu_experts import ExpertRows, cpu_experts
 
 
@@ -64,28 +64,15 @@ def bench_rows(n: int, args, gate_up: torch.Tensor, down: torch.Tensor, per_expe
                                 _time_ms(lambda c=cold: serial(c)), args, per_expert))
         for t in args.threads:
             with CpuExecutor(t) as team:
-                results.append(_row(n, f"{tag}: cpu_experts, team of {t}",
-                                    _time_ms(lambda c=cold: cpu_experts(team, work(c), gate_up, down, out)), args,
-                                    per_expert))
-                with _caller_threads(1):  # the caller's own torch ops start no OpenMP team that could spin
-                    results.append(_row(n, f"{tag}: cpu_experts, team of {t}, caller 1 thread",
-                                        _time_ms(lambda c=cold: cpu_experts(team, work(c), gate_up, down, out)),
-                                        args, per_expert))
-                with team.keep_active():
-                    results.append(_row(n, f"{tag}: cpu_experts, team of {t}, keep_active",
-                                        _time_ms(lambda c=cold: cpu_experts(team, work(c), gate_up, down, out)),
-                                        args, per_expert))
+                # As called before, with the caller's own torch ops on one thread (no OpenMP team of its own left
+                # spinning), and with the workers polling between collectives.
+                for how, scope in (("", contextlib.nullcontext()), (", caller 1 thread", single_threaded_caller()),
+                                   (", keep_active", team.keep_active())):
+                    with scope:
+                        results.append(_row(n, f"{tag}: cpu_experts, team of {t}{how}",
+                                            _time_ms(lambda c=cold: cpu_experts(team, work(c), gate_up, down, out)),
+                                            args, per_expert))
     return results
-
-
-@contextlib.contextmanager
-def _caller_threads(n: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _expert(e: int, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> None:
@@ -96,14 +83,9 @@ def _expert(e: int, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) 
 def _one_thread_ms(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, onednn: bool) -> float:
     """One random expert of ``gate_up`` / ``down`` per call on this thread with one intra-op thread."""
     gen = torch.Generator().manual_seed(0)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.backends.mkldnn.flags(enabled=onednn):
-            return _time_ms(lambda: _expert(int(torch.randint(gate_up.shape[0], (1,), generator=gen)), x, gate_up,
-                                            down), iters=40)
-    finally:
-        torch.set_num_threads(before)
+    with single_threaded_caller(), torch.backends.mkldnn.flags(enabled=onednn):
+        return _time_ms(lambda: _expert(int(torch.randint(gate_up.shape[0], (1,), generator=gen)), x, gate_up, down),
+                        iters=40)
 
 
 def _plain_threads_ms(t: int, experts: int, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> float:
