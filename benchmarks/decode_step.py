@@ -21,14 +21,15 @@ import torch
 from benchmarks.shapes import SHAPES
 
 
-def random_parameters(shape: str, device: str, dtype: torch.dtype, seed: int = 0):
-    """Qwen35Parameters with random weights of a published shape, made directly on ``device``."""
+def random_parameters(shape: str | dict, device: str, dtype: torch.dtype, seed: int = 0):
+    """Qwen35Parameters with random weights of a published shape (a ``SHAPES`` name or a config.json dict), made
+    directly on ``device``: no checkpoint, so a model too large for the disk still fits the device."""
     from ninfer.models.common.weights import WeightSet
     from ninfer_qwen35.config import parse_config
     from ninfer_qwen35.execution.parameters import Qwen35Parameters
     from ninfer_qwen35.source_mapping import expected_parameters, fused_parents
 
-    config = parse_config(dict(SHAPES[shape]))
+    config = parse_config(dict(SHAPES[shape] if isinstance(shape, str) else shape))
     gen = torch.Generator(device=device).manual_seed(seed)
     tensors = {}
     for name, (_, dims) in expected_parameters(config, ("text",)).items():
@@ -46,20 +47,22 @@ def random_parameters(shape: str, device: str, dtype: torch.dtype, seed: int = 0
     return config, Qwen35Parameters.from_weights(config, weights, dtype)
 
 
-def build_program(shape: str, device: str, *, max_batch: int, context: int, steps: int, graphs: bool,
-                  dtype: torch.dtype, static_decode: bool = False):
+def build_program(shape: str | dict, device: str, *, max_batch: int, context: int, steps: int, graphs: bool,
+                  dtype: torch.dtype, static_decode: bool = False, params=None, pdl: bool = False):
+    """A Qwen3.5 Program over random weights of ``shape``, or over ``params`` (config, Qwen35Parameters) made
+    before, so several Programs can share one set of weights."""
     from ninfer_qwen35.execution.model import Qwen35Model
     from ninfer_qwen35.program.program import Qwen35Program
     from ninfer_qwen35.state import kv_pools, state_layout
 
-    config, params = random_parameters(shape, device, dtype)
+    config, params = params or random_parameters(shape, device, dtype)
     pool = kv_pools(config, 16, "bfloat16" if dtype == torch.bfloat16 else "float32")[0]
     pages_per_seq = -(-(context + steps + 8) // pool.page_size)
     return config, Qwen35Program(
         Qwen35Model(params), state_layout=state_layout(config, "bfloat16" if dtype == torch.bfloat16 else "float32"),
         kv_pool=pool, device=device, max_concurrency=max_batch, num_pages=max_batch * pages_per_seq,
         vocab_size=config.vocab_size, max_model_len=context + steps + 8, cuda_graphs=graphs,
-        static_decode=static_decode)
+        static_decode=static_decode, pdl=pdl)
 
 
 def _sync(device: str) -> None:

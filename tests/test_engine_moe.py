@@ -121,7 +121,7 @@ def test_host_experts_are_chosen_when_the_device_cannot_hold_the_banks_and_give_
     from ninfer.artifact import open_artifact
     from ninfer_qwen35.startup import Qwen35Startup
 
-    art, _ = moe
+    art, hf = moe
     options = StartupOptions(device="cpu", dtype="float32", max_concurrency=2, context_cache=False)
     with open_artifact(art) as a:
         profile = Qwen35Startup().profile(a, options)
@@ -130,6 +130,10 @@ def test_host_experts_are_chosen_when_the_device_cannot_hold_the_banks_and_give_
     assert hosted.host_bytes > 0 and hosted.device_bytes + hosted.host_bytes == everything.device_bytes
     others = profile.state_slot_bytes * 3 + profile.workspace_bytes
     assert hosted.staging_bytes > 0 and hosted.expert_bytes > 0 and hosted.experts > 0
+    # A one-row step reads the dense weights and k experts per MoE layer, in either placement.
+    c = hf.config
+    read = hosted.device_bytes + hosted.experts // c.num_experts * c.num_experts_per_tok * hosted.expert_bytes
+    assert everything.step_bytes == hosted.step_bytes == read
     budget = hosted.device_bytes + hosted.staging_bytes + others + 64 * profile.kv_page_bytes
     assert everything.device_bytes + others + 2 * profile.kv_page_bytes > budget  # all-device cannot fit
     outs = {}

@@ -163,6 +163,14 @@ def test_cuda_pdl_follows_the_layer_size_unless_the_options_decide():
     assert plan(num_pages=2, pdl=True).pdl is False  # the CPU launches no Triton kernels
 
 
+def test_pdl_reads_the_bytes_a_decode_step_reads_not_the_whole_expert_banks():
+    """A MoE placement of 2 GiB whose one-row step reads 100 MiB (dense weights + k experts): small layers."""
+    moe = ModelProfile(architecture="Toy", dtype="float32", features=("text",), placements=(
+        WeightPlacement(name="all-device", device_bytes=2 * GIB, step_bytes=100 * MIB),), state_slot_bytes=SLOT,
+        kv_page_bytes=PAGE, page_size=4, workspace_bytes=WORKSPACE, graph_bytes=GRAPHS, model_limit=64, layers=2)
+    assert plan(moe, cuda(4 * GIB), device="cuda", num_pages=2).pdl is True
+
+
 def test_graph_estimate_counts_every_batch_size_logits_and_the_speculative_sets():
     one = graph_estimate(vocab_size=1000, activation_width=10, element_size=2, max_batch=2)
     assert one == (3 * 1000 * 4 + 2 * 10 * 2 + 2 * 4 * MIB)

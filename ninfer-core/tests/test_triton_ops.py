@@ -306,6 +306,7 @@ def test_pdl_preference_by_layer_size_and_environment(monkeypatch):
 
     monkeypatch.delenv("NINFER_PDL", raising=False)
     assert _pdl.prefers_pdl(60e6) is True
+    assert _pdl.prefers_pdl(173e6) is True  # the 35B-A3B MoE: dense weights + 8 experts per layer
     assert _pdl.prefers_pdl(600e6) is False
     monkeypatch.setenv("NINFER_PDL", "1")
     assert _pdl.prefers_pdl(600e6) is True

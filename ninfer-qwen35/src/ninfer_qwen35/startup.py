@@ -83,7 +83,8 @@ class Qwen35Startup:
         return ModelProfile(
             architecture=artifact.metadata.architecture, dtype=dtype_name(compute), features=features,
             placements=_placements(resident_bytes(fixed), resident_bytes(
-                [*(weights.parents[o] for o in _bank_objects(artifact, features)), *banks]), banks),
+                [*(weights.parents[o] for o in _bank_objects(artifact, features)), *banks]), banks,
+                config.moe.num_experts_per_tok if config.moe is not None else 0),
             state_slot_bytes=layout.nbytes_per_slot, kv_page_bytes=PagedKVPool.page_bytes(pool),
             page_size=pool.page_size, backing_bytes=backing, workspace_bytes=workspace,
             graph_bytes=graph_estimate(vocab_size=config.vocab_size, activation_width=width, element_size=size,
@@ -160,17 +161,20 @@ ALL_DEVICE, HOST_EXPERTS = "all-device", "host-experts"
 BANKS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
-def _placements(total: int, host: int, banks: list[torch.Tensor]) -> tuple[WeightPlacement, ...]:
+def _placements(total: int, host: int, banks: list[torch.Tensor], top_k: int) -> tuple[WeightPlacement, ...]:
     """Every weight on the device; for a MoE model, then the routed expert banks in host memory (the shared
     expert, router and every dense weight stay on the device), with two layers' staging buffers and experts
-    to cache (``banks``: the prepared gate_up / down bank of every MoE layer, in pairs)."""
-    out = (WeightPlacement(name=ALL_DEVICE, device_bytes=total),)
-    if banks:
-        gate_up, down = banks[0], banks[1]
-        out += (WeightPlacement(name=HOST_EXPERTS, device_bytes=total - host, host_bytes=host,
-                                staging_bytes=staging_bytes(gate_up, down), expert_bytes=expert_bytes(gate_up, down),
-                                experts=len(banks) // 2 * gate_up.shape[0]),)
-    return out
+    to cache (``banks``: the prepared gate_up / down bank of every MoE layer, in pairs). A one-row decode step
+    reads the dense weights and ``top_k`` experts of each MoE layer (``step_bytes``) in either placement."""
+    if not banks:
+        return (WeightPlacement(name=ALL_DEVICE, device_bytes=total),)
+    gate_up, down = banks[0], banks[1]
+    one = expert_bytes(gate_up, down)
+    step = total - host + len(banks) // 2 * top_k * one
+    return (WeightPlacement(name=ALL_DEVICE, device_bytes=total, step_bytes=step),
+            WeightPlacement(name=HOST_EXPERTS, device_bytes=total - host, host_bytes=host,
+                            staging_bytes=staging_bytes(gate_up, down), expert_bytes=one,
+                            experts=len(banks) // 2 * gate_up.shape[0], step_bytes=step))
 
 
 def _eager_reason(loaded: Qwen35Loaded) -> str | None:

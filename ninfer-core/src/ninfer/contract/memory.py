@@ -21,7 +21,11 @@ class WeightPlacement:
 
     A placement with host experts also needs ``staging_bytes`` of device memory (the buffers whole layers stream
     through for long token runs) and may cache experts on the device: ``expert_bytes`` is one cacheable expert
-    (0: nothing to cache), ``experts`` how many there are (the cache never needs more slots)."""
+    (0: nothing to cache), ``experts`` how many there are (the cache never needs more slots).
+
+    ``step_bytes``: the weight bytes a one-row decode step reads (a MoE model's dense weights and k experts per
+    layer, not its whole banks); 0 means all of ``device_bytes`` (a dense model). Launch choices that depend on
+    how large a step's kernels are (programmatic dependent launch) read it."""
 
     name: str
     device_bytes: int = attrs.field(validator=_bytes)
@@ -29,6 +33,7 @@ class WeightPlacement:
     staging_bytes: int = attrs.field(default=0, validator=_bytes)
     expert_bytes: int = attrs.field(default=0, validator=_bytes)
     experts: int = attrs.field(default=0, validator=_bytes)
+    step_bytes: int = attrs.field(default=0, validator=_bytes)
 
 
 @attrs.frozen(kw_only=True)

@@ -24,8 +24,9 @@ import torch
 
 from ninfer import env
 
-# Below this many weight bytes per decoder layer PDL measured faster, above it slower (docs/kernels.md).
-SMALL_LAYER_BYTES = 128 << 20
+# Below this many weight bytes read per decoder layer and decode step, PDL measured faster (0.8B ~60 MB, the
+# 35B-A3B MoE ~173 MB with its k experts), above it slower (9B ~560 MB); docs/kernels.md.
+SMALL_LAYER_BYTES = 192 << 20
 # Weight tiles per program the few-row linear hints into L2 before its wait (the measured default).
 PREFETCH_TILES = 2
 # Whether the few-row linear lets its successor be scheduled after its K loop instead of at its start. Off:
@@ -41,8 +42,8 @@ def _capable(index: int) -> bool:
 
 
 def prefers_pdl(layer_bytes: float) -> bool:
-    """Whether a model whose decoder layers hold ``layer_bytes`` of weights should launch with PDL
-    (``NINFER_PDL`` decides when set)."""
+    """Whether a model whose decode step reads ``layer_bytes`` of weights per decoder layer should launch with
+    PDL (``NINFER_PDL`` decides when set)."""
     forced = env.get("NINFER_PDL")
     return forced if forced is not None else layer_bytes < SMALL_LAYER_BYTES
 

@@ -1,0 +1,233 @@
+"""Qwen3.5 MoE all-device decode at FULL depth, against its bytes floor (issue 21), with no checkpoint.
+
+``benchmarks/moe.py`` writes and converts a checkpoint, so the disk limits it to a few layers and it scales its
+figures to full depth. The device holds the whole 35B-A3B (69 GB of bf16), so this benchmark makes the random
+weights directly on the device (``decode_step.random_parameters``), starts the Qwen3.5 Program over them and times
+decode at full depth: nothing is extrapolated. What it does not cover (host experts, prefill, transformers) stays
+with ``benchmarks/moe.py``.
+
+A step is timed as ``benchmarks/decode_step.py`` times it (``reserve_units``, ``decode`` as a CUDA graph replay,
+``commit``, the device synchronised around it), and with ``--engine`` also through ``ninfer.Engine`` (pipelined
+decode: the mean inter-token gap). Variants start another Program over the same weights (``pdl=on``, ``pdl=off``,
+``ops_off=OPS`` for ``NINFER_OPS_OFF``); ``--rounds`` repeats the list in order (A, B, A, B) because one start of a
+Program can differ from the next by more than a small change does.
+
+    python -m benchmarks.moe_full_depth --variants auto pdl=on --rounds 2 --engine --json out.json   # the H200
+    python -m benchmarks.moe_full_depth --shape tiny --device cpu --steps 2 --context 8              # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from benchmarks import moe_weights as mw
+from benchmarks.bench import target_lines
+from benchmarks.moe import B1_FLOOR_TARGET, copy_bandwidth
+
+clock = time.perf_counter
+
+
+def parse_variant(spec: str) -> dict:
+    """``auto`` (the model's own PDL choice), ``pdl=on|off`` or ``ops_off=OPS`` -> {"pdl": ..., "ops_off": ...}."""
+    if spec == "auto":
+        return {"pdl": None, "ops_off": None}
+    key, _, value = spec.partition("=")
+    if key == "pdl" and value in ("on", "off"):
+        return {"pdl": value == "on", "ops_off": None}
+    if key == "ops_off" and value:
+        return {"pdl": None, "ops_off": value}
+    raise ValueError(f"variant {spec!r}: expected auto, pdl=on, pdl=off or ops_off=OPS")
+
+
+def auto_pdl(cfg: dict, device: str) -> bool:
+    """What a start chooses for this model: ``device_plan`` asks ``prefers_pdl`` with the weight bytes a one-row
+    step reads per layer (``WeightPlacement.step_bytes``: all but the banks, and k experts per layer)."""
+    if not device.startswith("cuda"):
+        return False
+    from ninfer.ops.triton._pdl import prefers_pdl
+
+    w, layers = mw.weight_bytes(cfg), cfg["num_hidden_layers"]
+    step = w["total"] - w["banks"] + layers * cfg["num_experts_per_tok"] * w["expert"]
+    return prefers_pdl(step / layers)
+
+
+def time_variant(params, cfg: dict, args, device: str, variant: dict, profile: bool = False) -> dict:
+    """Start a Program over ``params`` as ``variant`` says and time decode at every B (and the engine's); with
+    ``profile``, then also profile ``args.profile`` steps at B=1 (the full tables beside ``--json``)."""
+    import torch
+
+    from benchmarks.decode_step import build_program, measure, measure_engine
+    from benchmarks.moe_variants import ops_off
+
+    pdl = auto_pdl(cfg, device) if variant["pdl"] is None else variant["pdl"]
+    scope = ops_off(variant["ops_off"]) if variant["ops_off"] else contextlib.nullcontext()
+    with scope:
+        t = clock()
+        config, program = build_program(cfg, device, max_batch=max(args.batches), context=args.context,
+                                        steps=args.steps + 8, graphs=device.startswith("cuda"),
+                                        dtype=params[1].embed.dtype, params=params, pdl=pdl)
+        res: dict = {"pdl": pdl, "ops_off": variant["ops_off"], "start_s": clock() - t,
+                     "graphs": program.graphs is not None, "rows": []}
+        try:
+            for B in args.batches:
+                row = measure(program, config, device, B, context=args.context, steps=args.steps)
+                if args.engine:
+                    row.update(measure_engine(program, config, device, B, context=args.context, steps=args.steps))
+                res["rows"].append(row)
+            if profile:
+                from benchmarks.moe_runs import print_profile, profile_run
+
+                table = Path(args.json).with_name("profile_full_depth.txt") if args.json else None
+                res["profile"] = profile_run(program, config, device, 1, args.context, args.profile, table)
+                print_profile(f"full depth, pdl {pdl}", res["profile"])
+        finally:
+            program.release_graphs()
+            del program
+            gc.collect()
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+    return res
+
+
+def routing_distinct(params, cfg: dict, device: str, batches: list[int]) -> dict[int, float]:
+    """B -> distinct experts per layer the router picks for B tokens (``moe_runs.routing_spread`` on one
+    Program over these weights; 1 -> k)."""
+    from benchmarks.decode_step import build_program
+    from benchmarks.moe_runs import ROUTING_PROBE_TOKENS, routing_spread
+
+    k = cfg["num_experts_per_tok"]
+    config, program = build_program(cfg, device, max_batch=1, context=ROUTING_PROBE_TOKENS, steps=8, graphs=False,
+                                    dtype=params[1].embed.dtype, params=params)
+    out = {1: float(k)}
+    for B in batches:
+        if B > 1:
+            s = routing_spread(program, config, B)
+            out[B] = s["distinct"] if s["source"] == "measured" else mw.expected_distinct(cfg["num_experts"], k, B)
+    del program
+    gc.collect()
+    return out
+
+
+def summarize(res: dict, cfg: dict, args, bw: float, distinct: dict[int, float]) -> dict:
+    """Per variant and B: the median over rounds of ms per step, tok/s and the fraction of the bytes floor."""
+    out: dict = {}
+    for spec in args.variants:
+        runs = [r for r in res["runs"] if r["variant"] == spec]
+        for B in args.batches:
+            ms = [row["ms_median"] for r in runs for row in r["rows"] if row["batch"] == B]
+            eng = [row["engine_ms_per_step"] for r in runs for row in r["rows"]
+                   if row["batch"] == B and "engine_ms_per_step" in row]
+            floor_ms = mw.step_bytes(cfg, B, args.context, distinct[B]) / (bw * 1e12) * 1e3
+            m = statistics.median(ms)
+            e = statistics.median(eng) if eng else None
+            out.setdefault(spec, {})[B] = {
+                "ms_per_step": m, "ms_rounds": ms, "tokens_per_s": B / m * 1e3, "floor_ms": floor_ms,
+                "of_floor": floor_ms / m, "distinct_experts": distinct[B], "engine_ms_per_step": e,
+                "engine_rounds": eng, "engine_of_floor": floor_ms / e if e else None}
+    return out
+
+
+def markdown(res: dict) -> str:
+    d = res["device"]
+    lines = [f"# Qwen3.5 MoE {res['shape']} at full depth ({res['layers']} layers, random weights made on the "
+             f"device) on {d.get('name', d['device'])}, torch {d['torch']}; copy {res['copy_tb_s']:.2f} TB/s",
+             f"context {res['args']['context']}, {res['args']['steps']} steps per run, {res['args']['rounds']} "
+             "round(s) per variant (medians over rounds; every round's figure in the JSON)", "",
+             "| variant | B | ms/step | tok/s | floor ms | of floor | engine ms/step | engine of floor | rounds (ms) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for spec, rows in res["summary"].items():
+        for B, r in rows.items():
+            rounds = ", ".join(f"{x:.3f}" for x in r["ms_rounds"])
+            eng = "-" if r["engine_ms_per_step"] is None else f"{r['engine_ms_per_step']:.3f}"
+            eof = "-" if r["engine_of_floor"] is None else f"{r['engine_of_floor']:.2f}"
+            lines.append(f"| {spec} | {B} | {r['ms_per_step']:.3f} | {r['tokens_per_s']:.1f} | {r['floor_ms']:.3f} "
+                         f"| {r['of_floor']:.2f} | {eng} | {eof} | {rounds} |")
+    lines += target_lines(res.get("targets", {}))
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="35b-a3b", choices=sorted(mw.BENCH_SHAPES))
+    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--context", type=int, default=256, help="prompt tokens per row before the decode steps")
+    p.add_argument("--steps", type=int, default=64, help="decode steps timed per run")
+    p.add_argument("--variants", nargs="+", default=["auto"], metavar="VARIANT",
+                   help="auto, pdl=on, pdl=off, ops_off=OPS (NINFER_OPS_OFF); the first is the reported one")
+    p.add_argument("--rounds", type=int, default=1, help="times the variant list runs, in order")
+    p.add_argument("--engine", action="store_true", help="also time each B through ninfer.Engine (pipelined)")
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="profile STEPS decode steps at B=1 on the first variant's first round (kernels per step)")
+    p.add_argument("--json", default=None, help="write every figure here")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    from benchmarks.bench import run_with_plugins
+
+    return run_with_plugins(_run, argv)
+
+
+def _run(argv) -> int:
+    args = parse_args(argv)
+    try:
+        variants = {spec: parse_variant(spec) for spec in args.variants}
+    except ValueError as exc:
+        print(f"moe_full_depth: {exc}", file=sys.stderr)
+        return 2
+    if not all(1 <= b <= 8 for b in args.batches) or min(args.context, args.steps, args.rounds) < 1:
+        print("moe_full_depth: --batches in 1..8; --context, --steps and --rounds positive", file=sys.stderr)
+        return 2
+    import torch
+
+    from benchmarks.bench import device_info
+    from benchmarks.decode_step import random_parameters
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        print("moe_full_depth: no CUDA device; use --device cpu", file=sys.stderr)
+        return 2
+    cfg = mw.moe_config(args.shape)
+    t0 = clock()
+    res: dict = {"shape": args.shape, "layers": cfg["num_hidden_layers"], "config": cfg, "args": vars(args),
+                 "device": device_info(device), "weights": mw.weight_bytes(cfg), "runs": []}
+    res["copy_tb_s"] = copy_bandwidth(device)
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    t = clock()
+    params = random_parameters(cfg, device, dtype)
+    res["weights_s"] = clock() - t
+    print(f"# {args.shape}: {res['weights']['total'] / 1e9:.1f} GB of random weights on {device} in "
+          f"{res['weights_s']:.1f} s", flush=True)
+    distinct = routing_distinct(params, cfg, device, args.batches)
+    res["distinct_experts"] = distinct
+    for i in range(args.rounds):
+        for spec, variant in variants.items():
+            profile = bool(args.profile) and i == 0 and spec == args.variants[0]
+            run = time_variant(params, cfg, args, device, variant, profile)
+            res["runs"].append({"round": i, "variant": spec, **run})
+            print(f"# round {i} {spec} (pdl {run['pdl']}): " + ", ".join(
+                f"B={r['batch']} {r['ms_median']:.3f} ms" + (f" (engine {r['engine_ms_per_step']:.3f})"
+                                                             if "engine_ms_per_step" in r else "")
+                for r in run["rows"]), flush=True)
+    res["summary"] = summarize(res, cfg, args, res["copy_tb_s"], distinct)
+    b1 = res["summary"][args.variants[0]].get(1)
+    measured = b1["of_floor"] if b1 else None
+    res["targets"] = {"decode_b1_of_floor_full_depth": {"target": B1_FLOOR_TARGET, "measured": measured,
+                                                        "met": None if measured is None else measured >= B1_FLOOR_TARGET}}
+    res["wall_s"] = clock() - t0
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2, default=str))
+    print(markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

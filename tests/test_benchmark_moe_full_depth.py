@@ -1,0 +1,56 @@
+"""benchmarks/moe_full_depth.py on CPU at the tiny MoE shape (8 experts, top-2, 8 layers): random weights made in
+memory (no checkpoint), two variants over two rounds in order, the engine's figure, a profile, the floor and the
+table. Timings are reported, never compared with a threshold."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+
+import pytest
+
+pytest.importorskip("ninfer_qwen35")
+
+from benchmarks import moe_full_depth  # noqa: E402
+from benchmarks import moe_weights as mw  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
+
+def _positive(x) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x) and x > 0
+
+
+def test_full_depth_run_times_every_variant_and_round_against_the_floor(tmp_path):
+    out = tmp_path / "full.json"
+    argv = ["--shape", "tiny", "--device", "cpu", "--context", "8", "--steps", "2", "--rounds", "2", "--engine",
+            "--variants", "auto", "ops_off=moe.moe_block", "--profile", "2", "--json", str(out)]
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        assert moe_full_depth.main(argv) == 0
+    res = json.loads(out.read_text())
+    assert res["layers"] == mw.TINY_MOE["num_hidden_layers"] and _positive(res["copy_tb_s"])
+    assert [(r["round"], r["variant"]) for r in res["runs"]] == [
+        (0, "auto"), (0, "ops_off=moe.moe_block"), (1, "auto"), (1, "ops_off=moe.moe_block")]
+    assert all(r["pdl"] is False and r["graphs"] is False for r in res["runs"])  # the CPU: no PDL, no graphs
+    assert res["runs"][1]["ops_off"] == "moe.moe_block" and res["runs"][0]["ops_off"] is None
+    assert "profile" in res["runs"][0] and "profile" not in res["runs"][1]
+    assert (tmp_path / "profile_full_depth.txt").exists()
+    for spec in ("auto", "ops_off=moe.moe_block"):
+        for B in ("1", "8"):
+            row = res["summary"][spec][B]
+            assert len(row["ms_rounds"]) == 2 and len(row["engine_rounds"]) == 2
+            assert all(_positive(row[k]) for k in ("ms_per_step", "tokens_per_s", "floor_ms", "of_floor",
+                                                   "engine_ms_per_step", "distinct_experts"))
+    assert res["distinct_experts"]["1"] == mw.TINY_MOE["num_experts_per_tok"]
+    target = res["targets"]["decode_b1_of_floor_full_depth"]
+    assert target["measured"] == res["summary"]["auto"]["1"]["of_floor"] and target["met"] is False
+    assert "| auto | 1 |" in stdout.getvalue() and "at full depth (8 layers" in stdout.getvalue()
+
+
+@pytest.mark.parametrize("spec", ["pdl=maybe", "ops_off=", "fast"])
+def test_bad_variants_are_refused(spec, capsys):
+    assert moe_full_depth.main(["--shape", "tiny", "--device", "cpu", "--variants", spec]) == 2
+    assert "variant" in capsys.readouterr().err
