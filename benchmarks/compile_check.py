@@ -36,6 +36,9 @@ def _calls(gen: torch.Generator) -> list[tuple[str, callable]]:
         conv1d,
         gdn,
         linear,
+        moe,
+        moe_align_kernel,
+        moe_route,
         norm,
         rope,
         sampling,
@@ -65,6 +68,11 @@ def _calls(gen: torch.Generator) -> list[tuple[str, callable]]:
     cos, sin = rope_cos_sin(torch.arange(3), 16, 1e7, torch.float32)
     vqkv, packed = randn(40, 3 * 4, 72), PackedSequences.of([7, 1, 32], "cpu")  # vision heads: D = 72
     vision = (vqkv[:, :4], vqkv[:, 4:8], vqkv[:, 8:], packed)
+    E, H, inter = 8, 128, 64
+    xm, logits = randn(3, H), randn(3, E + 1)
+    banks = (randn(E, 2 * inter, H), randn(E, H, inter))
+    shared = (randn(2 * inter, H), randn(H, inter))
+    ids = torch.tensor([[0, 3], [3, 5], [7, 0]])
     return [
         ("linear", lambda: linear.linear(x, w)),
         ("linear split-K", lambda: linear.linear(x, w, split_k=2, block_k=64)),
@@ -105,6 +113,10 @@ def _calls(gen: torch.Generator) -> list[tuple[str, callable]]:
         ("vision_attention padded head", lambda: vision_attention.vision_attention(*vision, head_split=False)),
         ("apply_token_mask bf16", lambda: sampling.apply_token_mask(
             randn(2, 77), torch.randint(-2**31, 2**31 - 1, (2, 3), dtype=torch.int32))),
+        ("moe_route", lambda: moe_route.moe_route(logits[:, :E], 2)),
+        ("moe align", lambda: moe_align_kernel.align_small(ids, E, 16)),
+        ("moe_experts", lambda: moe.moe_experts(xm, *banks, ids, randn(3, 2))),
+        ("moe_block folded", lambda: moe.moe_block(xm, logits[:, :E], logits[:, E:], *banks, *shared, 2)),
     ]
 
 

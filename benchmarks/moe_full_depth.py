@@ -35,15 +35,35 @@ clock = time.perf_counter
 
 
 def parse_variant(spec: str) -> dict:
-    """``auto`` (the model's own PDL choice), ``pdl=on|off`` or ``ops_off=OPS`` -> {"pdl": ..., "ops_off": ...}."""
+    """``auto`` (the model's own PDL choice), ``pdl=on|off``, ``ops_off=OPS`` (``NINFER_OPS_OFF``), or one of the
+    PDL experiments' knobs (``_pdl.PREFETCH_TILES``: ``prefetch_tiles=N``) -> {"pdl", "ops_off", "knobs"}."""
+    out: dict = {"pdl": None, "ops_off": None, "knobs": {}}
     if spec == "auto":
-        return {"pdl": None, "ops_off": None}
+        return out
     key, _, value = spec.partition("=")
     if key == "pdl" and value in ("on", "off"):
-        return {"pdl": value == "on", "ops_off": None}
+        return {**out, "pdl": value == "on"}
     if key == "ops_off" and value:
-        return {"pdl": None, "ops_off": value}
-    raise ValueError(f"variant {spec!r}: expected auto, pdl=on, pdl=off or ops_off=OPS")
+        return {**out, "ops_off": value}
+    if key == "prefetch_tiles" and value.isdigit():
+        return {**out, "knobs": {"PREFETCH_TILES": int(value)}}
+    raise ValueError(f"variant {spec!r}: expected auto, pdl=on|off, ops_off=OPS or prefetch_tiles=N")
+
+
+@contextlib.contextmanager
+def pdl_knobs(knobs: dict):
+    """``ninfer.ops.triton._pdl``'s experiment constants set inside the block (a Program built there captures its
+    graphs with them), restored on exit."""
+    from ninfer.ops.triton import _pdl
+
+    before = {k: getattr(_pdl, k) for k in knobs}
+    for k, v in knobs.items():
+        setattr(_pdl, k, v)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            setattr(_pdl, k, v)
 
 
 def auto_pdl(cfg: dict, device: str) -> bool:
@@ -68,12 +88,12 @@ def time_variant(params, cfg: dict, args, device: str, variant: dict, profile: b
 
     pdl = auto_pdl(cfg, device) if variant["pdl"] is None else variant["pdl"]
     scope = ops_off(variant["ops_off"]) if variant["ops_off"] else contextlib.nullcontext()
-    with scope:
+    with scope, pdl_knobs(variant["knobs"]):
         t = clock()
         config, program = build_program(cfg, device, max_batch=max(args.batches), context=args.context,
                                         steps=args.steps + 8, graphs=device.startswith("cuda"),
                                         dtype=params[1].embed.dtype, params=params, pdl=pdl)
-        res: dict = {"pdl": pdl, "ops_off": variant["ops_off"], "start_s": clock() - t,
+        res: dict = {"pdl": pdl, "ops_off": variant["ops_off"], "knobs": variant["knobs"], "start_s": clock() - t,
                      "graphs": program.graphs is not None, "rows": []}
         try:
             for B in args.batches:
@@ -161,7 +181,8 @@ def parse_args(argv=None):
     p.add_argument("--context", type=int, default=256, help="prompt tokens per row before the decode steps")
     p.add_argument("--steps", type=int, default=64, help="decode steps timed per run")
     p.add_argument("--variants", nargs="+", default=["auto"], metavar="VARIANT",
-                   help="auto, pdl=on, pdl=off, ops_off=OPS (NINFER_OPS_OFF); the first is the reported one")
+                   help="auto, pdl=on|off, ops_off=OPS (NINFER_OPS_OFF), prefetch_tiles=N (the few-row linear's "
+                        "L2 hints under PDL, ninfer.ops.triton._pdl.PREFETCH_TILES); the first is the reported one")
     p.add_argument("--rounds", type=int, default=1, help="times the variant list runs, in order")
     p.add_argument("--engine", action="store_true", help="also time each B through ninfer.Engine (pipelined)")
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",

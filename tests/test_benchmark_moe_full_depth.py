@@ -50,7 +50,19 @@ def test_full_depth_run_times_every_variant_and_round_against_the_floor(tmp_path
     assert "| auto | 1 |" in stdout.getvalue() and "at full depth (8 layers" in stdout.getvalue()
 
 
-@pytest.mark.parametrize("spec", ["pdl=maybe", "ops_off=", "fast"])
+def test_variants_parse_into_pdl_ops_and_knobs():
+    from ninfer.ops.triton import _pdl
+
+    assert moe_full_depth.parse_variant("pdl=off") == {"pdl": False, "ops_off": None, "knobs": {}}
+    knobs = moe_full_depth.parse_variant("prefetch_tiles=0")["knobs"]
+    assert knobs == {"PREFETCH_TILES": 0}
+    before = _pdl.PREFETCH_TILES
+    with moe_full_depth.pdl_knobs(knobs):
+        assert _pdl.PREFETCH_TILES == 0
+    assert _pdl.PREFETCH_TILES == before
+
+
+@pytest.mark.parametrize("spec", ["pdl=maybe", "ops_off=", "fast", "prefetch_tiles=many"])
 def test_bad_variants_are_refused(spec, capsys):
     assert moe_full_depth.main(["--shape", "tiny", "--device", "cpu", "--variants", spec]) == 2
     assert "variant" in capsys.readouterr().err

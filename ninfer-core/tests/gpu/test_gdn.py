@@ -114,6 +114,52 @@ def test_gdn_decode_fused_graph_replays_equal_eager_calls(model, case):
         assert all(torch.equal(x, y) for x, y in zip(got, (out, image, conv_image), strict=True))
 
 
+@pytest.mark.parametrize("batch", (1, 8), ids=lambda b: f"B{b}")
+def test_gdn_decode_fused_under_pdl_matches_eager_steps_without_it(model, case, batch):
+    """in_proj (the few-row linear) then the fused step, captured with PDL and replayed for several steps whose
+    states chain, give the bits of the same steps run eagerly without PDL from the same start."""
+    from ninfer.ops.triton import _pdl
+    from ninfer.ops.triton.gdn import gdn_decode_fused
+    from ninfer.ops.triton.linear import linear
+
+    B, S, C, hv = batch, 3 * batch + 2, model.conv_dim, model.hv
+    (image, conv_image), args = _fused_inputs(model, case, B, S)
+    _, _, _, w, conv_states, a_log, dt_bias, states, slots, out = args
+    x = case.randn(B, model.hidden)
+    in_proj = case.randn(C + 2 * hv, model.hidden, scale=model.hidden ** -0.5)
+
+    def step() -> None:
+        proj = linear(x, in_proj)
+        gdn_decode_fused(proj[:, :C], proj[:, C + hv:], proj[:, C:C + hv], w, conv_states, a_log, dt_bias, states,
+                         slots, out=out)
+
+    start = image.clone(), conv_image.clone()
+    inputs = [case.randn(B, model.hidden) for _ in range(3)]
+    with _pdl.scope(True):
+        step()  # compile the PDL variants outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+    image.copy_(start[0])
+    conv_image.copy_(start[1])
+    replayed = []
+    for fresh in inputs:
+        x.copy_(fresh)
+        graph.replay()
+        replayed.append(out.clone())
+    got = replayed, image.clone(), conv_image.clone()
+    image.copy_(start[0])
+    conv_image.copy_(start[1])
+    eager = []
+    for fresh in inputs:
+        x.copy_(fresh)
+        step()
+        eager.append(out.clone())
+    assert all(torch.equal(r, e) for r, e in zip(got[0], eager, strict=True)), "outputs differ"
+    assert torch.equal(got[1], image) and torch.equal(got[2], conv_image), "states differ"
+
+
 @pytest.mark.parametrize("has_state", [False, True], ids=["zero-state", "with-state"])
 def test_gdn_prefill(model, case, tokens, has_state):
     """fla-core's chunked kernel against the chunked torch reference."""

@@ -27,8 +27,9 @@ from ninfer import env
 # Below this many weight bytes read per decoder layer and decode step, PDL measured faster (0.8B ~60 MB, the
 # 35B-A3B MoE ~173 MB with its k experts), above it slower (9B ~560 MB); docs/kernels.md.
 SMALL_LAYER_BYTES = 192 << 20
-# Weight tiles per program the few-row linear hints into L2 before its wait (the measured default).
-PREFETCH_TILES = 2
+# Weight tiles per program the few-row linear hints into L2 before its wait: 1 measured faster than 0, 2 or 8 on
+# every model that runs PDL (0.8B, the 35B-A3B MoE; docs/kernels.md).
+PREFETCH_TILES = 1
 # Whether the few-row linear lets its successor be scheduled after its K loop instead of at its start. Off:
 # measured as a loss at B=8 (docs/kernels.md); ``benchmarks`` may set it to repeat that experiment.
 LATE_TRIGGER = False
