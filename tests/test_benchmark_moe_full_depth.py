@@ -37,6 +37,8 @@ def test_full_depth_run_times_every_variant_and_round_against_the_floor(tmp_path
     assert all(r["pdl"] is False and r["graphs"] is False for r in res["runs"])  # the CPU: no PDL, no graphs
     assert res["runs"][1]["ops_off"] == "moe.moe_block" and res["runs"][0]["ops_off"] is None
     assert "profile" in res["runs"][0] and "profile" not in res["runs"][1]
+    assert all(isinstance(row["engine_steady"], bool) and _positive(row["engine_ms_whole_run"])
+               for r in res["runs"] for row in r["rows"])
     assert (tmp_path / "profile_full_depth.txt").exists()
     for spec in ("auto", "ops_off=moe.moe_block"):
         for B in ("1", "8"):
