@@ -9,21 +9,13 @@ graph stays right for any length; a second kernel merges the partial softmax sta
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from ninfer.ops.triton._device import H200_SMS, sm_count
 from ninfer.ops.triton._pdl import pdl_args
 from ninfer.ops.triton._pdl_jit import pdl_prologue
-
-_NUM_SMS_H200 = 132
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 @triton.jit
@@ -294,7 +286,7 @@ def _merge_splits_kernel(
     tl.store(o_ptr + n * s_on + h * s_oh + dd * s_od, o.to(o_ptr.dtype.element_ty), mask=dd < D)
 
 
-def _decode_splits(batch: int, kv_heads: int, max_seq_len: int, tile_n: int, num_sms: int = _NUM_SMS_H200) -> int:
+def _decode_splits(batch: int, kv_heads: int, max_seq_len: int, tile_n: int, num_sms: int = H200_SMS) -> int:
     """Splits of the context for a decode batch: about eight programs per SM (measured best on the H200 for
     B = 1..8 at 1k..8k context), at least two tiles per split of the longest context. A power of two. Only
     speed depends on it: the ranges are computed in the kernel, so a graph captured with one max_seq_len
@@ -339,8 +331,7 @@ def paged_attention(
     block_q = min(block_q, triton.next_power_of_2(max(max_query_len, 1)))
     block_m = max(16, triton.next_power_of_2(block_q * G))
     if num_splits is None:
-        sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()) \
-            if q.is_cuda else _NUM_SMS_H200
+        sms = sm_count(q)
         num_splits = _decode_splits(B, KVH, max_seq_len, tile_n, sms) if decode else 1
     if num_splits & (num_splits - 1):
         raise ValueError(f"paged_attention: num_splits must be a power of two, got {num_splits}")

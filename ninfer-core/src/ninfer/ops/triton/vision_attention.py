@@ -12,21 +12,15 @@ on load and store.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from ninfer.ops.triton._device import sm_count
 from ninfer.ops.triton._pdl import pdl_args
 from ninfer.ops.triton._pdl_jit import pdl_prologue
 
 _LOG2E = 1.4426950408889634
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 @triton.jit
@@ -138,8 +132,7 @@ def vision_attention(q, k, v, seqs, scale: float | None = None, *, out=None, blo
         return out
     B, longest = len(seqs.lengths), seqs.max_length
     if block_m is None:
-        sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()) \
-            if q.is_cuda else 132
+        sms = sm_count(q)
         block_m = default_block_m(triton.cdiv(longest, 128) * B * H, sms)
     if num_warps is None:
         num_warps = 8 if block_m >= 128 else 4
