@@ -8,11 +8,13 @@ with ``benchmarks/moe.py``.
 
 A step is timed as ``benchmarks/decode_step.py`` times it (``reserve_units``, ``decode`` as a CUDA graph replay,
 ``commit``, the device synchronised around it), and with ``--engine`` also through ``ninfer.Engine`` (pipelined
-decode: the mean inter-token gap). Variants start another Program over the same weights (``pdl=on``, ``pdl=off``,
-``ops_off=OPS`` for ``NINFER_OPS_OFF``); ``--rounds`` repeats the list in order (A, B, A, B) because one start of a
-Program can differ from the next by more than a small change does.
+decode: the mean inter-token gap of the steady part). Variants start another Program over the same weights with
+PDL forced, kernels left to their parts, or other tiles (``parse_variant``), so a tile sweep at full depth is one
+call; ``--rounds`` repeats the list in order (A, B, A, B): the Program step varies by several % between starts,
+the engine's figure by about 0.1 %.
 
     python -m benchmarks.moe_full_depth --variants auto pdl=on --rounds 2 --engine --json out.json   # the H200
+    python -m benchmarks.moe_full_depth --variants auto "moe_tiles=1:16,32,128,4,4+gdn_block_v=32" --engine
     python -m benchmarks.moe_full_depth --shape tiny --device cpu --steps 2 --context 8              # smoke run
 """
 
@@ -35,19 +37,50 @@ clock = time.perf_counter
 
 
 def parse_variant(spec: str) -> dict:
-    """``auto`` (the model's own PDL choice), ``pdl=on|off``, ``ops_off=OPS`` (``NINFER_OPS_OFF``), or one of the
-    PDL experiments' knobs (``_pdl.PREFETCH_TILES``: ``prefetch_tiles=N``) -> {"pdl", "ops_off", "knobs"}."""
-    out: dict = {"pdl": None, "ops_off": None, "knobs": {}}
+    """A variant: ``auto`` (the model's own PDL choice) or knobs joined by ``+``: ``pdl=on|off``, ``ops_off=OPS``
+    (``NINFER_OPS_OFF``), ``prefetch_tiles=N`` (``_pdl.PREFETCH_TILES``), ``moe_tiles=LIMIT:BM,BN,BK,WARPS,STAGES``
+    (the MoE kernels' row for calls up to LIMIT tokens), ``linear_tiles=NxK:BN,BK,SPLIT`` (the few-row linear for
+    an [N, K] weight), ``gdn_block_v=V`` -> {"pdl", "ops_off", "knobs", "tiles"}."""
+    out: dict = {"pdl": None, "ops_off": None, "knobs": {}, "tiles": {}}
     if spec == "auto":
         return out
-    key, _, value = spec.partition("=")
+    for part in spec.split("+"):
+        key, _, value = part.partition("=")
+        try:
+            _knob(out, key, value)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"variant {spec!r}: {part!r}: expected auto or +-joined pdl=on|off, ops_off=OPS, "
+                             f"prefetch_tiles=N, moe_tiles=LIMIT:BM,BN,BK,WARPS,STAGES, linear_tiles=NxK:BN,BK,SPLIT "
+                             f"or gdn_block_v=V ({exc})") from None
+    return out
+
+
+def _knob(out: dict, key: str, value: str) -> None:
+    from ninfer.ops.triton.moe import MoeConfig
+
+    def ints(text: str, n: int) -> tuple[int, ...]:
+        vals = tuple(int(v) for v in text.split(","))
+        if len(vals) != n or min(vals) < 1:
+            raise ValueError(f"{n} positive whole numbers")
+        return vals
+
     if key == "pdl" and value in ("on", "off"):
-        return {**out, "pdl": value == "on"}
-    if key == "ops_off" and value:
-        return {**out, "ops_off": value}
-    if key == "prefetch_tiles" and value.isdigit():
-        return {**out, "knobs": {"PREFETCH_TILES": int(value)}}
-    raise ValueError(f"variant {spec!r}: expected auto, pdl=on|off, ops_off=OPS or prefetch_tiles=N")
+        out["pdl"] = value == "on"
+    elif key == "ops_off" and value:
+        out["ops_off"] = value
+    elif key == "prefetch_tiles" and value.isdigit():
+        out["knobs"]["PREFETCH_TILES"] = int(value)
+    elif key == "moe_tiles":
+        limit, cfg = value.split(":")
+        out["tiles"].setdefault("moe", {})[int(limit)] = MoeConfig(*ints(cfg, 5))
+    elif key == "linear_tiles":
+        shape, cfg = value.split(":")
+        n, k = (int(v) for v in shape.split("x"))
+        out["tiles"].setdefault("linear", {})[(n, k)] = ints(cfg, 3)
+    elif key == "gdn_block_v":
+        out["tiles"]["gdn_block_v"] = ints(value, 1)[0]
+    else:
+        raise ValueError("unknown knob")
 
 
 @contextlib.contextmanager
@@ -84,16 +117,17 @@ def time_variant(params, cfg: dict, args, device: str, variant: dict, profile: b
     import torch
 
     from benchmarks.decode_step import build_program, measure, measure_engine
-    from benchmarks.moe_variants import ops_off
+    from benchmarks.moe_variants import ops_off, tiles
 
     pdl = auto_pdl(cfg, device) if variant["pdl"] is None else variant["pdl"]
     scope = ops_off(variant["ops_off"]) if variant["ops_off"] else contextlib.nullcontext()
-    with scope, pdl_knobs(variant["knobs"]):
+    with scope, pdl_knobs(variant["knobs"]), tiles(**variant["tiles"]):
         t = clock()
         config, program = build_program(cfg, device, max_batch=max(args.batches), context=args.context,
                                         steps=args.steps + 8, graphs=device.startswith("cuda"),
                                         dtype=params[1].embed.dtype, params=params, pdl=pdl)
-        res: dict = {"pdl": pdl, "ops_off": variant["ops_off"], "knobs": variant["knobs"], "start_s": clock() - t,
+        res: dict = {"pdl": pdl, "ops_off": variant["ops_off"], "knobs": variant["knobs"],
+                     "tiles": {k: str(v) for k, v in variant["tiles"].items()}, "start_s": clock() - t,
                      "graphs": program.graphs is not None, "rows": []}
         try:
             for B in args.batches:
@@ -181,8 +215,9 @@ def parse_args(argv=None):
     p.add_argument("--context", type=int, default=256, help="prompt tokens per row before the decode steps")
     p.add_argument("--steps", type=int, default=64, help="decode steps timed per run")
     p.add_argument("--variants", nargs="+", default=["auto"], metavar="VARIANT",
-                   help="auto, pdl=on|off, ops_off=OPS (NINFER_OPS_OFF), prefetch_tiles=N (the few-row linear's "
-                        "L2 hints under PDL, ninfer.ops.triton._pdl.PREFETCH_TILES); the first is the reported one")
+                   help="auto, or +-joined knobs: pdl=on|off, ops_off=OPS (NINFER_OPS_OFF), prefetch_tiles=N (the "
+                        "few-row linear's L2 hints under PDL), moe_tiles=LIMIT:BM,BN,BK,WARPS,STAGES, "
+                        "linear_tiles=NxK:BN,BK,SPLIT, gdn_block_v=V; the first is the reported one")
     p.add_argument("--rounds", type=int, default=1, help="times the variant list runs, in order")
     p.add_argument("--engine", action="store_true", help="also time each B through ninfer.Engine (pipelined)")
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",

@@ -1,5 +1,6 @@
-"""What ``benchmarks/moe.py`` re-times beside its main runs: an all-device instance built with some Triton kernels
-left to their parts (``NINFER_OPS_OFF``), and host-experts decode with other upload limits and CPU teams.
+"""What ``benchmarks/moe.py`` and ``benchmarks/moe_full_depth.py`` re-time beside their main runs: an all-device
+instance built with some Triton kernels left to their parts (``NINFER_OPS_OFF``) or with other kernel tiles, and
+host-experts decode with other upload limits and CPU teams.
 """
 
 from __future__ import annotations
@@ -22,6 +23,35 @@ def ops_off(ops: str):
             del os.environ["NINFER_OPS_OFF"]
         else:
             os.environ["NINFER_OPS_OFF"] = before
+
+
+@contextlib.contextmanager
+def tiles(moe: dict | None = None, linear: dict | None = None, gdn_block_v: int | None = None):
+    """Kernel tiles other than the defaults inside the block (a Program started there captures its graphs with
+    them), restored on exit: ``moe`` {token limit of a ``_BY_TOKENS`` row: MoeConfig}, ``linear`` {(N, K):
+    (block_n, block_k, split_k)} for the few-row linear, ``gdn_block_v`` for the GDN decode steps."""
+    from ninfer.ops.triton import gdn as t_gdn
+    from ninfer.ops.triton import linear as t_linear
+    from ninfer.ops.triton import moe as t_moe
+
+    rows, measured, block_v = t_moe._BY_TOKENS, dict(t_linear._MEASURED), t_gdn._default_block_v
+    limits = {limit for limit, _ in rows}
+    if moe and not set(moe) <= limits:
+        raise ValueError(f"moe tiles: token limits {sorted(set(moe) - limits)} are not rows of {sorted(limits)}")
+    try:
+        if moe:
+            t_moe._BY_TOKENS = tuple((limit, moe.get(limit, cfg)) for limit, cfg in rows)
+        if linear:
+            t_linear._MEASURED.update(linear)
+            t_linear.default_config.cache_clear()
+        if gdn_block_v:
+            t_gdn._default_block_v = lambda *_: gdn_block_v
+        yield
+    finally:
+        t_moe._BY_TOKENS, t_gdn._default_block_v = rows, block_v
+        t_linear._MEASURED.clear()
+        t_linear._MEASURED.update(measured)
+        t_linear.default_config.cache_clear()
 
 
 class CallerTeam:

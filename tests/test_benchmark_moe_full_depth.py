@@ -13,6 +13,8 @@ import pytest
 
 pytest.importorskip("ninfer_qwen35")
 
+import torch  # noqa: E402
+
 from benchmarks import moe_full_depth  # noqa: E402
 from benchmarks import moe_weights as mw  # noqa: E402
 
@@ -55,7 +57,7 @@ def test_full_depth_run_times_every_variant_and_round_against_the_floor(tmp_path
 def test_variants_parse_into_pdl_ops_and_knobs():
     from ninfer.ops.triton import _pdl
 
-    assert moe_full_depth.parse_variant("pdl=off") == {"pdl": False, "ops_off": None, "knobs": {}}
+    assert moe_full_depth.parse_variant("pdl=off") == {"pdl": False, "ops_off": None, "knobs": {}, "tiles": {}}
     knobs = moe_full_depth.parse_variant("prefetch_tiles=0")["knobs"]
     assert knobs == {"PREFETCH_TILES": 0}
     before = _pdl.PREFETCH_TILES
@@ -64,7 +66,28 @@ def test_variants_parse_into_pdl_ops_and_knobs():
     assert _pdl.PREFETCH_TILES == before
 
 
-@pytest.mark.parametrize("spec", ["pdl=maybe", "ops_off=", "fast", "prefetch_tiles=many"])
+def test_tile_variants_patch_the_kernels_defaults_and_restore_them():
+    from benchmarks.moe_variants import tiles
+    from ninfer.ops.triton import gdn as t_gdn
+    from ninfer.ops.triton import linear as t_linear
+    from ninfer.ops.triton import moe as t_moe
+
+    v = moe_full_depth.parse_variant("moe_tiles=1:16,32,128,4,4+linear_tiles=2048x4096:64,128,2+gdn_block_v=32")
+    assert v["pdl"] is None and set(v["tiles"]) == {"moe", "linear", "gdn_block_v"}
+    rows, before = t_moe._BY_TOKENS, t_linear.default_config(2048, 4096)
+    with tiles(**v["tiles"]):
+        assert t_moe.default_config(1, torch.bfloat16) == t_moe.MoeConfig(16, 32, 128, 4, 4)
+        assert t_moe.default_config(8, torch.bfloat16) == dict(rows)[16]  # the other rows stay
+        assert t_linear.default_config(2048, 4096)[:3] == (64, 128, 2)
+        assert t_gdn._default_block_v(1, 32, 128) == 32
+    assert t_moe._BY_TOKENS is rows and t_linear.default_config(2048, 4096) == before
+    assert t_gdn._default_block_v(1, 32, 128) == 16
+    with pytest.raises(ValueError, match="token limits"), tiles(moe={3: t_moe.MoeConfig(16, 32, 64, 4, 4)}):
+        pass
+
+
+@pytest.mark.parametrize("spec", ["pdl=maybe", "ops_off=", "fast", "prefetch_tiles=many", "moe_tiles=1:16,32",
+                                  "linear_tiles=2048:32,128,4", "gdn_block_v=0", "pdl=on+nothing=1"])
 def test_bad_variants_are_refused(spec, capsys):
     assert moe_full_depth.main(["--shape", "tiny", "--device", "cpu", "--variants", spec]) == 2
     assert "variant" in capsys.readouterr().err
