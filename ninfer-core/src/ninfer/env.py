@@ -105,7 +105,7 @@ REGISTRY: tuple[EnvVar, ...] = (
                    "fused kernel with what it replaces"),
     EnvVar(name="NINFER_PDL", kind="flag", default=None, parse=_flag,
            meaning="programmatic dependent launch on or off for every Program (unset: each model's startup "
-                   "chooses by its layer size)"),
+                   "chooses by the weight bytes a decode step reads per layer)"),
     EnvVar(name="NINFER_VRAM_BUDGET_MIB", kind="MiB", default=None, parse=_mib,
            meaning="device bytes the engine may use (weights, StateImages, KV, workspace, CUDA graphs: "
                    "docs/memory.md); the free memory is the other bound"),
