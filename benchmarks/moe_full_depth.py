@@ -99,16 +99,20 @@ def pdl_knobs(knobs: dict):
             setattr(_pdl, k, v)
 
 
-def auto_pdl(cfg: dict, device: str) -> bool:
-    """What a start chooses for this model: ``device_plan`` asks ``prefers_pdl`` with the weight bytes a one-row
-    step reads per layer (``WeightPlacement.step_bytes``: all but the banks, and k experts per layer)."""
+def auto_pdl(params, device: str) -> bool:
+    """What a start chooses for these weights: ``device_plan`` asks ``prefers_pdl`` with the all-device
+    placement's decode reads per layer, here from the Qwen3.5 startup's own placements of ``params``."""
     if not device.startswith("cuda"):
         return False
+    from ninfer.core.device_plan import resident_bytes
     from ninfer.ops.triton._pdl import prefers_pdl
+    from ninfer_qwen35.startup import _placements
 
-    w, layers = mw.weight_bytes(cfg), cfg["num_hidden_layers"]
-    step = w["total"] - w["banks"] + layers * cfg["num_experts_per_tok"] * w["expert"]
-    return prefers_pdl(step / layers)
+    config, weights = params
+    banks = weights.expert_banks()
+    top_k = config.moe.num_experts_per_tok if config.moe is not None else 0
+    everything = _placements(resident_bytes(weights.tensors()), resident_bytes(banks), banks, top_k)[0]
+    return prefers_pdl(everything.step_read_bytes / config.num_hidden_layers)
 
 
 def time_variant(params, cfg: dict, args, device: str, variant: dict, profile: bool = False) -> dict:
@@ -119,7 +123,7 @@ def time_variant(params, cfg: dict, args, device: str, variant: dict, profile: b
     from benchmarks.decode_step import build_program, measure, measure_engine
     from benchmarks.moe_variants import ops_off, tiles
 
-    pdl = auto_pdl(cfg, device) if variant["pdl"] is None else variant["pdl"]
+    pdl = auto_pdl(params, device) if variant["pdl"] is None else variant["pdl"]
     scope = ops_off(variant["ops_off"]) if variant["ops_off"] else contextlib.nullcontext()
     with scope, pdl_knobs(variant["knobs"]), tiles(**variant["tiles"]):
         t = clock()

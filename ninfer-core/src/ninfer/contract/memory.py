@@ -35,6 +35,11 @@ class WeightPlacement:
     experts: int = attrs.field(default=0, validator=_bytes)
     step_bytes: int = attrs.field(default=0, validator=_bytes)
 
+    @property
+    def step_read_bytes(self) -> int:
+        """The weight bytes a one-row decode step reads: ``step_bytes``, or all of ``device_bytes`` when 0."""
+        return self.step_bytes or self.device_bytes
+
 
 @attrs.frozen(kw_only=True)
 class ModelProfile:

@@ -222,7 +222,7 @@ def plan_memory(profile: ModelProfile, options: StartupOptions, room: DeviceRoom
                       staging_bytes=cand.staging_bytes, expert_cache_slots=int(cache_slots),
                       kv_pages=int(pages), kv_automatic=options.num_pages is None,
                       max_model_len=min(limit, int(pages) * profile.page_size), host=host,
-                      pdl=_pdl(options, room.is_cuda, (cand.step_bytes or cand.device_bytes) / profile.layers))
+                      pdl=_pdl(options, room.is_cuda, cand.step_read_bytes / profile.layers))
 
 
 def _candidates(profile: ModelProfile, options: StartupOptions) -> tuple[WeightPlacement, ...]:
