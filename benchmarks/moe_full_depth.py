@@ -83,22 +83,6 @@ def _knob(out: dict, key: str, value: str) -> None:
         raise ValueError("unknown knob")
 
 
-@contextlib.contextmanager
-def pdl_knobs(knobs: dict):
-    """``ninfer.ops.triton._pdl``'s experiment constants set inside the block (a Program built there captures its
-    graphs with them), restored on exit."""
-    from ninfer.ops.triton import _pdl
-
-    before = {k: getattr(_pdl, k) for k in knobs}
-    for k, v in knobs.items():
-        setattr(_pdl, k, v)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            setattr(_pdl, k, v)
-
-
 def auto_pdl(params, device: str) -> bool:
     """What a start chooses for these weights: ``device_plan`` asks ``prefers_pdl`` with the all-device
     placement's decode reads per layer, here from the Qwen3.5 startup's own placements of ``params``."""
@@ -121,7 +105,7 @@ def time_variant(params, cfg: dict, args, device: str, variant: dict, profile: b
     import torch
 
     from benchmarks.decode_step import build_program, measure, measure_engine
-    from benchmarks.moe_variants import ops_off, tiles
+    from benchmarks.moe_variants import ops_off, pdl_knobs, tiles
 
     pdl = auto_pdl(params, device) if variant["pdl"] is None else variant["pdl"]
     scope = ops_off(variant["ops_off"]) if variant["ops_off"] else contextlib.nullcontext()

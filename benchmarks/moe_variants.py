@@ -1,6 +1,6 @@
 """What ``benchmarks/moe.py`` and ``benchmarks/moe_full_depth.py`` re-time beside their main runs: an all-device
-instance built with some Triton kernels left to their parts (``NINFER_OPS_OFF``) or with other kernel tiles, and
-host-experts decode with other upload limits and CPU teams.
+instance built with some Triton kernels left to their parts (``NINFER_OPS_OFF``), with other PDL experiment
+constants or other kernel tiles, and host-experts decode with other upload limits and CPU teams.
 """
 
 from __future__ import annotations
@@ -23,6 +23,22 @@ def ops_off(ops: str):
             del os.environ["NINFER_OPS_OFF"]
         else:
             os.environ["NINFER_OPS_OFF"] = before
+
+
+@contextlib.contextmanager
+def pdl_knobs(knobs: dict):
+    """``ninfer.ops.triton._pdl``'s experiment constants set inside the block (a Program built there captures its
+    graphs with them), restored on exit."""
+    from ninfer.ops.triton import _pdl
+
+    before = {k: getattr(_pdl, k) for k in knobs}
+    for k, v in knobs.items():
+        setattr(_pdl, k, v)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            setattr(_pdl, k, v)
 
 
 @contextlib.contextmanager

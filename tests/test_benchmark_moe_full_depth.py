@@ -73,13 +73,14 @@ def test_auto_pdl_is_what_the_startup_would_choose(monkeypatch):
 
 
 def test_variants_parse_into_pdl_ops_and_knobs():
+    from benchmarks.moe_variants import pdl_knobs
     from ninfer.ops.triton import _pdl
 
     assert moe_full_depth.parse_variant("pdl=off") == {"pdl": False, "ops_off": None, "knobs": {}, "tiles": {}}
     knobs = moe_full_depth.parse_variant("prefetch_tiles=0")["knobs"]
     assert knobs == {"PREFETCH_TILES": 0}
     before = _pdl.PREFETCH_TILES
-    with moe_full_depth.pdl_knobs(knobs):
+    with pdl_knobs(knobs):
         assert _pdl.PREFETCH_TILES == 0
     assert _pdl.PREFETCH_TILES == before
 
