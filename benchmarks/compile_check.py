@@ -84,6 +84,7 @@ def _calls(gen: torch.Generator) -> list[tuple[str, callable]]:
         ("rms_norm heads", lambda: norm.rms_norm(q_gate[..., :64], randn(64), 1e-6)),
         ("rms_norm_gated heads", lambda: norm.rms_norm_gated(randn(3, 4, 64), q_gate[..., 64:], randn(64), 1e-6)),
         ("add_rms_norm", lambda: norm.add_rms_norm(x, randn(3, 256), randn(256), 1e-6)),
+        ("add_rms_norm terms", lambda: norm.add_rms_norm(randn(3, 9, 256), randn(3, 256), randn(256), 1e-6)),
         ("silu_and_mul", lambda: activation.silu_and_mul(randn(3, 256))),
         ("apply_rope", lambda: rope.apply_rope(randn(3, 4, 64), cos, sin, 16)),
         ("write_kv", lambda: attention.write_kv(randn(3, kvh, D), randn(3, kvh, D), kc, vc, torch.tensor([1, 5, 9]))),
@@ -117,6 +118,8 @@ def _calls(gen: torch.Generator) -> list[tuple[str, callable]]:
         ("moe align", lambda: moe_align_kernel.align_small(ids, E, 16)),
         ("moe_experts", lambda: moe.moe_experts(xm, *banks, ids, randn(3, 2))),
         ("moe_block folded", lambda: moe.moe_block(xm, logits[:, :E], logits[:, E:], *banks, *shared, 2)),
+        ("moe_block one token", lambda: moe.moe_block(xm[:1], logits[:1, :E], logits[:1, E:], *banks, *shared, 2,
+                                                      summed=False)),
     ]
 
 

@@ -216,9 +216,9 @@ def recorded_routing():
         calls.append(ids.to("cpu"))
         return weights, ids
 
-    def recording_block(x, logits, *rest):
+    def recording_block(x, logits, *rest, **options):
         calls.append(route(logits, rest[-1])[1].to("cpu"))
-        return block(x, logits, *rest)
+        return block(x, logits, *rest, **options)
 
     layers.moe_route, layers.moe_block = recording_route, recording_block
     try:

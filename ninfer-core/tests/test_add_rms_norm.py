@@ -49,6 +49,44 @@ def test_op_rejects_mismatched_inputs():
         add_rms_norm(x, x, torch.zeros(6), 1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_terms_are_added_in_order_then_rounded(dtype):
+    """x as [N, S, D] terms (a MoE block's slot rows): their in-order fp32 sum, rounded once, joins the stream."""
+    from ninfer.ops.norm import sum_terms
+
+    terms, res, w = _randn(4, 9, 32, seed=8, dtype=dtype), _randn(4, 32, seed=9, dtype=dtype), _randn(32, seed=10)
+    want = terms[:, 0].float()
+    for t in range(1, 9):
+        want = want + terms[:, t].float()
+    assert torch.equal(sum_terms(terms), want.to(dtype))
+    normed, new_res = add_rms_norm(terms, res, w, 1e-6)
+    want_normed, want_res = add_rms_norm(want.to(dtype), res, w, 1e-6)
+    assert torch.equal(new_res, want_res) and torch.equal(normed, want_normed)
+    ref_normed, ref_res = add_rms_norm_ref(terms, res, w, 1e-6)
+    assert torch.equal(ref_normed, normed) and torch.equal(ref_res, new_res)
+    with pytest.raises(ValueError, match="terms of it"):
+        add_rms_norm(terms[:3], res, w, 1e-6)
+
+
+@needs_triton
+@interpreter_warning
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_kernel_adds_terms_as_the_reference(dtype):
+    """The kernel's terms (S = 1, 2, 9; rows strided as a [N, S, D] view of a wider buffer) give bitwise what
+    it gives for their sum; one term is the plain call."""
+    from ninfer.ops.norm import sum_terms
+    from ninfer.ops.triton.norm import add_rms_norm as t_add_rms_norm
+
+    res, w = _randn(5, 48, seed=11, dtype=dtype), _randn(48, seed=12, dtype=dtype) * 0.1
+    for n_terms in (1, 2, 9):
+        terms = _randn(5, n_terms, 64, seed=13 + n_terms, dtype=dtype)[..., 8:56]
+        normed, new_res = t_add_rms_norm(terms, res, w, 1e-6)
+        want_normed, want_res = t_add_rms_norm(sum_terms(terms), res, w, 1e-6)
+        assert torch.equal(new_res, want_res) and torch.equal(normed, want_normed)
+        ref_normed, ref_res = add_rms_norm_ref(terms, res, w, 1e-6)
+        assert torch.equal(new_res, ref_res)
+
+
 @needs_triton
 @interpreter_warning
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])

@@ -1,7 +1,8 @@
 """The whole sparse MoE block on the GPU (``ninfer.ops.triton.moe.moe_block``) against its parts in fp32: the
 Qwen3.5-35B-A3B bank (E=256, top-8, H=2048, I=512, a shared expert of 512) from the strided logits of the fused
 router projection. Decode-sized calls take the folded path (one routing-and-grouping program, the shared expert
-as expert E of the grouped kernels, a sum over k + 1 slots: four launches); larger calls and shared experts of
+as expert E of the grouped kernels, a sum over k + 1 slots: four launches; one token routes inside gate_up: three,
+two when the caller sums the slot rows); larger calls and shared experts of
 another width take the composed one. bf16 rounds where the unfused ops round except the last sum (fp32 over all
 k + 1 slots, where the parts round the routed sum first), so the tolerance is that of two chained bf16 GEMMs.
 """
@@ -82,26 +83,45 @@ def test_no_host_sync(case):
     case.no_host_sync(lambda: moe_block(*args))
 
 
-def test_decode_call_is_four_launches(case):
-    """One decode token: the routing-and-grouping program, both grouped kernels and the slot sum; no separate
-    shared-expert linears."""
+@pytest.mark.parametrize("tokens,summed,launches", [(2, True, 4), (1, True, 3), (1, False, 2)],
+                         ids=("N2", "N1", "N1-unsummed"))
+def test_decode_call_launches(case, tokens, summed, launches):
+    """A decode call: the routing-and-grouping program, both grouped kernels and the slot sum; one token routes
+    inside gate_up (no routing program); unsummed, the slot sum is the caller's. Never a shared-expert linear."""
     from torch.profiler import ProfilerActivity, profile
 
     from ninfer.ops.triton.moe import moe_block
 
-    args = block(case, *A3B, 1, torch.bfloat16)
-    moe_block(*args)  # compiled outside the profile
+    args = block(case, *A3B, tokens, torch.bfloat16)
+    moe_block(*args, summed=summed)  # compiled outside the profile
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        moe_block(*args)
+        moe_block(*args, summed=summed)
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
-    assert len(kernels) == 4 and any("_route_align_kernel" in name for name in kernels), kernels
+    assert len(kernels) == launches, kernels
+    assert any("_route_align_kernel" in name for name in kernels) == (tokens > 1), kernels
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_one_token_path_equals_the_grouped_one(case, dtype):
+    """At the A3B bank: gate_up's own routing picks route_align's experts, and every weighted slot row matches
+    the grouped path's (bitwise where both routings round the weights alike)."""
+    from ninfer.ops.triton import moe as t_moe
+    from ninfer.ops.triton.moe_route_align import route_align
+
+    for _ in range(3):
+        x, logits, gate, gate_up, down, s_gate_up, s_down, top_k = block(case, *A3B, 1, dtype)
+        rows = t_moe.moe_block(x, logits, gate, gate_up, down, s_gate_up, s_down, top_k, summed=False)[0]
+        cfg = t_moe.default_config(1, dtype)
+        weights, ids, blocks = route_align(logits, top_k, cfg.block_m, gate)
+        grouped = t_moe._grouped(x, gate_up, down, blocks, top_k + 1, weights.reshape(-1), cfg, (s_gate_up, s_down))
+        case.within(rows, grouped.float(), TOL[dtype], "one-token slot rows")
 
 
 @pytest.mark.parametrize("pdl", (False, True), ids=("plain", "pdl"))
-@pytest.mark.parametrize("tokens", (1, 8), ids=lambda n: f"N{n}")
-def test_cuda_graph_replays_as_eager(case, tokens, pdl):
+@pytest.mark.parametrize("tokens,summed", [(1, True), (1, False), (8, True)], ids=("N1", "N1-unsummed", "N8"))
+def test_cuda_graph_replays_as_eager(case, tokens, summed, pdl):
     """The block captured at a fixed token count replays new activations and new router logits exactly as
     eager runs them: nothing of the routing is baked into the graph."""
     from ninfer.ops.triton import _pdl
@@ -110,11 +130,11 @@ def test_cuda_graph_replays_as_eager(case, tokens, pdl):
     static = block(case, *A3B, tokens, torch.bfloat16)
     x, logits, gate = static[:3]
     with _pdl.scope(pdl):
-        moe_block(*static)  # compile and warm outside the capture
+        moe_block(*static, summed=summed)  # compile and warm outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = moe_block(*static)
+            out = moe_block(*static, summed=summed)
     for _ in range(2):
         fresh = block(case, A3B[0], A3B[1], A3B[2], 16, tokens, torch.bfloat16)
         x.copy_(fresh[0])
@@ -123,7 +143,7 @@ def test_cuda_graph_replays_as_eager(case, tokens, pdl):
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, moe_block(*static))
+        assert torch.equal(out, moe_block(*static, summed=summed))
 
 
 def test_dispatch_reaches_the_kernel(case, monkeypatch):

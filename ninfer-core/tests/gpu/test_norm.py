@@ -72,3 +72,15 @@ def test_add_rms_norm_in_place_on_rows_of_a_wider_buffer(model, case, tokens):
     add_rms_norm(x, r, w, model.eps, out=out, residual_out=r)
     case.within((out, r), ref, TOL)
     assert torch.equal(image[[0, -1]], edges)
+
+
+def test_add_rms_norm_of_terms_is_that_of_their_sum(model, case, tokens):
+    """x as a MoE block's nine weighted slot rows [N, 9, H]: bitwise the call on their in-order sum."""
+    from ninfer.ops.norm import sum_terms
+    from ninfer.ops.triton.norm import add_rms_norm
+
+    H = model.hidden
+    terms, r, w = case.randn(tokens, 9, H), case.randn(tokens, H), case.randn(H, scale=0.1)
+    got = add_rms_norm(terms, r, w, model.eps)
+    want = add_rms_norm(sum_terms(terms), r, w, model.eps)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

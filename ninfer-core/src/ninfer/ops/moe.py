@@ -97,13 +97,17 @@ def moe_block_ref(x: torch.Tensor, logits: torch.Tensor, shared_gate: torch.Tens
 
 
 def moe_block(x: torch.Tensor, logits: torch.Tensor, shared_gate: torch.Tensor, gate_up: torch.Tensor,
-              down: torch.Tensor, shared_gate_up: torch.Tensor, shared_down: torch.Tensor, top_k: int
-              ) -> torch.Tensor:
+              down: torch.Tensor, shared_gate_up: torch.Tensor, shared_down: torch.Tensor, top_k: int, *,
+              summed: bool = True) -> torch.Tensor:
     """The sparse MoE block of x [N, H]: router ``logits`` [N, E] and the shared expert's gate logit
     ``shared_gate`` [N, 1] (both may be views of one fused projection), the routed banks ``gate_up`` [E, 2I, H] /
     ``down`` [E, H, I], the shared SwiGLU expert ``shared_gate_up`` [2Is, H] / ``shared_down`` [H, Is] ->
     routed + sigmoid(shared_gate) * shared, [N, H] in x's dtype. On the GPU a decode-sized call runs the shared
-    expert as one more expert of the grouped kernels (``ninfer.ops.triton.moe.moe_block``)."""
+    expert as one more expert of the grouped kernels (``ninfer.ops.triton.moe.moe_block``).
+
+    ``summed=False``: [N, S, H] terms whose in-order fp32 sum, rounded, is that output (``add_rms_norm`` adds
+    them in its own pass, so the block's last launch goes): the k + 1 weighted slot rows of a folded GPU call,
+    else the output itself as one term."""
     N, H = x.shape
     if logits.dim() != 2 or logits.shape[0] != N or shared_gate.shape != (N, 1):
         raise ValueError(f"moe_block: logits must be [{N}, E] and shared_gate [{N}, 1], got {tuple(logits.shape)} "
@@ -118,5 +122,6 @@ def moe_block(x: torch.Tensor, logits: torch.Tensor, shared_gate: torch.Tensor, 
         raise ValueError(f"moe_block: top_k must be in 1..{logits.shape[1]}, got {top_k}")
     kernel = triton_kernel("moe", "moe_block", x)
     if kernel is not None:
-        return kernel(x, logits, shared_gate, gate_up, down, shared_gate_up, shared_down, top_k)
-    return moe_block_ref(x, logits, shared_gate, gate_up, down, shared_gate_up, shared_down, top_k)
+        return kernel(x, logits, shared_gate, gate_up, down, shared_gate_up, shared_down, top_k, summed=summed)
+    out = moe_block_ref(x, logits, shared_gate, gate_up, down, shared_gate_up, shared_down, top_k)
+    return out if summed else out[:, None]

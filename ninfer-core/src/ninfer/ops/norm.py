@@ -41,17 +41,29 @@ def rms_norm_gated(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
 
 def _check_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> None:
     # A mismatch would silently broadcast in `residual + x`; say what is wrong instead.
-    if x.shape != residual.shape or x.dtype != residual.dtype:
+    terms = x.dim() == residual.dim() + 1
+    if (x[..., 0, :] if terms else x).shape != residual.shape or x.dtype != residual.dtype:
         raise ValueError(f"add_rms_norm: x {tuple(x.shape)} {x.dtype} and residual {tuple(residual.shape)} "
-                         f"{residual.dtype} must have the same shape and dtype")
+                         f"{residual.dtype} must have the same shape and dtype (or x [..., S, D] terms of it)")
     if x.shape[-1:] != weight.shape:
         raise ValueError(f"add_rms_norm: last dimension {x.shape[-1]} does not match the weight's "
                          f"{tuple(weight.shape)}")
 
 
+def sum_terms(x: torch.Tensor) -> torch.Tensor:
+    """x [..., S, D] -> [..., D]: the S terms added in order in fp32, rounded once to x's dtype (what the MoE slot
+    sum and the fused norm's terms do; torch's own sum may add in another order)."""
+    acc = x[..., 0, :].float()
+    for t in range(1, x.shape[-2]):
+        acc = acc + x[..., t, :].float()
+    return acc.to(x.dtype)
+
+
 def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
                      one_plus: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     _check_add_rms_norm(x, residual, weight)
+    if x.dim() == residual.dim() + 1:
+        x = sum_terms(x)
     new_residual = residual + x  # rounded to the model dtype before the norm reads it, as the unfused model
     return rms_norm_ref(new_residual, weight, eps, one_plus=one_plus), new_residual
 
@@ -60,12 +72,16 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
                  one_plus: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual stream step of a decoder layer: (rms_norm(residual + x), residual + x).
 
-    The sum is rounded to the model dtype before it is normed. Without the fused kernel this is exactly
-    the unfused sequence (a torch add, then the dispatched ``rms_norm``).
+    The sum is rounded to the model dtype before it is normed. x may also be [..., S, D] terms of the
+    sublayer's output (a MoE block's slot rows, ``moe_block(summed=False)``): ``sum_terms`` of them is
+    added. Without the fused kernel this is exactly the unfused sequence (the terms' sum, a torch add, then
+    the dispatched ``rms_norm``).
     """
     kernel = triton_kernel("norm", "add_rms_norm", x)
     if kernel is not None:
         return kernel(x, residual, weight, eps, one_plus=one_plus)
     _check_add_rms_norm(x, residual, weight)
+    if x.dim() == residual.dim() + 1:
+        x = sum_terms(x)
     new_residual = residual + x
     return rms_norm(new_residual, weight, eps, one_plus=one_plus), new_residual

@@ -108,12 +108,14 @@ def attention_mixer(c: Qwen35Config, p: AttentionParams, x: torch.Tensor, batch:
 
 def mlp(p: MLPParams | MoEParams, x: torch.Tensor, experts: HostExperts | None = None) -> torch.Tensor:
     """The layer's feed-forward: the SwiGLU MLP, or the sparse MoE block (routed experts + the shared expert
-    scaled by sigmoid of its gate logit). ``experts``: the runtime of routed experts kept in host memory."""
+    scaled by sigmoid of its gate logit). ``experts``: the runtime of routed experts kept in host memory. The
+    all-device block may return its output as [N, S, H] terms, which the caller's ``add_rms_norm`` adds up."""
     if isinstance(p, MLPParams):
         return linear(swiglu(x, p.gate_up.weight), p.down)
     logits, shared_gate = p.router_shared_gate(x)
     if experts is None:
-        return moe_block(x, logits, shared_gate, p.gate_up, p.down, p.shared.gate_up.weight, p.shared.down, p.top_k)
+        return moe_block(x, logits, shared_gate, p.gate_up, p.down, p.shared.gate_up.weight, p.shared.down, p.top_k,
+                         summed=False)
     weights, ids = moe_route(logits, p.top_k)
     shared = linear(swiglu(x, p.shared.gate_up.weight), p.shared.down)
     return experts.routed(p.gate_up, x, ids, weights) + torch.sigmoid(shared_gate) * shared

@@ -16,7 +16,10 @@ in its last bits; here it is the same on every run, and independent of which oth
 ``moe_block`` runs the whole decode-sized MoE block this way with the shared expert as expert E of the grouped
 kernels (one slot more per token, its weight sigmoid(gate); ``_expert_offset`` points expert E at the shared
 matrices) after one program that routes and groups (``moe_route_align``): four launches, where the block's parts
-take seven (route, align, the shared expert's two linears, the three above).
+take seven (route, align, the shared expert's two linears, the three above). A one-token call (decode at B=1)
+needs no grouping, since a token's experts are distinct: every gate_up program routes the token itself and
+block j is slot j, so the routing program goes too. A caller that adds the slot rows itself (the next
+``add_rms_norm``, ``summed=False``) saves the slot sum's launch as well.
 
 Accumulation is fp32; fp32 inputs multiply in full fp32 (``input_precision="ieee"``, not TF32). Block sizes
 follow the token count (``default_config``): BLOCK_M stays 16 while each expert sees few rows and grows for
@@ -34,6 +37,7 @@ import triton.language as tl
 from ninfer.ops.triton._pdl import pdl_args
 from ninfer.ops.triton._pdl_jit import pdl_prologue
 from ninfer.ops.triton.moe_align import ExpertBlocks, align_by_expert
+from ninfer.ops.triton.moe_route_align import route_rows
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -74,31 +78,67 @@ def default_config(tokens: int, dtype: torch.dtype) -> MoeConfig:
 
 
 @triton.jit
-def _expert_offset(block_expert_ptr, s_we, bank_experts, shared_off, SHARED: tl.constexpr):
-    """Where a block's expert starts, in elements from the bank's base; with SHARED, expert ``bank_experts`` is
-    the shared expert, ``shared_off`` elements away (its weights keep the bank's row and column strides)."""
-    expert = tl.load(block_expert_ptr).to(tl.int64)
+def _expert_base(expert, s_we, bank_experts, shared_off, SHARED: tl.constexpr):
+    """Where ``expert``'s matrices start, in elements from the bank's base; with SHARED, expert ``bank_experts``
+    is the shared expert, ``shared_off`` elements away (its weights keep the bank's row and column strides)."""
+    expert = expert.to(tl.int64)
     if SHARED:
         return tl.where(expert == bank_experts, shared_off, expert * s_we)
     return expert * s_we
 
 
 @triton.jit
+def _expert_offset(block_expert_ptr, s_we, bank_experts, shared_off, SHARED: tl.constexpr):
+    """``_expert_base`` of the expert a block of the grouping holds."""
+    return _expert_base(tl.load(block_expert_ptr), s_we, bank_experts, shared_off, SHARED)
+
+
+@triton.jit
+def _route_one_token(logits_ptr, gate_ptr, route_ptr, pairs_ptr, experts_ptr, used_ptr, s_l, s_g, bank_experts,
+                     pid_m, pid_n, dtype: tl.constexpr, SLOTS: tl.constexpr, SHARED: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
+    """A one-token call's routing inside gate_up: block ``pid_m`` is slot ``pid_m`` (a token's experts are
+    distinct, so nothing needs grouping). Every program routes the token (``route_rows``, as the routing program
+    does); the column-0 programs also store their slot's expert, weight and one-pair block for the down kernel.
+    Returns (this block's expert, its pair numbers: the slot in row 0, the padding number SLOTS elsewhere)."""
+    top, ids = route_rows(logits_ptr, gate_ptr, 1, bank_experts, s_l, s_g, dtype, SLOTS - SHARED, SHARED, 2,
+                          BLOCK_E, BLOCK_S)
+    pick = (tl.arange(0, 2)[:, None] == 0) & (tl.arange(0, BLOCK_S)[None, :] == pid_m)
+    expert = tl.sum(tl.where(pick, ids, 0))
+    mm = tl.arange(0, BLOCK_M)
+    pair = tl.where(mm == 0, pid_m, SLOTS)
+    if pid_n == 0:
+        tl.store(experts_ptr + pid_m, expert)
+        tl.store(route_ptr + pid_m, tl.sum(tl.where(pick, top, 0.0)).to(dtype))
+        tl.store(pairs_ptr + pid_m * BLOCK_M + mm, pair)
+        if pid_m == 0:
+            tl.store(used_ptr, SLOTS * BLOCK_M)
+    return expert, pair
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, w_ptr, h_ptr, pairs_ptr, experts_ptr, used_ptr, numel, INTER, H,
-    s_xm, s_xk, s_we, s_wn, s_wk, s_hm, bank_experts, shared_off,
+    s_xm, s_xk, s_we, s_wn, s_wk, s_hm, logits_ptr, gate_ptr, route_ptr, s_l, s_g, bank_experts, shared_off,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, SHARED: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    ROUTE: tl.constexpr = False, BLOCK_E: tl.constexpr = 1, BLOCK_S: tl.constexpr = 1,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pdl_prologue(USE_PDL)
-    if pid_m * BLOCK_M >= tl.load(used_ptr):
-        return
-    pair = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    if ROUTE:  # one token, routed here from its logits; TOP_K counts its slots
+        chosen, pair = _route_one_token(logits_ptr, gate_ptr, route_ptr, pairs_ptr, experts_ptr, used_ptr, s_l,
+                                        s_g, bank_experts, pid_m, pid_n, h_ptr.dtype.element_ty, TOP_K, SHARED,
+                                        BLOCK_M, BLOCK_E, BLOCK_S)
+        expert = _expert_base(chosen, s_we, bank_experts, shared_off, SHARED)
+    else:
+        if pid_m * BLOCK_M >= tl.load(used_ptr):
+            return
+        pair = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        expert = _expert_offset(experts_ptr + pid_m, s_we, bank_experts, shared_off, SHARED)
     valid = pair < numel
     token = (pair // TOP_K).to(tl.int64)
-    expert = _expert_offset(experts_ptr + pid_m, s_we, bank_experts, shared_off, SHARED)
     nn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = nn < INTER
     kk = tl.arange(0, BLOCK_K)
@@ -206,12 +246,16 @@ def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids:
 
 
 def moe_block(x: torch.Tensor, logits: torch.Tensor, shared_gate: torch.Tensor, gate_up: torch.Tensor,
-              down: torch.Tensor, shared_gate_up: torch.Tensor, shared_down: torch.Tensor, top_k: int) -> torch.Tensor:
+              down: torch.Tensor, shared_gate_up: torch.Tensor, shared_down: torch.Tensor, top_k: int, *,
+              summed: bool = True) -> torch.Tensor:
     """The sparse MoE block (``ninfer.ops.moe.moe_block``, which checks the shapes). A decode-sized call (up to
     ``moe_route_align.MAX_TOKENS`` tokens, the shared expert shaped as one routed expert) is four launches: the
     routing, the shared expert as slot k of every token (expert E, weight sigmoid(gate)) and the grouping in one
-    (``moe_route_align``), then the grouped kernels and the slot sum over k + 1 slots. Other calls run the block
-    as its parts (``moe_block_ref``)."""
+    (``moe_route_align``), then the grouped kernels and the slot sum over k + 1 slots. A one-token call routes
+    inside gate_up (its k + 1 experts are distinct: nothing to group), three launches. With ``summed=False``
+    the slot sum is left to the caller (``ninfer.ops.add_rms_norm`` takes the rows as terms): the weighted slot
+    rows [N, k + 1, H] come back. Other calls run the block as its parts (``moe_block_ref``; [N, 1, H] when not
+    summed)."""
     from ninfer.ops.moe import moe_block_ref
     from ninfer.ops.triton import moe_route_align
 
@@ -220,23 +264,35 @@ def moe_block(x: torch.Tensor, logits: torch.Tensor, shared_gate: torch.Tensor, 
               and _as_expert(down, shared_down) and x.dtype == gate_up.dtype == down.dtype == logits.dtype
               and x.dtype in _DTYPES)
     if not folded:
-        return moe_block_ref(x, logits, shared_gate, gate_up, down, shared_gate_up, shared_down, top_k)
+        out = moe_block_ref(x, logits, shared_gate, gate_up, down, shared_gate_up, shared_down, top_k)
+        return out if summed else out[:, None]
     cfg = default_config(N, x.dtype)
-    weights, _, blocks = moe_route_align.route_align(logits, top_k, cfg.block_m, shared_gate)
-    per_pair = _grouped(x, gate_up, down, blocks, top_k + 1, weights.reshape(-1), cfg,
-                        shared=(shared_gate_up, shared_down))
+    slots, shared = top_k + 1, (shared_gate_up, shared_down)
+    if N == 1:
+        blocks = ExpertBlocks(torch.empty(slots * cfg.block_m, dtype=torch.int32, device=x.device),
+                              torch.empty(slots, dtype=torch.int32, device=x.device),
+                              torch.empty(1, dtype=torch.int32, device=x.device), cfg.block_m, slots)
+        route = torch.empty(slots, dtype=x.dtype, device=x.device)
+        per_pair = _grouped(x, gate_up, down, blocks, slots, route, cfg, shared, routing=(logits, shared_gate))
+    else:
+        weights, _, blocks = moe_route_align.route_align(logits, top_k, cfg.block_m, shared_gate)
+        per_pair = _grouped(x, gate_up, down, blocks, slots, weights.reshape(-1), cfg, shared)
+    if not summed:
+        return per_pair.view(N, slots, H)
     out = torch.empty((N, H), dtype=x.dtype, device=x.device)
-    _sum_slots(per_pair, out, top_k + 1, None, None)
+    _sum_slots(per_pair, out, slots, None, None)
     return out
 
 
 def _grouped(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, blocks: ExpertBlocks, slots: int,
-             route: torch.Tensor, cfg: MoeConfig, shared: tuple[torch.Tensor, torch.Tensor] | None = None
-             ) -> torch.Tensor:
-    """Both grouped GEMMs: the weighted output of every (token, slot) pair, [N·slots, H]."""
+             route: torch.Tensor, cfg: MoeConfig, shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+             routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Both grouped GEMMs: the weighted output of every (token, slot) pair, [N·slots, H]. With ``routing`` (the
+    one-token call's logits and shared-gate logit) gate_up routes and fills ``blocks`` and ``route`` itself."""
     hidden = torch.empty((blocks.numel, gate_up.shape[1] // 2), dtype=x.dtype, device=x.device)
     per_pair = torch.empty((blocks.numel, x.shape[1]), dtype=x.dtype, device=x.device)
-    gate_up_grouped(x, gate_up, blocks, slots, hidden, cfg, None if shared is None else shared[0])
+    gate_up_grouped(x, gate_up, blocks, slots, hidden, cfg, None if shared is None else shared[0],
+                    routing=None if routing is None else (*routing, route))
     down_grouped(hidden, down, blocks, route, per_pair, cfg, None if shared is None else shared[1])
     return per_pair
 
@@ -279,17 +335,28 @@ def _shared_args(bank: torch.Tensor, shared: torch.Tensor | None) -> dict:
 
 
 def gate_up_grouped(x: torch.Tensor, gate_up: torch.Tensor, blocks: ExpertBlocks, top_k: int, hidden: torch.Tensor,
-                    cfg: MoeConfig, shared: torch.Tensor | None = None) -> None:
+                    cfg: MoeConfig, shared: torch.Tensor | None = None,
+                    routing: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """hidden[p] = silu(x[p // k] Wg_e^T) * (x[p // k] Wu_e^T) for every pair p routed to expert e; with
-    ``shared`` [2I, H], expert E is that matrix."""
+    ``shared`` [2I, H], expert E is that matrix. ``routing`` (logits [1, E], shared-gate logit [1, 1], route
+    weights out [k]; x one token, ``shared`` given, ``top_k`` its slots): the kernel routes the token itself and
+    writes ``blocks`` (slot j in block j) and the weights for the down kernel."""
     H, inter = x.shape[1], hidden.shape[1]
     block_n = _tile(cfg.block_n // 2, inter)
+    route_args: dict = {}
+    logits = gate = route = x
+    if routing is not None:
+        logits, gate, route = routing
+        if logits.stride(1) != 1:
+            logits = logits.contiguous()
+        route_args = {"ROUTE": True, "BLOCK_E": triton.next_power_of_2(logits.shape[1]),
+                      "BLOCK_S": triton.next_power_of_2(top_k)}
     _gate_up_kernel[(blocks.max_blocks, triton.cdiv(inter, block_n))](
         x, gate_up, hidden, blocks.sorted_pairs, blocks.block_experts, blocks.used, blocks.numel, inter, H,
         x.stride(0), x.stride(1), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), hidden.stride(0),
-        TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=_tile(cfg.block_k, H),
-        PRECISION=_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **_shared_args(gate_up, shared), **pdl_args(x.device))
+        logits, gate, route, logits.stride(0), gate.stride(0), TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=block_n,
+        BLOCK_K=_tile(cfg.block_k, H), PRECISION=_precision(x.dtype), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **_shared_args(gate_up, shared), **route_args, **pdl_args(x.device))
 
 
 def down_grouped(hidden: torch.Tensor, down: torch.Tensor, blocks: ExpertBlocks, route: torch.Tensor,

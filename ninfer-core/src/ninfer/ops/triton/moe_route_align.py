@@ -33,18 +33,16 @@ MAX_EXPERTS = 1024
 
 
 @triton.jit
-def _route_align_kernel(
-    logits_ptr, gate_ptr, w_ptr, ids_ptr, pairs_ptr, experts_ptr, used_ptr, N, E, s_l, s_g, cap, max_blocks,
-    TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK: tl.constexpr, FILL: tl.constexpr, BLOCK_M: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
-):
-    SLOTS: tl.constexpr = TOP_K + SHARED
+def route_rows(logits_ptr, gate_ptr, N, E, s_l, s_g, dtype: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr,
+               BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
+    """The routing of N tokens as [BLOCK_T, BLOCK_S] tiles (weights fp32, already rounded to ``dtype`` where the
+    unfused block rounds; expert ids int32): each row's top-k of the fp32 softmax (the lowest expert number first
+    among equal ones), renormalised, and with SHARED the shared expert E as slot k. Padding rows repeat the last
+    token. The MoE block's single-token gate_up kernel routes with it too, so both give the same experts."""
     tt = tl.arange(0, BLOCK_T)
     ee = tl.arange(0, BLOCK_E)
     ss = tl.arange(0, BLOCK_S)
-    rows = tl.minimum(tt, N - 1).to(tl.int64)  # padding rows repeat the last token and are never stored
-    pdl_prologue(USE_PDL)
+    rows = tl.minimum(tt, N - 1).to(tl.int64)
     z = tl.load(logits_ptr + rows[:, None] * s_l + ee[None, :], mask=(ee < E)[None, :], other=-float("inf"))
     z = z.to(tl.float32)
     p = tl.exp(z - tl.max(z, 1)[:, None])
@@ -59,12 +57,27 @@ def _route_align_kernel(
         ids = tl.where(ss[None, :] == j, pick[:, None], ids)
         p = tl.where(ee[None, :] == pick[:, None], -1.0, p)
     top = top / tl.sum(tl.where(ss[None, :] < TOP_K, top, 0.0), 1)[:, None]
-    dtype = w_ptr.dtype.element_ty
     if SHARED:  # slot k: the shared expert, behind sigmoid(gate) in the activations' dtype
         g = tl.load(gate_ptr + rows * s_g).to(tl.float32)
         scale = tl.sigmoid(g).to(dtype).to(tl.float32)
         top = tl.where(ss[None, :] == TOP_K, scale[:, None], top)
         ids = tl.where(ss[None, :] == TOP_K, E, ids)
+    return top.to(dtype).to(tl.float32), ids
+
+
+@triton.jit
+def _route_align_kernel(
+    logits_ptr, gate_ptr, w_ptr, ids_ptr, pairs_ptr, experts_ptr, used_ptr, N, E, s_l, s_g, cap, max_blocks,
+    TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK: tl.constexpr, FILL: tl.constexpr, BLOCK_M: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
+    SLOTS: tl.constexpr = TOP_K + SHARED
+    tt = tl.arange(0, BLOCK_T)
+    ss = tl.arange(0, BLOCK_S)
+    pdl_prologue(USE_PDL)
+    dtype = w_ptr.dtype.element_ty
+    top, ids = route_rows(logits_ptr, gate_ptr, N, E, s_l, s_g, dtype, TOP_K, SHARED, BLOCK_T, BLOCK_E, BLOCK_S)
     out = tt[:, None] * SLOTS + ss[None, :]
     stored = (tt < N)[:, None] & (ss < SLOTS)[None, :]
     tl.store(w_ptr + out, top.to(dtype), mask=stored)

@@ -98,14 +98,19 @@ def rms_norm_gated(x, z, weight, eps: float, *, out=None):
 
 @triton.jit
 def _add_rms_norm_kernel(
-    x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, R, s_xr, s_rr, s_yr, s_sr, D, eps,
-    ONE_PLUS: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False,
+    x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, R, s_xr, s_xt, s_rr, s_yr, s_sr, D, eps,
+    ONE_PLUS: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, TERMS: tl.constexpr = 1,
+    USE_PDL: tl.constexpr = False,
 ):
     pdl_prologue(USE_PDL)
     rr = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     dd = tl.arange(0, BLOCK_D)
     mask = (rr < R)[:, None] & (dd < D)[None, :]
-    x = tl.load(x_ptr + rr[:, None] * s_xr + dd[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
+    for t in tl.static_range(TERMS):  # x as terms (a MoE block's slot rows): added in order in fp32, then rounded
+        x += tl.load(x_ptr + rr[:, None] * s_xr + t * s_xt + dd[None, :], mask=mask, other=0.0).to(tl.float32)
+    if TERMS > 1:
+        x = x.to(s_ptr.dtype.element_ty).to(tl.float32)
     r = tl.load(r_ptr + rr[:, None] * s_rr + dd[None, :], mask=mask, other=0.0)
     # The sum is rounded to the residual dtype first: the norm reads the rounded stream, as the unfused model.
     s = (r.to(tl.float32) + x).to(s_ptr.dtype.element_ty)
@@ -137,28 +142,38 @@ def _out_rows(buf, like, what: str):
 def add_rms_norm(x, residual, weight, eps: float, *, one_plus: bool = True, out=None, residual_out=None):
     """(rms_norm(residual + x), residual + x) in one pass: x and residual read once, both results written once.
 
-    ``residual_out=residual`` updates the residual stream in place; ``out`` takes the normed rows.
+    x may also be terms [..., S, D] of residual [..., D] (``ninfer.ops.norm.add_rms_norm``): added in order in
+    fp32 and rounded before the residual add. ``residual_out=residual`` updates the residual stream in place;
+    ``out`` takes the normed rows.
     """
     D = weight.shape[0]
-    if x.shape != residual.shape or x.dtype != residual.dtype:
+    terms = x.dim() == residual.dim() + 1
+    like = x[..., 0, :] if terms else x
+    if like.shape != residual.shape or x.dtype != residual.dtype:
         raise ValueError(f"add_rms_norm: x {tuple(x.shape)} {x.dtype} and residual {tuple(residual.shape)} "
                          f"{residual.dtype} must have the same shape and dtype")
-    x2 = _rows(x, D, "add_rms_norm")
+    if terms:
+        x3 = _heads(x, D, "add_rms_norm")  # [R, S, D]
+        s_xr, s_xt, n_terms = x3.stride(0), x3.stride(1), x3.shape[1]
+        x2 = x3
+    else:
+        x2 = _rows(x, D, "add_rms_norm")
+        s_xr, s_xt, n_terms = x2.stride(0), 0, 1
     r2 = _rows(residual, D, "add_rms_norm")
     if out is None:
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        out = torch.empty(like.shape, dtype=x.dtype, device=x.device)
     if residual_out is None:
-        residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    y2 = _out_rows(out, x, "out")
-    s2 = _out_rows(residual_out, x, "residual_out")
-    R = x2.shape[0]
+        residual_out = torch.empty(like.shape, dtype=x.dtype, device=x.device)
+    y2 = _out_rows(out, like, "out")
+    s2 = _out_rows(residual_out, like, "residual_out")
+    R = r2.shape[0]
     if R == 0:
         return out, residual_out
     block_d = triton.next_power_of_2(D)
     rows = max(1, min(16, 2048 // block_d))
     _add_rms_norm_kernel[(triton.cdiv(R, rows),)](
-        x2, r2, weight, y2, s2, R, x2.stride(0), r2.stride(0), y2.stride(0), s2.stride(0), D, eps,
-        ONE_PLUS=bool(one_plus), ROWS=rows, BLOCK_D=block_d,
+        x2, r2, weight, y2, s2, R, s_xr, s_xt, r2.stride(0), y2.stride(0), s2.stride(0), D, eps,
+        ONE_PLUS=bool(one_plus), ROWS=rows, BLOCK_D=block_d, TERMS=n_terms,
         num_warps=8 if block_d >= 4096 else 4, **pdl_args(x.device)
     )
     return out, residual_out
