@@ -40,7 +40,8 @@ def parse_variant(spec: str) -> dict:
     """A variant: ``auto`` (the model's own PDL choice) or knobs joined by ``+``: ``pdl=on|off``, ``ops_off=OPS``
     (``NINFER_OPS_OFF``), ``prefetch_tiles=N`` (``_pdl.PREFETCH_TILES``), ``moe_tiles=LIMIT:BM,BN,BK,WARPS,STAGES``
     (the MoE kernels' row for calls up to LIMIT tokens), ``linear_tiles=NxK:BN,BK,SPLIT`` (the few-row linear for
-    an [N, K] weight), ``gdn_block_v=V`` -> {"pdl", "ops_off", "knobs", "tiles"}."""
+    an [N, K] weight), ``moe_down=PAIRS:BN,BK,WARPS,STAGES`` (the down kernel alone for calls up to PAIRS (token,
+    slot) pairs), ``gdn_block_v=V`` -> {"pdl", "ops_off", "knobs", "tiles"}."""
     out: dict = {"pdl": None, "ops_off": None, "knobs": {}, "tiles": {}}
     if spec == "auto":
         return out
@@ -51,7 +52,7 @@ def parse_variant(spec: str) -> dict:
         except (ValueError, TypeError) as exc:
             raise ValueError(f"variant {spec!r}: {part!r}: expected auto or +-joined pdl=on|off, ops_off=OPS, "
                              f"prefetch_tiles=N, moe_tiles=LIMIT:BM,BN,BK,WARPS,STAGES, linear_tiles=NxK:BN,BK,SPLIT "
-                             f"or gdn_block_v=V ({exc})") from None
+                             f"moe_down=PAIRS:BN,BK,WARPS,STAGES or gdn_block_v=V ({exc})") from None
     return out
 
 
@@ -77,6 +78,9 @@ def _knob(out: dict, key: str, value: str) -> None:
         shape, cfg = value.split(":")
         n, k = (int(v) for v in shape.split("x"))
         out["tiles"].setdefault("linear", {})[(n, k)] = ints(cfg, 3)
+    elif key == "moe_down":  # LIMIT:BN,BK,WARPS,STAGES; LIMIT counts (token, slot) pairs
+        limit, cfg = value.split(":")
+        out["tiles"].setdefault("moe_down", {})[int(limit)] = ints(cfg, 4)
     elif key == "gdn_block_v":
         out["tiles"]["gdn_block_v"] = ints(value, 1)[0]
     else:

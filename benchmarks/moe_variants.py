@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import os
 
+import attrs
+
 from benchmarks.moe_runs import decode_run
 
 
@@ -42,15 +44,18 @@ def pdl_knobs(knobs: dict):
 
 
 @contextlib.contextmanager
-def tiles(moe: dict | None = None, linear: dict | None = None, gdn_block_v: int | None = None):
+def tiles(moe: dict | None = None, linear: dict | None = None, gdn_block_v: int | None = None,
+          moe_down: dict | None = None):
     """Kernel tiles other than the defaults inside the block (a Program started there captures its graphs with
     them), restored on exit: ``moe`` {token limit of a ``_BY_TOKENS`` row: MoeConfig}, ``linear`` {(N, K):
-    (block_n, block_k, split_k)} for the few-row linear, ``gdn_block_v`` for the GDN decode steps."""
+    (block_n, block_k, split_k)} for the few-row linear, ``gdn_block_v`` for the GDN decode steps, ``moe_down``
+    {token limit: (block_n, block_k, warps, stages)} for the down kernel alone (its block_m stays the row's)."""
     from ninfer.ops.triton import gdn as t_gdn
     from ninfer.ops.triton import linear as t_linear
     from ninfer.ops.triton import moe as t_moe
 
     rows, measured, block_v = t_moe._BY_TOKENS, dict(t_linear._MEASURED), t_gdn._default_block_v
+    down = t_moe.down_grouped
     limits = {limit for limit, _ in rows}
     if moe and not set(moe) <= limits:
         raise ValueError(f"moe tiles: token limits {sorted(set(moe) - limits)} are not rows of {sorted(limits)}")
@@ -62,9 +67,17 @@ def tiles(moe: dict | None = None, linear: dict | None = None, gdn_block_v: int 
             t_linear.default_config.cache_clear()
         if gdn_block_v:
             t_gdn._default_block_v = lambda *_: gdn_block_v
+        if moe_down:
+            def down_with(hidden, bank, blocks, route, per_pair, cfg, shared=None):
+                limit = next((lim for lim in sorted(moe_down) if blocks.numel <= lim), None)
+                if limit is not None:
+                    bn, bk, warps, stages = moe_down[limit]
+                    cfg = attrs.evolve(cfg, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+                down(hidden, bank, blocks, route, per_pair, cfg, shared)
+            t_moe.down_grouped = down_with
         yield
     finally:
-        t_moe._BY_TOKENS, t_gdn._default_block_v = rows, block_v
+        t_moe._BY_TOKENS, t_gdn._default_block_v, t_moe.down_grouped = rows, block_v, down
         t_linear._MEASURED.clear()
         t_linear._MEASURED.update(measured)
         t_linear.default_config.cache_clear()
