@@ -110,6 +110,16 @@ def test_route_align_is_route_then_align(tokens):
     assert torch.equal(blocks.block_experts[:used], want.block_experts[:used])
 
 
+def test_route_align_takes_the_lower_expert_among_equal_probabilities():
+    """Ties: equal logits give equal probabilities, and the lower expert number is picked first (as torch.topk
+    on the CPU does); a -inf logit is never picked while others are left."""
+    logits = torch.tensor([[0.5, 2.0, 2.0, -float("inf"), 2.0, 0.5, 1.0, 0.5]], device=DEV)
+    weights, ids, _ = moe_route_align.route_align(logits, 5, 16)
+    assert ids.tolist() == [[1, 2, 4, 6, 0]]
+    want_w, _ = moe_route(logits, 5)
+    torch.testing.assert_close(weights, want_w)
+
+
 def test_route_align_without_a_shared_expert():
     _, logits, _, *_ = block_args(3, 12, 4, 8, 8, 5, torch.float32)
     weights, ids, blocks = moe_route_align.route_align(logits, 4, 16)

@@ -47,15 +47,20 @@ def route_rows(logits_ptr, gate_ptr, N, E, s_l, s_g, dtype: tl.constexpr, TOP_K:
     z = z.to(tl.float32)
     p = tl.exp(z - tl.max(z, 1)[:, None])
     p = p / tl.sum(p, 1)[:, None]
-    p = tl.where((ee < E)[None, :], p, -1.0)  # padding experts are never picked
+    # One int64 key per expert orders by probability (p >= 0: its bits order as its value), then by the lower
+    # expert number: each pick is one max reduction, where probability then index took two dependent ones.
+    # Padding experts and picked ones hold -1, below every key.
+    bits = p.to(tl.int32, bitcast=True).to(tl.int64)
+    key = tl.where((ee < E)[None, :], (bits << 32) | (BLOCK_E - 1 - ee)[None, :].to(tl.int64), -1)
     top = tl.zeros((BLOCK_T, BLOCK_S), dtype=tl.float32)
     ids = tl.zeros((BLOCK_T, BLOCK_S), dtype=tl.int32)
     for j in tl.static_range(TOP_K):
-        best = tl.max(p, 1)
-        pick = tl.min(tl.where(p == best[:, None], ee[None, :], BLOCK_E), 1)
-        top = tl.where(ss[None, :] == j, best[:, None], top)
+        best = tl.max(key, 1)
+        pick = (BLOCK_E - 1 - (best & 0xFFFFFFFF)).to(tl.int32)
+        value = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        top = tl.where(ss[None, :] == j, value[:, None], top)
         ids = tl.where(ss[None, :] == j, pick[:, None], ids)
-        p = tl.where(ee[None, :] == pick[:, None], -1.0, p)
+        key = tl.where(key == best[:, None], -1, key)
     top = top / tl.sum(tl.where(ss[None, :] < TOP_K, top, 0.0), 1)[:, None]
     if SHARED:  # slot k: the shared expert, behind sigmoid(gate) in the activations' dtype
         g = tl.load(gate_ptr + rows * s_g).to(tl.float32)
