@@ -14,25 +14,12 @@ from benchmarks.gpu_harness import Ctx, dims, sizes, timed
 
 def _paged_inputs(ctx: Ctx, seqs: list[tuple[int, int]]):
     """Paged K/V for sequences given as (query length, earlier context), pages scattered at random."""
+    from ninfer.testing.paged import paged_attention_inputs
+
     d = dims(ctx.cfg)
-    page = sizes(ctx)["page"]
-    seq_lens = [q + c for q, c in seqs]
-    width = max(-(-s // page) for s in seq_lens)
-    n_pages = sum(-(-s // page) for s in seq_lens) + 7
-    perm = torch.randperm(n_pages, device=ctx.device).to(torch.int32)
-    block_tables = torch.zeros(len(seqs), width, dtype=torch.int32, device=ctx.device)
-    used = 0
-    for i, s in enumerate(seq_lens):
-        n = -(-s // page)
-        block_tables[i, :n] = perm[used:used + n]
-        used += n
-    k_cache = ctx.randn(n_pages, page, d["kv_heads"], d["head_dim"])
-    v_cache = ctx.randn(n_pages, page, d["kv_heads"], d["head_dim"])
-    q_lens = [q for q, _ in seqs]
-    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=ctx.device)
-    q = ctx.randn(int(qsl[-1]), d["heads"], d["head_dim"])
-    seq_t = torch.tensor(seq_lens, dtype=torch.int32, device=ctx.device)
-    return (q, k_cache, v_cache, block_tables, seq_t, qsl, max(q_lens), max(seq_lens), d["head_dim"] ** -0.5)
+    return paged_attention_inputs(seqs, page=sizes(ctx)["page"], heads=d["heads"], kv_heads=d["kv_heads"],
+                                  head_dim=d["head_dim"], randn=ctx.randn,
+                                  randperm=lambda n: torch.randperm(n, device=ctx.device), device=ctx.device)
 
 
 def _attn_cost(ctx: Ctx, seqs) -> tuple[int, float]:

@@ -141,26 +141,11 @@ class Case:
     def paged(self, model: Model, seqs: list[tuple[int, int]]) -> tuple:
         """paged_attention's positional inputs for sequences given as (query length, earlier context), their
         pages scattered at random over a cache with spare pages."""
-        seq_lens = [q + c for q, c in seqs]
-        width = max(-(-s // PAGE) for s in seq_lens)
-        n_pages = sum(-(-s // PAGE) for s in seq_lens) + 7
-        perm = self.randperm(n_pages).to(torch.int32)
-        block_tables = torch.zeros(len(seqs), width, dtype=torch.int32, device=self.device)
-        used = 0
-        for i, s in enumerate(seq_lens):
-            n = -(-s // PAGE)
-            block_tables[i, :n] = perm[used:used + n]
-            used += n
-        k_cache = self.randn(n_pages, PAGE, model.kv_heads, model.head_dim)
-        v_cache = self.randn(n_pages, PAGE, model.kv_heads, model.head_dim)
-        q_lens = [q for q, _ in seqs]
-        starts = [0]
-        for q in q_lens:
-            starts.append(starts[-1] + q)
-        qsl = torch.tensor(starts, dtype=torch.int32, device=self.device)
-        q = self.randn(starts[-1], model.heads, model.head_dim)
-        lens = torch.tensor(seq_lens, dtype=torch.int32, device=self.device)
-        return q, k_cache, v_cache, block_tables, lens, qsl, max(q_lens), max(seq_lens), model.head_dim ** -0.5
+        from ninfer.testing.paged import paged_attention_inputs
+
+        return paged_attention_inputs(seqs, page=PAGE, heads=model.heads, kv_heads=model.kv_heads,
+                                      head_dim=model.head_dim, randn=self.randn, randperm=self.randperm,
+                                      device=self.device)
 
 
 @pytest.fixture(scope="session", autouse=True)
