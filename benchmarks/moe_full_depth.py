@@ -209,7 +209,8 @@ def parse_args(argv=None):
     p.add_argument("--variants", nargs="+", default=["auto"], metavar="VARIANT",
                    help="auto, or +-joined knobs: pdl=on|off, ops_off=OPS (NINFER_OPS_OFF), prefetch_tiles=N (the "
                         "few-row linear's L2 hints under PDL), moe_tiles=LIMIT:BM,BN,BK,WARPS,STAGES, "
-                        "linear_tiles=NxK:BN,BK,SPLIT, gdn_block_v=V; the first is the reported one")
+                        "linear_tiles=NxK:BN,BK,SPLIT, moe_down=PAIRS:BN,BK,WARPS,STAGES, gdn_block_v=V; the first is "
+                        "the reported one")
     p.add_argument("--rounds", type=int, default=1, help="times the variant list runs, in order")
     p.add_argument("--engine", action="store_true", help="also time each B through ninfer.Engine (pipelined)")
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",

@@ -73,10 +73,7 @@ def test_one_token_routes_inside_gate_up():
     grouped = t_moe._grouped(x, gate_up, down, blocks, top_k + 1, weights.reshape(-1), cfg, (s_gate_up, s_down))
     torch.testing.assert_close(rows[0], grouped, atol=1e-6, rtol=1e-6)
     slots = top_k + 1
-    one = t_moe.ExpertBlocks(torch.empty(slots * cfg.block_m, dtype=torch.int32, device=DEV),
-                             torch.empty(slots, dtype=torch.int32, device=DEV),
-                             torch.empty(1, dtype=torch.int32, device=DEV), cfg.block_m, slots)
-    route = torch.empty(slots, dtype=x.dtype, device=DEV)
+    one, route = t_moe.one_token_blocks(slots, cfg.block_m, x.dtype, x.device)
     t_moe._grouped(x, gate_up, down, one, slots, route, cfg, (s_gate_up, s_down), routing=(logits, gate))
     assert torch.equal(one.block_experts.long(), ids[0].long())
     torch.testing.assert_close(route, weights[0], atol=1e-7, rtol=1e-6)

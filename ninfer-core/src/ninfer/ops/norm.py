@@ -39,7 +39,8 @@ def rms_norm_gated(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     return rms_norm_gated_ref(x, z, weight, eps)
 
 
-def _check_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> None:
+def _addend(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """What joins the residual: x, or ``sum_terms(x)`` for [..., S, D] terms; mismatches raise."""
     # A mismatch would silently broadcast in `residual + x`; say what is wrong instead.
     terms = x.dim() == residual.dim() + 1
     if (x[..., 0, :] if terms else x).shape != residual.shape or x.dtype != residual.dtype:
@@ -48,6 +49,7 @@ def _check_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
     if x.shape[-1:] != weight.shape:
         raise ValueError(f"add_rms_norm: last dimension {x.shape[-1]} does not match the weight's "
                          f"{tuple(weight.shape)}")
+    return sum_terms(x) if terms else x
 
 
 def sum_terms(x: torch.Tensor) -> torch.Tensor:
@@ -61,10 +63,7 @@ def sum_terms(x: torch.Tensor) -> torch.Tensor:
 
 def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
                      one_plus: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_add_rms_norm(x, residual, weight)
-    if x.dim() == residual.dim() + 1:
-        x = sum_terms(x)
-    new_residual = residual + x  # rounded to the model dtype before the norm reads it, as the unfused model
+    new_residual = residual + _addend(x, residual, weight)  # rounded to the model dtype before the norm reads it, as the unfused model
     return rms_norm_ref(new_residual, weight, eps, one_plus=one_plus), new_residual
 
 
@@ -80,8 +79,5 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     kernel = triton_kernel("norm", "add_rms_norm", x)
     if kernel is not None:
         return kernel(x, residual, weight, eps, one_plus=one_plus)
-    _check_add_rms_norm(x, residual, weight)
-    if x.dim() == residual.dim() + 1:
-        x = sum_terms(x)
-    new_residual = residual + x
+    new_residual = residual + _addend(x, residual, weight)
     return rms_norm(new_residual, weight, eps, one_plus=one_plus), new_residual

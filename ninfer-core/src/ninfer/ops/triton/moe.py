@@ -269,10 +269,7 @@ def moe_block(x: torch.Tensor, logits: torch.Tensor, shared_gate: torch.Tensor, 
     cfg = default_config(N, x.dtype)
     slots, shared = top_k + 1, (shared_gate_up, shared_down)
     if N == 1:
-        blocks = ExpertBlocks(torch.empty(slots * cfg.block_m, dtype=torch.int32, device=x.device),
-                              torch.empty(slots, dtype=torch.int32, device=x.device),
-                              torch.empty(1, dtype=torch.int32, device=x.device), cfg.block_m, slots)
-        route = torch.empty(slots, dtype=x.dtype, device=x.device)
+        blocks, route = one_token_blocks(slots, cfg.block_m, x.dtype, x.device)
         per_pair = _grouped(x, gate_up, down, blocks, slots, route, cfg, shared, routing=(logits, shared_gate))
     else:
         weights, _, blocks = moe_route_align.route_align(logits, top_k, cfg.block_m, shared_gate)
@@ -282,6 +279,16 @@ def moe_block(x: torch.Tensor, logits: torch.Tensor, shared_gate: torch.Tensor, 
     out = torch.empty((N, H), dtype=x.dtype, device=x.device)
     _sum_slots(per_pair, out, slots, None, None)
     return out
+
+
+def one_token_blocks(slots: int, block_m: int, dtype: torch.dtype, device: torch.device
+                     ) -> tuple[ExpertBlocks, torch.Tensor]:
+    """Empty buffers of a one-token call's grouping (slot j in block j) and its route weights [slots], which the
+    routing gate_up kernel fills (``gate_up_grouped(..., routing=...)``)."""
+    blocks = ExpertBlocks(torch.empty(slots * block_m, dtype=torch.int32, device=device),
+                          torch.empty(slots, dtype=torch.int32, device=device),
+                          torch.empty(1, dtype=torch.int32, device=device), block_m, slots)
+    return blocks, torch.empty(slots, dtype=dtype, device=device)
 
 
 def _grouped(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, blocks: ExpertBlocks, slots: int,

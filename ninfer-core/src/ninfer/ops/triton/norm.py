@@ -152,13 +152,7 @@ def add_rms_norm(x, residual, weight, eps: float, *, one_plus: bool = True, out=
     if like.shape != residual.shape or x.dtype != residual.dtype:
         raise ValueError(f"add_rms_norm: x {tuple(x.shape)} {x.dtype} and residual {tuple(residual.shape)} "
                          f"{residual.dtype} must have the same shape and dtype")
-    if terms:
-        x3 = _heads(x, D, "add_rms_norm")  # [R, S, D]
-        s_xr, s_xt, n_terms = x3.stride(0), x3.stride(1), x3.shape[1]
-        x2 = x3
-    else:
-        x2 = _rows(x, D, "add_rms_norm")
-        s_xr, s_xt, n_terms = x2.stride(0), 0, 1
+    x3 = _heads(x, D, "add_rms_norm") if terms else _rows(x, D, "add_rms_norm")[:, None]  # [R, S, D]
     r2 = _rows(residual, D, "add_rms_norm")
     if out is None:
         out = torch.empty(like.shape, dtype=x.dtype, device=x.device)
@@ -172,8 +166,8 @@ def add_rms_norm(x, residual, weight, eps: float, *, one_plus: bool = True, out=
     block_d = triton.next_power_of_2(D)
     rows = max(1, min(16, 2048 // block_d))
     _add_rms_norm_kernel[(triton.cdiv(R, rows),)](
-        x2, r2, weight, y2, s2, R, s_xr, s_xt, r2.stride(0), y2.stride(0), s2.stride(0), D, eps,
-        ONE_PLUS=bool(one_plus), ROWS=rows, BLOCK_D=block_d, TERMS=n_terms,
+        x3, r2, weight, y2, s2, R, x3.stride(0), x3.stride(1), r2.stride(0), y2.stride(0), s2.stride(0), D, eps,
+        ONE_PLUS=bool(one_plus), ROWS=rows, BLOCK_D=block_d, TERMS=x3.shape[1],
         num_warps=8 if block_d >= 4096 else 4, **pdl_args(x.device)
     )
     return out, residual_out
