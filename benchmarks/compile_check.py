@@ -85,6 +85,7 @@ def _calls(gen: torch.Generator) -> list[tuple[str, callable]]:
         ("rms_norm_gated heads", lambda: norm.rms_norm_gated(randn(3, 4, 64), q_gate[..., 64:], randn(64), 1e-6)),
         ("add_rms_norm", lambda: norm.add_rms_norm(x, randn(3, 256), randn(256), 1e-6)),
         ("add_rms_norm terms", lambda: norm.add_rms_norm(randn(3, 9, 256), randn(3, 256), randn(256), 1e-6)),
+        ("add_rms_norm_linear", lambda: norm.add_rms_norm_linear(x, randn(3, 256), randn(256), 1e-6, w)),
         ("silu_and_mul", lambda: activation.silu_and_mul(randn(3, 256))),
         ("apply_rope", lambda: rope.apply_rope(randn(3, 4, 64), cos, sin, 16)),
         ("write_kv", lambda: attention.write_kv(randn(3, kvh, D), randn(3, kvh, D), kc, vc, torch.tensor([1, 5, 9]))),
@@ -200,25 +201,28 @@ def run(arch: int, pdl: bool) -> list[dict]:
                         "gdc_wait": "griddepcontrol.wait" in ptx,
                         "gdc_launch_dependents": "griddepcontrol.launch_dependents" in ptx,
                         "l2_prefetch": "prefetch.global.L2" in ptx,
-                        "pdl_order": _pdl_order(ptx, late) if pdl else ""})
+                        "pdl_order": _pdl_order(ptx, late, kernel.fn.__name__ in _READS_WEIGHTS_EARLY) if pdl else ""})
     return results
 
 
 _GLOBAL_ACCESS = re.compile(r"\b(ld|st|atom|red)\.global|\bcp\.async")  # L2 prefetch hints are not accesses
+_GLOBAL_WRITE = re.compile(r"\b(st|atom|red)\.global")
+# Kernels that load weights (which no kernel writes) before their wait: only their writes must follow it.
+_READS_WEIGHTS_EARLY = {"_add_rms_norm_linear_kernel"}
 _DOT = re.compile(r"\b(w?mma)\.")
 
 
-def _pdl_order(ptx: str, late: bool) -> str:
+def _pdl_order(ptx: str, late: bool, reads_weights_early: bool = False) -> str:
     """What is out of order in a PDL build's PTX, or "": the wait comes before the first global memory access
-    (nothing is read or written early); the successor's trigger comes before it too, or after the last dot
-    when ``late``."""
+    (nothing is read or written early; with ``reads_weights_early``, before the first write); the successor's
+    trigger comes before it too, or after the last dot when ``late``."""
     lines = ptx.splitlines()
 
     def where(pattern: str | re.Pattern) -> list[int]:
         return [i for i, line in enumerate(lines) if re.search(pattern, line)]
 
     wait, trigger = where(r"griddepcontrol\.wait"), where(r"griddepcontrol\.launch_dependents")
-    access, dots = where(_GLOBAL_ACCESS), where(_DOT)
+    access, dots = where(_GLOBAL_WRITE if reads_weights_early else _GLOBAL_ACCESS), where(_DOT)
     if not wait or not trigger:
         return "no prologue"
     if access and wait[0] > access[0]:

@@ -150,3 +150,45 @@ def test_kernel_rejects_bad_buffers():
         t_add_rms_norm(x, x, w, 1e-6, residual_out=torch.zeros(4, 8, device=DEV, dtype=torch.float16))
     with pytest.raises(ValueError, match="out .*viewable"):
         t_add_rms_norm(x, x, w, 1e-6, out=torch.zeros(8, 4, device=DEV).t())
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_linear_op_is_the_norm_then_the_projection(rows):
+    """add_rms_norm_linear: bitwise add_rms_norm's rows and the projection of the normed rows (the unfused ops,
+    which the CPU runs); the reference is the same."""
+    from ninfer.ops import add_rms_norm_linear, linear
+    from ninfer.ops.norm import add_rms_norm_linear_ref
+
+    x, res, w = _randn(rows, 64, seed=20), _randn(rows, 64, seed=21), _randn(64, seed=22) * 0.1
+    proj = _randn(9, 64, seed=23)
+    normed, new_res, out = add_rms_norm_linear(x, res, w, 1e-6, proj)
+    want_normed, want_res = add_rms_norm(x, res, w, 1e-6)
+    assert torch.equal(normed, want_normed) and torch.equal(new_res, want_res)
+    assert torch.equal(out, linear(want_normed, proj))
+    for got, want in zip(add_rms_norm_linear_ref(x, res, w, 1e-6, proj), (normed, new_res, out), strict=True):
+        torch.testing.assert_close(got, want)
+    with pytest.raises(ValueError, match=r"projection \(9, 32\)"):
+        add_rms_norm_linear(x, res, w, 1e-6, proj[:, :32])
+    with pytest.raises(ValueError, match="no terms"):
+        add_rms_norm_linear(x[:, None].expand(rows, 2, 64), res, w, 1e-6, proj)
+
+
+@needs_triton
+@interpreter_warning
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("one_plus", [True, False])
+def test_linear_kernel_matches_the_parts(rows, one_plus):
+    """The fused kernel (projection rows in blocks of 4 over 10 rows: a partial last block) gives the norm
+    kernel's rows bitwise and the projection of those rows within fp16 rounding; other calls say None."""
+    from ninfer.ops.triton.norm import add_rms_norm as t_add_rms_norm
+    from ninfer.ops.triton.norm import add_rms_norm_linear as t_fused
+
+    dtype = torch.float16
+    x, res = _randn(rows, 48, seed=30, dtype=dtype), _randn(rows, 48, seed=31, dtype=dtype)
+    w, proj = _randn(48, seed=32, dtype=dtype) * 0.1, _randn(10, 48, seed=33, dtype=dtype) * 0.2
+    normed, new_res, out = t_fused(x, res, w, 1e-6, proj, one_plus=one_plus)
+    want_normed, want_res = t_add_rms_norm(x, res, w, 1e-6, one_plus=one_plus)
+    assert torch.equal(new_res, want_res) and torch.equal(normed, want_normed)
+    torch.testing.assert_close(out.float(), normed.float() @ proj.float().T, atol=2e-3, rtol=2e-3)
+    assert t_fused(x.float(), res.float(), w, 1e-6, proj.float()) is None
+    assert t_fused(_randn(17, 48, seed=34, dtype=dtype), _randn(17, 48, seed=35, dtype=dtype), w, 1e-6, proj) is None

@@ -84,3 +84,41 @@ def test_add_rms_norm_of_terms_is_that_of_their_sum(model, case, tokens):
     got = add_rms_norm(terms, r, w, model.eps)
     want = add_rms_norm(sum_terms(terms), r, w, model.eps)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("hidden,projected", [(2048, 257), (3072, 513), (4096, 129)], ids=("A3B", "A10B", "D4096"))
+@pytest.mark.parametrize("rows", (1, 3, 8, 16))
+@pytest.mark.parametrize("pdl", (False, True), ids=("plain", "pdl"))
+def test_add_rms_norm_linear(case, hidden, projected, rows, pdl):
+    """A MoE router's projection in the post-mixer norm's kernel (the 35B-A3B's [E + 1, H] router and shared gate,
+    wider models): the normed rows and the residual bitwise add_rms_norm's, the projection within bf16 rounding of
+    an fp32 product of those rows; the same under PDL and in a CUDA graph."""
+    from ninfer.ops.triton import _pdl
+    from ninfer.ops.triton.norm import add_rms_norm, add_rms_norm_linear
+
+    x, r = case.randn(rows, hidden), case.randn(rows, hidden)
+    w, proj = case.randn(hidden, scale=0.1), case.randn(projected, hidden, scale=hidden ** -0.5)
+    with _pdl.scope(pdl):
+        normed, residual, out = add_rms_norm_linear(x, r, w, 1e-6, proj)
+        want_normed, want_residual = add_rms_norm(x, r, w, 1e-6)
+        assert torch.equal(normed, want_normed) and torch.equal(residual, want_residual)
+        case.within(out, normed.float() @ proj.float().T, TOL, "projection")
+        alone = add_rms_norm_linear(x[-1:], r[-1:], w, 1e-6, proj)  # not changed by its batch neighbours
+        assert all(torch.equal(a, b[-1:]) for a, b in zip(alone, (normed, residual, out), strict=True))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = add_rms_norm_linear(x, r, w, 1e-6, proj)
+        x.copy_(case.randn(rows, hidden))
+        graph.replay()
+        torch.cuda.synchronize()
+        for got, want in zip(captured, add_rms_norm_linear(x, r, w, 1e-6, proj), strict=True):
+            assert torch.equal(got, want)
+
+
+def test_add_rms_norm_linear_leaves_other_calls_to_the_parts(case):
+    """Prefill-sized calls and fp32 take the unfused ops (the kernel wrapper says None)."""
+    from ninfer.ops.triton.norm import add_rms_norm_linear
+
+    x, r, w = case.randn(17, 2048), case.randn(17, 2048), case.randn(2048, scale=0.1)
+    assert add_rms_norm_linear(x, r, w, 1e-6, case.randn(257, 2048)) is None
+    assert add_rms_norm_linear(x[:1].float(), r[:1].float(), w, 1e-6, case.randn(257, 2048).float()) is None

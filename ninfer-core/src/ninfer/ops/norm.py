@@ -81,3 +81,34 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
         return kernel(x, residual, weight, eps, one_plus=one_plus)
     new_residual = residual + _addend(x, residual, weight)
     return rms_norm(new_residual, weight, eps, one_plus=one_plus), new_residual
+
+
+def add_rms_norm_linear_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                            projection: torch.Tensor, *, one_plus: bool = True
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    normed, new_residual = add_rms_norm_ref(x, residual, weight, eps, one_plus=one_plus)
+    return normed, new_residual, torch.nn.functional.linear(normed, projection)
+
+
+def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                        projection: torch.Tensor, *, one_plus: bool = True
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``add_rms_norm`` and a small projection of its normed rows: (normed, residual + x, normed @ projection.T)
+    with projection [P, D] (a MoE router's logits). On the GPU, a decode batch runs it as one kernel whose
+    programs load their projection rows before the previous kernel has finished; otherwise it is exactly
+    ``add_rms_norm`` then ``linear``. x holds plain rows here (no terms)."""
+    if projection.dim() != 2 or projection.shape[1] != weight.shape[0] or projection.dtype != x.dtype:
+        raise ValueError(f"add_rms_norm_linear: projection {tuple(projection.shape)} {projection.dtype} must be "
+                         f"[P, {weight.shape[0]}] in {x.dtype}")
+    if x.dim() != residual.dim():
+        raise ValueError(f"add_rms_norm_linear: x {tuple(x.shape)} must be rows like residual "
+                         f"{tuple(residual.shape)} (no terms)")
+    kernel = triton_kernel("norm", "add_rms_norm_linear", x)
+    if kernel is not None:
+        fused = kernel(x, residual, weight, eps, projection, one_plus=one_plus)
+        if fused is not None:
+            return fused
+    from ninfer.ops.linear import linear
+
+    normed, new_residual = add_rms_norm(x, residual, weight, eps, one_plus=one_plus)
+    return normed, new_residual, linear(normed, projection)

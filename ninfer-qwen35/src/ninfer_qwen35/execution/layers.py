@@ -11,6 +11,8 @@ import attrs
 import torch
 
 from ninfer.ops import (
+    add_rms_norm,
+    add_rms_norm_linear,
     causal_conv1d_prefill,
     gdn_decode_fused,
     gdn_gates,
@@ -26,7 +28,7 @@ from ninfer.ops import (
 )
 from ninfer_qwen35.config import Qwen35Config
 from ninfer_qwen35.execution.forward_batch import ForwardBatch
-from ninfer_qwen35.execution.parameters import AttentionParams, GDNParams, MLPParams, MoEParams
+from ninfer_qwen35.execution.parameters import AttentionParams, GDNParams, LayerParams, MLPParams, MoEParams
 
 if TYPE_CHECKING:
     from ninfer.models.common.moe.host_experts import HostExperts
@@ -106,13 +108,30 @@ def attention_mixer(c: Qwen35Config, p: AttentionParams, x: torch.Tensor, batch:
     return linear(o.reshape(N, nh * d), p.o_proj)
 
 
-def mlp(p: MLPParams | MoEParams, x: torch.Tensor, experts: HostExperts | None = None) -> torch.Tensor:
+def feed_forward(layer: LayerParams, h: torch.Tensor, x: torch.Tensor, next_norm: torch.Tensor, eps: float,
+                 experts: HostExperts | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder layer after its mixer: the mixer's output ``h`` joins the residual stream ``x`` in the post-mixer
+    norm, the MLP or MoE block runs, and its output joins in ``next_norm`` (the next layer's input norm or the
+    final norm). Returns (normed, residual). A MoE router's projection rides in the post-mixer norm's kernel."""
+    if isinstance(layer.mlp, MoEParams):
+        h, x, router = add_rms_norm_linear(h, x, layer.post_norm, eps, layer.mlp.router_shared_gate.weight)
+    else:
+        (h, x), router = add_rms_norm(h, x, layer.post_norm, eps), None
+    return add_rms_norm(mlp(layer.mlp, h, experts, router), x, next_norm, eps)
+
+
+def mlp(p: MLPParams | MoEParams, x: torch.Tensor, experts: HostExperts | None = None,
+        router: torch.Tensor | None = None) -> torch.Tensor:
     """The layer's feed-forward: the SwiGLU MLP, or the sparse MoE block (routed experts + the shared expert
-    scaled by sigmoid of its gate logit). ``experts``: the runtime of routed experts kept in host memory. The
-    all-device block may return its output as [N, S, H] terms, which the caller's ``add_rms_norm`` adds up."""
+    scaled by sigmoid of its gate logit). ``experts``: the runtime of routed experts kept in host memory.
+    ``router``: the router's and shared gate's logits [N, E + 1] when the caller computed them. The all-device
+    block may return its output as [N, S, H] terms, which the caller's ``add_rms_norm`` adds up."""
     if isinstance(p, MLPParams):
         return linear(swiglu(x, p.gate_up.weight), p.down)
-    logits, shared_gate = p.router_shared_gate(x)
+    if router is None:
+        logits, shared_gate = p.router_shared_gate(x)
+    else:
+        logits, shared_gate = router.split(p.router_shared_gate.sizes, dim=-1)
     if experts is None:
         return moe_block(x, logits, shared_gate, p.gate_up, p.down, p.shared.gate_up.weight, p.shared.down, p.top_k,
                          summed=False)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ninfer.ops import add_rms_norm, linear, rms_norm, rope_inv_freq
+from ninfer.ops import linear, rms_norm, rope_inv_freq
 from ninfer.ops.rope import mrope_axes
 from ninfer_qwen35.execution.forward_batch import ForwardBatch, ModelStateViews
-from ninfer_qwen35.execution.layers import GDNPlan, VerifySteps, attention_mixer, gdn_mixer, mlp
+from ninfer_qwen35.execution.layers import GDNPlan, VerifySteps, attention_mixer, feed_forward, gdn_mixer
 from ninfer_qwen35.execution.parameters import GDNParams, Qwen35Parameters
 
 
@@ -48,8 +48,7 @@ class Qwen35Model:
             else:
                 k_cache, v_cache = state.kv[layer.state_index]
                 h = attention_mixer(c, layer.mixer, h, batch, self.rope_inv_freq, k_cache, v_cache, self.rope_axes)
-            h, x = add_rms_norm(h, x, layer.post_norm, eps)
-            h, x = add_rms_norm(mlp(layer.mlp, h, state.experts), x, next_norm, eps)
+            h, x = feed_forward(layer, h, x, next_norm, eps, state.experts)
         return h
 
     @torch.inference_mode()

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from ninfer.ops import add_rms_norm, linear, rms_norm
+from ninfer.ops import linear, rms_norm
 from ninfer_qwen35.execution.forward_batch import ForwardBatch
-from ninfer_qwen35.execution.layers import attention_mixer, mlp
+from ninfer_qwen35.execution.layers import attention_mixer, feed_forward
 from ninfer_qwen35.execution.model import Qwen35Model
 from ninfer_qwen35.execution.parameters import MTPParams
 
@@ -54,8 +54,7 @@ class Qwen35MTP:
         h = rms_norm(x, p.layers[0].input_norm, eps)
         for layer, next_norm, (k_cache, v_cache) in zip(p.layers, next_norms, kv, strict=True):
             h = attention_mixer(c, layer.mixer, h, batch, self.model.rope_inv_freq, k_cache, v_cache)
-            h, x = add_rms_norm(h, x, layer.post_norm, eps)
-            h, x = add_rms_norm(mlp(layer.mlp, h, experts), x, next_norm, eps)
+            h, x = feed_forward(layer, h, x, next_norm, eps, experts)
         return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

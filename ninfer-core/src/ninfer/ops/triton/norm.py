@@ -171,3 +171,70 @@ def add_rms_norm(x, residual, weight, eps: float, *, one_plus: bool = True, out=
         num_warps=8 if block_d >= 4096 else 4, **pdl_args(x.device)
     )
     return out, residual_out
+
+
+# Rows a fused norm + projection call takes (decode batches, verification rows); more go to the unfused ops.
+PROJECT_MAX_ROWS = 16
+
+
+@triton.jit
+def _add_rms_norm_linear_kernel(
+    x_ptr, r_ptr, w_ptr, p_ptr, y_ptr, s_ptr, o_ptr, R, P, s_xr, s_rr, s_yr, s_sr, s_pp, s_or, D, eps,
+    ONE_PLUS: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
+    pid = tl.program_id(0)
+    pp = pid * BLOCK_P + tl.arange(0, BLOCK_P)
+    dd = tl.arange(0, BLOCK_D)
+    # This program's projection rows never depend on the previous kernel: they load while it finishes.
+    proj = tl.load(p_ptr + tl.minimum(pp, P - 1).to(tl.int64)[:, None] * s_pp + dd[None, :],
+                   mask=(dd < D)[None, :], other=0.0)
+    w = tl.load(w_ptr + dd, mask=dd < D, other=0.0).to(tl.float32)
+    pdl_prologue(USE_PDL)
+    # Row block program_id(1), normed as _add_rms_norm_kernel norms it (the same tile and order: bitwise the same
+    # rows) by every program of the row block; the first stores them, and each projects them onto its rows.
+    rr = (tl.program_id(1) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    mask = (rr < R)[:, None] & (dd < D)[None, :]
+    x = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
+    x += tl.load(x_ptr + rr[:, None] * s_xr + dd[None, :], mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(r_ptr + rr[:, None] * s_rr + dd[None, :], mask=mask, other=0.0)
+    s = (r.to(tl.float32) + x).to(s_ptr.dtype.element_ty)
+    sf = s.to(tl.float32)
+    normed = sf * tl.rsqrt(tl.sum(sf * sf, axis=1) / D + eps)[:, None]
+    if ONE_PLUS:
+        y = (normed * (1.0 + w[None, :])).to(y_ptr.dtype.element_ty)
+    else:
+        y = (normed * w[None, :]).to(y_ptr.dtype.element_ty)
+    if pid == 0:
+        tl.store(s_ptr + rr[:, None] * s_sr + dd[None, :], s, mask=mask)
+        tl.store(y_ptr + rr[:, None] * s_yr + dd[None, :], y, mask=mask)
+    # The rounded rows, as a separate projection would read them back; fp32 products and sum.
+    out = tl.sum(y.to(tl.float32)[:, None, :] * proj.to(tl.float32)[None, :, :], axis=2)
+    tl.store(o_ptr + rr[:, None] * s_or + pp[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=(rr < R)[:, None] & (pp < P)[None, :])
+
+
+def add_rms_norm_linear(x, residual, weight, eps: float, projection, *, one_plus: bool = True, block_p: int = 4):
+    """(normed, residual + x, normed @ projection.T) in one launch for up to PROJECT_MAX_ROWS rows of bf16/fp16
+    with D <= 4096 (``ninfer.ops.norm.add_rms_norm_linear``), else None (the caller runs the unfused ops).
+    A program per ``block_p`` projection rows and row block (``add_rms_norm``'s tile and warps); the tiles never
+    depend on the row count, so a row's results do not depend on its batch neighbours."""
+    D = weight.shape[0]
+    if x.shape != residual.shape or x.dtype != residual.dtype or x.shape[-1] != D or projection.stride(1) != 1 \
+            or x.dtype not in (torch.bfloat16, torch.float16) or D > 4096:
+        return None
+    x2, r2 = _rows(x, D, "add_rms_norm_linear"), _rows(residual, D, "add_rms_norm_linear")
+    R, P = x2.shape[0], projection.shape[0]
+    if not 1 <= R <= PROJECT_MAX_ROWS:
+        return None
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    projected = torch.empty((*x.shape[:-1], P), dtype=x.dtype, device=x.device)
+    block_d = triton.next_power_of_2(D)
+    rows = max(1, min(16, 2048 // block_d))  # add_rms_norm's row block
+    _add_rms_norm_linear_kernel[(triton.cdiv(P, block_p), triton.cdiv(R, rows))](
+        x2, r2, weight, projection, out.view(-1, D), residual_out.view(-1, D), projected.view(-1, P), R, P,
+        x2.stride(0), r2.stride(0), D, D, projection.stride(0), P, D, eps, ONE_PLUS=bool(one_plus),
+        ROWS=rows, BLOCK_D=block_d, BLOCK_P=block_p,
+        num_warps=8 if block_d >= 4096 else 4, **pdl_args(x.device))
+    return out, residual_out, projected
