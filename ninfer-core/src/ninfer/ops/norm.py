@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ninfer.ops._dispatch import triton_kernel
+from ninfer.ops.linear import linear
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, *, one_plus: bool = True) -> torch.Tensor:
@@ -108,7 +109,5 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
         fused = kernel(x, residual, weight, eps, projection, one_plus=one_plus)
         if fused is not None:
             return fused
-    from ninfer.ops.linear import linear
-
     normed, new_residual = add_rms_norm(x, residual, weight, eps, one_plus=one_plus)
     return normed, new_residual, linear(normed, projection)
