@@ -128,10 +128,8 @@ def mlp(p: MLPParams | MoEParams, x: torch.Tensor, experts: HostExperts | None =
     block may return its output as [N, S, H] terms, which the caller's ``add_rms_norm`` adds up."""
     if isinstance(p, MLPParams):
         return linear(swiglu(x, p.gate_up.weight), p.down)
-    if router is None:
-        logits, shared_gate = p.router_shared_gate(x)
-    else:
-        logits, shared_gate = router.split(p.router_shared_gate.sizes, dim=-1)
+    split = p.router_shared_gate
+    logits, shared_gate = split(x) if router is None else split.parts(router)
     if experts is None:
         return moe_block(x, logits, shared_gate, p.gate_up, p.down, p.shared.gate_up.weight, p.shared.down, p.top_k,
                          summed=False)

@@ -45,5 +45,9 @@ class LinearSplit:
         """The unsplit output [..., sum(sizes)] (e.g. [gate | up] for silu_and_mul)."""
         return linear(x, self.weight)
 
+    def parts(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The logical outputs of an unsplit output ``y`` [..., sum(sizes)] (computed here or by a fused op)."""
+        return y.split(self.sizes, dim=-1)
+
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self.matmul(x).split(self.sizes, dim=-1)
+        return self.parts(self.matmul(x))

@@ -61,6 +61,13 @@ def _heads(x, D: int, what: str):
     return x3 if x3.stride(-1) == 1 else x3.contiguous()
 
 
+def _row_tile(D: int) -> tuple[int, int, int]:
+    """(BLOCK_D, rows per program, warps) of every norm kernel here for rows of D: one tile shape per D, so the
+    norm of a row is computed alike by each kernel that norms it."""
+    block_d = triton.next_power_of_2(D)
+    return block_d, max(1, min(16, 2048 // block_d)), 8 if block_d >= 4096 else 4
+
+
 def _launch(x, z, weight, eps, one_plus, gated, out):
     D = weight.shape[0]
     if out is None:
@@ -75,13 +82,11 @@ def _launch(x, z, weight, eps, one_plus, gated, out):
     R, H1 = x3.shape[0] * x3.shape[1], x3.shape[1]
     if R == 0:
         return out
-    block_d = triton.next_power_of_2(D)
-    rows = max(1, min(16, 2048 // block_d))
+    block_d, rows, warps = _row_tile(D)
     _rms_norm_kernel[(triton.cdiv(R, rows),)](
         x3, weight, z3, y2, R, H1, x3.stride(0), x3.stride(1), z3.stride(0), z3.stride(1), y2.stride(0), D, eps,
         ONE_PLUS=bool(one_plus), GATED=gated, ROUND_WN=torch.promote_types(weight.dtype, x.dtype) == x.dtype,
-        ROWS=rows, BLOCK_D=block_d,
-        num_warps=8 if block_d >= 4096 else 4, **pdl_args(x.device)
+        ROWS=rows, BLOCK_D=block_d, num_warps=warps, **pdl_args(x.device)
     )
     return out
 
@@ -163,12 +168,11 @@ def add_rms_norm(x, residual, weight, eps: float, *, one_plus: bool = True, out=
     R = r2.shape[0]
     if R == 0:
         return out, residual_out
-    block_d = triton.next_power_of_2(D)
-    rows = max(1, min(16, 2048 // block_d))
+    block_d, rows, warps = _row_tile(D)
     _add_rms_norm_kernel[(triton.cdiv(R, rows),)](
         x3, r2, weight, y2, s2, R, x3.stride(0), x3.stride(1), r2.stride(0), y2.stride(0), s2.stride(0), D, eps,
-        ONE_PLUS=bool(one_plus), ROWS=rows, BLOCK_D=block_d, TERMS=x3.shape[1],
-        num_warps=8 if block_d >= 4096 else 4, **pdl_args(x.device)
+        ONE_PLUS=bool(one_plus), ROWS=rows, BLOCK_D=block_d, TERMS=x3.shape[1], num_warps=warps,
+        **pdl_args(x.device)
     )
     return out, residual_out
 
@@ -230,11 +234,9 @@ def add_rms_norm_linear(x, residual, weight, eps: float, projection, *, one_plus
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     projected = torch.empty((*x.shape[:-1], P), dtype=x.dtype, device=x.device)
-    block_d = triton.next_power_of_2(D)
-    rows = max(1, min(16, 2048 // block_d))  # add_rms_norm's row block
+    block_d, rows, warps = _row_tile(D)  # add_rms_norm's tile: bitwise its rows
     _add_rms_norm_linear_kernel[(triton.cdiv(P, block_p), triton.cdiv(R, rows))](
         x2, r2, weight, projection, out.view(-1, D), residual_out.view(-1, D), projected.view(-1, P), R, P,
         x2.stride(0), r2.stride(0), D, D, projection.stride(0), P, D, eps, ONE_PLUS=bool(one_plus),
-        ROWS=rows, BLOCK_D=block_d, BLOCK_P=block_p,
-        num_warps=8 if block_d >= 4096 else 4, **pdl_args(x.device))
+        ROWS=rows, BLOCK_D=block_d, BLOCK_P=block_p, num_warps=warps, **pdl_args(x.device))
     return out, residual_out, projected
