@@ -111,24 +111,35 @@ def _add_rms_norm_kernel(
     rr = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     dd = tl.arange(0, BLOCK_D)
     mask = (rr < R)[:, None] & (dd < D)[None, :]
+    w = tl.load(w_ptr + dd, mask=dd < D, other=0.0).to(tl.float32)
+    s, y = _add_norm_rows(x_ptr, r_ptr, w, rr, dd, mask, s_xr, s_xt, s_rr, D, eps, s_ptr.dtype.element_ty,
+                          y_ptr.dtype.element_ty, ONE_PLUS, ROWS, BLOCK_D, TERMS)
+    # Every row is fully read above before either store, so residual_out may be the residual itself.
+    tl.store(s_ptr + rr[:, None] * s_sr + dd[None, :], s, mask=mask)
+    tl.store(y_ptr + rr[:, None] * s_yr + dd[None, :], y, mask=mask)
+
+
+@triton.jit
+def _add_norm_rows(x_ptr, r_ptr, w, rr, dd, mask, s_xr, s_xt, s_rr, D, eps, s_dtype: tl.constexpr,
+                   y_dtype: tl.constexpr, ONE_PLUS: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+                   TERMS: tl.constexpr):
+    """(residual + x rounded to s_dtype, its norm in y_dtype) of rows ``rr`` (``w``: the norm weight in fp32). Both
+    add_rms_norm kernels norm through it, so a row is bitwise the same from either."""
     x = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
     for t in tl.static_range(TERMS):  # x as terms (a MoE block's slot rows): added in order in fp32, then rounded
         x += tl.load(x_ptr + rr[:, None] * s_xr + t * s_xt + dd[None, :], mask=mask, other=0.0).to(tl.float32)
     if TERMS > 1:
-        x = x.to(s_ptr.dtype.element_ty).to(tl.float32)
+        x = x.to(s_dtype).to(tl.float32)
     r = tl.load(r_ptr + rr[:, None] * s_rr + dd[None, :], mask=mask, other=0.0)
     # The sum is rounded to the residual dtype first: the norm reads the rounded stream, as the unfused model.
-    s = (r.to(tl.float32) + x).to(s_ptr.dtype.element_ty)
-    w = tl.load(w_ptr + dd, mask=dd < D, other=0.0).to(tl.float32)
+    s = (r.to(tl.float32) + x).to(s_dtype)
     sf = s.to(tl.float32)
     normed = sf * tl.rsqrt(tl.sum(sf * sf, axis=1) / D + eps)[:, None]
     if ONE_PLUS:
         y = normed * (1.0 + w[None, :])
     else:
         y = normed * w[None, :]
-    # Every row is fully read above before either store, so residual_out may be the residual itself.
-    tl.store(s_ptr + rr[:, None] * s_sr + dd[None, :], s, mask=mask)
-    tl.store(y_ptr + rr[:, None] * s_yr + dd[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    return s, y.to(y_dtype)
 
 
 def _out_rows(buf, like, what: str):
@@ -199,16 +210,8 @@ def _add_rms_norm_linear_kernel(
     # rows) by every program of the row block; the first stores them, and each projects them onto its rows.
     rr = (tl.program_id(1) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     mask = (rr < R)[:, None] & (dd < D)[None, :]
-    x = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
-    x += tl.load(x_ptr + rr[:, None] * s_xr + dd[None, :], mask=mask, other=0.0).to(tl.float32)
-    r = tl.load(r_ptr + rr[:, None] * s_rr + dd[None, :], mask=mask, other=0.0)
-    s = (r.to(tl.float32) + x).to(s_ptr.dtype.element_ty)
-    sf = s.to(tl.float32)
-    normed = sf * tl.rsqrt(tl.sum(sf * sf, axis=1) / D + eps)[:, None]
-    if ONE_PLUS:
-        y = (normed * (1.0 + w[None, :])).to(y_ptr.dtype.element_ty)
-    else:
-        y = (normed * w[None, :]).to(y_ptr.dtype.element_ty)
+    s, y = _add_norm_rows(x_ptr, r_ptr, w, rr, dd, mask, s_xr, 0, s_rr, D, eps, s_ptr.dtype.element_ty,
+                          y_ptr.dtype.element_ty, ONE_PLUS, ROWS, BLOCK_D, 1)
     if pid == 0:
         tl.store(s_ptr + rr[:, None] * s_sr + dd[None, :], s, mask=mask)
         tl.store(y_ptr + rr[:, None] * s_yr + dd[None, :], y, mask=mask)
