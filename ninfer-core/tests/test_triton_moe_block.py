@@ -117,6 +117,23 @@ def test_route_align_takes_the_lower_expert_among_equal_probabilities():
     torch.testing.assert_close(weights, want_w)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.float16, 1e-3), (torch.bfloat16, 4e-3)],
+                         ids=["fp32", "fp16", "bf16"])
+def test_route_align_picks_the_largest_logits(dtype, tol):
+    """Picks by logit (negative ones too, 16-bit logits on 16-bit keys): the k largest, the lower expert number
+    first among equal ones; weights the renormalised top-k of the fp32 softmax within one unit of the dtype."""
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    logits = torch.randn(3, 256, generator=gen, device=DEV) * 3
+    logits[1] = (logits[1] * 2).round() / 2  # many equal logits
+    logits[2] = -logits[2].abs() - 1  # all negative
+    logits = logits.to(dtype)
+    weights, ids, _ = moe_route_align.route_align(logits, 8, 16)
+    by_value = [sorted(range(256), key=lambda e: (-float(row[e]), e))[:8] for row in logits.cpu()]
+    assert ids.tolist() == by_value
+    probs = torch.softmax(logits.float(), -1).gather(1, ids.long())
+    torch.testing.assert_close(weights.float(), probs / probs.sum(-1, keepdim=True), atol=tol, rtol=0)
+
+
 def test_route_align_without_a_shared_expert():
     _, logits, _, *_ = block_args(3, 12, 4, 8, 8, 5, torch.float32)
     weights, ids, blocks = moe_route_align.route_align(logits, 4, 16)

@@ -3,9 +3,9 @@ more slot of each token, and the grouping by expert that the grouped kernels rea
 
 One program (a decode batch has few tokens):
 
-1. loads the router logits of all N tokens as one [BLOCK_T, BLOCK_E] tile, takes each row's fp32 softmax and
-   picks its k largest probabilities one after another (the lowest expert number first among equal ones), then
-   renormalises them to sum to 1, as ``moe_route`` does for one token per program;
+1. loads the router logits of all N tokens as one [BLOCK_T, BLOCK_E] tile and picks each row's k largest one
+   after another (the lowest expert number first among equal ones), weighted as the renormalised top-k of the
+   fp32 softmax that ``moe_route`` takes (``route_rows``);
 2. with ``shared_gate`` [N, 1], appends slot k to every token: the shared expert, numbered E (one past the
    bank), weighted by sigmoid(gate) rounded to the activations' dtype as the unfused block rounds it;
 3. stores the routing (weights [N, S] in the logits' dtype, ids [N, S] int32, S = k or k + 1), waits for every
@@ -36,32 +36,53 @@ MAX_EXPERTS = 1024
 def route_rows(logits_ptr, gate_ptr, N, E, s_l, s_g, dtype: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr,
                BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
     """The routing of N tokens as [BLOCK_T, BLOCK_S] tiles (weights fp32, already rounded to ``dtype`` where the
-    unfused block rounds; expert ids int32): each row's top-k of the fp32 softmax (the lowest expert number first
-    among equal ones), renormalised, and with SHARED the shared expert E as slot k. Padding rows repeat the last
-    token. The MoE block's single-token gate_up kernel routes with it too, so both give the same experts."""
+    unfused block rounds; expert ids int32): each row's top-k (the lowest expert number first among equal ones),
+    renormalised, and with SHARED the shared expert E as slot k. Padding rows repeat the last token. The MoE
+    block's single-token gate_up kernel routes with it too, so both give the same experts.
+
+    The softmax is monotonic and the top-k is renormalised, so the picks are the k largest logits and their
+    weights exp(z_j - z_max) / sum over the picks of exp(z_i - z_max): no softmax over all E experts, whose max
+    and sum are two more dependent reductions over the whole row."""
     tt = tl.arange(0, BLOCK_T)
     ee = tl.arange(0, BLOCK_E)
     ss = tl.arange(0, BLOCK_S)
     rows = tl.minimum(tt, N - 1).to(tl.int64)
-    z = tl.load(logits_ptr + rows[:, None] * s_l + ee[None, :], mask=(ee < E)[None, :], other=-float("inf"))
-    z = z.to(tl.float32)
-    p = tl.exp(z - tl.max(z, 1)[:, None])
-    p = p / tl.sum(p, 1)[:, None]
-    # One int64 key per expert orders by probability (p >= 0: its bits order as its value), then by the lower
-    # expert number: each pick is one max reduction, where probability then index took two dependent ones.
-    # Padding experts and picked ones hold -1, below every key.
-    bits = p.to(tl.int32, bitcast=True).to(tl.int64)
-    key = tl.where((ee < E)[None, :], (bits << 32) | (BLOCK_E - 1 - ee)[None, :].to(tl.int64), -1)
+    z = tl.load(logits_ptr + rows[:, None] * s_l + ee[None, :], mask=(ee < E)[None, :], other=0.0)
+    # One key per expert orders by value, then by the lower expert number: each pick is one max reduction, where
+    # value then index took two dependent ones. The value's bits map to an unsigned order (negative values
+    # reversed) above the inverted expert number; padding and picked experts hold -1, below every key. 16-bit
+    # logits (bf16, fp16) fit int32 keys, whose reductions move half the bits of int64 ones.
+    WIDE: tl.constexpr = z.dtype.primitive_bitwidth > 16
+    if WIDE:
+        z = z.to(tl.float32)
+        bits = z.to(tl.int32, bitcast=True).to(tl.int64)
+        SIGN: tl.constexpr = 0x80000000
+        SHIFT: tl.constexpr = 16
+    else:
+        bits = z.to(tl.int16, bitcast=True).to(tl.int32)
+        SIGN: tl.constexpr = 0x8000
+        SHIFT: tl.constexpr = 15
+    mag = bits & (SIGN - 1)
+    order = tl.where(bits < 0, SIGN - 1 - mag, SIGN + mag)
+    key = tl.where((ee < E)[None, :], (order << SHIFT) | (BLOCK_E - 1 - ee)[None, :].to(bits.dtype), -1)
     top = tl.zeros((BLOCK_T, BLOCK_S), dtype=tl.float32)
     ids = tl.zeros((BLOCK_T, BLOCK_S), dtype=tl.int32)
     for j in tl.static_range(TOP_K):
         best = tl.max(key, 1)
-        pick = (BLOCK_E - 1 - (best & 0xFFFFFFFF)).to(tl.int32)
-        value = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        pick = (BLOCK_E - 1 - (best & ((1 << SHIFT) - 1))).to(tl.int32)
+        o = best >> SHIFT
+        value = tl.where(o >= SIGN, o - SIGN, (SIGN - 1 - o) | SIGN)
+        if WIDE:
+            value = value.to(tl.int32).to(tl.float32, bitcast=True)
+        else:
+            value = value.to(tl.int16).to(z.dtype, bitcast=True).to(tl.float32)
+        if j == 0:
+            largest = value
         top = tl.where(ss[None, :] == j, value[:, None], top)
         ids = tl.where(ss[None, :] == j, pick[:, None], ids)
         key = tl.where(key == best[:, None], -1, key)
-    top = top / tl.sum(tl.where(ss[None, :] < TOP_K, top, 0.0), 1)[:, None]
+    top = tl.where(ss[None, :] < TOP_K, tl.exp(top - largest[:, None]), 0.0)
+    top = top / tl.sum(top, 1)[:, None]
     if SHARED:  # slot k: the shared expert, behind sigmoid(gate) in the activations' dtype
         g = tl.load(gate_ptr + rows * s_g).to(tl.float32)
         scale = tl.sigmoid(g).to(dtype).to(tl.float32)
