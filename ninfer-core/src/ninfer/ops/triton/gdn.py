@@ -54,12 +54,7 @@ def _gdn_decode_kernel(
 
     s_ptrs = state_ptr + slot * s_ss + h * s_sh + offs_k[:, None] * s_sk + offs_v[None, :] * s_sv
     s_mask = mask_k[:, None] & mask_v[None, :]
-    state = tl.load(s_ptrs, mask=s_mask, other=0.0)
-    state = state * tl.exp(g)
-    kv = tl.sum(state * k[:, None], axis=0)
-    delta = (v - kv) * beta
-    state = state + k[:, None] * delta[None, :]
-    o = tl.sum(state * q[:, None], axis=0)
+    state, o = _state_update(tl.load(s_ptrs, mask=s_mask, other=0.0), q, k, v, tl.exp(g), beta)
     tl.store(s_ptrs, state, mask=s_mask)
     tl.store(o_ptr + b * s_ob + h * s_oh + offs_v * s_od, o.to(o_ptr.dtype.element_ty), mask=mask_v)
 
@@ -134,15 +129,13 @@ def _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, b, h, s_ab, s_ah, s_bb, s_bh):
 
 
 @triton.jit
-def _state_step(s_head, offs_k, mask_k, offs_v, mask_v, s_sk, s_sv, q, k, v, decay, beta):
-    """The state streaming of _gdn_decode_kernel: one fp32 [Dk, BLOCK_V] block read and written once; returns o."""
-    s_ptrs = s_head + offs_k[:, None] * s_sk + offs_v[None, :] * s_sv
-    s_mask = mask_k[:, None] & mask_v[None, :]
-    state = tl.load(s_ptrs, mask=s_mask, other=0.0) * decay
+def _state_update(state, q, k, v, decay, beta):
+    """One recurrent step of an fp32 [Dk, BLOCK_V] state block held in registers: (the decayed, delta-corrected
+    block, o = its product with q)."""
+    state = state * decay
     delta = (v - tl.sum(state * k[:, None], axis=0)) * beta
     state = state + k[:, None] * delta[None, :]
-    tl.store(s_ptrs, state, mask=s_mask)
-    return tl.sum(state * q[:, None], axis=0)
+    return state, tl.sum(state * q[:, None], axis=0)
 
 
 @triton.jit
@@ -174,18 +167,22 @@ def _gdn_decode_fused_kernel(
     q_win, q = _conv_window(x_row, w_ptr, cs_row, q_ch, mask_k, s_xc, s_wc, s_wk, s_csc, s_csk, KW, BLOCK_W)
     k_win, k = _conv_window(x_row, w_ptr, cs_row, k_ch, mask_k, s_xc, s_wc, s_wk, s_csc, s_csk, KW, BLOCK_W)
     v_win, v = _conv_window(x_row, w_ptr, cs_row, v_ch, mask_v, s_xc, s_wc, s_wk, s_csc, s_csk, KW, BLOCK_W)
+    decay, beta = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, b, h, s_ab, s_ah, s_bb, s_bh)
+    s_ptrs = state_ptr + slot * s_ss + h * s_sh + offs_k[:, None] * s_sk + offs_v[None, :] * s_sv
+    s_mask = mask_k[:, None] & mask_v[None, :]
+    state = tl.load(s_ptrs, mask=s_mask, other=0.0)
+    # Every load comes before the arrival (its acquire would hold later loads behind its round trip), and the
+    # arrival before the state math: its latency overlaps the step instead of following the stores.
+    counter = arrive_ptr + b * HK + hk
+    tl.debug_barrier()  # every thread's reads of the q/k windows are done before the arrival is published
+    last = tl.atomic_add(counter, 1, sem="acq_rel") == HV_PER_HK * tl.num_programs(0) - 1
     _conv_shift(cs_row, v_ch, mask_v, v_win, s_csc, s_csk, KW, BLOCK_W)
     # L2 norm over Dk (eps inside the rsqrt, as the reference), then the 1/sqrt(Dk) query scale.
     q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
     k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-    decay, beta = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, b, h, s_ab, s_ah, s_bb, s_bh)
-    o = _state_step(state_ptr + slot * s_ss + h * s_sh, offs_k, mask_k, offs_v, mask_v, s_sk, s_sv,
-                    q, k, v, decay, beta)
+    state, o = _state_update(state, q, k, v, decay, beta)
+    tl.store(s_ptrs, state, mask=s_mask)
     tl.store(o_ptr + b * s_ob + h * s_oh + offs_v * s_od, o.to(o_ptr.dtype.element_ty), mask=mask_v)
-
-    counter = arrive_ptr + b * HK + hk
-    tl.debug_barrier()  # every thread's reads of the q/k windows are done before the arrival is published
-    last = tl.atomic_add(counter, 1, sem="acq_rel") == HV_PER_HK * tl.num_programs(0) - 1
     _conv_shift(cs_row, q_ch, mask_k & last, q_win, s_csc, s_csk, KW, BLOCK_W)
     _conv_shift(cs_row, k_ch, mask_k & last, k_win, s_csc, s_csk, KW, BLOCK_W)
     tl.store(counter, 0, mask=last)
