@@ -171,17 +171,21 @@ def _down_kernel(
     h_ptr, w_ptr, y_ptr, pairs_ptr, experts_ptr, used_ptr, route_ptr, numel, H, INTER,
     s_hm, s_we, s_wn, s_wk, s_ym, bank_experts, shared_off,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    SHARED: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    SHARED: tl.constexpr = False, USE_PDL: tl.constexpr = False, ONE_TOKEN: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pdl_prologue(USE_PDL)
-    if pid_m * BLOCK_M >= tl.load(used_ptr):
-        return
-    pair = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    if ONE_TOKEN:  # block j holds slot j's one pair (gate_up routed the token): only its expert is looked up
+        pair = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, numel)
+    else:
+        if pid_m * BLOCK_M >= tl.load(used_ptr):
+            return
+        pair = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = pair < numel
     row = pair.to(tl.int64)
     expert = _expert_offset(experts_ptr + pid_m, s_we, bank_experts, shared_off, SHARED)
+    route = tl.load(route_ptr + row, mask=valid, other=0.0).to(tl.float32)  # with the expert: one round trip
     nn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = nn < H
     kk = tl.arange(0, BLOCK_K)
@@ -197,7 +201,6 @@ def _down_kernel(
         w_tile += BLOCK_K * s_wk
     # The expert's output rounded as the unfused projection does, then scaled by the pair's routing weight.
     dtype = y_ptr.dtype.element_ty
-    route = tl.load(route_ptr + row, mask=valid, other=0.0).to(tl.float32)
     y = (acc.to(dtype).to(tl.float32) * route[:, None]).to(dtype)
     tl.store(y_ptr + row[:, None] * s_ym + nn[None, :], y, mask=valid[:, None] & mask_n[None, :])
 
@@ -300,7 +303,8 @@ def _grouped(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, blocks:
     per_pair = torch.empty((blocks.numel, x.shape[1]), dtype=x.dtype, device=x.device)
     gate_up_grouped(x, gate_up, blocks, slots, hidden, cfg, None if shared is None else shared[0],
                     routing=None if routing is None else (*routing, route))
-    down_grouped(hidden, down, blocks, route, per_pair, cfg, None if shared is None else shared[1])
+    down_grouped(hidden, down, blocks, route, per_pair, cfg, None if shared is None else shared[1],
+                 one_token=routing is not None)
     return per_pair
 
 
@@ -367,9 +371,11 @@ def gate_up_grouped(x: torch.Tensor, gate_up: torch.Tensor, blocks: ExpertBlocks
 
 
 def down_grouped(hidden: torch.Tensor, down: torch.Tensor, blocks: ExpertBlocks, route: torch.Tensor,
-                 per_pair: torch.Tensor, cfg: MoeConfig, shared: torch.Tensor | None = None) -> None:
+                 per_pair: torch.Tensor, cfg: MoeConfig, shared: torch.Tensor | None = None, *,
+                 one_token: bool = False) -> None:
     """per_pair[p] = route[p] * (hidden[p] Wd_e^T) for every pair p routed to expert e; with ``shared``
-    [H, I], expert E is that matrix."""
+    [H, I], expert E is that matrix. ``one_token``: ``blocks`` is a one-token call's (slot j in block j, as the
+    routing gate_up kernel writes it), so the kernel reads only the blocks' experts."""
     inter, H = hidden.shape[1], per_pair.shape[1]
     block_n = _tile(cfg.block_n, H)
     _down_kernel[(blocks.max_blocks, triton.cdiv(H, block_n))](
@@ -377,4 +383,5 @@ def down_grouped(hidden: torch.Tensor, down: torch.Tensor, blocks: ExpertBlocks,
         H, inter, hidden.stride(0), down.stride(0), down.stride(1), down.stride(2), per_pair.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=_tile(cfg.block_k, inter),
         PRECISION=_precision(hidden.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ONE_TOKEN=one_token,
         **_shared_args(down, shared), **pdl_args(hidden.device))
