@@ -201,20 +201,21 @@ def run(arch: int, pdl: bool) -> list[dict]:
                         "gdc_wait": "griddepcontrol.wait" in ptx,
                         "gdc_launch_dependents": "griddepcontrol.launch_dependents" in ptx,
                         "l2_prefetch": "prefetch.global.L2" in ptx,
-                        "pdl_order": _pdl_order(ptx, late, kernel.fn.__name__ in _READS_WEIGHTS_EARLY) if pdl else ""})
+                        "pdl_order": _pdl_order(ptx, late, kernel.fn.__name__ in _READS_EARLY) if pdl else ""})
     return results
 
 
 _GLOBAL_ACCESS = re.compile(r"\b(ld|st|atom|red)\.global|\bcp\.async")  # L2 prefetch hints are not accesses
 _GLOBAL_WRITE = re.compile(r"\b(st|atom|red)\.global")
-# Kernels that load weights (which no kernel writes) before their wait: only their writes must follow it.
-_READS_WEIGHTS_EARLY = {"_add_rms_norm_linear_kernel"}
+# Kernels that read before their wait what the kernel before them never writes (weights; the batch's index
+# tensors, written before the step): only their writes must follow it.
+_READS_EARLY = {"_add_rms_norm_linear_kernel", "_paged_attention_kernel"}
 _DOT = re.compile(r"\b(w?mma)\.")
 
 
-def _pdl_order(ptx: str, late: bool, reads_weights_early: bool = False) -> str:
+def _pdl_order(ptx: str, late: bool, reads_early: bool = False) -> str:
     """What is out of order in a PDL build's PTX, or "": the wait comes before the first global memory access
-    (nothing is read or written early; with ``reads_weights_early``, before the first write); the successor's
+    (nothing is read or written early; with ``reads_early``, before the first write); the successor's
     trigger comes before it too, or after the last dot when ``late``."""
     lines = ptx.splitlines()
 
@@ -222,7 +223,7 @@ def _pdl_order(ptx: str, late: bool, reads_weights_early: bool = False) -> str:
         return [i for i, line in enumerate(lines) if re.search(pattern, line)]
 
     wait, trigger = where(r"griddepcontrol\.wait"), where(r"griddepcontrol\.launch_dependents")
-    access, dots = where(_GLOBAL_WRITE if reads_weights_early else _GLOBAL_ACCESS), where(_DOT)
+    access, dots = where(_GLOBAL_WRITE if reads_early else _GLOBAL_ACCESS), where(_DOT)
     if not wait or not trigger:
         return "no prologue"
     if access and wait[0] > access[0]:

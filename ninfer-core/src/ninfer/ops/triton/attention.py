@@ -181,16 +181,18 @@ def _paged_attention_kernel(
     TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, GATED: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
-    pdl_prologue(USE_PDL)
     qblk = tl.program_id(0)
     b = tl.program_id(1)
     kvh = tl.program_id(2) // NUM_SPLITS
     split = tl.program_id(2) % NUM_SPLITS
 
+    # The batch's index tensors are written before the step, never by the kernel just before this one (which
+    # writes q and the new K/V): they load while that kernel finishes.
     q_start = tl.load(qsl_ptr + b)
     qlen = tl.load(qsl_ptr + b + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + b)
+    pdl_prologue(USE_PDL)
     if qblk * BLOCK_Q < qlen:
-        seq_len = tl.load(seq_lens_ptr + b)
         ctx = seq_len - qlen  # earlier context: query j sits at position ctx + j
 
         rows = tl.arange(0, BLOCK_M)
@@ -224,6 +226,8 @@ def _paged_attention_kernel(
             kv_mask = n_ok[:, None] & d_ok[None, :]
             k = tl.load(kc_ptr + page[:, None] * s_kcp + off[:, None] * s_kco + kvh * s_kch + dd[None, :] * s_kcd,
                         mask=kv_mask, other=0.0)
+            v = tl.load(vc_ptr + page[:, None] * s_vcp + off[:, None] * s_vco + kvh * s_vch + dd[None, :] * s_vcd,
+                        mask=kv_mask, other=0.0)  # beside k: both in flight at once
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
             visible = row_ok[:, None] & n_ok[None, :] & (n[None, :] <= q_pos[:, None])
             s = tl.where(visible, s, float("-inf"))
@@ -231,8 +235,6 @@ def _paged_attention_kernel(
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(vc_ptr + page[:, None] * s_vcp + off[:, None] * s_vco + kvh * s_vch + dd[None, :] * s_vcd,
-                        mask=kv_mask, other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
