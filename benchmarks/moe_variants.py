@@ -45,17 +45,20 @@ def pdl_knobs(knobs: dict):
 
 @contextlib.contextmanager
 def tiles(moe: dict | None = None, linear: dict | None = None, gdn_block_v: int | None = None,
-          moe_down: dict | None = None):
+          moe_down: dict | None = None, attention: tuple[int, int] | None = None):
     """Kernel tiles other than the defaults inside the block (a Program started there captures its graphs with
     them), restored on exit: ``moe`` {token limit of a ``_BY_TOKENS`` row: MoeConfig}, ``linear`` {(N, K):
     (block_n, block_k, split_k)} for the few-row linear, ``gdn_block_v`` for the GDN decode steps, ``moe_down``
-    {token limit: (block_n, block_k, warps, stages)} for the down kernel alone (its block_m stays the row's)."""
+    {token limit: (block_n, block_k, warps, stages)} for the down kernel alone (its block_m stays the row's),
+    ``attention`` (keys per tile, most splits) for decode attention."""
+    from ninfer.ops.triton import attention as t_attention
     from ninfer.ops.triton import gdn as t_gdn
     from ninfer.ops.triton import linear as t_linear
     from ninfer.ops.triton import moe as t_moe
 
     rows, measured, block_v = t_moe._BY_TOKENS, dict(t_linear._MEASURED), t_gdn._default_block_v
     down = t_moe.down_grouped
+    attention_tiles = t_attention.DECODE_TILE_N, t_attention.MAX_DECODE_SPLITS
     limits = {limit for limit, _ in rows}
     if moe and not set(moe) <= limits:
         raise ValueError(f"moe tiles: token limits {sorted(set(moe) - limits)} are not rows of {sorted(limits)}")
@@ -75,9 +78,12 @@ def tiles(moe: dict | None = None, linear: dict | None = None, gdn_block_v: int 
                     cfg = attrs.evolve(cfg, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
                 down(hidden, bank, blocks, route, per_pair, cfg, shared, one_token=one_token)
             t_moe.down_grouped = down_with
+        if attention:
+            t_attention.DECODE_TILE_N, t_attention.MAX_DECODE_SPLITS = attention
         yield
     finally:
         t_moe._BY_TOKENS, t_gdn._default_block_v, t_moe.down_grouped = rows, block_v, down
+        t_attention.DECODE_TILE_N, t_attention.MAX_DECODE_SPLITS = attention_tiles
         t_linear._MEASURED.clear()
         t_linear._MEASURED.update(measured)
         t_linear.default_config.cache_clear()

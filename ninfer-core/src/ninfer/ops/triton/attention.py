@@ -288,6 +288,11 @@ def _merge_splits_kernel(
     tl.store(o_ptr + n * s_on + h * s_oh + dd * s_od, o.to(o_ptr.dtype.element_ty), mask=dd < D)
 
 
+# Decode tiles: keys per tile, and the most splits of a context (both powers of two).
+DECODE_TILE_N = 32
+MAX_DECODE_SPLITS = 64
+
+
 def _decode_splits(batch: int, kv_heads: int, max_seq_len: int, tile_n: int, num_sms: int = H200_SMS) -> int:
     """Splits of the context for a decode batch: about eight programs per SM (measured best on the H200 for
     B = 1..8 at 1k..8k context), at least two tiles per split of the longest context. A power of two. Only
@@ -295,7 +300,7 @@ def _decode_splits(batch: int, kv_heads: int, max_seq_len: int, tile_n: int, num
     stays right for any context."""
     want = triton.cdiv(8 * num_sms, max(batch * kv_heads, 1))
     most = triton.cdiv(max(max_seq_len, 1), 2 * tile_n)
-    s = max(1, min(want, most, 64))
+    s = max(1, min(want, most, MAX_DECODE_SPLITS))
     return 1 << (s.bit_length() - 1)
 
 
@@ -326,7 +331,7 @@ def paged_attention(
     g_arg, s_gn, s_gh = (gate, gate.stride(0), gate.stride(1)) if gate is not None else (out, 0, 0)
     G = H // KVH
     decode = max_query_len <= 1
-    tile_n = tile_n or (32 if decode else 64)
+    tile_n = tile_n or (DECODE_TILE_N if decode else 64)
     if block_q is None:
         # Prefill: 128 score rows per program (measured best on the H200 for head_dim 256, G = 4).
         block_q = 1 if decode else max(1, 128 // G)
