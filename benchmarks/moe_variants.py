@@ -58,7 +58,8 @@ def tiles(moe: dict | None = None, linear: dict | None = None, gdn_block_v: int 
 
     rows, measured, block_v = t_moe._BY_TOKENS, dict(t_linear._MEASURED), t_gdn._default_block_v
     down = t_moe.down_grouped
-    attention_tiles = t_attention.DECODE_TILE_N, t_attention.MAX_DECODE_SPLITS
+    # Read only when patched: a tree from before these constants (a before/after run) still times its defaults.
+    attention_tiles = (t_attention.DECODE_TILE_N, t_attention.MAX_DECODE_SPLITS) if attention else None
     limits = {limit for limit, _ in rows}
     if moe and not set(moe) <= limits:
         raise ValueError(f"moe tiles: token limits {sorted(set(moe) - limits)} are not rows of {sorted(limits)}")
@@ -83,7 +84,8 @@ def tiles(moe: dict | None = None, linear: dict | None = None, gdn_block_v: int 
         yield
     finally:
         t_moe._BY_TOKENS, t_gdn._default_block_v, t_moe.down_grouped = rows, block_v, down
-        t_attention.DECODE_TILE_N, t_attention.MAX_DECODE_SPLITS = attention_tiles
+        if attention_tiles is not None:
+            t_attention.DECODE_TILE_N, t_attention.MAX_DECODE_SPLITS = attention_tiles
         t_linear._MEASURED.clear()
         t_linear._MEASURED.update(measured)
         t_linear.default_config.cache_clear()
