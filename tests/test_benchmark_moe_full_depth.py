@@ -87,11 +87,10 @@ def test_variants_parse_into_pdl_ops_and_knobs():
 
 def test_tile_variants_patch_the_kernels_defaults_and_restore_them():
     from benchmarks.moe_variants import tiles
+    from ninfer.ops.triton import attention as t_attention
     from ninfer.ops.triton import gdn as t_gdn
     from ninfer.ops.triton import linear as t_linear
     from ninfer.ops.triton import moe as t_moe
-
-    from ninfer.ops.triton import attention as t_attention
 
     v = moe_full_depth.parse_variant("moe_tiles=1:16,32,128,4,4+linear_tiles=2048x4096:64,128,2+gdn_block_v=32"
                                      "+attention=64,16")
