@@ -41,7 +41,8 @@ def parse_variant(spec: str) -> dict:
     (``NINFER_OPS_OFF``), ``prefetch_tiles=N`` (``_pdl.PREFETCH_TILES``), ``moe_tiles=LIMIT:BM,BN,BK,WARPS,STAGES``
     (the MoE kernels' row for calls up to LIMIT tokens), ``linear_tiles=NxK:BN,BK,SPLIT`` (the few-row linear for
     an [N, K] weight), ``moe_down=PAIRS:BN,BK,WARPS,STAGES`` (the down kernel alone for calls up to PAIRS (token,
-    slot) pairs), ``gdn_block_v=V``, ``attention=TILE_N,SPLITS`` (decode attention's keys per tile and most splits)
+    slot) pairs), ``gdn_block_v=V``, ``attention=TILE_N,SPLITS`` (decode attention's keys per tile and most splits),
+    ``one_token=UN,UK,DN,DK,WARPS,STAGES,PRELOAD`` (``moe_one_token``'s tiles; PRELOAD 0 or 1)
     -> {"pdl", "ops_off", "knobs", "tiles"}."""
     out: dict = {"pdl": None, "ops_off": None, "knobs": {}, "tiles": {}}
     if spec == "auto":
@@ -53,7 +54,8 @@ def parse_variant(spec: str) -> dict:
         except (ValueError, TypeError) as exc:
             raise ValueError(f"variant {spec!r}: {part!r}: expected auto or +-joined pdl=on|off, ops_off=OPS, "
                              f"prefetch_tiles=N, moe_tiles=LIMIT:BM,BN,BK,WARPS,STAGES, linear_tiles=NxK:BN,BK,SPLIT "
-                             f"moe_down=PAIRS:BN,BK,WARPS,STAGES, gdn_block_v=V or attention=TILE_N,SPLITS ({exc})") from None
+                             f"moe_down=PAIRS:BN,BK,WARPS,STAGES, gdn_block_v=V, attention=TILE_N,SPLITS or "
+                             f"one_token=UN,UK,DN,DK,WARPS,STAGES,PRELOAD ({exc})") from None
     return out
 
 
@@ -86,6 +88,11 @@ def _knob(out: dict, key: str, value: str) -> None:
         out["tiles"]["gdn_block_v"] = ints(value, 1)[0]
     elif key == "attention":
         out["tiles"]["attention"] = ints(value, 2)
+    elif key == "one_token":
+        from ninfer.ops.triton.moe_one_token import OneTokenTiles
+
+        *sizes, preload = (int(v) for v in value.split(","))
+        out["tiles"]["one_token"] = OneTokenTiles(*ints(",".join(map(str, sizes)), 6), preload=bool(preload))
     else:
         raise ValueError("unknown knob")
 

@@ -147,3 +147,22 @@ def test_route_align_refuses_what_one_program_cannot_take():
     assert not moe_route_align.fits(logits.shape[0], 8, 2, shared=True)
     with pytest.raises(ValueError, match="one program routes"):
         moe_route_align.route_align(logits, 2, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("preload", [False, True], ids=["k-loop", "preload"])
+def test_one_launch_equals_the_two_launches(dtype, preload):
+    """``moe_one_token``: gate_up and down of one token in one grid give the two-launch path's slot rows, and
+    leave the arrival counters at zero for the next launch (run twice over fresh inputs)."""
+    from ninfer.ops.triton import moe_one_token
+    from ninfer.ops.triton._arrivals import arrival_counters
+
+    tiles = moe_one_token.OneTokenTiles(up_n=16, up_k=32, down_n=16, down_k=16, preload=preload)
+    for seed in (21, 22):
+        args = block_args(seed, 10, 3, 64, 48, 1, dtype)
+        rows = moe_one_token.moe_one_token(*args, tiles=tiles)
+        two = moe_block(*args, summed=False, one_launch=False)[0]
+        assert rows.shape == (4, 64)
+        torch.testing.assert_close(rows, two, atol=1e-6 if dtype == torch.float32 else 1e-3, rtol=1e-5)
+        assert not arrival_counters(rows.device, 8)[:8].any()
+    assert torch.equal(moe_block(*args, summed=False)[0], moe_one_token.moe_one_token(*args))

@@ -83,11 +83,12 @@ def test_no_host_sync(case):
     case.no_host_sync(lambda: moe_block(*args))
 
 
-@pytest.mark.parametrize("tokens,summed,launches", [(2, True, 4), (1, True, 3), (1, False, 2)],
+@pytest.mark.parametrize("tokens,summed,launches", [(2, True, 4), (1, True, 2), (1, False, 1)],
                          ids=("N2", "N1", "N1-unsummed"))
 def test_decode_call_launches(case, tokens, summed, launches):
-    """A decode call: the routing-and-grouping program, both grouped kernels and the slot sum; one token routes
-    inside gate_up (no routing program); unsummed, the slot sum is the caller's. Never a shared-expert linear."""
+    """A decode call: the routing-and-grouping program, both grouped kernels and the slot sum; one token is one
+    launch of gate_up and down that routes itself (no routing program); unsummed, the slot sum is the caller's.
+    Never a shared-expert linear."""
     from torch.profiler import ProfilerActivity, profile
 
     from ninfer.ops.triton.moe import moe_block
@@ -112,11 +113,60 @@ def test_one_token_path_equals_the_grouped_one(case, dtype):
 
     for _ in range(3):
         x, logits, gate, gate_up, down, s_gate_up, s_down, top_k = block(case, *A3B, 1, dtype)
-        rows = t_moe.moe_block(x, logits, gate, gate_up, down, s_gate_up, s_down, top_k, summed=False)[0]
+        rows = t_moe.moe_block(x, logits, gate, gate_up, down, s_gate_up, s_down, top_k, summed=False,
+                               one_launch=False)[0]
         cfg = t_moe.default_config(1, dtype)
         weights, ids, blocks = route_align(logits, top_k, cfg.block_m, gate)
         grouped = t_moe._grouped(x, gate_up, down, blocks, top_k + 1, weights.reshape(-1), cfg, (s_gate_up, s_down))
         case.within(rows, grouped.float(), TOL[dtype], "one-token slot rows")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_one_launch_equals_the_two_launches(case, dtype):
+    """``moe_one_token`` at the A3B bank gives the two-launch path's slot rows bitwise (same tiles, same sums),
+    with its whole down slice loaded before the wait too (within the tolerance), over fresh inputs each time."""
+    from ninfer.ops.triton import moe as t_moe
+    from ninfer.ops.triton import moe_one_token
+
+    for _ in range(3):
+        args = block(case, *A3B, 1, dtype)
+        two = t_moe.moe_block(*args, summed=False, one_launch=False)[0]
+        assert torch.equal(moe_one_token.moe_one_token(*args), two)
+        preload = moe_one_token.OneTokenTiles(down_n=32, preload=True)
+        case.within(moe_one_token.moe_one_token(*args, tiles=preload), two.float(), TOL[dtype], "preloaded down")
+
+
+@pytest.mark.parametrize("preload", (False, True), ids=("k-loop", "preload"))
+def test_one_launch_replays_many_times_under_pdl(case, preload):
+    """Captured with PDL, the one launch replays 40 times over fresh routings, each time equal to the two-launch
+    path run eagerly: its counters are zero again after every launch, and no down program reads a slot early."""
+    from ninfer.ops.triton import _pdl, moe_one_token
+    from ninfer.ops.triton import moe as t_moe
+    from ninfer.ops.triton._arrivals import arrival_counters
+
+    tiles = moe_one_token.OneTokenTiles(down_n=32, preload=True) if preload else None
+    static = block(case, *A3B, 1, torch.bfloat16)
+    x, logits, gate = static[:3]
+    with _pdl.scope(True):
+        moe_one_token.moe_one_token(*static, tiles=tiles)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = moe_one_token.moe_one_token(*static, tiles=tiles)
+    for _ in range(40):
+        fresh = block(case, *A3B, 1, torch.bfloat16)
+        x.copy_(fresh[0])
+        logits.copy_(fresh[1])
+        gate.copy_(fresh[2])
+        out.fill_(float("nan"))
+        graph.replay()
+        want = t_moe.moe_block(*static, summed=False, one_launch=False)[0]
+        torch.cuda.synchronize()
+        if preload:
+            case.within(out, want.float(), TOL[torch.bfloat16], "replayed one launch")
+        else:
+            assert torch.equal(out, want)
+    assert not arrival_counters(x.device, 18)[:18].any()
 
 
 @pytest.mark.parametrize("pdl", (False, True), ids=("plain", "pdl"))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ninfer.ops._dispatch import triton_kernel
+from ninfer.ops._dispatch import triton_kernel, triton_selected
 
 
 def moe_route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,6 +122,7 @@ def moe_block(x: torch.Tensor, logits: torch.Tensor, shared_gate: torch.Tensor, 
         raise ValueError(f"moe_block: top_k must be in 1..{logits.shape[1]}, got {top_k}")
     kernel = triton_kernel("moe", "moe_block", x)
     if kernel is not None:
-        return kernel(x, logits, shared_gate, gate_up, down, shared_gate_up, shared_down, top_k, summed=summed)
+        return kernel(x, logits, shared_gate, gate_up, down, shared_gate_up, shared_down, top_k, summed=summed,
+                      one_launch=triton_selected("moe_one_token", "moe_one_token"))
     out = moe_block_ref(x, logits, shared_gate, gate_up, down, shared_gate_up, shared_down, top_k)
     return out if summed else out[:, None]

@@ -18,8 +18,9 @@ kernels (one slot more per token, its weight sigmoid(gate); ``_expert_offset`` p
 matrices) after one program that routes and groups (``moe_route_align``): four launches, where the block's parts
 take seven (route, align, the shared expert's two linears, the three above). A one-token call (decode at B=1)
 needs no grouping, since a token's experts are distinct: every gate_up program routes the token itself and
-block j is slot j, so the routing program goes too. A caller that adds the slot rows itself (the next
-``add_rms_norm``, ``summed=False``) saves the slot sum's launch as well.
+block j is slot j, so the routing program goes too; ``moe_one_token`` puts its gate_up and down in one launch.
+A caller that adds the slot rows itself (the next ``add_rms_norm``, ``summed=False``) saves the slot sum's
+launch as well.
 
 Accumulation is fp32; fp32 inputs multiply in full fp32 (``input_precision="ieee"``, not TF32). Block sizes
 follow the token count (``default_config``): BLOCK_M stays 16 while each expert sees few rows and grows for
@@ -94,6 +95,13 @@ def _expert_offset(block_expert_ptr, s_we, bank_experts, shared_off, SHARED: tl.
 
 
 @triton.jit
+def pick_slot(top, ids, slot, BLOCK_S: tl.constexpr):
+    """(expert, weight) of one token's ``slot`` from ``route_rows``' [2, BLOCK_S] tiles of that token."""
+    pick = (tl.arange(0, 2)[:, None] == 0) & (tl.arange(0, BLOCK_S)[None, :] == slot)
+    return tl.sum(tl.where(pick, ids, 0)), tl.sum(tl.where(pick, top, 0.0))
+
+
+@triton.jit
 def _route_one_token(logits_ptr, gate_ptr, route_ptr, pairs_ptr, experts_ptr, used_ptr, s_l, s_g, bank_experts,
                      pid_m, pid_n, dtype: tl.constexpr, SLOTS: tl.constexpr, SHARED: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
@@ -103,13 +111,12 @@ def _route_one_token(logits_ptr, gate_ptr, route_ptr, pairs_ptr, experts_ptr, us
     Returns (this block's expert, its pair numbers: the slot in row 0, the padding number SLOTS elsewhere)."""
     top, ids = route_rows(logits_ptr, gate_ptr, 1, bank_experts, s_l, s_g, dtype, SLOTS - SHARED, SHARED, 2,
                           BLOCK_E, BLOCK_S)
-    pick = (tl.arange(0, 2)[:, None] == 0) & (tl.arange(0, BLOCK_S)[None, :] == pid_m)
-    expert = tl.sum(tl.where(pick, ids, 0))
+    expert, route = pick_slot(top, ids, pid_m, BLOCK_S)
     mm = tl.arange(0, BLOCK_M)
     pair = tl.where(mm == 0, pid_m, SLOTS)
     if pid_n == 0:
         tl.store(experts_ptr + pid_m, expert)
-        tl.store(route_ptr + pid_m, tl.sum(tl.where(pick, top, 0.0)).to(dtype))
+        tl.store(route_ptr + pid_m, route.to(dtype))
         tl.store(pairs_ptr + pid_m * BLOCK_M + mm, pair)
         if pid_m == 0:
             tl.store(used_ptr, SLOTS * BLOCK_M)
@@ -138,12 +145,23 @@ def _gate_up_kernel(
         pair = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
         expert = _expert_offset(experts_ptr + pid_m, s_we, bank_experts, shared_off, SHARED)
     valid = pair < numel
-    token = (pair // TOP_K).to(tl.int64)
+    hidden = _gate_up_tile(x_ptr, w_ptr + expert, (pair // TOP_K).to(tl.int64), valid, pid_n, INTER, H, s_xm, s_xk,
+                           s_wn, s_wk, h_ptr.dtype.element_ty, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+    nn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    out = h_ptr + pair.to(tl.int64)[:, None] * s_hm + nn[None, :]
+    tl.store(out, hidden, mask=valid[:, None] & (nn < INTER)[None, :])
+
+
+@triton.jit
+def _gate_up_tile(x_ptr, w_ptr, token, valid, pid_n, INTER, H, s_xm, s_xk, s_wn, s_wk, dtype: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """silu(x Wg^T) * (x Wu^T) of the rows ``token`` (where ``valid``) for intermediate column block ``pid_n`` of the
+    expert whose gate rows start at ``w_ptr`` (its up rows INTER rows on), rounded as the unfused ops round."""
     nn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = nn < INTER
     kk = tl.arange(0, BLOCK_K)
     x_tile = x_ptr + token[:, None] * s_xm + kk[None, :] * s_xk
-    gate_tile = w_ptr + expert + nn.to(tl.int64)[:, None] * s_wn + kk[None, :] * s_wk
+    gate_tile = w_ptr + nn.to(tl.int64)[:, None] * s_wn + kk[None, :] * s_wk
     up_tile = gate_tile + INTER * s_wn
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -158,12 +176,9 @@ def _gate_up_kernel(
         gate_tile += BLOCK_K * s_wk
         up_tile += BLOCK_K * s_wk
     # Round as the unfused ops do: both projections, silu(gate), the product.
-    dtype = h_ptr.dtype.element_ty
     gate = acc_gate.to(dtype).to(tl.float32)
     act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-    hidden = (act * acc_up.to(dtype).to(tl.float32)).to(dtype)
-    out = h_ptr + pair.to(tl.int64)[:, None] * s_hm + nn[None, :]
-    tl.store(out, hidden, mask=valid[:, None] & mask_n[None, :])
+    return (act * acc_up.to(dtype).to(tl.float32)).to(dtype)
 
 
 @triton.jit
@@ -186,23 +201,44 @@ def _down_kernel(
     row = pair.to(tl.int64)
     expert = _expert_offset(experts_ptr + pid_m, s_we, bank_experts, shared_off, SHARED)
     route = tl.load(route_ptr + row, mask=valid, other=0.0).to(tl.float32)  # with the expert: one round trip
-    nn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = nn < H
+    w_tile = w_ptr + expert + (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None] * s_wn
+    acc = _down_acc(h_ptr + row[:, None] * s_hm, w_tile, valid, pid_n, H, INTER, s_wk, BLOCK_M, BLOCK_N, BLOCK_K,
+                    PRECISION)
+    _store_weighted(y_ptr + row[:, None] * s_ym, acc, route, valid, pid_n, H, BLOCK_N)
+
+
+@triton.jit
+def _down_acc(h_rows, w_rows, valid, pid_n, H, INTER, s_wk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, H_L2: tl.constexpr = False):
+    """The fp32 products of the hidden rows at ``h_rows`` [BLOCK_M, 1] (where ``valid``) with the down rows at
+    ``w_rows`` [BLOCK_N, 1] (output column block ``pid_n``) over the INTER intermediate columns; ``H_L2``: the hidden
+    loads bypass L1 (".cg")."""
+    mask_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N) < H
     kk = tl.arange(0, BLOCK_K)
-    h_tile = h_ptr + row[:, None] * s_hm + kk[None, :]
-    w_tile = w_ptr + expert + nn.to(tl.int64)[:, None] * s_wn + kk[None, :] * s_wk
+    h_tile = h_rows + kk[None, :]
+    w_tile = w_rows + kk[None, :] * s_wk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
         mask_k = kk < INTER - k0
-        a = tl.load(h_tile, mask=valid[:, None] & mask_k[None, :], other=0.0)
+        if H_L2:
+            a = tl.load(h_tile, mask=valid[:, None] & mask_k[None, :], other=0.0, cache_modifier=".cg")
+        else:
+            a = tl.load(h_tile, mask=valid[:, None] & mask_k[None, :], other=0.0)
         w = tl.load(w_tile, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
         h_tile += BLOCK_K
         w_tile += BLOCK_K * s_wk
-    # The expert's output rounded as the unfused projection does, then scaled by the pair's routing weight.
-    dtype = y_ptr.dtype.element_ty
+    return acc
+
+
+@triton.jit
+def _store_weighted(y_rows, acc, route, valid, pid_n, H, BLOCK_N: tl.constexpr):
+    """The expert's output rounded as the unfused projection does, then scaled by the pair's routing weight,
+    stored at ``y_rows`` [BLOCK_M, 1] (where ``valid``), output column block ``pid_n``."""
+    nn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    dtype = y_rows.dtype.element_ty
     y = (acc.to(dtype).to(tl.float32) * route[:, None]).to(dtype)
-    tl.store(y_ptr + row[:, None] * s_ym + nn[None, :], y, mask=valid[:, None] & mask_n[None, :])
+    tl.store(y_rows + nn[None, :], y, mask=valid[:, None] & (nn < H)[None, :])
 
 
 @triton.jit
@@ -250,17 +286,18 @@ def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids:
 
 def moe_block(x: torch.Tensor, logits: torch.Tensor, shared_gate: torch.Tensor, gate_up: torch.Tensor,
               down: torch.Tensor, shared_gate_up: torch.Tensor, shared_down: torch.Tensor, top_k: int, *,
-              summed: bool = True) -> torch.Tensor:
+              summed: bool = True, one_launch: bool = True) -> torch.Tensor:
     """The sparse MoE block (``ninfer.ops.moe.moe_block``, which checks the shapes). A decode-sized call (up to
     ``moe_route_align.MAX_TOKENS`` tokens, the shared expert shaped as one routed expert) is four launches: the
     routing, the shared expert as slot k of every token (expert E, weight sigmoid(gate)) and the grouping in one
     (``moe_route_align``), then the grouped kernels and the slot sum over k + 1 slots. A one-token call routes
-    inside gate_up (its k + 1 experts are distinct: nothing to group), three launches. With ``summed=False``
+    inside gate_up (its k + 1 experts are distinct: nothing to group), three launches, or with ``one_launch``
+    two (gate_up and down in one, ``moe_one_token``). With ``summed=False``
     the slot sum is left to the caller (``ninfer.ops.add_rms_norm`` takes the rows as terms): the weighted slot
     rows [N, k + 1, H] come back. Other calls run the block as its parts (``moe_block_ref``; [N, 1, H] when not
     summed)."""
     from ninfer.ops.moe import moe_block_ref
-    from ninfer.ops.triton import moe_route_align
+    from ninfer.ops.triton import moe_one_token, moe_route_align
 
     N, H = x.shape
     folded = (moe_route_align.fits(N, gate_up.shape[0], top_k, shared=True) and _as_expert(gate_up, shared_gate_up)
@@ -271,7 +308,10 @@ def moe_block(x: torch.Tensor, logits: torch.Tensor, shared_gate: torch.Tensor, 
         return out if summed else out[:, None]
     cfg = default_config(N, x.dtype)
     slots, shared = top_k + 1, (shared_gate_up, shared_down)
-    if N == 1:
+    if N == 1 and one_launch and moe_one_token.fits(x, gate_up, down, shared_gate_up, shared_down):
+        per_pair = moe_one_token.moe_one_token(x, logits, shared_gate, gate_up, down, shared_gate_up, shared_down,
+                                               top_k)
+    elif N == 1:
         blocks, route = one_token_blocks(slots, cfg.block_m, x.dtype, x.device)
         per_pair = _grouped(x, gate_up, down, blocks, slots, route, cfg, shared, routing=(logits, shared_gate))
     else:
