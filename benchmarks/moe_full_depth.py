@@ -42,7 +42,7 @@ def parse_variant(spec: str) -> dict:
     (the MoE kernels' row for calls up to LIMIT tokens), ``linear_tiles=NxK:BN,BK,SPLIT`` (the few-row linear for
     an [N, K] weight), ``moe_down=PAIRS:BN,BK,WARPS,STAGES`` (the down kernel alone for calls up to PAIRS (token,
     slot) pairs), ``gdn_block_v=V``, ``attention=TILE_N,SPLITS`` (decode attention's keys per tile and most splits),
-    ``one_token=UN,UK,DN,DK,WARPS,STAGES,PRELOAD`` (``moe_one_token``'s tiles; PRELOAD 0 or 1)
+    ``one_token=UN,UK,DN,DK,WARPS,STAGES,PRELOAD[,SHARED_FIRST]`` (``moe_one_token``'s tiles; flags 0 or 1)
     -> {"pdl", "ops_off", "knobs", "tiles"}."""
     out: dict = {"pdl": None, "ops_off": None, "knobs": {}, "tiles": {}}
     if spec == "auto":
@@ -55,7 +55,7 @@ def parse_variant(spec: str) -> dict:
             raise ValueError(f"variant {spec!r}: {part!r}: expected auto or +-joined pdl=on|off, ops_off=OPS, "
                              f"prefetch_tiles=N, moe_tiles=LIMIT:BM,BN,BK,WARPS,STAGES, linear_tiles=NxK:BN,BK,SPLIT "
                              f"moe_down=PAIRS:BN,BK,WARPS,STAGES, gdn_block_v=V, attention=TILE_N,SPLITS or "
-                             f"one_token=UN,UK,DN,DK,WARPS,STAGES,PRELOAD ({exc})") from None
+                             f"one_token=UN,UK,DN,DK,WARPS,STAGES,PRELOAD[,SHARED_FIRST] ({exc})") from None
     return out
 
 
@@ -91,8 +91,11 @@ def _knob(out: dict, key: str, value: str) -> None:
     elif key == "one_token":
         from ninfer.ops.triton.moe_one_token import OneTokenTiles
 
-        *sizes, preload = (int(v) for v in value.split(","))
-        out["tiles"]["one_token"] = OneTokenTiles(*ints(",".join(map(str, sizes)), 6), preload=bool(preload))
+        vals = value.split(",")  # 6 sizes, PRELOAD, then SHARED_FIRST (default 1)
+        if len(vals) not in (7, 8):
+            raise ValueError("6 sizes, PRELOAD and SHARED_FIRST")
+        flags = [bool(int(v)) for v in vals[6:]]
+        out["tiles"]["one_token"] = OneTokenTiles(*ints(",".join(vals[:6]), 6), *flags)
     else:
         raise ValueError("unknown knob")
 

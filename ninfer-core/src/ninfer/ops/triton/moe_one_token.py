@@ -6,7 +6,7 @@ pipe to DRAM drains: the down launch waits until the last gate_up program has fi
 flushed, then reads its expert and only then its first weights. Here one 1-D grid holds both:
 
 1. programs ``[0, S·U)`` (S = k + 1 slots, U intermediate column blocks per slot) are gate_up's: route the token
-   (``route_rows``, as everywhere else), compute their slot's silu(gate)·up columns into ``hidden`` [S, I] and
+   (``route_rows``, as everywhere else; the shared expert's slot, the last, needs no routing), compute their slot's silu(gate)·up columns into ``hidden`` [S, I] and
    publish them with a release add on their slot's counter;
 2. programs ``[S·U, S·U + S·D)`` (D output column blocks) are down's, slot-major: they route the token too
    (so they know their expert and weight without reading gate_up's), optionally load their whole weight slice
@@ -47,7 +47,8 @@ from ninfer.ops.triton.moe_route_align import route_rows
 class OneTokenTiles:
     """``up_n`` gate (and as many up) columns and ``up_k`` per K step of a gate_up program; ``down_n`` output
     columns and ``down_k`` per K step of a down program; ``preload``: a down program loads its whole weight slice
-    (``down_k`` raised to the intermediate width) before it waits."""
+    (``down_k`` raised to the intermediate width) before it waits; ``shared_first``: the shared expert's gate_up
+    programs start on their weights without routing the token."""
 
     up_n: int = 32
     up_k: int = 128
@@ -56,6 +57,7 @@ class OneTokenTiles:
     num_warps: int = 4
     num_stages: int = 4
     preload: bool = False
+    shared_first: bool = True
 
 
 TILES = OneTokenTiles()  # the two-launch path's tiles (moe.default_config(1, ...))
@@ -67,19 +69,22 @@ def _one_token_kernel(
     s_gue, s_gun, s_guk, s_de, s_dn, s_dk, s_l, s_g, bank_experts, shared_gu, shared_d,
     SLOTS: tl.constexpr, UP_BLOCKS: tl.constexpr, DOWN_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr,
     UP_N: tl.constexpr, UP_K: tl.constexpr, DOWN_N: tl.constexpr, DOWN_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_S: tl.constexpr, PRECISION: tl.constexpr, PRELOAD: tl.constexpr, USE_PDL: tl.constexpr = False,
+    BLOCK_S: tl.constexpr, PRECISION: tl.constexpr, PRELOAD: tl.constexpr, SHARED_FIRST: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pdl_prologue(USE_PDL)
     dtype = h_ptr.dtype.element_ty
-    top, ids = route_rows(logits_ptr, gate_ptr, 1, bank_experts, s_l, s_g, dtype, SLOTS - 1, True, 2, BLOCK_E,
-                          BLOCK_S)
     valid = tl.arange(0, BLOCK_M) == 0  # row 0 is the token; the others pad tl.dot's rows
     rows = tl.zeros((BLOCK_M, 1), dtype=tl.int64)
     if pid < SLOTS * UP_BLOCKS:
         slot = pid // UP_BLOCKS
         pid_n = pid % UP_BLOCKS
-        expert, _ = pick_slot(top, ids, slot, BLOCK_S)
+        expert = bank_experts  # the shared expert's slot starts its weights without waiting for the routing
+        if (slot < SLOTS - 1) or not SHARED_FIRST:
+            top, ids = route_rows(logits_ptr, gate_ptr, 1, bank_experts, s_l, s_g, dtype, SLOTS - 1, True, 2,
+                                  BLOCK_E, BLOCK_S)
+            expert, _ = pick_slot(top, ids, slot, BLOCK_S)
         w_up = gu_ptr + _expert_base(expert, s_gue, bank_experts, shared_gu, True)
         hidden = _gate_up_tile(x_ptr, w_up, rows.reshape(BLOCK_M), valid, pid_n, INTER, H, 0, 1, s_gun, s_guk,
                                dtype, BLOCK_M, UP_N, UP_K, PRECISION)
@@ -91,6 +96,8 @@ def _one_token_kernel(
         q = pid - SLOTS * UP_BLOCKS
         slot = q // DOWN_BLOCKS
         pid_n = q % DOWN_BLOCKS
+        top, ids = route_rows(logits_ptr, gate_ptr, 1, bank_experts, s_l, s_g, dtype, SLOTS - 1, True, 2, BLOCK_E,
+                              BLOCK_S)
         expert, route = pick_slot(top, ids, slot, BLOCK_S)
         nn = pid_n * DOWN_N + tl.arange(0, DOWN_N)
         w_rows = d_ptr + _expert_base(expert, s_de, bank_experts, shared_d, True) + nn.to(tl.int64)[:, None] * s_dn
@@ -149,5 +156,5 @@ def moe_one_token(x: torch.Tensor, logits: torch.Tensor, shared_gate: torch.Tens
         SLOTS=slots, UP_BLOCKS=up_blocks, DOWN_BLOCKS=down_blocks, BLOCK_M=16, UP_N=up_n, UP_K=_tile(t.up_k, H),
         DOWN_N=down_n, DOWN_K=down_k, BLOCK_E=triton.next_power_of_2(logits.shape[1]),
         BLOCK_S=triton.next_power_of_2(slots), PRECISION=_precision(x.dtype), PRELOAD=t.preload,
-        num_warps=t.num_warps, num_stages=t.num_stages, **pdl_args(x.device))
+        SHARED_FIRST=t.shared_first, num_warps=t.num_warps, num_stages=t.num_stages, **pdl_args(x.device))
     return rows
