@@ -42,8 +42,7 @@ def parse_variant(spec: str) -> dict:
     (the MoE kernels' row for calls up to LIMIT tokens), ``linear_tiles=NxK:BN,BK,SPLIT`` (the few-row linear for
     an [N, K] weight), ``moe_down=PAIRS:BN,BK,WARPS,STAGES`` (the down kernel alone for calls up to PAIRS (token,
     slot) pairs), ``gdn_block_v=V``, ``attention=TILE_N,SPLITS`` (decode attention's keys per tile and most splits),
-    ``one_token=UN,UK,DN,DK,WARPS,STAGES,PRELOAD[,SHARED_FIRST]`` (``moe_one_token``'s tiles; flags 0 or 1),
-    ``topk=one|picks`` (the routing's top-k in one merging reduction or a max reduction per pick)
+    ``one_token=UN,UK,DN,DK,WARPS,STAGES,PRELOAD[,SHARED_FIRST]`` (``moe_one_token``'s tiles; flags 0 or 1)
     -> {"pdl", "ops_off", "knobs", "tiles"}."""
     out: dict = {"pdl": None, "ops_off": None, "knobs": {}, "tiles": {}}
     if spec == "auto":
@@ -56,8 +55,7 @@ def parse_variant(spec: str) -> dict:
             raise ValueError(f"variant {spec!r}: {part!r}: expected auto or +-joined pdl=on|off, ops_off=OPS, "
                              f"prefetch_tiles=N, moe_tiles=LIMIT:BM,BN,BK,WARPS,STAGES, linear_tiles=NxK:BN,BK,SPLIT "
                              f"moe_down=PAIRS:BN,BK,WARPS,STAGES, gdn_block_v=V, attention=TILE_N,SPLITS or "
-                             f"one_token=UN,UK,DN,DK,WARPS,STAGES,PRELOAD[,SHARED_FIRST] "
-                             f"or topk=one|picks ({exc})") from None
+                             f"one_token=UN,UK,DN,DK,WARPS,STAGES,PRELOAD[,SHARED_FIRST] ({exc})") from None
     return out
 
 
@@ -90,8 +88,6 @@ def _knob(out: dict, key: str, value: str) -> None:
         out["tiles"]["gdn_block_v"] = ints(value, 1)[0]
     elif key == "attention":
         out["tiles"]["attention"] = ints(value, 2)
-    elif key == "topk" and value in ("one", "picks"):
-        out["tiles"]["topk"] = value
     elif key == "one_token":
         from ninfer.ops.triton.moe_one_token import OneTokenTiles
 

@@ -45,15 +45,13 @@ def pdl_knobs(knobs: dict):
 
 @contextlib.contextmanager
 def tiles(moe: dict | None = None, linear: dict | None = None, gdn_block_v: int | None = None,
-          moe_down: dict | None = None, attention: tuple[int, int] | None = None, one_token=None,
-          topk: str | None = None):
+          moe_down: dict | None = None, attention: tuple[int, int] | None = None, one_token=None):
     """Kernel tiles other than the defaults inside the block (a Program started there captures its graphs with
     them), restored on exit: ``moe`` {token limit of a ``_BY_TOKENS`` row: MoeConfig}, ``linear`` {(N, K):
     (block_n, block_k, split_k)} for the few-row linear, ``gdn_block_v`` for the GDN decode steps, ``moe_down``
     {token limit: (block_n, block_k, warps, stages)} for the down kernel alone (its block_m stays the row's),
     ``attention`` (keys per tile, most splits) for decode attention, ``one_token`` (``OneTokenTiles``) for the
-    one-launch MoE block of one token, ``topk`` ("one": one merging reduction, "picks": a max reduction per pick)
-    for the routing's top-k."""
+    one-launch MoE block of one token."""
     from ninfer.ops.triton import attention as t_attention
     from ninfer.ops.triton import gdn as t_gdn
     from ninfer.ops.triton import linear as t_linear
@@ -64,8 +62,6 @@ def tiles(moe: dict | None = None, linear: dict | None = None, gdn_block_v: int 
     # Read only when patched: a tree from before these constants (a before/after run) still times its defaults.
     attention_tiles = (t_attention.DECODE_TILE_N, t_attention.MAX_DECODE_SPLITS) if attention else None
     one_token_tiles = _one_token_module().TILES if one_token else None
-    route_module = _route_module() if topk else None
-    one_reduction = route_module.ONE_REDUCTION if topk else None
     limits = {limit for limit, _ in rows}
     if moe and not set(moe) <= limits:
         raise ValueError(f"moe tiles: token limits {sorted(set(moe) - limits)} are not rows of {sorted(limits)}")
@@ -89,8 +85,6 @@ def tiles(moe: dict | None = None, linear: dict | None = None, gdn_block_v: int 
             t_attention.DECODE_TILE_N, t_attention.MAX_DECODE_SPLITS = attention
         if one_token:
             _one_token_module().TILES = one_token
-        if topk:
-            route_module.ONE_REDUCTION = topk == "one"
         yield
     finally:
         t_moe._BY_TOKENS, t_gdn._default_block_v, t_moe.down_grouped = rows, block_v, down
@@ -98,17 +92,9 @@ def tiles(moe: dict | None = None, linear: dict | None = None, gdn_block_v: int 
             t_attention.DECODE_TILE_N, t_attention.MAX_DECODE_SPLITS = attention_tiles
         if one_token_tiles is not None:
             _one_token_module().TILES = one_token_tiles
-        if route_module is not None:
-            route_module.ONE_REDUCTION = one_reduction
         t_linear._MEASURED.clear()
         t_linear._MEASURED.update(measured)
         t_linear.default_config.cache_clear()
-
-
-def _route_module():
-    from ninfer.ops.triton import moe_route_align  # read only when patched: a before tree lacks ONE_REDUCTION
-
-    return moe_route_align
 
 
 def _one_token_module():

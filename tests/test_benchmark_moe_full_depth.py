@@ -92,11 +92,10 @@ def test_tile_variants_patch_the_kernels_defaults_and_restore_them():
     from ninfer.ops.triton import linear as t_linear
     from ninfer.ops.triton import moe as t_moe
     from ninfer.ops.triton import moe_one_token as t_one
-    from ninfer.ops.triton import moe_route_align
 
     v = moe_full_depth.parse_variant("moe_tiles=1:16,32,128,4,4+linear_tiles=2048x4096:64,128,2+gdn_block_v=32"
-                                     "+attention=64,16+one_token=16,64,32,128,8,3,1+topk=picks")
-    assert v["pdl"] is None and set(v["tiles"]) == {"moe", "linear", "gdn_block_v", "attention", "one_token", "topk"}
+                                     "+attention=64,16+one_token=16,64,32,128,8,3,1")
+    assert v["pdl"] is None and set(v["tiles"]) == {"moe", "linear", "gdn_block_v", "attention", "one_token"}
     rows, before = t_moe._BY_TOKENS, t_linear.default_config(2048, 4096)
     with tiles(**v["tiles"]):
         assert t_moe.default_config(1, torch.bfloat16) == t_moe.MoeConfig(16, 32, 128, 4, 4)
@@ -105,8 +104,7 @@ def test_tile_variants_patch_the_kernels_defaults_and_restore_them():
         assert t_gdn._default_block_v(1, 32, 128) == 32
         assert (t_attention.DECODE_TILE_N, t_attention.MAX_DECODE_SPLITS) == (64, 16)
         assert t_one.TILES == t_one.OneTokenTiles(16, 64, 32, 128, 8, 3, preload=True)
-        assert not moe_route_align.ONE_REDUCTION
-    assert t_one.TILES == t_one.OneTokenTiles() and moe_route_align.ONE_REDUCTION
+    assert t_one.TILES == t_one.OneTokenTiles()
     assert t_moe._BY_TOKENS is rows and t_linear.default_config(2048, 4096) == before
     assert t_gdn._default_block_v(1, 32, 128) == 16
     assert (t_attention.DECODE_TILE_N, t_attention.MAX_DECODE_SPLITS) == (32, 64)
@@ -115,7 +113,7 @@ def test_tile_variants_patch_the_kernels_defaults_and_restore_them():
 
 
 @pytest.mark.parametrize("spec", ["pdl=maybe", "ops_off=", "fast", "prefetch_tiles=many", "moe_tiles=1:16,32",
-                                  "linear_tiles=2048:32,128,4", "gdn_block_v=0", "attention=64", "one_token=16,64,32,128,8,3", "topk=2",
+                                  "linear_tiles=2048:32,128,4", "gdn_block_v=0", "attention=64", "one_token=16,64,32,128,8,3",
                                   "pdl=on+nothing=1"])
 def test_bad_variants_are_refused(spec, capsys):
     assert moe_full_depth.main(["--shape", "tiny", "--device", "cpu", "--variants", spec]) == 2

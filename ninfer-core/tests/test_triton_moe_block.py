@@ -166,19 +166,3 @@ def test_one_launch_equals_the_two_launches(dtype, preload):
         torch.testing.assert_close(rows, two, atol=1e-6 if dtype == torch.float32 else 1e-3, rtol=1e-5)
         assert not arrival_counters(rows.device, 8)[:8].any()
     assert torch.equal(moe_block(*args, summed=False)[0], moe_one_token.moe_one_token(*args))
-
-
-@pytest.mark.parametrize("top_k", [1, 8, 10])
-def test_one_merging_reduction_picks_as_one_max_per_pick(top_k, monkeypatch):
-    """Up to eight picks come from one reduction merging sorted top-8 lists; the same experts, in the same order,
-    with the same weights as one max reduction per pick (ties and negative logits included); more than eight
-    picks take the per-pick reductions."""
-    gen = torch.Generator(device=DEV).manual_seed(top_k)
-    logits = torch.randn(4, 64, generator=gen, device=DEV) * 3
-    logits[1] = (logits[1] * 2).round() / 2  # many equal logits
-    logits[2] = -logits[2].abs() - 1
-    logits = logits.to(torch.float16)
-    got = moe_route_align.route_align(logits, top_k, 16)
-    monkeypatch.setattr(moe_route_align, "ONE_REDUCTION", False)
-    want = moe_route_align.route_align(logits, top_k, 16)
-    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])

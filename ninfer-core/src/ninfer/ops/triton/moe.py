@@ -35,7 +35,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer.ops.triton import moe_route_align
 from ninfer.ops.triton._pdl import pdl_args
 from ninfer.ops.triton._pdl_jit import pdl_prologue
 from ninfer.ops.triton.moe_align import ExpertBlocks, align_by_expert
@@ -105,14 +104,13 @@ def pick_slot(top, ids, slot, BLOCK_S: tl.constexpr):
 @triton.jit
 def _route_one_token(logits_ptr, gate_ptr, route_ptr, pairs_ptr, experts_ptr, used_ptr, s_l, s_g, bank_experts,
                      pid_m, pid_n, dtype: tl.constexpr, SLOTS: tl.constexpr, SHARED: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
-                     ONE_REDUCTION: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
     """A one-token call's routing inside gate_up: block ``pid_m`` is slot ``pid_m`` (a token's experts are
     distinct, so nothing needs grouping). Every program routes the token (``route_rows``, as the routing program
     does); the column-0 programs also store their slot's expert, weight and one-pair block for the down kernel.
     Returns (this block's expert, its pair numbers: the slot in row 0, the padding number SLOTS elsewhere)."""
     top, ids = route_rows(logits_ptr, gate_ptr, 1, bank_experts, s_l, s_g, dtype, SLOTS - SHARED, SHARED, 2,
-                          BLOCK_E, BLOCK_S, ONE_REDUCTION)
+                          BLOCK_E, BLOCK_S)
     expert, route = pick_slot(top, ids, pid_m, BLOCK_S)
     mm = tl.arange(0, BLOCK_M)
     pair = tl.where(mm == 0, pid_m, SLOTS)
@@ -132,7 +130,6 @@ def _gate_up_kernel(
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, SHARED: tl.constexpr = False, USE_PDL: tl.constexpr = False,
     ROUTE: tl.constexpr = False, BLOCK_E: tl.constexpr = 1, BLOCK_S: tl.constexpr = 1,
-    ONE_REDUCTION: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -140,7 +137,7 @@ def _gate_up_kernel(
     if ROUTE:  # one token, routed here from its logits; TOP_K counts its slots
         chosen, pair = _route_one_token(logits_ptr, gate_ptr, route_ptr, pairs_ptr, experts_ptr, used_ptr, s_l,
                                         s_g, bank_experts, pid_m, pid_n, h_ptr.dtype.element_ty, TOP_K, SHARED,
-                                        BLOCK_M, BLOCK_E, BLOCK_S, ONE_REDUCTION)
+                                        BLOCK_M, BLOCK_E, BLOCK_S)
         expert = _expert_base(chosen, s_we, bank_experts, shared_off, SHARED)
     else:
         if pid_m * BLOCK_M >= tl.load(used_ptr):
@@ -300,7 +297,7 @@ def moe_block(x: torch.Tensor, logits: torch.Tensor, shared_gate: torch.Tensor, 
     rows [N, k + 1, H] come back. Other calls run the block as its parts (``moe_block_ref``; [N, 1, H] when not
     summed)."""
     from ninfer.ops.moe import moe_block_ref
-    from ninfer.ops.triton import moe_one_token
+    from ninfer.ops.triton import moe_one_token, moe_route_align
 
     N, H = x.shape
     folded = (moe_route_align.fits(N, gate_up.shape[0], top_k, shared=True) and _as_expert(gate_up, shared_gate_up)
@@ -404,7 +401,7 @@ def gate_up_grouped(x: torch.Tensor, gate_up: torch.Tensor, blocks: ExpertBlocks
         if logits.stride(1) != 1:
             logits = logits.contiguous()
         route_args = {"ROUTE": True, "BLOCK_E": triton.next_power_of_2(logits.shape[1]),
-                      "BLOCK_S": triton.next_power_of_2(top_k), "ONE_REDUCTION": moe_route_align.ONE_REDUCTION}
+                      "BLOCK_S": triton.next_power_of_2(top_k)}
     _gate_up_kernel[(blocks.max_blocks, triton.cdiv(inter, block_n))](
         x, gate_up, hidden, blocks.sorted_pairs, blocks.block_experts, blocks.used, blocks.numel, inter, H,
         x.stride(0), x.stride(1), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), hidden.stride(0),

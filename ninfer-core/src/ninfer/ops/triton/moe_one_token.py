@@ -26,7 +26,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer.ops.triton import moe_route_align
 from ninfer.ops.triton._arrivals import arrival_counters
 from ninfer.ops.triton._pdl import pdl_args
 from ninfer.ops.triton._pdl_jit import pdl_prologue
@@ -71,7 +70,7 @@ def _one_token_kernel(
     SLOTS: tl.constexpr, UP_BLOCKS: tl.constexpr, DOWN_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr,
     UP_N: tl.constexpr, UP_K: tl.constexpr, DOWN_N: tl.constexpr, DOWN_K: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_S: tl.constexpr, PRECISION: tl.constexpr, PRELOAD: tl.constexpr, SHARED_FIRST: tl.constexpr,
-    ONE_REDUCTION: tl.constexpr, USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pdl_prologue(USE_PDL)
@@ -84,7 +83,7 @@ def _one_token_kernel(
         expert = bank_experts  # the shared expert's slot starts its weights without waiting for the routing
         if (slot < SLOTS - 1) or not SHARED_FIRST:
             top, ids = route_rows(logits_ptr, gate_ptr, 1, bank_experts, s_l, s_g, dtype, SLOTS - 1, True, 2,
-                                  BLOCK_E, BLOCK_S, ONE_REDUCTION)
+                                  BLOCK_E, BLOCK_S)
             expert, _ = pick_slot(top, ids, slot, BLOCK_S)
         w_up = gu_ptr + _expert_base(expert, s_gue, bank_experts, shared_gu, True)
         hidden = _gate_up_tile(x_ptr, w_up, rows.reshape(BLOCK_M), valid, pid_n, INTER, H, 0, 1, s_gun, s_guk,
@@ -98,7 +97,7 @@ def _one_token_kernel(
         slot = q // DOWN_BLOCKS
         pid_n = q % DOWN_BLOCKS
         top, ids = route_rows(logits_ptr, gate_ptr, 1, bank_experts, s_l, s_g, dtype, SLOTS - 1, True, 2, BLOCK_E,
-                              BLOCK_S, ONE_REDUCTION)
+                              BLOCK_S)
         expert, route = pick_slot(top, ids, slot, BLOCK_S)
         nn = pid_n * DOWN_N + tl.arange(0, DOWN_N)
         w_rows = d_ptr + _expert_base(expert, s_de, bank_experts, shared_d, True) + nn.to(tl.int64)[:, None] * s_dn
@@ -157,5 +156,5 @@ def moe_one_token(x: torch.Tensor, logits: torch.Tensor, shared_gate: torch.Tens
         SLOTS=slots, UP_BLOCKS=up_blocks, DOWN_BLOCKS=down_blocks, BLOCK_M=16, UP_N=up_n, UP_K=_tile(t.up_k, H),
         DOWN_N=down_n, DOWN_K=down_k, BLOCK_E=triton.next_power_of_2(logits.shape[1]),
         BLOCK_S=triton.next_power_of_2(slots), PRECISION=_precision(x.dtype), PRELOAD=t.preload,
-        SHARED_FIRST=t.shared_first, ONE_REDUCTION=moe_route_align.ONE_REDUCTION, num_warps=t.num_warps, num_stages=t.num_stages, **pdl_args(x.device))
+        SHARED_FIRST=t.shared_first, num_warps=t.num_warps, num_stages=t.num_stages, **pdl_args(x.device))
     return rows

@@ -32,41 +32,9 @@ MAX_TOKENS = 16  # the logits tile stays [16, E]: decode batches and speculative
 MAX_EXPERTS = 1024
 
 
-# Whether ``route_rows`` (as the kernels that call it pass it on) finds up to eight picks with one reduction that merges sorted top-8 lists (five shuffle
-# levels and one cross-warp exchange in all) instead of one max reduction per pick.
-ONE_REDUCTION = True
-
-
-@triton.jit
-def _cas(a, b):
-    return tl.maximum(a, b), tl.minimum(a, b)
-
-
-@triton.jit
-def _merge_top8(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7):
-    """The eight largest of two descending lists of eight distinct keys, descending (padding -1 may repeat): the
-    larger of a[i] and b[7 - i] are those eight as a bitonic sequence, which three rounds of compare-exchange
-    sort."""
-    c0, c1, c2, c3 = tl.maximum(a0, b7), tl.maximum(a1, b6), tl.maximum(a2, b5), tl.maximum(a3, b4)
-    c4, c5, c6, c7 = tl.maximum(a4, b3), tl.maximum(a5, b2), tl.maximum(a6, b1), tl.maximum(a7, b0)
-    c0, c4 = _cas(c0, c4)
-    c1, c5 = _cas(c1, c5)
-    c2, c6 = _cas(c2, c6)
-    c3, c7 = _cas(c3, c7)
-    c0, c2 = _cas(c0, c2)
-    c1, c3 = _cas(c1, c3)
-    c4, c6 = _cas(c4, c6)
-    c5, c7 = _cas(c5, c7)
-    c0, c1 = _cas(c0, c1)
-    c2, c3 = _cas(c2, c3)
-    c4, c5 = _cas(c4, c5)
-    c6, c7 = _cas(c6, c7)
-    return c0, c1, c2, c3, c4, c5, c6, c7
-
-
 @triton.jit
 def route_rows(logits_ptr, gate_ptr, N, E, s_l, s_g, dtype: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr,
-               BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, ONE_REDUCTION: tl.constexpr):
+               BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
     """The routing of N tokens as [BLOCK_T, BLOCK_S] tiles (weights fp32, already rounded to ``dtype`` where the
     unfused block rounds; expert ids int32): each row's top-k (the lowest expert number first among equal ones),
     renormalised, and with SHARED the shared expert E as slot k. Padding rows repeat the last token. The MoE
@@ -99,14 +67,8 @@ def route_rows(logits_ptr, gate_ptr, N, E, s_l, s_g, dtype: tl.constexpr, TOP_K:
     key = tl.where((ee < E)[None, :], (order << SHIFT) | (BLOCK_E - 1 - ee)[None, :].to(bits.dtype), -1)
     top = tl.zeros((BLOCK_T, BLOCK_S), dtype=tl.float32)
     ids = tl.zeros((BLOCK_T, BLOCK_S), dtype=tl.int32)
-    if ONE_REDUCTION and TOP_K <= 8:  # every row's eight largest keys, in order, from one reduction
-        none = tl.full(key.shape, -1, key.dtype)
-        tops = tl.reduce((key, none, none, none, none, none, none, none), 1, _merge_top8)
     for j in tl.static_range(TOP_K):
-        if ONE_REDUCTION and TOP_K <= 8:
-            best = tops[j]
-        else:
-            best = tl.max(key, 1)
+        best = tl.max(key, 1)
         pick = (BLOCK_E - 1 - (best & ((1 << SHIFT) - 1))).to(tl.int32)
         o = best >> SHIFT
         value = tl.where(o >= SIGN, o - SIGN, (SIGN - 1 - o) | SIGN)
@@ -118,8 +80,7 @@ def route_rows(logits_ptr, gate_ptr, N, E, s_l, s_g, dtype: tl.constexpr, TOP_K:
             largest = value
         top = tl.where(ss[None, :] == j, value[:, None], top)
         ids = tl.where(ss[None, :] == j, pick[:, None], ids)
-        if not (ONE_REDUCTION and TOP_K <= 8):
-            key = tl.where(key == best[:, None], -1, key)
+        key = tl.where(key == best[:, None], -1, key)
     top = tl.where(ss[None, :] < TOP_K, tl.exp(top - largest[:, None]), 0.0)
     top = top / tl.sum(top, 1)[:, None]
     if SHARED:  # slot k: the shared expert, behind sigmoid(gate) in the activations' dtype
@@ -135,15 +96,14 @@ def _route_align_kernel(
     logits_ptr, gate_ptr, w_ptr, ids_ptr, pairs_ptr, experts_ptr, used_ptr, N, E, s_l, s_g, cap, max_blocks,
     TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK: tl.constexpr, FILL: tl.constexpr, BLOCK_M: tl.constexpr,
-    ONE_REDUCTION: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):
     SLOTS: tl.constexpr = TOP_K + SHARED
     tt = tl.arange(0, BLOCK_T)
     ss = tl.arange(0, BLOCK_S)
     pdl_prologue(USE_PDL)
     dtype = w_ptr.dtype.element_ty
-    top, ids = route_rows(logits_ptr, gate_ptr, N, E, s_l, s_g, dtype, TOP_K, SHARED, BLOCK_T, BLOCK_E, BLOCK_S,
-                          ONE_REDUCTION)
+    top, ids = route_rows(logits_ptr, gate_ptr, N, E, s_l, s_g, dtype, TOP_K, SHARED, BLOCK_T, BLOCK_E, BLOCK_S)
     out = tt[:, None] * SLOTS + ss[None, :]
     stored = (tt < N)[:, None] & (ss < SLOTS)[None, :]
     tl.store(w_ptr + out, top.to(dtype), mask=stored)
@@ -188,5 +148,5 @@ def route_align(logits: torch.Tensor, top_k: int, block_m: int, shared_gate: tor
         logits, shared_gate if shared else logits, weights, ids, pairs, block_experts, used, N, E,
         logits.stride(0), shared_gate.stride(0) if shared else 0, cap, cap // block_m, TOP_K=top_k, SHARED=shared,
         BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_S=triton.next_power_of_2(slots), BLOCK=block, FILL=32 * 4 * warps,
-        BLOCK_M=block_m, ONE_REDUCTION=ONE_REDUCTION, num_warps=warps, num_stages=1, **pdl_args(dev))
+        BLOCK_M=block_m, num_warps=warps, num_stages=1, **pdl_args(dev))
     return weights, ids, ExpertBlocks(pairs, block_experts, used, block_m, numel)
