@@ -119,8 +119,6 @@ def _calls(gen: torch.Generator) -> list[tuple[str, callable]]:
         ("moe align", lambda: moe_align_kernel.align_small(ids, E, 16)),
         ("moe_experts", lambda: moe.moe_experts(xm, *banks, ids, randn(3, 2))),
         ("moe_block folded", lambda: moe.moe_block(xm, logits[:, :E], logits[:, E:], *banks, *shared, 2)),
-        ("moe_block one token", lambda: moe.moe_block(xm[:1], logits[:1, :E], logits[:1, E:], *banks, *shared, 2,
-                                                      summed=False, one_launch=False)),
         ("moe_block one launch", lambda: moe.moe_block(xm[:1], logits[:1, :E], logits[:1, E:], *banks, *shared, 2,
                                                        summed=False)),
     ]

@@ -74,12 +74,12 @@ def tiles(moe: dict | None = None, linear: dict | None = None, gdn_block_v: int 
         if gdn_block_v:
             t_gdn._default_block_v = lambda *_: gdn_block_v
         if moe_down:
-            def down_with(hidden, bank, blocks, route, per_pair, cfg, shared=None, *, one_token=False):
+            def down_with(hidden, bank, blocks, route, per_pair, cfg, shared=None):
                 limit = next((lim for lim in sorted(moe_down) if blocks.numel <= lim), None)
                 if limit is not None:
                     bn, bk, warps, stages = moe_down[limit]
                     cfg = attrs.evolve(cfg, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
-                down(hidden, bank, blocks, route, per_pair, cfg, shared, one_token=one_token)
+                down(hidden, bank, blocks, route, per_pair, cfg, shared)
             t_moe.down_grouped = down_with
         if attention:
             t_attention.DECODE_TILE_N, t_attention.MAX_DECODE_SPLITS = attention

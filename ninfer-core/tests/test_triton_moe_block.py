@@ -61,27 +61,6 @@ def test_unsummed_block_is_its_slot_rows(tokens):
     assert torch.equal(sum_terms(rows), moe_block(*args))
 
 
-def test_one_token_routes_inside_gate_up():
-    """A one-token call needs no routing program: gate_up routes the token and lays slot j out as block j. Same
-    experts and weights as ``route_align`` (same routing code), and each slot row as the grouped path gives it."""
-    from ninfer.ops.triton import moe as t_moe
-
-    x, logits, gate, gate_up, down, s_gate_up, s_down, top_k = block_args(12, 10, 3, 64, 32, 1, torch.float32)
-    rows = moe_block(x, logits, gate, gate_up, down, s_gate_up, s_down, top_k, summed=False)
-    cfg = t_moe.default_config(1, x.dtype)
-    weights, ids, blocks = moe_route_align.route_align(logits, top_k, cfg.block_m, gate)
-    grouped = t_moe._grouped(x, gate_up, down, blocks, top_k + 1, weights.reshape(-1), cfg, (s_gate_up, s_down))
-    torch.testing.assert_close(rows[0], grouped, atol=1e-6, rtol=1e-6)
-    slots = top_k + 1
-    one, route = t_moe.one_token_blocks(slots, cfg.block_m, x.dtype, x.device)
-    t_moe._grouped(x, gate_up, down, one, slots, route, cfg, (s_gate_up, s_down), routing=(logits, gate))
-    assert torch.equal(one.block_experts.long(), ids[0].long())
-    torch.testing.assert_close(route, weights[0], atol=1e-7, rtol=1e-6)
-    assert int(one.used.item()) == slots * cfg.block_m
-    layout = one.sorted_pairs.view(slots, cfg.block_m)
-    assert torch.equal(layout[:, 0].long(), torch.arange(slots, device=DEV)) and bool((layout[:, 1:] == slots).all())
-
-
 @pytest.mark.parametrize("tokens,shared_inter", [(17, None), (3, 16)], ids=["past-the-program", "shared-width"])
 def test_other_calls_take_the_parts(tokens, shared_inter):
     """More tokens than one routing program takes, or a shared expert unlike a routed one: the composed path."""
@@ -151,9 +130,9 @@ def test_route_align_refuses_what_one_program_cannot_take():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("preload", [False, True], ids=["k-loop", "preload"])
-def test_one_launch_equals_the_two_launches(dtype, preload):
-    """``moe_one_token``: gate_up and down of one token in one grid give the two-launch path's slot rows, and
-    leave the arrival counters at zero for the next launch (run twice over fresh inputs)."""
+def test_one_launch_equals_the_grouped_path(dtype, preload):
+    """``moe_one_token``: gate_up and down of one token in one grid (routing it as ``route_align`` does) give the
+    grouped path's slot rows, and leave the arrival counters at zero for the next launch (twice, fresh inputs)."""
     from ninfer.ops.triton import moe_one_token
     from ninfer.ops.triton._arrivals import arrival_counters
 

@@ -17,9 +17,8 @@ in its last bits; here it is the same on every run, and independent of which oth
 kernels (one slot more per token, its weight sigmoid(gate); ``_expert_offset`` points expert E at the shared
 matrices) after one program that routes and groups (``moe_route_align``): four launches, where the block's parts
 take seven (route, align, the shared expert's two linears, the three above). A one-token call (decode at B=1)
-needs no grouping, since a token's experts are distinct: every gate_up program routes the token itself and
-block j is slot j, so the routing program goes too; ``moe_one_token`` puts its gate_up and down in one launch.
-A caller that adds the slot rows itself (the next ``add_rms_norm``, ``summed=False``) saves the slot sum's
+needs no grouping, since a token's experts are distinct: ``moe_one_token`` routes it and runs its gate_up and
+down in one launch, with the tiles and sums of the two kernels here (``_gate_up_tile``, ``_down_acc``). A caller that adds the slot rows itself (the next ``add_rms_norm``, ``summed=False``) saves the slot sum's
 launch as well.
 
 Accumulation is fp32; fp32 inputs multiply in full fp32 (``input_precision="ieee"``, not TF32). Block sizes
@@ -38,7 +37,6 @@ import triton.language as tl
 from ninfer.ops.triton._pdl import pdl_args
 from ninfer.ops.triton._pdl_jit import pdl_prologue
 from ninfer.ops.triton.moe_align import ExpertBlocks, align_by_expert
-from ninfer.ops.triton.moe_route_align import route_rows
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -95,55 +93,19 @@ def _expert_offset(block_expert_ptr, s_we, bank_experts, shared_off, SHARED: tl.
 
 
 @triton.jit
-def pick_slot(top, ids, slot, BLOCK_S: tl.constexpr):
-    """(expert, weight) of one token's ``slot`` from ``route_rows``' [2, BLOCK_S] tiles of that token."""
-    pick = (tl.arange(0, 2)[:, None] == 0) & (tl.arange(0, BLOCK_S)[None, :] == slot)
-    return tl.sum(tl.where(pick, ids, 0)), tl.sum(tl.where(pick, top, 0.0))
-
-
-@triton.jit
-def _route_one_token(logits_ptr, gate_ptr, route_ptr, pairs_ptr, experts_ptr, used_ptr, s_l, s_g, bank_experts,
-                     pid_m, pid_n, dtype: tl.constexpr, SLOTS: tl.constexpr, SHARED: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
-    """A one-token call's routing inside gate_up: block ``pid_m`` is slot ``pid_m`` (a token's experts are
-    distinct, so nothing needs grouping). Every program routes the token (``route_rows``, as the routing program
-    does); the column-0 programs also store their slot's expert, weight and one-pair block for the down kernel.
-    Returns (this block's expert, its pair numbers: the slot in row 0, the padding number SLOTS elsewhere)."""
-    top, ids = route_rows(logits_ptr, gate_ptr, 1, bank_experts, s_l, s_g, dtype, SLOTS - SHARED, SHARED, 2,
-                          BLOCK_E, BLOCK_S)
-    expert, route = pick_slot(top, ids, pid_m, BLOCK_S)
-    mm = tl.arange(0, BLOCK_M)
-    pair = tl.where(mm == 0, pid_m, SLOTS)
-    if pid_n == 0:
-        tl.store(experts_ptr + pid_m, expert)
-        tl.store(route_ptr + pid_m, route.to(dtype))
-        tl.store(pairs_ptr + pid_m * BLOCK_M + mm, pair)
-        if pid_m == 0:
-            tl.store(used_ptr, SLOTS * BLOCK_M)
-    return expert, pair
-
-
-@triton.jit
 def _gate_up_kernel(
     x_ptr, w_ptr, h_ptr, pairs_ptr, experts_ptr, used_ptr, numel, INTER, H,
-    s_xm, s_xk, s_we, s_wn, s_wk, s_hm, logits_ptr, gate_ptr, route_ptr, s_l, s_g, bank_experts, shared_off,
+    s_xm, s_xk, s_we, s_wn, s_wk, s_hm, bank_experts, shared_off,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, SHARED: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-    ROUTE: tl.constexpr = False, BLOCK_E: tl.constexpr = 1, BLOCK_S: tl.constexpr = 1,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pdl_prologue(USE_PDL)
-    if ROUTE:  # one token, routed here from its logits; TOP_K counts its slots
-        chosen, pair = _route_one_token(logits_ptr, gate_ptr, route_ptr, pairs_ptr, experts_ptr, used_ptr, s_l,
-                                        s_g, bank_experts, pid_m, pid_n, h_ptr.dtype.element_ty, TOP_K, SHARED,
-                                        BLOCK_M, BLOCK_E, BLOCK_S)
-        expert = _expert_base(chosen, s_we, bank_experts, shared_off, SHARED)
-    else:
-        if pid_m * BLOCK_M >= tl.load(used_ptr):
-            return
-        pair = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-        expert = _expert_offset(experts_ptr + pid_m, s_we, bank_experts, shared_off, SHARED)
+    if pid_m * BLOCK_M >= tl.load(used_ptr):
+        return
+    pair = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    expert = _expert_offset(experts_ptr + pid_m, s_we, bank_experts, shared_off, SHARED)
     valid = pair < numel
     hidden = _gate_up_tile(x_ptr, w_ptr + expert, (pair // TOP_K).to(tl.int64), valid, pid_n, INTER, H, s_xm, s_xk,
                            s_wn, s_wk, h_ptr.dtype.element_ty, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
@@ -186,17 +148,14 @@ def _down_kernel(
     h_ptr, w_ptr, y_ptr, pairs_ptr, experts_ptr, used_ptr, route_ptr, numel, H, INTER,
     s_hm, s_we, s_wn, s_wk, s_ym, bank_experts, shared_off,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    SHARED: tl.constexpr = False, USE_PDL: tl.constexpr = False, ONE_TOKEN: tl.constexpr = False,
+    SHARED: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pdl_prologue(USE_PDL)
-    if ONE_TOKEN:  # block j holds slot j's one pair (gate_up routed the token): only its expert is looked up
-        pair = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, numel)
-    else:
-        if pid_m * BLOCK_M >= tl.load(used_ptr):
-            return
-        pair = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    if pid_m * BLOCK_M >= tl.load(used_ptr):
+        return
+    pair = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = pair < numel
     row = pair.to(tl.int64)
     expert = _expert_offset(experts_ptr + pid_m, s_we, bank_experts, shared_off, SHARED)
@@ -290,9 +249,9 @@ def moe_block(x: torch.Tensor, logits: torch.Tensor, shared_gate: torch.Tensor, 
     """The sparse MoE block (``ninfer.ops.moe.moe_block``, which checks the shapes). A decode-sized call (up to
     ``moe_route_align.MAX_TOKENS`` tokens, the shared expert shaped as one routed expert) is four launches: the
     routing, the shared expert as slot k of every token (expert E, weight sigmoid(gate)) and the grouping in one
-    (``moe_route_align``), then the grouped kernels and the slot sum over k + 1 slots. A one-token call routes
-    inside gate_up (its k + 1 experts are distinct: nothing to group), three launches, or with ``one_launch``
-    two (gate_up and down in one, ``moe_one_token``). With ``summed=False``
+    (``moe_route_align``), then the grouped kernels and the slot sum over k + 1 slots. A one-token call
+    (``one_launch``) is two: its k + 1 experts are distinct, so nothing needs grouping, and one launch routes it
+    and runs gate_up and down (``moe_one_token``). With ``summed=False``
     the slot sum is left to the caller (``ninfer.ops.add_rms_norm`` takes the rows as terms): the weighted slot
     rows [N, k + 1, H] come back. Other calls run the block as its parts (``moe_block_ref``; [N, 1, H] when not
     summed)."""
@@ -311,9 +270,6 @@ def moe_block(x: torch.Tensor, logits: torch.Tensor, shared_gate: torch.Tensor, 
     if N == 1 and one_launch and moe_one_token.fits(x, gate_up, down, shared_gate_up, shared_down):
         per_pair = moe_one_token.moe_one_token(x, logits, shared_gate, gate_up, down, shared_gate_up, shared_down,
                                                top_k)
-    elif N == 1:
-        blocks, route = one_token_blocks(slots, cfg.block_m, x.dtype, x.device)
-        per_pair = _grouped(x, gate_up, down, blocks, slots, route, cfg, shared, routing=(logits, shared_gate))
     else:
         weights, _, blocks = moe_route_align.route_align(logits, top_k, cfg.block_m, shared_gate)
         per_pair = _grouped(x, gate_up, down, blocks, slots, weights.reshape(-1), cfg, shared)
@@ -324,27 +280,14 @@ def moe_block(x: torch.Tensor, logits: torch.Tensor, shared_gate: torch.Tensor, 
     return out
 
 
-def one_token_blocks(slots: int, block_m: int, dtype: torch.dtype, device: torch.device
-                     ) -> tuple[ExpertBlocks, torch.Tensor]:
-    """Empty buffers of a one-token call's grouping (slot j in block j) and its route weights [slots], which the
-    routing gate_up kernel fills (``gate_up_grouped(..., routing=...)``)."""
-    blocks = ExpertBlocks(torch.empty(slots * block_m, dtype=torch.int32, device=device),
-                          torch.empty(slots, dtype=torch.int32, device=device),
-                          torch.empty(1, dtype=torch.int32, device=device), block_m, slots)
-    return blocks, torch.empty(slots, dtype=dtype, device=device)
-
-
 def _grouped(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, blocks: ExpertBlocks, slots: int,
-             route: torch.Tensor, cfg: MoeConfig, shared: tuple[torch.Tensor, torch.Tensor] | None = None,
-             routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """Both grouped GEMMs: the weighted output of every (token, slot) pair, [N·slots, H]. With ``routing`` (the
-    one-token call's logits and shared-gate logit) gate_up routes and fills ``blocks`` and ``route`` itself."""
+             route: torch.Tensor, cfg: MoeConfig, shared: tuple[torch.Tensor, torch.Tensor] | None = None
+             ) -> torch.Tensor:
+    """Both grouped GEMMs: the weighted output of every (token, slot) pair, [N·slots, H]."""
     hidden = torch.empty((blocks.numel, gate_up.shape[1] // 2), dtype=x.dtype, device=x.device)
     per_pair = torch.empty((blocks.numel, x.shape[1]), dtype=x.dtype, device=x.device)
-    gate_up_grouped(x, gate_up, blocks, slots, hidden, cfg, None if shared is None else shared[0],
-                    routing=None if routing is None else (*routing, route))
-    down_grouped(hidden, down, blocks, route, per_pair, cfg, None if shared is None else shared[1],
-                 one_token=routing is not None)
+    gate_up_grouped(x, gate_up, blocks, slots, hidden, cfg, None if shared is None else shared[0])
+    down_grouped(hidden, down, blocks, route, per_pair, cfg, None if shared is None else shared[1])
     return per_pair
 
 
@@ -386,36 +329,23 @@ def _shared_args(bank: torch.Tensor, shared: torch.Tensor | None) -> dict:
 
 
 def gate_up_grouped(x: torch.Tensor, gate_up: torch.Tensor, blocks: ExpertBlocks, top_k: int, hidden: torch.Tensor,
-                    cfg: MoeConfig, shared: torch.Tensor | None = None,
-                    routing: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+                    cfg: MoeConfig, shared: torch.Tensor | None = None) -> None:
     """hidden[p] = silu(x[p // k] Wg_e^T) * (x[p // k] Wu_e^T) for every pair p routed to expert e; with
-    ``shared`` [2I, H], expert E is that matrix. ``routing`` (logits [1, E], shared-gate logit [1, 1], route
-    weights out [k]; x one token, ``shared`` given, ``top_k`` its slots): the kernel routes the token itself and
-    writes ``blocks`` (slot j in block j) and the weights for the down kernel."""
+    ``shared`` [2I, H], expert E is that matrix."""
     H, inter = x.shape[1], hidden.shape[1]
     block_n = _tile(cfg.block_n // 2, inter)
-    route_args: dict = {}
-    logits = gate = route = x
-    if routing is not None:
-        logits, gate, route = routing
-        if logits.stride(1) != 1:
-            logits = logits.contiguous()
-        route_args = {"ROUTE": True, "BLOCK_E": triton.next_power_of_2(logits.shape[1]),
-                      "BLOCK_S": triton.next_power_of_2(top_k)}
     _gate_up_kernel[(blocks.max_blocks, triton.cdiv(inter, block_n))](
         x, gate_up, hidden, blocks.sorted_pairs, blocks.block_experts, blocks.used, blocks.numel, inter, H,
         x.stride(0), x.stride(1), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), hidden.stride(0),
-        logits, gate, route, logits.stride(0), gate.stride(0), TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=block_n,
-        BLOCK_K=_tile(cfg.block_k, H), PRECISION=_precision(x.dtype), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **_shared_args(gate_up, shared), **route_args, **pdl_args(x.device))
+        TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=_tile(cfg.block_k, H),
+        PRECISION=_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **_shared_args(gate_up, shared), **pdl_args(x.device))
 
 
 def down_grouped(hidden: torch.Tensor, down: torch.Tensor, blocks: ExpertBlocks, route: torch.Tensor,
-                 per_pair: torch.Tensor, cfg: MoeConfig, shared: torch.Tensor | None = None, *,
-                 one_token: bool = False) -> None:
+                 per_pair: torch.Tensor, cfg: MoeConfig, shared: torch.Tensor | None = None) -> None:
     """per_pair[p] = route[p] * (hidden[p] Wd_e^T) for every pair p routed to expert e; with ``shared``
-    [H, I], expert E is that matrix. ``one_token``: ``blocks`` is a one-token call's (slot j in block j, as the
-    routing gate_up kernel writes it), so the kernel reads only the blocks' experts."""
+    [H, I], expert E is that matrix."""
     inter, H = hidden.shape[1], per_pair.shape[1]
     block_n = _tile(cfg.block_n, H)
     _down_kernel[(blocks.max_blocks, triton.cdiv(H, block_n))](
@@ -423,5 +353,4 @@ def down_grouped(hidden: torch.Tensor, down: torch.Tensor, blocks: ExpertBlocks,
         H, inter, hidden.stride(0), down.stride(0), down.stride(1), down.stride(2), per_pair.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=_tile(cfg.block_k, inter),
         PRECISION=_precision(hidden.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        ONE_TOKEN=one_token,
         **_shared_args(down, shared), **pdl_args(hidden.device))

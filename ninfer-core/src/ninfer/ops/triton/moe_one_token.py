@@ -1,9 +1,9 @@
 """The MoE block of one token (decode at B=1) in one launch: gate_up and down of its k routed experts and the
 shared expert, the down programs waiting on device counters instead of on the end of a gate_up launch.
 
-``moe.moe_block`` runs one token as two launches (gate_up routing the token itself, then down). Between them the
-pipe to DRAM drains: the down launch waits until the last gate_up program has finished and its writes are
-flushed, then reads its expert and only then its first weights. Here one 1-D grid holds both:
+As two launches (the grouped kernels of ``moe``) the pipe to DRAM drains between them: the down launch waits
+until the last gate_up program has finished and its writes are flushed, then reads its expert and only then its
+first weights. Here one 1-D grid holds both:
 
 1. programs ``[0, S·U)`` (S = k + 1 slots, U intermediate column blocks per slot) are gate_up's: route the token
    (``route_rows``, as everywhere else; the shared expert's slot, the last, needs no routing), compute their slot's silu(gate)·up columns into ``hidden`` [S, I] and
@@ -38,7 +38,6 @@ from ninfer.ops.triton.moe import (
     _shared_args,
     _store_weighted,
     _tile,
-    pick_slot,
 )
 from ninfer.ops.triton.moe_route_align import route_rows
 
@@ -64,6 +63,13 @@ TILES = OneTokenTiles()  # the two-launch path's tiles (moe.default_config(1, ..
 
 
 @triton.jit
+def _pick_slot(top, ids, slot, BLOCK_S: tl.constexpr):
+    """(expert, weight) of the token's ``slot`` from ``route_rows``' [2, BLOCK_S] tiles of one token."""
+    pick = (tl.arange(0, 2)[:, None] == 0) & (tl.arange(0, BLOCK_S)[None, :] == slot)
+    return tl.sum(tl.where(pick, ids, 0)), tl.sum(tl.where(pick, top, 0.0))
+
+
+@triton.jit
 def _one_token_kernel(
     x_ptr, gu_ptr, d_ptr, h_ptr, y_ptr, logits_ptr, gate_ptr, arrive_ptr, INTER, H,
     s_gue, s_gun, s_guk, s_de, s_dn, s_dk, s_l, s_g, bank_experts, shared_gu, shared_d,
@@ -84,7 +90,7 @@ def _one_token_kernel(
         if (slot < SLOTS - 1) or not SHARED_FIRST:
             top, ids = route_rows(logits_ptr, gate_ptr, 1, bank_experts, s_l, s_g, dtype, SLOTS - 1, True, 2,
                                   BLOCK_E, BLOCK_S)
-            expert, _ = pick_slot(top, ids, slot, BLOCK_S)
+            expert, _ = _pick_slot(top, ids, slot, BLOCK_S)
         w_up = gu_ptr + _expert_base(expert, s_gue, bank_experts, shared_gu, True)
         hidden = _gate_up_tile(x_ptr, w_up, rows.reshape(BLOCK_M), valid, pid_n, INTER, H, 0, 1, s_gun, s_guk,
                                dtype, BLOCK_M, UP_N, UP_K, PRECISION)
@@ -98,7 +104,7 @@ def _one_token_kernel(
         pid_n = q % DOWN_BLOCKS
         top, ids = route_rows(logits_ptr, gate_ptr, 1, bank_experts, s_l, s_g, dtype, SLOTS - 1, True, 2, BLOCK_E,
                               BLOCK_S)
-        expert, route = pick_slot(top, ids, slot, BLOCK_S)
+        expert, route = _pick_slot(top, ids, slot, BLOCK_S)
         nn = pid_n * DOWN_N + tl.arange(0, DOWN_N)
         w_rows = d_ptr + _expert_base(expert, s_de, bank_experts, shared_d, True) + nn.to(tl.int64)[:, None] * s_dn
         if PRELOAD:  # the whole [DOWN_N, INTER] slice in flight while gate_up runs

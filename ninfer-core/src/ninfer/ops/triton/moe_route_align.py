@@ -38,7 +38,7 @@ def route_rows(logits_ptr, gate_ptr, N, E, s_l, s_g, dtype: tl.constexpr, TOP_K:
     """The routing of N tokens as [BLOCK_T, BLOCK_S] tiles (weights fp32, already rounded to ``dtype`` where the
     unfused block rounds; expert ids int32): each row's top-k (the lowest expert number first among equal ones),
     renormalised, and with SHARED the shared expert E as slot k. Padding rows repeat the last token. The MoE
-    block's single-token gate_up kernel routes with it too, so both give the same experts.
+    block's one-token kernel (``moe_one_token``) routes with it too, so both give the same experts.
 
     The softmax is monotonic and the top-k is renormalised, so the picks are the k largest logits and their
     weights exp(z_j - z_max) / sum over the picks of exp(z_i - z_max): no softmax over all E experts, whose max
