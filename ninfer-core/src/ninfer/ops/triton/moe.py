@@ -18,8 +18,8 @@ kernels (one slot more per token, its weight sigmoid(gate); ``_expert_offset`` p
 matrices) after one program that routes and groups (``moe_route_align``): four launches, where the block's parts
 take seven (route, align, the shared expert's two linears, the three above). A one-token call (decode at B=1)
 needs no grouping, since a token's experts are distinct: ``moe_one_token`` routes it and runs its gate_up and
-down in one launch, with the tiles and sums of the two kernels here (``_gate_up_tile``, ``_down_acc``). A caller that adds the slot rows itself (the next ``add_rms_norm``, ``summed=False``) saves the slot sum's
-launch as well.
+down in one launch, with the tiles and sums of the two kernels here (``_gate_up_tile``, ``_down_acc``). A caller
+that adds the slot rows itself (the next ``add_rms_norm``, ``summed=False``) saves the slot sum's launch as well.
 
 Accumulation is fp32; fp32 inputs multiply in full fp32 (``input_precision="ieee"``, not TF32). Block sizes
 follow the token count (``default_config``): BLOCK_M stays 16 while each expert sees few rows and grows for

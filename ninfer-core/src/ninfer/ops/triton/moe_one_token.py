@@ -6,17 +6,18 @@ until the last gate_up program has finished and its writes are flushed, then rea
 first weights. Here one 1-D grid holds both:
 
 1. programs ``[0, S·U)`` (S = k + 1 slots, U intermediate column blocks per slot) are gate_up's: route the token
-   (``route_rows``, as everywhere else; the shared expert's slot, the last, needs no routing), compute their slot's silu(gate)·up columns into ``hidden`` [S, I] and
-   publish them with a release add on their slot's counter;
+   (``route_rows``, as everywhere else; the shared expert's slot, the last, needs no routing), compute their
+   slot's silu(gate)·up columns into ``hidden`` [S, I] and publish them with a release add on their slot's
+   counter;
 2. programs ``[S·U, S·U + S·D)`` (D output column blocks) are down's, slot-major: they route the token too
    (so they know their expert and weight without reading gate_up's), optionally load their whole weight slice
    into registers, then spin on their slot's counter until its U gate_up programs have published, and compute
-   and store their weighted slot row [S, H] as the two-launch path does. The last down program of a slot
+   and store their weighted slot row [S, H] as the grouped down kernel does. The last down program of a slot
    leaving zeroes its counters, so every launch (and graph replay) starts from zero.
 
 Progress: a down program only waits for gate_up programs, which have lower program ids and so are dispatched
-first; the successor kernel (PDL) is scheduled only after every program of this grid has started. Every sum is
-in the same order as the two-launch kernels', so the slot rows are the same.
+first; the successor kernel (PDL) is scheduled only after every program of this grid has started. The tiles,
+roundings and sums are the grouped kernels' (``_gate_up_tile``, ``_down_acc``, ``_store_weighted``).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class OneTokenTiles:
     shared_first: bool = True
 
 
-TILES = OneTokenTiles()  # the two-launch path's tiles (moe.default_config(1, ...))
+TILES = OneTokenTiles()  # the grouped kernels' one-token tiles (moe.default_config(1, ...)), the best measured
 
 
 @triton.jit
