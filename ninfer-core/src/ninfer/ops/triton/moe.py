@@ -65,6 +65,7 @@ _BY_TOKENS: tuple[tuple[int, MoeConfig], ...] = (
     (3072, MoeConfig(64, 128, 64, 4, 3)),
 )
 _LARGEST = MoeConfig(128, 256, 64, 8, 4)
+FP32_BLOCK_K, FP32_STAGES = 32, 2  # fp32 tiles take twice the shared memory: a shorter K step, fewer stages
 
 
 def default_config(tokens: int, dtype: torch.dtype) -> MoeConfig:
@@ -72,7 +73,7 @@ def default_config(tokens: int, dtype: torch.dtype) -> MoeConfig:
     shorter K step and at most two pipeline stages."""
     cfg = next((c for limit, c in _BY_TOKENS if tokens <= limit), _LARGEST)
     if dtype == torch.float32:
-        cfg = attrs.evolve(cfg, block_k=min(cfg.block_k, 32), num_stages=min(cfg.num_stages, 2))
+        cfg = attrs.evolve(cfg, block_k=min(cfg.block_k, FP32_BLOCK_K), num_stages=min(cfg.num_stages, FP32_STAGES))
     return cfg
 
 

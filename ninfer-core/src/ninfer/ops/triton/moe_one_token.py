@@ -31,6 +31,8 @@ from ninfer.ops.triton._arrivals import arrival_counters
 from ninfer.ops.triton._pdl import pdl_args
 from ninfer.ops.triton._pdl_jit import pdl_prologue
 from ninfer.ops.triton.moe import (
+    FP32_BLOCK_K,
+    FP32_STAGES,
     _as_expert,
     _down_acc,
     _expert_base,
@@ -143,9 +145,9 @@ def moe_one_token(x: torch.Tensor, logits: torch.Tensor, shared_gate: torch.Tens
     """The k + 1 weighted slot rows [k + 1, H] of one token x [1, H] (``moe.moe_block(..., summed=False)[0]``),
     in one launch; for calls that ``fits``."""
     t = tiles or TILES
-    if x.dtype == torch.float32:  # fp32 tiles take twice the shared memory and registers (as moe.default_config)
-        t = attrs.evolve(t, up_k=min(t.up_k, 32), down_k=min(t.down_k, 32), num_stages=min(t.num_stages, 2),
-                         preload=False)
+    if x.dtype == torch.float32:  # the grouped kernels' fp32 caps; an fp32 slice is too large for registers
+        t = attrs.evolve(t, up_k=min(t.up_k, FP32_BLOCK_K), down_k=min(t.down_k, FP32_BLOCK_K),
+                         num_stages=min(t.num_stages, FP32_STAGES), preload=False)
     H, inter = x.shape[1], down.shape[2]
     slots = top_k + 1
     if logits.stride(1) != 1:
