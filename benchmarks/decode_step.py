@@ -108,20 +108,40 @@ def measure(program, config, device: str, B: int, *, context: int, steps: int, w
         _sync(device)
         if i >= warmup:
             times.append((time.perf_counter() - t0) * 1e3)
+    graph_ms = replay_ms(program, B, steps) if program.graphs is not None and device.startswith("cuda") else None
     for sid in seqs:
         program.release(sid)
     times.sort()
     med = times[len(times) // 2]
     return {"batch": B, "ms_median": med, "ms_mean": sum(times) / len(times), "tokens_per_s": B / med * 1e3,
-            "graphs": program.graphs is not None}
+            "graphs": program.graphs is not None, "graph_ms": graph_ms}
 
 
-def measure_engine(program, config, device: str, B: int, *, context: int, steps: int) -> dict:
+def replay_ms(program, B: int, replays: int) -> float:
+    """Device ms per replay of the B graph alone, back to back over the last step's inputs (no staging, no
+    sampling, no readback): what a step costs without anything around the graph. The replays rewrite the rows'
+    last KV position and advance their recurrent state; the caller releases the rows after."""
+    program.graphs.replay(B)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        program.graphs.replay(B)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
+
+
+def measure_engine(program, config, device: str, B: int, *, context: int, steps: int, chain: bool = False) -> dict:
     """The same B rows through ``ninfer.Engine`` (scheduler, PendingBatch commit, Frontend, events): the mean
     inter-token gap per request, i.e. the engine's cycle time with B decode rows. The B requests are admitted
     together, so the first rows' early gaps include the other prompts' prefill chunks: the figure is taken over
     the steady part only (every row has its first token, none has finished), and over the whole run when that
-    part is empty (``engine_steady`` says which)."""
+    part is empty (``engine_steady`` says which). ``chain``: the steady part runs under a device trace and the
+    result also has ``chain``, its per-kernel chain advances per step (``benchmarks.chain_profile``)."""
+    import contextlib
+
+    from benchmarks import chain_profile
+
     from ninfer.contract.events import OutputDelta
     from ninfer.contract.model import ModelInstance
     from ninfer.contract.prompt import TextInput
@@ -151,17 +171,21 @@ def measure_engine(program, config, device: str, B: int, *, context: int, steps:
                 if event is None or isinstance(event, OutputDelta) and event.token_ids:
                     waiting.discard(i)
         before = engine.metrics().inter_token
-        while not any(h.done for h in handles):
-            time.sleep(0.0005)
-        after = engine.metrics().inter_token
+        with chain_profile.trace() if chain else contextlib.nullcontext([]) as events:
+            while not any(h.done for h in handles):
+                time.sleep(0.0005)
+            after = engine.metrics().inter_token
         for h in handles:
             h.result()
         whole = engine.metrics().inter_token
     count, total = after.count - before.count, after.total - before.total
     steady = count > 0
     gap = (total / count if steady else whole.total / whole.count) * 1e3
-    return {"batch": B, "engine_ms_per_step": gap, "engine_tokens_per_s": B / gap * 1e3, "engine_steady": steady,
-            "engine_ms_whole_run": whole.total / whole.count * 1e3}
+    res = {"batch": B, "engine_ms_per_step": gap, "engine_tokens_per_s": B / gap * 1e3, "engine_steady": steady,
+           "engine_ms_whole_run": whole.total / whole.count * 1e3}
+    if chain and steady:
+        res["chain"] = chain_profile.table(chain_profile.advances(events), max(1, count // B))
+    return res
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,8 +42,8 @@ def parse_variant(spec: str) -> dict:
     (the MoE kernels' row for calls up to LIMIT tokens), ``linear_tiles=NxK:BN,BK,SPLIT`` (the few-row linear for
     an [N, K] weight), ``moe_down=PAIRS:BN,BK,WARPS,STAGES`` (the down kernel alone for calls up to PAIRS (token,
     slot) pairs), ``gdn_block_v=V``, ``attention=TILE_N,SPLITS`` (decode attention's keys per tile and most splits),
-    ``one_token=UN,UK,DN,DK,WARPS,STAGES,PRELOAD[,SHARED_FIRST]`` (``moe_one_token``'s tiles; flags 0 or 1)
-    -> {"pdl", "ops_off", "knobs", "tiles"}."""
+    ``one_token=UN,UK,DN,DK,WARPS,STAGES,PRELOAD[,SHARED_FIRST]`` (``moe_one_token``'s tiles; flags 0 or 1),
+    ``norm_tile=D:BLOCK_D,ROWS,WARPS`` (every RMS norm kernel's tile for rows of D) -> {"pdl", "ops_off", "knobs", "tiles"}."""
     out: dict = {"pdl": None, "ops_off": None, "knobs": {}, "tiles": {}}
     if spec == "auto":
         return out
@@ -55,7 +55,8 @@ def parse_variant(spec: str) -> dict:
             raise ValueError(f"variant {spec!r}: {part!r}: expected auto or +-joined pdl=on|off, ops_off=OPS, "
                              f"prefetch_tiles=N, moe_tiles=LIMIT:BM,BN,BK,WARPS,STAGES, linear_tiles=NxK:BN,BK,SPLIT "
                              f"moe_down=PAIRS:BN,BK,WARPS,STAGES, gdn_block_v=V, attention=TILE_N,SPLITS or "
-                             f"one_token=UN,UK,DN,DK,WARPS,STAGES,PRELOAD[,SHARED_FIRST] ({exc})") from None
+                             f"one_token=UN,UK,DN,DK,WARPS,STAGES,PRELOAD[,SHARED_FIRST] or "
+                             f"norm_tile=D:BLOCK_D,ROWS,WARPS ({exc})") from None
     return out
 
 
@@ -88,6 +89,9 @@ def _knob(out: dict, key: str, value: str) -> None:
         out["tiles"]["gdn_block_v"] = ints(value, 1)[0]
     elif key == "attention":
         out["tiles"]["attention"] = ints(value, 2)
+    elif key == "norm_tile":  # D:BLOCK_D,ROWS,WARPS for every RMS norm of rows of D
+        d, cfg = value.split(":")
+        out["tiles"].setdefault("norm", {})[int(d)] = ints(cfg, 3)
     elif key == "one_token":
         from ninfer.ops.triton.moe_one_token import OneTokenTiles
 
@@ -116,9 +120,11 @@ def auto_pdl(params, device: str) -> bool:
     return prefers_pdl(everything.step_read_bytes / config.num_hidden_layers)
 
 
-def time_variant(params, cfg: dict, args, device: str, variant: dict, profile: bool = False) -> dict:
+def time_variant(params, cfg: dict, args, device: str, variant: dict, profile: bool = False,
+                 chain: bool = False) -> dict:
     """Start a Program over ``params`` as ``variant`` says and time decode at every B (and the engine's); with
-    ``profile``, then also profile ``args.profile`` steps at B=1 (the full tables beside ``--json``)."""
+    ``profile``, then also profile ``args.profile`` steps at B=1 (the full tables beside ``--json``); with
+    ``chain``, trace the engine's steady steps at every B once more (``benchmarks/chain_profile.py``)."""
     import torch
 
     from benchmarks.decode_step import build_program, measure, measure_engine
@@ -139,6 +145,15 @@ def time_variant(params, cfg: dict, args, device: str, variant: dict, profile: b
                 row = measure(program, config, device, B, context=args.context, steps=args.steps)
                 if args.engine:
                     row.update(measure_engine(program, config, device, B, context=args.context, steps=args.steps))
+                if chain:  # its own run: the trace slows what it watches
+                    from benchmarks.chain_profile import print_table
+
+                    traced = measure_engine(program, config, device, B, context=args.context, steps=args.steps,
+                                            chain=True)
+                    row["chain"] = traced.get("chain")
+                    row["chain_engine_ms_per_step"] = traced["engine_ms_per_step"]
+                    if row["chain"]:
+                        print_table(f"B={B}, engine {traced['engine_ms_per_step']:.3f} ms/step traced", row["chain"])
                 res["rows"].append(row)
             if profile:
                 from benchmarks.moe_runs import print_profile, profile_run
@@ -183,13 +198,15 @@ def summarize(res: dict, cfg: dict, args, bw: float, distinct: dict[int, float])
             ms = [row["ms_median"] for r in runs for row in r["rows"] if row["batch"] == B]
             eng = [row["engine_ms_per_step"] for r in runs for row in r["rows"]
                    if row["batch"] == B and "engine_ms_per_step" in row]
+            graph = [row["graph_ms"] for r in runs for row in r["rows"] if row["batch"] == B and row.get("graph_ms")]
             floor_ms = mw.step_bytes(cfg, B, args.context, distinct[B]) / (bw * 1e12) * 1e3
             m = statistics.median(ms)
             e = statistics.median(eng) if eng else None
             out.setdefault(spec, {})[B] = {
                 "ms_per_step": m, "ms_rounds": ms, "tokens_per_s": B / m * 1e3, "floor_ms": floor_ms,
                 "of_floor": floor_ms / m, "distinct_experts": distinct[B], "engine_ms_per_step": e,
-                "engine_rounds": eng, "engine_of_floor": floor_ms / e if e else None}
+                "engine_rounds": eng, "engine_of_floor": floor_ms / e if e else None,
+                "graph_ms": statistics.median(graph) if graph else None}
     return out
 
 
@@ -199,15 +216,16 @@ def markdown(res: dict) -> str:
              f"device) on {d.get('name', d['device'])}, torch {d['torch']}; copy {res['copy_tb_s']:.2f} TB/s",
              f"context {res['args']['context']}, {res['args']['steps']} steps per run, {res['args']['rounds']} "
              "round(s) per variant (medians over rounds; every round's figure in the JSON)", "",
-             "| variant | B | ms/step | tok/s | floor ms | of floor | engine ms/step | engine of floor | rounds (ms) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| variant | B | ms/step | tok/s | floor ms | of floor | engine ms/step | engine of floor | graph ms | rounds (ms) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for spec, rows in res["summary"].items():
         for B, r in rows.items():
             rounds = ", ".join(f"{x:.3f}" for x in r["ms_rounds"])
             eng = "-" if r["engine_ms_per_step"] is None else f"{r['engine_ms_per_step']:.3f}"
             eof = "-" if r["engine_of_floor"] is None else f"{r['engine_of_floor']:.2f}"
+            graph = "-" if r.get("graph_ms") is None else f"{r['graph_ms']:.3f}"
             lines.append(f"| {spec} | {B} | {r['ms_per_step']:.3f} | {r['tokens_per_s']:.1f} | {r['floor_ms']:.3f} "
-                         f"| {r['of_floor']:.2f} | {eng} | {eof} | {rounds} |")
+                         f"| {r['of_floor']:.2f} | {eng} | {eof} | {graph} | {rounds} |")
     lines += target_lines(res.get("targets", {}))
     return "\n".join(lines)
 
@@ -226,6 +244,9 @@ def parse_args(argv=None):
                         "the reported one")
     p.add_argument("--rounds", type=int, default=1, help="times the variant list runs, in order")
     p.add_argument("--engine", action="store_true", help="also time each B through ninfer.Engine (pipelined)")
+    p.add_argument("--chain-profile", action="store_true",
+                   help="on the first round, trace each variant's engine steady steps at every B once more: "
+                        "each kernel's advance of the chain's end (benchmarks/chain_profile.py)")
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="profile STEPS decode steps at B=1 on the first variant's first round (kernels per step)")
     p.add_argument("--json", default=None, help="write every figure here")
@@ -273,7 +294,7 @@ def _run(argv) -> int:
     for i in range(args.rounds):
         for spec, variant in variants.items():
             profile = bool(args.profile) and i == 0 and spec == args.variants[0]
-            run = time_variant(params, cfg, args, device, variant, profile)
+            run = time_variant(params, cfg, args, device, variant, profile, args.chain_profile and i == 0)
             res["runs"].append({"round": i, "variant": spec, **run})
             print(f"# round {i} {spec} (pdl {run['pdl']}): " + ", ".join(
                 f"B={r['batch']} {r['ms_median']:.3f} ms" + (f" (engine {r['engine_ms_per_step']:.3f})"

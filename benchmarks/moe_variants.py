@@ -45,20 +45,22 @@ def pdl_knobs(knobs: dict):
 
 @contextlib.contextmanager
 def tiles(moe: dict | None = None, linear: dict | None = None, gdn_block_v: int | None = None,
-          moe_down: dict | None = None, attention: tuple[int, int] | None = None, one_token=None):
+          moe_down: dict | None = None, attention: tuple[int, int] | None = None, one_token=None,
+          norm: dict | None = None):
     """Kernel tiles other than the defaults inside the block (a Program started there captures its graphs with
     them), restored on exit: ``moe`` {token limit of a ``_BY_TOKENS`` row: MoeConfig}, ``linear`` {(N, K):
     (block_n, block_k, split_k)} for the few-row linear, ``gdn_block_v`` for the GDN decode steps, ``moe_down``
     {token limit: (block_n, block_k, warps, stages)} for the down kernel alone (its block_m stays the row's),
     ``attention`` (keys per tile, most splits) for decode attention, ``one_token`` (``OneTokenTiles``) for the
-    one-launch MoE block of one token."""
+    one-launch MoE block of one token, ``norm`` {D: (block_d, rows, warps)} for the RMS norm kernels."""
     from ninfer.ops.triton import attention as t_attention
     from ninfer.ops.triton import gdn as t_gdn
     from ninfer.ops.triton import linear as t_linear
     from ninfer.ops.triton import moe as t_moe
+    from ninfer.ops.triton import norm as t_norm
 
     rows, measured, block_v = t_moe._BY_TOKENS, dict(t_linear._MEASURED), t_gdn._default_block_v
-    down = t_moe.down_grouped
+    down, row_tile = t_moe.down_grouped, t_norm._row_tile
     # Read only when patched: a tree from before these constants (a before/after run) still times its defaults.
     attention_tiles = (t_attention.DECODE_TILE_N, t_attention.MAX_DECODE_SPLITS) if attention else None
     one_token_tiles = _one_token_module().TILES if one_token else None
@@ -85,9 +87,12 @@ def tiles(moe: dict | None = None, linear: dict | None = None, gdn_block_v: int 
             t_attention.DECODE_TILE_N, t_attention.MAX_DECODE_SPLITS = attention
         if one_token:
             _one_token_module().TILES = one_token
+        if norm:
+            t_norm._row_tile = lambda D: norm.get(D) or row_tile(D)
         yield
     finally:
         t_moe._BY_TOKENS, t_gdn._default_block_v, t_moe.down_grouped = rows, block_v, down
+        t_norm._row_tile = row_tile
         if attention_tiles is not None:
             t_attention.DECODE_TILE_N, t_attention.MAX_DECODE_SPLITS = attention_tiles
         if one_token_tiles is not None:
