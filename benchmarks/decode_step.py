@@ -11,6 +11,7 @@ of every row's token. Sequences first prefill ``--context`` random prompt tokens
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -18,6 +19,7 @@ import time
 
 import torch
 
+from benchmarks import chain_profile
 from benchmarks.shapes import SHAPES
 
 
@@ -138,9 +140,6 @@ def measure_engine(program, config, device: str, B: int, *, context: int, steps:
     the steady part only (every row has its first token, none has finished), and over the whole run when that
     part is empty (``engine_steady`` says which). ``chain``: the steady part runs under a device trace and the
     result also has ``chain``, its per-kernel chain advances per step (``benchmarks.chain_profile``)."""
-    import contextlib
-
-    from benchmarks import chain_profile
 
     from ninfer.contract.events import OutputDelta
     from ninfer.contract.model import ModelInstance
