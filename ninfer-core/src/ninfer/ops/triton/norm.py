@@ -63,9 +63,11 @@ def _heads(x, D: int, what: str):
 
 def _row_tile(D: int) -> tuple[int, int, int]:
     """(BLOCK_D, rows per program, warps) of every norm kernel here for rows of D: one tile shape per D, so the
-    norm of a row is computed alike by each kernel that norms it."""
+    norm of a row is computed alike by each kernel that norms it. A decode step's norms are latency on its
+    chain, not bandwidth: few rows per program (a GDN layer's 32 head rows in 8 programs, not 2) and 8 warps for
+    a row of 2048 or more (its loads and its reduction spread wider) finish them sooner (docs/kernels.md)."""
     block_d = triton.next_power_of_2(D)
-    return block_d, max(1, min(16, 2048 // block_d)), 8 if block_d >= 4096 else 4
+    return block_d, max(1, min(4, 2048 // block_d)), 8 if block_d >= 2048 else 4
 
 
 def _launch(x, z, weight, eps, one_plus, gated, out):
