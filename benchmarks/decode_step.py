@@ -49,6 +49,22 @@ def random_parameters(shape: str | dict, device: str, dtype: torch.dtype, seed: 
     return config, Qwen35Parameters.from_weights(config, weights, dtype)
 
 
+def auto_pdl(params, device: str) -> bool:
+    """What a start chooses for these weights: ``device_plan`` asks ``prefers_pdl`` with the all-device
+    placement's decode reads per layer, here from the Qwen3.5 startup's own placements of ``params``."""
+    if not device.startswith("cuda"):
+        return False
+    from ninfer.core.device_plan import resident_bytes
+    from ninfer.ops.triton._pdl import prefers_pdl
+    from ninfer_qwen35.startup import _placements
+
+    config, weights = params
+    banks = weights.expert_banks()
+    top_k = config.moe.num_experts_per_tok if config.moe is not None else 0
+    everything = _placements(resident_bytes(weights.tensors()), resident_bytes(banks), banks, top_k)[0]
+    return prefers_pdl(everything.step_read_bytes / config.num_hidden_layers)
+
+
 def build_program(shape: str | dict, device: str, *, max_batch: int, context: int, steps: int, graphs: bool,
                   dtype: torch.dtype, static_decode: bool = False, params=None, pdl: bool = False):
     """A Qwen3.5 Program over random weights of ``shape``, or over ``params`` (config, Qwen35Parameters) made
@@ -199,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="weights/activations (default bfloat16 on GPU, float32 on CPU)")
     ap.add_argument("--engine", action="store_true",
                     help="also run the B rows through ninfer.Engine (mean inter-token gap per request)")
+    ap.add_argument("--pdl", default="auto", choices=["auto", "on", "off"],
+                    help="programmatic dependent launch: the model's own choice (auto) or forced")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     args = ap.parse_args(argv)
     if not all(1 <= b <= 8 for b in args.batch):
@@ -206,9 +224,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
     t0 = time.perf_counter()
+    params = random_parameters(args.shape, args.device, dtype)
+    pdl = auto_pdl(params, args.device) if args.pdl == "auto" else args.pdl == "on"
     config, program = build_program(args.shape, args.device, max_batch=max(args.batch), context=args.context,
-                                    steps=args.steps + 3, graphs=not args.eager, dtype=dtype)
-    print(f"# {args.shape} on {args.device} ({dtype}), context {args.context}, {args.steps} steps; "
+                                    steps=args.steps + 3, graphs=not args.eager, dtype=dtype, params=params,
+                                    pdl=pdl)
+    print(f"# {args.shape} on {args.device} ({dtype}), context {args.context}, {args.steps} steps, PDL {pdl}; "
           f"built in {time.perf_counter() - t0:.1f} s; graphs: {program.graphs is not None}"
           + (f" ({program.graph_error})" if getattr(program, "graph_error", None) else ""), flush=True)
     print(f"{'B':>2} {'ms/step':>9} {'mean':>9} {'tok/s':>9}" + (f" {'engine ms':>10} {'engine tok/s':>12}"
@@ -225,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"shape": args.shape, "device": args.device, "dtype": str(dtype), "context": args.context,
-                       "rows": rows}, f, indent=2)
+                       "pdl": pdl, "rows": rows}, f, indent=2)
     return 0
 
 

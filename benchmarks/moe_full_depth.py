@@ -31,6 +31,7 @@ from pathlib import Path
 
 from benchmarks import moe_weights as mw
 from benchmarks.bench import target_lines
+from benchmarks.decode_step import auto_pdl
 from benchmarks.moe import B1_FLOOR_TARGET, copy_bandwidth
 
 clock = time.perf_counter
@@ -102,22 +103,6 @@ def _knob(out: dict, key: str, value: str) -> None:
         out["tiles"]["one_token"] = OneTokenTiles(*ints(",".join(vals[:6]), 6), *flags)
     else:
         raise ValueError("unknown knob")
-
-
-def auto_pdl(params, device: str) -> bool:
-    """What a start chooses for these weights: ``device_plan`` asks ``prefers_pdl`` with the all-device
-    placement's decode reads per layer, here from the Qwen3.5 startup's own placements of ``params``."""
-    if not device.startswith("cuda"):
-        return False
-    from ninfer.core.device_plan import resident_bytes
-    from ninfer.ops.triton._pdl import prefers_pdl
-    from ninfer_qwen35.startup import _placements
-
-    config, weights = params
-    banks = weights.expert_banks()
-    top_k = config.moe.num_experts_per_tok if config.moe is not None else 0
-    everything = _placements(resident_bytes(weights.tensors()), resident_bytes(banks), banks, top_k)[0]
-    return prefers_pdl(everything.step_read_bytes / config.num_hidden_layers)
 
 
 def time_variant(params, cfg: dict, args, device: str, variant: dict, profile: bool = False,
