@@ -68,3 +68,57 @@ def test_decode_step_graph_replays_equal_eager_calls(model, case, pdl):
             t.copy_(saved)
         o_eager, y_eager = step()  # eager, without PDL
         assert all(torch.equal(g, w) for g, w in zip(got, (o_eager, y_eager, conv_img, rec), strict=True))
+
+
+def test_attention_right_after_the_kv_write_sees_the_new_keys(model, case):
+    """The model's attention pair under PDL: decode attention right behind the fused norm + rotary + K/V write
+    that stores its new keys, in one graph, over contexts short enough that every row's new key sits in some
+    split's first tile (where a load ahead of the wait would show a stale key). Replays over fresh keys,
+    positions and pages equal eager calls without PDL, bit for bit."""
+    from ninfer.ops.rope import rope_inv_freq
+    from ninfer.ops.triton import _pdl
+    from ninfer.ops.triton.attention import norm_rope_write_kv, paged_attention
+
+    B, page, ctx_cap = 8, case.page, 2048  # 64 splits of one 32-key tile at most
+    pages_per_seq = ctx_cap // page
+    n_pages = B * pages_per_seq + 1
+    H, KVH, D = model.heads, model.kv_heads, model.head_dim
+    inv_freq = rope_inv_freq(model.rotary_dim, 1e7, case.device)
+    k_cache, v_cache = case.randn(n_pages, page, KVH, D), case.randn(n_pages, page, KVH, D)
+    qw, kw = case.randn(D, scale=0.1), case.randn(D, scale=0.1)
+    q, kv = case.randn(B, H, D), case.randn(2, B, KVH, D)
+    positions = torch.zeros(B, dtype=torch.int64, device=case.device)
+    slot_mapping = torch.zeros(B, dtype=torch.int64, device=case.device)
+    block_tables = torch.zeros(B, pages_per_seq, dtype=torch.int32, device=case.device)
+    seq_lens = torch.ones(B, dtype=torch.int32, device=case.device)
+    qsl = torch.arange(B + 1, dtype=torch.int32, device=case.device)
+
+    def step():
+        qr = norm_rope_write_kv(q, kv[0], kv[1], qw, kw, model.eps, positions, inv_freq, k_cache, v_cache,
+                                slot_mapping)
+        return paged_attention(qr, k_cache, v_cache, block_tables, seq_lens, qsl, 1, ctx_cap, D ** -0.5)
+
+    def new_inputs():
+        for t in (q, kv):
+            t.copy_(case.randn(*t.shape))
+        block_tables.copy_(case.randperm(n_pages - 1)[:B * pages_per_seq].view(B, pages_per_seq))
+        seq_lens.copy_(case.randint(ctx_cap, B) + 1)
+        positions.copy_(seq_lens.long() - 1)
+        slot_mapping.copy_(block_tables.long().gather(1, (positions // page)[:, None])[:, 0] * page
+                           + positions % page)
+
+    new_inputs()
+    with _pdl.scope(True):
+        step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static = step()
+    for _ in range(20):
+        new_inputs()
+        before = (k_cache.clone(), v_cache.clone())
+        graph.replay()
+        got = static.clone()
+        k_cache.copy_(before[0])
+        v_cache.copy_(before[1])
+        assert torch.equal(got, step())
