@@ -57,8 +57,7 @@ def test_full_depth_run_times_every_variant_and_round_against_the_floor(tmp_path
 def test_auto_pdl_is_what_the_startup_would_choose(monkeypatch):
     """"auto" asks prefers_pdl with the Qwen3.5 startup's all-device placement of these weights (no CUDA is
     touched: the choice is arithmetic on the weights' bytes); on the CPU it is off."""
-    from benchmarks import decode_step
-    from benchmarks.decode_step import random_parameters
+    from benchmarks.decode_step import auto_pdl, random_parameters
     from ninfer.core.device_plan import resident_bytes
     from ninfer_qwen35.startup import _placements
 
@@ -68,9 +67,9 @@ def test_auto_pdl_is_what_the_startup_would_choose(monkeypatch):
     banks = params[1].expert_banks()
     placement = _placements(resident_bytes(params[1].tensors()), resident_bytes(banks), banks, 2)[0]
     assert 0 < placement.step_read_bytes < placement.device_bytes  # k of 8 experts per layer
-    assert decode_step.auto_pdl(params, "cuda") is True and decode_step.auto_pdl(params, "cpu") is False
+    assert auto_pdl(params, "cuda") is True and auto_pdl(params, "cpu") is False
     monkeypatch.setenv("NINFER_PDL", "0")
-    assert decode_step.auto_pdl(params, "cuda") is False
+    assert auto_pdl(params, "cuda") is False
 
 
 def test_variants_parse_into_pdl_ops_and_knobs():

@@ -10,9 +10,32 @@ import torch
 pytestmark = pytest.mark.gpu
 
 
+def _new_rows(case, block_tables, seq_lens, slot_mapping, n_pages: int, ctx_cap: int, page: int) -> torch.Tensor:
+    """Fresh page tables and lengths of the decode rows, and the KV slot of each row's new (last) position;
+    returns those positions."""
+    B, pages_per_seq = block_tables.shape
+    block_tables.copy_(case.randperm(n_pages - 1)[:B * pages_per_seq].view(B, pages_per_seq))
+    seq_lens.copy_(case.randint(ctx_cap, B) + 1)
+    last = seq_lens.long() - 1
+    slot_mapping.copy_(block_tables.long().gather(1, (last // page)[:, None])[:, 0] * page + last % page)
+    return last
+
+
+def _capture(step, pdl: bool):
+    """(graph, its outputs) of ``step`` captured with PDL on or off, after one warming call."""
+    from ninfer.ops.triton import _pdl
+
+    with _pdl.scope(pdl):
+        step()  # compile and warm every kernel before the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+    return graph, out
+
+
 @pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
 def test_decode_step_graph_replays_equal_eager_calls(model, case, pdl):
-    from ninfer.ops.triton import _pdl
     from ninfer.ops.triton.attention import paged_attention, write_kv
     from ninfer.ops.triton.gdn import gdn_decode_fused
     from ninfer.ops.triton.linear import linear
@@ -47,18 +70,10 @@ def test_decode_step_graph_replays_equal_eager_calls(model, case, pdl):
         for t in (x, ab, q, kv_new):
             t.copy_(case.randn(*t.shape))
         slots.copy_(case.randperm(S)[:B])
-        block_tables.copy_(case.randperm(n_pages - 1)[:B * pages_per_seq].view(B, pages_per_seq))
-        seq_lens.copy_(case.randint(ctx_cap, B) + 1)
-        last = seq_lens.long() - 1
-        slot_mapping.copy_(block_tables.long().gather(1, (last // page)[:, None])[:, 0] * page + last % page)
+        _new_rows(case, block_tables, seq_lens, slot_mapping, n_pages, ctx_cap, page)
 
     new_inputs()
-    with _pdl.scope(pdl):
-        step()  # compile and warm every kernel before the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            o_static, y_static = step()
+    graph, (o_static, y_static) = _capture(step, pdl)
     for _ in range(2):
         new_inputs()
         before = (conv_img.clone(), rec.clone(), k_cache.clone(), v_cache.clone())
@@ -76,7 +91,6 @@ def test_attention_right_after_the_kv_write_sees_the_new_keys(model, case):
     split's first tile (where a load ahead of the wait would show a stale key). Replays over fresh keys,
     positions and pages equal eager calls without PDL, bit for bit."""
     from ninfer.ops.rope import rope_inv_freq
-    from ninfer.ops.triton import _pdl
     from ninfer.ops.triton.attention import norm_rope_write_kv, paged_attention
 
     B, page, ctx_cap = 8, case.page, 2048  # 64 splits of one 32-key tile at most
@@ -101,19 +115,10 @@ def test_attention_right_after_the_kv_write_sees_the_new_keys(model, case):
     def new_inputs():
         for t in (q, kv):
             t.copy_(case.randn(*t.shape))
-        block_tables.copy_(case.randperm(n_pages - 1)[:B * pages_per_seq].view(B, pages_per_seq))
-        seq_lens.copy_(case.randint(ctx_cap, B) + 1)
-        positions.copy_(seq_lens.long() - 1)
-        slot_mapping.copy_(block_tables.long().gather(1, (positions // page)[:, None])[:, 0] * page
-                           + positions % page)
+        positions.copy_(_new_rows(case, block_tables, seq_lens, slot_mapping, n_pages, ctx_cap, page))
 
     new_inputs()
-    with _pdl.scope(True):
-        step()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static = step()
+    graph, static = _capture(step, True)
     for _ in range(20):
         new_inputs()
         before = (k_cache.clone(), v_cache.clone())
