@@ -114,10 +114,13 @@ def test_gdn_decode_fused_graph_replays_equal_eager_calls(model, case):
         assert all(torch.equal(x, y) for x, y in zip(got, (out, image, conv_image), strict=True))
 
 
+@pytest.mark.parametrize("per_graph", (1, 2), ids=("one-step", "two-steps"))
 @pytest.mark.parametrize("batch", (1, 8), ids=lambda b: f"B{b}")
-def test_gdn_decode_fused_under_pdl_matches_eager_steps_without_it(model, case, batch):
+def test_gdn_decode_fused_under_pdl_matches_eager_steps_without_it(model, case, batch, per_graph):
     """in_proj (the few-row linear) then the fused step, captured with PDL and replayed for several steps whose
-    states chain, give the bits of the same steps run eagerly without PDL from the same start."""
+    states chain, give the bits of the same steps run eagerly without PDL from the same start. With two steps in
+    one graph, the second step's state and conv history (loaded before its PDL wait) are the first step's writes,
+    two kernels back."""
     from ninfer.ops.triton import _pdl
     from ninfer.ops.triton.gdn import gdn_decode_fused
     from ninfer.ops.triton.linear import linear
@@ -140,7 +143,8 @@ def test_gdn_decode_fused_under_pdl_matches_eager_steps_without_it(model, case, 
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            step()
+            for _ in range(per_graph):
+                step()
     image.copy_(start[0])
     conv_image.copy_(start[1])
     replayed = []
@@ -154,7 +158,8 @@ def test_gdn_decode_fused_under_pdl_matches_eager_steps_without_it(model, case, 
     eager = []
     for fresh in inputs:
         x.copy_(fresh)
-        step()
+        for _ in range(per_graph):
+            step()
         eager.append(out.clone())
     assert all(torch.equal(r, e) for r, e in zip(got[0], eager, strict=True)), "outputs differ"
     assert torch.equal(got[1], image) and torch.equal(got[2], conv_image), "states differ"
