@@ -119,8 +119,8 @@ def test_gdn_decode_fused_graph_replays_equal_eager_calls(model, case):
 def test_gdn_decode_fused_under_pdl_matches_eager_steps_without_it(model, case, batch, per_graph):
     """in_proj (the few-row linear) then the fused step, captured with PDL and replayed for several steps whose
     states chain, give the bits of the same steps run eagerly without PDL from the same start. With two steps in
-    one graph, the second step's state and conv history (loaded before its PDL wait) are the first step's writes,
-    two kernels back."""
+    one graph, the second step reads the state and conv history that the first step wrote two kernels back (what
+    a load moved ahead of the PDL wait would have to see)."""
     from ninfer.ops.triton import _pdl
     from ninfer.ops.triton.gdn import gdn_decode_fused
     from ninfer.ops.triton.linear import linear
