@@ -82,6 +82,7 @@ def _calls(gen: torch.Generator) -> list[tuple[str, callable]]:
         ("swiglu split-K", lambda: linear.swiglu(x, randn(192, 256), split_k=2, block_k=64)),
         ("rms_norm rows", lambda: norm.rms_norm(x, randn(256), 1e-6)),
         ("rms_norm heads", lambda: norm.rms_norm(q_gate[..., :64], randn(64), 1e-6)),
+        ("embed_rms_norm", lambda: norm.embed_rms_norm(torch.tensor([5, 0, 2]), randn(7, 256), randn(256), 1e-6)),
         ("rms_norm_gated heads", lambda: norm.rms_norm_gated(randn(3, 4, 64), q_gate[..., 64:], randn(64), 1e-6)),
         ("add_rms_norm", lambda: norm.add_rms_norm(x, randn(3, 256), randn(256), 1e-6)),
         ("add_rms_norm terms", lambda: norm.add_rms_norm(randn(3, 9, 256), randn(3, 256), randn(256), 1e-6)),

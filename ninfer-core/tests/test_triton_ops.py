@@ -66,6 +66,27 @@ def test_rms_norms(dtype, tol):
     assert t_norm.rms_norm(x[:0], w, 1e-6).shape == (0, 5, 48)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_embed_rms_norm_is_the_gather_then_the_norm(dtype):
+    """The embedding rows and their norm in one kernel: the rows bitwise the table's, the norm bitwise the rms_norm
+    kernel's of those rows (same tile, same reductions); an id out of the table reads a zero row."""
+    gen = _gen(1)
+    table = _randn(11, 48, gen=gen, dtype=dtype)
+    w = _randn(48, gen=gen, dtype=dtype) * 0.1
+    for ids in (torch.tensor([3, 0, 10, 3, 7], device=DEV), torch.tensor([5], device=DEV, dtype=torch.int32)):
+        for one_plus in (True, False):
+            x, y = t_norm.embed_rms_norm(ids, table, w, 1e-6, one_plus=one_plus)
+            assert torch.equal(x, table[ids.long()])
+            assert torch.equal(y, t_norm.rms_norm(table[ids.long()], w, 1e-6, one_plus=one_plus))
+            ref_x, ref_y = norm.embed_rms_norm_ref(ids, table, w, 1e-6, one_plus=one_plus)
+            assert torch.equal(x, ref_x)
+            _close(y, ref_y, 1e-5 if dtype == torch.float32 else 2e-3)
+    x, _ = t_norm.embed_rms_norm(torch.tensor([-1, 11, 2], device=DEV), table, w, 1e-6)
+    assert torch.equal(x[:2], torch.zeros_like(x[:2])) and torch.equal(x[2], table[2])
+    x, y = t_norm.embed_rms_norm(torch.empty(0, dtype=torch.int64, device=DEV), table, w, 1e-6)
+    assert x.shape == y.shape == (0, 48)
+
+
 def test_silu_and_mul_rope_and_gates():
     gen = _gen(1)
     x = _randn(4, 3, 2 * 40, gen=gen, dtype=torch.float16)

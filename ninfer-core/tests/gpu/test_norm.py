@@ -47,6 +47,20 @@ def test_rms_norm_gated(model, case, tokens):
         case.within(out, rms_norm_gated_ref(x.float(), z.float(), w.float(), model.eps), TOL, label)
 
 
+def test_embed_rms_norm_equals_the_gather_then_rms_norm(model, case, tokens):
+    """The model's first op: bitwise F.embedding then the rms_norm kernel, at every row count."""
+    from ninfer.ops.triton.norm import embed_rms_norm, rms_norm
+
+    V, H = 4099, model.hidden
+    table, w = case.randn(V, H), case.randn(H, scale=0.1)
+    ids = torch.randint(0, V, (tokens,), generator=torch.Generator(device="cuda").manual_seed(tokens),
+                        device="cuda")
+    x, y = embed_rms_norm(ids, table, w, model.eps)
+    rows = torch.nn.functional.embedding(ids, table)
+    assert torch.equal(x, rows)
+    assert torch.equal(y, rms_norm(rows, w, model.eps))
+
+
 def test_add_rms_norm(model, case, tokens):
     from ninfer.ops.norm import add_rms_norm_ref
     from ninfer.ops.triton.norm import add_rms_norm

@@ -77,6 +77,11 @@ class DecodeGraphs:
         self._row_key: list[object] = [None] * B
         self._row_len = [0] * B
         self._staged: torch.cuda.Event | None = None  # recorded after the last copy out of the staging buffer
+        # A step's upload runs on its own stream once the previous step's forward has read the inputs, so it
+        # overlaps that step's sampling and readback instead of queueing behind them on the compute stream.
+        cuda = device.type == "cuda"
+        self._uploads = torch.cuda.Stream(device) if cuda else None
+        self._replayed = torch.cuda.Event() if cuda else None  # recorded after each step's forward
         self._point_at_scratch()
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
@@ -155,21 +160,31 @@ class DecodeGraphs:
                 ht[i, start:n] = pages[start:]
                 spans.append((i * width + start, i * width + n))
         end = self._tables_at + 4 * spans[-1][1] if spans else 0
-        if 0 < end <= ONE_COPY_BYTES:
-            self._packed[:end].copy_(self._staging[:end], non_blocking=True)
-            spans = []
+        if self._uploads is None:
+            self._upload(spans, end)
         else:
-            self._rows_dev.copy_(self._rows_host, non_blocking=True)
-        for lo, hi in spans:
-            lo, hi = self._tables_at + 4 * lo, self._tables_at + 4 * hi
-            self._packed[lo:hi].copy_(self._staging[lo:hi], non_blocking=True)
-        if self._packed.is_cuda:
-            self._staged = torch.cuda.Event()
-            self._staged.record()
+            compute = torch.cuda.current_stream(self.device)
+            self._uploads.wait_event(self._replayed)  # the inputs the last forward read (no-op before the first)
+            with torch.cuda.stream(self._uploads):
+                self._upload(spans, end)
+                self._staged = torch.cuda.Event()
+                self._staged.record()
+            compute.wait_event(self._staged)
         if device_tokens is not None:  # after the packed copy, which wrote placeholders there
             self.input_ids[:B].copy_(device_tokens)
         for i, (pages, key) in enumerate(zip(tables, keys, strict=True)):
             row_key[i], row_len[i] = key, len(pages)
+
+    def _upload(self, spans: list[tuple[int, int]], end: int) -> None:
+        """Copy the staged inputs: up to ``end`` bytes in one copy when that is short, else the rows and each
+        changed table span (flat int32 index ranges) on its own."""
+        if 0 < end <= ONE_COPY_BYTES:
+            self._packed[:end].copy_(self._staging[:end], non_blocking=True)
+            return
+        self._rows_dev.copy_(self._rows_host, non_blocking=True)
+        for lo, hi in spans:
+            lo, hi = self._tables_at + 4 * lo, self._tables_at + 4 * hi
+            self._packed[lo:hi].copy_(self._staging[lo:hi], non_blocking=True)
 
     def replay(self, B: int) -> torch.Tensor:
         """Run the graph for B loaded rows; returns its logits buffer [B, V] (valid until the next replay).
@@ -178,9 +193,12 @@ class DecodeGraphs:
         static buffers, so the input path can be checked anywhere.
         """
         if B not in self.graphs:
-            return self._run(self.batch(B))
-        graph, out = self.graphs[B]
-        graph.replay()
+            out = self._run(self.batch(B))
+        else:
+            graph, out = self.graphs[B]
+            graph.replay()
+        if self._replayed is not None:
+            self._replayed.record()
         return out
 
 

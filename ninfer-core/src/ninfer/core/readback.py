@@ -1,7 +1,8 @@
 """The one device->host copy of a unit's results: sampled tokens, plus logprobs when rows want them.
 
 Launching packs everything into one tensor (fp64 holds token ids and fp32 logprobs exactly) and
-queues its copy into pinned host memory followed by an event; waiting blocks on that event only.
+queues its copy into pinned host memory, on a stream of its own, followed by an event; waiting blocks on that
+event only.
 A pipelined decode launches the next step before it waits for this one.
 """
 
@@ -11,6 +12,18 @@ from collections.abc import Sequence
 
 import attrs
 import torch
+
+_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _readback_stream(dev: torch.device) -> torch.cuda.Stream:
+    """The device's stream for readback copies (one per device, made on first use)."""
+    dev = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
+    stream = _streams.get(dev)
+    if stream is None:
+        stream = _streams[dev] = torch.cuda.Stream(dev)
+    return stream
+
 
 RowLogprobs = tuple[float, tuple[Sequence[float], Sequence[float]]]  # chosen, (top ids, top logprobs)
 
@@ -32,6 +45,9 @@ class Readback:
     event: torch.cuda.Event | None  # recorded after the copy (CUDA)
     want: tuple[int, ...]           # rows that report logprobs
     top_n: int
+    # The device tensor being copied, held until the copy is waited for: the copy runs on another stream, and the
+    # compute stream must not reuse that memory before it has been read.
+    source: torch.Tensor | None = None
 
     @classmethod
     def launch(cls, tokens: torch.Tensor, want: tuple[int, ...] = (), top_n: int = 0,
@@ -45,13 +61,17 @@ class Readback:
             pack = tokens
         event = None
         if pack.device.type == "cuda":
-            host = torch.empty(pack.shape, dtype=pack.dtype, pin_memory=True)
-            host.copy_(pack, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
+            # On a stream of its own: the next step's work on the compute stream does not queue behind the copy.
+            copies = _readback_stream(pack.device)
+            copies.wait_stream(torch.cuda.current_stream(pack.device))
+            with torch.cuda.stream(copies):
+                host = torch.empty(pack.shape, dtype=pack.dtype, pin_memory=True)
+                host.copy_(pack, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
         else:
             host = pack
-        return cls(tokens=tokens, host=host, event=event, want=want, top_n=top_n)
+        return cls(tokens=tokens, host=host, event=event, want=want, top_n=top_n, source=pack)
 
     def wait(self) -> tuple[list[int], dict[int, RowLogprobs]]:
         """Every row's token, and (chosen logprob, (top ids, top logprobs)) of the rows in ``want``."""

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 # "module.name" of every Triton kernel that passed the GPU tests (ninfer-core/tests/gpu) at Qwen3.5 shapes; how
 # each was validated and measured is in docs/kernels.md.
 TRITON_OPS: frozenset[str] = frozenset({
-    "norm.rms_norm", "norm.rms_norm_gated", "norm.add_rms_norm", "norm.add_rms_norm_linear",
+    "norm.rms_norm", "norm.embed_rms_norm", "norm.rms_norm_gated", "norm.add_rms_norm", "norm.add_rms_norm_linear",
     "activation.silu_and_mul", "rope.apply_rope",
     "gdn.gdn_gates", "gdn.gdn_decode", "gdn.gdn_decode_fused", "gdn.gdn_prefill", "gdn.gdn_verify",
     "gdn.gdn_verify_commit",

@@ -24,6 +24,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, one_plus: boo
     return rms_norm_ref(x, weight, eps, one_plus=one_plus)
 
 
+def embed_rms_norm_ref(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                       one_plus: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.nn.functional.embedding(ids, table)
+    return x, rms_norm_ref(x, weight, eps, one_plus=one_plus)
+
+
+def embed_rms_norm(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                   one_plus: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, y): the embedding rows of ``ids`` [N] in ``table`` [V, D] (a model's residual stream) and their
+    ``rms_norm`` (its first norm), one kernel on the GPU."""
+    kernel = triton_kernel("norm", "embed_rms_norm", table)
+    if kernel is not None:
+        return kernel(ids, table, weight, eps, one_plus=one_plus)
+    return embed_rms_norm_ref(ids, table, weight, eps, one_plus=one_plus)
+
+
 def rms_norm_gated_ref(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)

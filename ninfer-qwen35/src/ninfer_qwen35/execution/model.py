@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ninfer.ops import linear, rms_norm, rope_inv_freq
+from ninfer.ops import embed_rms_norm, linear, rms_norm, rope_inv_freq
 from ninfer.ops.rope import mrope_axes
 from ninfer_qwen35.execution.forward_batch import ForwardBatch, ModelStateViews
 from ninfer_qwen35.execution.layers import GDNPlan, VerifySteps, attention_mixer, feed_forward, gdn_mixer
@@ -32,14 +32,16 @@ class Qwen35Model:
         """
         c, p = self.config, self.params
         self._check(batch, state)
-        x = F.embedding(batch.input_ids, p.embed)  # the residual stream
-        if batch.vision_rows is not None:  # media placeholders take the vision encoder's rows
+        eps = c.rms_norm_eps
+        if batch.vision_rows is None:  # the residual stream x, and the first layer's input norm of it
+            x, h = embed_rms_norm(batch.input_ids, p.embed, p.layers[0].input_norm, eps)
+        else:  # media placeholders take the vision encoder's rows
+            x = F.embedding(batch.input_ids, p.embed)
             x.index_copy_(0, batch.vision_rows, batch.vision_embeds.to(x.dtype))
+            h = rms_norm(x, p.layers[0].input_norm, eps)
         plan = GDNPlan(decode=False, verify=verify) if verify is not None else self._gdn_plan(batch)
         # Each sublayer's output joins the stream in the op of the norm after it (one kernel once enabled):
         # the mixer's with the post-attention norm, the MLP's with the next layer's input norm or the final norm.
-        eps = c.rms_norm_eps
-        h = rms_norm(x, p.layers[0].input_norm, eps)
         next_norms = [layer.input_norm for layer in p.layers[1:]] + [p.final_norm]
         for layer, next_norm in zip(p.layers, next_norms, strict=True):
             if isinstance(layer.mixer, GDNParams):

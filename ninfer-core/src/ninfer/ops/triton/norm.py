@@ -38,11 +38,39 @@ def _rms_norm_kernel(
             y = y.to(dt).to(tl.float32)
         z = tl.load(z_ptr + z_off[:, None] + dd[None, :], mask=mask, other=0.0).to(tl.float32)
         y = y * (z * tl.sigmoid(z))
-    elif ONE_PLUS:
-        y = normed * (1.0 + w[None, :])
     else:
-        y = normed * w[None, :]
+        y = _scaled(normed, w, ONE_PLUS)
     tl.store(y_ptr + rr[:, None] * s_yr + dd[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _scaled(normed, w, ONE_PLUS: tl.constexpr):
+    if ONE_PLUS:
+        return normed * (1.0 + w[None, :])
+    return normed * w[None, :]
+
+
+@triton.jit
+def _embed_rms_norm_kernel(
+    ids_ptr, table_ptr, w_ptr, x_ptr, y_ptr, R, V, s_t, s_xr, s_yr, D, eps,
+    ONE_PLUS: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False,
+):
+    # The embedding gather and the first norm in one pass: x[r] = table[ids[r]], y[r] = rms_norm(x[r]) computed as
+    # _rms_norm_kernel does (same tile, same reductions), so y is bitwise that kernel's norm of the gathered rows.
+    pdl_prologue(USE_PDL)
+    rr = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    dd = tl.arange(0, BLOCK_D)
+    ok = rr < R
+    mask = ok[:, None] & (dd < D)[None, :]
+    ids = tl.load(ids_ptr + rr, mask=ok, other=0).to(tl.int64)
+    in_table = (ids >= 0) & (ids < V)  # an id out of range reads nothing (zeros), never another buffer
+    row = tl.load(table_ptr + ids[:, None] * s_t + dd[None, :], mask=mask & in_table[:, None], other=0.0)
+    tl.store(x_ptr + rr[:, None] * s_xr + dd[None, :], row, mask=mask)
+    x = row.to(tl.float32)
+    w = tl.load(w_ptr + dd, mask=dd < D, other=0.0).to(tl.float32)
+    normed = x * tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
+    tl.store(y_ptr + rr[:, None] * s_yr + dd[None, :], _scaled(normed, w, ONE_PLUS).to(y_ptr.dtype.element_ty),
+             mask=mask)
 
 
 def _rows(x, D: int, what: str):
@@ -96,6 +124,24 @@ def _launch(x, z, weight, eps, one_plus, gated, out):
 def rms_norm(x, weight, eps: float, *, one_plus: bool = True, out=None):
     """y = x * rsqrt(mean(x^2) + eps) * (1 + w) (or * w), in fp32, cast to x.dtype."""
     return _launch(x, None, weight, eps, one_plus, False, out)
+
+
+def embed_rms_norm(ids, table, weight, eps: float, *, one_plus: bool = True):
+    """(x, y): the rows of ``table`` [V, D] at ``ids`` [N] (int32/int64) and ``rms_norm(x, weight, eps)``, one
+    launch. An id outside the table gives a zero row (callers validate ids; this only keeps the read in bounds)."""
+    D = weight.shape[0]
+    if table.shape[-1] != D or table.stride(-1) != 1:
+        raise ValueError(f"embed_rms_norm: table {tuple(table.shape)} rows do not match the weight's {D}")
+    R = ids.numel()
+    x = torch.empty((R, D), dtype=table.dtype, device=table.device)
+    y = torch.empty_like(x)
+    if R == 0:
+        return x, y
+    block_d, rows, warps = _row_tile(D)
+    _embed_rms_norm_kernel[(triton.cdiv(R, rows),)](
+        ids.reshape(-1), table, weight, x, y, R, table.shape[0], table.stride(0), x.stride(0), y.stride(0), D, eps,
+        ONE_PLUS=bool(one_plus), ROWS=rows, BLOCK_D=block_d, num_warps=warps, **pdl_args(table.device))
+    return x, y
 
 
 def rms_norm_gated(x, z, weight, eps: float, *, out=None):
