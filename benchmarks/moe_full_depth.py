@@ -267,13 +267,16 @@ def _run(argv) -> int:
     t0 = clock()
     res: dict = {"shape": args.shape, "layers": cfg["num_hidden_layers"], "config": cfg, "args": vars(args),
                  "device": device_info(device), "weights": mw.weight_bytes(cfg), "runs": []}
-    res["copy_tb_s"] = copy_bandwidth(device)
+    # The copy rate sets the floor: sampled at the start (a cold device may read low), after the weights are made
+    # and after the runs; the median is the floor's rate, every sample is kept.
+    samples = [copy_bandwidth(device)]
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     t = clock()
     params = random_parameters(cfg, device, dtype)
     res["weights_s"] = clock() - t
     print(f"# {args.shape}: {res['weights']['total'] / 1e9:.1f} GB of random weights on {device} in "
           f"{res['weights_s']:.1f} s", flush=True)
+    _sample_copy(samples, device)
     distinct = routing_distinct(params, cfg, device, args.batches)
     res["distinct_experts"] = distinct
     for i in range(args.rounds):
@@ -285,6 +288,9 @@ def _run(argv) -> int:
                 f"B={r['batch']} {r['ms_median']:.3f} ms" + (f" (engine {r['engine_ms_per_step']:.3f})"
                                                              if "engine_ms_per_step" in r else "")
                 for r in run["rows"]), flush=True)
+    _sample_copy(samples, device)
+    res["copy_tb_s_samples"] = samples
+    res["copy_tb_s"] = sorted(samples)[len(samples) // 2]
     res["summary"] = summarize(res, cfg, args, res["copy_tb_s"], distinct)
     b1 = res["summary"][args.variants[0]].get(1)
     measured = b1["of_floor"] if b1 else None
@@ -295,6 +301,16 @@ def _run(argv) -> int:
         Path(args.json).write_text(json.dumps(res, indent=2, default=str))
     print(markdown(res))
     return 0
+
+
+def _sample_copy(samples: list[float], device: str) -> None:
+    """One more copy-rate sample, unless the device has no room left for the copy's two buffers."""
+    import torch
+
+    try:
+        samples.append(copy_bandwidth(device))
+    except torch.OutOfMemoryError:
+        print("# copy rate: no room for another sample", flush=True)
 
 
 if __name__ == "__main__":
