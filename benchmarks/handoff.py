@@ -96,6 +96,29 @@ def _check(zs, want, mode: str | None, when: str) -> None:
         raise AssertionError(f"handoff {mode}: consumer output off by {err:.3e}{when}")
 
 
+def graph_us(launches, pdl: bool, replays: int, check=None) -> float:
+    """us per replay of ``launches()`` captured in one CUDA graph (PDL per ``pdl``): run once to compile, capture,
+    replay three times, call ``check`` (if any) on the results, then time ``replays`` replays."""
+    with _pdl.scope(pdl):
+        launches()  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            launches()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    if check is not None:
+        check()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / replays
+
+
 def run(args) -> dict:
     dev = torch.device(args.device)
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -114,23 +137,8 @@ def run(args) -> dict:
             _check(zs, want, mode, "")
             out["rows"].append({"mode": mode or "producers", "checked": mode is not None})
             continue
-        with _pdl.scope(args.pdl):
-            chain(w, x, ys, zs, mode, *shape)  # compile outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                chain(w, x, ys, zs, mode, *shape)
-        for _ in range(3):
-            graph.replay()
-        torch.cuda.synchronize()
-        _check(zs, want, mode, " after replays")
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(args.replays):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        us = start.elapsed_time(end) * 1e3 / (args.replays * args.pairs)
+        us = graph_us(lambda mode=mode: chain(w, x, ys, zs, mode, *shape), args.pdl, args.replays,
+                      lambda mode=mode: _check(zs, want, mode, " after replays")) / args.pairs
         out["rows"].append({"mode": mode or "producers", "us_per_pair": us})
     if dev.type == "cuda":
         alone = out["rows"][0]["us_per_pair"]
@@ -140,18 +148,24 @@ def run(args) -> dict:
     return out
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def chain_parser(doc: str | None, pdl_off_help: str = "plain launches") -> argparse.ArgumentParser:
+    """The options every chain micro-benchmark takes: --device, --replays, --no-pdl, --json."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--replays", type=int, default=50)
+    p.add_argument("--no-pdl", dest="pdl", action="store_false", help=pdl_off_help)
+    p.add_argument("--json", type=str, default=None)
+    return p
+
+
+def parse_args(argv=None):
+    p = chain_parser(__doc__, "plain launches (the counter then never waits)")
     p.add_argument("--rows", type=int, default=2048, help="N of the producer's W [N, K]")
     p.add_argument("--cols", type=int, default=4096, help="K of the producer's W [N, K]")
     p.add_argument("--block-n", type=int, default=8, help="producer rows per program")
     p.add_argument("--block-k", type=int, default=256)
     p.add_argument("--block", type=int, default=1024, help="consumer elements per program")
     p.add_argument("--pairs", type=int, default=64, help="pairs per captured chain")
-    p.add_argument("--replays", type=int, default=50)
-    p.add_argument("--no-pdl", dest="pdl", action="store_false", help="plain launches (the counter then never waits)")
-    p.add_argument("--json", type=str, default=None)
     args = p.parse_args(argv)
     if args.rows % args.block_n or args.rows % min(args.block, args.rows) or args.cols % args.block_k:
         p.error("--rows must be a multiple of --block-n and --block, --cols of --block-k")
