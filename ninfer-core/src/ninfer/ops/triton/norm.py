@@ -28,7 +28,7 @@ def _rms_norm_kernel(
     mask = (rr < R)[:, None] & (dd < D)[None, :]
     x = tl.load(x_ptr + x_off[:, None] + dd[None, :], mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + dd, mask=dd < D, other=0.0).to(tl.float32)
-    normed = x * tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
+    normed = _normed(x, D, eps)
     if GATED:
         # Gated output norm rounds as the reference does: normed -> x.dtype, times w (in x.dtype when w is
         # not wider), then the fp32 silu gate.
@@ -44,7 +44,15 @@ def _rms_norm_kernel(
 
 
 @triton.jit
+def _normed(x, D, eps):
+    """fp32 rows [ROWS, BLOCK_D] (zero past D) times rsqrt(mean(x^2) + eps): every norm kernel here norms through it,
+    so a row normed by one is bitwise the row normed by another with the same tile."""
+    return x * tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
+
+
+@triton.jit
 def _scaled(normed, w, ONE_PLUS: tl.constexpr):
+    """The normed rows times (1 + w) or w (fp32 [BLOCK_D])."""
     if ONE_PLUS:
         return normed * (1.0 + w[None, :])
     return normed * w[None, :]
@@ -66,11 +74,9 @@ def _embed_rms_norm_kernel(
     in_table = (ids >= 0) & (ids < V)  # an id out of range reads nothing (zeros), never another buffer
     row = tl.load(table_ptr + ids[:, None] * s_t + dd[None, :], mask=mask & in_table[:, None], other=0.0)
     tl.store(x_ptr + rr[:, None] * s_xr + dd[None, :], row, mask=mask)
-    x = row.to(tl.float32)
     w = tl.load(w_ptr + dd, mask=dd < D, other=0.0).to(tl.float32)
-    normed = x * tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
-    tl.store(y_ptr + rr[:, None] * s_yr + dd[None, :], _scaled(normed, w, ONE_PLUS).to(y_ptr.dtype.element_ty),
-             mask=mask)
+    y = _scaled(_normed(row.to(tl.float32), D, eps), w, ONE_PLUS)
+    tl.store(y_ptr + rr[:, None] * s_yr + dd[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def _rows(x, D: int, what: str):
@@ -181,13 +187,7 @@ def _add_norm_rows(x_ptr, r_ptr, w, rr, dd, mask, s_xr, s_xt, s_rr, D, eps, s_dt
     r = tl.load(r_ptr + rr[:, None] * s_rr + dd[None, :], mask=mask, other=0.0)
     # The sum is rounded to the residual dtype first: the norm reads the rounded stream, as the unfused model.
     s = (r.to(tl.float32) + x).to(s_dtype)
-    sf = s.to(tl.float32)
-    normed = sf * tl.rsqrt(tl.sum(sf * sf, axis=1) / D + eps)[:, None]
-    if ONE_PLUS:
-        y = normed * (1.0 + w[None, :])
-    else:
-        y = normed * w[None, :]
-    return s, y.to(y_dtype)
+    return s, _scaled(_normed(s.to(tl.float32), D, eps), w, ONE_PLUS).to(y_dtype)
 
 
 def _out_rows(buf, like, what: str):
