@@ -23,9 +23,6 @@ import time
 
 import torch
 
-_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
-          torch.int64: "i64", torch.bool: "i1", torch.uint8: "u8"}
-
 
 def _calls(gen: torch.Generator) -> list[tuple[str, callable]]:
     """(name, thunk) per kernel variant: each thunk calls a public wrapper once on small bf16 inputs."""
@@ -125,44 +122,45 @@ def _calls(gen: torch.Generator) -> list[tuple[str, callable]]:
     ]
 
 
-def _signature(fn, args: tuple, kwargs: dict, pdl: bool, late: bool = False) -> tuple[dict, dict, dict]:
-    """(signature, constexprs, options) for triton.compile from one intercepted launch; ``pdl`` turns the
-    prologue on (with the default L2 prefetch), ``late`` also moves the successor's trigger after the K loop."""
-    import triton.language as tl
+def _specialized(kernel, args: tuple, kwargs: dict, backend, pdl: bool, late: bool = False
+                 ) -> tuple[dict, dict, dict, dict]:
+    """(signature, constexprs, attrs, options) for triton.compile from one intercepted launch, specialized as
+    Triton's launcher does at run time (pointers and integers divisible by 16, integers equal to 1), so the build
+    is the code the GPU runs (vectorized, pipelined loads); ``pdl`` turns the prologue on (with the L2 prefetch),
+    ``late`` also moves the successor's trigger after the K loop."""
+    from triton.runtime.jit import create_function_from_signature
 
-    params = inspect.signature(fn).parameters
-    bound = dict(zip(params, args, strict=False))
-    bound.update({k: v for k, v in kwargs.items() if k in params})
-    options = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages")}
-    signature, constexprs = {}, {}
-    for i, (name, p) in enumerate(params.items()):
-        value = bound.get(name, p.default)
-        if "constexpr" in str(p.annotation):
-            if pdl and name == "USE_PDL":
-                value = True
-            elif pdl and name == "PREFETCH":
-                value = 2
-            elif late and name == "LATE_TRIGGER":
-                value = True
-            signature[name] = "constexpr"
-            constexprs[(i,)] = value.value if isinstance(value, tl.constexpr) else value
-        elif isinstance(value, torch.Tensor):
-            signature[name] = "*" + _TYPES[value.dtype]
-        elif isinstance(value, bool):
-            signature[name] = "i1"
-        elif isinstance(value, int):
-            signature[name] = "i64" if abs(value) >= 2 ** 31 else "i32"
-        elif isinstance(value, float):
-            signature[name] = "fp32"
-        else:
-            raise TypeError(f"{fn.__name__}: argument {name} = {value!r} has no Triton type here")
-    return signature, constexprs, options
+    params = inspect.signature(kernel.fn).parameters
+    knobs = {"USE_PDL": pdl, "PREFETCH": 2 if pdl else None, "LATE_TRIGGER": late or None}
+    kwargs = {**kwargs, **{k: v for k, v in knobs.items() if k in params and v}}
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    return signature, constexprs, attrs, {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages")}
 
 
-def run(arch: int, pdl: bool) -> list[dict]:
+def _ptxas_report(ptx: str, arch: int) -> dict:
+    """Registers per thread and spilled bytes of one build, from ``ptxas -v`` (the assembler Triton ships)."""
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "kernel.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        log = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name=sm_{arch}a", src, "-o",
+                              os.path.join(tmp, "kernel.cubin")], capture_output=True, text=True, check=True).stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores", log)
+    return {"registers": int(regs.group(1)) if regs else None, "spill_bytes": int(spills.group(1)) if spills else 0}
+
+
+def run(arch: int, pdl: bool, registers: bool = False) -> list[dict]:
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import JITFunction
 
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -186,23 +184,26 @@ def run(arch: int, pdl: bool) -> list[dict]:
     finally:
         JITFunction.run = original
     target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
     builds = [(name, kernel, args, kwargs, False) for name, kernel, args, kwargs in captured]
     if pdl:  # the few-row linear's experiment: its successor's trigger after the K loop
         builds += [(f"{name} late trigger", kernel, args, kwargs, True) for name, kernel, args, kwargs in captured
                    if "LATE_TRIGGER" in inspect.signature(kernel.fn).parameters]
     results = []
     for name, kernel, args, kwargs, late in builds:
-        signature, constexprs, options = _signature(kernel.fn, args, kwargs, pdl, late)
+        signature, constexprs, attrs, options = _specialized(kernel, args, kwargs, backend, pdl, late)
         t0 = time.perf_counter()
-        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=target,
-                                  options=options)
+        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+                                  target=target, options=options)
         ptx = compiled.asm["ptx"]
         results.append({"case": name, "kernel": kernel.fn.__name__, "seconds": time.perf_counter() - t0,
                         "late": late, "cubin_bytes": len(compiled.asm["cubin"]),
                         "gdc_wait": "griddepcontrol.wait" in ptx,
                         "gdc_launch_dependents": "griddepcontrol.launch_dependents" in ptx,
                         "l2_prefetch": "prefetch.global.L2" in ptx,
-                        "pdl_order": _pdl_order(ptx, late, kernel.fn.__name__ in _READS_EARLY) if pdl else ""})
+                        "cp_async": "cp.async" in ptx,  # loads pipelined through shared memory
+                        "pdl_order": _pdl_order(ptx, late, kernel.fn.__name__ in _READS_EARLY) if pdl else "",
+                        **(_ptxas_report(ptx, arch) if registers else {})})
     return results
 
 
@@ -238,12 +239,15 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", type=int, default=90, help="compute capability x10 (90 = H100/H200)")
     p.add_argument("--pdl", action="store_true", help="build the programmatic-dependent-launch variants")
+    p.add_argument("--registers", action="store_true", help="also report each build's registers per thread and "
+                   "spilled bytes (ptxas -v)")
     args = p.parse_args(argv)
-    results = run(args.arch, args.pdl)
+    results = run(args.arch, args.pdl, args.registers)
     for r in results:
-        flags = " ".join(k for k in ("gdc_wait", "gdc_launch_dependents", "l2_prefetch") if r[k])
+        flags = " ".join(k for k in ("gdc_wait", "gdc_launch_dependents", "l2_prefetch", "cp_async") if r[k])
+        regs = f" {r['registers']:>3} regs {r['spill_bytes']:>4} B spilled" if args.registers else ""
         print(f"{r['case']:<40} {r['kernel']:<32} sm_{args.arch} cubin {r['cubin_bytes']:>7} B "
-              f"{r['seconds']:5.1f} s  {flags}")
+              f"{r['seconds']:5.1f} s{regs}  {flags}")
     wrong = [f"{r['case']}: {r['pdl_order']}" for r in results if r["pdl_order"]]
     late = sum(r["late"] for r in results)
     print(f"{len(results) - late} kernel builds for sm_{args.arch}" + (f", {late} late-trigger builds" if late else "")

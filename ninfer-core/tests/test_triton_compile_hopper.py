@@ -21,6 +21,10 @@ def test_every_kernel_compiles_for_sm90(pdl):
     cmd = [sys.executable, "-m", "benchmarks.compile_check", "--arch", "90"] + (["--pdl"] if pdl else [])
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
+    # Built as a launch specializes them (aligned pointers, sizes divisible by 16): the few-row linear's weight
+    # loads are cp.async-pipelined, as on the GPU, not scalar loads.
+    linear = [line for line in run.stdout.splitlines() if "_linear_rows_kernel" in line]
+    assert linear and all(line.endswith("cp_async") for line in linear), run.stdout
     if pdl:  # every build waits before its first global access; the linear's late trigger follows its K loop
         assert "45 kernel builds for sm_90, 6 late-trigger builds\n" in run.stdout, run.stdout
         assert run.stdout.count("gdc_wait gdc_launch_dependents") == 51 and "l2_prefetch" in run.stdout
