@@ -44,3 +44,17 @@ def test_linear_fp32_logits(model, case, batch):
     linear(x, w, out=out)
     case.within(out, F.linear(x.float(), w.float()), 1e-5)
     assert torch.equal(out.to(x.dtype), linear(x, w))
+
+
+def test_linear_moe_head(case, batch):
+    """The 35B-A3B lm_head [248320 x 2048] takes a measured configuration of its own (64 columns, 128-wide K
+    tiles): its fp32 logits against fp32, and a row alone equal to the row in a batch."""
+    from ninfer.ops.triton.linear import default_config, linear
+
+    V, K = 248320, 2048
+    assert default_config(V, K)[:3] == (64, 128, 1)
+    x, w = case.randn(batch, K), case.randn(V, K, scale=K ** -0.5)
+    out = case.nans(batch, V, dtype=torch.float32)
+    linear(x, w, out=out)
+    case.within(out, F.linear(x.float(), w.float()), 1e-5)
+    assert torch.equal(linear(x[:1], w, out=case.nans(1, V, dtype=torch.float32)), out[:1])

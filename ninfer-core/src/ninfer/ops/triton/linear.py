@@ -129,6 +129,7 @@ _MEASURED = {
     (5120, 1024): (32, 256, 1),     # 0.8B attention q|gate,k,v
     (7168, 1024): (32, 256, 1),     # 0.8B gate|up
     (8224, 1024): (32, 256, 1),     # 0.8B GDN in_proj
+    (248320, 2048): (64, 128, 1),   # 35B-A3B lm_head (measured at full depth, engine step; docs/performance.md)
 }
 _PROGRAMS_TARGET = 256  # about two per SM of an H200: fewer leave bandwidth unused, many more add partial traffic
 
