@@ -39,7 +39,8 @@ clock = time.perf_counter
 
 def parse_variant(spec: str) -> dict:
     """A variant: ``auto`` (the model's own PDL choice) or knobs joined by ``+``: ``pdl=on|off``, ``ops_off=OPS``
-    (``NINFER_OPS_OFF``), ``prefetch_tiles=N`` (``_pdl.PREFETCH_TILES``), ``moe_tiles=LIMIT:BM,BN,BK,WARPS,STAGES``
+    (``NINFER_OPS_OFF``), ``prefetch_tiles=N`` (``_pdl.PREFETCH_TILES``), ``late_trigger=0|1``
+    (``_pdl.LATE_TRIGGER``), ``moe_tiles=LIMIT:BM,BN,BK,WARPS,STAGES``
     (the MoE kernels' row for calls up to LIMIT tokens), ``linear_tiles=NxK:BN,BK,SPLIT`` (the few-row linear for
     an [N, K] weight), ``moe_down=PAIRS:BN,BK,WARPS,STAGES`` (the down kernel alone for calls up to PAIRS (token,
     slot) pairs), ``gdn_block_v=V``, ``attention=TILE_N,SPLITS`` (decode attention's keys per tile and most splits),
@@ -54,7 +55,7 @@ def parse_variant(spec: str) -> dict:
             _knob(out, key, value)
         except (ValueError, TypeError) as exc:
             raise ValueError(f"variant {spec!r}: {part!r}: expected auto or +-joined pdl=on|off, ops_off=OPS, "
-                             f"prefetch_tiles=N, moe_tiles=LIMIT:BM,BN,BK,WARPS,STAGES, linear_tiles=NxK:BN,BK,SPLIT "
+                             f"prefetch_tiles=N, late_trigger=0|1, moe_tiles=LIMIT:BM,BN,BK,WARPS,STAGES, linear_tiles=NxK:BN,BK,SPLIT "
                              f"moe_down=PAIRS:BN,BK,WARPS,STAGES, gdn_block_v=V, attention=TILE_N,SPLITS or "
                              f"one_token=UN,UK,DN,DK,WARPS,STAGES,PRELOAD[,SHARED_FIRST] or "
                              f"norm_tile=D:BLOCK_D,ROWS,WARPS ({exc})") from None
@@ -76,6 +77,8 @@ def _knob(out: dict, key: str, value: str) -> None:
         out["ops_off"] = value
     elif key == "prefetch_tiles" and value.isdigit():
         out["knobs"]["PREFETCH_TILES"] = int(value)
+    elif key == "late_trigger" and value in ("0", "1"):
+        out["knobs"]["LATE_TRIGGER"] = value == "1"
     elif key == "moe_tiles":
         limit, cfg = value.split(":")
         out["tiles"].setdefault("moe", {})[int(limit)] = MoeConfig(*ints(cfg, 5))

@@ -94,8 +94,9 @@ def test_tile_variants_patch_the_kernels_defaults_and_restore_them():
     from ninfer.ops.triton import moe_one_token as t_one
 
     v = moe_full_depth.parse_variant("moe_tiles=1:16,32,128,4,4+linear_tiles=2048x4096:64,128,2+gdn_block_v=32"
-                                     "+attention=64,16+one_token=16,64,32,128,8,3,1")
+                                     "+attention=64,16+one_token=16,64,32,128,8,3,1,1+late_trigger=1")
     assert v["pdl"] is None and set(v["tiles"]) == {"moe", "linear", "gdn_block_v", "attention", "one_token"}
+    assert v["knobs"] == {"LATE_TRIGGER": True}
     rows, before = t_moe._BY_TOKENS, t_linear.default_config(2048, 4096)
     with tiles(**v["tiles"]):
         assert t_moe.default_config(1, torch.bfloat16) == t_moe.MoeConfig(16, 32, 128, 4, 4)
@@ -114,7 +115,7 @@ def test_tile_variants_patch_the_kernels_defaults_and_restore_them():
 
 @pytest.mark.parametrize("spec", ["pdl=maybe", "ops_off=", "fast", "prefetch_tiles=many", "moe_tiles=1:16,32",
                                   "linear_tiles=2048:32,128,4", "gdn_block_v=0", "attention=64", "one_token=16,64,32,128,8,3",
-                                  "pdl=on+nothing=1"])
+                                  "one_token=16,64,32,128,8,3,0,1,0", "late_trigger=2", "pdl=on+nothing=1"])
 def test_bad_variants_are_refused(spec, capsys):
     assert moe_full_depth.main(["--shape", "tiny", "--device", "cpu", "--variants", spec]) == 2
     assert "variant" in capsys.readouterr().err
