@@ -1,13 +1,16 @@
 """Compile every Triton kernel of ``ninfer.ops.triton`` for a GPU architecture on any machine, GPU or not.
 
 Each public wrapper is called once per kernel variant on small bf16 CPU tensors with the launch itself
-intercepted: the launch's arguments give the kernel's signature and constexprs, which ``triton.compile``
-then lowers to a cubin for the target (Triton ships ptxas). With ``--pdl`` every kernel is built with its
+intercepted: the launch's arguments, bound and specialized by Triton's own launcher code (aligned pointers,
+sizes divisible by 16: the build is the vectorized, pipelined code a launch on the GPU compiles), give the
+kernel's signature, constexprs and attributes, which ``triton.compile`` then lowers to a cubin for the target
+(Triton ships ptxas). With ``--pdl`` every kernel is built with its
 programmatic-dependent-launch prologue (``ops/triton/_pdl_jit.py``), the variant the CPU interpreter never
 runs. It proves the kernels compile for Hopper, not that they are right: that is the GPU tests' job
 (``ninfer-core/tests/gpu``).
 
     python -m benchmarks.compile_check --pdl          # sm_90, every kernel, PDL on (needs no GPU)
+    python -m benchmarks.compile_check --registers    # and each build's registers and spills (ptxas -v)
 
 Run without ``TRITON_INTERPRET`` (the interpreter replaces ``triton.jit`` with a Python emulation).
 """
