@@ -86,7 +86,7 @@ class LedgerProgram:
         self.host_used = 0
         self.resumes: list[Resume] = []
         self.threads: set[int] = set()
-        self.fail_on: str | None = None  # "decode"/"prefill"/"commit": raise a device error there
+        self.fail_on: str | None = None  # "decode"/"prefill"/"commit": raise a device error (fatal) there
         self.log: list[tuple[str, tuple[int, ...]]] = []  # binding order: ("open"|"resume", prompt)
         self.gate = threading.Event()  # decode waits here; pause() may close it to let a test act
         self.gate.set()
@@ -102,7 +102,7 @@ class LedgerProgram:
     def _call(self, name: str) -> None:
         self.threads.add(threading.get_ident())
         if self.fail_on == name:
-            raise RuntimeError(f"simulated device error in {name}")
+            raise RuntimeError(f"CUDA error: an illegal memory access was encountered (simulated in {name})")
 
     def _pages_for(self, positions: int) -> int:
         return math.ceil(positions / self.page_size)

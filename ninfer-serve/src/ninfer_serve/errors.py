@@ -76,7 +76,8 @@ def from_engine_error(exc: BaseException, *, request_id: str, retry_after_s: int
     """Map an engine error onto an APIError by its ``http_status`` and ``kind`` (ninfer.engine.errors).
 
     Overload answers 429 and a queue timeout 503, both with Retry-After; invalid and too-long input 400;
-    a closed engine 503; a failed engine and anything unexpected 500 (logged, never echoed).
+    a closed engine 503; a request that ended because memory ran out 503 with Retry-After (its message names
+    the stage and the exception's type only); a failed engine and anything unexpected 500 (logged, never echoed).
     """
     status = getattr(exc, "http_status", 500)
     kind = getattr(exc, "kind", None)
@@ -97,6 +98,7 @@ def from_error_result(message: str | None, kind: str | None, *, request_id: str)
     by_kind = {cls.kind: cls for cls in (engine_errors.QueueTimeout, engine_errors.Overloaded,
                                          engine_errors.InputTooLong, engine_errors.Unrepresentable,
                                          engine_errors.EngineFailed, engine_errors.EngineClosed,
-                                         engine_errors.CapacityExhausted, engine_errors.RequestFailed)}
+                                         engine_errors.CapacityExhausted, engine_errors.RequestFailed,
+                                         engine_errors.MemoryExhausted)}
     cls = by_kind.get(kind or "", engine_errors.EngineError)
     return from_engine_error(cls(message or "generation failed"), request_id=request_id)

@@ -6,6 +6,10 @@ the speculative counters (drafts the Program's verification accepted), generatio
 scheduling accounting, ``OutputSession.commit`` of the preview, and publication of the delta on the
 request's stream. Nothing is published before the Program committed,
 and a row whose request was cancelled (or passed its deadline) accepts zero tokens.
+
+A failure of one request's steps ends that request alone (its row accepts zero tokens, or, after the
+Program's commit, the request ends with what it published); a failed ``Program.commit`` ends every row
+of the batch (``Settlement.recover``).
 """
 
 from __future__ import annotations
@@ -19,9 +23,9 @@ import attrs
 from ninfer.contract.batch import PendingBatch, PendingRow, RowDecision
 from ninfer.contract.events import FinishReason, TokenLogprob
 from ninfer.contract.model import Preview
-from ninfer.engine.errors import InvariantBroken
+from ninfer.engine.errors import InvariantBroken, request_failure
 from ninfer.engine.request import RequestRecord
-from ninfer.engine.settlement import Settlement, frontend_failure
+from ninfer.engine.settlement import Settlement
 from ninfer.engine.worker_state import WorkerState
 
 log = logging.getLogger(__name__)
@@ -29,11 +33,13 @@ log = logging.getLogger(__name__)
 
 @attrs.frozen
 class _RowOutcome:
-    """One row's preview and decision (``preview`` None: the row accepts nothing and ends with ``reason``)."""
+    """One row's preview and decision (``preview`` None: the row accepts nothing and ends with ``reason``,
+    and ``error`` when its request failed)."""
 
     preview: Preview | None
     decision: RowDecision
     reason: FinishReason | None
+    error: BaseException | None = None
 
 
 class BatchCommit:
@@ -54,13 +60,20 @@ class BatchCommit:
                                   f"{[r.sequence_id for r in expected]}")
         recs = [st.by_seq[i] for i in ids]
         outcomes = [self._preview(rec, row) for rec, row in zip(recs, batch.rows, strict=True)]
-        st.program.commit(batch, [o.decision for o in outcomes])  # a failure fails the engine: state is not stable
+        try:
+            st.program.commit(batch, [o.decision for o in outcomes])
+        except Exception as exc:  # which row's state it could not commit is unknown: the batch's rows end
+            self.settlement.recover("Program.commit", recs, exc)
+            return
         if not batch.consumed:
             raise InvariantBroken(f"Program.commit left the {batch.kind} PendingBatch unconsumed")
         st.inflight = None
         now = time.monotonic()
         for rec, row, outcome in zip(recs, batch.rows, outcomes, strict=True):
-            self._publish(rec, row, outcome, now)
+            try:
+                self._publish(rec, row, outcome, now)
+            except Exception as exc:  # the Program committed: this request ends with what it published
+                self.settlement.recover("publication", [rec], exc)
 
     def _preview(self, rec: RequestRecord, row: PendingRow) -> _RowOutcome:
         """The row's decision from the OutputSession's preview (nothing changes yet)."""
@@ -68,7 +81,7 @@ class BatchCommit:
         if cancel is not None:
             return _RowOutcome(None, RowDecision(accepted=0, cancelled=True), cancel)
         if rec.frontend_error is not None:  # its token mask could not be made: the row's token is not kept
-            return _RowOutcome(None, RowDecision(accepted=0, cancelled=True), FinishReason.ERROR)
+            return self._failed(rec, "token mask fill", rec.frontend_error)
         room = rec.generation_room(self.max_model_len)
         tokens = row.tokens[:room]
         at_limit = len(tokens) >= room
@@ -77,7 +90,7 @@ class BatchCommit:
         except Exception as exc:  # this request's output cannot be interpreted; its neighbours go on
             log.exception("OutputSession.preview failed for %s", rec.request_id)
             rec.frontend_error = exc
-            return _RowOutcome(None, RowDecision(accepted=0, cancelled=True), FinishReason.ERROR)
+            return self._failed(rec, "OutputSession.preview", exc)
         if pv.accepted == 0 and pv.finish_reason is not None:  # the constraint refuses the first token
             return _RowOutcome(None, RowDecision(accepted=0, cancelled=True), pv.finish_reason)
         if not 1 <= pv.accepted <= len(tokens):
@@ -90,11 +103,17 @@ class BatchCommit:
         return _RowOutcome(pv, RowDecision(accepted=pv.accepted, terminal=reason is not None,
                                            boundary=pv.boundary), reason)
 
+    @staticmethod
+    def _failed(rec: RequestRecord, stage: str, exc: BaseException) -> _RowOutcome:
+        """The row accepts nothing; its request ends with the error of ``stage``."""
+        return _RowOutcome(None, RowDecision(accepted=0, cancelled=True), FinishReason.ERROR,
+                           request_failure(rec.request_id, stage, exc))
+
     def _publish(self, rec: RequestRecord, row: PendingRow, outcome: _RowOutcome, now: float) -> None:
         """After the Program's commit: accounting, then the OutputSession commit, then publication."""
         pv, accepted = outcome.preview, outcome.decision.accepted
         if pv is None:
-            self.settlement.finish(rec, outcome.reason, frontend_failure(rec))
+            self.settlement.finish(rec, outcome.reason, outcome.error)
             return
         if row.drafted:  # what verification accepted, even past a stop the OutputSession found inside it
             self.state.metrics.drafts_verified(row.drafted, row.produced - 1)
@@ -104,7 +123,8 @@ class BatchCommit:
         except Exception as exc:  # model state is committed; only this request's output is lost
             log.exception("OutputSession.commit failed for %s", rec.request_id)
             rec.frontend_error = exc
-            self.settlement.finish(rec, FinishReason.ERROR, frontend_failure(rec))
+            self.settlement.finish(rec, FinishReason.ERROR, request_failure(rec.request_id, "OutputSession.commit",
+                                                                            exc))
             return
         rec.token_ids.extend(row.tokens[:accepted])
         rec.boundary = outcome.decision.boundary

@@ -25,6 +25,11 @@ One worker cycle (design document, "worker cycle"):
    Snapshots, else Replay);
 4. fresh admission in submission order with what is left (bounded bypass of paused requests);
 5. one compact decode batch of the actual B, then one prefill/Replay chunk.
+
+A step that raises ends the requests it serves, not the engine (``Settlement.recover``; design document,
+"Failure"): a unit's rows end with a request-level error naming the step, its pending work aborted. Only a
+device error, a broken invariant or a failed rollback fails the engine (every response ends, new work
+is refused).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from ninfer.contract.config import EngineConfig
 from ninfer.contract.model import Frontend, PipelinedDecode, Program
 from ninfer.engine import exit_hook
 from ninfer.engine.commit import BatchCommit
-from ninfer.engine.errors import EngineClosed
+from ninfer.engine.errors import EngineClosed, is_fatal
 from ninfer.engine.ingress import Ingress
 from ninfer.engine.metrics import EngineMetrics, MetricsRecorder
 from ninfer.engine.policy import CyclePolicy
@@ -65,7 +70,8 @@ class EngineCore:
         self.scheduler = Scheduler(max_concurrency=config.max_concurrency, bypass_limit=config.bypass_limit)
         self.reuse = Reuse(program, self.metrics, enabled=config.context_cache,
                            grid=config.checkpoint_grid or config.prefill_chunk)
-        self.state = WorkerState(program=program, scheduler=self.scheduler, metrics=self.metrics, reuse=self.reuse)
+        self.state = WorkerState(program=program, scheduler=self.scheduler, metrics=self.metrics, reuse=self.reuse,
+                                 device=config.device)
         self.ingress = Ingress(outstanding_limit=config.max_queue + config.max_concurrency, metrics=self.metrics)
         self.settlement = Settlement(self.state)
         self.commit = BatchCommit(self.state, self.settlement, max_model_len=config.max_model_len,
@@ -132,9 +138,14 @@ class EngineCore:
         block table, too much to repeat on every decode step)."""
         now = time.monotonic()
         if idle or now >= self._next_observe:
-            self.kv_pages = self._kv_pages()
-            self.reuse.record_stats()
             self._next_observe = now + OBSERVE_INTERVAL_S
+            try:
+                self.kv_pages = self._kv_pages()
+                self.reuse.record_stats()
+            except Exception as exc:  # observation serves no request: /metrics keeps the last reading
+                if is_fatal(exc):
+                    raise
+                log.exception("reading the Program's ledger for /metrics failed")
 
     def _kv_pages(self) -> tuple[int, int, int]:
         """Pages requests hold, pages only the context cache holds (reclaimable on demand), and the pool."""
@@ -166,17 +177,26 @@ class EngineCore:
         decode_rows = [r for r in decode_rows if r.state is RequestState.DECODE_READY and r.sequence_id is not None]
         progressed = False
         if decode_rows:
-            ids = [r.sequence_id for r in decode_rows]
-            masks = self.masks.wanted(decode_rows)
-            if self.pipelined:  # collected next cycle (after this cycle's prefill chunk is queued behind it)
-                st.ahead = (self.program.launch_decode(ids, masks=masks), decode_rows)
-            else:
-                self.commit.consume(self.program.decode(ids, masks=masks), decode_rows)
+            self._run_decode(decode_rows)
             progressed = True
         if prefill_rec is not None and prefill_rec.resident:
             self._run_prefill(prefill_rec)
             progressed = True
         return progressed or st.changed
+
+    def _run_decode(self, rows: list[RequestRecord]) -> None:
+        """One decode unit over ``rows`` (launched, with a PipelinedDecode Program). Its forward is shared:
+        which row a failure belongs to is unknown, so every row of a failed unit ends."""
+        ids = [r.sequence_id for r in rows]
+        stage = "decode launch" if self.pipelined else "decode"
+        try:
+            masks = self.masks.wanted(rows)
+            if self.pipelined:  # collected next cycle (after this cycle's prefill chunk is queued behind it)
+                self.state.ahead = (self.program.launch_decode(ids, masks=masks), rows)
+            else:
+                self.commit.consume(self.program.decode(ids, masks=masks), rows)
+        except Exception as exc:
+            self.settlement.recover(stage, rows, exc)
 
     def _advance_pipeline(self) -> None:
         """Collect the launched decode step; when the decode phase is steady, first queue the next step
@@ -187,21 +207,33 @@ class EngineCore:
         # Cancellations, deadlines and queue timeouts settle every cycle, pipelined or not (a resident ended
         # here is released; its launched row is left out when the unit is collected).
         self.settlement.settle_interrupted()
-        nxt = None
-        if self.policy.steady(rows):  # a constrained row's sampling waits until the step it follows is committed
-            nxt = self.program.launch_decode(unit.sequence_ids, after=unit, masks=self.masks.wanted(rows))
-        if nxt is not None:
-            st.ahead = (nxt, rows)
-        batch = self.program.collect(unit)
+        try:
+            if self.policy.steady(rows):  # a constrained row's sampling waits until the step it follows commits
+                nxt = self.program.launch_decode(unit.sequence_ids, after=unit, masks=self.masks.wanted(rows))
+                st.ahead = (nxt, rows)
+        except Exception as exc:  # the chained step failed: the step it follows is aborted, their rows end
+            self.settlement.recover("decode launch", [r for r in rows if r.resident], exc, launched=unit)
+            return
+        try:
+            batch = self.program.collect(unit)
+        except Exception as exc:  # the rows of the step (and of the one chained behind it) end
+            self.settlement.recover("decode collect", [r for r in rows if r.resident], exc, launched=unit)
+            return
         self.commit.consume(batch, [st.by_seq[i] for i in batch.sequence_ids()])
 
     def _run_prefill(self, rec: RequestRecord) -> None:
-        self.reuse.before_prefill(rec)
-        batch = self.program.prefill(rec.sequence_id, self.policy.chunk(rec), masks=self.masks.wanted((rec,)))
-        if self.reuse.after_prefill():  # a save another request waits for may have landed
-            self.state.admission_event = True
-        if batch is not None:
-            self.commit.consume(batch, [rec])
+        """One prefill/Replay chunk of ``rec`` (one row: a failure is this request's alone)."""
+        try:
+            self.reuse.before_prefill(rec)
+            batch = self.program.prefill(rec.sequence_id, self.policy.chunk(rec), masks=self.masks.wanted((rec,)))
+            self.state.inflight = batch  # aborted if what follows fails before its commit
+            if self.reuse.after_prefill():  # a save another request waits for may have landed
+                self.state.admission_event = True
+            if batch is not None:
+                self.commit.consume(batch, [rec])
+        except Exception as exc:
+            self.settlement.recover("prefill", [rec], exc)
+            return
         if batch is None and rec.resident:
             # Input done without a token: the prompt's last token is the first decode input (a save point).
             self.state.set_input_state(rec)

@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
 from ninfer.contract.events import GenerationResult, GenerationStart, OutputDelta
+from ninfer.engine.errors import InvariantBroken
 
 Event = GenerationStart | OutputDelta | GenerationResult
 
@@ -42,7 +43,7 @@ class ResponseChannel:
     def publish(self, event: Event) -> None:
         with self.cond:
             if self.response_done:
-                raise RuntimeError(f"request {self.request_id}: event after the final result")
+                raise InvariantBroken(f"request {self.request_id}: event after the final result")
             self.events.append(event)
             if isinstance(event, GenerationResult):
                 self.final = event

@@ -5,21 +5,26 @@ resume after a capacity event; unit permits per resident row (``Program.reserve_
 that does not fit pauses the youngest resident younger than itself (Snapshot when host room allows,
 perhaps after revoking cheaper paused Snapshots, else Replay); fresh admission in submission order
 with what is left; and whether a pipelined decode phase is steady enough to chain its next step.
+A step that raises ends only the request it serves (``Settlement.recover``): the one being admitted,
+resumed, reserved for or paused; a pause by Snapshot that fails is retried once by Replay.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
 from ninfer.contract.config import PauseChoice
 from ninfer.contract.events import FinishReason, GenerationStart
 from ninfer.contract.model import SnapshotCost
-from ninfer.engine.errors import CapacityExhausted, InvariantBroken, Unrepresentable
+from ninfer.engine.errors import CapacityExhausted, InvariantBroken, Unrepresentable, is_fatal
 from ninfer.engine.ingress import Ingress
 from ninfer.engine.request import RequestRecord, RequestState
 from ninfer.engine.reuse import Admission
 from ninfer.engine.settlement import Settlement
 from ninfer.engine.worker_state import WorkerState
+
+log = logging.getLogger(__name__)
 
 
 class CyclePolicy:
@@ -42,6 +47,13 @@ class CyclePolicy:
             return
         st.capacity_event = False
         rec = s.oldest_paused()
+        try:
+            self._resume(rec)
+        except Exception as exc:
+            self.settlement.recover("resume", [rec], exc)
+
+    def _resume(self, rec: RequestRecord) -> None:
+        st, s = self.state, self.state.scheduler
         while True:
             seq = st.program.resume(rec.resume_state) if s.free_lanes > 0 else None
             if seq is not None:
@@ -69,7 +81,7 @@ class CyclePolicy:
         """Decode rows that hold the reservation of one decode unit, in permit order."""
         granted = []
         for rec in self.state.scheduler.decode_candidates():
-            if rec.resident and self.reserve(rec, self.decode_positions(rec)):
+            if rec.resident and self._reserved(rec, lambda r=rec: self.decode_positions(r)):
                 granted.append(rec)
         return granted
 
@@ -85,15 +97,23 @@ class CyclePolicy:
             rec = s.pick_prefill(s.prefill_candidates())
             if rec is None:
                 return None
-            n = self.chunk(rec)
-            if n <= 0:
-                raise InvariantBroken(f"request {rec.request_id} in {rec.state.value} with no input remaining")
-            if self.reserve(rec, n):
+            if self._reserved(rec, lambda r=rec: self.chunk(r)):
                 return rec
 
     def chunk(self, rec: RequestRecord) -> int:
         """Input positions ``rec``'s next prefill/Replay unit runs."""
         return min(self.prefill_chunk, self.state.program.input_remaining(rec.sequence_id))
+
+    def _reserved(self, rec: RequestRecord, positions) -> bool:
+        """``reserve`` for the ``positions()`` of ``rec``'s next unit; a failure ends ``rec`` alone (False)."""
+        try:
+            n = positions()
+            if n <= 0:
+                raise InvariantBroken(f"request {rec.request_id} in {rec.state.value} with no input remaining")
+            return self.reserve(rec, n)
+        except Exception as exc:
+            self.settlement.recover("unit reservation", [rec], exc)
+            return False
 
     def reserve(self, rec: RequestRecord, tokens: int) -> bool:
         """Reserve one unit for ``rec``, pausing younger residents under pressure; False if ``rec`` cannot run."""
@@ -116,7 +136,14 @@ class CyclePolicy:
             return False
 
     def pause(self, rec: RequestRecord) -> None:
-        """Pause a resident at its committed boundary: Snapshot if host room allows (auto), else Replay."""
+        """Pause a resident at its committed boundary: Snapshot if host room allows (auto), else Replay. If the
+        Program cannot pause it by Snapshot (its host copy failed), it pauses by Replay; if not at all, it ends."""
+        try:
+            self._pause(rec)
+        except Exception as exc:
+            self.settlement.recover("pause", [rec], exc)
+
+    def _pause(self, rec: RequestRecord) -> None:
         st = self.state
         seq = rec.sequence_id
         mode = self.pause_mode
@@ -125,7 +152,15 @@ class CyclePolicy:
             if not st.program.can_snapshot(seq):
                 self.revoke_snapshots(cost)
             mode = "snapshot" if st.program.can_snapshot(seq) else "replay"
-        rec.resume_state = st.program.pause(seq, mode)
+        try:
+            rec.resume_state = st.program.pause(seq, mode)
+        except Exception as exc:
+            if mode != "snapshot" or is_fatal(exc):
+                raise
+            log.warning("pausing %s by Snapshot failed (%s: %s); it pauses by Replay", rec.request_id,
+                        type(exc).__name__, exc)
+            mode = "replay"
+            rec.resume_state = st.program.pause(seq, mode)
         rec.snapshot = cost if mode == "snapshot" else None
         st.unbind(rec)
         rec.state = RequestState.PAUSED
@@ -143,7 +178,11 @@ class CyclePolicy:
         u = st.program.usage()
         shortfall = u.host_bytes_used + need.host_bytes - u.host_bytes_total
         for victim in st.scheduler.revocations_for(shortfall, need.replay_positions):
-            victim.resume_state = st.program.demote(victim.resume_state)
+            try:
+                victim.resume_state = st.program.demote(victim.resume_state)
+            except Exception as exc:  # the paused request whose Snapshot it is ends (its host bytes go)
+                self.settlement.recover("Snapshot revocation", [victim], exc)
+                continue
             victim.snapshot = None
             st.metrics.snapshot_revoked()
 
@@ -169,9 +208,19 @@ class CyclePolicy:
                 self.settlement.finish(rec, FinishReason.ERROR,
                                        Unrepresentable(f"request cannot be represented: {exc}"))
                 continue
+            except Exception as exc:  # binding or the context cache's restore failed: this request ends
+                self.settlement.recover("admission", [rec], exc)  # (a sequence it left bound fails the engine)
+                continue
             if seq is Admission.WAIT:
                 return  # a resident's pending save will cover this prompt; its landing wakes admission
-            if not self._reserve_first_unit(seq):
+            try:
+                fits = self._reserve_first_unit(seq)
+            except Exception as exc:
+                st.reuse.forget_sequence(seq)
+                st.program.release(seq)
+                self.settlement.recover("admission", [rec], exc)
+                continue
+            if not fits:
                 st.reuse.forget_sequence(seq)
                 st.program.release(seq)
                 if not s.residents:  # the whole device is free and the first chunk still does not fit

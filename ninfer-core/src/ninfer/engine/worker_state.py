@@ -24,6 +24,7 @@ class WorkerState:
     scheduler: Scheduler
     metrics: MetricsRecorder
     reuse: Reuse
+    device: str | None = None  # where the Program runs (a recovered failure checks a CUDA device is sound)
     by_seq: dict[int, RequestRecord] = attrs.Factory(dict)  # Program sequence id -> resident request
     capacity_event: bool = False   # a finish, a pause or the end of a protected recovery: try a resume
     admission_event: bool = False  # an arrival or freed room: scan fresh admission once
