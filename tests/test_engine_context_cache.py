@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 
+import attrs
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -294,4 +295,38 @@ def test_a_request_cancelled_before_its_restore_runs_takes_nothing(parts):
         assert result.finish_reason.value == "cancelled" and result.usage.cached_tokens == 0
         after = on.usage()
         assert after.leases == 0 and after.kv_pages_used == usage.kv_pages_used and after.checkpoints == usage.checkpoints
+        check_clean(on)
+
+
+def salted(tokens, salt, session=None):
+    return attrs.evolve(req(tokens, session), cache_salt=salt)
+
+
+def test_cache_salts_scope_prefixes_and_sessions(parts):
+    """A second user sending the same prompt under another salt (or none) restores nothing; the same salt
+    restores; sessions are named within their salt; everything is freed after."""
+    p = prompt(60, 29)
+    with make_engine(parts, slots=16) as on:
+        assert on.generate(salted(p, "alice")).usage.cached_tokens == 0
+        assert on.generate(salted(p, "bob")).usage.cached_tokens == 0
+        assert on.generate(salted(p, None)).usage.cached_tokens == 0
+        assert on.generate(salted(p, "alice")).usage.cached_tokens == len(p) - 1
+        assert on.generate(salted(p, None)).usage.cached_tokens == len(p) - 1
+        q = prompt(61, 19)
+        first = on.generate(salted(q, "alice", session="chat"))
+        history = q + list(first.token_ids) + prompt(62, 3)
+        assert on.generate(salted(history, "bob", session="chat")).usage.cached_tokens == 0
+        assert on.generate(salted(history, None, session="chat")).usage.cached_tokens == 0
+        assert on.generate(salted(history, "alice", session="chat")).usage.cached_tokens == len(history) - 4
+        check_clean(on)
+
+
+def test_a_burst_under_two_salts_forks_only_within_each(parts):
+    """Identical prompts submitted together: a request waits for (and restores) a pending save of its own
+    salt only."""
+    p = prompt(63, 41)
+    with make_engine(parts, max_concurrency=4) as on:
+        handles = submit_together(on, [salted(p, s) for s in ("alice", "bob", "alice", "bob")])
+        cached = [h.result(120).usage.cached_tokens for h in handles]
+        assert sorted(cached[0::2]) == sorted(cached[1::2]) == [0, len(p) - 1], cached
         check_clean(on)

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from ninfer_serve.access import default_allowed_hosts, host_name
+from ninfer_serve.access import api_keys, default_allowed_hosts, host_name
 
 CHAT = {"model": "tiny-test", "messages": [{"role": "user", "content": "hi"}]}
 KEY = "sk-test-\N{SNOWMAN}-key"
@@ -123,3 +123,22 @@ def test_cors_opt_in_allows_only_the_given_origins(open_for):
     other = c.options("/v1/chat/completions", headers={"origin": "https://evil.example",
                                                         "access-control-request-method": "POST"})
     assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+
+
+def test_several_keys_are_each_compared_in_constant_time(open_for, monkeypatch):
+    compared = []
+    real = hmac.compare_digest
+    monkeypatch.setattr(hmac, "compare_digest", lambda a, b: compared.append(1) or real(a, b))
+    c = open_for(api_key=["k-1", "k-2", "k-3"])
+    for key in ("k-1", "k-3"):
+        compared.clear()
+        assert c.get("/v1/models", headers={"authorization": f"Bearer {key}"}).status_code == 200
+        assert len(compared) == 3  # every key, whichever matched
+    assert c.get("/v1/models", headers={"authorization": "Bearer k-4"}).status_code == 401
+
+
+def test_api_keys_are_normalized():
+    assert api_keys(None) == api_keys("") == () and api_keys("k") == ("k",)
+    assert api_keys(["b", "a", "b"]) == ("b", "a")  # a repeated key counts once
+    with pytest.raises(ValueError, match="must not be empty"):
+        api_keys(["a", ""])

@@ -118,7 +118,8 @@ REGISTRY: tuple[EnvVar, ...] = (
            meaning="pinned host bytes the context cache's checkpoint replicas may hold (unset: the model's "
                    "default)"),
     EnvVar(name="NINFER_API_KEY", kind="text", default=None, parse=_text, scope="serve",
-           meaning="`ninfer serve --api-key`, kept out of the process list (the flag wins)"),
+           meaning="`ninfer serve --api-key`, kept out of the process list (read only without --api-key and "
+                   "--api-key-file)"),
     EnvVar(name="NINFER_SERVE_TEST_DEVICE", kind="text", default="cpu", parse=_text, scope="testing",
            meaning="device the server lifecycle tests start their servers on (cuda on the GPU machine)"),
     EnvVar(name="NINFER_TEST_CACHE", kind="path", default=None, parse=_text, scope="testing",

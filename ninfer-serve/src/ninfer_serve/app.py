@@ -33,7 +33,7 @@ from ninfer.contract.events import FinishReason, GenerationResult, GenerationSta
 from ninfer.contract.prompt import ChatInput
 from ninfer.core.task_pool import Task, TaskPool
 from ninfer.engine.errors import InvalidConstraint
-from ninfer_serve.access import access_middleware
+from ninfer_serve.access import access_middleware, key_scope
 from ninfer_serve.errors import APIError, from_engine_error, from_error_result, internal_error, new_request_id
 from ninfer_serve.media import MediaAcquirer, MediaPolicy
 from ninfer_serve.metrics import GatewayMetrics
@@ -161,7 +161,8 @@ class Gateway:
         req = structure(parse_json(await self._read_body(request)), schema)
         self._check_model(req.model)
         rid = request.state.request_id
-        gen, options = translate(req, queue_timeout_s=self.queue_timeout_s, request_id=rid)
+        gen, options = translate(req, queue_timeout_s=self.queue_timeout_s, request_id=rid,
+                                 key_scope=key_scope(request.scope))
         self._check_budget(gen)
         if isinstance(req, ChatCompletionRequest):
             try:
@@ -305,7 +306,7 @@ class Gateway:
 
 def create_app(engine: Any, *, model_id: str | None = None, queue_timeout_s: float | None = 60.0,
                retry_after_s: int = 1, max_body_bytes: int = 32 << 20, body_timeout_s: float = 30.0,
-               http_threads: int = 4, http_queue: int = 64, api_key: str | None = None,
+               http_threads: int = 4, http_queue: int = 64, api_key: str | Sequence[str] | None = None,
                allowed_hosts: Sequence[str] | None = None, allowed_origins: Sequence[str] | None = None,
                media: MediaPolicy | None = None) -> Starlette:
     """An ASGI app serving ``engine``; the caller owns the engine (and closes it after serving).
@@ -313,7 +314,8 @@ def create_app(engine: Any, *, model_id: str | None = None, queue_timeout_s: flo
     The app owns a TaskPool (``http_threads`` threads, ``http_queue`` waiting requests) for
     ``engine.submit``, and one for media acquisition as ``media`` says (default ``MediaPolicy()``: data URLs
     only); its lifespan shuts both down (drained and joined) when the server stops.
-    ``allowed_hosts=None`` accepts any Host header; ``api_key`` guards every ``/v1`` route;
+    ``allowed_hosts=None`` accepts any Host header; ``api_key`` (one key or several: each then scopes its
+    requests' context-cache entries) guards every ``/v1`` route;
     ``allowed_origins`` turns CORS on for those origins (off by default).
     """
     pool = TaskPool("ninfer-http", threads=http_threads, max_queued=http_queue)

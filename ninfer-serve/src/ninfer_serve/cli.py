@@ -106,10 +106,15 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
     limits.add_argument("--backlog", type=_positive_int, default=128, metavar="N",
                         help="connections the kernel queues before the server accepts them")
     access = p.add_argument_group("access")
-    access.add_argument("--api-key", metavar="KEY",
+    access.add_argument("--api-key", metavar="KEY", action="append",
                         help=f"require 'Authorization: Bearer KEY' on every /v1 route (/health, /metrics and "
-                             f"/openapi.json stay open); also read from ${API_KEY_ENV}, which keeps the key "
-                             "out of the process list")
+                             f"/openapi.json stay open); repeat it for several keys, each then a tenant whose "
+                             f"context-cache entries no other key's requests reach; without --api-key or "
+                             f"--api-key-file, read from ${API_KEY_ENV}, which keeps the key out of the process "
+                             "list")
+    access.add_argument("--api-key-file", metavar="FILE",
+                        help="accepted API keys, one per line (blank lines and '#' comment lines skipped; a key "
+                             "listed twice counts once), read at startup; adds to --api-key")
     access.add_argument("--allowed-hosts", type=_names, metavar="NAMES",
                         help="comma-separated Host header names accepted ('*.example.com' and '*' allowed; "
                              "default: the loopback names when bound to loopback, otherwise any)")
@@ -150,6 +155,19 @@ def _media_policy(args: argparse.Namespace) -> MediaPolicy:
                        threads=args.media_threads, queue=args.media_queue)
 
 
+def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """Every --api-key and the keys of --api-key-file, once each; without either, ${NINFER_API_KEY} (unset or
+    empty: no key, the API is open). An empty --api-key is refused rather than opening the API."""
+    from ninfer_serve.access import api_keys, read_api_key_file
+
+    given = list(args.api_key or [])
+    if "" in given:
+        raise ValueError("--api-key: a key must not be empty")
+    if args.api_key_file is not None:
+        given += read_api_key_file(args.api_key_file)
+    return api_keys(given) if given else api_keys(env.get(API_KEY_ENV))
+
+
 def _fail(message: str) -> int:
     print(f"ninfer serve: {message}", file=sys.stderr)
     return 2
@@ -171,6 +189,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         features = with_vision(speculative_features(args), args)
         media = _media_policy(args)
+        keys = _api_keys(args)
     except ValueError as exc:
         return _fail(str(exc))
     chat_template = None
@@ -190,12 +209,13 @@ def run_serve(args: argparse.Namespace) -> int:
     except OSError as exc:  # address in use, permission denied, unknown host
         return _fail(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}")
     with listener:
-        return _load_and_serve(args, model, chat_template, features, listener, media,
+        return _load_and_serve(args, model, chat_template, features, listener, media, api_keys=keys,
                                allowed_hosts=args.allowed_hosts or list(default_allowed_hosts(args.host)))
 
 
 def _load_and_serve(args: argparse.Namespace, model: str, chat_template: str | None, features: StartupFeatures,
-                    listener: object, media: MediaPolicy, *, allowed_hosts: list[str]) -> int:
+                    listener: object, media: MediaPolicy, *, api_keys: tuple[str, ...],
+                    allowed_hosts: list[str]) -> int:
     try:
         from ninfer import Engine, EngineConfig
     except ImportError as exc:
@@ -224,7 +244,7 @@ def _load_and_serve(args: argparse.Namespace, model: str, chat_template: str | N
             print(f"ninfer serve: warmup done in {seconds:.2f} s", file=sys.stderr)
         app = create_app(engine, model_id=args.model_id, queue_timeout_s=args.queue_timeout,
                          body_timeout_s=args.body_timeout, http_threads=args.http_threads,
-                         http_queue=args.http_queue, api_key=args.api_key or env.get(API_KEY_ENV) or None,
+                         http_queue=args.http_queue, api_key=api_keys or None,
                          allowed_hosts=None if "*" in allowed_hosts else allowed_hosts,
                          allowed_origins=args.allowed_origins, media=media)
         host, port = listener.getsockname()[:2]

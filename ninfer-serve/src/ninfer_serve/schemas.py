@@ -1,9 +1,8 @@
 """OpenAI request bodies as frozen attrs classes, structured strictly with cattrs.
 
-Types are checked exactly (no ``int("3")``, no ``bool("false")``); unknown keys are refused the way
-OpenAI refuses them; range checks run after structuring and name the offending parameter.
-Fields that OpenAI clients commonly send but ninfer cannot honour are accepted only at their
-neutral value (e.g. ``presence_penalty: 0``), so nothing is silently ignored.
+Types are checked exactly (no ``int("3")``, no ``bool("false")``); unknown keys are refused as OpenAI does;
+range checks run after structuring and name the parameter. Fields OpenAI clients commonly send that ninfer
+cannot honour are accepted only at their neutral value (``presence_penalty: 0``): nothing is silently ignored.
 """
 
 from __future__ import annotations
@@ -172,6 +171,7 @@ class _SamplingFields:
     stream: bool = False
     stream_options: StreamOptions | None = None
     prompt_cache_key: str | None = None  # OpenAI's session hint -> GenerationRequest.session_key
+    cache_salt: str | None = None  # vLLM's cache isolation -> GenerationRequest.cache_salt
     # Constrained decoding (ninfer_serve.constraints): OpenAI, vLLM and llama.cpp spellings.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -203,7 +203,7 @@ class ChatCompletionRequest(_SamplingFields):
 @attrs.frozen(kw_only=True)
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # OpenAI's default for text completions
+    max_tokens: int | None = 16  # OpenAI's default for text completions (null means the same: translate.py)
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None

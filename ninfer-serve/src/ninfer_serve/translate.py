@@ -22,6 +22,9 @@ MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
 MAX_N = 16
 MAX_PROMPT_CACHE_KEY_CHARS = 1024
+# A client's cache_salt; the engine's bound (its MAX_CACHE_SALT_CHARS) leaves room for a key scope in front.
+MAX_CLIENT_CACHE_SALT_CHARS = 1024
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's, for an absent or null max_tokens on text completions
 
 
 @attrs.frozen(kw_only=True)
@@ -105,6 +108,21 @@ def _session_key(req: Any) -> str | None:
     return key
 
 
+def _cache_salt(req: Any, key_scope: str | None) -> str | None:
+    """The engine's ``cache_salt``: the client's (vLLM's ``cache_salt``) behind the authenticating key's scope
+    when the server has several keys (``access.key_scope``), so scope = (key, salt); otherwise the client's."""
+    salt = req.cache_salt
+    if salt is not None:
+        if not salt:
+            raise bad_request("'cache_salt' must be a non-empty string if provided", param="cache_salt")
+        if len(salt) > MAX_CLIENT_CACHE_SALT_CHARS:
+            raise bad_request(f"'cache_salt' may hold at most {MAX_CLIENT_CACHE_SALT_CHARS} characters, got "
+                              f"{len(salt)}", param="cache_salt")
+    if key_scope is None:
+        return salt
+    return key_scope if salt is None else f"{key_scope}:{salt}"  # a key scope holds no ':'
+
+
 def _stream_options(req: Any) -> tuple[bool, bool]:
     if req.stream_options is None:
         return False, False
@@ -184,7 +202,8 @@ def _message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
 
 
 def chat_request(req: ChatCompletionRequest, *, queue_timeout_s: float | None = None,
-                 request_id: str | None = None) -> tuple[GenerationRequest, ResponseOptions]:
+                 request_id: str | None = None, key_scope: str | None = None,
+                 ) -> tuple[GenerationRequest, ResponseOptions]:
     if not req.messages:
         raise bad_request("'messages' must hold at least one message", param="messages")
     messages = [_message_dict(m, i) for i, m in enumerate(req.messages)]
@@ -202,13 +221,15 @@ def chat_request(req: ChatCompletionRequest, *, queue_timeout_s: float | None = 
         _check_range("top_logprobs", req.top_logprobs, 0, MAX_TOP_LOGPROBS)
         if req.top_logprobs > 0 and not req.logprobs:
             raise bad_request("'top_logprobs' needs 'logprobs' set to true", param="top_logprobs")
+    # null is absent (OpenAI): max_completion_tokens wins when set; neither set: no limit but the context
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     sampling = _sampling(req, max_tokens=max_tokens, logprobs=req.logprobs, top_logprobs=top)
     include_usage, continuous = _stream_options(req)
     chat = ChatInput(messages=tuple(messages), tools=tuple(tools),
                      template_kwargs=dict(req.chat_template_kwargs or {}))
     gen = GenerationRequest(input=chat, sampling=sampling, queue_timeout_s=queue_timeout_s, request_id=request_id,
-                            session_key=_session_key(req), constraint=None if asked is None else asked.constraint)
+                            session_key=_session_key(req), cache_salt=_cache_salt(req, key_scope),
+                            constraint=None if asked is None else asked.constraint)
     return gen, ResponseOptions(stream=req.stream, n=req.n, include_usage=include_usage,
                                 continuous_usage=continuous, logprobs=req.logprobs, tools_enabled=bool(tools),
                                 constraint_param=None if asked is None else asked.compiled_from)
@@ -233,7 +254,8 @@ def _prompt_input(prompt: Any) -> TextInput:
 
 
 def completion_request(req: CompletionRequest, *, queue_timeout_s: float | None = None,
-                       request_id: str | None = None) -> tuple[GenerationRequest, ResponseOptions]:
+                       request_id: str | None = None, key_scope: str | None = None,
+                       ) -> tuple[GenerationRequest, ResponseOptions]:
     text = _prompt_input(req.prompt)
     if text.text == "":
         raise bad_request("'prompt' must not be empty", param="prompt")
@@ -245,11 +267,13 @@ def completion_request(req: CompletionRequest, *, queue_timeout_s: float | None 
         raise bad_request("'best_of' other than 1 is not supported by this server", param="best_of")
     _check_range("logprobs", req.logprobs, 0, MAX_TOP_LOGPROBS)
     logprobs = req.logprobs is not None
-    sampling = _sampling(req, max_tokens=req.max_tokens, logprobs=logprobs, top_logprobs=req.logprobs or 0)
+    max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens  # null is absent
+    sampling = _sampling(req, max_tokens=max_tokens, logprobs=logprobs, top_logprobs=req.logprobs or 0)
     include_usage, continuous = _stream_options(req)
     asked = request_constraint(req)
     gen = GenerationRequest(input=text, sampling=sampling, queue_timeout_s=queue_timeout_s, request_id=request_id,
-                            session_key=_session_key(req), constraint=None if asked is None else asked.constraint)
+                            session_key=_session_key(req), cache_salt=_cache_salt(req, key_scope),
+                            constraint=None if asked is None else asked.constraint)
     return gen, ResponseOptions(stream=req.stream, n=req.n, include_usage=include_usage,
                                 continuous_usage=continuous, logprobs=logprobs,
                                 constraint_param=None if asked is None else asked.compiled_from)
@@ -258,7 +282,8 @@ def completion_request(req: CompletionRequest, *, queue_timeout_s: float | None 
 def choices(gen: GenerationRequest, n: int) -> list[GenerationRequest]:
     """The ``n`` engine requests behind ``n`` choices: one each (choice i > 0 has request id ``<id>-<i>``);
     a seeded request seeds choice i with seed + i (so the choices differ yet each is reproducible);
-    greedy choices are identical by definition. Every choice keeps the request's ``session_key``."""
+    greedy choices are identical by definition. Every choice keeps the request's ``session_key`` and
+    ``cache_salt``."""
     if n == 1:
         return [gen]
     seed, rid = gen.sampling.seed, gen.request_id

@@ -13,6 +13,9 @@ from ninfer.contract.prompt import ChatInput, PreparedPrompt, TextInput
 # any real one, and it bounds what a request makes the output session hold back (at most this - 1 characters)
 # and the matcher it builds (linear in the total length of the stop strings).
 MAX_STOP_CHARS = 1024
+# Longest cache salt, in characters: room for a client's salt (a gateway takes up to 1024) and the scope a
+# gateway puts in front of it (its API key's identity).
+MAX_CACHE_SALT_CHARS = 2048
 
 
 @attrs.frozen(kw_only=True)
@@ -51,8 +54,10 @@ class GenerationRequest:
     ``deadline_s`` is a wall-clock budget from submission; ``queue_timeout_s`` bounds
     time spent waiting for admission. ``constraint``: what the output must be (JSON, a schema, a regex, a
     choice, a grammar or tool calls; ``ninfer.contract.constraint``). ``session_key`` (OpenAI ``prompt_cache_key``) names the conversation:
-    the context cache looks up its latest continuation first. ``context_cache=False``: the request neither
-    restores from nor saves into the context cache (serve warmup).
+    the context cache looks up its latest continuation first. ``cache_salt`` (vLLM's ``cache_salt``) is the
+    request's context-cache scope: what a request saves is restored only for requests with the same salt
+    (sessions included); requests without one share among themselves. ``context_cache=False``: the request
+    neither restores from nor saves into the context cache (serve warmup).
     """
 
     input: TextInput | ChatInput | PreparedPrompt
@@ -62,4 +67,14 @@ class GenerationRequest:
     constraint: Constraint | None = attrs.field(default=None, validator=v.optional(v.instance_of(CONSTRAINT_TYPES)))
     request_id: str | None = None
     session_key: str | None = None
+    cache_salt: str | None = attrs.field(default=None)
     context_cache: bool = True
+
+    @cache_salt.validator
+    def _check_cache_salt(self, attribute, value):
+        if value is None:
+            return
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"cache_salt must be a non-empty string or None, got {value!r:.40}")
+        if len(value) > MAX_CACHE_SALT_CHARS:
+            raise ValueError(f"cache_salt may hold at most {MAX_CACHE_SALT_CHARS} characters, got {len(value)}")

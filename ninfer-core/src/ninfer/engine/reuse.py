@@ -8,6 +8,10 @@ burst of one prompt) prefills once and forks. A successful finish keeps the sequ
 as a continuation and binds the request's session key to it. Under device pressure the cache is
 reclaimed (demoted to host replicas, or dropped) before any resident request is paused. Policy lives in
 the ResourceManager (``ninfer.engine.context_cache``); the Program's stores hold every byte.
+
+A request sees only its own cache scope (``GenerationRequest.cache_salt``): it restores, skips save points,
+waits for pending saves and continues sessions only within it, and what it saves enters it. A prefill unit
+runs one sequence, so what the store publishes during it is that request's.
 """
 
 from __future__ import annotations
@@ -38,8 +42,10 @@ class Reuse:
         self.manager = ResourceManager(self.store, block=block, grid=grid) if self.store is not None else None
         self.block = block
         self.min_wait_gain = block  # waiting for another's save must save at least one block of prefill
-        self.planned: dict[int, tuple[tuple[int, ...], tuple[MediaRun, ...], list[int]]] = {}  # (prompt, media, points)
+        # sequence -> (prompt, media, save points, cache salt)
+        self.planned: dict[int, tuple[tuple[int, ...], tuple[MediaRun, ...], list[int], str | None]] = {}
         self.waiting_on_save = False
+        self._publishing: str | None = None  # the scope of the request whose prefill unit runs now
 
     def applies(self, rec: RequestRecord) -> bool:
         return self.manager is not None and rec.request.context_cache
@@ -53,9 +59,10 @@ class Reuse:
         if not self.applies(rec):
             return program.open_sequence(rec.prompt, rec.sampling)
         tokens, media = rec.prompt.token_ids, media_runs(rec.prompt)  # media: which image each placeholder is
-        hit = self.manager.lookup(tokens, rec.request.session_key, media=media)
+        salt = rec.request.cache_salt
+        hit = self.manager.lookup(tokens, rec.request.session_key, media=media, salt=salt)
         have = hit.length if hit is not None else 0
-        if self._pending_save(tokens, media, residents) >= have + self.min_wait_gain:
+        if self._pending_save(tokens, media, salt, residents) >= have + self.min_wait_gain:
             self.waiting_on_save = True
             return Admission.WAIT
         seq = None
@@ -69,10 +76,10 @@ class Reuse:
             seq = program.open_sequence(rec.prompt, rec.sampling)
         rec.cached_tokens = have
         named = () if rec.prompt.history_boundary is None else (rec.prompt.history_boundary,)
-        points = self.manager.save_points(tokens, have, named, media=media)
+        points = self.manager.save_points(tokens, have, named, media=media, salt=salt)
         self.store.plan_saves(seq, points)
         if points:
-            self.planned[seq] = (tuple(tokens), media, points)
+            self.planned[seq] = (tuple(tokens), media, points, salt)
         return seq
 
     def admitted(self, rec: RequestRecord) -> None:
@@ -80,15 +87,16 @@ class Reuse:
         if self.applies(rec):
             self.metrics.prefix_cache_lookup(len(rec.prompt), rec.cached_tokens)
 
-    def _pending_save(self, tokens: tuple[int, ...], media: tuple[MediaRun, ...],
+    def _pending_save(self, tokens: tuple[int, ...], media: tuple[MediaRun, ...], salt: str | None,
                       residents: list[RequestRecord]) -> int:
-        """The furthest save point a prefilling resident has still to reach inside ``tokens[:-1]``."""
+        """The furthest save point a prefilling resident of the scope ``salt`` has still to reach inside
+        ``tokens[:-1]`` (another scope's save is none of this request's business, nor its timing)."""
         best = 0
         for r in residents:
             plan = self.planned.get(r.sequence_id) if r.state is RequestState.PREFILL else None
-            if plan is None:
+            if plan is None or plan[3] != salt:
                 continue
-            prompt, prompt_media, points = plan
+            prompt, prompt_media, points, _ = plan
             frontier = len(prompt) - 1 - self.program.input_remaining(r.sequence_id)
             common = common_prefix(tokens, media, prompt, prompt_media)
             reach = [p for p in points if frontier < p <= min(common, len(tokens) - 1)]
@@ -98,17 +106,23 @@ class Reuse:
 
     # -- units ---------------------------------------------------------------------------------------
     def before_prefill(self, rec: RequestRecord) -> None:
-        """A prefill unit may end at a save point: keep a checkpoint slot free for it."""
+        """A prefill unit may end at a save point: keep a checkpoint slot free for it, and note whose unit
+        it is (its saves enter that request's scope)."""
+        if self.manager is None:
+            return
+        self.manager.retire_unadopted()  # saves of a unit that failed before their adoption: of no known scope
+        self._publishing = rec.request.cache_salt
         if rec.sequence_id in self.planned:
             self._ensure_free_slot()
 
     def after_prefill(self) -> bool:
-        """Adopt what the Program published; True when a waiting admission should look again."""
+        """Adopt what the Program published (the saves of the unit ``before_prefill`` announced); True when a
+        waiting admission should look again."""
         if self.manager is None:
             return False
         infos = self.store.published()
         if infos:
-            self.manager.adopt(infos)
+            self.manager.adopt(infos, salt=self._publishing)
         again = self.waiting_on_save
         self.waiting_on_save = False
         return again
@@ -125,7 +139,9 @@ class Reuse:
         if isinstance(boundary, TurnBoundary) and boundary.exact is False:
             return  # the next turn re-renders differently: its prompt-end checkpoint is what it can reuse
         history, media = (*rec.prompt.token_ids, *rec.token_ids), media_runs(rec.prompt)
-        if self.manager.known(history[:-1], media=media) or self.manager.known(history, media=media):
+        salt = rec.request.cache_salt
+        if self.manager.known(history[:-1], media=media, salt=salt) \
+                or self.manager.known(history, media=media, salt=salt):
             return  # an identical continuation is kept already (the same prompt, the same answer)
         if not self._ensure_free_slot():
             return
@@ -134,9 +150,9 @@ class Reuse:
         if info is None:
             return
         if rec.request.session_key is None:
-            self.manager.adopt([info])
+            self.manager.adopt([info], salt=salt)
         else:  # binding adopts it
-            self.manager.bind_session(rec.request.session_key, rec.ticket, info)
+            self.manager.bind_session(rec.request.session_key, rec.ticket, info, salt=salt)
 
     # -- pressure and observation -----------------------------------------------------------------------
     def reclaim(self, tokens: int = 1) -> bool:

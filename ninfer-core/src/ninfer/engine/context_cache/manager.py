@@ -4,6 +4,10 @@ It chooses which checkpoint a request restores (longest exact prefix, the sessio
 prefill saves, which session continues from which checkpoint, and what pressure reclaims first. It keeps
 no physical ledger: slots, pages, host bytes and leases live in the store, and every info it holds is
 one the store returned. It forgets a checkpoint as soon as the store (or the engine) says it is gone.
+
+Every checkpoint enters in the cache scope of the request that saved it (its ``cache_salt``; None: the
+shared scope), and lookups, save points and sessions see only their own scope's checkpoints. Eviction ranks
+every scope together: the store's capacity is one.
 """
 
 from __future__ import annotations
@@ -54,19 +58,20 @@ class ResourceManager:
         self._evictions = dict.fromkeys(EVICTION_OUTCOMES, 0)
 
     # -- publication -----------------------------------------------------------------------------------
-    def adopt(self, infos: Iterable[CheckpointInfo]) -> None:
-        """Take the store's newest infos (saved, or placement changed); a publication is a use."""
+    def adopt(self, infos: Iterable[CheckpointInfo], *, salt: str | None = None) -> None:
+        """Take the store's newest infos (saved, or placement changed); a publication is a use. A checkpoint
+        not known yet enters the scope of ``salt`` (the request that saved it)."""
         for info in infos:
             self._recency.tick()
-            if self._update(info):
+            if self._update(info, salt=salt, new=True):
                 self._recency.use(info.id)
 
-    def bind_session(self, key: str, order: int, info: CheckpointInfo) -> None:
-        """Make ``info`` (as the store just returned it) the session's continuation, unless a request of a
-        higher ``order`` bound the session already."""
-        self.adopt([info])
+    def bind_session(self, key: str, order: int, info: CheckpointInfo, *, salt: str | None = None) -> None:
+        """Make ``info`` (as the store just returned it) the continuation of the session ``key`` of the scope
+        ``salt``, unless a request of a higher ``order`` bound that session already."""
+        self.adopt([info], salt=salt)
         if info.id in self._index:
-            self._sessions.bind(key, order, info.id)
+            self._sessions.bind((salt, key), order, info.id)
 
     def forget(self, checkpoint_id: int) -> None:
         """The checkpoint is gone from the store: drop every trace of it."""
@@ -82,19 +87,20 @@ class ResourceManager:
 
     # -- requests --------------------------------------------------------------------------------------
     def lookup(self, tokens: Sequence[int], session_key: str | None = None, *,
-               media: Sequence[MediaRun] = ()) -> CheckpointInfo | None:
-        """The longest known checkpoint a prompt of ``tokens`` (its placeholder tokens: ``media``, the prompt's
-        ``media_runs``) can restore: an exact prefix leaving at least one token to run. The session's own
-        continuation wins when it is at least as long as the best."""
+               media: Sequence[MediaRun] = (), salt: str | None = None) -> CheckpointInfo | None:
+        """The longest known checkpoint of the scope ``salt`` a prompt of ``tokens`` (its placeholder tokens:
+        ``media``, the prompt's ``media_runs``) can restore: an exact prefix leaving at least one token to run.
+        The session's own continuation wins when it is at least as long as the best."""
         self._recency.tick()
         limit = len(tokens) - 1
         if limit < 1:
             return None
-        best = self._index.longest(tokens, limit, media=media)
-        bound_id = self._sessions.get(session_key) if session_key is not None else None
+        best = self._index.longest(tokens, limit, media=media, salt=salt)
+        bound_id = self._sessions.get((salt, session_key)) if session_key is not None else None
         bound = self._index.get(bound_id) if bound_id is not None else None
         if bound is not None and 0 < bound.length <= limit and (best is None or bound.length >= best.length) \
-                and bound.tokens == tuple(tokens[:bound.length]) and bound.media == clip_runs(media, bound.length):
+                and self._index.salt(bound.id) == salt and bound.tokens == tuple(tokens[:bound.length]) \
+                and bound.media == clip_runs(media, bound.length):
             best = bound
         if best is None or best.length == 0:
             return None
@@ -103,22 +109,23 @@ class ResourceManager:
         return best
 
     def save_points(self, tokens: Sequence[int], start: int, named: Iterable[int] = (), *,
-                    media: Sequence[MediaRun] = ()) -> list[int]:
+                    media: Sequence[MediaRun] = (), salt: str | None = None) -> list[int]:
         """Where a prefill beyond ``start`` should save: grid multiples inside the prompt, the ``named``
         positions (the Frontend's: where a chat's next turn stops reproducing this prompt), then its
-        last-but-one position (the prompt-end recovery point); positions already covered are left out."""
+        last-but-one position (the prompt-end recovery point); positions already covered (in the scope
+        ``salt``) are left out."""
         last = len(tokens) - 1
         if last <= start:
             return []
         first = (start // self.grid + 1) * self.grid
         points = sorted({*range(first, last, self.grid), *(p for p in named if start < p < last), last})
-        known = self._index.present(tokens, points, media=media)
+        known = self._index.present(tokens, points, media=media, salt=salt)
         return [p for p in points if p not in known]
 
-    def known(self, tokens: Sequence[int], *, media: Sequence[MediaRun] = ()) -> bool:
-        """Whether a checkpoint of exactly ``tokens`` (and ``media``) is known (a second copy would hold a slot
-        for nothing)."""
-        return bool(tokens) and bool(self._index.present(tokens, [len(tokens)], media=media))
+    def known(self, tokens: Sequence[int], *, media: Sequence[MediaRun] = (), salt: str | None = None) -> bool:
+        """Whether a checkpoint of exactly ``tokens`` (and ``media``) is known in the scope ``salt`` (a second
+        copy would hold a slot for nothing)."""
+        return bool(tokens) and bool(self._index.present(tokens, [len(tokens)], media=media, salt=salt))
 
     def lease(self, checkpoint_id: int) -> CheckpointInfo | None:
         """Pin a checkpoint for a materialization; None (and forgotten) when the store no longer has it."""
@@ -196,7 +203,7 @@ class ResourceManager:
         if self._leases:
             raise RuntimeError(f"cannot clear the context cache while checkpoints {sorted(self._leases)} are "
                                "leased: unlease them first")
-        self.adopt(self.store.published())
+        self.retire_unadopted()
         for info in self._index:
             self.store.retire(info.id)
             self._index.remove(info.id)
@@ -204,6 +211,13 @@ class ResourceManager:
         self._recency.clear()
         self._hits.clear()
         self._restore.clear()
+
+    def retire_unadopted(self) -> None:
+        """Retire what the store published and nobody adopted (a prefill unit that failed before its saves
+        were adopted): whose scope they belong to is unknown, so they never enter the index."""
+        for info in self.store.published():
+            if info.id not in self._index:
+                self.store.retire(info.id)
 
     def checkpoints(self) -> list[CheckpointInfo]:
         """Every checkpoint the manager knows, as last adopted."""
@@ -220,15 +234,18 @@ class ResourceManager:
                           host_bytes=usage.host_bytes_used, evictions=dict(self._evictions))
 
     # -- internals -------------------------------------------------------------------------------------
-    def _update(self, info: CheckpointInfo) -> bool:
-        """Keep ``info`` unless a newer generation of it is known; whether it was taken."""
+    def _update(self, info: CheckpointInfo, *, salt: str | None = None, new: bool = False) -> bool:
+        """Keep ``info`` unless a newer generation of it is known; whether it was taken. Only a publication
+        (``new``) brings in an unknown checkpoint, in the scope ``salt``: none enters without its scope."""
         known = self._index.get(info.id)
+        if known is None and not new:
+            return False
         if known is not None and known.generation > info.generation:
             return False
         if not (info.on_device or info.on_host):
             self.forget(info.id)
             return False
-        self._index.add(info)
+        self._index.add(info, salt=salt if known is None else self._index.salt(info.id))
         return True
 
     def _refresh(self, info: CheckpointInfo) -> CheckpointInfo:
@@ -244,7 +261,8 @@ class ResourceManager:
         published later that would be longer is not looked for, so the figure errs towards keeping."""
         known = self._restore.get(info.id)
         if known is None:
-            other = self._index.longest(info.tokens, info.length, exclude=info.id, media=info.media)
+            other = self._index.longest(info.tokens, info.length, exclude=info.id, media=info.media,
+                                        salt=self._index.salt(info.id))
             known = (0, None) if other is None else (other.length, other.id)
             self._restore[info.id] = known
         return known[0]

@@ -9,11 +9,17 @@ confirmed by comparing the token ids themselves, so a digest collision can never
 Media placeholder tokens share one token id, so a block's digest also takes, for each run of placeholders in
 it, the item's digest and the rows the run takes (``MediaRun``), and a hit is confirmed on the runs too: the
 same image at the same place hits, a different image (even of the same size) never does.
+
+Every checkpoint belongs to a cache scope, the salt of the request that saved it
+(``GenerationRequest.cache_salt``; None: the shared scope). The chain starts from the scope's root digest, so
+one scope's nodes never meet another's and a lookup costs what it did; a hit is confirmed on the salt itself
+too, so no collision crosses scopes either.
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import struct
 import sys
@@ -24,7 +30,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from ninfer.contract.context import CheckpointInfo, MediaRun, clip_runs
 
 DIGEST_BYTES = 16
-_ROOT = b""  # the chain digest of the empty prefix
+_ROOT = b""  # the chain digest of the empty prefix in the shared scope (requests without a salt)
 _TOKEN_BYTES = 4
 
 if array("i").itemsize != _TOKEN_BYTES:  # pragma: no cover - every platform ninfer supports has 4-byte C int
@@ -48,6 +54,15 @@ def _digest(prefix_digest: bytes, data: bytes | memoryview) -> bytes:
     h.update(prefix_digest)
     h.update(data)
     return h.digest()
+
+
+@functools.lru_cache(maxsize=1024)
+def scope_root(salt: str | None) -> bytes:
+    """The chain digest of the empty prefix in the scope of ``salt``: the shared root for None, otherwise a
+    digest of the salt (never empty, so never the shared root)."""
+    if salt is None:
+        return _ROOT
+    return _digest(b"ninfer.cache_salt\0", salt.encode("utf-8", "surrogatepass"))
 
 
 class MediaIdentity:
@@ -75,13 +90,15 @@ _Node = tuple[int, bytes]  # (full blocks k, chain digest of the first k blocks)
 
 
 class PrefixIndex:
-    """Checkpoints by exact token prefix. Of several checkpoints with identical tokens the newest added wins."""
+    """Checkpoints by exact token prefix within their scope. Of several checkpoints with identical tokens (in
+    one scope) the newest added wins."""
 
     def __init__(self, block: int) -> None:
         if block < 1:
             raise ValueError(f"the prefix index block must be at least one token, got {block}")
         self.block = block
         self._infos: dict[int, CheckpointInfo] = {}
+        self._salts: dict[int, str | None] = {}  # id -> the scope it was saved in
         self._placed: dict[int, tuple[list[_Node], int, bytes]] = {}  # id -> (nodes passed, tail r, tail digest)
         self._through: Counter[_Node] = Counter()  # checkpoints reaching each node with k >= 1
         self._ends: dict[_Node, dict[int, dict[bytes, list[int]]]] = {}  # node -> r -> tail digest -> ids, oldest first
@@ -99,27 +116,36 @@ class PrefixIndex:
     def get(self, checkpoint_id: int) -> CheckpointInfo | None:
         return self._infos.get(checkpoint_id)
 
-    def add(self, info: CheckpointInfo) -> None:
-        """Index ``info``; a known id only takes the new info (its tokens cannot change)."""
+    def salt(self, checkpoint_id: int) -> str | None:
+        """The scope an indexed checkpoint belongs to (KeyError when it is not indexed)."""
+        return self._salts[checkpoint_id]
+
+    def add(self, info: CheckpointInfo, *, salt: str | None = None) -> None:
+        """Index ``info`` in the scope of ``salt``; a known id only takes the new info (its tokens and scope
+        cannot change)."""
         known = self._infos.get(info.id)
         if known is not None:
             if known.tokens != info.tokens:
                 raise ValueError(f"checkpoint {info.id} changed its tokens ({known.length} -> {info.length})")
+            if self._salts[info.id] != salt:
+                raise ValueError(f"checkpoint {info.id} cannot change its cache scope")
             self._infos[info.id] = info
             return
         buf, media = memoryview(token_bytes(info.tokens)), MediaIdentity(info.media)
-        chain = self._chain(buf, media, info.length // self.block, known_only=False)
+        chain = self._chain(buf, media, info.length // self.block, scope_root(salt), known_only=False)
         nodes = list(enumerate(chain))
         k, r = divmod(info.length, self.block)
         tail = self._tail_digest(buf, media, chain[k], k, r)
         self._through.update(nodes[1:])
         self._ends.setdefault(nodes[k], {}).setdefault(r, {}).setdefault(tail, []).append(info.id)
         self._infos[info.id] = info
+        self._salts[info.id] = salt
         self._placed[info.id] = (nodes, r, tail)
 
     def remove(self, checkpoint_id: int) -> CheckpointInfo:
         """Forget a checkpoint; KeyError when it is not indexed."""
         info = self._infos.pop(checkpoint_id)
+        del self._salts[checkpoint_id]
         nodes, r, tail = self._placed.pop(checkpoint_id)
         self._through.subtract(nodes[1:])
         for node in nodes[1:]:
@@ -138,48 +164,51 @@ class PrefixIndex:
 
     # -- lookup ----------------------------------------------------------------------------------------
     def longest(self, tokens: Sequence[int], limit: int, *, exclude: int | None = None,
-                media: Sequence[MediaRun] = ()) -> CheckpointInfo | None:
-        """The checkpoint with the largest length <= ``limit`` whose tokens are exactly ``tokens[:length]`` and
-        whose media runs are ``media``'s there (leaving out the checkpoint ``exclude``), or None."""
+                media: Sequence[MediaRun] = (), salt: str | None = None) -> CheckpointInfo | None:
+        """The checkpoint of the scope ``salt`` with the largest length <= ``limit`` whose tokens are exactly
+        ``tokens[:length]`` and whose media runs are ``media``'s there (leaving out the checkpoint ``exclude``),
+        or None."""
         limit = min(limit, len(tokens))
         if limit < 0:
             return None
         query, identity = tuple(tokens[:limit]), MediaIdentity(media)
         buf = memoryview(token_bytes(query))
-        chain = self._chain(buf, identity, limit // self.block, known_only=True)
+        chain = self._chain(buf, identity, limit // self.block, scope_root(salt), known_only=True)
         for k in reversed(range(len(chain))):
             ends = self._ends.get((k, chain[k]))
             if not ends:
                 continue
             for r in sorted(ends, reverse=True):
                 if k * self.block + r <= limit:
-                    found = self._exact(query, buf, identity, k, chain[k], r, exclude)
+                    found = self._exact(query, buf, identity, k, chain[k], r, exclude, salt)
                     if found is not None:
                         return found
         return None
 
     def present(self, tokens: Sequence[int], lengths: Iterable[int], *,
-                media: Sequence[MediaRun] = ()) -> set[int]:
-        """Those of ``lengths`` at which a checkpoint holding exactly ``tokens[:length]`` (and ``media`` there) is
-        indexed."""
+                media: Sequence[MediaRun] = (), salt: str | None = None) -> set[int]:
+        """Those of ``lengths`` at which a checkpoint of the scope ``salt`` holding exactly ``tokens[:length]``
+        (and ``media`` there) is indexed."""
         wanted = sorted({n for n in lengths if 0 <= n <= len(tokens)})
         if not wanted:
             return set()
         query, identity = tuple(tokens[:wanted[-1]]), MediaIdentity(media)
         buf = memoryview(token_bytes(query))
-        chain = self._chain(buf, identity, wanted[-1] // self.block, known_only=True)
+        chain = self._chain(buf, identity, wanted[-1] // self.block, scope_root(salt), known_only=True)
         found = set()
         for n in wanted:
             k, r = divmod(n, self.block)
-            if k < len(chain) and self._exact(query, buf, identity, k, chain[k], r, None) is not None:
+            if k < len(chain) and self._exact(query, buf, identity, k, chain[k], r, None, salt) is not None:
                 found.add(n)
         return found
 
     # -- digests ---------------------------------------------------------------------------------------
-    def _chain(self, buf: memoryview, media: MediaIdentity, blocks: int, *, known_only: bool) -> list[bytes]:
-        """Chain digests of the first 0..m full blocks (m <= ``blocks``); ``known_only`` stops before the
-        first node that no indexed checkpoint reaches, since nothing deeper can match."""
-        chain = [_ROOT]
+    def _chain(self, buf: memoryview, media: MediaIdentity, blocks: int, root: bytes, *,
+               known_only: bool) -> list[bytes]:
+        """Chain digests of the first 0..m full blocks (m <= ``blocks``) from the scope's ``root``;
+        ``known_only`` stops before the first node that no indexed checkpoint reaches, since nothing deeper can
+        match."""
+        chain = [root]
         for k in range(1, blocks + 1):
             d = self._block_digest(chain[-1], buf, media, (k - 1) * self.block, self.block)
             if known_only and (k, d) not in self._through:
@@ -198,8 +227,9 @@ class PrefixIndex:
         return _digest(prefix_digest, ids if not runs else bytes(ids) + runs)
 
     def _exact(self, query: tuple[int, ...], buf: memoryview, media: MediaIdentity, k: int, chain_k: bytes, r: int,
-               exclude: int | None) -> CheckpointInfo | None:
-        """The newest checkpoint whose tokens are exactly ``query[:k * block + r]``, with the same media there."""
+               exclude: int | None, salt: str | None) -> CheckpointInfo | None:
+        """The newest checkpoint of the scope ``salt`` whose tokens are exactly ``query[:k * block + r]``, with
+        the same media there."""
         by_tail = self._ends.get((k, chain_k), {}).get(r)
         if not by_tail:
             return None
@@ -208,7 +238,8 @@ class PrefixIndex:
         runs = None
         for cid in reversed(ids):
             info = self._infos[cid]
-            if cid != exclude and info.length == length and info.tokens == query[:length]:
+            if cid != exclude and info.length == length and self._salts[cid] == salt \
+                    and info.tokens == query[:length]:
                 runs = clip_runs(media.runs, length) if runs is None else runs
                 if tuple(info.media) == runs:
                     return info

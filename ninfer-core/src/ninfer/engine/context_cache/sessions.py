@@ -2,28 +2,31 @@
 
 A session key (OpenAI ``prompt_cache_key``) names a conversation; its binding is a hint for the lookup,
 never a second ledger. Every request carries a monotonic ``publication_order``: an older request that
-finishes late never overwrites the binding a newer one left, even after that checkpoint is gone.
+finishes late never overwrites the binding a newer one left, even after that checkpoint is gone. A session
+is named within its cache scope: ``(cache salt, key)``, so one key in two scopes names two sessions.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
+SessionName = tuple[str | None, str]  # (the request's cache salt, its session key)
+
 
 class SessionHints:
-    """Session key -> (publication order, checkpoint id or None); the least recently bound keys go first."""
+    """Session name -> (publication order, checkpoint id or None); the least recently bound names go first."""
 
     def __init__(self, max_keys: int = 4096) -> None:
         if max_keys < 1:
             raise ValueError(f"max_keys must be at least 1, got {max_keys}")
         self.max_keys = max_keys
-        self._bindings: OrderedDict[str, tuple[int, int | None]] = OrderedDict()
-        self._keys_of: dict[int, set[str]] = {}
+        self._bindings: OrderedDict[SessionName, tuple[int, int | None]] = OrderedDict()
+        self._keys_of: dict[int, set[SessionName]] = {}
 
     def __len__(self) -> int:
         return len(self._bindings)
 
-    def bind(self, key: str, order: int, checkpoint_id: int) -> bool:
+    def bind(self, key: SessionName, order: int, checkpoint_id: int) -> bool:
         """Bind ``key`` to ``checkpoint_id`` unless a request of a higher order already bound it."""
         held = self._bindings.get(key)
         if held is not None:
@@ -38,7 +41,7 @@ class SessionHints:
             self._unlink(old_key, old_id)
         return True
 
-    def get(self, key: str) -> int | None:
+    def get(self, key: SessionName) -> int | None:
         """The checkpoint bound to ``key``, or None."""
         held = self._bindings.get(key)
         return None if held is None else held[1]
@@ -56,7 +59,7 @@ class SessionHints:
         self._bindings.clear()
         self._keys_of.clear()
 
-    def _unlink(self, key: str, checkpoint_id: int | None) -> None:
+    def _unlink(self, key: SessionName, checkpoint_id: int | None) -> None:
         if checkpoint_id is None:
             return
         keys = self._keys_of.get(checkpoint_id)
