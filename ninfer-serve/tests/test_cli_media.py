@@ -57,9 +57,11 @@ def test_media_options_become_the_apps_policy(served, tmp_path):
     assert served()["media"] == MediaPolicy()  # data: URLs only
     policy = served("--media-root", str(tmp_path), "--allow-remote-media", "--media-max-bytes", "3M",
                     "--media-timeout", "2.5", "--media-max-items", "5", "--media-max-frames", "7",
-                    "--media-threads", "16", "--media-queue", "0")["media"]
+                    "--media-threads", "16", "--media-queue", "0",
+                    "--media-allowed-hosts", "Pics.Example, *.cdn.example,[::1]")["media"]
     assert policy == MediaPolicy(root=str(tmp_path), allow_remote=True, max_bytes=3 << 20, timeout_s=2.5,
-                                 max_items=5, max_frames=7, threads=16, queue=0)
+                                 max_items=5, max_frames=7, threads=16, queue=0,
+                                 allowed_hosts=("pics.example", "*.cdn.example", "::1"))
     assert served("--media-max-bytes", "1000")["media"].max_bytes == 1000
     assert served("--media-max-bytes", "2k")["media"].max_bytes == 2048
 
@@ -74,6 +76,13 @@ def test_a_missing_media_root_is_one_line_before_binding(served, capsys, tmp_pat
     assert StubEngine.configs == []
 
 
+def test_the_pixel_bound_reaches_the_engine(served):
+    served()
+    served("--media-max-pixels", "1000000")
+    default, given = StubEngine.configs
+    assert default.media_max_pixels is None and given.media_max_pixels == 1_000_000
+
+
 @pytest.mark.parametrize("options,words", [
     (["--vision", "maybe"], "invalid choice: 'maybe'"),
     (["--media-threads", "17"], "must be in 1..16, got 17"),
@@ -82,6 +91,9 @@ def test_a_missing_media_root_is_one_line_before_binding(served, capsys, tmp_pat
     (["--media-max-bytes", "0"], "expected a positive byte count"),
     (["--media-timeout", "0"], "must be > 0"),
     (["--media-max-items", "0"], "must be >= 1"),
+    (["--media-max-pixels", "0"], "must be >= 1"),
+    (["--media-allowed-hosts", "a.*.example"], "argument --media-allowed-hosts: 'a.*.example' is not a host name"),
+    (["--media-allowed-hosts", "*"], "'*' is not a host name"),
 ])
 def test_bad_values_are_refused_by_the_parser(served, capsys, options, words):
     with pytest.raises(SystemExit) as exc:
@@ -96,5 +108,6 @@ def test_help_lists_the_options(capsys):
     out = " ".join(capsys.readouterr().out.split())
     for shown in ("--vision {auto,on,off}", "--media-root DIR", "--allow-remote-media", "--media-max-bytes BYTES",
                   "(default: 20M)", "--media-timeout SECONDS", "--media-max-items N", "--media-max-frames N",
-                  "--media-threads N", "--media-queue N"):
+                  "--media-threads N", "--media-queue N", "--media-max-pixels N", "--media-allowed-hosts NAMES",
+                  "public addresses only"):
         assert shown in out, shown

@@ -95,6 +95,7 @@ class Qwen35Startup:
     def load(self, artifact: Any, options: StartupOptions, placement: WeightPlacement) -> Qwen35Loaded:
         from ninfer.artifact import load_weights
         from ninfer.models.common.qwen import QwenFrontend
+        from ninfer.models.common.qwen.media_preparation import MediaLimits
         from ninfer_qwen35.execution.model import Qwen35Model
         from ninfer_qwen35.execution.mtp import Qwen35MTP
         from ninfer_qwen35.execution.parameters import MTPParams, Qwen35Parameters
@@ -107,7 +108,8 @@ class Qwen35Startup:
         dev = Device.parse(options.device)
         frontend = QwenFrontend.from_resources(artifact.frontend, chat_template_override=options.chat_template,
                                                special_tokens_in_content=options.special_tokens_in_content,
-                                               vision="vision" in features)
+                                               vision="vision" in features,
+                                               media_limits=MediaLimits(max_decoded_pixels=options.media_max_pixels))
         banks = _bank_objects(artifact, features) if host else frozenset()
         weights, report = load_weights(artifact, features=features, device=str(dev), host_objects=banks)
         compute = _compute_dtype(options, weights[EMBED].dtype)

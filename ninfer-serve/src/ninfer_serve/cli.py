@@ -15,7 +15,7 @@ from ninfer.engine.cli_numbers import positive_number, whole_number
 from ninfer.engine.plan_cli import add_memory_arguments, with_memory_options
 from ninfer.engine.speculative_cli import add_speculative_arguments, speculative_features
 from ninfer.engine.vision_cli import add_vision_argument, with_vision
-from ninfer_serve.media_policy import MAX_MEDIA_THREADS, MIB, MediaPolicy
+from ninfer_serve.media_policy import MAX_MEDIA_THREADS, MIB, MediaPolicy, allowed_host_names
 
 API_KEY_ENV = "NINFER_API_KEY"
 _MEDIA = attrs.fields(MediaPolicy)  # the defaults, written once
@@ -130,13 +130,20 @@ def _add_media_arguments(p: argparse.ArgumentParser) -> None:
                        help="read local media (file:// URLs and paths) under DIR only; paths that lead out of it, "
                             "symbolic links included, are refused (default: no local files)")
     media.add_argument("--allow-remote-media", action="store_true",
-                       help="fetch http(s) media URLs (default: refused); the server then reaches any address a "
-                            "client names")
+                       help="fetch http(s) media URLs (default: refused) from public addresses only: loopback, "
+                            "private, link-local and other non-public addresses are refused after resolving, "
+                            "redirects included; the *_proxy environment is not used")
+    media.add_argument("--media-allowed-hosts", type=_media_hosts, default=(), metavar="NAMES",
+                       help="comma-separated hosts fetched from without the public-address check (exact names "
+                            "or IP addresses, '*.example.com' for any name under it; default: none)")
     media.add_argument("--media-max-bytes", type=_byte_size, default=f"{_MEDIA.max_bytes.default // MIB}M",
                        metavar="BYTES",
                        help="bytes of one image, or of one video's frames together (K, M, G suffixes: 20M)")
     media.add_argument("--media-timeout", type=positive_number, default=_MEDIA.timeout_s.default, metavar="SECONDS",
-                       help="time to fetch one http(s) media item")
+                       help="time to fetch one http(s) media item, all of it (connects, redirects, body)")
+    media.add_argument("--media-max-pixels", type=_positive_int, metavar="N",
+                       help="pixels (width x height) of one image or video frame as decoded, read from its header "
+                            "before decoding (default: twice the model's max_pixels, 33554432 for Qwen3.5)")
     media.add_argument("--media-max-items", type=_positive_int, default=_MEDIA.max_items.default, metavar="N",
                        help="images and videos in one request")
     media.add_argument("--media-max-frames", type=_positive_int, default=_MEDIA.max_frames.default, metavar="N",
@@ -147,10 +154,18 @@ def _add_media_arguments(p: argparse.ArgumentParser) -> None:
                        help="requests waiting for a media thread before new ones get 429")
 
 
+def _media_hosts(text: str) -> tuple[str, ...]:
+    try:
+        return allowed_host_names(_names(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _media_policy(args: argparse.Namespace) -> MediaPolicy:
     if args.media_root is not None and not os.path.isdir(args.media_root):
         raise ValueError(f"--media-root: {args.media_root} is not a directory")
-    return MediaPolicy(root=args.media_root, allow_remote=args.allow_remote_media, max_bytes=args.media_max_bytes,
+    return MediaPolicy(root=args.media_root, allow_remote=args.allow_remote_media,
+                       allowed_hosts=args.media_allowed_hosts, max_bytes=args.media_max_bytes,
                        timeout_s=args.media_timeout, max_items=args.media_max_items, max_frames=args.media_max_frames,
                        threads=args.media_threads, queue=args.media_queue)
 
@@ -229,7 +244,8 @@ def _load_and_serve(args: argparse.Namespace, model: str, chat_template: str | N
         config = EngineConfig(max_concurrency=args.max_concurrency, max_queue=args.max_queue,
                               verify=not args.no_verify, max_model_len=args.max_model_len, device=args.device,
                               prefill_chunk=args.prefill_chunk, chat_template=chat_template,
-                              special_tokens_in_content=args.special_tokens_in_content, features=features)
+                              special_tokens_in_content=args.special_tokens_in_content, features=features,
+                              media_max_pixels=args.media_max_pixels)
         engine = Engine(model, config=with_memory_options(with_context_cache(config, args), args))
     except Exception as exc:  # a bad artifact or device must read as a message, not a traceback
         return _fail(f"cannot start the engine for {model}: {type(exc).__name__}: {exc}")

@@ -6,13 +6,13 @@ Where media may come from is the server's ``MediaPolicy``:
 - local files only under ``root`` (``--media-root``), named by a ``file://`` URL or a plain path (relative
   paths are taken from the root); a path that leads out of the root, through ``..`` or a symbolic link, is
   refused, and only regular files are read;
-- ``http(s)`` only with ``allow_remote`` (``--allow-remote-media``), with the standard library's urllib: each
-  item within ``timeout_s`` (checked between reads; one read waits at most that long), redirects to http(s)
-  only.
+- ``http(s)`` only with ``allow_remote`` (``--allow-remote-media``), by ``media_fetch``: public addresses only
+  (or hosts the operator allows), checked after resolving and connected to as checked, each item within
+  ``timeout_s`` in all, redirects to http(s) only and checked again.
 
 Every item (an image, or a video's frames together) is at most ``max_bytes``. Acquisition runs on the
 gateway's media TaskPool (``MediaAcquirer``), one task per request, never on the event loop; a client that
-leaves stops it at the next read. Refusals are 400s naming the parameter: ``invalid_media`` (malformed,
+leaves stops it at its next read or wait. Refusals are 400s naming the parameter: ``invalid_media`` (malformed,
 unreadable or unreachable), ``media_too_large``, ``media_not_allowed``.
 """
 
@@ -20,15 +20,11 @@ from __future__ import annotations
 
 import base64
 import binascii
-import http.client
 import mimetypes
 import os
 import stat
 import threading
-import time
-import urllib.error
 import urllib.parse
-import urllib.request
 
 import attrs
 from starlette.requests import Request
@@ -37,47 +33,23 @@ from ninfer.contract import GenerationRequest
 from ninfer.contract.prompt import MediaItem
 from ninfer.core.task_pool import Task, TaskPool
 from ninfer_serve.errors import APIError, bad_request
+from ninfer_serve.media_fetch import (
+    FetchCancelled,
+    Fetched,
+    MediaRefused,
+    fetch_remote,
+    image_like,
+    too_large,
+)
+from ninfer_serve.media_fetch import shown as _shown
 from ninfer_serve.media_parts import MediaSource, first_media_part, media_sources
 from ninfer_serve.media_policy import MediaPolicy
 from ninfer_serve.offload import submit_or_refuse, unless_disconnected
 from ninfer_serve.schemas import ChatCompletionRequest
 
+__all__ = ["FetchCancelled", "Fetched", "MediaAcquirer", "MediaPolicy", "MediaRefused", "acquire", "fetch"]
+
 _CHUNK = 1 << 16
-_SHOWN_CHARS = 80  # of a URL echoed in an error message
-
-
-class MediaRefused(Exception):
-    """One URL cannot be acquired; ``code`` is the error code the client gets."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-class FetchCancelled(Exception):
-    """The request was abandoned (its client left): nobody wants the bytes any more."""
-
-
-@attrs.frozen
-class Fetched:
-    data: bytes
-    mime_type: str | None
-
-
-def _shown(url: str) -> str:
-    if url[:5].lower() == "data:":
-        return f"a {url.split(',', 1)[0][:40]} URL"
-    return repr(url if len(url) <= _SHOWN_CHARS else url[:_SHOWN_CHARS] + "...")
-
-
-def _image_like(mime: str) -> bool:
-    """Loosely: an image type, or bytes of no declared type (the Frontend decodes by content)."""
-    return mime.startswith("image/") or mime in ("application/octet-stream", "binary/octet-stream")
-
-
-def _too_large(shown: str, limit: int) -> MediaRefused:
-    return MediaRefused("media_too_large", f"{shown} holds more than {limit} bytes (--media-max-bytes)")
 
 
 def fetch(url: str, policy: MediaPolicy, *, limit: int, cancel: threading.Event) -> Fetched:
@@ -91,7 +63,7 @@ def fetch(url: str, policy: MediaPolicy, *, limit: int, cancel: threading.Event)
         raise MediaRefused("invalid_media", f"{shown} is not a valid URL: {exc}") from None
     scheme = parts.scheme.lower()
     if scheme in ("http", "https"):
-        return _remote(url, policy, limit, cancel, shown)
+        return fetch_remote(url, policy, limit=limit, cancel=cancel)
     if scheme == "file":
         if parts.netloc not in ("", "localhost"):
             raise MediaRefused("invalid_media", f"{shown}: a file URL names no other host")
@@ -108,12 +80,12 @@ def _data_url(url: str, limit: int, shown: str) -> Fetched:
         raise MediaRefused("invalid_media", f"{shown}: a data URL needs a comma before its data")
     params = [p.strip().lower() for p in head.split(";")]
     mime = params[0] or None
-    if mime is not None and not _image_like(mime):
+    if mime is not None and not image_like(mime):
         raise MediaRefused("invalid_media", f"{shown}: a data URL of type {mime} is not an image")
     if params[-1] == "base64" and len(params) > 1:
         compact = "".join(payload.split())
         if len(compact) // 4 * 3 > limit + 2:  # decoded size, known before decoding
-            raise _too_large(shown, limit)
+            raise too_large(shown, limit)
         try:
             data = base64.b64decode(compact + "=" * (-len(compact) % 4), validate=True)
         except (binascii.Error, ValueError):
@@ -121,7 +93,7 @@ def _data_url(url: str, limit: int, shown: str) -> Fetched:
     else:
         data = urllib.parse.unquote_to_bytes(payload)
     if len(data) > limit:
-        raise _too_large(shown, limit)
+        raise too_large(shown, limit)
     return Fetched(data, mime)
 
 
@@ -147,7 +119,7 @@ def _local(path: str, policy: MediaPolicy, limit: int, shown: str) -> Fetched:
         if not stat.S_ISREG(info.st_mode):
             raise MediaRefused("invalid_media", f"{shown} is not a regular file")
         if info.st_size > limit:
-            raise _too_large(shown, limit)
+            raise too_large(shown, limit)
         data = bytearray()
         while len(data) <= limit and (chunk := os.read(fd, min(_CHUNK, limit + 1 - len(data)))):
             data += chunk
@@ -156,71 +128,9 @@ def _local(path: str, policy: MediaPolicy, limit: int, shown: str) -> Fetched:
     finally:
         os.close(fd)
     if len(data) > limit:
-        raise _too_large(shown, limit)
+        raise too_large(shown, limit)
     guess = mimetypes.guess_type(resolved)[0]
     return Fetched(bytes(data), guess if guess is not None and guess.startswith("image/") else None)
-
-
-class _HttpRedirects(urllib.request.HTTPRedirectHandler):
-    """Follows redirects to http(s) URLs only (never to a file or an FTP server)."""
-
-    def http_error_302(self, req, fp, code, msg, headers):
-        target = urllib.parse.urljoin(req.full_url, headers.get("location") or headers.get("uri") or "")
-        if urllib.parse.urlsplit(target).scheme.lower() not in ("http", "https"):
-            fp.close()
-            raise MediaRefused("media_not_allowed", f"{_shown(req.full_url)} redirects to a URL that is not "
-                                                    "http(s)")
-        return super().http_error_302(req, fp, code, msg, headers)
-
-    http_error_301 = http_error_303 = http_error_307 = http_error_308 = http_error_302
-
-
-def _opener() -> urllib.request.OpenerDirector:
-    opener = urllib.request.OpenerDirector()
-    for handler in (urllib.request.ProxyHandler(), urllib.request.HTTPHandler(), urllib.request.HTTPSHandler(),
-                    _HttpRedirects(), urllib.request.HTTPDefaultErrorHandler(), urllib.request.HTTPErrorProcessor()):
-        opener.add_handler(handler)
-    return opener
-
-
-def _remote(url: str, policy: MediaPolicy, limit: int, cancel: threading.Event, shown: str) -> Fetched:
-    if not policy.allow_remote:
-        raise MediaRefused("media_not_allowed", f"{shown}: http(s) media is off on this server (its operator "
-                                                "turns it on with --allow-remote-media)")
-    deadline = time.monotonic() + policy.timeout_s
-    request = urllib.request.Request(url, headers={"User-Agent": "ninfer-serve", "Accept": "image/*"})
-    late = MediaRefused("invalid_media", f"{shown} did not arrive within {policy.timeout_s:g} s (--media-timeout)")
-    try:
-        with _opener().open(request, timeout=policy.timeout_s) as response:
-            mime = (response.headers.get_content_type() if response.headers.get("Content-Type") else None)
-            if mime is not None and not _image_like(mime):
-                raise MediaRefused("invalid_media", f"{shown} is of type {mime}, not an image")
-            declared = response.headers.get("Content-Length", "")
-            if declared.isdigit() and int(declared) > limit:
-                raise _too_large(shown, limit)
-            data = bytearray()
-            while True:
-                if cancel.is_set():
-                    raise FetchCancelled
-                if time.monotonic() > deadline:
-                    raise late
-                chunk = response.read(min(_CHUNK, limit + 1 - len(data)))
-                if not chunk:
-                    break
-                data += chunk
-                if len(data) > limit:
-                    raise _too_large(shown, limit)
-    except urllib.error.HTTPError as exc:
-        raise MediaRefused("invalid_media", f"fetching {shown} answered HTTP {exc.code}") from None
-    except urllib.error.URLError as exc:
-        if isinstance(exc.reason, TimeoutError):
-            raise late from None
-        raise MediaRefused("invalid_media", f"{shown} cannot be fetched: {exc.reason}") from None
-    except TimeoutError:
-        raise late from None
-    except (OSError, http.client.HTTPException, ValueError) as exc:
-        raise MediaRefused("invalid_media", f"{shown} cannot be fetched: {exc}") from None
-    return Fetched(bytes(data), mime)
 
 
 def _fetch_at(url: str, param: str, policy: MediaPolicy, limit: int, cancel: threading.Event) -> Fetched:

@@ -140,6 +140,8 @@ _SHARED: dict[str, tuple[Any, Any]] = {
     "special_tokens_in_content": (False, _flag()),
     "placement": (None, _text),
     "expert_cache_bytes": (None, _int_range(0, optional=True)),
+    # the Frontend's bound on one decoded image or video frame, in pixels (None: the model's)
+    "media_max_pixels": (None, _int_range(1, optional=True)),
 }
 MODEL_KNOBS = tuple(_SHARED)[3:]
 
@@ -166,6 +168,8 @@ class StartupOptions:
     default, ``NINFER_CACHE_HOST_BUDGET_MIB`` sets it). ``placement``: the weight placement to use (one of the
     model's candidates, e.g. "host-experts"; None: the first that fits the budget). ``expert_cache_bytes``: device
     bytes for the GPU cache of host-resident MoE experts (None: sized from the budget; 0: no cache).
+    ``media_max_pixels``: width x height of one image or video frame as decoded, checked from its header before
+    decoding (None: the model's bound, twice the pixels its preprocessor resizes a picture to).
     """
 
     device: str = attrs.field(validator=_device(optional=False))
@@ -186,6 +190,7 @@ class StartupOptions:
     special_tokens_in_content: bool = _shared("special_tokens_in_content")
     placement: str | None = _shared("placement")
     expert_cache_bytes: int | None = _shared("expert_cache_bytes")
+    media_max_pixels: int | None = _shared("media_max_pixels")
 
 
 @attrs.frozen(kw_only=True)
@@ -227,6 +232,7 @@ class EngineConfig:
     special_tokens_in_content: bool = _shared("special_tokens_in_content")
     placement: str | None = _shared("placement")
     expert_cache_bytes: int | None = _shared("expert_cache_bytes")
+    media_max_pixels: int | None = _shared("media_max_pixels")
 
     def for_device(self, device: str) -> EngineConfig:
         """This configuration on ``device``, with ``prefill_chunk`` fixed (the device's default when unset)."""

@@ -315,3 +315,4 @@ class TaskPool:
                 with self._lock:
                     self._running -= 1
                     self._room.notify()
+            del task  # an idle worker must not keep the last task's input and result alive

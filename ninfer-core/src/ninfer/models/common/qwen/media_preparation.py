@@ -19,15 +19,12 @@ import attrs
 from ninfer.contract.prompt import MediaItem, VisionItem
 from ninfer.core.task_pool import PoolClosed, Task, TaskPool
 from ninfer.engine.errors import EngineClosed
+from ninfer.models.common.qwen.image_decode import MediaError, MediaOverLimit, release_freed_memory
 from ninfer.models.common.qwen.media_prompt import MediaInputError, MediaTooLarge
 from ninfer.models.common.qwen.vision_preprocess import (
-    DEFAULT_MAX_DECODED_PIXELS,
-    MediaError,
-    MediaOverLimit,
     PreprocessConfig,
-    decode_image,
+    preprocess_encoded_image,
     preprocess_encoded_video,
-    preprocess_image,
 )
 
 MAX_MEDIA_THREADS = 16
@@ -53,11 +50,12 @@ def _positive(_instance, attribute: attrs.Attribute, value: int) -> None:
 @attrs.frozen(kw_only=True)
 class MediaLimits:
     """What one media item may be. ``max_item_bytes``: encoded bytes of an image, or of all frames of a video;
-    ``max_decoded_pixels``: width x height of an image or a frame, read from its header before decoding;
+    ``max_decoded_pixels``: width x height of an image or a frame as decoded, read from its header before
+    decoding (None: the model's, ``PreprocessConfig.max_decoded_pixels``, twice the pixels it resizes to);
     ``max_video_frames``: sampled frames of a video (Qwen's video pipeline samples at most 768)."""
 
     max_item_bytes: int = attrs.field(default=64 << 20, validator=_positive)
-    max_decoded_pixels: int = attrs.field(default=DEFAULT_MAX_DECODED_PIXELS, validator=_positive)
+    max_decoded_pixels: int | None = attrs.field(default=None, validator=attrs.validators.optional(_positive))
     max_video_frames: int = attrs.field(default=768, validator=_positive)
 
 
@@ -84,6 +82,8 @@ class MediaPreparer:
             raise ValueError(f"media preparation takes 1..{MAX_MEDIA_THREADS} threads, got {threads!r}")
         self.config = config
         self.limits = MediaLimits() if limits is None else limits
+        bound = self.limits.max_decoded_pixels
+        self.max_decoded_pixels = config.max_decoded_pixels if bound is None else bound
         self._pool = TaskPool("ninfer-media", threads=threads, max_queued=max_queued)
 
     @property
@@ -129,11 +129,14 @@ class MediaPreparer:
             raise MediaInputError(f"media item {index} ({item.kind}): {exc}") from exc
 
     def _prepare_one(self, item: MediaItem) -> VisionItem:
-        cfg, max_pixels = self.config, self.limits.max_decoded_pixels
-        if item.kind == "image":
-            prepared = preprocess_image(decode_image(item.data, max_pixels=max_pixels), cfg)
-        else:
-            prepared = preprocess_encoded_video(item.frames, cfg, max_pixels=max_pixels)
+        cfg, max_pixels = self.config, self.max_decoded_pixels
+        try:
+            if item.kind == "image":
+                prepared = preprocess_encoded_image(item.data, cfg, max_pixels=max_pixels)
+            else:
+                prepared = preprocess_encoded_video(item.frames, cfg, max_pixels=max_pixels)
+        finally:
+            release_freed_memory()  # the decoded pictures are freed: their pages go back, not to the arenas
         return VisionItem(kind=item.kind, pixel_values=prepared.pixel_values, grid_thw=prepared.grid_thw,
                           digest=media_digest(item, cfg, prepared.grid_thw))
 

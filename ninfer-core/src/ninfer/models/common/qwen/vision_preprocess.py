@@ -20,12 +20,13 @@ compare them with zero tolerance). ``Qwen2VLImageProcessor`` (the default "fast"
 uint8 tensors with torchvision's antialiased bicubic and fuses rescale and normalisation into one float32
 step; torchvision's and PIL's bicubic resampling are separate implementations, so their pixels can differ
 slightly where the image is resized. The Qwen3-VL video processor always uses the torchvision path; our
-video frames are resampled with PIL like images, so only the grid and layout follow it exactly.
+video frames are resampled with PIL like images, so only the grid and layout follow it exactly. A JPEG at
+least twice the size it is resized to is decoded at a reduced scale first (``image_decode``), so its pixels
+differ slightly from a full decode's; its grid does not (it comes from the header's size).
 """
 
 from __future__ import annotations
 
-import io
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -33,23 +34,28 @@ from typing import Any
 import attrs
 import numpy as np
 import torch
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, JpegImagePlugin
 
-# The largest decoded image accepted, in pixels (width * height), checked from the header before the
-# pixels are decoded, so a small compressed file cannot expand into gigabytes (a decompression bomb).
-# It equals Pillow's own warning threshold; a 9459 x 9459 RGB image is about 256 MiB decoded.
-DEFAULT_MAX_DECODED_PIXELS = 89_478_485
+# Decoding (formats, the pixel bound before decoding) lives in image_decode; these names are read from here too.
+from ninfer.models.common.qwen.image_decode import DEFAULT_MAX_DECODED_PIXELS as DEFAULT_MAX_DECODED_PIXELS
+from ninfer.models.common.qwen.image_decode import MediaError as MediaError
+from ninfer.models.common.qwen.image_decode import MediaOverLimit as MediaOverLimit
+from ninfer.models.common.qwen.image_decode import (
+    check_pixels,
+    mapped_float32,
+    open_image,
+    oriented_size,
+    to_rgb,
+)
+from ninfer.models.common.qwen.image_decode import decode_image as decode_image
+
+# How far past the model's pixel bound a picture may be decoded, checked from its header: the model resizes a
+# larger one down to ``max_pixels``, so pixels beyond it are decoded only to be thrown away. Twice leaves room
+# for the sizes pictures come in (an 8K UHD frame, a 24 MP photo) without decoding far beyond what is used.
+DECODE_SLACK = 2
 
 # An aspect ratio above this is refused by the reference smart_resize.
 MAX_ASPECT_RATIO = 200
-
-
-class MediaError(ValueError):
-    """An image or video the Frontend cannot use: undecodable, empty, too large or of unusable shape."""
-
-
-class MediaOverLimit(MediaError):
-    """An image or video frame with more pixels than the decoding limit."""
 
 
 def _positive_int(_instance: Any, attribute: attrs.Attribute, value: int) -> None:
@@ -98,6 +104,11 @@ class PreprocessConfig:
             raise ValueError(f"std must not contain 0, got {self.std}")
         if not self.rescale > 0:
             raise ValueError(f"rescale must be positive, got {self.rescale}")
+
+    @property
+    def max_decoded_pixels(self) -> int:
+        """The default bound on one decoded image or video frame: ``DECODE_SLACK`` times ``max_pixels``."""
+        return DECODE_SLACK * self.max_pixels
 
     @property
     def factor(self) -> int:
@@ -246,47 +257,6 @@ def _fit(height: int, width: int, factor: int, min_pixels: int, max_pixels: int,
     return h_bar, w_bar
 
 
-def decode_image(data: bytes, *, max_pixels: int = DEFAULT_MAX_DECODED_PIXELS) -> Image.Image:
-    """Decode image bytes (any format Pillow reads; the first frame of an animation) to an RGB image.
-
-    The EXIF orientation is applied and transparency is composited on white. Raises ``MediaError`` for
-    empty or undecodable data and ``MediaOverLimit`` for images over ``max_pixels`` (checked before decoding
-    the pixels).
-    """
-    if not data:
-        raise MediaError("image data is empty")
-    try:
-        image = Image.open(io.BytesIO(data))
-    except Image.DecompressionBombError as exc:
-        # Pillow's own limit (twice Image.MAX_IMAGE_PIXELS) applies even when max_pixels is larger
-        raise MediaOverLimit(f"image is too large to decode (the limit is {max_pixels} pixels): {exc}") from exc
-    except UnidentifiedImageError as exc:
-        raise MediaError(f"image data ({len(data)} bytes) is not in an image format ninfer reads") from exc
-    except Exception as exc:  # Pillow's format plugins raise many types on foreign or corrupt data
-        raise MediaError(f"image data is not a readable image ({len(data)} bytes): {exc}") from exc
-    width, height = image.size
-    if width <= 0 or height <= 0:
-        raise MediaError(f"image has no pixels ({width}x{height})")
-    if width * height > max_pixels:
-        raise MediaOverLimit(
-            f"image is {width}x{height} = {width * height} pixels, more than the limit of {max_pixels}")
-    try:
-        image.load()
-        image = ImageOps.exif_transpose(image)
-        return to_rgb(image)
-    except Exception as exc:  # truncated or corrupt pixel data surfaces only while decoding
-        raise MediaError(f"image data could not be decoded ({image.format} {width}x{height}): {exc}") from exc
-
-
-def to_rgb(image: Image.Image) -> Image.Image:
-    """RGB with any transparency (alpha band or palette/colour-key transparency) composited on white."""
-    if "A" in image.getbands() or image.info.get("transparency") is not None:
-        rgba = image.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(background, rgba).convert("RGB")
-    return image.convert("RGB")
-
-
 @attrs.frozen(kw_only=True, eq=False)
 class PreparedVision:
     """One image's or video's encoder input: patch rows, the patch grid and its LM token count."""
@@ -298,14 +268,45 @@ class PreparedVision:
 
 def preprocess_image(image: Image.Image, cfg: PreprocessConfig) -> PreparedVision:
     """Resize, normalise and patchify one picture (repeated to ``temporal_patch_size`` frames)."""
-    height, width = _checked_size(image, "image")
-    try:
-        new_height, new_width = smart_resize(height, width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
-    except ValueError as exc:
-        raise MediaError(str(exc)) from exc
+    new_height, new_width = _checked_resize(image, cfg)
     frame = _normalised_frame(image, new_height, new_width, cfg)
     frames = np.broadcast_to(frame, (cfg.temporal_patch_size, *frame.shape))
     return _patchify(frames, cfg)
+
+
+def preprocess_encoded_image(data: bytes, cfg: PreprocessConfig, *,
+                             max_pixels: int = DEFAULT_MAX_DECODED_PIXELS) -> PreparedVision:
+    """``preprocess_image`` of image bytes. The header is checked before anything is decoded (the pixel bound,
+    the aspect ratio); a JPEG, whose header also holds its orientation, is decoded no larger than needed for the
+    size it is resized to (``decode_image``), which is computed from the header's size as the reference would
+    from the full picture; the decoded picture is dropped as soon as its rows are made."""
+    header = open_image(data)
+    try:
+        jpeg = isinstance(header, JpegImagePlugin.JpegImageFile)
+        if not jpeg:  # a JPEG is checked at the size it will be decoded at (decode_image)
+            check_pixels(*header.size, max_pixels)
+        width, height = oriented_size(header) if jpeg else header.size
+    finally:
+        header.close()
+    try:
+        _check_aspect(height, width, "image")
+    except ValueError as exc:
+        raise MediaError(str(exc)) from exc
+    target = _fit(height, width, cfg.factor, cfg.min_pixels, cfg.max_pixels) if jpeg else None
+    image = decode_image(data, max_pixels=max_pixels, at_least=None if target is None else target[::-1])
+    new_height, new_width = target if target is not None else _checked_resize(image, cfg)
+    frame = _normalised_frame(image, new_height, new_width, cfg)
+    image.close()
+    frames = np.broadcast_to(frame, (cfg.temporal_patch_size, *frame.shape))
+    return _patchify(frames, cfg)
+
+
+def _checked_resize(image: Image.Image, cfg: PreprocessConfig) -> tuple[int, int]:
+    height, width = _checked_size(image, "image")
+    try:
+        return smart_resize(height, width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
+    except ValueError as exc:
+        raise MediaError(str(exc)) from exc
 
 
 def preprocess_video(frames: Sequence[Image.Image], cfg: PreprocessConfig) -> PreparedVision:
@@ -346,7 +347,7 @@ def _video(count: int, frame_at: Callable[[int], Image.Image], cfg: PreprocessCo
     except ValueError as exc:
         raise MediaError(str(exc)) from exc
     padded = count + (-count % cfg.temporal_patch_size)  # the last frame repeats to fill the temporal patch
-    stacked = np.empty((padded, 3, new_height, new_width), dtype=np.float32)
+    stacked = mapped_float32((padded, 3, new_height, new_width))
     stacked[0] = _normalised_frame(first, new_height, new_width, cfg)
     del first
     for index in range(1, count):
@@ -370,7 +371,7 @@ def _normalised_frame(image: Image.Image, height: int, width: int, cfg: Preproce
     """[3, height, width] float32: RGB, bicubic-resized, then each byte mapped through ``_value_table``."""
     resized = np.asarray(to_rgb(image).resize((width, height), resample=Image.Resampling.BICUBIC))
     table = _value_table(cfg)
-    out = np.empty((3, height, width), dtype=np.float32)
+    out = mapped_float32((3, height, width))
     for channel in range(3):
         np.take(table[channel], resized[:, :, channel], out=out[channel])
     return out
@@ -393,10 +394,10 @@ def _patchify(frames: np.ndarray, cfg: PreprocessConfig) -> PreparedVision:
     grid_t, grid_h, grid_w = num_frames // tp, height // p, width // p
     blocks = frames.reshape(grid_t, tp, channels, grid_h // m, m, p, grid_w // m, m, p)
     # -> (t, block row, block col, row in block, col in block, channel, frame, y, x)
-    rows = blocks.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(
-        grid_t * grid_h * grid_w, channels * tp * p * p)
+    out = mapped_float32((grid_t, grid_h // m, grid_w // m, m, m, channels, tp, p, p))
+    np.copyto(out, blocks.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8))
     return PreparedVision(
-        pixel_values=torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32)),
+        pixel_values=torch.from_numpy(out.reshape(grid_t * grid_h * grid_w, channels * tp * p * p)),
         grid_thw=(grid_t, grid_h, grid_w),
         tokens=grid_t * grid_h * grid_w // (m * m),
     )
