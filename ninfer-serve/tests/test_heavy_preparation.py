@@ -73,16 +73,16 @@ def shut(app) -> None:
 
 
 def test_a_plain_request_is_served_while_every_heavy_thread_is_busy(engine, script):
-    """Four constrained requests hold four threads in their compile; a plain request still runs at once, on
-    the plain pool (two threads here, fewer than the heavy requests)."""
+    """Three constrained requests hold every heavy thread in their compile; a plain request still runs at once,
+    on the plain pool (two threads here, fewer than the heavy requests)."""
     gate = HeavyGate(engine, script)
-    app = create_app(engine, http_threads=2)
+    app = create_app(engine, http_threads=2, heavy_threads=3)
 
     async def main():
         (c,) = clients(app, "127.0.0.1")
         async with c:
-            heavy = [asyncio.ensure_future(c.post("/v1/chat/completions", json=CONSTRAINED)) for _ in range(4)]
-            await in_thread(gate.wait_entered, 4)
+            heavy = [asyncio.ensure_future(c.post("/v1/chat/completions", json=CONSTRAINED)) for _ in range(3)]
+            await in_thread(gate.wait_entered, 3)
             plain = await c.post("/v1/chat/completions", json=PLAIN)
             gate.release.set()
             return plain, await asyncio.gather(*heavy)
@@ -92,7 +92,7 @@ def test_a_plain_request_is_served_while_every_heavy_thread_is_busy(engine, scri
     finally:
         gate.release.set()
         shut(app)
-    assert plain.status_code == 200 and [r.status_code for r in heavy] == [200] * 4
+    assert plain.status_code == 200 and [r.status_code for r in heavy] == [200] * 3
     assert all(name.startswith("ninfer-heavy-") for name in gate.threads["heavy"]), gate.threads
     assert all(name.startswith("ninfer-http-") for name in gate.threads["plain"]), gate.threads
 
@@ -205,3 +205,13 @@ def test_stopping_does_not_wait_for_a_stuck_preparation(engine, script):
 def test_bad_pool_sizes_are_refused(engine, threads):
     with pytest.raises(ValueError):
         create_app(engine, heavy_threads=threads)
+
+
+@pytest.mark.parametrize("cores,threads", [(1, 1), (2, 1), (4, 2), (8, 4), (64, 4)])
+def test_the_default_heavy_threads_are_half_the_cores(monkeypatch, cores, threads):
+    import os
+
+    from ninfer_serve.preparation import default_heavy_threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    assert default_heavy_threads() == threads

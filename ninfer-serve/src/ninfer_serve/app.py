@@ -309,15 +309,15 @@ class Gateway:
 
 def create_app(engine: Any, *, model_id: str | None = None, queue_timeout_s: float | None = 60.0,
                retry_after_s: int = 1, max_body_bytes: int = 32 << 20, body_timeout_s: float = 30.0,
-               http_threads: int = 4, http_queue: int = 64, heavy_threads: int = 4, heavy_queue: int = 64,
+               http_threads: int = 4, http_queue: int = 64, heavy_threads: int | None = None, heavy_queue: int = 64,
                heavy_per_client: int | None = 16, media_per_client: int | None = 16, api_key: str | None = None,
                allowed_hosts: Sequence[str] | None = None, allowed_origins: Sequence[str] | None = None,
                media: MediaPolicy | None = None, drain: Drain | None = None) -> Starlette:
     """An ASGI app serving ``engine``; the caller owns the engine (and closes it after serving).
 
     The app owns two TaskPools for ``engine.submit`` (ninfer_serve.preparation): plain requests (``http_threads``
-    threads, ``http_queue`` waiting) and those with a constraint or media (``heavy_threads``, ``heavy_queue``,
-    at most ``heavy_per_client`` places per client address), and one for media acquisition as ``media`` says
+    threads, ``http_queue`` waiting) and those with a constraint or media (``heavy_threads``, None: half the
+    CPU cores, 1 to 4; ``heavy_queue``; at most ``heavy_per_client`` places per client address), and one for media acquisition as ``media`` says
     (default ``MediaPolicy()``: data URLs only; at most ``media_per_client`` places per client address); its
     lifespan shuts them down when the server stops, joining their threads within ``POOL_JOIN_S``.
     ``drain`` is the server's shutdown state (ninfer_serve.drain; the server sets it); ``None``: one of its

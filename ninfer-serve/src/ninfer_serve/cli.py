@@ -127,9 +127,9 @@ def _add_client_share_arguments(p: argparse.ArgumentParser) -> None:
     share.add_argument("--max-connections-per-client", type=_positive_int, default=128, metavar="N",
                        help="open connections one client address may hold (at most --max-connections); one more "
                             "is answered 503 and closed")
-    share.add_argument("--heavy-threads", type=_positive_int, default=4, metavar="N",
+    share.add_argument("--heavy-threads", type=_positive_int, metavar="N",
                        help="threads that prepare requests with a constraint or media (grammar compilation, media "
-                            "decoding), apart from plain requests")
+                            "decoding), apart from plain requests (default: half the CPU cores, 1 to 4)")
     share.add_argument("--heavy-queue", type=whole_number(0), default=64, metavar="N",
                        help="requests waiting for a heavy-preparation thread before new ones get 429")
     share.add_argument("--heavy-per-client", type=_positive_int, default=16, metavar="N",

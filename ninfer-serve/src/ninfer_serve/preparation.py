@@ -11,6 +11,7 @@ fewest, so no client can hold the whole pool or keep the others' work from start
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -21,20 +22,31 @@ from ninfer.contract.prompt import ChatInput
 from ninfer.core.task_pool import TaskPool
 
 
+def default_heavy_threads() -> int:
+    """Half the CPU cores this process may run on, 1 to 4: a compile or a decode keeps a core busy (a grammar
+    compile two), and more of them at once than the cores take slow the plain requests' decoding too."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 2
+    return max(1, min(4, cores // 2))
+
+
 def is_heavy(gen: GenerationRequest) -> bool:
     """Preparation that may take long: a grammar to compile, or images and videos to decode."""
     return gen.constraint is not None or (isinstance(gen.input, ChatInput) and bool(gen.input.media))
 
 
 class Preparation:
-    """The plain and the heavy TaskPool (sizes as ``ninfer serve``'s ``--http-*`` and ``--heavy-*`` options),
-    and which one a request's choices are submitted on."""
+    """The plain and the heavy TaskPool (sizes as ``ninfer serve``'s ``--http-*`` and ``--heavy-*`` options;
+    ``heavy_threads`` None: ``default_heavy_threads()``), and which one a request's choices are submitted on."""
 
-    def __init__(self, *, threads: int = 4, queue: int = 64, heavy_threads: int = 4, heavy_queue: int = 64,
+    def __init__(self, *, threads: int = 4, queue: int = 64, heavy_threads: int | None = None, heavy_queue: int = 64,
                  heavy_per_client: int | None = 16) -> None:
         self.plain = TaskPool("ninfer-http", threads=threads, max_queued=queue)
         try:
-            self.heavy = TaskPool("ninfer-heavy", threads=heavy_threads, max_queued=heavy_queue,
+            self.heavy = TaskPool("ninfer-heavy", threads=default_heavy_threads() if heavy_threads is None else heavy_threads,
+                                  max_queued=heavy_queue,
                                   max_per_owner=heavy_per_client)
         except BaseException:
             self.plain.shutdown()
