@@ -42,7 +42,8 @@ class HeavyGate:
         engine.next = self.submit
 
     def submit(self, req):
-        kind = "heavy" if req.constraint is not None or (isinstance(req.input, ChatInput) and req.input.media) else "plain"
+        media = isinstance(req.input, ChatInput) and req.input.media
+        kind = "heavy" if req.constraint is not None or media else "plain"
         self.threads[kind].append(threading.current_thread().name)
         if kind == "heavy":
             with self.cond:

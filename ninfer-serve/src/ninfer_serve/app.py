@@ -315,11 +315,12 @@ def create_app(engine: Any, *, model_id: str | None = None, queue_timeout_s: flo
                media: MediaPolicy | None = None, drain: Drain | None = None) -> Starlette:
     """An ASGI app serving ``engine``; the caller owns the engine (and closes it after serving).
 
-    The app owns two TaskPools for ``engine.submit`` (ninfer_serve.preparation): plain requests (``http_threads``
-    threads, ``http_queue`` waiting) and those with a constraint or media (``heavy_threads``, None: half the
-    CPU cores, 1 to 4; ``heavy_queue``; at most ``heavy_per_client`` places per client address), and one for media acquisition as ``media`` says
-    (default ``MediaPolicy()``: data URLs only; at most ``media_per_client`` places per client address); its
-    lifespan shuts them down when the server stops, joining their threads within ``POOL_JOIN_S``.
+    The app owns two TaskPools for ``engine.submit`` (ninfer_serve.preparation): plain requests
+    (``http_threads`` threads, ``http_queue`` waiting) and those with a constraint or media (``heavy_threads``,
+    None: half the CPU cores, 1 to 4; ``heavy_queue``; at most ``heavy_per_client`` places per client
+    address), and one for media acquisition as ``media`` says (default ``MediaPolicy()``: data URLs only; at
+    most ``media_per_client`` places per client address); its lifespan shuts them down when the server stops,
+    joining their threads within ``POOL_JOIN_S``.
     ``drain`` is the server's shutdown state (ninfer_serve.drain; the server sets it); ``None``: one of its
     own. ``allowed_hosts=None`` accepts any Host header; ``api_key`` guards every ``/v1`` route;
     ``allowed_origins`` turns CORS on for those origins (off by default).

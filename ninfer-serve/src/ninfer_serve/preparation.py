@@ -44,9 +44,9 @@ class Preparation:
     def __init__(self, *, threads: int = 4, queue: int = 64, heavy_threads: int | None = None, heavy_queue: int = 64,
                  heavy_per_client: int | None = 16) -> None:
         self.plain = TaskPool("ninfer-http", threads=threads, max_queued=queue)
+        heavy_threads = default_heavy_threads() if heavy_threads is None else heavy_threads
         try:
-            self.heavy = TaskPool("ninfer-heavy", threads=default_heavy_threads() if heavy_threads is None else heavy_threads,
-                                  max_queued=heavy_queue,
+            self.heavy = TaskPool("ninfer-heavy", threads=heavy_threads, max_queued=heavy_queue,
                                   max_per_owner=heavy_per_client)
         except BaseException:
             self.plain.shutdown()
