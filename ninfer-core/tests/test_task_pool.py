@@ -1,5 +1,6 @@
 """TaskPool: fixed threads, bounded FIFO, refused submits consume nothing, cancellable blocking submit,
-per-task result/exception channel, asyncio waiting with abandonment, and drain-then-join shutdown.
+per-task result/exception channel, asyncio waiting with abandonment, drain-then-join shutdown (bounded when
+asked), and per-owner caps with the owners running fewest tasks served first.
 Every wait is on an event the test controls; timeouts are hang guards only."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import time
 
 import pytest
 
-from ninfer.core.task_pool import PoolClosed, Task, TaskCancelled, TaskPool
+from ninfer.core.task_pool import OwnerAtLimit, PoolClosed, Task, TaskCancelled, TaskPool
 
 GUARD_S = 30.0  # hang guard: no test waits this long unless it is broken
 
@@ -244,3 +245,56 @@ def test_bad_sizes_are_refused():
         TaskPool("x", threads=0, max_queued=1)
     with pytest.raises(ValueError, match="max_queued"):
         TaskPool("x", threads=1, max_queued=-1)
+
+
+def test_an_owner_holds_at_most_max_per_owner_places():
+    """Queued and running tasks count against their owner; a refused submit consumes nothing; a place comes
+    back when a task ends or is cancelled while queued; other owners are not affected."""
+    with TaskPool("owned", threads=1, max_queued=8, max_per_owner=2) as p:
+        started, release, first = blocker()
+        assert p.try_submit(first, owner="a") and started.wait(GUARD_S)
+        queued = Task(lambda: "queued")
+        assert p.try_submit(queued, owner="a")
+        assert p.held("a") == 2
+        refused = Task(lambda: "refused")
+        with pytest.raises(OwnerAtLimit):
+            p.try_submit(refused, owner="a")
+        assert not refused.done() and p.queued == 1
+        other = Task(lambda: "other")
+        assert p.try_submit(other, owner="b") and p.held("b") == 1
+        assert queued.cancel() and p.held("a") == 1  # a cancelled queued task gives its place back
+        assert p.try_submit(refused, owner="a")  # the same task, once there is room for its owner
+        release.set()
+        assert first.result(GUARD_S) == "blocker"
+        assert refused.result(GUARD_S) == "refused" and other.result(GUARD_S) == "other"
+        end = time.monotonic() + GUARD_S
+        while p.held("a") or p.held("b"):  # the worker gives the places back right after each task
+            assert time.monotonic() < end
+            time.sleep(0.001)
+
+
+def test_a_free_thread_takes_the_owner_running_fewest_first():
+    """Two threads are busy with owner a's tasks; a's next task was queued before b's. The first thread to
+    come free takes b's task: one owner's backlog does not keep every thread from the others."""
+    order: list[str] = []
+    with TaskPool("fair", threads=2, max_queued=8) as p:
+        (s1, r1, t1), (s2, r2, t2) = blocker(), blocker()
+        assert p.try_submit(t1, owner="a") and p.try_submit(t2, owner="a")
+        assert s1.wait(GUARD_S) and s2.wait(GUARD_S)
+        a3, b1 = Task(lambda: order.append("a3")), Task(lambda: order.append("b1"))
+        assert p.try_submit(a3, owner="a") and p.try_submit(b1, owner="b")
+        r1.set()
+        b1.result(GUARD_S)
+        a3.result(GUARD_S)
+        r2.set()
+    assert order == ["b1", "a3"]
+
+
+def test_a_bounded_shutdown_returns_while_a_task_is_stuck():
+    p = TaskPool("stuck", threads=2, max_queued=1)
+    started, release, first = blocker()
+    assert p.try_submit(first) and started.wait(GUARD_S)
+    p.shutdown(timeout=0.05)  # returns with the stuck thread still running (a daemon)
+    assert p.closed and any(w.is_alive() for w in p._workers)
+    release.set()
+    assert first.result(GUARD_S) == "blocker"

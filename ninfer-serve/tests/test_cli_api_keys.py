@@ -31,7 +31,7 @@ def apps(monkeypatch):
     monkeypatch.setattr(ninfer, "Engine", StubEngine, raising=False)
     made: list[dict] = []
     monkeypatch.setattr(ninfer_serve.app, "create_app", lambda engine, **kw: made.append(kw) or object())
-    monkeypatch.setattr(ninfer_serve.server, "serve", lambda app, listener, options: None)
+    monkeypatch.setattr(ninfer_serve.server, "serve", lambda app, listener, options, drain=None: None)
     return made
 
 

@@ -37,7 +37,7 @@ def served(monkeypatch):
     monkeypatch.setattr(ninfer, "Engine", StubEngine, raising=False)
     apps: list[dict] = []
     monkeypatch.setattr(ninfer_serve.app, "create_app", lambda engine, **kw: apps.append(kw) or object())
-    monkeypatch.setattr(ninfer_serve.server, "serve", lambda app, listener, options: None)
+    monkeypatch.setattr(ninfer_serve.server, "serve", lambda app, listener, options, drain=None: None)
 
     def run(*options: str) -> dict:
         assert main(["serve", "--port", "0", "--no-warmup", *options]) == 0

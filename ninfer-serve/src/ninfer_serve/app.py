@@ -2,11 +2,16 @@
 
 Flow of a generation request: read the JSON body within the body timeout (408 otherwise), parse and
 validate it (400 on anything wrong) -> acquire a chat's images and videos as a task of the gateway's media
-TaskPool (ninfer_serve.media) -> ``engine.submit`` as a task of the gateway's HTTP TaskPool (it
-renders the template and tokenizes; a full pool queue answers 429, engine rejections 429 / 400 / 503)
--> wait for the first output while watching the connection (a queue timeout still answers 503, a
-client that leaves cancels) -> answer whole or as SSE. Whatever way the exchange ends, the handles are
-closed, which cancels unfinished work.
+TaskPool (ninfer_serve.media) -> ``engine.submit`` as a task of one of the gateway's preparation TaskPools
+(ninfer_serve.preparation: plain requests and those with a grammar or media to prepare apart; a full queue or
+a client over its share answers 429, engine rejections 429 / 400 / 503) -> wait for the first output while
+watching the connection (a queue timeout still answers 503, a client that leaves cancels) -> answer whole
+or as SSE. Whatever way the exchange ends, the handles are closed, which cancels unfinished work.
+
+Shutdown (ninfer_serve.drain): after SIGTERM new generation requests answer 503; once the graceful timeout
+has passed, every request still waiting answers 503 ``closed`` and every stream ends with an error event and
+``[DONE]``, written by the gateway; then the lifespan shuts the pools down, joining their threads within a
+bound (a preparation that is stuck ends when the caller closes the engine).
 """
 
 from __future__ import annotations
@@ -18,7 +23,6 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-import attrs
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -30,15 +34,16 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ninfer.contract.events import FinishReason, GenerationResult, GenerationStart, OutputDelta
-from ninfer.contract.prompt import ChatInput
-from ninfer.core.task_pool import Task, TaskPool
+from ninfer.core.task_pool import Task
 from ninfer.engine.errors import InvalidConstraint
 from ninfer_serve.access import access_middleware, key_scope
+from ninfer_serve.drain import Drain, ended_by_shutdown, refused_while_stopping
 from ninfer_serve.errors import APIError, from_engine_error, from_error_result, internal_error, new_request_id
 from ninfer_serve.media import MediaAcquirer, MediaPolicy
 from ninfer_serve.metrics import GatewayMetrics
-from ninfer_serve.offload import ClientGone, submit_or_refuse, unless_disconnected
+from ninfer_serve.offload import ClientGone, client_of, submit_or_refuse, unless_disconnected, unless_ended
 from ninfer_serve.openapi import openapi_document
+from ninfer_serve.preparation import Preparation, close_all, submit_each
 from ninfer_serve.responses import DONE, ChatResponse, CompletionResponse
 from ninfer_serve.schemas import ChatCompletionRequest, CompletionRequest, parse_json, structure
 from ninfer_serve.translate import chat_request, choices, completion_request
@@ -46,6 +51,8 @@ from ninfer_serve.translate import chat_request, choices, completion_request
 log = logging.getLogger("ninfer_serve")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+POOL_JOIN_S = 2.0  # at shutdown, how long the preparation and media threads may take to finish, in all
+_ENDED = object()  # a stream's queue item: the Drain ended it
 
 
 def _error_of(handle: Any, result: GenerationResult, request_id: str) -> APIError:
@@ -63,27 +70,6 @@ def _require_json(request: Request) -> None:
         got = f"{declared!r}" if declared else "none"
         raise APIError(415, f"request bodies must be JSON sent with 'Content-Type: application/json' (got {got})",
                        code="unsupported_media_type")
-
-
-def _submit_each(engine: Any, gens: list[Any]) -> list[Any]:
-    """Submit every choice (in a pool thread: this renders templates and tokenizes); all or none. The choices of
-    a chat with media share one prepared prompt: its images and videos are decoded once, not once per choice."""
-    handles: list[Any] = []
-    if len(gens) > 1 and isinstance(gens[0].input, ChatInput) and gens[0].input.media:
-        prompt = engine.prepare(gens[0].input)
-        gens = [attrs.evolve(gen, input=prompt) for gen in gens]
-    try:
-        for gen in gens:
-            handles.append(engine.submit(gen))
-    except BaseException:
-        _close_all(handles)
-        raise
-    return handles
-
-
-def _close_all(handles: list[Any]) -> None:
-    for h in handles:
-        h.close()
 
 
 class InFlight:
@@ -108,16 +94,20 @@ class Gateway:
     """Request handling bound to one engine; ``create_app`` wires it into Starlette routes."""
 
     def __init__(self, engine: Any, *, model_id: str | None, queue_timeout_s: float | None,
-                 retry_after_s: int, body_timeout_s: float, pool: TaskPool, media: MediaAcquirer) -> None:
+                 retry_after_s: int, body_timeout_s: float, preparation: Preparation, media: MediaAcquirer,
+                 drain: Drain) -> None:
         self.engine = engine
         self.model_id = model_id or engine.model_name
         self.aliases = {self.model_id, engine.model_name}
         self.queue_timeout_s = queue_timeout_s
         self.retry_after_s = retry_after_s
         self.body_timeout_s = body_timeout_s
-        self.pool = pool
+        self.preparation = preparation
+        self.pool = preparation.plain
+        self.heavy_pool = preparation.heavy
         self.media = media
-        self.metrics = GatewayMetrics(engine, self.model_id, pool, media.pool)
+        self.drain = drain
+        self.metrics = GatewayMetrics(engine, self.model_id, preparation.plain, media.pool, preparation.heavy)
         self.created = int(time.time())
 
     # -- plain endpoints -------------------------------------------------------------------------------
@@ -157,6 +147,8 @@ class Gateway:
     async def _endpoint(self, request: Request, endpoint: str, schema: type, translate: Any,
                         builder_cls: Any) -> Response:
         """Parse and check the body against ``schema``, translate it into engine requests and generate."""
+        if self.drain.stopping:
+            raise refused_while_stopping(self.retry_after_s)
         _require_json(request)
         req = structure(parse_json(await self._read_body(request)), schema)
         self._check_model(req.model)
@@ -166,7 +158,8 @@ class Gateway:
         self._check_budget(gen)
         if isinstance(req, ChatCompletionRequest):
             try:
-                gen = await self.media.attach(request, req, gen, self.engine.vision_enabled)
+                gen = await unless_ended(self.drain, self.media.attach(request, req, gen, self.engine.vision_enabled),
+                                         retry_after_s=self.retry_after_s)
             except ClientGone:
                 self.metrics.disconnects.labels(endpoint).inc()
                 return Response(status_code=499)
@@ -176,7 +169,8 @@ class Gateway:
         """The whole body within ``body_timeout_s`` of the headers: a client that stalls gets 408 and the
         connection is closed, so a stalled body cannot hold a connection open."""
         try:
-            return await asyncio.wait_for(request.body(), self.body_timeout_s)
+            return await unless_ended(self.drain, asyncio.wait_for(request.body(), self.body_timeout_s),
+                                      retry_after_s=self.retry_after_s)
         except TimeoutError:
             raise APIError(408, f"the request body was not received within {self.body_timeout_s:g} s",
                            code="body_timeout", headers={"Connection": "close"}) from None
@@ -190,12 +184,14 @@ class Gateway:
                            f"(at most {limit - 1} with a one-token prompt)", param="max_tokens")
 
     async def _submit_all(self, request: Request, gens: list[Any], rid: str) -> list[Any]:
-        """Submit every choice through the gateway's TaskPool; a full pool queue answers 429. A client
-        that leaves meanwhile abandons the task: it never runs, or its handles are closed."""
-        task: Task[list[Any]] = Task(lambda: _submit_each(self.engine, gens), on_abandon=_close_all)
-        submit_or_refuse(self.pool, task, retry_after_s=self.retry_after_s, waiting_for="to be prepared")
+        """Submit every choice through a preparation TaskPool (the heavy one for a grammar or media); a full
+        queue, or a client holding its share of the heavy pool, answers 429. A client that leaves meanwhile
+        abandons the task: it never runs, or its handles are closed."""
+        task: Task[list[Any]] = Task(lambda: submit_each(self.engine, gens), on_abandon=close_all)
+        submit_or_refuse(self.preparation.pool_for(gens), task, retry_after_s=self.retry_after_s,
+                         waiting_for="to be prepared", owner=client_of(request))
         try:
-            return await unless_disconnected(request, task.wait())
+            return await self._watched(request, task.wait())
         except (APIError, ClientGone):
             raise
         except Exception as exc:  # RequestRejected, EngineFailed, EngineClosed, anything else
@@ -219,7 +215,7 @@ class Gateway:
             # Answer only once every choice is admitted (GenerationStart) or has ended, so a queue timeout
             # still gets its status; a client leaving while queued cancels the request.
             try:
-                firsts = await unless_disconnected(request, asyncio.gather(*(anext(s) for s in streams)))
+                firsts = await self._watched(request, asyncio.gather(*(anext(s) for s in streams)))
             except ClientGone:
                 self.metrics.disconnects.labels(endpoint).inc()
                 return Response(status_code=499)
@@ -233,7 +229,7 @@ class Gateway:
                                          media_type="text/event-stream", headers=SSE_HEADERS | headers)
             rest = asyncio.gather(*(self._rest(streams[i], builder, firsts[i], i) for i in range(len(streams))))
             try:
-                results = await unless_disconnected(request, rest)
+                results = await self._watched(request, rest)
             except ClientGone:
                 self.metrics.disconnects.labels(endpoint).inc()
                 return Response(status_code=499)
@@ -245,6 +241,10 @@ class Gateway:
             if not streaming:
                 for h in handles:
                     h.close()
+
+    async def _watched(self, request: Request, coro: Any) -> Any:
+        """``coro``'s result; ClientGone when the client leaves first, 503 when the server's Drain ends first."""
+        return await unless_disconnected(request, coro, drain=self.drain, retry_after_s=self.retry_after_s)
 
     @staticmethod
     async def _rest(events: AsyncIterator[Any], builder: Any, first: Any, index: int) -> GenerationResult:
@@ -274,13 +274,16 @@ class Gateway:
                 await queue.put((i, exc))
 
         pumps = [asyncio.ensure_future(pump(i)) for i in range(len(handles))]
+        unsubscribe = self.drain.subscribe(lambda: queue.put_nowait((-1, _ENDED)))
         open_choices, finished = len(handles), False
         try:
             while open_choices:
                 i, ev = await queue.get()
                 if isinstance(ev, Exception):
                     raise ev
-                if isinstance(ev, GenerationStart):
+                if ev is _ENDED:  # the graceful timeout has passed: the stream ends here, cleanly
+                    frames, open_choices = [ended_by_shutdown(self.retry_after_s).sse()], 0
+                elif isinstance(ev, GenerationStart):
                     frames = builder.start(ev.prompt_tokens, i, cached_tokens=ev.cached_tokens)
                 elif isinstance(ev, OutputDelta):
                     frames = builder.delta(ev, i)
@@ -296,6 +299,7 @@ class Gateway:
             finished = True
             yield DONE
         finally:
+            unsubscribe()
             for p in pumps:
                 p.cancel()
             if not finished:  # the client left (Starlette cancels the body) or the server is stopping
@@ -306,22 +310,29 @@ class Gateway:
 
 def create_app(engine: Any, *, model_id: str | None = None, queue_timeout_s: float | None = 60.0,
                retry_after_s: int = 1, max_body_bytes: int = 32 << 20, body_timeout_s: float = 30.0,
-               http_threads: int = 4, http_queue: int = 64, api_key: str | Sequence[str] | None = None,
+               http_threads: int = 4, http_queue: int = 64, heavy_threads: int | None = None, heavy_queue: int = 64,
+               heavy_per_client: int | None = 16, media_per_client: int | None = 16,
+               api_key: str | Sequence[str] | None = None,
                allowed_hosts: Sequence[str] | None = None, allowed_origins: Sequence[str] | None = None,
-               media: MediaPolicy | None = None) -> Starlette:
+               media: MediaPolicy | None = None, drain: Drain | None = None) -> Starlette:
     """An ASGI app serving ``engine``; the caller owns the engine (and closes it after serving).
 
-    The app owns a TaskPool (``http_threads`` threads, ``http_queue`` waiting requests) for
-    ``engine.submit``, and one for media acquisition as ``media`` says (default ``MediaPolicy()``: data URLs
-    only); its lifespan shuts both down (drained and joined) when the server stops.
-    ``allowed_hosts=None`` accepts any Host header; ``api_key`` (one key or several: each then scopes its
+    The app owns two TaskPools for ``engine.submit`` (ninfer_serve.preparation): plain requests
+    (``http_threads`` threads, ``http_queue`` waiting) and those with a constraint or media (``heavy_threads``,
+    None: half the CPU cores, 1 to 4; ``heavy_queue``; at most ``heavy_per_client`` places per client
+    address), and one for media acquisition as ``media`` says (default ``MediaPolicy()``: data URLs only; at
+    most ``media_per_client`` places per client address); its lifespan shuts them down when the server stops,
+    joining their threads within ``POOL_JOIN_S``.
+    ``drain`` is the server's shutdown state (ninfer_serve.drain; the server sets it); ``None``: one of its
+    own. ``allowed_hosts=None`` accepts any Host header; ``api_key`` (one key or several: each then scopes its
     requests' context-cache entries) guards every ``/v1`` route;
     ``allowed_origins`` turns CORS on for those origins (off by default).
     """
-    pool = TaskPool("ninfer-http", threads=http_threads, max_queued=http_queue)
-    acquirer = MediaAcquirer(media or MediaPolicy(), retry_after_s=retry_after_s)
+    preparation = Preparation(threads=http_threads, queue=http_queue, heavy_threads=heavy_threads,
+                              heavy_queue=heavy_queue, heavy_per_client=heavy_per_client)
+    acquirer = MediaAcquirer(media or MediaPolicy(), retry_after_s=retry_after_s, per_client=media_per_client)
     gw = Gateway(engine, model_id=model_id, queue_timeout_s=queue_timeout_s, retry_after_s=retry_after_s,
-                 body_timeout_s=body_timeout_s, pool=pool, media=acquirer)
+                 body_timeout_s=body_timeout_s, preparation=preparation, media=acquirer, drain=drain or Drain())
     openapi = openapi_document(title="ninfer", version=_version())
 
     def counted(endpoint: str, handler: Any) -> Any:
@@ -362,9 +373,9 @@ def create_app(engine: Any, *, model_id: str | None = None, queue_timeout_s: flo
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         try:
             yield
-        finally:  # after the server's graceful wait: accepted preparations finish, then the threads end
-            await run_in_threadpool(acquirer.pool.shutdown)
-            await run_in_threadpool(pool.shutdown)
+        finally:  # after the server's graceful wait: new work is refused and the threads are joined, within a
+            # bound: a preparation stuck in a compile must not hold the process (closing the engine ends it)
+            await run_in_threadpool(_shut_down, preparation, acquirer, POOL_JOIN_S)
 
     routes = [
         Route("/health", counted("health", gw.health), methods=["GET"]),
@@ -381,7 +392,14 @@ def create_app(engine: Any, *, model_id: str | None = None, queue_timeout_s: flo
                     exception_handlers={HTTPException: http_error, Exception: unhandled},
                     max_body_size=max_body_bytes)
     app.state.gateway = gw
+    app.state.drain = gw.drain
     return app
+
+
+def _shut_down(preparation: Preparation, acquirer: MediaAcquirer, timeout: float) -> None:
+    end = time.monotonic() + timeout
+    acquirer.pool.shutdown(timeout=timeout)
+    preparation.shutdown(max(0.0, end - time.monotonic()))
 
 
 def _version() -> str:

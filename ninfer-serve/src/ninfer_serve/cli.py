@@ -92,7 +92,7 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
     _add_media_arguments(p)
     limits = p.add_argument_group("request preparation and slow or many clients")
     limits.add_argument("--http-threads", type=_positive_int, default=4, metavar="N",
-                        help="threads that prepare requests for the engine (chat template, tokenization)")
+                        help="threads that prepare plain requests for the engine (chat template, tokenization)")
     limits.add_argument("--http-queue", type=int, default=64, metavar="N",
                         help="requests waiting for a preparation thread before new ones get 429")
     limits.add_argument("--body-timeout", type=positive_number, default=30.0, metavar="SECONDS",
@@ -105,6 +105,7 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
                         help="open connections; one more is answered 503 and closed")
     limits.add_argument("--backlog", type=_positive_int, default=128, metavar="N",
                         help="connections the kernel queues before the server accepts them")
+    _add_client_share_arguments(p)
     access = p.add_argument_group("access")
     access.add_argument("--api-key", metavar="KEY", action="append",
                         help=f"require 'Authorization: Bearer KEY' on every /v1 route (/health, /metrics and "
@@ -121,6 +122,26 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
     access.add_argument("--allowed-origins", type=_names, metavar="ORIGINS",
                         help="comma-separated browser origins allowed by CORS (default: none, CORS off)")
     p.set_defaults(func=run_serve)
+
+
+def _add_client_share_arguments(p: argparse.ArgumentParser) -> None:
+    """Heavy preparation apart from plain requests, and what one client address may hold (docs/serving.md,
+    "Slow and many clients")."""
+    share = p.add_argument_group("heavy requests and per-client shares (a client is its peer IP address; behind "
+                                 "a reverse proxy every client is the proxy's address)")
+    share.add_argument("--max-connections-per-client", type=_positive_int, default=128, metavar="N",
+                       help="open connections one client address may hold (at most --max-connections); one more "
+                            "is answered 503 and closed")
+    share.add_argument("--heavy-threads", type=_positive_int, metavar="N",
+                       help="threads that prepare requests with a constraint or media (grammar compilation, media "
+                            "decoding), apart from plain requests (default: half the CPU cores, 1 to 4)")
+    share.add_argument("--heavy-queue", type=whole_number(0), default=64, metavar="N",
+                       help="requests waiting for a heavy-preparation thread before new ones get 429")
+    share.add_argument("--heavy-per-client", type=_positive_int, default=16, metavar="N",
+                       help="requests one client address may have waiting for or in heavy preparation; one more "
+                            "gets 429")
+    share.add_argument("--media-per-client", type=_positive_int, default=16, metavar="N",
+                       help="requests one client address may have waiting for or fetching media; one more gets 429")
 
 
 def _add_media_arguments(p: argparse.ArgumentParser) -> None:
@@ -220,7 +241,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     # The address first: a busy port is one line before any model work, and nothing can take it later.
     try:
-        listener = bind_listener(args.host, args.port, max_connections=args.max_connections, backlog=args.backlog)
+        listener = bind_listener(args.host, args.port, max_connections=args.max_connections, backlog=args.backlog,
+                                 max_per_client=args.max_connections_per_client)
     except OSError as exc:  # address in use, permission denied, unknown host
         return _fail(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}")
     with listener:
@@ -237,6 +259,7 @@ def _load_and_serve(args: argparse.Namespace, model: str, chat_template: str | N
         return _fail(f"the generation engine is not available: {exc}")
     from ninfer.engine.memory_report import summary_text
     from ninfer_serve.app import create_app
+    from ninfer_serve.drain import Drain
     from ninfer_serve.server import ServerOptions, serve
     from ninfer_serve.warmup import WarmupFailed, warmup
 
@@ -258,9 +281,12 @@ def _load_and_serve(args: argparse.Namespace, model: str, chat_template: str | N
             except WarmupFailed as exc:
                 return _fail(str(exc))
             print(f"ninfer serve: warmup done in {seconds:.2f} s", file=sys.stderr)
+        drain = Drain()  # shared by the app (its requests watch it) and the server (which sets it)
         app = create_app(engine, model_id=args.model_id, queue_timeout_s=args.queue_timeout,
                          body_timeout_s=args.body_timeout, http_threads=args.http_threads,
-                         http_queue=args.http_queue, api_key=api_keys or None,
+                         http_queue=args.http_queue, heavy_threads=args.heavy_threads, heavy_queue=args.heavy_queue,
+                         heavy_per_client=args.heavy_per_client, media_per_client=args.media_per_client,
+                         drain=drain, api_key=api_keys or None,
                          allowed_hosts=None if "*" in allowed_hosts else allowed_hosts,
                          allowed_origins=args.allowed_origins, media=media)
         host, port = listener.getsockname()[:2]
@@ -269,5 +295,5 @@ def _load_and_serve(args: argparse.Namespace, model: str, chat_template: str | N
               file=sys.stderr, flush=True)
         serve(app, listener, ServerOptions(graceful_timeout_s=args.graceful_timeout,
                                            keep_alive_timeout_s=args.keep_alive_timeout, backlog=args.backlog,
-                                           access_log=args.access_log))
+                                           access_log=args.access_log), drain=drain)
     return 0

@@ -44,7 +44,7 @@ from ninfer_serve.media_fetch import (
 from ninfer_serve.media_fetch import shown as _shown
 from ninfer_serve.media_parts import MediaSource, first_media_part, media_sources
 from ninfer_serve.media_policy import MediaPolicy
-from ninfer_serve.offload import submit_or_refuse, unless_disconnected
+from ninfer_serve.offload import client_of, submit_or_refuse, unless_disconnected
 from ninfer_serve.schemas import ChatCompletionRequest
 
 __all__ = ["FetchCancelled", "Fetched", "MediaAcquirer", "MediaPolicy", "MediaRefused", "acquire", "fetch"]
@@ -167,12 +167,14 @@ def acquire(sources: tuple[MediaSource, ...], policy: MediaPolicy, cancel: threa
 
 
 class MediaAcquirer:
-    """The gateway's media TaskPool (its own instance, ``policy.threads`` threads) and the policy it fetches by."""
+    """The gateway's media TaskPool (its own instance, ``policy.threads`` threads; one client address holds at
+    most ``per_client`` places, queued and running) and the policy it fetches by."""
 
-    def __init__(self, policy: MediaPolicy, *, retry_after_s: int) -> None:
+    def __init__(self, policy: MediaPolicy, *, retry_after_s: int, per_client: int | None = None) -> None:
         self.policy = policy
         self.retry_after_s = retry_after_s
-        self.pool = TaskPool("ninfer-media", threads=policy.threads, max_queued=policy.queue)
+        self.pool = TaskPool("ninfer-media", threads=policy.threads, max_queued=policy.queue,
+                             max_per_owner=per_client)
 
     async def attach(self, request: Request, req: ChatCompletionRequest, gen: GenerationRequest,
                      vision_enabled: bool) -> GenerationRequest:
@@ -188,7 +190,8 @@ class MediaAcquirer:
         sources = media_sources(req, max_items=self.policy.max_items, max_frames=self.policy.max_frames)
         cancel = threading.Event()
         task: Task[tuple[MediaItem, ...]] = Task(lambda: acquire(sources, self.policy, cancel))
-        submit_or_refuse(self.pool, task, retry_after_s=self.retry_after_s, waiting_for="for their media")
+        submit_or_refuse(self.pool, task, retry_after_s=self.retry_after_s, waiting_for="for their media",
+                         owner=client_of(request))
         try:
             items = await unless_disconnected(request, task.wait())
         finally:

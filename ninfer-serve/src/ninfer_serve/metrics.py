@@ -144,7 +144,7 @@ class EngineCollector(Collector):
 class GatewayMetrics:
     """The app's registry: the engine collector plus HTTP-level metrics the gateway itself owns."""
 
-    def __init__(self, engine: Any, model_name: str, pool: Any, media_pool: Any) -> None:
+    def __init__(self, engine: Any, model_name: str, pool: Any, media_pool: Any, heavy_pool: Any) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(engine, model_name))
         self.http_requests = Counter("ninfer:http_requests", "HTTP requests by endpoint and status.",
@@ -153,10 +153,10 @@ class GatewayMetrics:
                                    ["endpoint"], registry=self.registry)
         self.in_flight = Gauge("ninfer:http_requests_in_flight", "/v1 requests being read, prepared or answered.",
                                registry=self.registry)
-        queued = Gauge("ninfer:http_prepare_queued", "Requests waiting for a thread to prepare them "
+        queued = Gauge("ninfer:http_prepare_queued", "Plain requests waiting for a thread to prepare them "
                        "(template and tokenization).", registry=self.registry)
         queued.set_function(lambda: pool.queued)
-        running = Gauge("ninfer:http_prepare_running", "Requests being prepared now.", registry=self.registry)
+        running = Gauge("ninfer:http_prepare_running", "Plain requests being prepared now.", registry=self.registry)
         running.set_function(lambda: pool.running)
         media_queued = Gauge("ninfer:http_media_queued", "Requests waiting for a thread to fetch their images and "
                              "videos.", registry=self.registry)
@@ -164,3 +164,10 @@ class GatewayMetrics:
         media_running = Gauge("ninfer:http_media_running", "Requests whose media is being fetched now.",
                               registry=self.registry)
         media_running.set_function(lambda: media_pool.running)
+        heavy_queued = Gauge("ninfer:http_heavy_prepare_queued", "Requests with a constraint or media waiting "
+                             "for a thread to prepare them (grammar compilation, media decoding).",
+                             registry=self.registry)
+        heavy_queued.set_function(lambda: heavy_pool.queued)
+        heavy_running = Gauge("ninfer:http_heavy_prepare_running", "Requests with a constraint or media being "
+                              "prepared now.", registry=self.registry)
+        heavy_running.set_function(lambda: heavy_pool.running)

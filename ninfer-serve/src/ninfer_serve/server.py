@@ -1,5 +1,11 @@
 """Hypercorn served programmatically on a socket bound beforehand; SIGTERM / SIGINT stop accepting and let
-in-flight streams finish.
+in-flight requests finish within the graceful timeout.
+
+Shutdown order: the signal sets the app's Drain stopping (new generation requests answer 503) and hypercorn
+closes the listening socket and idle connections; in-flight requests get ``graceful_timeout``; then the Drain
+ends, and the gateway answers what is left itself (503 ``closed`` to waiting requests, an error event and
+``[DONE]`` to streams), so nothing is cut mid-write; hypercorn's own deadline, a few seconds later, is only a
+backstop. Then the app's lifespan shuts its pools down, and the caller closes the engine.
 
 Slow clients are bounded in three places: a connection must send complete request headers within
 ``keep_alive_timeout`` (hypercorn's idle timer runs from accept until the headers are parsed, and
@@ -21,7 +27,12 @@ from hypercorn.asyncio.run import worker_serve
 from hypercorn.config import Config, Sockets
 from hypercorn.utils import wrap_app
 
+from ninfer_serve.drain import Drain
 from ninfer_serve.listener import LimitedListener
+
+# After the Drain has ended the requests still running, how long they have to write those answers before
+# hypercorn cancels what is left.
+ENDING_MARGIN_S = 5.0
 
 
 @attrs.frozen(kw_only=True)
@@ -44,9 +55,9 @@ def access_logger() -> logging.Logger:
     return logger
 
 
-def hypercorn_config(options: ServerOptions) -> Config:
+def hypercorn_config(options: ServerOptions, *, margin_s: float = 0.0) -> Config:
     cfg = Config()
-    cfg.graceful_timeout = options.graceful_timeout_s
+    cfg.graceful_timeout = options.graceful_timeout_s + margin_s
     cfg.keep_alive_timeout = options.keep_alive_timeout_s
     cfg.h11_max_incomplete_size = options.max_header_bytes
     cfg.backlog = options.backlog
@@ -57,9 +68,11 @@ def hypercorn_config(options: ServerOptions) -> Config:
 
 
 async def serve_async(app: Any, listener: LimitedListener, options: ServerOptions, *,
-                      stop: asyncio.Event | None = None) -> None:
+                      stop: asyncio.Event | None = None, drain: Drain | None = None) -> None:
     """Serve on ``listener`` until SIGTERM/SIGINT (or ``stop`` is set); hypercorn then closes the listening
-    socket, waits up to ``graceful_timeout`` for open requests and runs the lifespan shutdown."""
+    socket and waits for open requests; ``graceful_timeout`` after the signal ``drain`` (the app's) is ended,
+    which ends those still running; then the lifespan shutdown runs. Without ``drain`` hypercorn cancels what
+    runs past ``graceful_timeout``."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     installed = []
@@ -69,17 +82,27 @@ async def serve_async(app: Any, listener: LimitedListener, options: ServerOption
             installed.append(sig)
         except (NotImplementedError, RuntimeError, ValueError):  # not the main thread / not supported
             pass
-    cfg = hypercorn_config(options)
+    cfg = hypercorn_config(options, margin_s=ENDING_MARGIN_S if drain is not None else 0.0)
+    ending: list[asyncio.TimerHandle] = []
+
+    async def stopped() -> None:  # hypercorn stops accepting once this returns
+        await stop.wait()
+        if drain is not None:
+            drain.stop()
+            ending.append(loop.call_later(options.graceful_timeout_s, drain.end))
+
     listener.setblocking(False)
     try:
         await worker_serve(wrap_app(app, cfg.wsgi_max_body_size, "asgi"), cfg,
                            sockets=Sockets(secure_sockets=[], insecure_sockets=[listener], quic_sockets=[]),
-                           shutdown_trigger=stop.wait)
+                           shutdown_trigger=stopped)
     finally:
+        for handle in ending:
+            handle.cancel()
         for sig in installed:
             loop.remove_signal_handler(sig)
         listener.close()
 
 
-def serve(app: Any, listener: LimitedListener, options: ServerOptions) -> None:
-    asyncio.run(serve_async(app, listener, options))
+def serve(app: Any, listener: LimitedListener, options: ServerOptions, *, drain: Drain | None = None) -> None:
+    asyncio.run(serve_async(app, listener, options, drain=drain))

@@ -1,7 +1,8 @@
-"""Run a real ``ninfer serve`` process on loopback for integration tests.
+"""Run a real ``ninfer serve`` process on loopback for integration tests (``ServerProcess``), or an app under
+hypercorn in a thread of the test process (``ThreadServer``).
 
-The server is a separate process started through the CLI, exactly as a user starts it; it is
-stopped with SIGTERM (graceful) and killed only if it does not exit in time.
+The server process is started through the CLI, exactly as a user starts it; it is stopped with SIGTERM
+(graceful) and killed only if it does not exit in time.
 """
 
 from __future__ import annotations
@@ -12,10 +13,59 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
+
+
+class ThreadServer:
+    """An app under hypercorn on a loopback port, in a thread of this process (for tests that need real
+    sockets but not a model): ``with ThreadServer(app) as srv: srv.port``. ``stop()`` is what SIGTERM does;
+    ``drain`` is the app's (as ``ninfer serve`` passes it); ``options`` are ``ServerOptions`` fields."""
+
+    def __init__(self, app: object, *, drain: object = None, max_connections: int = 64,
+                 max_per_client: int | None = None, **options: float) -> None:
+        import asyncio
+
+        from ninfer_serve.listener import bind_listener
+        from ninfer_serve.server import ServerOptions
+
+        self.app = app
+        self.drain = drain
+        self.listener = bind_listener("127.0.0.1", 0, max_connections=max_connections, backlog=64,
+                                      max_per_client=max_per_client)
+        self.port = self.listener.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.options = ServerOptions(**{"graceful_timeout_s": 2.0, **options})
+        self._loop = asyncio.new_event_loop()
+        self._stop = asyncio.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> ThreadServer:
+        from ninfer_serve.server import serve_async
+
+        run = serve_async(self.app, self.listener, self.options, stop=self._stop, drain=self.drain)
+        self._thread = threading.Thread(target=self._loop.run_until_complete, args=(run,), daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._stop.set)
+
+    def join(self, timeout_s: float) -> bool:
+        """Wait for the server to end; True when it has."""
+        assert self._thread is not None
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        ended = self.join(60.0)
+        if ended:
+            self._loop.close()
+        assert ended, "the in-process server did not stop"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -105,12 +155,12 @@ def scrape(url: str) -> dict[str, float]:
 
 
 # Every gauge that must read zero once no request is in flight: the engine's queue, slots, pages and host
-# bytes, and the gateway's own in-flight requests and preparation pool.
+# bytes, and the gateway's own in-flight requests and its preparation and media pools.
 IDLE_GAUGES = ("ninfer:num_requests_running", "ninfer:num_requests_waiting", "ninfer:num_requests_paused",
                "ninfer:num_requests_outstanding", "ninfer:kv_cache_pages_used", "ninfer:kv_cache_pages_reserved",
                "ninfer:state_slots_used", "ninfer:host_bytes_used", "ninfer:http_requests_in_flight",
-               "ninfer:http_prepare_queued", "ninfer:http_prepare_running", "ninfer:http_media_queued",
-               "ninfer:http_media_running")
+               "ninfer:http_prepare_queued", "ninfer:http_prepare_running", "ninfer:http_heavy_prepare_queued",
+               "ninfer:http_heavy_prepare_running", "ninfer:http_media_queued", "ninfer:http_media_running")
 
 
 def wait_idle(read: Callable[[], dict[str, float]], *, timeout_s: float = 60.0) -> dict[str, float]:

@@ -1,10 +1,15 @@
 """TaskPool: fixed worker threads and a bounded FIFO of independent tasks.
 
-Frontend media preparation and the HTTP gateway each own an instance (they never share a queue).
+Frontend media preparation and the HTTP gateway each own instances (they never share a queue).
 An immediate submit that is refused consumes nothing: the caller still holds an unsubmitted task. A
 blocking submit waits for room while the caller's ``cancelled`` check can end the wait. Each ``Task``
 carries its own result and exception; the pool creates no future. ``shutdown`` first refuses new
 submissions, then drains the accepted tasks and joins the threads.
+
+A task may name an ``owner`` (the gateway uses the client's address). A pool made with ``max_per_owner``
+refuses an owner's task while that owner already holds that many places (queued and running together),
+and a free thread takes the oldest task of the owners running fewest tasks, so one owner's backlog cannot
+keep every thread from the others. Tasks without an owner share one (``None``): plain FIFO.
 
 A task is awaited from asyncio with ``await task.wait()``. A waiter that is cancelled abandons the task:
 a task not yet started never runs, and one already running hands its result to ``on_abandon`` (for
@@ -19,7 +24,7 @@ import enum
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -28,6 +33,10 @@ log = logging.getLogger(__name__)
 
 class PoolClosed(RuntimeError):
     """The pool is shut down (or shutting down) and accepts no new task."""
+
+
+class OwnerAtLimit(RuntimeError):
+    """The task's owner already holds ``max_per_owner`` places in the pool (queued and running)."""
 
 
 class TaskCancelled(Exception):
@@ -60,6 +69,7 @@ class Task(Generic[T]):
         self._abandoned = False
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._unqueue: Callable[[Task], None] | None = None  # set by the pool while the task is queued
+        self._owner: Hashable = None  # set by the pool when it accepts the task
 
     # -- state --------------------------------------------------------------------------------------
     def done(self) -> bool:
@@ -191,21 +201,27 @@ class Task(Generic[T]):
 
 
 class TaskPool:
-    """``threads`` worker threads taking tasks in FIFO order from a queue of at most ``max_queued``."""
+    """``threads`` worker threads taking tasks from a queue of at most ``max_queued``: FIFO, except that the
+    owners running fewest tasks go first; ``max_per_owner`` (None: no cap) bounds each owner's places."""
 
-    def __init__(self, name: str, *, threads: int, max_queued: int) -> None:
+    def __init__(self, name: str, *, threads: int, max_queued: int, max_per_owner: int | None = None) -> None:
         if threads < 1:
             raise ValueError(f"a TaskPool needs at least one thread, got {threads}")
         if max_queued < 0:
             raise ValueError(f"max_queued must be >= 0, got {max_queued}")
+        if max_per_owner is not None and max_per_owner < 1:
+            raise ValueError(f"max_per_owner must be >= 1 (or None), got {max_per_owner}")
         self.name = name
         self.threads = threads
         self.max_queued = max_queued
+        self.max_per_owner = max_per_owner
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # a task was queued, or the pool closed
         self._room = threading.Condition(self._lock)  # a queue place was freed, or the pool closed
         self._queue: collections.deque[Task] = collections.deque()
         self._running = 0
+        self._held: collections.Counter[Hashable] = collections.Counter()  # queued + running, by owner
+        self._running_by: collections.Counter[Hashable] = collections.Counter()
         self._closed = False
         self._workers = [threading.Thread(target=self._worker, name=f"{name}-{i}", daemon=True)
                          for i in range(threads)]
@@ -229,30 +245,40 @@ class TaskPool:
         with self._lock:
             return self._closed
 
-    def try_submit(self, task: Task) -> bool:
+    def held(self, owner: Hashable) -> int:
+        """Places ``owner`` holds now: its tasks queued and running."""
+        with self._lock:
+            return self._held[owner]
+
+    def try_submit(self, task: Task, *, owner: Hashable = None) -> bool:
         """Queue ``task`` if there is room; False (the task stays unsubmitted) when the queue is full.
-        Raises PoolClosed after ``shutdown`` has begun."""
+        Raises OwnerAtLimit when ``owner`` holds ``max_per_owner`` places, PoolClosed after ``shutdown``
+        has begun (the task stays unsubmitted in both cases)."""
         task._check_new()
         with self._lock:
             if self._closed:
                 raise PoolClosed(f"task pool {self.name} is shut down")
+            if self._owner_full_locked(owner):
+                raise OwnerAtLimit(f"task pool {self.name}: this owner holds {self.max_per_owner} places")
             if len(self._queue) >= self.max_queued and not self._idle_thread_locked():
                 return False
-            self._accept_locked(task)
+            self._accept_locked(task, owner)
             return True
 
-    def submit(self, task: Task, *, cancelled: Callable[[], bool] | None = None, timeout: float | None = None,
-               check_interval_s: float = 0.05) -> bool:
-        """Queue ``task``, waiting for room. Returns False (the task stays unsubmitted) when ``cancelled()``
-        turns true or ``timeout`` seconds pass first; raises PoolClosed once ``shutdown`` has begun."""
+    def submit(self, task: Task, *, owner: Hashable = None, cancelled: Callable[[], bool] | None = None,
+               timeout: float | None = None, check_interval_s: float = 0.05) -> bool:
+        """Queue ``task``, waiting for room (and for ``owner`` to be under its cap). Returns False (the task
+        stays unsubmitted) when ``cancelled()`` turns true or ``timeout`` seconds pass first; raises PoolClosed
+        once ``shutdown`` has begun."""
         task._check_new()
         end = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             while True:
                 if self._closed:
                     raise PoolClosed(f"task pool {self.name} is shut down")
-                if len(self._queue) < self.max_queued or self._idle_thread_locked():
-                    self._accept_locked(task)
+                if not self._owner_full_locked(owner) and (len(self._queue) < self.max_queued
+                                                           or self._idle_thread_locked()):
+                    self._accept_locked(task, owner)
                     return True
                 if cancelled is not None and cancelled():
                     return False
@@ -265,15 +291,17 @@ class TaskPool:
                 self._room.wait(wait)
 
     def shutdown(self, *, timeout: float | None = None) -> None:
-        """Refuse new tasks, run every accepted one, and join the threads (each within ``timeout``)."""
+        """Refuse new tasks, run every accepted one, and join the threads (all of them within ``timeout``;
+        a thread still busy then runs on as a daemon)."""
         with self._lock:
             self._closed = True
             self._work.notify_all()
             self._room.notify_all()
         me = threading.current_thread()
+        end = None if timeout is None else time.monotonic() + timeout
         for w in self._workers:
             if w is not me:
-                w.join(timeout)
+                w.join(None if end is None else max(0.0, end - time.monotonic()))
 
     def __enter__(self) -> TaskPool:
         return self
@@ -286,10 +314,20 @@ class TaskPool:
         """A thread is free to take a task at once (so a zero-length queue still accepts work)."""
         return self._running + len(self._queue) < self.threads
 
-    def _accept_locked(self, task: Task) -> None:
+    def _owner_full_locked(self, owner: Hashable) -> bool:
+        return self.max_per_owner is not None and self._held[owner] >= self.max_per_owner
+
+    def _accept_locked(self, task: Task, owner: Hashable) -> None:
         task._enqueue(self._unqueue)
+        task._owner = owner
+        self._held[owner] += 1
         self._queue.append(task)
         self._work.notify()
+
+    def _release_locked(self, owner: Hashable) -> None:
+        self._held[owner] -= 1
+        if not self._held[owner]:
+            del self._held[owner]
 
     def _unqueue(self, task: Task) -> None:
         with self._lock:
@@ -297,7 +335,17 @@ class TaskPool:
                 self._queue.remove(task)
             except ValueError:  # a worker took it already; it will see the cancellation and skip it
                 return
-            self._room.notify()
+            self._release_locked(task._owner)
+            self._room.notify_all()
+
+    def _next_locked(self) -> Task:
+        """The oldest queued task among the owners running fewest tasks (plain FIFO with one owner)."""
+        fewest = min(self._running_by[t._owner] for t in self._queue)
+        for i, task in enumerate(self._queue):
+            if self._running_by[task._owner] == fewest:
+                del self._queue[i]
+                return task
+        raise AssertionError("unreachable: some queued task has the fewest running")
 
     def _worker(self) -> None:
         while True:
@@ -306,13 +354,18 @@ class TaskPool:
                     self._work.wait()
                 if not self._queue:  # closed and drained
                     return
-                task = self._queue.popleft()
+                task = self._next_locked()
                 self._running += 1
-                self._room.notify()
+                self._running_by[task._owner] += 1
+                self._room.notify_all()
             try:
                 task._run()
             finally:
                 with self._lock:
                     self._running -= 1
-                    self._room.notify()
+                    self._running_by[task._owner] -= 1
+                    if not self._running_by[task._owner]:
+                        del self._running_by[task._owner]
+                    self._release_locked(task._owner)
+                    self._room.notify_all()
             del task  # an idle worker must not keep the last task's input and result alive
