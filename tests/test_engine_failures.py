@@ -1,7 +1,8 @@
 """A failure while serving one request ends that request alone; the engine keeps serving (issue 42, item 1).
 
 On the embedded model in fp32 on the CPU. Failures are injected by wrapping the real Program, OutputSession and
-response channel (``FaultyProgram``, ``FaultySession``): one call, for one request's sequence, raises. For every
+response channel (``FaultyProgram``, ``FaultySession``), and the context cache's manager and the storage a resume
+restores into (``FaultyPart``): one call, for one request's sequence, raises. For every
 stage of a request (docs/engine.md, "Failure"): the failing request ends with an error naming the stage (503 kind
 ``memory_exhausted`` when memory ran out, else ``request_failed``); a concurrent neighbour finishes with exactly
 the greedy tokens it produces alone; a request submitted afterwards succeeds; the engine never fails; every page,
@@ -110,6 +111,9 @@ class FaultyProgram:
         return self._bound(prompt, self._call("open_cached", tuple(prompt.token_ids), prompt, sampling,
                                               checkpoint_id))
 
+    def plan_saves(self, sequence_id, positions):
+        return self._call("plan_saves", sequence_id, sequence_id, positions)
+
     def reserve_units(self, sequence_id, tokens):
         return self._call("reserve_units", sequence_id, sequence_id, tokens)
 
@@ -150,6 +154,29 @@ class FaultyPipelinedProgram(FaultyProgram):
 
     def collect(self, unit):
         return self._call("collect", unit.sequence_ids[0] if unit.sequence_ids else None, unit)
+
+
+class FaultyPart:
+    """A part below the Program's or the engine's surface (the context cache's manager, the slots and pages a
+    resume binds), one call of which fails: ``where`` is ``"<name>.<method>"``, ``when`` gets the real part."""
+
+    def __init__(self, part, name: str, faults: list[Fault]) -> None:
+        self._part = part
+        self._name = name
+        self._faults = faults
+
+    def __getattr__(self, attr):
+        real = getattr(self._part, attr)
+        if not any(f.where == f"{self._name}.{attr}" for f in self._faults):
+            return real
+
+        def call(*args, **kw):
+            for f in self._faults:
+                if f.where == f"{self._name}.{attr}" and f.times > 0 and f.when(self._part, *args, **kw):
+                    f.times -= 1
+                    raise f.exc
+            return real(*args, **kw)
+        return call
 
 
 class FaultySession:
@@ -229,16 +256,26 @@ def speculative(one_cpu_thread):
 
 
 @contextlib.contextmanager
-def _engine(inst, faults: list[Fault], *, target: tuple = (), pipelined: bool = True) -> Iterator[Engine]:
-    """An engine over ``inst`` with its Program and Frontend wrapped; on exit the context cache is emptied (the
-    Program outlives the engine, its cache index does not)."""
+def _engine(inst, faults: list[Fault], *, target: tuple = (), pipelined: bool = True,
+            pause_mode: str = "auto") -> Iterator[Engine]:
+    """An engine over ``inst`` with its Program and Frontend wrapped, and the parts below them (``FaultyPart``:
+    ``cache``, the context cache's manager; ``resume_states`` / ``resume_kv``, the slots and pages a resume
+    binds); on exit the context cache is emptied (the Program outlives the engine, its cache index does not)."""
     program = (FaultyPipelinedProgram if pipelined else FaultyProgram)(inst.program, faults)
     frontend = FaultyFrontend(inst.frontend, target, faults)
+    paused = inst.program.paused
+    real_states, real_kv = paused.states, paused.kv
+    paused.states, paused.kv = FaultyPart(real_states, "resume_states", faults), FaultyPart(real_kv, "resume_kv",
+                                                                                              faults)
     eng = Engine.from_instance(attrs.evolve(inst, program=program, frontend=frontend), max_concurrency=2,
-                               device="cpu", prefill_chunk=8, context_cache=True)
+                               device="cpu", prefill_chunk=8, context_cache=True, pause_mode=pause_mode)
+    reuse = eng._core.reuse
+    if reuse.manager is not None:  # before any request: the worker has none yet
+        reuse.manager = FaultyPart(reuse.manager, "cache", faults)
     try:
         yield eng
     finally:
+        paused.states, paused.kv = real_states, real_kv
         if not eng.failed:
             eng.clear_context_cache()
         eng.close()
@@ -289,11 +326,26 @@ def _stages():
     def resident_target(p, t):
         return bool(p.seqs(t))
 
+    def pressure(t, n):  # the neighbour's reservation is refused until the (younger) target is paused for it
+        return Fault("program.reserve_units", result=False, times=99, when=lambda p, seq, k: p.prompt_of.get(seq) == n
+                     and resident_target(p, t) and ("pause", t) not in p.tried)
+
+    def saves_of(t):  # the context cache's manager is given checkpoints of the target's prompt
+        return lambda m, infos, **k: any(i.tokens == t[:len(i.tokens)] for i in infos)
+
     return [
         ("admission", lambda t, n: [Fault("program.open_sequence", MemoryError(), lambda p, prompt, s: tuple(
             prompt.token_ids) == t)], "admission", "memory_exhausted"),
         ("admission-restore", lambda t, n: [Fault("program.open_cached", RuntimeError(CPU_OOM), lambda p, prompt, *a:
                                                   tuple(prompt.token_ids) == t)], "admission", "memory_exhausted"),
+        # With the context cache: the sequence is bound (fresh, or restored) when planning its save points fails.
+        ("admission-plan-saves", lambda t, n: [Fault("program.plan_saves", MemoryError(), lambda p, seq, points:
+                                                     p.prompt_of.get(seq) == t)], "admission", "memory_exhausted"),
+        ("admission-restore-plan-saves", lambda t, n: [Fault("program.plan_saves", RuntimeError("bad save points"),
+                                                             lambda p, seq, points: p.prompt_of.get(seq) == t)],
+         "admission", "request_failed"),
+        ("admission-save-points", lambda t, n: [Fault("cache.save_points", MemoryError(), lambda m, tokens, *a, **k:
+                                                      tuple(tokens) == t)], "admission", "memory_exhausted"),
         ("unit-reservation", lambda t, n: [Fault("program.reserve_units", ValueError("no page table"),
                                                  lambda p, seq, k: p.prompt_of.get(seq) == t
                                                  and p._program.input_remaining(seq) == 0)],
@@ -301,6 +353,9 @@ def _stages():
         ("prefill", lambda t, n: [Fault("program.prefill", torch.OutOfMemoryError("CUDA out of memory"),
                                         lambda p, seq, *a, **k: p.prompt_of.get(seq) == t)],
          "prefill", "memory_exhausted"),
+        # The prefill's save points were published, adopting them fails: they must not stay in the store, unknown.
+        ("prefill-adopt", lambda t, n: [Fault("cache.adopt", MemoryError(), saves_of(t))], "prefill",
+         "memory_exhausted"),
         ("decode-launch", lambda t, n: [Fault("program.launch_decode", MemoryError(),
                                               lambda p, ids, **k: p.alone(ids, t))], "decode launch",
          "memory_exhausted"),
@@ -326,16 +381,19 @@ def _stages():
         ("publication", lambda t, n: [], "publication", "memory_exhausted"),
         ("cancellation", lambda t, n: [Fault("session.finish", RuntimeError("flush failed"))], "OutputSession.finish",
          "request_failed"),
-        # The neighbour's reservation is refused until the (younger) target is paused for it.
         ("pause", lambda t, n: [
-            Fault("program.reserve_units", result=False, times=99, when=lambda p, seq, k: p.prompt_of.get(seq) == n
-                  and resident_target(p, t) and ("pause", t) not in p.tried),
+            pressure(t, n),
             Fault("program.pause", MemoryError(), times=2, when=lambda p, seq, mode: p.prompt_of.get(seq) == t)],
          "pause", "memory_exhausted"),
         ("resume", lambda t, n: [
-            Fault("program.reserve_units", result=False, times=99, when=lambda p, seq, k: p.prompt_of.get(seq) == n
-                  and resident_target(p, t) and ("pause", t) not in p.tried),
+            pressure(t, n),
             Fault("program.resume", MemoryError(), when=lambda p, state: p.prompt_of.get(id(state)) == t)],
+         "resume", "memory_exhausted"),
+        # Inside Program.resume, once its slot (and pages) are bound: restoring the Snapshot's state, or the
+        # Replay's pages, fails. Only the target is ever paused.
+        ("resume-restore-snapshot", lambda t, n: [pressure(t, n), Fault("resume_states.restore", MemoryError())],
+         "resume", "memory_exhausted"),
+        ("resume-restore-replay", lambda t, n: [pressure(t, n), Fault("resume_kv.append_fresh", MemoryError())],
          "resume", "memory_exhausted"),
     ]
 
@@ -350,10 +408,11 @@ def test_a_failure_at_each_stage_ends_that_request_alone(plain, speculative, cas
         inst = speculative
     t, n = tokens[TARGET], tokens[NEIGHBOUR]
     armed = faults(t, n)
-    older_neighbour = case in ("pause", "resume")  # the row under pressure pauses a younger resident
-    with _engine(inst, [], target=t, pipelined=case != "decode-plain") as eng:
+    older_neighbour = case.startswith(("pause", "resume"))  # the row under pressure pauses a younger resident
+    pause_mode = "replay" if case.endswith("replay") else "auto"
+    with _engine(inst, [], target=t, pipelined=case != "decode-plain", pause_mode=pause_mode) as eng:
         prog = eng._core.program
-        if case == "admission-restore":  # the context cache holds the target's prompt: its admission restores
+        if case.startswith("admission-restore"):  # the context cache holds the target's prompt: its admission restores
             assert eng.generate(req(TARGET), timeout=120).token_ids == alone[TARGET]
         prog._faults.extend(armed)
         eng.frontend._faults.extend(armed)
@@ -387,6 +446,9 @@ def test_a_failure_at_each_stage_ends_that_request_alone(plain, speculative, cas
         assert neighbour.finish_reason is FinishReason.LENGTH and neighbour.token_ids == alone[NEIGHBOUR]
         assert after.finish_reason is FinishReason.LENGTH and after.token_ids == alone[AFTER]
         assert not eng.failed and not eng.metrics().failed
+        if case.startswith("resume-restore"):
+            m = eng.metrics()
+            assert (m.preemptions_snapshot, m.preemptions_replay) == ((0, 1) if pause_mode == "replay" else (1, 0))
         _all_free(eng)
 
 
@@ -406,13 +468,29 @@ def test_a_failed_snapshot_pauses_by_replay_and_the_output_stays_exact(plain):
         _all_free(eng)
 
 
-def test_the_context_cache_failing_to_keep_a_finish_still_finishes_it(plain):
+def _finals_of(t: tuple) -> Callable[..., bool]:
+    """Whether the context cache's manager is given the target's continuation (kept at its finish)."""
+    def finals(m, *args, **k):
+        infos = args[2:3] if len(args) > 1 else args[0]  # bind_session(key, order, info) or adopt(infos)
+        return any(i.kind == "final" and i.tokens[:len(t)] == t for i in infos)
+    return finals
+
+
+# Saving it fails, or the manager's adoption of what the store saved (the continuation must not stay unknown).
+KEEPS = [("save", "program.save_continuation", None), ("adopt", "cache.adopt", None),
+         ("bind-session", "cache.bind_session", "conversation")]
+
+
+@pytest.mark.parametrize(("where", "session_key"), [k[1:] for k in KEEPS], ids=[k[0] for k in KEEPS])
+def test_the_context_cache_failing_to_keep_a_finish_still_finishes_it(plain, where, session_key):
     inst, tokens, alone = plain
     t = tokens[TARGET]
-    faults = [Fault("program.save_continuation", MemoryError(), lambda p, seq, kind: p.prompt_of.get(seq) == t)]
+    when = (lambda p, seq, kind: p.prompt_of.get(seq) == t) if where.startswith("program") else _finals_of(t)
+    faults = [Fault(where, MemoryError(), when)]
     with _engine(inst, faults, target=t) as eng:
-        target, neighbour = [h.result(timeout=120) for h in submit_together(eng, [req(TARGET), req(NEIGHBOUR)])]
-        assert eng._core.program.fired == ["save_continuation"]
+        target, neighbour = [h.result(timeout=120) for h in submit_together(
+            eng, [attrs.evolve(req(TARGET), session_key=session_key), req(NEIGHBOUR)])]
+        assert faults[0].times == 0
         assert target.finish_reason is FinishReason.LENGTH and target.token_ids == alone[TARGET]
         assert neighbour.token_ids == alone[NEIGHBOUR] and not eng.failed
         _all_free(eng)

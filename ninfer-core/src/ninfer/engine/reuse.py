@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import enum
 
-from ninfer.contract.context import ContextStore, MediaRun, TurnBoundary, media_runs
+from ninfer.contract.context import CheckpointInfo, ContextStore, MediaRun, TurnBoundary, media_runs
 from ninfer.contract.events import FinishReason
 from ninfer.contract.model import Program
 from ninfer.engine.context_cache import ResourceManager
@@ -66,20 +66,26 @@ class Reuse:
             self.waiting_on_save = True
             return Admission.WAIT
         seq = None
-        if hit is not None and self.manager.lease(hit.id) is not None:
-            try:
-                seq = self.store.open_cached(rec.prompt, rec.sampling, hit.id)
-            finally:
-                self.manager.unlease(hit.id)
-        if seq is None:
-            have = 0
-            seq = program.open_sequence(rec.prompt, rec.sampling)
+        try:  # all or nothing: what a failure leaves bound would outlive the request that raised
+            if hit is not None and self.manager.lease(hit.id) is not None:
+                try:
+                    seq = self.store.open_cached(rec.prompt, rec.sampling, hit.id)
+                finally:
+                    self.manager.unlease(hit.id)
+            if seq is None:
+                have = 0
+                seq = program.open_sequence(rec.prompt, rec.sampling)
+            named = () if rec.prompt.history_boundary is None else (rec.prompt.history_boundary,)
+            points = self.manager.save_points(tokens, have, named, media=media, salt=salt)
+            self.store.plan_saves(seq, points)
+            if points:
+                self.planned[seq] = (tuple(tokens), media, points, salt)
+        except BaseException:
+            if seq is not None:
+                self.planned.pop(seq, None)
+                program.release(seq)
+            raise
         rec.cached_tokens = have
-        named = () if rec.prompt.history_boundary is None else (rec.prompt.history_boundary,)
-        points = self.manager.save_points(tokens, have, named, media=media, salt=salt)
-        self.store.plan_saves(seq, points)
-        if points:
-            self.planned[seq] = (tuple(tokens), media, points, salt)
         return seq
 
     def admitted(self, rec: RequestRecord) -> None:
@@ -122,7 +128,11 @@ class Reuse:
             return False
         infos = self.store.published()
         if infos:
-            self.manager.adopt(infos, salt=self._publishing)
+            try:
+                self.manager.adopt(infos, salt=self._publishing)
+            except BaseException:
+                self._drop(infos)
+                raise
         again = self.waiting_on_save
         self.waiting_on_save = False
         return again
@@ -149,10 +159,21 @@ class Reuse:
                                             else "final")
         if info is None:
             return
-        if rec.request.session_key is None:
-            self.manager.adopt([info], salt=salt)
-        else:  # binding adopts it
-            self.manager.bind_session(rec.request.session_key, rec.ticket, info, salt=salt)
+        try:
+            if rec.request.session_key is None:
+                self.manager.adopt([info], salt=salt)
+            else:  # binding adopts it
+                self.manager.bind_session(rec.request.session_key, rec.ticket, info, salt=salt)
+        except BaseException:
+            self._drop([info])
+            raise
+
+    def _drop(self, infos: list[CheckpointInfo]) -> None:
+        """Retire checkpoints whose adoption failed (perhaps half done): the store published them to no one
+        else, and a checkpoint the manager does not know would hold its slot and pages for good."""
+        for info in infos:
+            self.manager.forget(info.id)
+            self.store.retire(info.id)
 
     # -- pressure and observation -----------------------------------------------------------------------
     def reclaim(self, tokens: int = 1) -> bool:

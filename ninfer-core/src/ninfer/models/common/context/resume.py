@@ -107,21 +107,29 @@ class PausedStates:
 
     def resume(self, resume_state: Any, new_id: Callable[[], int]) -> SequenceRecord | None:
         """A record bound to a fresh slot and the pages of the rebuild up to the old frontier plus the first
-        new unit (a Snapshot restored into them); None, keeping the state, when they are not free now."""
+        new unit (a Snapshot restored into them); None, keeping the state, when they are not free now. If the
+        restore raises, the state is kept (the caller discards it) and nothing else is held."""
         state = self._get(resume_state)
         positions = min(state.frontier + 1, len(state.ledger))
         need = pages_for(positions, self.pool.page_size)
         if self.states.num_free == 0 or need > self.pool.allocator.num_free:
             return None
+        slot, seq = self.states.allocate(), None
+        try:  # all or nothing: a restore that fails frees what it bound and keeps the state (still discardable)
+            seq = SequenceRecord(id=new_id(), slot=slot, prompt_len=state.prompt_len, ledger=list(state.ledger),
+                                 sampling=state.sampling, first_by_decode=state.first_by_decode,
+                                 drafts=state.drafts, media=state.media)
+            self.kv.append_fresh(seq, need)
+            if isinstance(state, SnapshotResume):
+                self.states.restore(seq.slot, state.state_image)
+                self.pool.write_pages(seq.pages[:state.kv_pages.shape[2]], state.kv_pages)
+                seq.computed = state.frontier
+        except BaseException:
+            if seq is not None:
+                self.kv.release(seq)
+            self.states.free(slot)
+            raise
         self._drop(state)
-        seq = SequenceRecord(id=new_id(), slot=self.states.allocate(), prompt_len=state.prompt_len,
-                             ledger=list(state.ledger), sampling=state.sampling,
-                             first_by_decode=state.first_by_decode, drafts=state.drafts, media=state.media)
-        self.kv.append_fresh(seq, need)
-        if isinstance(state, SnapshotResume):
-            self.states.restore(seq.slot, state.state_image)
-            self.pool.write_pages(seq.pages[:state.kv_pages.shape[2]], state.kv_pages)
-            seq.computed = state.frontier
         return seq
 
     def discard(self, resume_state: Any) -> None:
@@ -132,8 +140,8 @@ class PausedStates:
         state = self._get(resume_state)
         if not isinstance(state, SnapshotResume):
             raise ProgramError("ResumeState holds no Snapshot to revoke (it already resumes by Replay)")
+        replay = state.as_replay()  # before the drop: a failure leaves the Snapshot held, still discardable
         self._drop(state)
-        replay = state.as_replay()
         self._hold(replay)
         return replay
 
