@@ -204,9 +204,8 @@ class CyclePolicy:
             rec = s.waiting[0]
             try:
                 seq = st.reuse.open(rec, list(s.residents.values()))
-            except ValueError as exc:  # the Program validates before binding: a request-level rejection
-                self.settlement.finish(rec, FinishReason.ERROR,
-                                       Unrepresentable(f"request cannot be represented: {exc}"))
+            except Unrepresentable as exc:  # the Program's validation, before binding: a request-level rejection
+                self.settlement.finish(rec, FinishReason.ERROR, exc)
                 continue
             except Exception as exc:  # binding or the context cache's restore failed: this request ends
                 self.settlement.recover("admission", [rec], exc)  # (a sequence it left bound fails the engine)

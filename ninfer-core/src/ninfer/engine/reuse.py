@@ -17,14 +17,18 @@ runs one sequence, so what the store publishes during it is that request's.
 from __future__ import annotations
 
 import enum
+import logging
 
 from ninfer.contract.context import CheckpointInfo, ContextStore, MediaRun, TurnBoundary, media_runs
 from ninfer.contract.events import FinishReason
 from ninfer.contract.model import Program
 from ninfer.engine.context_cache import ResourceManager
 from ninfer.engine.context_cache.prefix_index import common_prefix
+from ninfer.engine.errors import Unrepresentable, is_fatal
 from ninfer.engine.metrics import MetricsRecorder
 from ninfer.engine.request import RequestRecord, RequestState
+
+log = logging.getLogger(__name__)
 
 KEPT_REASONS = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.TOOL_CALLS)
 
@@ -54,10 +58,11 @@ class Reuse:
     def open(self, rec: RequestRecord, residents: list[RequestRecord]) -> int | Admission:
         """Bind ``rec``'s sequence: restored from the best checkpoint, or fresh when the restore does not fit
         (a host replica needs free pages). WAIT: a resident's pending save point is worth waiting for.
-        ValueError: the Program cannot represent the prompt."""
+        Unrepresentable: the Program cannot represent the prompt (a ValueError of its validation; one raised
+        later, by the save points, is a failure of the server's, not a rejection)."""
         program = self.program
         if not self.applies(rec):
-            return program.open_sequence(rec.prompt, rec.sampling)
+            return _validated(program.open_sequence, rec.prompt, rec.sampling)
         tokens, media = rec.prompt.token_ids, media_runs(rec.prompt)  # media: which image each placeholder is
         salt = rec.request.cache_salt
         hit = self.manager.lookup(tokens, rec.request.session_key, media=media, salt=salt)
@@ -69,12 +74,12 @@ class Reuse:
         try:  # all or nothing: what a failure leaves bound would outlive the request that raised
             if hit is not None and self.manager.lease(hit.id) is not None:
                 try:
-                    seq = self.store.open_cached(rec.prompt, rec.sampling, hit.id)
+                    seq = _validated(self.store.open_cached, rec.prompt, rec.sampling, hit.id)
                 finally:
                     self.manager.unlease(hit.id)
             if seq is None:
                 have = 0
-                seq = program.open_sequence(rec.prompt, rec.sampling)
+                seq = _validated(program.open_sequence, rec.prompt, rec.sampling)
             named = () if rec.prompt.history_boundary is None else (rec.prompt.history_boundary,)
             points = self.manager.save_points(tokens, have, named, media=media, salt=salt)
             self.store.plan_saves(seq, points)
@@ -116,7 +121,13 @@ class Reuse:
         it is (its saves enter that request's scope)."""
         if self.manager is None:
             return
-        self.manager.retire_unadopted()  # saves of a unit that failed before their adoption: of no known scope
+        try:  # saves of an earlier unit that failed before their adoption (of no known scope)
+            self.manager.retire_unadopted()
+        except Exception as exc:  # that unit's leftovers: kept for the next call, this request goes on
+            if is_fatal(exc):
+                raise
+            log.warning("retiring the unadopted checkpoints of a failed prefill unit failed (%s: %s); retried "
+                        "at the next prefill", type(exc).__name__, exc)
         self._publishing = rec.request.cache_salt
         if rec.sequence_id in self.planned:
             self._ensure_free_slot()
@@ -200,3 +211,11 @@ class Reuse:
     def record_stats(self) -> None:
         if self.manager is not None:
             self.metrics.cache_state(self.manager.stats())
+
+
+def _validated(bind, *args) -> int | None:
+    """A binding call whose ValueError (the Program's validation, before it binds anything) rejects the request."""
+    try:
+        return bind(*args)
+    except ValueError as exc:
+        raise Unrepresentable(f"request cannot be represented: {exc}") from exc

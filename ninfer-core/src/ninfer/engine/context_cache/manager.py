@@ -56,6 +56,7 @@ class ResourceManager:
         self._hits: Counter[int] = Counter()  # restores per checkpoint: the demand evidence a host copy needs
         self._restore: dict[int, tuple[int, int | None]] = {}  # id -> (restore length, the checkpoint giving it)
         self._evictions = dict.fromkeys(EVICTION_OUTCOMES, 0)
+        self._unadopted: dict[int, CheckpointInfo] = {}  # published, adopted by no one, not retired yet
 
     # -- publication -----------------------------------------------------------------------------------
     def adopt(self, infos: Iterable[CheckpointInfo], *, salt: str | None = None) -> None:
@@ -133,8 +134,12 @@ class ResourceManager:
         if info is None:
             self.forget(checkpoint_id)
             return None
+        try:
+            self._update(info)
+        except BaseException:  # the caller unleases only what it was given: give this lease back here
+            self.store.unlease(checkpoint_id)
+            raise
         self._leases[checkpoint_id] += 1
-        self._update(info)
         return info
 
     def unlease(self, checkpoint_id: int) -> None:
@@ -214,10 +219,19 @@ class ResourceManager:
 
     def retire_unadopted(self) -> None:
         """Retire what the store published and nobody adopted (a prefill unit that failed before its saves
-        were adopted): whose scope they belong to is unknown, so they never enter the index."""
-        for info in self.store.published():
-            if info.id not in self._index:
-                self.store.retire(info.id)
+        were adopted): whose scope they belong to is unknown, so they never enter the index. One whose retire
+        raises is kept (with the rest) for the next call: the store published it once, and only here."""
+        self._unadopted.update((i.id, i) for i in self.store.published() if i.id not in self._index)
+        failed: BaseException | None = None
+        for checkpoint_id in list(self._unadopted):
+            try:
+                self.store.retire(checkpoint_id)
+            except BaseException as exc:
+                failed = failed or exc
+                continue
+            del self._unadopted[checkpoint_id]
+        if failed is not None:
+            raise failed
 
     def checkpoints(self) -> list[CheckpointInfo]:
         """Every checkpoint the manager knows, as last adopted."""

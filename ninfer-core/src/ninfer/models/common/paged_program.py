@@ -415,9 +415,7 @@ class PagedProgram(Checkpointing, abc.ABC):
         """Release the sequence's device resources at its committed boundary; returns an owning ResumeState."""
         seq = self.sequences.get(sequence_id)
         self.sequences.check_idle(seq)
-        state = self.paused.pause(seq, mode)
-        self.release(sequence_id)
-        return state
+        return self.paused.pause(seq, mode, release=lambda: self.release(sequence_id))
 
     def resume(self, resume_state: ReplayResume) -> int | None:
         """Re-bind a paused sequence; None (state kept) when a slot and the rebuild's pages do not fit now."""

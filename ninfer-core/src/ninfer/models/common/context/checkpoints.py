@@ -94,13 +94,20 @@ class CheckpointStore:
         it for the next ``drain``."""
         if seq.computed < 1 or self.images is None or self.images.num_free == 0:
             return None
-        slot = self.images.allocate()
-        self.images.buffer[slot].copy_(self.states.buffer[seq.slot])
-        ck = Checkpoint(id=next(self._ids), generation=next(self._generations), kind=kind,
-                        tokens=tuple(seq.ledger[:seq.computed]), slot=slot, prefix=self.kv.save_prefix(seq, seq.computed),
-                        media=clip_runs(seq.media.runs, seq.computed) if seq.media is not None else ())
+        slot, prefix = self.images.allocate(), None
+        try:  # all or nothing: a slot or prefix taken for a save that failed would be held by no checkpoint
+            self.images.buffer[slot].copy_(self.states.buffer[seq.slot])
+            prefix = self.kv.save_prefix(seq, seq.computed)
+            ck = Checkpoint(id=next(self._ids), generation=next(self._generations), kind=kind,
+                            tokens=tuple(seq.ledger[:seq.computed]), slot=slot, prefix=prefix,
+                            media=clip_runs(seq.media.runs, seq.computed) if seq.media is not None else ())
+            info = self.info(ck)
+        except BaseException:
+            if prefix is not None:
+                self.kv.drop_prefix(prefix)
+            self.images.free(slot)
+            raise
         self.records[ck.id] = ck
-        info = self.info(ck)
         if publish:
             self._published.append(info)
         return info
@@ -154,8 +161,9 @@ class CheckpointStore:
         if not ck.on_device:
             raise ProgramError(f"checkpoint {checkpoint_id} has no device copy to evict")
         if to_host and not ck.on_host and self.host_bytes_used + self.host_bytes(len(ck.tokens)) <= self.host_budget_bytes:
-            ck.host_image = self.images.save(ck.slot)
-            ck.host_kv = self.pool.read_to_host(ck.prefix.pages)
+            # Both copies first: a failed host allocation leaves the checkpoint as it was, on the device only.
+            image, kv = self.images.save(ck.slot), self.pool.read_to_host(ck.prefix.pages)
+            ck.host_image, ck.host_kv = image, kv
             self.host_bytes_used += self.host_bytes(len(ck.tokens))
         self._release_device(ck)
         return self._changed(ck)

@@ -87,8 +87,11 @@ class PausedStates:
     def can_snapshot(self, seq: SequenceRecord) -> bool:
         return self.host_bytes_used + self.snapshot_bytes(seq) <= self.host_budget_bytes
 
-    def pause(self, seq: SequenceRecord, mode: PauseMode) -> ReplayResume:
-        """An owning ResumeState of ``seq`` at its committed boundary (the caller then releases ``seq``)."""
+    def pause(self, seq: SequenceRecord, mode: PauseMode, *,
+              release: Callable[[], None] | None = None) -> ReplayResume:
+        """An owning ResumeState of ``seq`` at its committed boundary. ``release`` frees ``seq`` once its copies
+        are made (else the caller does): the state is held only if that succeeds, so a failed release hands out
+        nothing and holds nothing."""
         common = dict(program_id=self.program_id, ledger=tuple(seq.ledger), prompt_len=seq.prompt_len,
                       sampling=seq.sampling, frontier=seq.computed, first_by_decode=seq.first_by_decode,
                       drafts=seq.drafts, media=seq.media)
@@ -102,6 +105,8 @@ class PausedStates:
             state = ReplayResume(**common)
         else:
             raise ValueError(f"pause mode must be 'snapshot' or 'replay', got {mode!r}")
+        if release is not None:
+            release()
         self._hold(state)
         return state
 
