@@ -36,12 +36,9 @@ from ninfer.models.common.qwen.image_decode import (
     decode_image,
     to_rgb,
 )
+from ninfer.models.common.qwen.media_plan import preprocess_encoded_image
 from ninfer.models.common.qwen.media_preparation import MediaLimits, MediaPreparer
-from ninfer.models.common.qwen.vision_preprocess import (
-    PreprocessConfig,
-    preprocess_encoded_image,
-    preprocess_image,
-)
+from ninfer.models.common.qwen.vision_preprocess import PreprocessConfig, preprocess_image
 
 QWEN35 = PreprocessConfig(max_pixels=16_777_216)  # the published preprocessor's longest_edge
 SMALL = PreprocessConfig(min_pixels=32 * 32, max_pixels=128 * 128)  # resizes modest pictures down
