@@ -2,6 +2,7 @@
 
 - a request whose images would not fit the context is refused with its exact length, and no pixel is decoded
   (Pillow's pixel loader is never reached);
+- a request's media together take at most ``max_request_tokens`` placeholder tokens, also checked undecoded;
 - property: over odd, tiny and large sizes, every format (JPEG decoded at reduced scale, JPEG and WebP turned by
   their EXIF orientation, a PNG whose EXIF orientation follows its pixel data), and videos, the plan's grid and
   token count equal those of the decoded picture preprocessed on its own; a prompt's counted length equals the
@@ -32,6 +33,8 @@ from ninfer.models.common.qwen.media_plan import (
     preprocess_encoded_image,
     preprocess_encoded_video,
 )
+from ninfer.models.common.qwen.media_preparation import MediaLimits
+from ninfer.models.common.qwen.media_prompt import MediaTooLarge
 from ninfer.models.common.qwen.vision_preprocess import PreprocessConfig, preprocess_image, preprocess_video
 from ninfer_qwen35.testing.qwen_vocab import qwen35_frontend_resources
 
@@ -88,9 +91,22 @@ def no_pixel_decoding(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def frontend():
-    resources = attrs.evolve(qwen35_frontend_resources(), media=dict(QWEN35_PREPROCESSOR))
+def resources():
+    return attrs.evolve(qwen35_frontend_resources(), media=dict(QWEN35_PREPROCESSOR))
+
+
+@pytest.fixture(scope="module")
+def frontend(resources):
     fe = QwenFrontend.from_resources(resources, chat_template_override="builtin:qwen3_5", vision=True)
+    yield fe
+    fe.close()
+
+
+@pytest.fixture(scope="module")
+def roomy_frontend(resources):
+    """No bound on a request's media tokens but the context."""
+    fe = QwenFrontend.from_resources(resources, chat_template_override="builtin:qwen3_5", vision=True,
+                                     media_limits=MediaLimits(max_request_tokens=10 ** 9))
     yield fe
     fe.close()
 
@@ -107,14 +123,27 @@ def large_png(width: int, height: int) -> bytes:
     return out.getvalue()
 
 
-def test_images_past_the_context_are_refused_exactly_without_decoding(frontend, no_pixel_decoding):
+def test_images_past_the_context_are_refused_exactly_without_decoding(roomy_frontend, no_pixel_decoding):
     """The issue's request: 16 legal 4096 x 4096 pictures (16,384 tokens each at the model's max_pixels) in a
     context of 100,000 tokens. Refused with the prompt's exact length; not one pixel decoded (the old Frontend
     decoded all 16, ~384 MB of pixel rows each, before counting)."""
     request = chat(*[MediaItem(kind="image", data=large_png(4096, 4096))] * 16)
     with pytest.raises(PromptTooLong) as err:
-        frontend.prepare(request, max_tokens=100_000)
+        roomy_frontend.prepare(request, max_tokens=100_000)
     assert err.value.exact and err.value.tokens > 16 * 16_384
+
+
+def test_a_request_s_media_tokens_are_bounded_before_decoding(frontend, no_pixel_decoding):
+    """Within the context, a request's media may still not take more than max_request_tokens placeholder tokens
+    (32,768 by default: 768 MiB of float32 pixel rows): the third 4096 x 4096 picture passes it."""
+    request = chat(*[MediaItem(kind="image", data=large_png(4096, 4096))] * 3)
+    with pytest.raises(MediaTooLarge, match=r"media items 0..2 take 49152 placeholder tokens \(1152 MiB of pixel "
+                                            r"rows\), more than the limit of 32768 .*--media-max-tokens") as err:
+        frontend.prepare(request, max_tokens=262_143)
+    assert err.value.kind == "media_too_large"
+    two = chat(*[MediaItem(kind="image", data=large_png(4096, 4096))] * 2)
+    with pytest.raises(PromptTooLong):  # two fit the bound: counted against the context, still undecoded
+        frontend.prepare(two, max_tokens=30_000)
 
 
 def test_a_video_past_the_context_is_refused_without_decoding(frontend, no_pixel_decoding):

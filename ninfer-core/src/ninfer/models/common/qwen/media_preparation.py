@@ -46,6 +46,10 @@ MAX_MEDIA_THREADS = 16
 DEFAULT_MEDIA_QUEUE = 64
 # Nice steps the media threads run below the process (the kernel's range ends at 19).
 MEDIA_NICE = 10
+# Placeholder tokens of one request's media together: the float32 pixel rows behind them are held until the
+# request ends (24 KiB a token for Qwen3.5: 768 MiB here), and the context alone (262,144 tokens for Qwen3.5)
+# would allow 6 GiB. Two pictures at the model's max_pixels (16,384 tokens each), or 16 full-HD ones.
+DEFAULT_MAX_REQUEST_TOKENS = 32_768
 _LOWEST_PRIORITY = 19
 
 
@@ -81,14 +85,18 @@ def _positive(_instance, attribute: attrs.Attribute, value: int) -> None:
 
 @attrs.frozen(kw_only=True)
 class MediaLimits:
-    """What one media item may be. ``max_item_bytes``: encoded bytes of an image, or of all frames of a video;
-    ``max_decoded_pixels``: width x height of an image or a frame as decoded, read from its header before
-    decoding (None: the model's, ``PreprocessConfig.max_decoded_pixels``, twice the pixels it resizes to);
-    ``max_video_frames``: sampled frames of a video (Qwen's video pipeline samples at most 768)."""
+    """What one media item, and one request's media together, may be. ``max_item_bytes``: encoded bytes of an
+    image, or of all frames of a video; ``max_decoded_pixels``: width x height of an image or a frame as decoded,
+    read from its header before decoding (None: the model's, ``PreprocessConfig.max_decoded_pixels``, twice the
+    pixels it resizes to); ``max_video_frames``: sampled frames of a video (Qwen's video pipeline samples at
+    most 768); ``max_request_tokens``: placeholder tokens of all of a request's images and videos, counted from
+    their headers before decoding (None: ``DEFAULT_MAX_REQUEST_TOKENS``), which bounds the pixel rows a request
+    holds to that many times ``PreprocessConfig.pixel_bytes_per_token``."""
 
     max_item_bytes: int = attrs.field(default=64 << 20, validator=_positive)
     max_decoded_pixels: int | None = attrs.field(default=None, validator=attrs.validators.optional(_positive))
     max_video_frames: int = attrs.field(default=768, validator=_positive)
+    max_request_tokens: int | None = attrs.field(default=None, validator=attrs.validators.optional(_positive))
 
 
 def media_digest(item: MediaItem, config: PreprocessConfig, grid_thw: tuple[int, int, int]) -> str:
@@ -116,6 +124,8 @@ class MediaPreparer:
         self.limits = MediaLimits() if limits is None else limits
         bound = self.limits.max_decoded_pixels
         self.max_decoded_pixels = config.max_decoded_pixels if bound is None else bound
+        tokens = self.limits.max_request_tokens
+        self.max_request_tokens = DEFAULT_MAX_REQUEST_TOKENS if tokens is None else tokens
         self._pool = TaskPool("ninfer-media", threads=threads, max_queued=max_queued)
 
     @property
@@ -136,14 +146,23 @@ class MediaPreparer:
 
     def plan(self, media: Sequence[MediaItem]) -> list[MediaPlan]:
         """Each item's MediaPlan, from its headers alone (nothing is decoded); a failing item raises
-        MediaInputError (MediaTooLarge over the pixel bound) naming its index."""
-        plans = []
+        MediaInputError naming its index, MediaTooLarge over the pixel bound or once the items so far take more
+        than ``max_request_tokens`` placeholder tokens."""
+        plans: list[MediaPlan] = []
+        tokens = 0
         for index, item in enumerate(media):
             with _naming(index, item):
                 if item.kind == "image":
                     plans.append(plan_image(item.data, self.config, max_pixels=self.max_decoded_pixels))
                 else:
                     plans.append(plan_video(item.frames, self.config, max_pixels=self.max_decoded_pixels))
+            tokens += plans[-1].tokens
+            if tokens > self.max_request_tokens:
+                rows = tokens * self.config.pixel_bytes_per_token
+                raise MediaTooLarge(
+                    f"media items 0..{index} take {tokens} placeholder tokens ({rows / 2 ** 20:.0f} MiB of pixel "
+                    f"rows), more than the limit of {self.max_request_tokens} for one request's images and videos "
+                    "(media_max_tokens; ninfer serve --media-max-tokens)")
         return plans
 
     def prepare(self, media: Sequence[MediaItem], plans: Sequence[MediaPlan] | None = None) -> list[VisionItem]:
