@@ -30,6 +30,7 @@ from ninfer.contract.prompt import MediaItem, MediaSpan
 from ninfer.engine.errors import EngineClosed
 from ninfer.models.common.qwen import FrontendInputError, QwenFrontend, QwenTokenizer, TemplateError
 from ninfer.models.common.qwen.chat_template import builtin_template
+from ninfer.models.common.qwen.media_plan import preprocess_encoded_video
 from ninfer.models.common.qwen.media_preparation import MediaLimits, MediaPreparer, default_media_threads
 from ninfer.models.common.qwen.media_prompt import (
     DEFAULT_VIDEO_FPS,
@@ -41,7 +42,6 @@ from ninfer.models.common.qwen.media_prompt import (
 from ninfer.models.common.qwen.vision_preprocess import (
     PreprocessConfig,
     decode_image,
-    preprocess_encoded_video,
     preprocess_image,
     preprocess_video,
 )

@@ -8,6 +8,7 @@
 - a large JPEG is decoded at a reduced scale, its grid still the full picture's;
 - after a burst of large legal images the process is back near its baseline (the decoded pictures and the
   pixel rows return their memory; an idle pool thread keeps no result alive).
+- the pool's threads decode ``MEDIA_NICE`` steps below the process's priority (Linux), which only lowers.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import threading
 import warnings
 import weakref
 import zlib
@@ -36,12 +38,9 @@ from ninfer.models.common.qwen.image_decode import (
     decode_image,
     to_rgb,
 )
+from ninfer.models.common.qwen.media_plan import preprocess_encoded_image
 from ninfer.models.common.qwen.media_preparation import MediaLimits, MediaPreparer
-from ninfer.models.common.qwen.vision_preprocess import (
-    PreprocessConfig,
-    preprocess_encoded_image,
-    preprocess_image,
-)
+from ninfer.models.common.qwen.vision_preprocess import PreprocessConfig, preprocess_image
 
 QWEN35 = PreprocessConfig(max_pixels=16_777_216)  # the published preprocessor's longest_edge
 SMALL = PreprocessConfig(min_pixels=32 * 32, max_pixels=128 * 128)  # resizes modest pictures down
@@ -190,6 +189,56 @@ def test_an_idle_pool_thread_keeps_no_result_alive():
         assert [ref() for ref in rows] == [None, None]
     finally:
         preparer.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="threads have nice values of their own on Linux")
+def test_media_threads_decode_at_a_lower_priority(monkeypatch):
+    """Every decode runs on a pool thread MEDIA_NICE steps below the process (the engine worker's priority);
+    the caller's thread keeps its own."""
+    from ninfer.models.common.qwen import media_plan
+    from ninfer.models.common.qwen.media_preparation import MEDIA_NICE
+
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    seen, decode = [], media_plan.decode_image
+
+    def watched(data, **options):
+        seen.append((threading.current_thread().name, nice()))
+        return decode(data, **options)
+
+    monkeypatch.setattr(media_plan, "decode_image", watched)
+    before = nice()
+    preparer = MediaPreparer(SMALL, threads=2)
+    try:
+        preparer.prepare([MediaItem(kind="image", data=encoded(gradient(64, 48), "PNG"))] * 6)
+        preparer.prepare([MediaItem(kind="video", frames=[encoded(gradient(64, 48), "PNG")] * 3)])
+    finally:
+        preparer.close()
+    assert MEDIA_NICE > 0 and len(seen) == 9
+    process = os.getpriority(os.PRIO_PROCESS, os.getpid())
+    assert {(name.startswith("ninfer-media"), level) for name, level in seen} == {(True, min(19, process + MEDIA_NICE))}
+    assert nice() == before
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="threads have nice values of their own on Linux")
+def test_lowering_a_thread_s_priority_only_lowers():
+    from ninfer.models.common.qwen.media_preparation import lower_thread_priority
+
+    levels = []
+
+    def run(start: int) -> None:
+        me = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, me, start)
+        lower_thread_priority(5)
+        levels.append(os.getpriority(os.PRIO_PROCESS, me))
+
+    process = os.getpriority(os.PRIO_PROCESS, os.getpid())
+    for start in (process, 19):
+        thread = threading.Thread(target=run, args=(start,))
+        thread.start()
+        thread.join()
+    assert levels == [min(19, process + 5), 19]
 
 
 # One subprocess (it imports torch once) measures both: first a burst of large legal images, then, under an

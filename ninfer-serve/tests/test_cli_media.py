@@ -83,6 +83,13 @@ def test_the_pixel_bound_reaches_the_engine(served):
     assert default.media_max_pixels is None and given.media_max_pixels == 1_000_000
 
 
+def test_the_request_media_token_bound_reaches_the_engine(served):
+    served()
+    served("--media-max-tokens", "4096")
+    default, given = StubEngine.configs
+    assert default.media_max_tokens is None and given.media_max_tokens == 4096
+
+
 @pytest.mark.parametrize("options,words", [
     (["--vision", "maybe"], "invalid choice: 'maybe'"),
     (["--media-threads", "17"], "must be in 1..16, got 17"),

@@ -109,7 +109,8 @@ class Qwen35Startup:
         frontend = QwenFrontend.from_resources(artifact.frontend, chat_template_override=options.chat_template,
                                                special_tokens_in_content=options.special_tokens_in_content,
                                                vision="vision" in features,
-                                               media_limits=MediaLimits(max_decoded_pixels=options.media_max_pixels))
+                                               media_limits=MediaLimits(max_decoded_pixels=options.media_max_pixels,
+                                                                        max_request_tokens=options.media_max_tokens))
         banks = _bank_objects(artifact, features) if host else frozenset()
         weights, report = load_weights(artifact, features=features, device=str(dev), host_objects=banks)
         compute = _compute_dtype(options, weights[EMBED].dtype)

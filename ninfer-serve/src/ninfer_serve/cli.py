@@ -165,6 +165,9 @@ def _add_media_arguments(p: argparse.ArgumentParser) -> None:
     media.add_argument("--media-max-pixels", type=_positive_int, metavar="N",
                        help="pixels (width x height) of one image or video frame as decoded, read from its header "
                             "before decoding (default: twice the model's max_pixels, 33554432 for Qwen3.5)")
+    media.add_argument("--media-max-tokens", type=_positive_int, metavar="N",
+                       help="placeholder tokens of one request's images and videos together, counted from their "
+                            "headers before decoding (default: 32768, 768 MiB of pixel rows for Qwen3.5)")
     media.add_argument("--media-max-items", type=_positive_int, default=_MEDIA.max_items.default, metavar="N",
                        help="images and videos in one request")
     media.add_argument("--media-max-frames", type=_positive_int, default=_MEDIA.max_frames.default, metavar="N",
@@ -268,7 +271,7 @@ def _load_and_serve(args: argparse.Namespace, model: str, chat_template: str | N
                               verify=not args.no_verify, max_model_len=args.max_model_len, device=args.device,
                               prefill_chunk=args.prefill_chunk, chat_template=chat_template,
                               special_tokens_in_content=args.special_tokens_in_content, features=features,
-                              media_max_pixels=args.media_max_pixels)
+                              media_max_pixels=args.media_max_pixels, media_max_tokens=args.media_max_tokens)
         engine = Engine(model, config=with_memory_options(with_context_cache(config, args), args))
     except Exception as exc:  # a bad artifact or device must read as a message, not a traceback
         return _fail(f"cannot start the engine for {model}: {type(exc).__name__}: {exc}")

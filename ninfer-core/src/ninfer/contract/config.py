@@ -142,6 +142,8 @@ _SHARED: dict[str, tuple[Any, Any]] = {
     "expert_cache_bytes": (None, _int_range(0, optional=True)),
     # the Frontend's bound on one decoded image or video frame, in pixels (None: the model's)
     "media_max_pixels": (None, _int_range(1, optional=True)),
+    # the Frontend's bound on one request's image and video placeholder tokens together (None: its default)
+    "media_max_tokens": (None, _int_range(1, optional=True)),
 }
 MODEL_KNOBS = tuple(_SHARED)[3:]
 
@@ -170,6 +172,8 @@ class StartupOptions:
     bytes for the GPU cache of host-resident MoE experts (None: sized from the budget; 0: no cache).
     ``media_max_pixels``: width x height of one image or video frame as decoded, checked from its header before
     decoding (None: the model's bound, twice the pixels its preprocessor resizes a picture to).
+    ``media_max_tokens``: placeholder tokens of all of one request's images and videos, counted from their headers
+    before decoding (None: the Frontend's default, 32,768; the pixel rows a request holds are bounded by it).
     """
 
     device: str = attrs.field(validator=_device(optional=False))
@@ -191,6 +195,7 @@ class StartupOptions:
     placement: str | None = _shared("placement")
     expert_cache_bytes: int | None = _shared("expert_cache_bytes")
     media_max_pixels: int | None = _shared("media_max_pixels")
+    media_max_tokens: int | None = _shared("media_max_tokens")
 
 
 @attrs.frozen(kw_only=True)
@@ -233,6 +238,7 @@ class EngineConfig:
     placement: str | None = _shared("placement")
     expert_cache_bytes: int | None = _shared("expert_cache_bytes")
     media_max_pixels: int | None = _shared("media_max_pixels")
+    media_max_tokens: int | None = _shared("media_max_tokens")
 
     def for_device(self, device: str) -> EngineConfig:
         """This configuration on ``device``, with ``prefill_chunk`` fixed (the device's default when unset)."""

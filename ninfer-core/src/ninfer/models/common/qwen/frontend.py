@@ -322,7 +322,8 @@ class QwenFrontend:
 
     def _prepare_media_chat(self, chat: ChatInput, messages, kinds, max_tokens: int | None) -> PreparedPrompt:
         """A chat with images or videos: checks, then the text with one placeholder per image or frame group,
-        the media prepared on the pool, and the placeholders widened (``media_prompt``)."""
+        each item's plan from its headers and the prompt's exact length checked, the media prepared on the pool,
+        and the placeholders widened (``media_prompt``)."""
         if self._media is None:
             raise VisionNotEnabled(self._without_vision)
         check_media_parts(kinds, chat.media)
@@ -332,13 +333,15 @@ class QwenFrontend:
             messages, chat.tools, add_generation_prompt=chat.add_generation_prompt, kwargs=chat.template_kwargs,
             max_tokens=max_tokens, rewrite=lambda t: rewrite_placeholders(t, chat.media, cfg.temporal_patch_size))
         fewest = len(ids) + fewest_media_tokens(chat.media, min_image_pixels=cfg.min_pixels, factor=cfg.factor)
-        if max_tokens is not None and fewest > max_tokens:  # refused before any media is decoded
+        if max_tokens is not None and fewest > max_tokens:  # refused before any header is read
             raise PromptTooLong(tokens=fewest, limit=max_tokens, exact=False,
                                 detail=" (counting each image at its smallest size)")
-        vision = self._media.prepare(chat.media)
-        grids = [(item.kind, item.grid_thw) for item in vision]
+        plans = self._media.plan(chat.media)  # headers only: the exact length is known before any decoding
         pads = sum(1 for t in ids if t in self._vision_pads)
-        self._check_count(expanded_length(len(ids), pads, grids, cfg.merge_size), max_tokens)
+        self._check_count(expanded_length(len(ids), pads, [(p.kind, p.grid_thw) for p in plans], cfg.merge_size),
+                          max_tokens)
+        vision = self._media.prepare(chat.media, plans)
+        grids = [(item.kind, item.grid_thw) for item in vision]
         ids, spans = placeholder_runs(ids, image_pad=self.tokenizer.token_id(IMAGE_PAD),
                                       video_pad=self.tokenizer.token_id(VIDEO_PAD), grids=grids,
                                       merge_size=cfg.merge_size)

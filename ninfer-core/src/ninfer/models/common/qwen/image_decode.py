@@ -85,10 +85,14 @@ def open_image(data: bytes) -> ImageFile.ImageFile:
     return image
 
 
-def oriented_size(image: JpegImagePlugin.JpegImageFile) -> tuple[int, int]:
-    """A JPEG's (width, height) as displayed: its EXIF orientation (in its header) applied, a quarter turn
-    swapping the sides. Only for JPEG: Pillow decodes a PNG to look for EXIF after its pixel data."""
+def oriented_size(image: ImageFile.ImageFile) -> tuple[int, int]:
+    """An opened image's (width, height) as displayed, as far as its header tells: the EXIF orientation (or XMP
+    ``tiff:Orientation``) read when the file was opened applied, a quarter turn swapping the sides. A PNG's EXIF
+    block may follow its pixel data, where only decoding finds it (Pillow decodes a PNG to look for it), so a
+    PNG without EXIF before its pixels keeps its stored size here."""
     width, height = image.size
+    if isinstance(image, PngImagePlugin.PngImageFile) and "exif" not in image.info:
+        return width, height
     try:
         orientation = image.getexif().get(_ORIENTATION, 1)
     except Exception:  # a malformed EXIF block: exif_transpose will ignore it as well
@@ -113,7 +117,7 @@ def decode_image(data: bytes, *, max_pixels: int = DEFAULT_MAX_DECODED_PIXELS, a
     image = open_image(data)
     try:
         if at_least is not None and isinstance(image, JpegImagePlugin.JpegImageFile):
-            _draft(image, at_least)
+            reduce_jpeg_scale(image, at_least)
         check_pixels(*image.size, max_pixels)
         image.load()
         ImageOps.exif_transpose(image, in_place=True)
@@ -130,7 +134,10 @@ def decode_image(data: bytes, *, max_pixels: int = DEFAULT_MAX_DECODED_PIXELS, a
     return rgb
 
 
-def _draft(image: JpegImagePlugin.JpegImageFile, at_least: tuple[int, int]) -> None:
+def reduce_jpeg_scale(image: JpegImagePlugin.JpegImageFile, at_least: tuple[int, int]) -> None:
+    """Have an opened (not yet decoded) JPEG decode at 1/2, 1/4 or 1/8 scale, the smallest no smaller than
+    ``at_least`` (width, height as displayed) on both sides, when it is at least twice that; ``image.size`` is the
+    size it will decode to. No pixel is decoded here."""
     width, height = at_least
     if oriented_size(image) != image.size:
         width, height = height, width

@@ -20,9 +20,10 @@ compare them with zero tolerance). ``Qwen2VLImageProcessor`` (the default "fast"
 uint8 tensors with torchvision's antialiased bicubic and fuses rescale and normalisation into one float32
 step; torchvision's and PIL's bicubic resampling are separate implementations, so their pixels can differ
 slightly where the image is resized. The Qwen3-VL video processor always uses the torchvision path; our
-video frames are resampled with PIL like images, so only the grid and layout follow it exactly. A JPEG at
-least twice the size it is resized to is decoded at a reduced scale first (``image_decode``), so its pixels
-differ slightly from a full decode's; its grid does not (it comes from the header's size).
+video frames are resampled with PIL like images, so only the grid and layout follow it exactly. Encoded
+media are planned from their headers and preprocessed by that plan in ``media_plan``: a JPEG at least twice
+the size it is resized to is decoded at a reduced scale there, so its pixels differ slightly from a full
+decode's; its grid does not (it comes from the header's size).
 """
 
 from __future__ import annotations
@@ -34,20 +35,14 @@ from typing import Any
 import attrs
 import numpy as np
 import torch
-from PIL import Image, JpegImagePlugin
+from PIL import Image
 
 # Decoding (formats, the pixel bound before decoding) lives in image_decode; these names are read from here too.
 from ninfer.models.common.qwen.image_decode import DEFAULT_MAX_DECODED_PIXELS as DEFAULT_MAX_DECODED_PIXELS
 from ninfer.models.common.qwen.image_decode import MediaError as MediaError
 from ninfer.models.common.qwen.image_decode import MediaOverLimit as MediaOverLimit
-from ninfer.models.common.qwen.image_decode import (
-    check_pixels,
-    mapped_float32,
-    open_image,
-    oriented_size,
-    to_rgb,
-)
 from ninfer.models.common.qwen.image_decode import decode_image as decode_image
+from ninfer.models.common.qwen.image_decode import mapped_float32, to_rgb
 
 # How far past the model's pixel bound a picture may be decoded, checked from its header: the model resizes a
 # larger one down to ``max_pixels``, so pixels beyond it are decoded only to be thrown away. Twice leaves room
@@ -109,6 +104,12 @@ class PreprocessConfig:
     def max_decoded_pixels(self) -> int:
         """The default bound on one decoded image or video frame: ``DECODE_SLACK`` times ``max_pixels``."""
         return DECODE_SLACK * self.max_pixels
+
+    @property
+    def pixel_bytes_per_token(self) -> int:
+        """Bytes of float32 pixel rows behind one placeholder token: merge_size² patch rows of 3 x
+        temporal_patch_size x patch_size² values (24 KiB for Qwen3.5)."""
+        return self.merge_size ** 2 * 3 * self.temporal_patch_size * self.patch_size ** 2 * 4
 
     @property
     def factor(self) -> int:
@@ -266,74 +267,20 @@ class PreparedVision:
     tokens: int  # placeholder tokens in the prompt: t*h*w / merge_size**2
 
 
-def preprocess_image(image: Image.Image, cfg: PreprocessConfig) -> PreparedVision:
-    """Resize, normalise and patchify one picture (repeated to ``temporal_patch_size`` frames)."""
-    new_height, new_width = _checked_resize(image, cfg)
-    frame = _normalised_frame(image, new_height, new_width, cfg)
-    frames = np.broadcast_to(frame, (cfg.temporal_patch_size, *frame.shape))
-    return _patchify(frames, cfg)
-
-
-def preprocess_encoded_image(data: bytes, cfg: PreprocessConfig, *,
-                             max_pixels: int = DEFAULT_MAX_DECODED_PIXELS) -> PreparedVision:
-    """``preprocess_image`` of image bytes. The header is checked before anything is decoded (the pixel bound,
-    the aspect ratio); a JPEG, whose header also holds its orientation, is decoded no larger than needed for the
-    size it is resized to (``decode_image``), which is computed from the header's size as the reference would
-    from the full picture; the decoded picture is dropped as soon as its rows are made."""
-    header = open_image(data)
-    try:
-        jpeg = isinstance(header, JpegImagePlugin.JpegImageFile)
-        if not jpeg:  # a JPEG is checked at the size it will be decoded at (decode_image)
-            check_pixels(*header.size, max_pixels)
-        width, height = oriented_size(header) if jpeg else header.size
-    finally:
-        header.close()
-    try:
-        _check_aspect(height, width, "image")
-    except ValueError as exc:
-        raise MediaError(str(exc)) from exc
-    target = _fit(height, width, cfg.factor, cfg.min_pixels, cfg.max_pixels) if jpeg else None
-    image = decode_image(data, max_pixels=max_pixels, at_least=None if target is None else target[::-1])
-    new_height, new_width = target if target is not None else _checked_resize(image, cfg)
-    frame = _normalised_frame(image, new_height, new_width, cfg)
-    image.close()
-    frames = np.broadcast_to(frame, (cfg.temporal_patch_size, *frame.shape))
-    return _patchify(frames, cfg)
-
-
-def _checked_resize(image: Image.Image, cfg: PreprocessConfig) -> tuple[int, int]:
-    height, width = _checked_size(image, "image")
+def image_size(height: int, width: int, cfg: PreprocessConfig) -> tuple[int, int]:
+    """The (height, width) a picture of this size is resized to (``smart_resize``); MediaError for an unusable
+    shape (an aspect ratio over 200)."""
     try:
         return smart_resize(height, width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
     except ValueError as exc:
         raise MediaError(str(exc)) from exc
 
 
-def preprocess_video(frames: Sequence[Image.Image], cfg: PreprocessConfig) -> PreparedVision:
-    """Resize, normalise and patchify a video's sampled frames, all of one size, in order."""
-    return _video(len(frames), frames.__getitem__, cfg)
-
-
-def preprocess_encoded_video(frames: Sequence[bytes], cfg: PreprocessConfig, *,
-                             max_pixels: int = DEFAULT_MAX_DECODED_PIXELS) -> PreparedVision:
-    """``preprocess_video`` of encoded frames (``decode_image`` each, ``max_pixels`` per frame), decoding one
-    frame at a time: besides the output only one decoded frame is held, however many frames there are."""
-
-    def frame(index: int) -> Image.Image:
-        try:
-            return decode_image(frames[index], max_pixels=max_pixels)
-        except MediaError as exc:
-            raise type(exc)(f"video frame {index}: {exc}") from exc
-
-    return _video(len(frames), frame, cfg)
-
-
-def _video(count: int, frame_at: Callable[[int], Image.Image], cfg: PreprocessConfig) -> PreparedVision:
-    """The frames ``frame_at(0 .. count - 1)`` resized to one size chosen from frame 0 and the count."""
+def video_size(count: int, height: int, width: int, cfg: PreprocessConfig) -> tuple[int, int]:
+    """The (height, width) the ``count`` frames of a video of this frame size are resized to; MediaError for
+    an unusable video (no frames, fewer than temporal_patch_size, an aspect ratio over 200)."""
     if not count:
         raise MediaError("a video needs at least one frame")
-    first = frame_at(0)
-    height, width = _checked_size(first, "video frame 0")
     max_pixels = cfg.video_max_pixels
     if cfg.cap_pixels_per_frame:
         # The reference's optional cap: a frame costs at most max_video_tokens merge blocks or an even share.
@@ -341,11 +288,43 @@ def _video(count: int, frame_at: Callable[[int], Image.Image], cfg: PreprocessCo
                         int(cfg.video_min_pixels * 1.05))
         max_pixels = per_frame * count
     try:
-        new_height, new_width = smart_resize_video(
-            count, height, width, temporal_factor=cfg.temporal_patch_size, factor=cfg.factor,
-            min_pixels=cfg.video_min_pixels, max_pixels=max_pixels)
+        return smart_resize_video(count, height, width, temporal_factor=cfg.temporal_patch_size, factor=cfg.factor,
+                                  min_pixels=cfg.video_min_pixels, max_pixels=max_pixels)
     except ValueError as exc:
         raise MediaError(str(exc)) from exc
+
+
+def vision_grid(frames: int, size: tuple[int, int], cfg: PreprocessConfig) -> tuple[int, int, int]:
+    """The patch grid (t, h, w) of ``frames`` frames (1 for an image) resized to ``size`` (height, width): the
+    frames padded to a multiple of temporal_patch_size, the sides cut into patch_size patches."""
+    temporal = -(-frames // cfg.temporal_patch_size)
+    return temporal, size[0] // cfg.patch_size, size[1] // cfg.patch_size
+
+
+def preprocess_image(image: Image.Image, cfg: PreprocessConfig, *, size: tuple[int, int] | None = None
+                     ) -> PreparedVision:
+    """Resize, normalise and patchify one picture (repeated to ``temporal_patch_size`` frames). ``size``: the
+    (height, width) to resize to (default: ``image_size`` of the picture's own size)."""
+    new_height, new_width = image_size(*_checked_size(image, "image"), cfg) if size is None else size
+    frame = _normalised_frame(image, new_height, new_width, cfg)
+    frames = np.broadcast_to(frame, (cfg.temporal_patch_size, *frame.shape))
+    return _patchify(frames, cfg)
+
+
+def preprocess_video(frames: Sequence[Image.Image], cfg: PreprocessConfig) -> PreparedVision:
+    """Resize, normalise and patchify a video's sampled frames, all of one size, in order."""
+    return frames_to_vision(len(frames), frames.__getitem__, cfg)
+
+
+def frames_to_vision(count: int, frame_at: Callable[[int], Image.Image], cfg: PreprocessConfig, *,
+                     resize: Callable[[int, int], tuple[int, int]] | None = None) -> PreparedVision:
+    """The frames ``frame_at(0 .. count - 1)``, taken one at a time, resized to one size: ``resize(height,
+    width)`` of frame 0 (default: ``video_size`` of it and the count). Every frame must have frame 0's size."""
+    if not count:
+        raise MediaError("a video needs at least one frame")
+    first = frame_at(0)
+    height, width = _checked_size(first, "video frame 0")
+    new_height, new_width = video_size(count, height, width, cfg) if resize is None else resize(height, width)
     padded = count + (-count % cfg.temporal_patch_size)  # the last frame repeats to fill the temporal patch
     stacked = mapped_float32((padded, 3, new_height, new_width))
     stacked[0] = _normalised_frame(first, new_height, new_width, cfg)
