@@ -107,6 +107,7 @@ class Qwen35Startup:
         dev = Device.parse(options.device)
         frontend = QwenFrontend.from_resources(artifact.frontend, chat_template_override=options.chat_template,
                                                special_tokens_in_content=options.special_tokens_in_content,
+                                               constraint_limits=options.constraint_limits,
                                                vision="vision" in features)
         banks = _bank_objects(artifact, features) if host else frozenset()
         weights, report = load_weights(artifact, features=features, device=str(dev), host_objects=banks)

@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 import attrs
 
+from ninfer.contract.constraint import ConstraintLimits
+
 MAX_CONCURRENCY = 8  # the widest decode batch an engine runs (exact-B graphs are captured for 1..this)
 DTYPES = ("float32", "bfloat16", "float16")
 PAUSE_CHOICES = ("auto", "snapshot", "replay")
@@ -120,6 +122,11 @@ def _features(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise ValueError(f"{attribute.name} must be a StartupFeatures, got {value!r}")
 
 
+def _constraint_limits(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, ConstraintLimits):
+        raise ValueError(f"{attribute.name} must be a ConstraintLimits, got {value!r}")
+
+
 # -- the fields both classes share: one default and one rule each -------------------------------------
 _SHARED: dict[str, tuple[Any, Any]] = {
     "max_concurrency": (4, _int_range(1, MAX_CONCURRENCY)),
@@ -140,6 +147,8 @@ _SHARED: dict[str, tuple[Any, Any]] = {
     "special_tokens_in_content": (False, _flag()),
     "placement": (None, _text),
     "expert_cache_bytes": (None, _int_range(0, optional=True)),
+    # constrained decoding: what one request's grammar may cost (the Frontend's compile workers and matchers)
+    "constraint_limits": (ConstraintLimits(), _constraint_limits),
 }
 MODEL_KNOBS = tuple(_SHARED)[3:]
 
@@ -166,6 +175,8 @@ class StartupOptions:
     default, ``NINFER_CACHE_HOST_BUDGET_MIB`` sets it). ``placement``: the weight placement to use (one of the
     model's candidates, e.g. "host-experts"; None: the first that fits the budget). ``expert_cache_bytes``: device
     bytes for the GPU cache of host-resident MoE experts (None: sized from the budget; 0: no cache).
+    ``constraint_limits``: what one constrained request may cost (``ConstraintLimits``; the Frontend's grammar
+    compile workers, matcher memory and time).
     """
 
     device: str = attrs.field(validator=_device(optional=False))
@@ -186,6 +197,7 @@ class StartupOptions:
     special_tokens_in_content: bool = _shared("special_tokens_in_content")
     placement: str | None = _shared("placement")
     expert_cache_bytes: int | None = _shared("expert_cache_bytes")
+    constraint_limits: ConstraintLimits = _shared("constraint_limits")
 
 
 @attrs.frozen(kw_only=True)
@@ -227,6 +239,7 @@ class EngineConfig:
     special_tokens_in_content: bool = _shared("special_tokens_in_content")
     placement: str | None = _shared("placement")
     expert_cache_bytes: int | None = _shared("expert_cache_bytes")
+    constraint_limits: ConstraintLimits = _shared("constraint_limits")
 
     def for_device(self, device: str) -> EngineConfig:
         """This configuration on ``device``, with ``prefill_chunk`` fixed (the device's default when unset)."""
