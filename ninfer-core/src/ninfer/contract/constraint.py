@@ -197,16 +197,17 @@ class ConstraintLimits:
     """UTF-8 bytes of a GBNF or Lark grammar."""
     max_regex_bytes: int = attrs.field(default=16 * KIB, validator=_at_least(1))
     """UTF-8 bytes of a regex."""
-    max_choices: int = attrs.field(default=256, validator=_at_least(1))
-    """Options of a ``choice`` (the type's own bound is MAX_CHOICES)."""
-    max_choice_bytes: int = attrs.field(default=16 * KIB, validator=_at_least(1))
+    max_choices: int = attrs.field(default=MAX_CHOICES, validator=_at_least(1))
+    """Options of a ``choice`` (the type's own bound, MAX_CHOICES, is the most)."""
+    max_choice_bytes: int = attrs.field(default=64 * KIB, validator=_at_least(1))
     """UTF-8 bytes of a ``choice``'s options together."""
     max_grammar_rules: int = attrs.field(default=8192, validator=_at_least(1))
     """Rules of the grammar built from the constraint, checked before it is compiled."""
     max_compiled_bytes: int = attrs.field(default=64 * MIB, validator=_at_least(1))
     """Bytes of one compiled grammar (its token-mask cache)."""
-    compile_timeout_s: float = attrs.field(default=20.0, validator=_seconds)
-    """Wall seconds a compile worker may take to build, compile and probe one grammar; it is killed after."""
+    compile_timeout_s: float = attrs.field(default=30.0, validator=_seconds)
+    """Wall seconds a compile worker may take to build, compile and probe one grammar (it is killed after); the
+    engine then compiles a grammar that passed in about the worker's compile time again."""
     compile_memory_bytes: int = attrs.field(default=1 * GIB, validator=_at_least(64 * MIB))
     """Address space a compile worker may add to what it holds idle (its ``RLIMIT_AS``)."""
     matcher_memory_bytes: int = attrs.field(default=64 * MIB, validator=_at_least(1 * MIB))

@@ -136,6 +136,11 @@ def _ebnf_string(text: str) -> str:
     return '"' + "".join(out) + '"'
 
 
+def mib(nbytes: int) -> str:
+    """``nbytes`` for a message: ``64 MiB``, ``0.25 MiB``, ``63.99 MiB``."""
+    return f"{nbytes / (1 << 20):.4g} MiB"
+
+
 def kind_of(c: Constraint) -> str:
     return {JsonConstraint: "the JSON schema", RegexConstraint: "the regex", ChoiceConstraint: "the choice",
             GrammarConstraint: "the grammar", ToolCallConstraint: "the tool calls"}.get(type(c), "the constraint")

@@ -91,7 +91,7 @@ class Worker:
         self.space = vm_bytes() + self.compile_memory_bytes
         _limit_address_space(self.space)
         from ninfer.contract.constraint import ConstraintError, ConstraintLimitExceeded
-        from ninfer.models.common.grammar.build import build_grammar, kind_of, reason
+        from ninfer.models.common.grammar.build import build_grammar, kind_of, mib, reason
         from ninfer.models.common.grammar.probe import probe
         from ninfer.models.common.grammar.productive import derives_a_sentence, grammar_shape, rule_count
 
@@ -124,8 +124,8 @@ class Worker:
             compile_s = time.thread_time() - t0
             size = compiled.memory_size_bytes
             if size > limits.max_compiled_bytes:
-                raise ConstraintLimitExceeded("max_compiled_bytes", f"{what} compiles to {size >> 20} MiB; at most "
-                                                                    f"{limits.max_compiled_bytes >> 20} MiB")
+                raise ConstraintLimitExceeded("max_compiled_bytes", f"{what} compiles to {mib(size)}; at most "
+                                                                    f"{mib(limits.max_compiled_bytes)}")
             phase = "probe"
             say(("phase", phase))
             _limit_address_space(vm_bytes() + limits.matcher_memory_bytes + PROBE_SLACK)
@@ -150,11 +150,13 @@ class Worker:
 
 def out_of_memory(phase: str, what: str, limits) -> tuple:
     """The verdict for a job that hit the worker's address-space limit in ``phase``."""
+    from ninfer.models.common.grammar.build import mib
+
     if phase == "probe":
         return ("refused", "matcher_memory_bytes", f"{what}: its matcher needs more than "
-                                                   f"{limits.matcher_memory_bytes >> 20} MiB within a few tokens")
+                                                   f"{mib(limits.matcher_memory_bytes)} within a few tokens")
     return ("refused", "compile_memory_bytes", f"compiling {what} needs more than "
-                                               f"{limits.compile_memory_bytes >> 20} MiB")
+                                               f"{mib(limits.compile_memory_bytes)}")
 
 
 def serve_job(worker: Worker, job: dict[str, Any], stdin, stdout) -> Any:

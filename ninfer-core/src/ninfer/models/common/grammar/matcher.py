@@ -29,6 +29,7 @@ from ninfer.contract.constraint import (
     ConstraintLimitExceeded,
     ConstraintLimits,
 )
+from ninfer.models.common.grammar.build import mib
 
 MIN_CHARGE = 256 << 10  # the least a live matcher counts against the total (its state before any growth)
 
@@ -69,8 +70,8 @@ class MatcherBudget:
         """Count a new matcher; ConstraintBusy when the total would pass its bound."""
         with self._lock:
             if self.held + nbytes > self.limits.total_matcher_bytes:
-                raise ConstraintBusy(f"the live grammar matchers hold {self.held >> 20} MiB; this request's would "
-                                     f"pass the total of {self.limits.total_matcher_bytes >> 20} MiB "
+                raise ConstraintBusy(f"the live grammar matchers hold {mib(self.held)}; this request's would "
+                                     f"pass the total of {mib(self.limits.total_matcher_bytes)} "
                                      f"(ConstraintLimits.total_matcher_bytes); retry later")
             self.live += 1
             self.held += nbytes
@@ -190,13 +191,13 @@ class TokenMatcher:
         self._growth += grown
         counted = max(self._counted[0], self._growth)
         if self._growth > self._limits.matcher_memory_bytes:
-            self._fail("matcher_memory_bytes", f"the grammar's matcher grew by {self._growth >> 20} MiB; at most "
-                                               f"{self._limits.matcher_memory_bytes >> 20} MiB per request")
+            self._fail("matcher_memory_bytes", f"the grammar's matcher grew by {mib(self._growth)}; at most "
+                                               f"{mib(self._limits.matcher_memory_bytes)} per request")
         if counted != self._counted[0] and self._release is not None and self._release.alive:
             delta, self._counted[0] = counted - self._counted[0], counted
             if not self._budget.grow(delta):
                 self._fail("total_matcher_bytes", f"the live grammar matchers passed their total of "
-                                                  f"{self._limits.total_matcher_bytes >> 20} MiB as this one grew")
+                                                  f"{mib(self._limits.total_matcher_bytes)} as this one grew")
 
     def _fail(self, limit: str, message: str) -> None:
         """Fail for good: the xgrammar matcher and what the budget counted go now, whoever still holds this."""

@@ -21,6 +21,7 @@ import attrs
 import numpy as np
 
 from ninfer.contract.constraint import ConstraintLimitExceeded, ConstraintLimits
+from ninfer.models.common.grammar.build import mib
 
 WALKS = 4
 STEPS = 32
@@ -95,8 +96,8 @@ def probe(compiled, classes: TokenClasses, limits: ConstraintLimits, *, rss: Cal
 
 
 def matcher_growth(what: str, growth: int, limits: ConstraintLimits) -> str:
-    return (f"{what}: its matcher grew by {growth >> 20} MiB within a few tokens; at most "
-            f"{limits.matcher_memory_bytes >> 20} MiB per request")
+    return (f"{what}: its matcher grew by {mib(growth)} within a few tokens; at most "
+            f"{mib(limits.matcher_memory_bytes)} per request")
 
 
 def _pick(mask: np.ndarray, classes: TokenClasses, rng: random.Random) -> int | None:
