@@ -44,7 +44,8 @@ from ninfer.contract.constraint import (
 )
 from ninfer.models.common.grammar import compile_pool
 from ninfer.models.common.grammar.build import TOOL_FORMAT, kind_of, tool_names
-from ninfer.models.common.grammar.compile_pool import POLL_S, Compiled, CompileJob, CompilePool
+from ninfer.models.common.grammar.compile_job import POLL_S, Compiled, CompileJob
+from ninfer.models.common.grammar.compile_pool import CompilePool
 from ninfer.models.common.grammar.matcher import MIN_CHARGE, MatcherBudget, TokenMatcher
 from ninfer.models.common.grammar.schema_features import check_schema
 
@@ -66,6 +67,7 @@ class GrammarBook:
         self._lock = threading.Lock()
         self._pool_lock = threading.Lock()
         self._pool: CompilePool | None = None
+        self._vocabulary_key = ""
         self._cache: OrderedDict[tuple, Compiled] = OrderedDict()
         self._cached_bytes = 0
         self._inflight: dict[tuple, CompileJob] = {}
@@ -100,6 +102,7 @@ class GrammarBook:
             job = self._inflight.get(key)
             if job is None or job.abandoned:
                 payload = {"constraint": constraint, "reasoning_open": reasoning_open, "limits": self.limits,
+                           "vocabulary": self._vocabulary_key,
                            "tools": json.loads(tools_json) if tools_json is not None else [],
                            "tool_format": self.tool_format}
                 job = CompileJob(payload, on_done=lambda job, key=key: self._finished(key, job))
@@ -192,7 +195,7 @@ class GrammarBook:
     def warm(self) -> None:
         """Build the vocabulary's tokenizer info and start a compile worker now (serve warmup), not at the
         first constrained request."""
-        self._pool_once().warm()
+        self._pool_once().warm(self._vocabulary_key)
 
     def close(self) -> None:
         """Abandon every compile in flight (their workers are killed; waiting callers get ConstraintClosed) and
@@ -215,7 +218,7 @@ class GrammarBook:
         return len(self._cache)
 
     def worker_pids(self) -> list[int]:
-        """The compile workers' process ids (shared with other books of the same vocabulary)."""
+        """The compile workers' process ids (shared with the process's other books of the same worker settings)."""
         return self._pool.pids() if self._pool is not None else []
 
     def _pool_once(self) -> CompilePool:
@@ -223,8 +226,14 @@ class GrammarBook:
             if self._closed:
                 raise ConstraintClosed("the grammar book is closed")
             if self._pool is None:
-                self._pool = compile_pool.shared_pool(self._vocabulary(), vocab_size=self.vocab_size,
-                                                      stop_token_ids=self.stop_token_ids, limits=self.limits)
+                pool = compile_pool.shared_pool(self.limits)
+                try:
+                    self._vocabulary_key = pool.add_vocabulary(self._vocabulary(), vocab_size=self.vocab_size,
+                                                               stop_token_ids=self.stop_token_ids)
+                except BaseException:
+                    compile_pool.release(pool)
+                    raise
+                self._pool = pool
             return self._pool
 
 

@@ -1,9 +1,11 @@
 """A compile worker process: builds, compiles and probes grammars where a runaway one can be stopped.
 
 Started by ``CompilePool`` as ``python -m ninfer.models.common.grammar.compile_worker``; frames
-(``grammar.frames``) on stdin/stdout. The first frame is the vocabulary; the worker builds xgrammar's
-TokenizerInfo from it, lowers its own priority (it never starves the engine) and answers ``("ready", info)``.
-Each later frame is one job (a constraint with its limits), done in a child forked for it: the child limits
+(``grammar.frames``) on stdin/stdout. The first frame is its settings; the worker imports xgrammar, lowers its
+own priority (it never starves the engine) and answers ``("ready", info)``. A ``("vocabulary", key, tokens,
+vocab_size, stop_token_ids)`` frame gives it one vocabulary, whose TokenizerInfo it builds and keeps (a
+process's grammar books of every vocabulary share the workers). Each job frame (a constraint with its limits
+and its vocabulary's key) is done in a child forked for it: the child limits
 its address space to what it holds plus ``compile_memory_bytes``, reports its steps (``("phase", "compile" |
 "probe")``, so the engine knows what a stopped job was doing) and then one verdict, and exits:
 
@@ -72,24 +74,27 @@ def _trim() -> None:
 
 class Worker:
     def __init__(self, setup: dict[str, Any]) -> None:
+        import xgrammar  # noqa: F401 - the imports every job needs, paid once
+
+        self.compile_memory_bytes = setup["compile_memory_bytes"]
+        self.vocabularies: dict[str, tuple[Any, Any]] = {}  # key -> (GrammarCompiler, TokenClasses)
+        self.space = 0
+
+    def add_vocabulary(self, key: str, tokens: list[bytes], vocab_size: int, stop_token_ids) -> None:
         import xgrammar as xgr
 
         from ninfer.models.common.grammar.probe import TokenClasses
 
-        vocabulary = setup["vocabulary"]
-        self.info = xgr.TokenizerInfo(vocabulary, xgr.VocabType.RAW, vocab_size=setup["vocab_size"],
-                                      stop_token_ids=list(setup["stop_token_ids"]))
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
-        self.classes = TokenClasses.of(vocabulary, setup["vocab_size"])
-        self.compile_memory_bytes = setup["compile_memory_bytes"]
-        del vocabulary, setup["vocabulary"]
+        info = xgr.TokenizerInfo(tokens, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
+        self.vocabularies[key] = (xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False),
+                                  TokenClasses.of(tokens, vocab_size))
         _trim()
-        self.space = 0
 
     def run(self, job: dict[str, Any], say) -> tuple:
         """The verdict on one job (in the job's child, under its address-space limit)."""
         self.space = vm_bytes() + self.compile_memory_bytes
         _limit_address_space(self.space)
+        compiler, classes = self.vocabularies[job["vocabulary"]]
         from ninfer.contract.constraint import ConstraintError, ConstraintLimitExceeded
         from ninfer.models.common.grammar.build import build_grammar, kind_of, mib, reason
         from ninfer.models.common.grammar.probe import probe
@@ -114,7 +119,7 @@ class Worker:
             say(("phase", phase))
             t0 = time.thread_time()
             try:
-                compiled = self.compiler.compile_grammar(grammar)
+                compiled = compiler.compile_grammar(grammar)
             except (MemoryError, ConstraintError):
                 raise
             except Exception as e:  # noqa: BLE001 - xgrammar names the reason
@@ -130,7 +135,7 @@ class Worker:
             say(("phase", phase))
             _limit_address_space(vm_bytes() + limits.matcher_memory_bytes + PROBE_SLACK)
             try:
-                result = probe(compiled, self.classes, limits, rss=rss_bytes, what=what)
+                result = probe(compiled, classes, limits, rss=rss_bytes, what=what)
             finally:
                 _limit_address_space(self.space)
             verdict = ("ok", {"rules": rules, "compiled_bytes": size, "compile_s": compile_s,
@@ -208,7 +213,9 @@ def main() -> int:
         while True:
             job = following if following is not None else read_frame(stdin)
             following = None
-            if job != ("cancel",):  # a cancel that crossed its job's verdict: nothing runs
+            if isinstance(job, tuple) and job[0] == "vocabulary":
+                worker.add_vocabulary(*job[1:])
+            elif job != ("cancel",):  # a cancel that crossed its job's verdict: nothing runs
                 following = serve_job(worker, job, stdin, stdout)
     except (WorkerGone, BrokenPipeError):
         return 0
