@@ -108,6 +108,7 @@ class Qwen35Startup:
         dev = Device.parse(options.device)
         frontend = QwenFrontend.from_resources(artifact.frontend, chat_template_override=options.chat_template,
                                                special_tokens_in_content=options.special_tokens_in_content,
+                                               constraint_limits=options.constraint_limits,
                                                vision="vision" in features,
                                                media_limits=MediaLimits(max_decoded_pixels=options.media_max_pixels,
                                                                         max_request_tokens=options.media_max_tokens))

@@ -10,6 +10,7 @@ import attrs
 
 from ninfer import env
 from ninfer.contract.config import MAX_CONCURRENCY, StartupFeatures
+from ninfer.contract.constraint import LIMIT_FLAGS, ConstraintLimits
 from ninfer.engine.cache_cli import add_context_cache_arguments, with_context_cache
 from ninfer.engine.cli_numbers import positive_number, whole_number
 from ninfer.engine.plan_cli import add_memory_arguments, with_memory_options
@@ -90,6 +91,7 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
     add_context_cache_arguments(p)
     add_speculative_arguments(p)
     _add_media_arguments(p)
+    _add_constraint_arguments(p)
     limits = p.add_argument_group("request preparation and slow or many clients")
     limits.add_argument("--http-threads", type=_positive_int, default=4, metavar="N",
                         help="threads that prepare plain requests for the engine (chat template, tokenization)")
@@ -207,6 +209,52 @@ def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
     return api_keys(given) if given else api_keys(env.get(API_KEY_ENV))
 
 
+# -- constrained decoding limits (ConstraintLimits; docs/serving.md, "Constrained decoding limits") ---------
+_CONSTRAINT_HELP = {
+    "max_schema_bytes": "bytes of a JSON schema (of the tools, for tool calls)",
+    "max_grammar_bytes": "bytes of a GBNF or Lark grammar",
+    "max_regex_bytes": "bytes of a regex",
+    "max_choices": "options of a choice",
+    "max_choice_bytes": "bytes of a choice's options together",
+    "max_grammar_rules": "rules of the grammar a constraint makes (checked before it compiles)",
+    "max_compiled_bytes": "bytes of one compiled grammar",
+    "compile_timeout_s": "seconds a compile worker may take for one grammar (then it is killed)",
+    "compile_memory_bytes": "address space one compile may add to its worker",
+    "matcher_memory_bytes": "memory one request's grammar matcher may grow by (probed at compile, then checked)",
+    "token_time_s": "CPU seconds of one matcher step (a token's mask or acceptance; probed, then checked)",
+    "compile_workers": "compile worker processes",
+    "compile_queue": "constraints waiting for a compile worker before new ones get 429",
+    "total_matcher_bytes": "memory all live grammar matchers may hold before new constrained requests get 429",
+}
+
+
+def _add_constraint_arguments(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group("constrained decoding limits (past one: 400 naming it; full workers or memory: 429)")
+    defaults = ConstraintLimits()
+    for name, flag in LIMIT_FLAGS.items():
+        default = getattr(defaults, name)
+        if name.endswith("_bytes"):
+            kind, shown, metavar = _byte_size, _byte_text(default), "BYTES"
+        elif name.endswith("_s"):
+            kind, shown, metavar = positive_number, default, "SECONDS"
+        else:
+            kind, shown, metavar = whole_number(0 if name == "compile_queue" else 1), default, "N"
+        # argparse passes a string default through ``type``: byte sizes show as 512K
+        group.add_argument(flag, dest=f"constraint_{name}", type=kind, default=shown, metavar=metavar,
+                           help=_CONSTRAINT_HELP[name])
+
+
+def _byte_text(n: int) -> str:
+    for unit, size in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
+def _constraint_limits(args: argparse.Namespace) -> ConstraintLimits:
+    return ConstraintLimits(**{name: getattr(args, f"constraint_{name}") for name in LIMIT_FLAGS})
+
+
 def _fail(message: str) -> int:
     print(f"ninfer serve: {message}", file=sys.stderr)
     return 2
@@ -229,6 +277,7 @@ def run_serve(args: argparse.Namespace) -> int:
         features = with_vision(speculative_features(args), args)
         media = _media_policy(args)
         keys = _api_keys(args)
+        constraint_limits = _constraint_limits(args)
     except ValueError as exc:
         return _fail(str(exc))
     chat_template = None
@@ -250,12 +299,13 @@ def run_serve(args: argparse.Namespace) -> int:
         return _fail(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}")
     with listener:
         return _load_and_serve(args, model, chat_template, features, listener, media, api_keys=keys,
-                               allowed_hosts=args.allowed_hosts or list(default_allowed_hosts(args.host)))
+                               allowed_hosts=args.allowed_hosts or list(default_allowed_hosts(args.host)),
+                               constraint_limits=constraint_limits)
 
 
 def _load_and_serve(args: argparse.Namespace, model: str, chat_template: str | None, features: StartupFeatures,
-                    listener: object, media: MediaPolicy, *, api_keys: tuple[str, ...],
-                    allowed_hosts: list[str]) -> int:
+                    listener: object, media: MediaPolicy, *, api_keys: tuple[str, ...], allowed_hosts: list[str],
+                    constraint_limits: ConstraintLimits) -> int:
     try:
         from ninfer import Engine, EngineConfig
     except ImportError as exc:
@@ -271,7 +321,8 @@ def _load_and_serve(args: argparse.Namespace, model: str, chat_template: str | N
                               verify=not args.no_verify, max_model_len=args.max_model_len, device=args.device,
                               prefill_chunk=args.prefill_chunk, chat_template=chat_template,
                               special_tokens_in_content=args.special_tokens_in_content, features=features,
-                              media_max_pixels=args.media_max_pixels, media_max_tokens=args.media_max_tokens)
+                              media_max_pixels=args.media_max_pixels, media_max_tokens=args.media_max_tokens,
+                              constraint_limits=constraint_limits)
         engine = Engine(model, config=with_memory_options(with_context_cache(config, args), args))
     except Exception as exc:  # a bad artifact or device must read as a message, not a traceback
         return _fail(f"cannot start the engine for {model}: {type(exc).__name__}: {exc}")

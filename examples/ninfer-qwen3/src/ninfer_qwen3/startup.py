@@ -68,7 +68,8 @@ class Qwen3Startup:
         config = _checked(artifact, options)
         device = Device.parse(options.device)
         frontend = QwenFrontend.from_resources(artifact.frontend, chat_template_override=options.chat_template,
-                                               special_tokens_in_content=options.special_tokens_in_content)
+                                               special_tokens_in_content=options.special_tokens_in_content,
+                                               constraint_limits=options.constraint_limits)
         weights, report = load_weights(artifact, features=FEATURES, device=str(device))
         compute = _compute_dtype(options, weights[EMBED].dtype)
         model = Qwen3Model(Qwen3Parameters.from_weights(config, weights, compute, device.torch))

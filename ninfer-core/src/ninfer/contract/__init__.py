@@ -10,6 +10,7 @@ from ninfer.contract.constraint import (
     ChoiceConstraint,
     Constraint,
     ConstraintError,
+    ConstraintLimits,
     GrammarConstraint,
     JsonConstraint,
     MaskFill,
@@ -52,7 +53,7 @@ from ninfer.contract.resources import FrontendResources
 from ninfer.contract.state import KVPoolSpec, StateField, StateImageLayout
 
 __all__ = [
-    "CacheUsage", "ChatInput", "CheckpointInfo", "ChoiceConstraint", "Constraint", "ConstraintError",
+    "CacheUsage", "ChatInput", "CheckpointInfo", "ChoiceConstraint", "Constraint", "ConstraintError", "ConstraintLimits",
     "GrammarConstraint", "GraphMemory", "HostMemory", "JsonConstraint", "MaskFill", "RegexConstraint", "TokenMasks", "ToolCallConstraint", "ContextStore", "EngineConfig", "FinishReason", "Frontend", "FrontendResources", "GenerationRequest", "GenerationResult", "GenerationStart",
     "KVPoolSpec", "LaunchedUnit", "MediaItem", "MediaSpan", "MemorySummary", "ModelInstance", "ModelProfile", "OutputDelta", "OutputSession", "PendingBatch",
     "PendingRow", "PipelinedDecode", "PreparedPrompt", "Preview", "Program", "ProgramCapacity", "PromptTooLong", "ResourceUsage", "RowDecision", "SamplingParams", "SnapshotCost", "StateField", "StateImageLayout",

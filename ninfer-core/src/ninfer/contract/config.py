@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 import attrs
 
+from ninfer.contract.constraint import ConstraintLimits
+
 MAX_CONCURRENCY = 8  # the widest decode batch an engine runs (exact-B graphs are captured for 1..this)
 DTYPES = ("float32", "bfloat16", "float16")
 PAUSE_CHOICES = ("auto", "snapshot", "replay")
@@ -120,6 +122,11 @@ def _features(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise ValueError(f"{attribute.name} must be a StartupFeatures, got {value!r}")
 
 
+def _constraint_limits(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, ConstraintLimits):
+        raise ValueError(f"{attribute.name} must be a ConstraintLimits, got {value!r}")
+
+
 # -- the fields both classes share: one default and one rule each -------------------------------------
 _SHARED: dict[str, tuple[Any, Any]] = {
     "max_concurrency": (4, _int_range(1, MAX_CONCURRENCY)),
@@ -144,6 +151,8 @@ _SHARED: dict[str, tuple[Any, Any]] = {
     "media_max_pixels": (None, _int_range(1, optional=True)),
     # the Frontend's bound on one request's image and video placeholder tokens together (None: its default)
     "media_max_tokens": (None, _int_range(1, optional=True)),
+    # constrained decoding: what one request's grammar may cost (the Frontend's compile workers and matchers)
+    "constraint_limits": (ConstraintLimits(), _constraint_limits),
 }
 MODEL_KNOBS = tuple(_SHARED)[3:]
 
@@ -174,6 +183,8 @@ class StartupOptions:
     decoding (None: the model's bound, twice the pixels its preprocessor resizes a picture to).
     ``media_max_tokens``: placeholder tokens of all of one request's images and videos, counted from their headers
     before decoding (None: the Frontend's default, 32,768; the pixel rows a request holds are bounded by it).
+    ``constraint_limits``: what one constrained request may cost (``ConstraintLimits``; the Frontend's grammar
+    compile workers, matcher memory and time).
     """
 
     device: str = attrs.field(validator=_device(optional=False))
@@ -196,6 +207,7 @@ class StartupOptions:
     expert_cache_bytes: int | None = _shared("expert_cache_bytes")
     media_max_pixels: int | None = _shared("media_max_pixels")
     media_max_tokens: int | None = _shared("media_max_tokens")
+    constraint_limits: ConstraintLimits = _shared("constraint_limits")
 
 
 @attrs.frozen(kw_only=True)
@@ -239,6 +251,7 @@ class EngineConfig:
     expert_cache_bytes: int | None = _shared("expert_cache_bytes")
     media_max_pixels: int | None = _shared("media_max_pixels")
     media_max_tokens: int | None = _shared("media_max_tokens")
+    constraint_limits: ConstraintLimits = _shared("constraint_limits")
 
     def for_device(self, device: str) -> EngineConfig:
         """This configuration on ``device``, with ``prefill_chunk`` fixed (the device's default when unset)."""

@@ -1,10 +1,11 @@
 """Constrained decoding: what a request may ask its output to be, and the masks the Program borrows.
 
 A ``Constraint`` rides on ``GenerationRequest.constraint``. The Frontend compiles it when the engine opens
-the request's OutputSession (on the submitting thread, before the request is queued; a constraint it cannot
-compile raises ``ConstraintError``, which the engine reports as a request rejection); the session holds the
-matcher and moves it with the output (preview, commit, and nothing else: pause, resume and Replay keep it).
-When the prompt opened a thinking block, the constraint applies to the answer after ``</think>``.
+the request's OutputSession (the submitting thread waits while a bounded, killable worker compiles it, before
+the request is queued; a constraint it cannot compile, or one past a ``ConstraintLimits`` bound, raises
+``ConstraintError``, which the engine reports as a request rejection); the session holds the matcher and moves
+it with the output (preview, commit, and nothing else: pause, resume and Replay keep it). When the prompt
+opened a thinking block, the constraint applies to the answer after ``</think>``.
 
 Per unit the Program borrows ``TokenMasks`` from the engine and applies the rows of constrained sequences to
 their logits before sampling, all of a unit's rows asked for at once (the engine may fill them in parallel).
@@ -15,14 +16,16 @@ tokens after the committed output and after each draft prefix.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import attrs
 
+# Hard bounds of the types themselves (no request is ever larger); ConstraintLimits sets the working ones.
 MAX_CHOICES = 1024
-MAX_CONSTRAINT_CHARS = 1 << 20  # a schema, grammar or regex text; far above any real one
+MAX_CONSTRAINT_CHARS = 1 << 20  # a schema, grammar or regex text, or all of a choice's options together
 
 
 def _json_text(value: Any) -> str | None:
@@ -96,6 +99,9 @@ class ChoiceConstraint:
         for c in value:
             if not isinstance(c, str) or not c:
                 raise ValueError(f"choice options must be non-empty strings, got {c!r}")
+        if sum(map(len, value)) > MAX_CONSTRAINT_CHARS:
+            raise ValueError(f"choice options hold {sum(map(len, value))} characters together; at most "
+                             f"{MAX_CONSTRAINT_CHARS}")
 
 
 @attrs.frozen(kw_only=True)
@@ -135,6 +141,105 @@ CONSTRAINT_TYPES = (JsonConstraint, RegexConstraint, ChoiceConstraint, GrammarCo
 class ConstraintError(ValueError):
     """The Frontend cannot compile a constraint (syntax, an unsupported schema feature, an unknown tool);
     the message names the problem. The engine rejects the request with it."""
+
+
+class ConstraintLimitExceeded(ConstraintError):
+    """The constraint is past one of the ``ConstraintLimits`` (``limit`` names the field); the message names
+    the limit and the option that raises it."""
+
+    def __init__(self, limit: str, message: str) -> None:
+        self.limit = limit
+        self.base_message = message
+        super().__init__(f"{message} (limit: {limit_option(limit)})")
+
+
+class ConstraintBusy(RuntimeError):
+    """Every compile worker and queue place is taken, or the live matchers hold the whole memory budget: the
+    constraint itself may be fine; retry later (the engine answers Overloaded)."""
+
+
+class ConstraintCancelled(RuntimeError):
+    """The caller's cancel event was set while its constraint compiled; the compile was abandoned."""
+
+
+class ConstraintClosed(RuntimeError):
+    """The Frontend was closed (the engine is shutting down) while the constraint compiled."""
+
+
+KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
+
+
+def _at_least(lo: int):
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < lo:
+            raise ValueError(f"{attribute.name} must be an integer >= {lo}, got {value!r}")
+    return check
+
+
+def _seconds(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{attribute.name} must be a positive number of seconds, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class ConstraintLimits:
+    """What one constrained request may cost, and all of them together (docs/constrained-decoding.md, "Limits").
+
+    A constraint past a size, rule, compile or probe bound is refused with ``ConstraintLimitExceeded`` (HTTP 400
+    naming the limit and its ``ninfer serve`` flag); a full compile queue or matcher budget is ``ConstraintBusy``
+    (HTTP 429). The defaults leave every compilable schema of the JSONSchemaBench sample
+    (``benchmarks/data``) far inside each bound.
+    """
+
+    max_schema_bytes: int = attrs.field(default=512 * KIB, validator=_at_least(1))
+    """UTF-8 bytes of a JSON schema (for tool calls: of the request's tools)."""
+    max_grammar_bytes: int = attrs.field(default=128 * KIB, validator=_at_least(1))
+    """UTF-8 bytes of a GBNF or Lark grammar."""
+    max_regex_bytes: int = attrs.field(default=16 * KIB, validator=_at_least(1))
+    """UTF-8 bytes of a regex."""
+    max_choices: int = attrs.field(default=MAX_CHOICES, validator=_at_least(1))
+    """Options of a ``choice`` (the type's own bound, MAX_CHOICES, is the most)."""
+    max_choice_bytes: int = attrs.field(default=64 * KIB, validator=_at_least(1))
+    """UTF-8 bytes of a ``choice``'s options together."""
+    max_grammar_rules: int = attrs.field(default=8192, validator=_at_least(1))
+    """Rules of the grammar built from the constraint, checked before it is compiled."""
+    max_compiled_bytes: int = attrs.field(default=64 * MIB, validator=_at_least(1))
+    """Bytes of one compiled grammar (its token-mask cache)."""
+    compile_timeout_s: float = attrs.field(default=30.0, validator=_seconds)
+    """Wall seconds a compile worker may take to build, compile and probe one grammar (it is killed after); the
+    engine then compiles a grammar that passed in about the worker's compile time again."""
+    compile_memory_bytes: int = attrs.field(default=1 * GIB, validator=_at_least(64 * MIB))
+    """Address space a compile worker may add to what it holds idle (its ``RLIMIT_AS``)."""
+    matcher_memory_bytes: int = attrs.field(default=64 * MIB, validator=_at_least(1 * MIB))
+    """Memory one request's matcher may grow by: probed at compile time, then checked as it runs."""
+    token_time_s: float = attrs.field(default=0.05, validator=_seconds)
+    """CPU seconds one matcher step (a token's mask or its acceptance) may take: probed, then checked."""
+    compile_workers: int = attrs.field(default=2, validator=_at_least(1))
+    """Compile worker processes (started when the first constraint arrives, or at warmup)."""
+    compile_queue: int = attrs.field(default=16, validator=_at_least(0))
+    """Distinct constraints waiting for a compile worker; one more is ConstraintBusy. A constraint that waits
+    longer than ``compile_timeout_s`` for a worker is ConstraintBusy too."""
+    total_matcher_bytes: int = attrs.field(default=1 * GIB, validator=_at_least(1 * MIB))
+    """Memory all live matchers together may hold (each counted at least at its probed size); a request that
+    would pass it is ConstraintBusy, a matcher that grows past it ends its request."""
+
+
+# The ``ninfer serve`` flag that sets each limit (named in every refusal).
+LIMIT_FLAGS = {
+    "max_schema_bytes": "--constraint-schema-bytes", "max_grammar_bytes": "--constraint-grammar-bytes",
+    "max_regex_bytes": "--constraint-regex-bytes", "max_choices": "--constraint-choices",
+    "max_choice_bytes": "--constraint-choice-bytes", "max_grammar_rules": "--constraint-rules",
+    "max_compiled_bytes": "--constraint-compiled-bytes", "compile_timeout_s": "--constraint-compile-timeout",
+    "compile_memory_bytes": "--constraint-compile-memory", "matcher_memory_bytes": "--constraint-matcher-memory",
+    "token_time_s": "--constraint-token-time", "compile_workers": "--constraint-workers",
+    "compile_queue": "--constraint-queue", "total_matcher_bytes": "--constraint-total-memory",
+}
+
+
+def limit_option(limit: str) -> str:
+    """How an operator raises ``limit``: its ConstraintLimits field and its serve flag."""
+    flag = LIMIT_FLAGS.get(limit)
+    return f"ConstraintLimits.{limit}" + (f", ninfer serve {flag}" if flag else "")
 
 
 def mask_words(vocab_size: int) -> int:

@@ -24,6 +24,8 @@ from ninfer.contract.request import SamplingParams
 from ninfer.contract.state import KVPoolSpec, StateImageLayout
 
 if TYPE_CHECKING:
+    import threading
+
     from ninfer.artifact import Artifact
 
 __all__ = ["Frontend", "ModelInstance", "OutputSession", "PauseMode", "PipelinedDecode", "Preview", "Program",
@@ -218,16 +220,20 @@ class Frontend(Protocol):
     def sampling_defaults(self) -> SamplingParams:
         """The model's generation defaults (from the artifact, never from the architecture name)."""
 
-    def open_session(self, prompt: PreparedPrompt, sampling: SamplingParams, constraint: Constraint | None = None
-                     ) -> OutputSession:
-        """The request's OutputSession; compiles ``constraint`` (``ConstraintError`` when it cannot)."""
+    def open_session(self, prompt: PreparedPrompt, sampling: SamplingParams, constraint: Constraint | None = None,
+                     *, cancel: threading.Event | None = None) -> OutputSession:
+        """The request's OutputSession; compiles ``constraint`` (``ConstraintError`` when it cannot, or when it is
+        past the Frontend's ``ConstraintLimits``; ``ConstraintBusy`` when its compilers are full). ``cancel``: the
+        engine passes its caller's event when there is one; once it is set, a compile in progress is abandoned
+        and ``ConstraintCancelled`` raised. A Frontend that closes meanwhile raises ``ConstraintClosed``."""
 
     def token_text(self, token_id: int) -> str:
         """One token's text on its own (logprob reports name each token by it)."""
 
     def close(self) -> None:
-        """Stop any threads of its own (media preparation) once accepted work is done; text still prepares.
-        The Engine calls it when it closes."""
+        """Stop any threads of its own (media preparation) once accepted work is done, and end compiles in
+        progress (their ``open_session`` raises ``ConstraintClosed``); text still prepares. The Engine calls it
+        when it closes, before it waits for its worker."""
 
 
 @attrs.frozen(kw_only=True, eq=False)

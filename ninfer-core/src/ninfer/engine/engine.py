@@ -1,20 +1,28 @@
 """The public ``ninfer.Engine``: one resident model, purpose and max_concurrency fixed at startup.
 
 ``submit`` prepares the prompt and opens the OutputSession in the caller's thread (template
-rendering, grammar compilation), then hands the request to the worker. Request-level rejections
-raise a ``RequestRejected`` subclass from ``submit``; a queue timeout ends the handle with an error.
+rendering; the caller waits while its grammar compiles in a worker process, ``GrammarBook``), then hands
+the request to the worker. Request-level rejections raise a ``RequestRejected`` subclass from ``submit``;
+a queue timeout ends the handle with an error.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
 
 import attrs
 
 from ninfer.contract.config import EngineConfig, PauseChoice
-from ninfer.contract.constraint import ConstraintError
+from ninfer.contract.constraint import (
+    ConstraintBusy,
+    ConstraintCancelled,
+    ConstraintClosed,
+    ConstraintError,
+    ConstraintLimits,
+)
 from ninfer.contract.errors import PromptTooLong
 from ninfer.contract.memory import MemorySummary
 from ninfer.contract.model import ModelInstance, ResourceUsage, StartupFeatures
@@ -22,8 +30,11 @@ from ninfer.contract.prompt import ChatInput, PreparedPrompt, TextInput
 from ninfer.contract.request import GenerationRequest, SamplingParams
 from ninfer.engine.core import EngineCore
 from ninfer.engine.errors import (
+    EngineClosed,
     InputTooLong,
     InvalidConstraint,
+    Overloaded,
+    RequestCancelled,
     RequestRejected,
     Unrepresentable,
     VisionNotEnabled,
@@ -62,7 +73,7 @@ class Engine:
                  dtype: str | None = None, page_size: int | None = None, num_pages: int | None = None,
                  cuda_graphs: bool | None = None, pdl: bool | None = None, chat_template: str | None = None,
                  special_tokens_in_content: bool | None = None, placement: str | None = None,
-                 expert_cache_bytes: int | None = None) -> None:
+                 expert_cache_bytes: int | None = None, constraint_limits: ConstraintLimits | None = None) -> None:
         """Start an engine on the artifact ``model``. Pass the options as keywords, or as one ``config``
         (an ``EngineConfig``, which documents each); a keyword left None takes the config's default.
         ``verify=False`` skips the artifact's checksums; ``special_tokens_in_content=True`` reads
@@ -79,7 +90,8 @@ class Engine:
                  "checkpoint_slots": checkpoint_slots, "cache_host_budget_bytes": cache_host_budget_bytes,
                  "dtype": dtype, "page_size": page_size, "num_pages": num_pages, "cuda_graphs": cuda_graphs,
                  "pdl": pdl, "chat_template": chat_template, "special_tokens_in_content": special_tokens_in_content,
-                 "placement": placement, "expert_cache_bytes": expert_cache_bytes}
+                 "placement": placement, "expert_cache_bytes": expert_cache_bytes,
+                 "constraint_limits": constraint_limits}
         config = _config(config, given)
         config = config.for_device(config.device or default_device())
         instance, name, self.artifact = build_instance(model, config.startup_options(), verify=config.verify)
@@ -129,8 +141,13 @@ class Engine:
         self._core = EngineCore(program, self.frontend, config)
 
     # -- requests ------------------------------------------------------------------------------------
-    def submit(self, request: GenerationRequest) -> GenerationHandle:
-        """Prepare and enqueue one request; raises RequestRejected (or EngineFailed / EngineClosed)."""
+    def submit(self, request: GenerationRequest, *, cancel: threading.Event | None = None) -> GenerationHandle:
+        """Prepare and enqueue one request; raises RequestRejected (or EngineFailed / EngineClosed).
+
+        ``cancel``: set it (from another thread) to abandon the preparation: while the request's constraint
+        compiles, its compile is stopped and ``submit`` raises RequestCancelled. A constraint past the
+        Frontend's ``ConstraintLimits`` is InvalidConstraint (the message names the limit); full compile
+        workers or matcher memory are Overloaded; ``close()`` meanwhile raises EngineClosed."""
         core = self._core
         core.ingress.check_open()
         try:
@@ -139,12 +156,7 @@ class Engine:
             self._check_media(request.input)
             prompt = self._prepare(request.input)
             sampling = merge_sampling(self._defaults, request.sampling)
-            try:
-                session = self.frontend.open_session(prompt, sampling, request.constraint)
-            except ConstraintError as exc:
-                raise InvalidConstraint(f"invalid constraint: {exc}") from exc
-            except Exception as exc:
-                raise Unrepresentable(f"request cannot be represented: {exc}") from exc
+            session = self._open_session(prompt, sampling, request.constraint, cancel)
         except RequestRejected as exc:
             core.metrics.rejected_request(exc.kind)
             raise
@@ -161,6 +173,21 @@ class Engine:
                 queue_deadline_at=None if request.queue_timeout_s is None else submitted + request.queue_timeout_s)
 
         return GenerationHandle(core.ingress.enqueue(make_record).channel)
+
+    def _open_session(self, prompt: PreparedPrompt, sampling: SamplingParams, constraint, cancel):
+        extra = {} if cancel is None else {"cancel": cancel}  # a Frontend predating the keyword still serves
+        try:
+            return self.frontend.open_session(prompt, sampling, constraint, **extra)
+        except ConstraintError as exc:
+            raise InvalidConstraint(f"invalid constraint: {exc}") from exc
+        except ConstraintBusy as exc:
+            raise Overloaded(str(exc)) from exc
+        except ConstraintCancelled as exc:
+            raise RequestCancelled(str(exc)) from exc
+        except ConstraintClosed as exc:
+            raise EngineClosed(f"engine is closed: {exc}") from exc
+        except Exception as exc:
+            raise Unrepresentable(f"request cannot be represented: {exc}") from exc
 
     @property
     def vision_enabled(self) -> bool:
@@ -234,13 +261,16 @@ class Engine:
 
     # -- lifetime ------------------------------------------------------------------------------------
     def close(self, *, drain: bool = False, timeout: float | None = None) -> None:
-        """Stop accepting work; end in-flight requests (or finish them with ``drain=True``); wait for the worker."""
+        """Stop accepting work; end in-flight requests (or finish them with ``drain=True``); wait for the worker.
+        Submits still preparing (a constraint compiling) raise EngineClosed at once."""
         core = getattr(self, "_core", None)
         if core is not None:
-            core.close(drain=drain, timeout=timeout)
+            core.ingress.request_close(drain=drain)  # no request prepares any more ...
         frontend = getattr(self, "frontend", None)
         if frontend is not None:
-            frontend.close()  # its media threads, after the worker: no request prepares any more
+            frontend.close()  # ... so its compiles are killed and its media threads stop now
+        if core is not None:
+            core.close(drain=drain, timeout=timeout)
 
     def __enter__(self) -> Engine:
         return self

@@ -68,6 +68,14 @@ class InvalidConstraint(RequestRejected):
     http_status = 400
 
 
+class RequestCancelled(RequestRejected):
+    """The caller's ``cancel`` event was set while ``submit`` prepared the request (its constraint compiled);
+    the preparation was abandoned and nothing was queued."""
+
+    kind = "cancelled"
+    http_status = 499  # the client closed the request (nginx's code); nobody reads the answer
+
+
 class EngineFailed(EngineError):
     """An internal invariant broke or the device failed; every response ends with this error."""
 

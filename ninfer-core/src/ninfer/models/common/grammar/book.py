@@ -1,20 +1,29 @@
 """GrammarBook: the compiled grammars of one vocabulary, and the per-request matchers made from them.
 
-The backend is xgrammar (``docs/constrained-decoding.md`` says why). Its ``TokenizerInfo`` is built once per
-vocabulary, lazily (the first constrained request pays for it; serve's warmup does), from the exact bytes
-of each token, with two traps closed (``shared/reference/constrained_frontend.md`` §1.6): special tokens get no
-text, so a grammar never allows ``<|im_start|>`` as string content (except the markers the model's own
-formats write as text, e.g. ``<think>`` and ``<tool_call>``), and every end-of-sequence id is a stop token.
+The backend is xgrammar (``docs/constrained-decoding.md`` says why). Its ``TokenizerInfo`` is built from the
+exact bytes of each token, with two traps closed (``shared/reference/constrained_frontend.md`` §1.6): special
+tokens get no text, so a grammar never allows ``<|im_start|>`` as string content (except the markers the
+model's own formats write as text, e.g. ``<think>`` and ``<tool_call>``), and every end-of-sequence id is a
+stop token.
 
-``compile`` runs on the submitting thread; its results are kept in a bounded LRU keyed by the constraint,
-whether the prompt opened a thinking block, and the tools. With a thinking block open the constraint applies
-after ``</think>``: the reasoning before it is free text (without the think markers), then up to two newlines.
+``compile`` runs on the submitting thread, which waits while the work happens where it can be stopped:
+
+1. cheap checks here: the constraint's size against ``ConstraintLimits``, unsupported schema keywords and
+   remote ``$ref``s (``schema_features``), the tools' names;
+2. the compiled-grammar LRU (keyed by the constraint, whether the prompt opened a thinking block, and the tools),
+   and the compiles in flight: identical constraints share one;
+3. a compile worker process (``compile_pool``) builds the grammar, refuses it past its rule limit or when it
+   derives no sentence, compiles it under an address-space limit and probes its matcher; past its deadline,
+   or once every waiter was cancelled or the book closed, it is killed;
+4. the vetted grammar is compiled in this process, on the pool's low-priority thread.
+
+Each matcher counts its probed size (at least ``MIN_CHARGE``) against the book's ``total_matcher_bytes`` and
+is guarded as it runs (``matcher``).
 """
 
 from __future__ import annotations
 
 import json
-import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -23,19 +32,22 @@ from typing import Any
 from ninfer.contract.constraint import (
     ChoiceConstraint,
     Constraint,
+    ConstraintCancelled,
+    ConstraintClosed,
     ConstraintError,
+    ConstraintLimitExceeded,
+    ConstraintLimits,
     GrammarConstraint,
     JsonConstraint,
     RegexConstraint,
     ToolCallConstraint,
 )
-from ninfer.models.common.grammar.matcher import TokenMatcher
+from ninfer.models.common.grammar import compile_pool
+from ninfer.models.common.grammar.build import TOOL_FORMAT, kind_of, tool_names
+from ninfer.models.common.grammar.compile_job import POLL_S, Compiled, CompileJob
+from ninfer.models.common.grammar.compile_pool import CompilePool
+from ninfer.models.common.grammar.matcher import MIN_CHARGE, MatcherBudget, TokenMatcher
 from ninfer.models.common.grammar.schema_features import check_schema
-
-MAX_JSON_WHITESPACE = 16  # longest whitespace run in JSON with any_whitespace (a model cannot spin on spaces)
-TOOL_FORMAT = "qwen_3_5"   # xgrammar's built-in Qwen3.5 / Qwen3-Coder XML tool-call format
-TOOL_WHITESPACE = 2  # whitespace run between the format's tags (it writes one newline): a weak model cannot stall there
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
 class GrammarBook:
@@ -43,177 +55,205 @@ class GrammarBook:
     tokens); ids from its length up to ``vocab_size`` are padding. Thread-safe."""
 
     def __init__(self, vocabulary: Callable[[], list[bytes]], *, vocab_size: int, stop_token_ids: Sequence[int],
-                 tool_format: str = TOOL_FORMAT, cache_bytes: int = 256 << 20, cache_entries: int = 512) -> None:
+                 tool_format: str = TOOL_FORMAT, limits: ConstraintLimits | None = None,
+                 cache_bytes: int = 256 << 20, cache_entries: int = 512) -> None:
         self._vocabulary = vocabulary
         self.vocab_size = vocab_size
         self.stop_token_ids = tuple(stop_token_ids)
         self.tool_format = tool_format
+        self.limits = limits if limits is not None else ConstraintLimits()
         self.cache_bytes = cache_bytes
         self.cache_entries = cache_entries
         self._lock = threading.Lock()
-        self._compiler: Any = None
-        self._cache: OrderedDict[tuple, Any] = OrderedDict()
+        self._pool_lock = threading.Lock()
+        self._pool: CompilePool | None = None
+        self._vocabulary_key = ""
+        self._cache: OrderedDict[tuple, Compiled] = OrderedDict()
         self._cached_bytes = 0
-        self.compiles = 0  # cold compiles (cache misses)
+        self._inflight: dict[tuple, CompileJob] = {}
+        self._waiters: dict[CompileJob, int] = {}
+        self._closed = False
+        self.budget = MatcherBudget(self.limits)
+        self.compiles = 0  # cold compiles (cache misses that compiled)
 
     # -- compile --------------------------------------------------------------------------------------
     def compile(self, constraint: Constraint, *, reasoning_open: bool = False,
-                tools: Sequence[Mapping[str, Any]] = ()) -> Any:
-        """The CompiledGrammar of ``constraint`` (cached); raises ConstraintError naming what is wrong."""
-        key = (constraint, reasoning_open,
-               json.dumps(list(tools), sort_keys=True) if isinstance(constraint, ToolCallConstraint) else None)
+                tools: Sequence[Mapping[str, Any]] = (), cancel: threading.Event | None = None) -> Compiled:
+        """The compiled ``constraint`` (cached). Raises ConstraintError (ConstraintLimitExceeded past a limit)
+        naming what is wrong, ConstraintBusy when the workers are full, ConstraintCancelled once ``cancel`` is
+        set while it waits, ConstraintClosed when the book closes meanwhile."""
+        self.check(constraint, tools)
+        tools_json = json.dumps(list(tools), sort_keys=True) if isinstance(constraint, ToolCallConstraint) else None
+        key = (constraint, reasoning_open, tools_json)
         with self._lock:
+            if self._closed:
+                raise ConstraintClosed("the grammar book is closed")
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-        compiler = self._compiler_once()
-        grammar = self._grammar(constraint, reasoning_open, tools)
-        try:
-            compiled = compiler.compile_grammar(grammar)
-        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError with the reason
-            raise ConstraintError(f"{_kind(constraint)} does not compile: {_reason(e)}") from e
+        pool = self._pool_once()
         with self._lock:
+            if self._closed:
+                raise ConstraintClosed("the grammar book is closed")
+            hit = self._cache.get(key)
+            if hit is not None:
+                return hit
+            job = self._inflight.get(key)
+            if job is None or job.abandoned:
+                payload = {"constraint": constraint, "reasoning_open": reasoning_open, "limits": self.limits,
+                           "vocabulary": self._vocabulary_key,
+                           "tools": json.loads(tools_json) if tools_json is not None else [],
+                           "tool_format": self.tool_format}
+                job = CompileJob(payload, on_done=lambda job, key=key: self._finished(key, job))
+                pool.submit(job)  # ConstraintBusy / ConstraintClosed before anything is recorded
+                self._inflight[key] = job
+            self._waiters[job] = self._waiters.get(job, 0) + 1
+        return self._wait(pool, key, job, cancel)
+
+    def _wait(self, pool: CompilePool, key: tuple, job: CompileJob, cancel: threading.Event | None) -> Compiled:
+        stop: BaseException | None = None
+        try:
+            while not job.done.wait(POLL_S):
+                if cancel is not None and cancel.is_set():
+                    stop = ConstraintCancelled("the request was cancelled while its constraint compiled")
+                elif self._closed:
+                    stop = ConstraintClosed("the engine closed while the constraint compiled")
+                if stop is not None:
+                    break
+                pool.expire(job)
+        finally:
+            with self._lock:
+                left = self._waiters[job] = self._waiters[job] - 1
+                if not left:
+                    del self._waiters[job]
+                    job.abandoned = not job.done.is_set()  # a later identical request starts its own
+                    if job.abandoned and self._inflight.get(key) is job:
+                        del self._inflight[key]
+            if job.abandoned:
+                pool.abandon(job, stop or ConstraintCancelled("nobody waits for this compile"))
+        if stop is not None:
+            raise stop
+        if job.error is not None:
+            raise _fresh(job.error)
+        return job.result
+
+    def _finished(self, key: tuple, job: CompileJob) -> None:
+        with self._lock:
+            if self._inflight.get(key) is job:
+                del self._inflight[key]
+            if job.result is None or self._closed:
+                return
             self.compiles += 1
             if key not in self._cache:
-                self._cache[key] = compiled
-                self._cached_bytes += compiled.memory_size_bytes
+                self._cache[key] = job.result
+                self._cached_bytes += job.result.compiled_bytes
                 while self._cache and (self._cached_bytes > self.cache_bytes or len(self._cache) > self.cache_entries):
                     _, old = self._cache.popitem(last=False)
-                    self._cached_bytes -= old.memory_size_bytes
-        return compiled
+                    self._cached_bytes -= old.compiled_bytes
 
-    def matcher(self, compiled: Any) -> TokenMatcher:
-        return TokenMatcher(compiled)
+    def matcher(self, compiled: Compiled) -> TokenMatcher:
+        """A guarded matcher, counted against the book's total; ConstraintBusy when the total is full."""
+        charge = max(MIN_CHARGE, compiled.probe_growth_bytes)
+        self.budget.reserve(charge)
+        try:
+            return TokenMatcher(compiled.grammar, budget=self.budget, charge=charge)
+        except BaseException:
+            self.budget.release([charge])
+            raise
 
+    # -- checks made here, before any worker ----------------------------------------------------------
+    def check(self, c: Constraint, tools: Sequence[Mapping[str, Any]] = ()) -> None:
+        """ConstraintError (ConstraintLimitExceeded for a size) for what can be seen without compiling."""
+        lim = self.limits
+        if isinstance(c, JsonConstraint):
+            if c.schema is not None:
+                _size("max_schema_bytes", "the JSON schema", _utf8(c.schema), lim.max_schema_bytes)
+                check_schema(c.schema_object)
+        elif isinstance(c, RegexConstraint):
+            _size("max_regex_bytes", "the regex", _utf8(c.pattern), lim.max_regex_bytes)
+        elif isinstance(c, GrammarConstraint):
+            _size("max_grammar_bytes", "the grammar", _utf8(c.grammar), lim.max_grammar_bytes)
+        elif isinstance(c, ChoiceConstraint):
+            if len(c.choices) > lim.max_choices:
+                raise ConstraintLimitExceeded("max_choices", f"the choice has {len(c.choices)} options; at most "
+                                                             f"{lim.max_choices}")
+            _size("max_choice_bytes", "the choice's options", sum(map(_utf8, c.choices)), lim.max_choice_bytes)
+        elif isinstance(c, ToolCallConstraint):
+            tool_names(c, tools)
+            try:
+                text = json.dumps(list(tools), ensure_ascii=False)
+            except (TypeError, ValueError) as e:
+                raise ConstraintError(f"the tools cannot be written as JSON: {e}") from e
+            _size("max_schema_bytes", "the tools", _utf8(text), lim.max_schema_bytes)
+            for i, tool in enumerate(tools):
+                params = tool["function"].get("parameters")
+                if params is not None:
+                    check_schema(params, f"tools[{i}].function.parameters")
+
+    # -- lifetime --------------------------------------------------------------------------------------
     def warm(self) -> None:
-        """Build the vocabulary's tokenizer info now (serve warmup), not at the first constrained request."""
-        self._compiler_once()
+        """Build the vocabulary's tokenizer info and start a compile worker now (serve warmup), not at the
+        first constrained request."""
+        self._pool_once().warm(self._vocabulary_key)
+
+    def close(self) -> None:
+        """Abandon every compile in flight (their workers are killed; waiting callers get ConstraintClosed) and
+        let the pool go. Matchers made before go on working."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            jobs = list(self._inflight.values())
+            self._inflight.clear()
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            for job in jobs:
+                pool.abandon(job, ConstraintClosed("the engine closed while the constraint compiled"))
+            compile_pool.release(pool)
 
     @property
     def cached(self) -> int:
         return len(self._cache)
 
-    # -- parts -----------------------------------------------------------------------------------------
-    def _compiler_once(self) -> Any:
-        with self._lock:
-            if self._compiler is None:
-                import xgrammar as xgr
+    def worker_pids(self) -> list[int]:
+        """The compile workers' process ids (shared with the process's other books of the same worker settings)."""
+        return self._pool.pids() if self._pool is not None else []
 
-                info = xgr.TokenizerInfo(self._vocabulary(), xgr.VocabType.RAW, vocab_size=self.vocab_size,
-                                         stop_token_ids=list(self.stop_token_ids))
-                # Our own LRU holds the results; xgrammar's cache would keep a second copy.
-                self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
-            return self._compiler
-
-    def _grammar(self, constraint: Constraint, reasoning_open: bool, tools: Sequence[Mapping[str, Any]]) -> Any:
-        import xgrammar as xgr
-
-        if isinstance(constraint, ToolCallConstraint):
-            return self._tool_calls(xgr, constraint, reasoning_open, tools)
-        try:
-            body = _body(xgr, constraint)
-        except ConstraintError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            raise ConstraintError(f"{_kind(constraint)} is not valid: {_reason(e)}") from e
-        return xgr.Grammar.concat(self._think(xgr), body) if reasoning_open else body
-
-    def _tool_calls(self, xgr, c: ToolCallConstraint, reasoning_open: bool, tools: Sequence[Mapping[str, Any]]):
-        if not tools:
-            raise ConstraintError("tool_choice needs the request's tools, and it offers none")
-        names = []
-        for i, tool in enumerate(tools):
-            fn = tool.get("function") if isinstance(tool, Mapping) else None
-            if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
-                raise ConstraintError(f"tools[{i}] has no function name")
-            names.append(fn["name"])
-            params = fn.get("parameters")
-            if params is not None:
-                check_schema(params, f"tools[{i}].function.parameters")
-        if c.tool_choice != "auto" and c.tool_choice not in ("required", *names):
-            raise ConstraintError(f"tool_choice names function {c.tool_choice!r}, which is not among the "
-                                  f"request's tools ({', '.join(names)})")
-        try:
-            if c.tool_choice == "auto":  # free text, and calls held to their tools' schemas once they begin
-                tag = xgr.get_model_structural_tag(self.tool_format, tools=[dict(t) for t in tools], tool_choice="auto",
-                                                   reasoning=reasoning_open, parallel_tool_calls=c.parallel,
-                                                   max_whitespace_cnt=TOOL_WHITESPACE)
-                return xgr.Grammar.from_structural_tag(tag.model_dump_json())
-            # required / one named function: calls only (OpenAI's tool_choice), separated by a newline as the
-            # Qwen template writes them, then the end of the turn
-            chosen = [t for t, n in zip(tools, names, strict=True) if c.tool_choice in ("required", n)]
-            calls = {"type": "tags_with_separator", "tags": [_qwen_call(t) for t in chosen], "separator": "\n",
-                     "at_least_one": True, "stop_after_first": not c.parallel}
-            body = xgr.Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": calls}))
-        except Exception as e:  # noqa: BLE001
-            raise ConstraintError(f"tool calls over these tools do not compile: {_reason(e)}") from e
-        return xgr.Grammar.concat(self._think(xgr), body) if reasoning_open else body
-
-    @staticmethod
-    def _think(xgr) -> Any:
-        """Free reasoning up to ``</think>`` (without think markers), then up to two newlines."""
-        think = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
-            {"type": "tag", "begin": "", "content": {"type": "any_text", "excludes": [THINK_OPEN, THINK_CLOSE]},
-             "end": THINK_CLOSE},
-            {"type": "regex", "pattern": "\\n{0,2}"}]}}
-        return xgr.Grammar.from_structural_tag(json.dumps(think))
+    def _pool_once(self) -> CompilePool:
+        with self._pool_lock:
+            if self._closed:
+                raise ConstraintClosed("the grammar book is closed")
+            if self._pool is None:
+                pool = compile_pool.shared_pool(self.limits)
+                try:
+                    self._vocabulary_key = pool.add_vocabulary(self._vocabulary(), vocab_size=self.vocab_size,
+                                                               stop_token_ids=self.stop_token_ids)
+                except BaseException:
+                    compile_pool.release(pool)
+                    raise
+                self._pool = pool
+            return self._pool
 
 
-def _qwen_call(tool: Mapping[str, Any]) -> dict:
-    """One call in the Qwen3.5 XML format, its parameters held to the tool's schema (xgrammar's qwen_xml style)."""
-    fn = tool["function"]
-    return {"type": "tag", "begin": f"<tool_call>\n<function={fn['name']}>\n",
-            "content": {"type": "json_schema", "json_schema": fn.get("parameters") or {"type": "object"},
-                        "style": "qwen_xml", "max_whitespace_cnt": TOOL_WHITESPACE},
-            "end": "\n</function>\n</tool_call>"}
+def _utf8(text: str) -> int:
+    return len(text.encode("utf-8", errors="surrogatepass"))
 
 
-def _body(xgr, c: Constraint) -> Any:
-    """The Grammar of the answer itself."""
-    if isinstance(c, JsonConstraint):
-        if c.schema is not None:
-            check_schema(c.schema_object)
-        return xgr.Grammar.from_json_schema(c.schema or "{}", any_whitespace=c.any_whitespace, strict_mode=True,
-                                            max_whitespace_cnt=MAX_JSON_WHITESPACE if c.any_whitespace else None)
-    if isinstance(c, RegexConstraint):
-        return xgr.Grammar.from_regex(c.pattern)
-    if isinstance(c, ChoiceConstraint):
-        return xgr.Grammar.from_ebnf("root ::= " + " | ".join(_ebnf_string(s) for s in c.choices))
-    if isinstance(c, GrammarConstraint):
-        if c.syntax == "lark":
-            return xgr.Grammar.from_lark(c.grammar)
-        return xgr.Grammar.from_ebnf(c.grammar, root_rule_name="root")
-    raise ConstraintError(f"unknown constraint type {type(c).__name__}")
+def _size(limit: str, what: str, nbytes: int, most: int) -> None:
+    if nbytes > most:
+        raise ConstraintLimitExceeded(limit, f"{what} is {nbytes} bytes; at most {most}")
 
 
-def _ebnf_string(text: str) -> str:
-    """``text`` as a GBNF string literal (backslash, quote and control characters escaped)."""
-    out = []
-    for ch in text:
-        if ch in '"\\':
-            out.append("\\" + ch)
-        elif ch == "\n":
-            out.append("\\n")
-        elif ch == "\t":
-            out.append("\\t")
-        elif ch == "\r":
-            out.append("\\r")
-        elif ord(ch) < 0x20:
-            out.append(f"\\x{ord(ch):02x}")
-        else:
-            out.append(ch)
-    return '"' + "".join(out) + '"'
+def _fresh(error: BaseException) -> BaseException:
+    """A copy of a shared job's error for one waiter (each raise gets its own traceback)."""
+    if isinstance(error, ConstraintLimitExceeded):
+        return ConstraintLimitExceeded(error.limit, error.base_message)
+    try:
+        return type(error)(*error.args)
+    except Exception:  # noqa: BLE001 - an error type that cannot be rebuilt is raised as it is
+        return error
 
 
-def _kind(c: Constraint) -> str:
-    return {JsonConstraint: "the JSON schema", RegexConstraint: "the regex", ChoiceConstraint: "the choice",
-            GrammarConstraint: "the grammar", ToolCallConstraint: "the tool calls"}.get(type(c), "the constraint")
-
-
-_LOG_PREFIX = re.compile(r"\[[0-9:]+\] \S+\.cc:[0-9]+: ")  # xgrammar's C++ log prefix: time, source file, line
-
-
-def _reason(e: BaseException) -> str:
-    text = _LOG_PREFIX.sub("", str(e)).strip() or type(e).__name__
-    return text.splitlines()[0] if len(text) > 400 else text
+__all__ = ["Compiled", "GrammarBook", "kind_of"]

@@ -6,7 +6,9 @@ xgrammar compiles most of Draft 2020-12 but ignores or mis-enforces a few keywor
 combinations with only a warning on stderr (``benchmarks/grammar_masks.py`` on JSONSchemaBench): string
 lengths beside a ``pattern``, and ``multipleOf`` beside a range. An output that silently breaks the user's
 schema is worse than a 400 that names the keyword, so these are errors. ``oneOf`` compiles as ``anyOf``
-(an output may match several branches only where they overlap); it is accepted, and documented.
+(an output may match several branches only where they overlap); it is accepted, and documented. A ``$ref``
+must point into the schema itself (``#...``): the backend never fetches a remote document, and would leave
+such a reference unenforced.
 """
 
 from __future__ import annotations
@@ -60,6 +62,10 @@ def check_schema(schema: Any, path: str = "#") -> None:
                                                             "exclusiveMaximum")):
         raise ConstraintError(f"JSON schema at {path}: multipleOf beside a minimum or maximum is not enforced by "
                               f"the grammar backend")
+    ref = schema.get("$ref")
+    if ref is not None and not (isinstance(ref, str) and ref.startswith("#")):
+        raise ConstraintError(f"JSON schema at {path}: $ref {ref!r} is not a local reference ('#' or '#/...'); "
+                              f"remote references are not fetched")
     fmt = schema.get("format")
     if fmt is not None and fmt not in FORMATS:
         raise ConstraintError(f"JSON schema at {path}: string format {fmt!r} is not supported "

@@ -15,10 +15,11 @@ A chat's images and videos (``ChatInput.media``) are prepared on the frontend's 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ninfer.contract.constraint import Constraint
+from ninfer.contract.constraint import Constraint, ConstraintLimits
 from ninfer.contract.errors import PromptTooLong
 from ninfer.contract.prompt import ChatInput, PreparedPrompt, TextInput
 from ninfer.contract.request import SamplingParams
@@ -81,9 +82,11 @@ class QwenFrontend:
 
     def __init__(self, tokenizer: QwenTokenizer, *, chat_template: str | None, eos_token_ids: tuple[int, ...],
                  generation_config: Mapping[str, Any], special_tokens_in_content: bool = False,
-                 media: MediaPreparer | None = None, without_vision: str = TEXT_ONLY_ARTIFACT) -> None:
+                 media: MediaPreparer | None = None, without_vision: str = TEXT_ONLY_ARTIFACT,
+                 constraint_limits: ConstraintLimits | None = None) -> None:
         """``media``: prepares images and videos (the frontend owns it: ``close`` stops it); without one, a
-        request with media is refused with ``without_vision`` as the reason."""
+        request with media is refused with ``without_vision`` as the reason. ``constraint_limits``: what one
+        constrained request may cost (default ``ConstraintLimits()``)."""
         self.tokenizer = tokenizer
         self.special_tokens_in_content = special_tokens_in_content
         self._literal = None if special_tokens_in_content else LiteralSpecials(tokenizer)
@@ -113,12 +116,14 @@ class QwenFrontend:
         # Compiled grammars for this vocabulary (built on first use); the Qwen formats write these as text.
         text_markers = (THINK_OPEN, THINK_CLOSE, tc.TOOL_CALL_OPEN, tc.TOOL_CALL_CLOSE)
         self.grammars = GrammarBook(lambda: tokenizer.grammar_vocabulary(text_markers),
-                                    vocab_size=tokenizer.embedding_vocab, stop_token_ids=self.eos_token_ids)
+                                    vocab_size=tokenizer.embedding_vocab, stop_token_ids=self.eos_token_ids,
+                                    limits=constraint_limits)
 
     @classmethod
     def from_resources(cls, resources: FrontendResources, *, chat_template_override: str | None = None,
                        special_tokens_in_content: bool = False, vision: bool = False,
-                       media_limits: MediaLimits | None = None, media_threads: int | None = None) -> QwenFrontend:
+                       media_limits: MediaLimits | None = None, media_threads: int | None = None,
+                       constraint_limits: ConstraintLimits | None = None) -> QwenFrontend:
         """Build from an artifact's FrontendResources. ``chat_template_override``: template text, or
         ``"builtin:qwen3_5"`` for the project's own Qwen3.5 template; it replaces the artifact's template.
         ``special_tokens_in_content``: special-token strings in chat messages are control tokens (by default
@@ -148,7 +153,8 @@ class QwenFrontend:
             return cls(tokenizer, chat_template=template, eos_token_ids=eos,
                        generation_config=resources.generation_config,
                        special_tokens_in_content=special_tokens_in_content, media=media,
-                       without_vision=TEXT_ONLY_ARTIFACT if resources.media is None else STARTED_WITHOUT_VISION)
+                       without_vision=TEXT_ONLY_ARTIFACT if resources.media is None else STARTED_WITHOUT_VISION,
+                       constraint_limits=constraint_limits)
         except BaseException:
             if media is not None:
                 media.close()
@@ -160,7 +166,9 @@ class QwenFrontend:
         return self._media is not None
 
     def close(self) -> None:
-        """Stop the media threads once the media accepted so far is prepared (text prompts still work)."""
+        """Kill the constraint compiles in flight (their callers get ConstraintClosed) and stop the media threads
+        once the media accepted so far is prepared (text prompts still work, and so do open sessions)."""
+        self.grammars.close()
         if self._media is not None:
             self._media.close()
 
@@ -206,14 +214,17 @@ class QwenFrontend:
         """One token decoded on its own (a partial UTF-8 sequence shows as U+FFFD)."""
         return self.tokenizer.decode([token_id])
 
-    def open_session(self, prompt: PreparedPrompt, sampling: SamplingParams, constraint: Constraint | None = None
-                     ) -> QwenOutputSession:
-        """The request's session; ``constraint`` is compiled here (cached per vocabulary), on the caller's thread.
-        With a thinking block open in the prompt it applies to the answer after ``</think>``."""
+    def open_session(self, prompt: PreparedPrompt, sampling: SamplingParams, constraint: Constraint | None = None,
+                     *, cancel: threading.Event | None = None) -> QwenOutputSession:
+        """The request's session; ``constraint`` is compiled for it (cached per vocabulary) while the caller's
+        thread waits (``GrammarBook.compile``); setting ``cancel`` meanwhile abandons the compile
+        (ConstraintCancelled). With a thinking block open in the prompt it applies to the answer after
+        ``</think>``."""
         self.tokenizer.check_ids(sampling.stop_token_ids)
         matcher = None
         if constraint is not None:
-            compiled = self.grammars.compile(constraint, reasoning_open=prompt.reasoning_open, tools=prompt.tools)
+            compiled = self.grammars.compile(constraint, reasoning_open=prompt.reasoning_open, tools=prompt.tools,
+                                             cancel=cancel)
             matcher = self.grammars.matcher(compiled)
         stop_ids = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:

@@ -204,7 +204,10 @@ class QwenOutputSession:
         self._grammar.fill(out, drafts)
 
     def finish(self, reason: FinishReason) -> OutputDelta:
-        """End the output (length, cancel, deadline...): release held-back text; idempotent."""
+        """End the output (length, cancel, deadline...): release held-back text, and the matcher with its
+        memory (nothing is matched after the end); idempotent."""
+        if self._grammar is not None:
+            self._grammar.close()
         if self._state.finished is not None:
             return OutputDelta()
         out = _Out()

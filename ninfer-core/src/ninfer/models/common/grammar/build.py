@@ -1,0 +1,154 @@
+"""The xgrammar ``Grammar`` of a constraint: what a compile worker vets and the engine's process then compiles.
+
+One function, ``build_grammar``, used on both sides so that what was measured is what runs. With a thinking
+block open the constraint applies after ``</think>``: the reasoning before it is free text (without the think
+markers), then up to two newlines. Tool calls use xgrammar's built-in Qwen3.5 / Qwen3-Coder XML format.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ninfer.contract.constraint import (
+    ChoiceConstraint,
+    Constraint,
+    ConstraintError,
+    GrammarConstraint,
+    JsonConstraint,
+    RegexConstraint,
+    ToolCallConstraint,
+)
+
+MAX_JSON_WHITESPACE = 16  # longest whitespace run in JSON with any_whitespace (a model cannot spin on spaces)
+TOOL_FORMAT = "qwen_3_5"   # xgrammar's built-in Qwen3.5 / Qwen3-Coder XML tool-call format
+TOOL_WHITESPACE = 2  # whitespace run between the format's tags (it writes one newline): a weak model cannot stall there
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def build_grammar(constraint: Constraint, *, reasoning_open: bool, tools: Sequence[Mapping[str, Any]],
+                  tool_format: str = TOOL_FORMAT) -> Any:
+    """The Grammar of ``constraint`` (checked statically before: ``GrammarBook``); ConstraintError names what
+    does not build."""
+    import xgrammar as xgr
+
+    if isinstance(constraint, ToolCallConstraint):
+        body = _tool_calls(xgr, constraint, reasoning_open, tools, tool_format)
+    else:
+        try:
+            body = _body(xgr, constraint)
+        except ConstraintError:
+            raise
+        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError with the reason
+            raise ConstraintError(f"{kind_of(constraint)} is not valid: {reason(e)}") from e
+    if isinstance(constraint, ToolCallConstraint) and constraint.tool_choice == "auto":
+        return body  # the structural tag carries the reasoning part itself
+    return xgr.Grammar.concat(_think(xgr), body) if reasoning_open else body
+
+
+def tool_names(c: ToolCallConstraint, tools: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The tools' function names; ConstraintError when a tool has none or ``tool_choice`` names none of them."""
+    if not tools:
+        raise ConstraintError("tool_choice needs the request's tools, and it offers none")
+    names = []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, Mapping) else None
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+            raise ConstraintError(f"tools[{i}] has no function name")
+        names.append(fn["name"])
+    if c.tool_choice != "auto" and c.tool_choice not in ("required", *names):
+        raise ConstraintError(f"tool_choice names function {c.tool_choice!r}, which is not among the "
+                              f"request's tools ({', '.join(names)})")
+    return names
+
+
+def _tool_calls(xgr, c: ToolCallConstraint, reasoning_open: bool, tools: Sequence[Mapping[str, Any]],
+                tool_format: str) -> Any:
+    names = tool_names(c, tools)
+    try:
+        if c.tool_choice == "auto":  # free text, and calls held to their tools' schemas once they begin
+            tag = xgr.get_model_structural_tag(tool_format, tools=[dict(t) for t in tools], tool_choice="auto",
+                                               reasoning=reasoning_open, parallel_tool_calls=c.parallel,
+                                               max_whitespace_cnt=TOOL_WHITESPACE)
+            return xgr.Grammar.from_structural_tag(tag.model_dump_json())
+        # required / one named function: calls only (OpenAI's tool_choice), separated by a newline as the
+        # Qwen template writes them, then the end of the turn
+        chosen = [t for t, n in zip(tools, names, strict=True) if c.tool_choice in ("required", n)]
+        calls = {"type": "tags_with_separator", "tags": [_qwen_call(t) for t in chosen], "separator": "\n",
+                 "at_least_one": True, "stop_after_first": not c.parallel}
+        return xgr.Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": calls}))
+    except Exception as e:  # noqa: BLE001
+        raise ConstraintError(f"tool calls over these tools do not compile: {reason(e)}") from e
+
+
+def _think(xgr) -> Any:
+    """Free reasoning up to ``</think>`` (without think markers), then up to two newlines."""
+    think = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "tag", "begin": "", "content": {"type": "any_text", "excludes": [THINK_OPEN, THINK_CLOSE]},
+         "end": THINK_CLOSE},
+        {"type": "regex", "pattern": "\\n{0,2}"}]}}
+    return xgr.Grammar.from_structural_tag(json.dumps(think))
+
+
+def _qwen_call(tool: Mapping[str, Any]) -> dict:
+    """One call in the Qwen3.5 XML format, its parameters held to the tool's schema (xgrammar's qwen_xml style)."""
+    fn = tool["function"]
+    return {"type": "tag", "begin": f"<tool_call>\n<function={fn['name']}>\n",
+            "content": {"type": "json_schema", "json_schema": fn.get("parameters") or {"type": "object"},
+                        "style": "qwen_xml", "max_whitespace_cnt": TOOL_WHITESPACE},
+            "end": "\n</function>\n</tool_call>"}
+
+
+def _body(xgr, c: Constraint) -> Any:
+    """The Grammar of the answer itself."""
+    if isinstance(c, JsonConstraint):
+        return xgr.Grammar.from_json_schema(c.schema or "{}", any_whitespace=c.any_whitespace, strict_mode=True,
+                                            max_whitespace_cnt=MAX_JSON_WHITESPACE if c.any_whitespace else None)
+    if isinstance(c, RegexConstraint):
+        return xgr.Grammar.from_regex(c.pattern)
+    if isinstance(c, ChoiceConstraint):
+        return xgr.Grammar.from_ebnf("root ::= " + " | ".join(_ebnf_string(s) for s in c.choices))
+    if isinstance(c, GrammarConstraint):
+        if c.syntax == "lark":
+            return xgr.Grammar.from_lark(c.grammar)
+        return xgr.Grammar.from_ebnf(c.grammar, root_rule_name="root")
+    raise ConstraintError(f"unknown constraint type {type(c).__name__}")
+
+
+def _ebnf_string(text: str) -> str:
+    """``text`` as a GBNF string literal (backslash, quote and control characters escaped)."""
+    out = []
+    for ch in text:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ch == "\n":
+            out.append("\\n")
+        elif ch == "\t":
+            out.append("\\t")
+        elif ch == "\r":
+            out.append("\\r")
+        elif ord(ch) < 0x20:
+            out.append(f"\\x{ord(ch):02x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def mib(nbytes: int) -> str:
+    """``nbytes`` for a message: ``64 MiB``, ``0.25 MiB``, ``63.99 MiB``."""
+    return f"{nbytes / (1 << 20):.4g} MiB"
+
+
+def kind_of(c: Constraint) -> str:
+    return {JsonConstraint: "the JSON schema", RegexConstraint: "the regex", ChoiceConstraint: "the choice",
+            GrammarConstraint: "the grammar", ToolCallConstraint: "the tool calls"}.get(type(c), "the constraint")
+
+
+_LOG_PREFIX = re.compile(r"\[[0-9:]+\] \S+\.cc:[0-9]+: ")  # xgrammar's C++ log prefix: time, source file, line
+
+
+def reason(e: BaseException) -> str:
+    text = _LOG_PREFIX.sub("", str(e)).strip() or type(e).__name__
+    return text.splitlines()[0] if len(text) > 400 else text
