@@ -168,7 +168,7 @@ def test_generate_sends_the_media_in_the_user_message(frames, capsys, monkeypatc
         def __exit__(self, *exc):
             pass
 
-        def submit(self, request):
+        def submit(self, request, cancel=None):
             sent.append(request.input)
             raise VisionNotEnabled("stub: no vision here")
 

@@ -94,6 +94,14 @@ def test_engine_takes_keywords_or_a_config_not_both():
         assert engine.instance.program.max_concurrency == 2 and engine.instance.program.max_model_len == 64
 
 
+def test_every_config_field_is_an_engine_keyword():
+    """``Engine(model, **options)`` takes every EngineConfig field (docs/engine.md, "Configuration")."""
+    import inspect
+
+    keywords = set(inspect.signature(ninfer.Engine.__init__).parameters)
+    assert {f.name for f in attrs.fields(EngineConfig)} <= keywords
+
+
 def test_contract_declares_what_the_engine_reads():
     assert {"max_concurrency", "max_model_len", "state_layout", "kv_pools"} <= set(Program.__annotations__)
     assert callable(Frontend.token_text)

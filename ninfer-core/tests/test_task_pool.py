@@ -290,6 +290,37 @@ def test_a_free_thread_takes_the_owner_running_fewest_first():
     assert order == ["b1", "a3"]
 
 
+def test_an_owner_runs_at_most_max_running_per_owner_tasks_and_a_thread_stays_for_the_others():
+    """With two threads and a running cap of one, owner a's second task waits queued while a thread is free, so
+    owner b's task, queued after it, starts at once; a's task runs when its first ends; tasks without an owner
+    are never held back; at shutdown the held-back tasks still run."""
+    with TaskPool("capped", threads=2, max_queued=8, max_running_per_owner=1) as p:
+        (s1, r1, a1) = blocker()
+        assert p.try_submit(a1, owner="a") and s1.wait(GUARD_S)
+        a2_started = threading.Event()
+        a2 = Task(lambda: a2_started.set())
+        assert p.try_submit(a2, owner="a")
+        (s2, r2, b1) = blocker()
+        assert p.try_submit(b1, owner="b") and s2.wait(GUARD_S)  # the free thread was kept for b
+        assert not a2_started.is_set() and p.queued == 1
+        r2.set()
+        assert b1.result(GUARD_S) == "blocker"
+        anonymous = [Task(lambda: "free") for _ in range(2)]
+        for t in anonymous:
+            assert p.try_submit(t)
+        assert [t.result(GUARD_S) for t in anonymous] == ["free", "free"]
+        assert not a2_started.is_set()  # still held back while a1 runs
+        r1.set()
+        assert a1.result(GUARD_S) == "blocker"
+        assert a2_started.wait(GUARD_S)
+    p = TaskPool("capped-drain", threads=1, max_queued=8, max_running_per_owner=1)
+    done = [Task(lambda i=i: i) for i in range(3)]
+    for t in done:
+        assert p.try_submit(t, owner="a")
+    p.shutdown()
+    assert [t.result(0) for t in done] == [0, 1, 2]
+
+
 def test_a_bounded_shutdown_returns_while_a_task_is_stuck():
     p = TaskPool("stuck", threads=2, max_queued=1)
     started, release, first = blocker()

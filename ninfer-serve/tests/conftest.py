@@ -70,10 +70,12 @@ class ScriptedEngine:
         self.submitted = []
         self.next = None  # callable(request) -> ScriptedHandle, or an exception to raise
         self.handles = []
+        self.cancels = []  # the ``cancel`` event each submit was given
         self.recorder = MetricsRecorder()
 
-    def submit(self, request):
+    def submit(self, request, cancel=None):
         self.submitted.append(request)
+        self.cancels.append(cancel)
         if isinstance(self.next, BaseException):
             raise self.next
         h = self.next(request)

@@ -26,7 +26,7 @@ class Gate:
         self.script = script
         engine.next = self.submit
 
-    def submit(self, req):
+    def submit(self, req, cancel=None):
         self.threads.append(threading.current_thread().name)
         self.entered.set()
         assert self.release.wait(GUARD_S)

@@ -52,21 +52,22 @@ def test_defaults(served):
     seen = served()
     assert seen["listener"]["max_per_client"] == 128 and seen["listener"]["max_connections"] == 512
     app = seen["app"]
-    assert app["heavy_threads"] is None  # half the CPU cores, 1 to 4
-    assert (app["heavy_queue"], app["heavy_per_client"], app["media_per_client"]) == (64, 16, 16)
+    assert (app["heavy_threads"], app["heavy_queue"], app["heavy_per_client"], app["heavy_running_per_client"],
+            app["media_per_client"]) == (4, 64, 16, 1, 16)
     assert seen["drain"] is not None and app["drain"] is seen["drain"]
 
 
 def test_options_reach_the_listener_and_the_app(served):
     seen = served("--max-connections-per-client", "7", "--heavy-threads", "3", "--heavy-queue", "0",
-                  "--heavy-per-client", "2", "--media-per-client", "5")
+                  "--heavy-per-client", "2", "--heavy-running-per-client", "2", "--media-per-client", "5")
     assert seen["listener"]["max_per_client"] == 7
     app = seen["app"]
-    assert (app["heavy_threads"], app["heavy_queue"], app["heavy_per_client"], app["media_per_client"]) == (3, 0, 2, 5)
+    assert (app["heavy_threads"], app["heavy_queue"], app["heavy_per_client"], app["heavy_running_per_client"],
+            app["media_per_client"]) == (3, 0, 2, 2, 5)
 
 
 @pytest.mark.parametrize("option", ["--max-connections-per-client", "--heavy-threads", "--heavy-per-client",
-                                    "--media-per-client"])
+                                    "--heavy-running-per-client", "--media-per-client"])
 def test_zero_is_refused(served, option, capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--port", "0", option, "0"])

@@ -34,7 +34,7 @@ def served(monkeypatch):
     monkeypatch.setattr(StubEngine, "configs", [])
     monkeypatch.setattr(ninfer, "Engine", StubEngine, raising=False)
     monkeypatch.setattr(ninfer_serve.app, "create_app", lambda engine, **kw: object())
-    monkeypatch.setattr(ninfer_serve.server, "serve", lambda app, listener, options: None)
+    monkeypatch.setattr(ninfer_serve.server, "serve", lambda app, listener, options, drain=None: None)
 
     def run(*options: str):
         assert main(["serve", "--port", "0", "--no-warmup", *options]) == 0

@@ -74,7 +74,7 @@ def test_what_outlives_the_graceful_timeout_is_ended_with_answers(engine):
     handles: list[EndlessHandle] = []
     slow_submit, stuck = threading.Event(), threading.Event()
 
-    def submit(req):
+    def submit(req, cancel=None):
         if req.request_id and len(handles) == 3 and not stuck.is_set():
             stuck.set()
             assert slow_submit.wait(GUARD_S)  # holds the only thread: the next request waits for it

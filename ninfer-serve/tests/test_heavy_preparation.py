@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -41,7 +43,7 @@ class HeavyGate:
         self.script = script
         engine.next = self.submit
 
-    def submit(self, req):
+    def submit(self, req, cancel=None):
         media = isinstance(req.input, ChatInput) and req.input.media
         kind = "heavy" if req.constraint is not None or media else "plain"
         self.threads[kind].append(threading.current_thread().name)
@@ -74,17 +76,17 @@ def shut(app) -> None:
 
 
 def test_a_plain_request_is_served_while_every_heavy_thread_is_busy(engine, script):
-    """Three constrained requests hold every heavy thread in their compile; a plain request still runs at once,
-    on the plain pool (two threads here, fewer than the heavy requests)."""
+    """Three clients' constrained requests hold every heavy thread in their compile; a plain request still runs
+    at once, on the plain pool (two threads here, fewer than the heavy requests)."""
     gate = HeavyGate(engine, script)
     app = create_app(engine, http_threads=2, heavy_threads=3)
 
     async def main():
-        (c,) = clients(app, "127.0.0.1")
-        async with c:
-            heavy = [asyncio.ensure_future(c.post("/v1/chat/completions", json=CONSTRAINED)) for _ in range(3)]
+        cs = clients(app, "127.0.0.1", "127.0.0.2", "127.0.0.3")
+        async with cs[0], cs[1], cs[2]:
+            heavy = [asyncio.ensure_future(c.post("/v1/chat/completions", json=CONSTRAINED)) for c in cs]
             await in_thread(gate.wait_entered, 3)
-            plain = await c.post("/v1/chat/completions", json=PLAIN)
+            plain = await cs[0].post("/v1/chat/completions", json=PLAIN)
             gate.release.set()
             return plain, await asyncio.gather(*heavy)
 
@@ -128,6 +130,62 @@ def test_one_address_holds_at_most_its_share_of_the_heavy_pool(engine, script):
     assert err["code"] == "overload" and err["type"] == "rate_limit_error" and "one client address" in err["message"]
     assert plain.status_code == 200 and [r.status_code for r in served] == [200] * 3
     assert len(engine.submitted) == 4  # the refused request never reached the engine
+
+
+def test_one_address_runs_one_heavy_preparation_and_a_thread_stays_for_another(engine, script):
+    """Two heavy threads: client a's two constrained requests are accepted, but only one is prepared at once
+    (``heavy_running_per_client``), so client b's request, sent after them, takes the second thread at once."""
+    gate = HeavyGate(engine, script)
+    app = create_app(engine, heavy_threads=2, heavy_queue=8)
+    heavy = app.state.gateway.heavy_pool
+
+    async def main():
+        a, b = clients(app, "127.0.0.2", "127.0.0.3")
+        async with a, b:
+            held = [asyncio.ensure_future(a.post("/v1/chat/completions", json=CONSTRAINED)) for _ in range(2)]
+            await in_thread(gate.wait_entered, 1)
+            while heavy.held("127.0.0.2") < 2:  # one running, one queued while a thread is free
+                await asyncio.sleep(0.001)
+            other = asyncio.ensure_future(b.post("/v1/chat/completions", json=CONSTRAINED))
+            await in_thread(gate.wait_entered, 2)  # b's request runs beside a's first
+            running = heavy.running
+            gate.release.set()
+            return running, await asyncio.gather(*held, other)
+
+    try:
+        running, served = asyncio.run(asyncio.wait_for(main(), GUARD_S))
+    finally:
+        gate.release.set()
+        shut(app)
+    assert running == 2 and [r.status_code for r in served] == [200] * 3
+    assert [r.input.messages for r in engine.submitted] and len(engine.submitted) == 3
+
+
+def test_a_client_that_leaves_cancels_its_preparation(engine, script):
+    """The client of a constrained request closes its connection while its grammar compiles: the ``cancel``
+    event ``engine.submit`` was given is set (a compile only it waits for is then killed)."""
+    entered, release = threading.Event(), threading.Event()
+
+    def submit(req):
+        entered.set()
+        assert release.wait(GUARD_S)
+        return script.Handle("r", script.text("r", 1, ["{}"]))
+    engine.next = submit
+    app = create_app(engine)
+    body = json.dumps(CONSTRAINED).encode()
+    try:
+        with ThreadServer(app) as srv, socket.create_connection(("127.0.0.1", srv.port), timeout=GUARD_S) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+                         b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            assert entered.wait(GUARD_S)
+            sock.close()  # the client goes away while its request is prepared
+            end = time.monotonic() + GUARD_S
+            while not engine.cancels[0].is_set():  # hang guard
+                assert time.monotonic() < end, "the preparation was not cancelled"
+                time.sleep(0.005)
+    finally:
+        release.set()
+    assert len(engine.cancels) == 1
 
 
 def test_one_address_holds_at_most_its_share_of_the_media_pool(engine, script, monkeypatch):
@@ -206,13 +264,3 @@ def test_stopping_does_not_wait_for_a_stuck_preparation(engine, script):
 def test_bad_pool_sizes_are_refused(engine, threads):
     with pytest.raises(ValueError):
         create_app(engine, heavy_threads=threads)
-
-
-@pytest.mark.parametrize("cores,threads", [(1, 1), (2, 1), (4, 2), (8, 4), (64, 4)])
-def test_the_default_heavy_threads_are_half_the_cores(monkeypatch, cores, threads):
-    import os
-
-    from ninfer_serve.preparation import default_heavy_threads
-
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
-    assert default_heavy_threads() == threads

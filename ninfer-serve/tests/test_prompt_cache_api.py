@@ -163,7 +163,7 @@ class _IdleEngine:
         self.submitted = []
         self.vision_enabled = vision_enabled
 
-    def submit(self, request):
+    def submit(self, request, cancel=None):
         self.submitted.append(request)
         return _Done(request.request_id)
 
@@ -203,9 +203,9 @@ def real_engine():
             submitted = []
             submit = engine.submit
 
-            def recording(request):
+            def recording(request, cancel=None):
                 submitted.append(request)
-                return submit(request)
+                return submit(request, cancel=cancel)
             engine.submit = recording
             engine.submitted = submitted
             yield engine

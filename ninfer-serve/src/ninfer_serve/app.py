@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -43,7 +44,7 @@ from ninfer_serve.media import MediaAcquirer, MediaPolicy
 from ninfer_serve.metrics import GatewayMetrics
 from ninfer_serve.offload import ClientGone, client_of, submit_or_refuse, unless_disconnected, unless_ended
 from ninfer_serve.openapi import openapi_document
-from ninfer_serve.preparation import Preparation, close_all, submit_each
+from ninfer_serve.preparation import HEAVY_THREADS, Preparation, close_all, submit_each
 from ninfer_serve.responses import DONE, ChatResponse, CompletionResponse
 from ninfer_serve.schemas import ChatCompletionRequest, CompletionRequest, parse_json, structure
 from ninfer_serve.translate import chat_request, choices, completion_request
@@ -187,12 +188,14 @@ class Gateway:
         """Submit every choice through a preparation TaskPool (the heavy one for a grammar or media); a full
         queue, or a client holding its share of the heavy pool, answers 429. A client that leaves meanwhile
         abandons the task: it never runs, or its handles are closed."""
-        task: Task[list[Any]] = Task(lambda: submit_each(self.engine, gens), on_abandon=close_all)
+        cancel = threading.Event()
+        task: Task[list[Any]] = Task(lambda: submit_each(self.engine, gens, cancel), on_abandon=close_all)
         submit_or_refuse(self.preparation.pool_for(gens), task, retry_after_s=self.retry_after_s,
                          waiting_for="to be prepared", owner=client_of(request))
         try:
             return await self._watched(request, task.wait())
         except (APIError, ClientGone):
+            cancel.set()  # nobody waits for this preparation any more: a compile only it needs is killed
             raise
         except Exception as exc:  # RequestRejected, EngineFailed, EngineClosed, anything else
             raise from_engine_error(exc, request_id=rid, retry_after_s=self.retry_after_s) from None
@@ -310,8 +313,9 @@ class Gateway:
 
 def create_app(engine: Any, *, model_id: str | None = None, queue_timeout_s: float | None = 60.0,
                retry_after_s: int = 1, max_body_bytes: int = 32 << 20, body_timeout_s: float = 30.0,
-               http_threads: int = 4, http_queue: int = 64, heavy_threads: int | None = None, heavy_queue: int = 64,
-               heavy_per_client: int | None = 16, media_per_client: int | None = 16,
+               http_threads: int = 4, http_queue: int = 64, heavy_threads: int = HEAVY_THREADS, heavy_queue: int = 64,
+               heavy_per_client: int | None = 16, heavy_running_per_client: int | None = 1,
+               media_per_client: int | None = 16,
                api_key: str | Sequence[str] | None = None,
                allowed_hosts: Sequence[str] | None = None, allowed_origins: Sequence[str] | None = None,
                media: MediaPolicy | None = None, drain: Drain | None = None) -> Starlette:
@@ -319,8 +323,8 @@ def create_app(engine: Any, *, model_id: str | None = None, queue_timeout_s: flo
 
     The app owns two TaskPools for ``engine.submit`` (ninfer_serve.preparation): plain requests
     (``http_threads`` threads, ``http_queue`` waiting) and those with a constraint or media (``heavy_threads``,
-    None: half the CPU cores, 1 to 4; ``heavy_queue``; at most ``heavy_per_client`` places per client
-    address), and one for media acquisition as ``media`` says (default ``MediaPolicy()``: data URLs only; at
+    ``heavy_queue``; at most ``heavy_per_client`` places per client address, ``heavy_running_per_client`` of
+    them running), and one for media acquisition as ``media`` says (default ``MediaPolicy()``: data URLs only; at
     most ``media_per_client`` places per client address); its lifespan shuts them down when the server stops,
     joining their threads within ``POOL_JOIN_S``.
     ``drain`` is the server's shutdown state (ninfer_serve.drain; the server sets it); ``None``: one of its
@@ -329,7 +333,8 @@ def create_app(engine: Any, *, model_id: str | None = None, queue_timeout_s: flo
     ``allowed_origins`` turns CORS on for those origins (off by default).
     """
     preparation = Preparation(threads=http_threads, queue=http_queue, heavy_threads=heavy_threads,
-                              heavy_queue=heavy_queue, heavy_per_client=heavy_per_client)
+                              heavy_queue=heavy_queue, heavy_per_client=heavy_per_client,
+                              heavy_running_per_client=heavy_running_per_client)
     acquirer = MediaAcquirer(media or MediaPolicy(), retry_after_s=retry_after_s, per_client=media_per_client)
     gw = Gateway(engine, model_id=model_id, queue_timeout_s=queue_timeout_s, retry_after_s=retry_after_s,
                  body_timeout_s=body_timeout_s, preparation=preparation, media=acquirer, drain=drain or Drain())

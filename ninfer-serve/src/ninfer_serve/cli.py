@@ -17,6 +17,7 @@ from ninfer.engine.plan_cli import add_memory_arguments, with_memory_options
 from ninfer.engine.speculative_cli import add_speculative_arguments, speculative_features
 from ninfer.engine.vision_cli import add_vision_argument, with_vision
 from ninfer_serve.media_policy import MAX_MEDIA_THREADS, MIB, MediaPolicy, allowed_host_names
+from ninfer_serve.preparation import HEAVY_THREADS
 
 API_KEY_ENV = "NINFER_API_KEY"
 _MEDIA = attrs.fields(MediaPolicy)  # the defaults, written once
@@ -134,14 +135,17 @@ def _add_client_share_arguments(p: argparse.ArgumentParser) -> None:
     share.add_argument("--max-connections-per-client", type=_positive_int, default=128, metavar="N",
                        help="open connections one client address may hold (at most --max-connections); one more "
                             "is answered 503 and closed")
-    share.add_argument("--heavy-threads", type=_positive_int, metavar="N",
-                       help="threads that prepare requests with a constraint or media (grammar compilation, media "
-                            "decoding), apart from plain requests (default: half the CPU cores, 1 to 4)")
+    share.add_argument("--heavy-threads", type=_positive_int, default=HEAVY_THREADS, metavar="N",
+                       help="threads that prepare requests with a constraint or media (they wait for grammar compile "
+                            "workers and media decoding), apart from plain requests")
     share.add_argument("--heavy-queue", type=whole_number(0), default=64, metavar="N",
                        help="requests waiting for a heavy-preparation thread before new ones get 429")
     share.add_argument("--heavy-per-client", type=_positive_int, default=16, metavar="N",
                        help="requests one client address may have waiting for or in heavy preparation; one more "
                             "gets 429")
+    share.add_argument("--heavy-running-per-client", type=_positive_int, default=1, metavar="N",
+                       help="of those, how many are prepared at once (the others wait while a thread is free, which "
+                            "keeps it for another client)")
     share.add_argument("--media-per-client", type=_positive_int, default=16, metavar="N",
                        help="requests one client address may have waiting for or fetching media; one more gets 429")
 
@@ -339,7 +343,8 @@ def _load_and_serve(args: argparse.Namespace, model: str, chat_template: str | N
         app = create_app(engine, model_id=args.model_id, queue_timeout_s=args.queue_timeout,
                          body_timeout_s=args.body_timeout, http_threads=args.http_threads,
                          http_queue=args.http_queue, heavy_threads=args.heavy_threads, heavy_queue=args.heavy_queue,
-                         heavy_per_client=args.heavy_per_client, media_per_client=args.media_per_client,
+                         heavy_per_client=args.heavy_per_client,
+                         heavy_running_per_client=args.heavy_running_per_client, media_per_client=args.media_per_client,
                          drain=drain, api_key=api_keys or None,
                          allowed_hosts=None if "*" in allowed_hosts else allowed_hosts,
                          allowed_origins=args.allowed_origins, media=media)

@@ -5,13 +5,19 @@ grammar compiled there, and a chat with images or videos has them decoded there,
 more. Those heavy requests go to their own pool, so a plain request never waits behind them: the plain pool
 (``--http-threads`` / ``--http-queue``) and the heavy pool (``--heavy-threads`` / ``--heavy-queue``) each have
 their own threads and queue. In the heavy pool one client address holds at most ``--heavy-per-client``
-places (queued and running; 429 past it), and a free thread takes the oldest task of the clients running
-fewest, so no client can hold the whole pool or keep the others' work from starting.
+places (queued and running; 429 past it) and runs at most ``--heavy-running-per-client`` of them at once (its
+others wait queued while a thread is free), and a free thread takes the oldest task of the clients running
+fewest, so no client can hold the whole pool or keep the others' work from starting. The heavy threads mostly
+wait: a grammar compiles in the Frontend's compile worker processes and media decode on its media threads,
+which bound the CPU that preparation takes (docs/constrained-decoding.md, docs/vision.md).
+
+A client that leaves while its request is prepared sets the request's ``cancel`` event (``Engine.submit``):
+a grammar compile that nobody else waits for is then killed.
 """
 
 from __future__ import annotations
 
-import os
+import threading
 import time
 from typing import Any
 
@@ -21,15 +27,7 @@ from ninfer.contract import GenerationRequest
 from ninfer.contract.prompt import ChatInput
 from ninfer.core.task_pool import TaskPool
 
-
-def default_heavy_threads() -> int:
-    """Half the CPU cores this process may run on, 1 to 4: a compile or a decode keeps a core busy (a grammar
-    compile two), and more of them at once than the cores take slow the plain requests' decoding too."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 2
-    return max(1, min(4, cores // 2))
+HEAVY_THREADS = 4  # they wait for compile workers and media threads, which bound the CPU themselves
 
 
 def is_heavy(gen: GenerationRequest) -> bool:
@@ -38,16 +36,15 @@ def is_heavy(gen: GenerationRequest) -> bool:
 
 
 class Preparation:
-    """The plain and the heavy TaskPool (sizes as ``ninfer serve``'s ``--http-*`` and ``--heavy-*`` options;
-    ``heavy_threads`` None: ``default_heavy_threads()``), and which one a request's choices are submitted on."""
+    """The plain and the heavy TaskPool (sizes as ``ninfer serve``'s ``--http-*`` and ``--heavy-*`` options),
+    and which one a request's choices are submitted on."""
 
-    def __init__(self, *, threads: int = 4, queue: int = 64, heavy_threads: int | None = None, heavy_queue: int = 64,
-                 heavy_per_client: int | None = 16) -> None:
+    def __init__(self, *, threads: int = 4, queue: int = 64, heavy_threads: int = HEAVY_THREADS, heavy_queue: int = 64,
+                 heavy_per_client: int | None = 16, heavy_running_per_client: int | None = 1) -> None:
         self.plain = TaskPool("ninfer-http", threads=threads, max_queued=queue)
-        heavy_threads = default_heavy_threads() if heavy_threads is None else heavy_threads
         try:
             self.heavy = TaskPool("ninfer-heavy", threads=heavy_threads, max_queued=heavy_queue,
-                                  max_per_owner=heavy_per_client)
+                                  max_per_owner=heavy_per_client, max_running_per_owner=heavy_running_per_client)
         except BaseException:
             self.plain.shutdown()
             raise
@@ -63,16 +60,17 @@ class Preparation:
             pool.shutdown(timeout=max(0.0, end - time.monotonic()))
 
 
-def submit_each(engine: Any, gens: list[GenerationRequest]) -> list[Any]:
+def submit_each(engine: Any, gens: list[GenerationRequest], cancel: threading.Event | None = None) -> list[Any]:
     """Submit every choice (in a pool thread); all or none. The choices of a chat with media share one
-    prepared prompt: its images and videos are decoded once, not once per choice."""
+    prepared prompt: its images and videos are decoded once, not once per choice. ``cancel``: set when the
+    client is gone (a compile in progress for it stops)."""
     handles: list[Any] = []
     if len(gens) > 1 and isinstance(gens[0].input, ChatInput) and gens[0].input.media:
         prompt = engine.prepare(gens[0].input)
         gens = [attrs.evolve(gen, input=prompt) for gen in gens]
     try:
         for gen in gens:
-            handles.append(engine.submit(gen))
+            handles.append(engine.submit(gen, cancel=cancel))
     except BaseException:
         close_all(handles)
         raise

@@ -202,19 +202,25 @@ class Task(Generic[T]):
 
 class TaskPool:
     """``threads`` worker threads taking tasks from a queue of at most ``max_queued``: FIFO, except that the
-    owners running fewest tasks go first; ``max_per_owner`` (None: no cap) bounds each owner's places."""
+    owners running fewest tasks go first; ``max_per_owner`` (None: no cap) bounds each owner's places, and
+    ``max_running_per_owner`` (None: no cap) how many of an owner's tasks run at once (its others wait
+    queued even while a thread is free, which keeps that thread for another owner's next task)."""
 
-    def __init__(self, name: str, *, threads: int, max_queued: int, max_per_owner: int | None = None) -> None:
+    def __init__(self, name: str, *, threads: int, max_queued: int, max_per_owner: int | None = None,
+                 max_running_per_owner: int | None = None) -> None:
         if threads < 1:
             raise ValueError(f"a TaskPool needs at least one thread, got {threads}")
         if max_queued < 0:
             raise ValueError(f"max_queued must be >= 0, got {max_queued}")
         if max_per_owner is not None and max_per_owner < 1:
             raise ValueError(f"max_per_owner must be >= 1 (or None), got {max_per_owner}")
+        if max_running_per_owner is not None and max_running_per_owner < 1:
+            raise ValueError(f"max_running_per_owner must be >= 1 (or None), got {max_running_per_owner}")
         self.name = name
         self.threads = threads
         self.max_queued = max_queued
         self.max_per_owner = max_per_owner
+        self.max_running_per_owner = max_running_per_owner
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # a task was queued, or the pool closed
         self._room = threading.Condition(self._lock)  # a queue place was freed, or the pool closed
@@ -338,23 +344,35 @@ class TaskPool:
             self._release_locked(task._owner)
             self._room.notify_all()
 
-    def _next_locked(self) -> Task:
-        """The oldest queued task among the owners running fewest tasks (plain FIFO with one owner)."""
-        fewest = min(self._running_by[t._owner] for t in self._queue)
-        for i, task in enumerate(self._queue):
+    def _may_run_locked(self, task: Task) -> bool:
+        """Whether the task's owner is under its running cap (tasks without an owner are never held back)."""
+        cap = self.max_running_per_owner
+        return cap is None or task._owner is None or self._running_by[task._owner] < cap
+
+    def _next_locked(self) -> Task | None:
+        """The oldest queued task among the owners running fewest tasks (plain FIFO with one owner), leaving
+        out owners at their running cap; None when every queued task's owner is at it."""
+        runnable = [t for t in self._queue if self._may_run_locked(t)]
+        if not runnable:
+            return None
+        fewest = min(self._running_by[t._owner] for t in runnable)
+        for task in runnable:
             if self._running_by[task._owner] == fewest:
-                del self._queue[i]
+                self._queue.remove(task)
                 return task
-        raise AssertionError("unreachable: some queued task has the fewest running")
+        raise AssertionError("unreachable: some runnable task has the fewest running")
 
     def _worker(self) -> None:
         while True:
             with self._lock:
-                while not self._queue and not self._closed:
-                    self._work.wait()
-                if not self._queue:  # closed and drained
+                task = None
+                while self._queue or not self._closed:
+                    task = self._next_locked() if self._queue else None
+                    if task is not None:
+                        break
+                    self._work.wait()  # a task queued, a capped owner's task finished, or the pool closed
+                if task is None:  # closed and drained
                     return
-                task = self._next_locked()
                 self._running += 1
                 self._running_by[task._owner] += 1
                 self._room.notify_all()
@@ -368,4 +386,6 @@ class TaskPool:
                         del self._running_by[task._owner]
                     self._release_locked(task._owner)
                     self._room.notify_all()
+                    if self.max_running_per_owner is not None:
+                        self._work.notify_all()  # the owner's next task may run now
             del task  # an idle worker must not keep the last task's input and result alive

@@ -73,7 +73,8 @@ class Engine:
                  dtype: str | None = None, page_size: int | None = None, num_pages: int | None = None,
                  cuda_graphs: bool | None = None, pdl: bool | None = None, chat_template: str | None = None,
                  special_tokens_in_content: bool | None = None, placement: str | None = None,
-                 expert_cache_bytes: int | None = None, constraint_limits: ConstraintLimits | None = None) -> None:
+                 expert_cache_bytes: int | None = None, constraint_limits: ConstraintLimits | None = None,
+                 media_max_pixels: int | None = None, media_max_tokens: int | None = None) -> None:
         """Start an engine on the artifact ``model``. Pass the options as keywords, or as one ``config``
         (an ``EngineConfig``, which documents each); a keyword left None takes the config's default.
         ``verify=False`` skips the artifact's checksums; ``special_tokens_in_content=True`` reads
@@ -91,7 +92,8 @@ class Engine:
                  "dtype": dtype, "page_size": page_size, "num_pages": num_pages, "cuda_graphs": cuda_graphs,
                  "pdl": pdl, "chat_template": chat_template, "special_tokens_in_content": special_tokens_in_content,
                  "placement": placement, "expert_cache_bytes": expert_cache_bytes,
-                 "constraint_limits": constraint_limits}
+                 "constraint_limits": constraint_limits, "media_max_pixels": media_max_pixels,
+                 "media_max_tokens": media_max_tokens}
         config = _config(config, given)
         config = config.for_device(config.device or default_device())
         instance, name, self.artifact = build_instance(model, config.startup_options(), verify=config.verify)
