@@ -211,8 +211,8 @@ def test_a_failing_mask_fill_ends_its_request_alone(engine, monkeypatch):
 
     fill, open_session, doomed = QwenOutputSession.fill_token_mask, engine.frontend.open_session, []
 
-    def opening(prompt, sampling, constraint=None):  # the choice request's session is the one that breaks
-        session = open_session(prompt, sampling, constraint)
+    def opening(prompt, sampling, constraint=None, *, cancel=None):  # the choice request's session breaks
+        session = open_session(prompt, sampling, constraint, cancel=cancel)
         if isinstance(constraint, ChoiceConstraint):
             doomed.append(session)
         return session

@@ -314,7 +314,8 @@ class TokenFrontend:
     def sampling_defaults(self) -> SamplingParams:
         return SamplingParams(temperature=0.0)
 
-    def open_session(self, prompt: PreparedPrompt, sampling: SamplingParams, constraint=None) -> TokenSession:
+    def open_session(self, prompt: PreparedPrompt, sampling: SamplingParams, constraint=None, *,
+                     cancel=None) -> TokenSession:
         if constraint is not None:
             raise ConstraintError("the token frontend compiles no constraints")
         return TokenSession(sampling)
@@ -433,7 +434,7 @@ class ToolCallSession(TokenSession):
 
 def test_final_result_merges_streamed_tool_call_fragments():
     with make_engine() as eng:
-        eng.frontend.open_session = lambda prompt, sampling, constraint=None: ToolCallSession(sampling)
+        eng.frontend.open_session = lambda prompt, sampling, constraint=None, cancel=None: ToolCallSession(sampling)
         h = eng.submit(req([5, 6, 7], max_tokens=6))
         events = list(h)
         res = events[-1]

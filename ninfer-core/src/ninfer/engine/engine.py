@@ -177,9 +177,8 @@ class Engine:
         return GenerationHandle(core.ingress.enqueue(make_record).channel)
 
     def _open_session(self, prompt: PreparedPrompt, sampling: SamplingParams, constraint, cancel):
-        extra = {} if cancel is None else {"cancel": cancel}  # a Frontend predating the keyword still serves
         try:
-            return self.frontend.open_session(prompt, sampling, constraint, **extra)
+            return self.frontend.open_session(prompt, sampling, constraint, cancel=cancel)
         except ConstraintError as exc:
             raise InvalidConstraint(f"invalid constraint: {exc}") from exc
         except ConstraintBusy as exc:

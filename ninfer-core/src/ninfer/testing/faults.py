@@ -207,8 +207,8 @@ class FaultyFrontend:
     def __getattr__(self, name):
         return getattr(self._frontend, name)
 
-    def open_session(self, prompt, sampling, constraint=None):
-        session = self._frontend.open_session(prompt, sampling, constraint)
+    def open_session(self, prompt, sampling, constraint=None, *, cancel=None):
+        session = self._frontend.open_session(prompt, sampling, constraint, cancel=cancel)
         return FaultySession(session, self._faults) if tuple(prompt.token_ids) == self._target else session
 
     def close(self) -> None:
