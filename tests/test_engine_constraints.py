@@ -124,6 +124,7 @@ def test_reasoning_stays_free_and_the_answer_is_constrained(engine):
     (JsonConstraint(schema={"type": "integer", "multipleOf": 5, "maximum": 50}), (), "multipleOf"),
     (JsonConstraint(schema={"type": "object", "properties": {"a": {"type": "strin"}}}), (), "JSON schema"),
     (RegexConstraint(pattern="(?<=a)b"), (), "Lookbehind"),
+    (RegexConstraint(pattern="(unclosed"), (), "the regex does not parse: missing )"),
     (GrammarConstraint(grammar="root ::= item\n"), (), "item"),
     (GrammarConstraint(grammar="start: (", syntax="lark"), (), "grammar"),
     (ToolCallConstraint(tool_choice="get_stock"), (WEATHER,), "get_stock"),

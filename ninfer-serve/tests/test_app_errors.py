@@ -12,7 +12,8 @@ from starlette.testclient import TestClient
 
 from ninfer_serve.app import create_app
 from ninfer_serve.errors import APIError
-from ninfer_serve.schemas import MAX_JSON_DEPTH, ChatCompletionRequest, CompletionRequest
+from ninfer_serve.json_body import MAX_JSON_DEPTH
+from ninfer_serve.schemas import ChatCompletionRequest, CompletionRequest
 
 CHAT = {"model": "tiny-test", "messages": [{"role": "user", "content": "hi"}]}
 JSON_HEADERS = {"content-type": "application/json"}
@@ -34,6 +35,9 @@ def post(c, raw: bytes, path: str = "/v1/chat/completions"):
     (b'{"\\udc80": 1, "model": "tiny-test", "messages": []}', "\\udc80"),
     (b'{"model": "tiny-test", "messages": [{"role": "user", "content": "hi", "\\ud800x": 1}]}', "messages[0].\\ud800x"),
     (b'{"model": "tiny-test", "messages": [{"role": "user", "content": "hi"}], "stop": ["\\udbff"]}', "stop[0]"),
+    # a surrogate in UTF-8 form rather than as an escape (json.loads lets it through)
+    (b'{"model": "tiny-test", "messages": [{"role": "user", "content": "a\xed\xa0\x80"}]}', "messages[0].content"),
+    (b'{"model": "tiny-test", "messages": [{"role": "user", "content": "hi"}], "stop": ["\\uDC00x"]}', "stop[0]"),
 ])
 def test_lone_surrogates_are_a_400_naming_the_parameter(engine, app_client, raw, param):
     r = post(app_client, raw)
@@ -61,6 +65,22 @@ def _nested(depth: int) -> dict:
     for _ in range(depth):
         value = {"type": "object", "properties": {"x": value}}
     return value
+
+
+@pytest.mark.parametrize("depth,status", [(MAX_JSON_DEPTH - 1, 200), (MAX_JSON_DEPTH, 400)])
+def test_the_nesting_bound_is_exact(engine, app_client, script, depth, status):
+    """The body and then ``depth`` nested lists: depth + 1 levels in all (anything but the nesting may be
+    refused otherwise)."""
+    engine.next = lambda req: script.Handle("r", script.text("r", 1, ["ok"]))
+    content: list = ["x"]
+    for _ in range(depth - 1):
+        content = [content]
+    raw = json.dumps({"model": "tiny-test", "messages": [{"role": "user", "content": "hi"}], "metadata": content})
+    r = post(app_client, raw.encode())
+    if status == 400:
+        assert r.status_code == 400 and r.json()["error"]["code"] == "nesting_too_deep", r.text
+    else:
+        assert r.json().get("error", {}).get("code") != "nesting_too_deep", r.text
 
 
 def test_deep_tool_parameters_are_a_400_naming_the_limit(engine, app_client):

@@ -4,7 +4,8 @@ import pytest
 
 from ninfer.contract import ChatInput, TextInput
 from ninfer_serve.errors import APIError
-from ninfer_serve.schemas import ChatCompletionRequest, CompletionRequest, parse_json, structure
+from ninfer_serve.json_body import parse_json
+from ninfer_serve.schemas import ChatCompletionRequest, CompletionRequest, structure
 from ninfer_serve.translate import chat_request, choices, completion_request
 
 USER = [{"role": "user", "content": "hi"}]

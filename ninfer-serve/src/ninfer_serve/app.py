@@ -40,13 +40,14 @@ from ninfer.engine.errors import InvalidConstraint
 from ninfer_serve.access import access_middleware, key_scope
 from ninfer_serve.drain import Drain, ended_by_shutdown, refused_while_stopping
 from ninfer_serve.errors import APIError, from_engine_error, from_error_result, internal_error, new_request_id
+from ninfer_serve.json_body import parse_json
 from ninfer_serve.media import MediaAcquirer, MediaPolicy
 from ninfer_serve.metrics import GatewayMetrics
 from ninfer_serve.offload import ClientGone, client_of, submit_or_refuse, unless_disconnected, unless_ended
 from ninfer_serve.openapi import openapi_document
 from ninfer_serve.preparation import HEAVY_THREADS, Preparation, close_all, submit_each
 from ninfer_serve.responses import DONE, ChatResponse, CompletionResponse
-from ninfer_serve.schemas import ChatCompletionRequest, CompletionRequest, parse_json, structure
+from ninfer_serve.schemas import ChatCompletionRequest, CompletionRequest, structure
 from ninfer_serve.translate import chat_request, choices, completion_request
 
 log = logging.getLogger("ninfer_serve")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 
@@ -348,6 +349,9 @@ def _load_and_serve(args: argparse.Namespace, model: str, chat_template: str | N
                          drain=drain, api_key=api_keys or None,
                          allowed_hosts=None if "*" in allowed_hosts else allowed_hosts,
                          allowed_origins=args.allowed_origins, media=media)
+        # What startup made lives as long as the server: the garbage collector no longer walks it, so a full
+        # collection (which a large request body's allocations trigger) stops pausing every request for it.
+        gc.freeze()
         host, port = listener.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
         print(f"ninfer serve: serving {args.model_id or engine.model_name} on http://{shown}:{port}",

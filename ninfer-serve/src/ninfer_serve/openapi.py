@@ -9,7 +9,8 @@ from typing import Any, Literal, Union
 
 import attrs
 
-from ninfer_serve.schemas import MAX_JSON_DEPTH, ChatCompletionRequest, CompletionRequest
+from ninfer_serve.json_body import MAX_JSON_DEPTH
+from ninfer_serve.schemas import ChatCompletionRequest, CompletionRequest
 
 _PRIMITIVES = {str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null"}
 

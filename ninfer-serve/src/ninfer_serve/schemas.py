@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import types
 import typing
 from typing import Any, Literal, Union
@@ -393,57 +392,3 @@ def structure(body: Any, cls: type) -> Any:
         if param and not message.startswith(("Unrecognized", "missing")):
             message = f"invalid value for '{param}': {message}"
         raise bad_request(message, param=param) from None
-
-
-MAX_JSON_DEPTH = 64  # arrays/objects nested in a request body, the body itself counting as one
-_SURROGATE = re.compile("[\ud800-\udfff]")  # valid pairs are joined by json.loads: what is left is lone
-
-
-def _lone_surrogate(text: str) -> str | None:
-    m = _SURROGATE.search(text)
-    return None if m is None else f"\\u{ord(m.group()):04x}"
-
-
-def check_json_values(body: Any) -> None:
-    """Refuse text that is not Unicode (lone surrogates, in keys or values) and nesting deeper than
-    MAX_JSON_DEPTH, naming the parameter path; iterative, so no input can exhaust the stack."""
-    stack: list[tuple[Any, str, int]] = [(body, "", 1)]
-    while stack:
-        value, path, depth = stack.pop()
-        if isinstance(value, str):
-            bad = _lone_surrogate(value)
-            if bad is not None:
-                raise bad_request(f"invalid value for '{path}': the string holds a lone surrogate ({bad}), "
-                                  "which is not Unicode text", param=path or None, code="invalid_unicode")
-            continue
-        if not isinstance(value, dict | list):
-            continue
-        if depth > MAX_JSON_DEPTH:
-            raise bad_request(f"the request body is nested more than {MAX_JSON_DEPTH} levels deep (at '{path}')",
-                              param=path or None, code="nesting_too_deep")
-        if isinstance(value, list):
-            stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in reversed(list(enumerate(value))))
-            continue
-        children = []
-        for key, v in value.items():
-            bad = _lone_surrogate(key)
-            if bad is not None:
-                escaped = key.encode("utf-8", "backslashreplace").decode("ascii")
-                name = f"{path}.{escaped}" if path else escaped
-                raise bad_request(f"invalid parameter name '{name}': it holds a lone surrogate ({bad}), which is "
-                                  "not Unicode text", param=name, code="invalid_unicode")
-            children.append((v, f"{path}.{key}" if path else key, depth + 1))
-        stack.extend(reversed(children))
-
-
-def parse_json(raw: bytes) -> Any:
-    """Decode a request body: malformed JSON, non-Unicode text and excessive nesting answer 400."""
-    try:
-        body = json.loads(raw)
-    except RecursionError:
-        raise bad_request(f"the request body is nested more than {MAX_JSON_DEPTH} levels deep",
-                          code="nesting_too_deep") from None
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}") from None
-    check_json_values(body)
-    return body

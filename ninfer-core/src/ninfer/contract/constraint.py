@@ -70,7 +70,9 @@ class JsonConstraint:
 
 @attrs.frozen(kw_only=True)
 class RegexConstraint:
-    """Output text that fully matches ``pattern`` (no lookaround or backreferences)."""
+    """Output text that fully matches ``pattern`` (no lookaround or backreferences). Its syntax is checked where
+    it compiles, after its size (``regex_syntax_error``): parsing a long regex takes seconds, and constraints are
+    made where that must not wait (the gateway's event loop)."""
 
     pattern: str = attrs.field(validator=_bounded)
 
@@ -78,10 +80,16 @@ class RegexConstraint:
     def _check(self, attribute, value):
         if not value:
             raise ValueError("the regex is empty")
-        try:
-            re.compile(value)
-        except re.error as e:
-            raise ValueError(f"the regex does not parse: {e}") from e
+
+
+def regex_syntax_error(pattern: str) -> str | None:
+    """Why Python's ``re`` cannot parse ``pattern`` (None: it parses), e.g. ``"missing ), unterminated
+    subpattern at position 0"``."""
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        return str(e)
+    return None
 
 
 @attrs.frozen(kw_only=True)

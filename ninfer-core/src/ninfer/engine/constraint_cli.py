@@ -17,6 +17,7 @@ from ninfer.contract.constraint import (
     GrammarConstraint,
     JsonConstraint,
     RegexConstraint,
+    regex_syntax_error,
 )
 
 
@@ -51,7 +52,7 @@ def constraint_from_args(args: argparse.Namespace) -> Constraint | None:
         syntax = "lark" if args.grammar.lower().endswith(".lark") else "gbnf"
         option, make = "--grammar", lambda: GrammarConstraint(grammar=_read(args.grammar, "--grammar"), syntax=syntax)
     elif args.regex is not None:
-        option, make = "--regex", lambda: RegexConstraint(pattern=args.regex)
+        option, make = "--regex", lambda: _regex(args.regex)
     elif args.choice is not None:
         option, make = "--choice", lambda: ChoiceConstraint(choices=args.choice)
     else:
@@ -61,6 +62,14 @@ def constraint_from_args(args: argparse.Namespace) -> Constraint | None:
     except ValueError as exc:
         message = str(exc)
         raise ValueError(message if message.startswith(option) else f"{option}: {message}") from None
+
+
+def _regex(pattern: str) -> RegexConstraint:
+    constraint = RegexConstraint(pattern=pattern)
+    error = regex_syntax_error(pattern)
+    if error is not None:
+        raise ValueError(f"the regex does not parse: {error}")
+    return constraint
 
 
 def _json_schema(text: str) -> JsonConstraint:

@@ -41,6 +41,7 @@ from ninfer.contract.constraint import (
     JsonConstraint,
     RegexConstraint,
     ToolCallConstraint,
+    regex_syntax_error,
 )
 from ninfer.models.common.grammar import compile_pool
 from ninfer.models.common.grammar.build import TOOL_FORMAT, kind_of, tool_names
@@ -172,6 +173,9 @@ class GrammarBook:
                 check_schema(c.schema_object)
         elif isinstance(c, RegexConstraint):
             _size("max_regex_bytes", "the regex", _utf8(c.pattern), lim.max_regex_bytes)
+            error = regex_syntax_error(c.pattern)
+            if error is not None:
+                raise ConstraintError(f"the regex does not parse: {error}")
         elif isinstance(c, GrammarConstraint):
             _size("max_grammar_bytes", "the grammar", _utf8(c.grammar), lim.max_grammar_bytes)
         elif isinstance(c, ChoiceConstraint):
