@@ -184,6 +184,24 @@ def test_the_worker_refuses_a_grammar_that_derives_no_sentence(make_book):
     assert book.compile(GrammarConstraint(grammar='root ::= a\na ::= "(" a ")" | "x"')) is not None
 
 
+def test_a_refused_constraint_sent_again_is_refused_at_once(make_book):
+    """A refusal is remembered: the same hostile constraint again costs no worker (the pool sees no new job);
+    a constraint past its compile deadline is tried again (the machine may have been busy)."""
+    book = make_book()
+    looping = GrammarConstraint(grammar="root ::= x\nx ::= x")
+    with pytest.raises(ConstraintError, match="derives no sentence") as first:
+        book.compile(looping)
+    jobs = book._pool.submitted
+    with pytest.raises(ConstraintError, match="derives no sentence") as again:
+        book.compile(looping)
+    assert book._pool.submitted == jobs and str(again.value) == str(first.value)
+    slow = make_book(compile_timeout_s=2, **RAISED)
+    for _ in range(2):
+        with pytest.raises(ConstraintLimitExceeded, match="compile_timeout_s|--constraint-compile-timeout"):
+            slow.compile(SLOW)
+    assert slow._pool.submitted >= jobs + 2
+
+
 HEAVY = textwrap.dedent("""
     import json, resource, sys
     from ninfer.contract.constraint import ConstraintLimitExceeded, JsonConstraint

@@ -8,13 +8,14 @@ stop token.
 
 ``compile`` runs on the submitting thread, which waits while the work happens where it can be stopped:
 
-1. cheap checks here: the constraint's size against ``ConstraintLimits``, unsupported schema keywords and
-   remote ``$ref``s (``schema_features``), the tools' names;
+1. cheap checks here: the constraint's size against ``ConstraintLimits``, the tools' names;
 2. the compiled-grammar LRU (keyed by the constraint, whether the prompt opened a thinking block, and the tools),
-   and the compiles in flight: identical constraints share one;
-3. a compile worker process (``compile_pool``) builds the grammar, refuses it past its rule limit or when it
-   derives no sentence, compiles it under an address-space limit and probes its matcher; past its deadline,
-   or once every waiter was cancelled or the book closed, it is killed;
+   the refusals remembered (by digest: the same hostile constraint again is refused at once), and the compiles
+   in flight: identical constraints share one;
+3. a compile worker process (``compile_pool``) checks unsupported schema keywords and remote ``$ref``s
+   (``schema_features``, a walk of the whole schema: kept off this process), builds the grammar, refuses it past
+   its rule limit or when it derives no sentence, compiles it under an address-space limit and probes its
+   matcher; past its deadline, or once every waiter was cancelled or the book closed, it is killed;
 4. the vetted grammar is compiled in this process, on the pool's low-priority thread.
 
 Each matcher counts its probed size (at least ``MIN_CHARGE``) against the book's ``total_matcher_bytes`` and
@@ -23,7 +24,9 @@ is guarded as it runs (``matcher``).
 
 from __future__ import annotations
 
+import hashlib
 import json
+import pickle
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -48,7 +51,8 @@ from ninfer.models.common.grammar.build import TOOL_FORMAT, kind_of, tool_names
 from ninfer.models.common.grammar.compile_job import POLL_S, Compiled, CompileJob
 from ninfer.models.common.grammar.compile_pool import CompilePool
 from ninfer.models.common.grammar.matcher import MIN_CHARGE, MatcherBudget, TokenMatcher
-from ninfer.models.common.grammar.schema_features import check_schema
+
+REFUSED_ENTRIES = 256  # refusals remembered by digest: a hostile constraint sent again costs no worker time
 
 
 class GrammarBook:
@@ -71,6 +75,7 @@ class GrammarBook:
         self._vocabulary_key = ""
         self._cache: OrderedDict[tuple, Compiled] = OrderedDict()
         self._cached_bytes = 0
+        self._refused: OrderedDict[bytes, ConstraintError] = OrderedDict()  # digest of a key -> its refusal
         self._inflight: dict[tuple, CompileJob] = {}
         self._waiters: dict[CompileJob, int] = {}
         self._closed = False
@@ -86,6 +91,7 @@ class GrammarBook:
         self.check(constraint, tools)
         tools_json = json.dumps(list(tools), sort_keys=True) if isinstance(constraint, ToolCallConstraint) else None
         key = (constraint, reasoning_open, tools_json)
+        digest = _digest(key)
         with self._lock:
             if self._closed:
                 raise ConstraintClosed("the grammar book is closed")
@@ -93,6 +99,10 @@ class GrammarBook:
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
+            refused = self._refused.get(digest)
+            if refused is not None:  # the same constraint again: refused at once, no worker time
+                self._refused.move_to_end(digest)
+                raise _fresh(refused)
         pool = self._pool_once()
         with self._lock:
             if self._closed:
@@ -106,7 +116,7 @@ class GrammarBook:
                            "vocabulary": self._vocabulary_key,
                            "tools": json.loads(tools_json) if tools_json is not None else [],
                            "tool_format": self.tool_format}
-                job = CompileJob(payload, on_done=lambda job, key=key: self._finished(key, job))
+                job = CompileJob(payload, on_done=lambda job, key=key, digest=digest: self._finished(key, digest, job))
                 pool.submit(job)  # ConstraintBusy / ConstraintClosed before anything is recorded
                 self._inflight[key] = job
             self._waiters[job] = self._waiters.get(job, 0) + 1
@@ -139,10 +149,15 @@ class GrammarBook:
             raise _fresh(job.error)
         return job.result
 
-    def _finished(self, key: tuple, job: CompileJob) -> None:
+    def _finished(self, key: tuple, digest: bytes, job: CompileJob) -> None:
         with self._lock:
             if self._inflight.get(key) is job:
                 del self._inflight[key]
+            if _remembered(job.error) and not self._closed:
+                self._refused[digest] = job.error
+                self._refused.move_to_end(digest)
+                while len(self._refused) > REFUSED_ENTRIES:
+                    self._refused.popitem(last=False)
             if job.result is None or self._closed:
                 return
             self.compiles += 1
@@ -168,9 +183,8 @@ class GrammarBook:
         """ConstraintError (ConstraintLimitExceeded for a size) for what can be seen without compiling."""
         lim = self.limits
         if isinstance(c, JsonConstraint):
-            if c.schema is not None:
+            if c.schema is not None:  # its keywords are checked where it is built (build_grammar, in a worker)
                 _size("max_schema_bytes", "the JSON schema", _utf8(c.schema), lim.max_schema_bytes)
-                check_schema(c.schema_object)
         elif isinstance(c, RegexConstraint):
             _size("max_regex_bytes", "the regex", _utf8(c.pattern), lim.max_regex_bytes)
             error = regex_syntax_error(c.pattern)
@@ -190,10 +204,6 @@ class GrammarBook:
             except (TypeError, ValueError) as e:
                 raise ConstraintError(f"the tools cannot be written as JSON: {e}") from e
             _size("max_schema_bytes", "the tools", _utf8(text), lim.max_schema_bytes)
-            for i, tool in enumerate(tools):
-                params = tool["function"].get("parameters")
-                if params is not None:
-                    check_schema(params, f"tools[{i}].function.parameters")
 
     # -- lifetime --------------------------------------------------------------------------------------
     def warm(self) -> None:
@@ -248,6 +258,19 @@ def _utf8(text: str) -> int:
 def _size(limit: str, what: str, nbytes: int, most: int) -> None:
     if nbytes > most:
         raise ConstraintLimitExceeded(limit, f"{what} is {nbytes} bytes; at most {most}")
+
+
+def _digest(key: tuple) -> bytes:
+    """A compile key's identity in a few bytes (a refusal is remembered without holding the constraint)."""
+    return hashlib.sha256(pickle.dumps(key, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+
+def _remembered(error: BaseException | None) -> bool:
+    """Refusals that the same constraint would meet again: what it is, not how busy the machine was (a compile
+    past its deadline may pass on a quieter machine, so it is tried again)."""
+    if not isinstance(error, ConstraintError):
+        return False
+    return not (isinstance(error, ConstraintLimitExceeded) and error.limit == "compile_timeout_s")
 
 
 def _fresh(error: BaseException) -> BaseException:

@@ -21,6 +21,7 @@ from ninfer.contract.constraint import (
     RegexConstraint,
     ToolCallConstraint,
 )
+from ninfer.models.common.grammar.schema_features import check_schema
 
 MAX_JSON_WHITESPACE = 16  # longest whitespace run in JSON with any_whitespace (a model cannot spin on spaces)
 TOOL_FORMAT = "qwen_3_5"   # xgrammar's built-in Qwen3.5 / Qwen3-Coder XML tool-call format
@@ -67,6 +68,10 @@ def tool_names(c: ToolCallConstraint, tools: Sequence[Mapping[str, Any]]) -> lis
 def _tool_calls(xgr, c: ToolCallConstraint, reasoning_open: bool, tools: Sequence[Mapping[str, Any]],
                 tool_format: str) -> Any:
     names = tool_names(c, tools)
+    for i, tool in enumerate(tools):
+        params = tool["function"].get("parameters")
+        if params is not None:
+            check_schema(params, f"tools[{i}].function.parameters")
     try:
         if c.tool_choice == "auto":  # free text, and calls held to their tools' schemas once they begin
             tag = xgr.get_model_structural_tag(tool_format, tools=[dict(t) for t in tools], tool_choice="auto",
@@ -104,6 +109,8 @@ def _qwen_call(tool: Mapping[str, Any]) -> dict:
 def _body(xgr, c: Constraint) -> Any:
     """The Grammar of the answer itself."""
     if isinstance(c, JsonConstraint):
+        if c.schema is not None:
+            check_schema(c.schema_object)
         return xgr.Grammar.from_json_schema(c.schema or "{}", any_whitespace=c.any_whitespace, strict_mode=True,
                                             max_whitespace_cnt=MAX_JSON_WHITESPACE if c.any_whitespace else None)
     if isinstance(c, RegexConstraint):
