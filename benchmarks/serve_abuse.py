@@ -12,6 +12,7 @@ compiling, decoding media) reaching other requests.
 
 Scenarios (``--only`` picks some):
 
+- ``plain_burst``: the control, four ordinary 8-token chats at once;
 - ``schema_10k``: four json_schema requests at once, 10,000 optional integer properties each;
 - ``choice_3mb``: a choice of 1,024 strings of 3,000 characters; the client leaves after 5 s, then the
   server's CPU seconds over the next 10 s show whether the compile outlived it;
@@ -53,7 +54,7 @@ PING = {"messages": [{"role": "user", "content": "Speak."}], "max_tokens": 8, "t
         "chat_template_kwargs": {"enable_thinking": False}}
 ABUSE_TOKENS = 8  # an abusive request, once admitted, decodes no longer than the pinger's own request
 SERVER = ("--max-concurrency", "8")  # the abuse's requests never hold every slot the pinger needs
-TEXT_SCENARIOS = ("schema_10k", "choice_3mb", "ref_chains", "anyof_10k", "regex_100k", "cache", "half_bodies",
+TEXT_SCENARIOS = ("plain_burst", "schema_10k", "choice_3mb", "ref_chains", "anyof_10k", "regex_100k", "cache", "half_bodies",
                   "shutdown", "traps")
 MEDIA_SCENARIOS = ("png_bomb", "eps", "remote")
 
@@ -178,12 +179,22 @@ class Watch:
                 "rss_peak_mb": round(max(rss, default=0.0)), "rss_end_mb": round(rss[-1] if rss else 0.0)}
 
 
+ANSWER_S = 1.0  # an admitted abusive request decodes its tokens within this long before its answer
+
+
 def measured(watch: Watch, abuse) -> dict:
-    """Run ``abuse()`` and the pinger's figures over it (plus one more ping's length, so a stall shows)."""
+    """Run ``abuse()`` and the pinger's figures over it (plus one more ping's length, so a stall shows). When
+    abusive requests are admitted, their own decoding shares the engine with the pinger as ``plain_burst``'s do;
+    ``ping_worst_preparing_s`` is the worst ping that ended before the first of them could be decoding."""
     t0 = time.monotonic()
     figures = abuse()
     time.sleep(0.5)
     out = {**figures, **watch.window(t0, time.monotonic())}
+    served = [r["s"] for r in figures.get("requests") or [figures.get("request")] if r and r["status"] == 200]
+    if served:
+        first = t0 + min(served) - ANSWER_S
+        before = [s for start, s, _ in watch.pings if start + s > t0 and start + s < first]
+        out["ping_worst_preparing_s"] = round(max(before, default=0.0), 3)
     out["health_after"] = get_status(watch.port, "/health", source="127.0.0.3")
     out["plain_after"] = post(watch.port, "/v1/chat/completions", PING, source="127.0.0.3")[0]
     return out
@@ -210,6 +221,12 @@ def schema(s: dict) -> dict:
 
 
 # -- constraint scenarios ------------------------------------------------------------------------------
+def plain_burst(port: int) -> dict:
+    """The control: four ordinary chats at once, each as long as an abusive one (what sharing the engine costs
+    the pinger when nothing is hostile)."""
+    return {"requests": at_once(4, lambda i: chat(port, {}))}
+
+
 def schema_10k(port: int) -> dict:
     """As the probe sent it: 32 tokens, within which its matcher grew by gigabytes."""
     s = schema({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(10_000)}})
@@ -506,15 +523,16 @@ def outcome(figures: dict) -> str:
 
 def table(results: dict) -> str:
     """The pinger's worst latency per scenario against its worst idle, memory and the server's health after."""
-    rows = ["| scenario | outcome | ping worst (s) | x idle worst | ping failures | RSS peak (MB) | health after |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| scenario | outcome | ping worst (s) | x idle worst | while preparing (s) | ping failures | RSS peak (MB) "
+            "| health after |", "|---|---|---|---|---|---|---|---|"]
     for name, f in results.items():
         if not isinstance(f, dict) or "ping_worst_s" not in f:
             continue
         idle = results.get("half_bodies_idle" if name == "half_bodies" else
                            "media_idle" if name in MEDIA_SCENARIOS else "idle", {}).get("ping_idle_worst_s")
         ratio = f"{f['ping_worst_s'] / idle:.2f}" if idle else "-"
-        rows.append(f"| {name} | {outcome(f)} | {f['ping_worst_s']} | {ratio} | {f['ping_failures']} | "
+        preparing = f.get("ping_worst_preparing_s", "-")
+        rows.append(f"| {name} | {outcome(f)} | {f['ping_worst_s']} | {ratio} | {preparing} | {f['ping_failures']} | "
                     f"{f['rss_peak_mb']} | {f['health_after']} |")
     return "\n".join(rows)
 

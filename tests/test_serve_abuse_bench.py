@@ -17,6 +17,7 @@ def test_the_table_sets_each_scenario_against_its_idle_pinger():
                                     {"status": 400, "s": 3.5, "code": "invalid_constraint", "message": "m"},
                                     {"status": 200, "s": 9.0, "code": None, "message": None}],
                        "ping_worst_s": 0.3, "pings": 9, "ping_failures": 0, "rss_peak_mb": 450, "rss_end_mb": 440,
+                    "ping_worst_preparing_s": 0.25,
                        "health_after": 200, "plain_after": 200},
         "media_idle": {"ping_idle_worst_s": 0.5},
         "png_bomb": {"request": {"status": 400, "s": 0.01, "code": "media_too_large", "message": "m"},
@@ -25,10 +26,10 @@ def test_the_table_sets_each_scenario_against_its_idle_pinger():
         "traps": {"max_tokens_null": {"status": 200, "completion_tokens": 16}},
     }
     lines = serve_abuse.table(results).splitlines()
-    assert lines[0].startswith("| scenario | outcome | ping worst (s) | x idle worst |")
-    assert lines[2] == ("| schema_10k | 2 x 400 invalid_constraint in 1.2-3.5 s, 200 in 9.0 s | 0.3 | 1.50 | 0 | 450 | "
-                        "200 |")
-    assert lines[3].startswith("| png_bomb | 400 media_too_large in 0.01 s | 0.5 | 1.00 | 1 | 500 | 200 |")
+    assert lines[0].startswith("| scenario | outcome | ping worst (s) | x idle worst | while preparing (s) |")
+    assert lines[2] == ("| schema_10k | 2 x 400 invalid_constraint in 1.2-3.5 s, 200 in 9.0 s | 0.3 | 1.50 | 0.25 | 0 | "
+                        "450 | 200 |")
+    assert lines[3].startswith("| png_bomb | 400 media_too_large in 0.01 s | 0.5 | 1.00 | - | 1 | 500 | 200 |")
     assert len(lines) == 4  # scenarios without pinger figures (traps, cache) are in the JSON only
 
 
