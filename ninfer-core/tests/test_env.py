@@ -62,3 +62,25 @@ def test_env_command_shows_values_and_names_a_bad_one(capsys, monkeypatch):
     monkeypatch.setenv("NINFER_OPS", "gpu")
     assert main(["env"]) == 1
     assert "error: NINFER_OPS='gpu'" in capsys.readouterr().out
+
+
+def test_env_command_masks_secrets(capsys, monkeypatch):
+    from ninfer.cli import main
+
+    assert env.variable("NINFER_API_KEY").secret
+    monkeypatch.setenv("NINFER_API_KEY", "sk-very-secret-key")
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert "sk-very-secret-key" not in out
+    line = next(x for x in out.splitlines() if x.startswith("NINFER_API_KEY"))
+    assert "<set, 18 chars>" in line
+    monkeypatch.delenv("NINFER_API_KEY")
+    assert main(["env"]) == 0
+    assert "<unset>" in next(x for x in capsys.readouterr().out.splitlines() if x.startswith("NINFER_API_KEY"))
+
+
+def test_a_malformed_secret_is_named_but_not_quoted():
+    secret = env.EnvVar(name="NINFER_X", kind="count", default=None, meaning="", parse=env._count, secret=True)
+    with pytest.raises(env.EnvError) as info:
+        secret.read({"NINFER_X": "hunter2"})
+    assert "hunter2" not in str(info.value) and "NINFER_X=<secret>" in str(info.value)

@@ -61,7 +61,7 @@ def _cmd_env(args: argparse.Namespace) -> int:
     status = 0
     for v in env.REGISTRY:
         try:
-            value = repr(v.read())
+            value = v.shown()
         except env.EnvError as exc:
             value, status = f"error: {exc}", 1
         print(f"{v.name:<32} {value:<12} {v.meaning}")

@@ -3,7 +3,7 @@
 Library code reads the environment only through ``get`` (a test checks that no other module reads a
 ``NINFER_*`` name), so an unknown name is a programming error and a malformed value is a clear error
 naming the variable. ``markdown_table()`` is the table in docs/configuration.md (a test keeps them equal); ``ninfer env``
-prints each variable with the value it has now.
+prints each variable with the value it has now (a ``secret`` one only as whether it is set and its length).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def _text(raw: str) -> str:
 @attrs.frozen(kw_only=True)
 class EnvVar:
     """One variable: ``parse`` turns its text into the value; unset (or, unless ``keep_empty``, empty)
-    means ``default``."""
+    means ``default``. A ``secret`` one's value never appears in messages or ``ninfer env`` output."""
 
     name: str
     kind: str               # what the docs table shows as its type
@@ -77,6 +77,15 @@ class EnvVar:
     parse: Callable[[str], Any]
     scope: str = "library"  # library | serve | testing
     keep_empty: bool = False
+    secret: bool = False
+
+    def shown(self, environ: Any = None) -> str:
+        """The value as ``ninfer env`` prints it: a secret as ``<set, N chars>`` or ``<unset>``."""
+        if not self.secret:
+            return repr(self.read(environ))
+        self.read(environ)  # a malformed secret still fails, naming only the variable
+        raw = (os.environ if environ is None else environ).get(self.name)
+        return "<unset>" if raw is None else f"<set, {len(raw)} chars>"
 
     def read(self, environ: Any = None) -> Any:
         raw = (os.environ if environ is None else environ).get(self.name)
@@ -85,7 +94,8 @@ class EnvVar:
         try:
             return self.parse(raw)
         except ValueError as exc:
-            raise EnvError(f"{self.name}={raw!r}: {exc}") from None
+            shown = "<secret>" if self.secret else repr(raw)
+            raise EnvError(f"{self.name}={shown}: {exc}") from None
 
 
 REGISTRY: tuple[EnvVar, ...] = (
@@ -117,7 +127,7 @@ REGISTRY: tuple[EnvVar, ...] = (
     EnvVar(name="NINFER_CACHE_HOST_BUDGET_MIB", kind="MiB", default=None, parse=_mib,
            meaning="pinned host bytes the context cache's checkpoint replicas may hold (unset: the model's "
                    "default)"),
-    EnvVar(name="NINFER_API_KEY", kind="text", default=None, parse=_text, scope="serve",
+    EnvVar(name="NINFER_API_KEY", kind="text", default=None, parse=_text, scope="serve", secret=True,
            meaning="`ninfer serve --api-key`, kept out of the process list (read only without --api-key and "
                    "--api-key-file)"),
     EnvVar(name="NINFER_SERVE_TEST_DEVICE", kind="text", default="cpu", parse=_text, scope="testing",
