@@ -159,7 +159,8 @@ def test_openapi_document_describes_the_request_bodies(app_client):
     assert chat["required"] == ["messages"]
     assert chat["properties"]["n"] == {"type": "integer", "default": 1}
     message = schemas["ChatMessage"]
-    assert message["properties"]["role"]["enum"] == ["system", "developer", "user", "assistant", "tool"]
+    assert message["properties"]["role"]["enum"] == ["system", "developer", "user", "assistant", "tool", "function"]
+    assert message["additionalProperties"] is True  # vendor fields inside messages are ignored
     # every reference resolves
     refs = [v for v in json.dumps(doc).split('"$ref": "')[1:]]
     for ref in refs:

@@ -157,7 +157,7 @@ class Gateway:
         rid = request.state.request_id
         gen, options = translate(req, queue_timeout_s=self.queue_timeout_s, request_id=rid,
                                  key_scope=key_scope(request.scope))
-        self._check_budget(gen)
+        self._check_budget(gen, options.budget_param)
         if isinstance(req, ChatCompletionRequest):
             try:
                 gen = await unless_ended(self.drain, self.media.attach(request, req, gen, self.engine.vision_enabled),
@@ -177,13 +177,13 @@ class Gateway:
             raise APIError(408, f"the request body was not received within {self.body_timeout_s:g} s",
                            code="body_timeout", headers={"Connection": "close"}) from None
 
-    def _check_budget(self, gen: Any) -> None:
+    def _check_budget(self, gen: Any, param: str) -> None:
         """A generation budget that cannot fit the context even after a one-token prompt is out of range."""
         limit = self.engine.max_model_len
         wanted = gen.sampling.max_tokens
         if wanted is not None and wanted > limit - 1:
-            raise APIError(400, f"max_tokens {wanted} does not fit this model's context limit of {limit} tokens "
-                           f"(at most {limit - 1} with a one-token prompt)", param="max_tokens")
+            raise APIError(400, f"{param} {wanted} does not fit this model's context limit of {limit} tokens "
+                           f"(at most {limit - 1} with a one-token prompt)", param=param)
 
     async def _submit_all(self, request: Request, gens: list[Any], rid: str) -> list[Any]:
         """Submit every choice through a preparation TaskPool (the heavy one for a grammar or media); a full

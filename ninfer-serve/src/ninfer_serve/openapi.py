@@ -10,7 +10,7 @@ from typing import Any, Literal, Union
 import attrs
 
 from ninfer_serve.json_body import MAX_JSON_DEPTH
-from ninfer_serve.schemas import ChatCompletionRequest, CompletionRequest
+from ninfer_serve.schemas import MESSAGE_CLASSES, ChatCompletionRequest, CompletionRequest
 
 _PRIMITIVES = {str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null"}
 
@@ -52,7 +52,9 @@ def _object_schema(cls: type, components: dict[str, Any]) -> dict[str, Any]:
         elif not isinstance(field.default, attrs.Factory):  # type: ignore[arg-type]
             schema = {**schema, "default": field.default}
         properties[field.name] = schema
-    out: dict[str, Any] = {"type": "object", "properties": properties, "additionalProperties": False}
+    # inside messages unknown keys are ignored, everywhere else refused
+    out: dict[str, Any] = {"type": "object", "properties": properties,
+                           "additionalProperties": cls in MESSAGE_CLASSES}
     if required:
         out["required"] = required
     if cls.__doc__:
@@ -111,8 +113,8 @@ def openapi_document(*, title: str, version: str) -> dict[str, Any]:
         "openapi": "3.1.0",
         "info": {"title": title, "version": version,
                  "description": "OpenAI-compatible chat and text completions. Request bodies are checked exactly: "
-                                "unknown keys, wrong types, text that is not Unicode and JSON nested more than "
-                                f"{MAX_JSON_DEPTH} levels answer 400."},
+                                "unknown keys (except inside messages, where they are ignored), wrong types, text "
+                                f"that is not Unicode and JSON nested more than {MAX_JSON_DEPTH} levels answer 400."},
         "paths": {
             "/v1/chat/completions": _generation("chat completion", chat),
             "/v1/completions": _generation("text completion", completion),

@@ -1,8 +1,9 @@
 """OpenAI request bodies as frozen attrs classes, structured strictly with cattrs.
 
-Types are checked exactly (no ``int("3")``, no ``bool("false")``); unknown keys are refused as OpenAI does;
-range checks run after structuring and name the parameter. Fields OpenAI clients commonly send that ninfer
-cannot honour are accepted only at their neutral value (``presence_penalty: 0``): nothing is silently ignored.
+Types are checked exactly (no ``int("3")``, no ``bool("false")``); unknown keys are refused as OpenAI does,
+except inside messages (clients send replies back with vendor fields: ninfer_serve.message_fields); range
+checks run after structuring and name the parameter. Fields OpenAI clients commonly send that ninfer cannot
+honour are accepted only at their neutral value (``presence_penalty: 0``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import cattrs
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
 
 from ninfer_serve.errors import APIError, bad_request
+from ninfer_serve.message_fields import ignore_unknown_keys
 
 JSON = Any  # any JSON value, passed through unchanged
 
@@ -143,13 +145,21 @@ class ContentPart:
 
 @attrs.frozen(kw_only=True)
 class ChatMessage:
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    """OpenAI's message schema in full (what ``message.model_dump()`` sends back). Unknown keys inside a message
+    (vendor fields such as LiteLLM's ``provider_specific_fields``) are ignored: ninfer_serve.message_fields.
+    How each field is used: translate.py and docs/serving.md, "Messages"."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None
+    refusal: str | None = None
+    function_call: ToolCallFunction | None = None  # the deprecated form of one tool call
+    audio: dict[str, JSON] | None = None  # a reference to an earlier audio reply: ignored
+    annotations: list[JSON] | None = None  # citations on an earlier reply: ignored
 
 
 @attrs.frozen(kw_only=True)
@@ -188,6 +198,7 @@ class _SamplingFields:
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    reasoning_effort: str | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Tool] | None = None
@@ -203,10 +214,15 @@ class ChatCompletionRequest(_SamplingFields):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for text completions (null means the same: translate.py)
+    max_completion_tokens: int | None = None  # chat's spelling, which some clients send here too
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+
+# Inside messages unknown keys are ignored (ninfer_serve.message_fields); leaves first.
+MESSAGE_CLASSES = (ToolCallFunction, MessageToolCall, ContentPart, ChatMessage)
 
 
 # ---------------------------------------------------------------- strict converter
@@ -335,6 +351,7 @@ def make_converter() -> cattrs.Converter:
         return out
 
     conv.register_structure_hook_func(is_list, structure_list)
+    ignore_unknown_keys(conv, MESSAGE_CLASSES)
     return conv
 
 

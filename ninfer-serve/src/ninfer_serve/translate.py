@@ -38,6 +38,7 @@ class ResponseOptions:
     logprobs: bool = False
     tools_enabled: bool = False
     constraint_param: str | None = None  # the field the engine's refusal of the request's constraint is about
+    budget_param: str = "max_tokens"  # the field the generation budget came from
 
 
 def _check_range(name: str, value: float | None, lo: float, hi: float, *, lo_open: bool = False) -> None:
@@ -59,11 +60,12 @@ def _neutral(req: Any) -> None:
         raise bad_request("'logit_bias' is not supported by this server", param="logit_bias")
 
 
-def _sampling(req: Any, *, max_tokens: int | None, logprobs: bool, top_logprobs: int) -> SamplingParams:
+def _sampling(req: Any, *, max_tokens: int | None, logprobs: bool, top_logprobs: int,
+              budget_param: str = "max_tokens") -> SamplingParams:
     if not 1 <= req.n <= MAX_N:
         raise bad_request(f"'n' must be in [1, {MAX_N}], got {req.n}", param="n")
     if max_tokens is not None and max_tokens < 1:
-        raise bad_request(f"'max_tokens' must be >= 1, got {max_tokens}", param="max_tokens")
+        raise bad_request(f"'{budget_param}' must be >= 1, got {max_tokens}", param=budget_param)
     _check_range("temperature", req.temperature, 0.0, 2.0)
     _check_range("top_p", req.top_p, 0.0, 1.0, lo_open=True)
     _check_range("min_p", req.min_p, 0.0, 1.0)
@@ -166,32 +168,47 @@ def _message_content(m: ChatMessage, i: int) -> str | list[dict[str, Any]] | Non
     return parts
 
 
+def _call_arguments(args: str | dict[str, Any], where: str) -> dict[str, Any]:
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            raise bad_request(f"{where} is not valid JSON", param=where) from None
+    if not isinstance(args, dict):
+        raise bad_request(f"{where} must be a JSON object", param=where)
+    return args
+
+
+def _tool_calls(m: ChatMessage, i: int) -> list[dict[str, Any]]:
+    """The assistant's tool calls, the deprecated ``function_call`` as one more (without an id)."""
+    calls = []
+    for j, call in enumerate(m.tool_calls or []):
+        args = _call_arguments(call.function.arguments, f"messages[{i}].tool_calls[{j}].function.arguments")
+        calls.append({"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": args}})
+    if m.function_call is not None:
+        args = _call_arguments(m.function_call.arguments, f"messages[{i}].function_call.arguments")
+        calls.append({"id": None, "type": "function", "function": {"name": m.function_call.name, "arguments": args}})
+    return calls
+
+
 def _message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
-    """One OpenAI message as the chat template expects it (tool-call arguments as a mapping)."""
-    out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
-                           "content": _message_content(m, i)}
+    """One OpenAI message as the chat template expects it (tool-call arguments as a mapping). A ``function``
+    message (the deprecated form of a tool result) is a tool message; an assistant's ``refusal`` stands for its
+    content when it has none; ``audio`` and ``annotations`` are ignored (docs/serving.md, "Messages")."""
+    role = {"developer": "system", "function": "tool"}.get(m.role, m.role)
+    content = _message_content(m, i)
+    if m.role == "assistant" and not content and m.refusal:
+        content = m.refusal
+    out: dict[str, Any] = {"role": role, "content": content}
     if m.role != "assistant" and out["content"] is None:
         raise bad_request(f"messages[{i}] ({m.role}) needs 'content'", param=f"messages[{i}].content")
     if m.name is not None:
         out["name"] = m.name
-    if m.tool_calls:
-        if m.role != "assistant":
-            raise bad_request(f"only assistant messages carry 'tool_calls' (messages[{i}])",
-                              param=f"messages[{i}].tool_calls")
-        calls = []
-        for j, call in enumerate(m.tool_calls):
-            args = call.function.arguments
-            if isinstance(args, str):
-                try:
-                    args = json.loads(args) if args.strip() else {}
-                except ValueError:
-                    raise bad_request(f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON",
-                                      param=f"messages[{i}].tool_calls[{j}].function.arguments") from None
-            if not isinstance(args, dict):
-                raise bad_request(f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object",
-                                  param=f"messages[{i}].tool_calls[{j}].function.arguments")
-            calls.append({"id": call.id, "type": "function",
-                          "function": {"name": call.function.name, "arguments": args}})
+    if m.role != "assistant" and (m.tool_calls or m.function_call is not None):
+        field = "tool_calls" if m.tool_calls else "function_call"
+        raise bad_request(f"only assistant messages carry '{field}' (messages[{i}])", param=f"messages[{i}].{field}")
+    calls = _tool_calls(m, i)
+    if calls:
         out["tool_calls"] = calls
     if m.tool_call_id is not None:
         out["tool_call_id"] = m.tool_call_id
@@ -199,6 +216,32 @@ def _message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
     if reasoning is not None and m.role == "assistant":
         out["reasoning_content"] = reasoning
     return out
+
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def template_kwargs(effort: str | None, given: dict[str, Any] | None, *,
+                    param: str = "reasoning_effort") -> dict[str, Any]:
+    """The chat template's kwargs: the client's ``chat_template_kwargs``, with ``enable_thinking: false`` when
+    ``reasoning_effort`` is ``none`` or ``minimal`` (other efforts keep the template's default, thinking on). An
+    explicit ``enable_thinking`` wins over the effort."""
+    kwargs = dict(given or {})
+    if effort is None:
+        return kwargs
+    if effort not in REASONING_EFFORTS:
+        raise bad_request(f"'{param}' must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}", param=param)
+    if effort in ("none", "minimal"):
+        kwargs.setdefault("enable_thinking", False)
+    return kwargs
+
+
+def _max_tokens(req: Any, default: int | None) -> tuple[int | None, str]:
+    """The generation budget and the parameter it came from: ``max_completion_tokens`` wins when set; null is
+    absent (OpenAI)."""
+    if req.max_completion_tokens is not None:
+        return req.max_completion_tokens, "max_completion_tokens"
+    return (default if req.max_tokens is None else req.max_tokens), "max_tokens"
 
 
 def chat_request(req: ChatCompletionRequest, *, queue_timeout_s: float | None = None,
@@ -221,18 +264,19 @@ def chat_request(req: ChatCompletionRequest, *, queue_timeout_s: float | None = 
         _check_range("top_logprobs", req.top_logprobs, 0, MAX_TOP_LOGPROBS)
         if req.top_logprobs > 0 and not req.logprobs:
             raise bad_request("'top_logprobs' needs 'logprobs' set to true", param="top_logprobs")
-    # null is absent (OpenAI): max_completion_tokens wins when set; neither set: no limit but the context
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    sampling = _sampling(req, max_tokens=max_tokens, logprobs=req.logprobs, top_logprobs=top)
+    max_tokens, budget_param = _max_tokens(req, None)  # neither set: no limit but the context
+    sampling = _sampling(req, max_tokens=max_tokens, budget_param=budget_param, logprobs=req.logprobs,
+                         top_logprobs=top)
     include_usage, continuous = _stream_options(req)
     chat = ChatInput(messages=tuple(messages), tools=tuple(tools),
-                     template_kwargs=dict(req.chat_template_kwargs or {}))
+                     template_kwargs=template_kwargs(req.reasoning_effort, req.chat_template_kwargs))
     gen = GenerationRequest(input=chat, sampling=sampling, queue_timeout_s=queue_timeout_s, request_id=request_id,
                             session_key=_session_key(req), cache_salt=_cache_salt(req, key_scope),
                             constraint=None if asked is None else asked.constraint)
     return gen, ResponseOptions(stream=req.stream, n=req.n, include_usage=include_usage,
                                 continuous_usage=continuous, logprobs=req.logprobs, tools_enabled=bool(tools),
-                                constraint_param=None if asked is None else asked.compiled_from)
+                                constraint_param=None if asked is None else asked.compiled_from,
+                                budget_param=budget_param)
 
 
 # ---------------------------------------------------------------- text completions
@@ -267,8 +311,9 @@ def completion_request(req: CompletionRequest, *, queue_timeout_s: float | None 
         raise bad_request("'best_of' other than 1 is not supported by this server", param="best_of")
     _check_range("logprobs", req.logprobs, 0, MAX_TOP_LOGPROBS)
     logprobs = req.logprobs is not None
-    max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens  # null is absent
-    sampling = _sampling(req, max_tokens=max_tokens, logprobs=logprobs, top_logprobs=req.logprobs or 0)
+    max_tokens, budget_param = _max_tokens(req, COMPLETIONS_DEFAULT_MAX_TOKENS)
+    sampling = _sampling(req, max_tokens=max_tokens, budget_param=budget_param, logprobs=logprobs,
+                         top_logprobs=req.logprobs or 0)
     include_usage, continuous = _stream_options(req)
     asked = request_constraint(req)
     gen = GenerationRequest(input=text, sampling=sampling, queue_timeout_s=queue_timeout_s, request_id=request_id,
@@ -276,7 +321,8 @@ def completion_request(req: CompletionRequest, *, queue_timeout_s: float | None 
                             constraint=None if asked is None else asked.constraint)
     return gen, ResponseOptions(stream=req.stream, n=req.n, include_usage=include_usage,
                                 continuous_usage=continuous, logprobs=logprobs,
-                                constraint_param=None if asked is None else asked.compiled_from)
+                                constraint_param=None if asked is None else asked.compiled_from,
+                                budget_param=budget_param)
 
 
 def choices(gen: GenerationRequest, n: int) -> list[GenerationRequest]:
