@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 import threading
 import time
@@ -112,6 +113,68 @@ def test_open_connections_are_capped(engine):
             for s in held:
                 s.close()
     assert engine.submitted == []
+
+
+def exchange(port: int, request: bytes) -> bytes:
+    """The first bytes of the answer to one raw request (its status line and headers at least)."""
+    with connect(port) as s:
+        s.sendall(request)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        return data
+
+
+def test_status_lines_carry_their_reason_phrase(app):
+    body = b'{"messages": 3}'
+    with running(app) as (port, _):
+        assert exchange(port, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n").startswith(b"HTTP/1.1 200 OK\r\n")
+        bad = exchange(port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: "
+                       b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        assert bad.startswith(b"HTTP/1.1 400 Bad Request\r\n"), bad
+        untyped = exchange(port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-length: 2"
+                           b"\r\n\r\n{}")
+        assert untyped.startswith(b"HTTP/1.1 415 Unsupported Media Type\r\n"), untyped
+
+
+def test_reason_phrases_for_every_status_the_gateway_uses():
+    import h11
+
+    from ninfer_serve.status_line import reason_phrase, with_reason
+
+    assert [reason_phrase(s) for s in (200, 408, 429, 499, 503)] == \
+        ["OK", "Request Timeout", "Too Many Requests", "Client Closed Request", "Service Unavailable"]
+    assert with_reason(h11.Response(status_code=299, headers=[])).reason == b""  # no standard phrase: none
+    kept = h11.Response(status_code=200, headers=[("a", "b")], reason=b"Fine")
+    assert with_reason(kept) is kept
+    filled = with_reason(h11.Response(status_code=404, headers=[("a", "b")]))
+    assert filled.reason == b"Not Found" and list(filled.headers) == [(b"a", b"b")]
+
+
+def test_a_client_leaving_a_stream_is_one_log_line(engine, script, caplog, capfd, monkeypatch):
+    engine.next = lambda req: script.Handle("r", script.text("r", 1, ["tok"] * 1000), delay_s=0.01)
+    monkeypatch.setattr(logging.getLogger("ninfer_serve"), "propagate", True)  # to caplog, whatever ran before
+    body = b'{"messages": [{"role": "user", "content": "x"}], "stream": true}'
+    with caplog.at_level(logging.INFO, logger="ninfer_serve"), running(create_app(engine)) as (port, _):
+        with connect(port) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json"
+                      b"\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+            seen = b""
+            while seen.count(b"data:") < 3:
+                seen += s.recv(65536)
+        end = time.monotonic() + GUARD_S
+        while not engine.handles[0].closed:  # the server notices, closes the request and logs
+            assert time.monotonic() < end, "the request was not closed after its client left"
+            time.sleep(0.01)
+        assert get(port, "/health") == 200
+    lines = [r for r in caplog.records if "left the chat stream" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelno == logging.INFO and lines[0].exc_info is None
+    assert lines[0].getMessage().startswith("request ")
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "CancelledError" not in err
 
 
 def test_access_log_goes_to_stderr(app, capfd):

@@ -279,7 +279,7 @@ class Gateway:
 
         pumps = [asyncio.ensure_future(pump(i)) for i in range(len(handles))]
         unsubscribe = self.drain.subscribe(lambda: queue.put_nowait((-1, _ENDED)))
-        open_choices, finished = len(handles), False
+        open_choices, finished, left, sent = len(handles), False, False, 0
         try:
             while open_choices:
                 i, ev = await queue.get()
@@ -300,14 +300,20 @@ class Gateway:
                         frames += builder.end()
                 for frame in frames:
                     yield frame
+                    sent += 1
             finished = True
             yield DONE
+        except (asyncio.CancelledError, GeneratorExit):  # the client left: Starlette cancels or closes the body
+            left = not finished
+            raise
         finally:
             unsubscribe()
             for p in pumps:
                 p.cancel()
             if not finished:  # the client left (Starlette cancels the body) or the server is stopping
                 self.metrics.disconnects.labels(endpoint).inc()
+            if left:  # one line, no traceback: leaving a stream is an ordinary end of it
+                log.info("request %s: the client left the %s stream after %d chunks", rid, endpoint, sent)
             for h in handles:
                 h.close()
 

@@ -318,7 +318,7 @@ def _load_and_serve(args: argparse.Namespace, model: str, chat_template: str | N
     from ninfer.engine.memory_report import summary_text
     from ninfer_serve.app import create_app
     from ninfer_serve.drain import Drain
-    from ninfer_serve.server import ServerOptions, serve
+    from ninfer_serve.server import ServerOptions, gateway_logger, serve
     from ninfer_serve.warmup import WarmupFailed, warmup
 
     try:
@@ -356,6 +356,7 @@ def _load_and_serve(args: argparse.Namespace, model: str, chat_template: str | N
         shown = f"[{host}]" if ":" in host else host
         print(f"ninfer serve: serving {args.model_id or engine.model_name} on http://{shown}:{port}",
               file=sys.stderr, flush=True)
+        gateway_logger()
         serve(app, listener, ServerOptions(graceful_timeout_s=args.graceful_timeout,
                                            keep_alive_timeout_s=args.keep_alive_timeout, backlog=args.backlog,
                                            access_log=args.access_log), drain=drain)

@@ -12,6 +12,8 @@ Slow clients are bounded in three places: a connection must send complete reques
 between requests), the app answers 408 to a body not received within its body timeout, and the
 listener caps open connections. Hypercorn's ``read_timeout`` stays off: it bounds every read of the
 connection, so it would also cut a long stream to a client that has nothing more to send.
+
+Status lines carry their reason phrase (ninfer_serve.status_line).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from hypercorn.asyncio.run import worker_serve
 from hypercorn.config import Config, Sockets
 from hypercorn.utils import wrap_app
 
+from ninfer_serve import status_line
 from ninfer_serve.drain import Drain
 from ninfer_serve.listener import LimitedListener
 
@@ -51,6 +54,20 @@ def access_logger() -> logging.Logger:
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "[%Y-%m-%d %H:%M:%S %z]"))
     logger.handlers = [handler]
     logger.setLevel(logging.INFO)
+    logger.propagate = False
+    return logger
+
+
+def gateway_logger() -> logging.Logger:
+    """The gateway's own lines (a client leaving a stream, unhandled errors under their request id) go to
+    stderr at INFO, formatted as hypercorn's error log; debug lines (ignored message fields) only when asked."""
+    logger = logging.getLogger("ninfer_serve")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s [%(process)d] [%(levelname)s] %(message)s",
+                                           "[%Y-%m-%d %H:%M:%S %z]"))
+    logger.handlers = [handler]
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
     logger.propagate = False
     return logger
 
@@ -92,6 +109,7 @@ async def serve_async(app: Any, listener: LimitedListener, options: ServerOption
             ending.append(loop.call_later(options.graceful_timeout_s, drain.end))
 
     listener.setblocking(False)
+    status_line.install()
     try:
         await worker_serve(wrap_app(app, cfg.wsgi_max_body_size, "asgi"), cfg,
                            sockets=Sockets(secure_sockets=[], insecure_sockets=[listener], quic_sockets=[]),
