@@ -167,6 +167,33 @@ def test_tools_are_rendered_and_tool_turns_accepted(client):
     assert follow.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
+def test_the_sdks_reply_goes_back_in_as_dumped(client):
+    """"Append the reply and continue": the SDK's ``message.model_dump()`` (refusal, audio, function_call and
+    annotations as nulls, the reasoning as an extra field) and a LiteLLM-shaped copy are accepted back."""
+    weather = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True, "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "enum": ["Oslo", "Rome"]}},
+        "required": ["city"], "additionalProperties": False}}}]
+    first = chat(client, tools=weather, tool_choice="required", max_tokens=64)
+    reply = first.choices[0].message
+    assert {"refusal", "audio", "function_call", "annotations"} <= reply.model_dump().keys()
+    results = [{"role": "tool", "tool_call_id": c.id, "content": "sunny"} for c in reply.tool_calls or []]
+    litellm = {**reply.model_dump(exclude_none=True), "provider_specific_fields": {"refusal": None}}
+    for sent in (reply.model_dump(), reply.model_dump(exclude_none=True), litellm):
+        again = chat(client, messages=[*HI, sent, *results, {"role": "user", "content": "And tomorrow?"}],
+                     tools=weather)
+        assert again.choices[0].message.role == "assistant"
+
+
+def test_reasoning_effort_turns_thinking_off_or_keeps_it(client):
+    off = chat(client, reasoning_effort="none", max_tokens=6, extra_body={"ignore_eos": True}).choices[0].message
+    on = chat(client, reasoning_effort="high", max_tokens=6, extra_body={"ignore_eos": True}).choices[0].message
+    assert off.model_dump()["reasoning_content"] is None and off.content
+    assert on.model_dump()["reasoning_content"]
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, reasoning_effort="maximal")
+    assert info.value.body["param"] == "reasoning_effort"
+
+
 def test_raw_sse_framing(server):
     body = {"model": MODEL_ID, "messages": HI, "max_tokens": 5, "temperature": 0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}, **NO_THINK}
