@@ -67,6 +67,18 @@ def test_stream_events_in_order_with_sequence_numbers(engine, script, client):
     assert final.output_text == "\n\nHello" and final.status == "completed"
 
 
+def test_stream_frames_are_typed_events_without_done(engine, script, client):
+    engine.next = lambda r: script.Handle("r6", events_with("r6", THINK_ANSWER[2:]))
+    with client(engine).stream("POST", "/v1/responses", json={"input": "hi", "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        frames = [f for f in r.read().decode().split("\n\n") if f]
+    assert "data: [DONE]" not in frames
+    for frame in frames:
+        event, data = frame.split("\n")
+        assert event == "event: " + json.loads(data.removeprefix("data: "))["type"]
+    assert json.loads(frames[-1].split("\n")[1][6:])["response"]["output"][0]["content"][0]["text"] == "Hello"
+
+
 def test_function_call_streamed_and_whole(engine, script, client):
     engine.next = lambda r: script.Handle("r3", events_with("r3", CALL, FinishReason.TOOL_CALLS))
     c = sdk(client(engine))
@@ -191,3 +203,12 @@ def test_what_clients_send_is_accepted(engine, script, client):
     assert r.status_code == 200, r.text
     assert engine.submitted[0].input.template_kwargs == {"enable_thinking": False}
     assert json.loads(r.text)["metadata"] == {"a": "b"}
+
+
+def test_openapi_lists_the_responses_routes(engine, client):
+    doc = client(engine).get("/openapi.json").json()
+    assert set(doc["paths"]["/v1/responses/{response_id}"]) == {"get", "delete"}
+    body = doc["paths"]["/v1/responses"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    schema = doc["components"]["schemas"][body["$ref"].rsplit("/", 1)[1]]
+    assert {"input", "instructions", "previous_response_id", "text", "tools"} <= set(schema["properties"])
+    assert schema["additionalProperties"] is False

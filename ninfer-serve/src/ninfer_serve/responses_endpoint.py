@@ -8,17 +8,19 @@ false, for ``previous_response_id`` and ``GET`` (ninfer_serve.responses_store).
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 import attrs
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ninfer_serve.access import key_scope
 from ninfer_serve.drain import refused_while_stopping
 from ninfer_serve.errors import APIError
 from ninfer_serve.json_body import parse_json
 from ninfer_serve.offload import ClientGone, unless_ended
+from ninfer_serve.responses import DONE
 from ninfer_serve.responses_api import (
     ResponsesRequest,
     chat_completion,
@@ -32,6 +34,17 @@ from ninfer_serve.schemas import ChatMessage, MessageToolCall, ToolCallFunction,
 from ninfer_serve.translate import chat_request
 
 ENDPOINT = "responses"  # the metrics' endpoint label
+
+
+async def _without_done(frames: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """The gateway's stream less its closing ``data: [DONE]``: a Responses stream ends with its last typed
+    event, and strict clients parse every ``data:`` as an event."""
+    try:
+        async for frame in frames:
+            if frame != DONE:
+                yield frame
+    finally:
+        await frames.aclose()  # type: ignore[attr-defined]  # the gateway's generator: closes the handles
 
 
 def _not_found(response_id: str, param: str) -> APIError:
@@ -127,9 +140,12 @@ class ResponsesEndpoints:
             gw.metrics.disconnects.labels(ENDPOINT).inc()
             return Response(status_code=499)
         try:
-            return await gw._generate(request, ENDPOINT, gen, options, builder, rid)
+            response = await gw._generate(request, ENDPOINT, gen, options, builder, rid)
         except APIError as exc:
             raise renamed(exc) from None
+        if isinstance(response, StreamingResponse):
+            response.body_iterator = _without_done(response.body_iterator)
+        return response
 
     async def retrieve(self, request: Request) -> Response:
         response_id = request.path_params["response_id"]
