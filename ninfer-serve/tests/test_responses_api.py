@@ -212,3 +212,16 @@ def test_openapi_lists_the_responses_routes(engine, client):
     schema = doc["components"]["schemas"][body["$ref"].rsplit("/", 1)[1]]
     assert {"input", "instructions", "previous_response_id", "text", "tools"} <= set(schema["properties"])
     assert schema["additionalProperties"] is False
+
+
+def test_one_api_key_cannot_read_or_continue_anothers_responses(engine, script, client):
+    engine.next = lambda r: script.Handle(r.request_id, events_with(r.request_id, THINK_ANSWER))
+    http = client(engine, api_key=["key-a", "key-b"])
+    a, b = ({"Authorization": f"Bearer {k}"} for k in ("key-a", "key-b"))
+    made = http.post("/v1/responses", json={"input": "hi"}, headers=a).json()
+    assert http.get(f"/v1/responses/{made['id']}", headers=a).status_code == 200
+    assert http.get(f"/v1/responses/{made['id']}", headers=b).status_code == 404
+    r = http.post("/v1/responses", json={"input": "more", "previous_response_id": made["id"]}, headers=b)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
+    assert http.delete(f"/v1/responses/{made['id']}", headers=b).status_code == 404
+    assert http.delete(f"/v1/responses/{made['id']}", headers=a).json()["deleted"] is True
