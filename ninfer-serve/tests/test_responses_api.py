@@ -225,3 +225,15 @@ def test_one_api_key_cannot_read_or_continue_anothers_responses(engine, script, 
     assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
     assert http.delete(f"/v1/responses/{made['id']}", headers=b).status_code == 404
     assert http.delete(f"/v1/responses/{made['id']}", headers=a).json()["deleted"] is True
+
+
+def test_instructions_and_leading_system_messages_make_one_system_message(engine, script, client):
+    engine.next = lambda r: script.Handle("r7", events_with("r7", THINK_ANSWER))
+    body = {"instructions": "Be brief.", "input": [
+        {"role": "developer", "content": "Rule one."},
+        {"role": "system", "content": [{"type": "input_text", "text": "Rule two."}]},
+        {"role": "user", "content": "hi"}]}
+    assert client(engine).post("/v1/responses", json=body).status_code == 200
+    messages = engine.submitted[0].input.messages
+    assert [(m["role"], m["content"]) for m in messages] == [
+        ("system", "Be brief.\n\nRule one.\n\nRule two."), ("user", "hi")]

@@ -315,13 +315,29 @@ def thinking_kwargs(reasoning: ReasoningConfig | None) -> dict[str, Any] | None:
     return None
 
 
+def _one_system_message(messages: list[ChatMessage]) -> list[ChatMessage]:
+    """``instructions`` and the system / developer messages that open ``input`` as one system message: the
+    Qwen templates take one, first, and a Responses client may send both."""
+    def text_only(m: ChatMessage) -> bool:
+        return isinstance(m.content, str) or all(p.type == "text" for p in m.content or [])
+
+    lead = 0
+    while lead < len(messages) and messages[lead].role in ("system", "developer") and text_only(messages[lead]):
+        lead += 1
+    if lead < 2:
+        return messages
+    texts = [m.content if isinstance(m.content, str) else "\n".join(p.text or "" for p in m.content or [])
+             for m in messages[:lead]]
+    return [ChatMessage(role="system", content="\n\n".join(texts)), *messages[lead:]]
+
+
 def chat_completion(req: ResponsesRequest, prior: list[ChatMessage], new: list[ChatMessage],
                     session_key: str) -> ChatCompletionRequest:
     """The chat request this Responses request means: ``instructions`` first, then the stored conversation
     (``prior``), then the new input; ``session_key`` names the conversation for the context cache."""
     _refuse_unsupported(req)
     system = [ChatMessage(role="system", content=req.instructions)] if req.instructions is not None else []
-    messages = [*system, *prior, *new]
+    messages = _one_system_message([*system, *prior, *new])
     if not messages:
         raise bad_request("'input' must hold at least one item", param="input")
     tools = _tools(req)
