@@ -8,6 +8,8 @@ import json
 
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ninfer.contract.events import FinishReason, GenerationResult, OutputDelta, Timings, ToolCall, Usage
 from ninfer_serve.responses_api import input_messages
@@ -237,3 +239,33 @@ def test_instructions_and_leading_system_messages_make_one_system_message(engine
     messages = engine.submitted[0].input.messages
     assert [(m["role"], m["content"]) for m in messages] == [
         ("system", "Be brief.\n\nRule one.\n\nRule two."), ("user", "hi")]
+
+
+KEYS = ["model", "input", "instructions", "previous_response_id", "max_output_tokens", "temperature", "top_p",
+        "tools", "tool_choice", "parallel_tool_calls", "text", "reasoning", "stream", "store", "metadata", "include",
+        "truncation", "top_logprobs", "max_tool_calls", "background", "conversation", "prompt", "bogus"]
+ITEM_KEYS = ["type", "role", "content", "call_id", "name", "arguments", "output", "id", "status", "summary"]
+VALUES = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.floats(allow_nan=False, allow_infinity=False),
+                                st.sampled_from(["", "x", "user", "function_call", "message", "input_text",
+                                                 "function_call_output", "json_schema", "function", "auto"])),
+                      lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(
+                          st.sampled_from([*ITEM_KEYS, "format", "schema", "effort"]), inner, max_size=3)),
+                      max_leaves=6)
+
+
+def test_fuzzed_bodies_answer_200_or_an_openai_shaped_4xx(engine, script, client):
+    engine.next = lambda r: script.Handle(r.request_id, events_with(r.request_id, THINK_ANSWER))
+    http = client(engine)
+
+    @settings(max_examples=80, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(edits=st.lists(st.tuples(st.sampled_from(KEYS), VALUES), min_size=1, max_size=3),
+           item=st.dictionaries(st.sampled_from(ITEM_KEYS), VALUES, max_size=4))
+    def one(edits, item):
+        body = {"input": [{"role": "user", "content": "hi"}, item], **dict(edits)}
+        r = http.post("/v1/responses", json=body)
+        assert r.status_code in (200, 400, 404), (body, r.text)
+        if r.status_code != 200:
+            error = r.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+
+    one()
