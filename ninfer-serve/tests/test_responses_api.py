@@ -269,3 +269,10 @@ def test_fuzzed_bodies_answer_200_or_an_openai_shaped_4xx(engine, script, client
             assert set(error) == {"message", "type", "param", "code"} and error["message"], error
 
     one()
+
+
+def test_an_image_for_a_model_without_vision_names_the_input(engine, client):
+    part = {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}
+    r = client(engine).post("/v1/responses", json={"input": [{"role": "user", "content": [part]}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+    assert engine.submitted == []

@@ -139,6 +139,8 @@ class ResponsesEndpoints:
         except ClientGone:
             gw.metrics.disconnects.labels(ENDPOINT).inc()
             return Response(status_code=499)
+        except APIError as exc:  # a refused image names its place in the chat request
+            raise renamed(exc) from None
         try:
             response = await gw._generate(request, ENDPOINT, gen, options, builder, rid)
         except APIError as exc:
