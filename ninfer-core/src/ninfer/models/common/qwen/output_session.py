@@ -78,8 +78,12 @@ class _State:
 
     def copy(self) -> _State:
         new = _State.__new__(_State)
-        for name in _State.__slots__:
-            setattr(new, name, getattr(self, name))
+        new.generated, new.finished, new.utf8_pending, new.pos = self.generated, self.finished, self.utf8_pending, self.pos
+        new.stop_held, new.stop_state, new.stop_segs, new.stop_hit = (
+            self.stop_held, self.stop_state, self.stop_segs, self.stop_hit)
+        new.mode, new.at_start, new.trim_lead, new.held = self.mode, self.at_start, self.trim_lead, self.held
+        new.call, new.call_at, new.calls, new.ends_with_calls, new.track = (
+            self.call, self.call_at, self.calls, self.ends_with_calls, self.track)
         return new
 
 
@@ -304,6 +308,11 @@ class QwenOutputSession:
     def _stop_strings(self, st: _State, out: _Out, text: str, start: int) -> None:
         """Stage 4 on routed content: emit what can no longer become a stop string, hold the rest."""
         step = self._stop.advance(st.stop_held, st.stop_state, text)
+        if st.track is None:  # positions only matter to the tracker
+            st.stop_held, st.stop_state, st.stop_hit = step.held, step.state, step.matched
+            if step.released:
+                out.content.append(step.released)
+            return
         segs = join_segs(st.stop_segs, start, len(text))
         released, rest = split_segs(segs, len(step.released))
         if step.matched:
@@ -323,7 +332,9 @@ class QwenOutputSession:
         if st.track is not None:
             st.track = st.track.stretch_last(start, st.pos)
         self._route(st, text, out, final=True)
-        if not st.stop_hit:
+        if not st.stop_hit and st.stop_held:
+            if st.track is None:
+                out.content.append(st.stop_held)
             at = 0
             for p, n in st.stop_segs:
                 self._emit_out(st, out, CONTENT, st.stop_held[at:at + n], p)

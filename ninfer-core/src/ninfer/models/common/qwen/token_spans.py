@@ -28,17 +28,17 @@ class Tracker:
     pieces: tuple[tuple[str, int, str], ...] = ()  # emitted, unreleased text: (channel, start, text)
 
     def add_token(self, index: int, start: int, end: int) -> Tracker:
-        return attrs.evolve(self, tokens=(*self.tokens, (index, start, end)))
+        return Tracker((*self.tokens, (index, start, end)), self.pieces)
 
     def stretch_last(self, start: int, end: int) -> Tracker:
         """Characters the end of the output completed (U+FFFD for bytes left over) belong to the last token
         if it is still waiting at ``start``."""
         if not self.tokens or self.tokens[-1][1:] != (start, start) or end == start:
             return self
-        return attrs.evolve(self, tokens=(*self.tokens[:-1], (self.tokens[-1][0], start, end)))
+        return Tracker((*self.tokens[:-1], (self.tokens[-1][0], start, end)), self.pieces)
 
     def add_piece(self, channel: str, start: int, text: str) -> Tracker:
-        return attrs.evolve(self, pieces=(*self.pieces, (channel, start, text)))
+        return Tracker(self.tokens, (*self.pieces, (channel, start, text)))
 
     def release(self, decided: int | None) -> tuple[Tracker, dict[str, str], tuple[TokenSpan, ...]]:
         """Release every token whose characters are all before ``decided`` (None: the output ended, all
