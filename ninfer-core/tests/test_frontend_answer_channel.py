@@ -6,6 +6,7 @@ import random
 import pytest
 
 from ninfer.contract import ChatInput, FinishReason, SamplingParams, TextInput
+from ninfer.contract.events import merge_tool_call_fragments
 from ninfer.models.common.qwen import QwenFrontend
 from ninfer_qwen35.testing.qwen_vocab import byte_to_unicode, qwen35_frontend_resources
 
@@ -125,3 +126,35 @@ def test_leading_whitespace_of_a_completion_goes_out_with_its_token(frontend):
     deltas, _, _ = run(frontend, prompt, tokens, [1] * 9, logprobs=True)
     assert [(d.content, [s.text for s in d.token_spans]) for d in deltas if d.content] == [
         (" Hello", [" Hello"]), (" world", [" world"])]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_marker_soup_tracked_and_untracked_agree(frontend, seed):
+    """Fuzz: markers, partial tags, tool calls that fall back to text, split characters and stop strings in
+    random rows: tracking never changes the text, and every delta's spans rebuild it exactly."""
+    rng = random.Random(2000 + seed)
+    alphabet = byte_to_unicode()
+    pieces = ["<think>", "</think>", "<tool_call>", "</tool_call>", "\n<function=get_weather>\n", "<function=",
+              "<parameter=city>\n", "\n</parameter>\n", "</function>", "</", "<", ">", "\n", "\n\n", " ", "Köln",
+              "x<y", "🤖", "END", "EN"]
+    tokens = []
+    for _ in range(rng.randint(5, 40)):
+        text = rng.choice(pieces)
+        split = rng.random() < 0.5
+        tokens += [frontend.tokenizer.token_id(alphabet[b]) for b in text.encode()] if split else \
+            frontend.tokenizer.encode(text)
+    if rng.random() < 0.5:
+        tokens.append(IM_END)
+    tools = [WEATHER] if rng.random() < 0.7 else []
+    prompt = thinking_chat(frontend, tools) if rng.random() < 0.5 else frontend.prepare(TextInput(text="x"))
+    stop = rng.choice([[], ["END"], ["\n\n"], [" "]])
+    plain, finish, accepted = run(frontend, prompt, tokens, [1] * len(tokens), stop=stop)
+    deltas, finish2, accepted2 = run(frontend, prompt, tokens, [rng.randint(1, 6) for _ in tokens], stop=stop,
+                                     logprobs=True)
+    _check_spans(deltas, accepted2)
+    assert (finish2, accepted2) == (finish, accepted)
+    for field in ("content", "reasoning"):
+        assert joined(deltas, field) == joined(plain, field)
+    calls = [[(c.name, c.arguments) for c in merge_tool_call_fragments([f for d in ds for f in d.tool_calls])]
+             for ds in (plain, deltas)]
+    assert calls[0] == calls[1]
