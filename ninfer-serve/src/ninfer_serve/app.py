@@ -47,6 +47,8 @@ from ninfer_serve.offload import ClientGone, client_of, submit_or_refuse, unless
 from ninfer_serve.openapi import openapi_document
 from ninfer_serve.preparation import HEAVY_THREADS, Preparation, close_all, submit_each
 from ninfer_serve.responses import DONE, ChatResponse, CompletionResponse
+from ninfer_serve.responses_endpoint import ResponsesEndpoints
+from ninfer_serve.responses_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_RESPONSES, ResponseStore
 from ninfer_serve.schemas import ChatCompletionRequest, CompletionRequest, structure
 from ninfer_serve.translate import chat_request, choices, completion_request
 
@@ -177,7 +179,7 @@ class Gateway:
             raise APIError(408, f"the request body was not received within {self.body_timeout_s:g} s",
                            code="body_timeout", headers={"Connection": "close"}) from None
 
-    def _check_budget(self, gen: Any, param: str) -> None:
+    def _check_budget(self, gen: Any, param: str = "max_tokens") -> None:
         """A generation budget that cannot fit the context even after a one-token prompt is out of range."""
         limit = self.engine.max_model_len
         wanted = gen.sampling.max_tokens
@@ -325,7 +327,8 @@ def create_app(engine: Any, *, model_id: str | None = None, queue_timeout_s: flo
                media_per_client: int | None = 16,
                api_key: str | Sequence[str] | None = None,
                allowed_hosts: Sequence[str] | None = None, allowed_origins: Sequence[str] | None = None,
-               media: MediaPolicy | None = None, drain: Drain | None = None) -> Starlette:
+               media: MediaPolicy | None = None, drain: Drain | None = None,
+               responses_max: int = DEFAULT_MAX_RESPONSES, responses_max_bytes: int = DEFAULT_MAX_BYTES) -> Starlette:
     """An ASGI app serving ``engine``; the caller owns the engine (and closes it after serving).
 
     The app owns two TaskPools for ``engine.submit`` (ninfer_serve.preparation): plain requests
@@ -337,7 +340,8 @@ def create_app(engine: Any, *, model_id: str | None = None, queue_timeout_s: flo
     ``drain`` is the server's shutdown state (ninfer_serve.drain; the server sets it); ``None``: one of its
     own. ``allowed_hosts=None`` accepts any Host header; ``api_key`` (one key or several: each then scopes its
     requests' context-cache entries) guards every ``/v1`` route;
-    ``allowed_origins`` turns CORS on for those origins (off by default).
+    ``allowed_origins`` turns CORS on for those origins (off by default). ``/v1/responses`` keeps at most
+    ``responses_max`` finished responses, ``responses_max_bytes`` in all (ninfer_serve.responses_store).
     """
     preparation = Preparation(threads=http_threads, queue=http_queue, heavy_threads=heavy_threads,
                               heavy_queue=heavy_queue, heavy_per_client=heavy_per_client,
@@ -345,6 +349,7 @@ def create_app(engine: Any, *, model_id: str | None = None, queue_timeout_s: flo
     acquirer = MediaAcquirer(media or MediaPolicy(), retry_after_s=retry_after_s, per_client=media_per_client)
     gw = Gateway(engine, model_id=model_id, queue_timeout_s=queue_timeout_s, retry_after_s=retry_after_s,
                  body_timeout_s=body_timeout_s, preparation=preparation, media=acquirer, drain=drain or Drain())
+    responses = ResponsesEndpoints(gw, ResponseStore(responses_max, responses_max_bytes))
     openapi = openapi_document(title="ninfer", version=_version())
 
     def counted(endpoint: str, handler: Any) -> Any:
@@ -397,6 +402,9 @@ def create_app(engine: Any, *, model_id: str | None = None, queue_timeout_s: flo
         Route("/v1/models/{model:path}", counted("models", gw.model), methods=["GET"]),
         Route("/v1/chat/completions", counted("chat", gw.chat_completions), methods=["POST"]),
         Route("/v1/completions", counted("completions", gw.completions), methods=["POST"]),
+        Route("/v1/responses", counted("responses", responses.create), methods=["POST"]),
+        Route("/v1/responses/{response_id}", counted("responses", responses.retrieve), methods=["GET"]),
+        Route("/v1/responses/{response_id}", counted("responses", responses.delete), methods=["DELETE"]),
     ]
     middleware = [Middleware(InFlight, gauge=gw.metrics.in_flight),
                   *access_middleware(allowed_hosts=allowed_hosts, api_key=api_key, allowed_origins=allowed_origins)]

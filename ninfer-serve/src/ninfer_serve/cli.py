@@ -19,14 +19,15 @@ from ninfer.engine.speculative_cli import add_speculative_arguments, speculative
 from ninfer.engine.vision_cli import add_vision_argument, with_vision
 from ninfer_serve.media_policy import MAX_MEDIA_THREADS, MIB, MediaPolicy, allowed_host_names
 from ninfer_serve.preparation import HEAVY_THREADS
+from ninfer_serve.responses_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_RESPONSES
 
 API_KEY_ENV = "NINFER_API_KEY"
 _MEDIA = attrs.fields(MediaPolicy)  # the defaults, written once
 
 DESCRIPTION = """\
 Serve one .ninfer model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
-/v1/models; /health, /metrics and /openapi.json). The address is bound first, then the model loads and
-warms up, then requests are answered. Without MODEL (or with the name 'default') the embedded model is
+/v1/responses, /v1/models; /health, /metrics and /openapi.json). The address is bound first, then the model
+loads and warms up, then requests are answered. Without MODEL (or with the name 'default') the embedded model is
 served. See docs/serving.md."""
 
 
@@ -110,6 +111,7 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
     limits.add_argument("--backlog", type=_positive_int, default=128, metavar="N",
                         help="connections the kernel queues before the server accepts them")
     _add_client_share_arguments(p)
+    _add_responses_arguments(p)
     access = p.add_argument_group("access")
     access.add_argument("--api-key", metavar="KEY", action="append",
                         help=f"require 'Authorization: Bearer KEY' on every /v1 route (/health, /metrics and "
@@ -126,6 +128,14 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
     access.add_argument("--allowed-origins", type=_names, metavar="ORIGINS",
                         help="comma-separated browser origins allowed by CORS (default: none, CORS off)")
     p.set_defaults(func=run_serve)
+
+
+def _add_responses_arguments(p: argparse.ArgumentParser) -> None:
+    stored = p.add_argument_group("stored responses (/v1/responses, for previous_response_id)")
+    stored.add_argument("--responses-max", type=whole_number(0), default=DEFAULT_MAX_RESPONSES, metavar="N",
+                        help="finished responses kept, least recently used evicted first (0: none)")
+    stored.add_argument("--responses-max-bytes", type=_byte_size, default=f"{DEFAULT_MAX_BYTES // MIB}M",
+                        metavar="BYTES", help="bytes the kept responses' conversations may hold in all")
 
 
 def _add_client_share_arguments(p: argparse.ArgumentParser) -> None:
@@ -348,7 +358,8 @@ def _load_and_serve(args: argparse.Namespace, model: str, chat_template: str | N
                          heavy_running_per_client=args.heavy_running_per_client, media_per_client=args.media_per_client,
                          drain=drain, api_key=api_keys or None,
                          allowed_hosts=None if "*" in allowed_hosts else allowed_hosts,
-                         allowed_origins=args.allowed_origins, media=media)
+                         allowed_origins=args.allowed_origins, media=media, responses_max=args.responses_max,
+                         responses_max_bytes=args.responses_max_bytes)
         # What startup made lives as long as the server: the garbage collector no longer walks it, so a full
         # collection (which a large request body's allocations trigger) stops pausing every request for it.
         gc.freeze()

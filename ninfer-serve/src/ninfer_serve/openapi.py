@@ -10,6 +10,7 @@ from typing import Any, Literal, Union
 import attrs
 
 from ninfer_serve.json_body import MAX_JSON_DEPTH
+from ninfer_serve.responses_api import ResponsesRequest
 from ninfer_serve.schemas import MESSAGE_CLASSES, ChatCompletionRequest, CompletionRequest
 
 _PRIMITIVES = {str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null"}
@@ -99,12 +100,35 @@ def _get(summary: str, *, secured: bool, content_type: str = "application/json")
     return {"get": op}
 
 
+def _responses(schema: dict[str, Any]) -> dict[str, Any]:
+    """``POST /v1/responses``: ``input`` items are checked by their ``type`` when translated (their shapes
+    are OpenAI's), so the schema lists them as objects."""
+    op = _generation("a Responses API response", schema)
+    op["post"]["responses"]["200"]["description"] = ("the response object as JSON, or as `text/event-stream` when "
+                                                     "`stream` is true (typed `event:` / `data:` events)")
+    op["post"]["responses"]["404"] = {**_ERRORS["404"], "description": "unknown model, or `previous_response_id` "
+                                                                       "not stored (never, deleted or evicted)"}
+    return op
+
+
+def _stored_response() -> dict[str, Any]:
+    param = [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]
+    not_found = {**_ERRORS["404"], "description": "no such stored response (never stored, deleted or evicted)"}
+    ops = {"get": _get("a stored response", secured=True)["get"],
+           "delete": _get("delete a stored response", secured=True)["get"]}
+    for op in ops.values():
+        op["parameters"] = param
+        op["responses"]["404"] = not_found
+    return ops
+
+
 def openapi_document(*, title: str, version: str) -> dict[str, Any]:
     """The document served at ``/openapi.json``; ``security`` lists the bearer key as optional because
     it is required only when the server runs with --api-key."""
     components: dict[str, Any] = {}
     chat = json_schema(ChatCompletionRequest, components)
     completion = json_schema(CompletionRequest, components)
+    responses = json_schema(ResponsesRequest, components)
     components["Error"] = _ERROR
     model_get = _get("one model", secured=True)
     model_get["get"]["parameters"] = [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
@@ -118,6 +142,8 @@ def openapi_document(*, title: str, version: str) -> dict[str, Any]:
         "paths": {
             "/v1/chat/completions": _generation("chat completion", chat),
             "/v1/completions": _generation("text completion", completion),
+            "/v1/responses": _responses(responses),
+            "/v1/responses/{response_id}": _stored_response(),
             "/v1/models": _get("the served model", secured=True),
             "/v1/models/{model}": model_get,
             "/health": _get("health: 200 while the engine serves, 503 once it has failed", secured=False),

@@ -36,8 +36,12 @@ def _token_entry(token: str, logprob: float) -> dict[str, Any]:
 
 
 def chat_logprobs(items: tuple[TokenLogprob, ...] | list[TokenLogprob]) -> dict[str, Any]:
+    """``logprobs.content``: the content tokens only (not reasoning, think markers or tool-call markup),
+    each with the text it added to the content, so their texts joined are the content."""
     content = []
     for t in items:
+        if t.channel != "content":
+            continue
         entry = _token_entry(t.token, t.logprob)
         entry["top_logprobs"] = [_token_entry(tok, lp) for _, tok, lp in t.top]
         content.append(entry)
@@ -45,9 +49,14 @@ def chat_logprobs(items: tuple[TokenLogprob, ...] | list[TokenLogprob]) -> dict[
 
 
 def completion_logprobs(items: list[TokenLogprob], offset: int) -> dict[str, Any]:
-    """Legacy completions logprobs; ``offset`` is the text length already sent (for text_offset)."""
+    """Legacy completions logprobs; ``offset`` is the text length already sent (for text_offset). A token
+    whose text spans reasoning and content (``part``) is one entry with its whole text."""
     tokens, lps, tops, offsets = [], [], [], []
     for t in items:
+        if t.part and tokens:
+            tokens[-1] += t.token
+            offset += len(t.token)
+            continue
         tokens.append(t.token)
         lps.append(_lp(t.logprob))
         tops.append({tok: _lp(lp) for _, tok, lp in t.top} if t.top else None)
@@ -188,7 +197,7 @@ class ChatResponse(_Response):
             delta["content"] = d.content
         if calls:
             delta["tool_calls"] = calls
-        if not delta and not (self.options.logprobs and d.logprobs):
+        if not delta and not (self.options.logprobs and any(t.channel == "content" for t in d.logprobs)):
             return []
         lp = chat_logprobs(d.logprobs) if self.options.logprobs else None
         return [sse(self._obj(self.chunk_kind, [{"index": index, "delta": delta, "logprobs": lp,

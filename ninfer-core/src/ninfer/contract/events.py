@@ -20,10 +20,27 @@ class FinishReason(enum.Enum):
 
 @attrs.frozen(kw_only=True)
 class TokenLogprob:
+    """One generated token's logprob. With a session that attributes tokens (``OutputDelta.token_spans``),
+    ``token`` is the text the token added to ``channel`` ("content" or "reasoning"); ``part``: the entry
+    continues the previous one's token, whose text spans both channels."""
+
     token_id: int
     token: str
     logprob: float
     top: tuple[tuple[int, str, float], ...] = ()
+    channel: str = "content"
+    part: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class TokenSpan:
+    """Generated token ``index`` (0-based in the request's output) added ``text`` to ``channel``; ``part``:
+    the token's text began in another channel (its earlier span)."""
+
+    index: int
+    channel: str
+    text: str
+    part: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -68,6 +85,9 @@ class OutputDelta:
     token_ids: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()
     tool_calls: tuple[ToolCall, ...] = ()
+    # The tokens whose text this delta releases, when the session attributes text to tokens (None: it does
+    # not, and every accepted token's logprob goes with the delta that accepts it).
+    token_spans: tuple[TokenSpan, ...] | None = None
 
 
 @attrs.frozen(kw_only=True)

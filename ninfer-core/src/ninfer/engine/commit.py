@@ -126,10 +126,15 @@ class BatchCommit:
             self.settlement.finish(rec, FinishReason.ERROR, request_failure(rec.request_id, "OutputSession.commit",
                                                                             exc))
             return
+        first = len(rec.token_ids)
         rec.token_ids.extend(row.tokens[:accepted])
         rec.boundary = outcome.decision.boundary
         if row.logprobs is not None:
-            delta = attrs.evolve(delta, logprobs=delta.logprobs + self._logprobs(row, accepted))
+            entries = self._logprobs(row, accepted)
+            if delta.token_spans is None:
+                delta = attrs.evolve(delta, logprobs=delta.logprobs + entries)
+            else:  # they go out with the text they produce (RequestRecord.publish_output)
+                rec.held_logprobs.update(zip(range(first, first + accepted), entries, strict=True))
         rec.publish_output(delta)
         if outcome.reason is not None:
             self.settlement.finish(rec, outcome.reason)

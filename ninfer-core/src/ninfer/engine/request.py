@@ -12,7 +12,7 @@ from typing import Any
 
 import attrs
 
-from ninfer.contract.events import FinishReason, OutputDelta, ToolCall
+from ninfer.contract.events import FinishReason, OutputDelta, TokenLogprob, ToolCall
 from ninfer.contract.model import OutputSession, SnapshotCost
 from ninfer.contract.prompt import PreparedPrompt
 from ninfer.contract.request import GenerationRequest, SamplingParams
@@ -52,6 +52,7 @@ class RequestRecord:
     content: list[str] = attrs.field(factory=list)
     reasoning: list[str] = attrs.field(factory=list)
     tool_calls: list[ToolCall] = attrs.field(factory=list)
+    held_logprobs: dict[int, TokenLogprob] = attrs.field(factory=dict)  # by output index, until their text goes
     preemptions: int = 0
     bypassed: int = 0              # fresh admissions that overtook this request while it waited to resume
     # Timing (time.monotonic()).
@@ -95,7 +96,19 @@ class RequestRecord:
         return None
 
     def publish_output(self, delta: OutputDelta) -> None:
-        """Add committed output to what the final result reports, and publish it (nothing when it is empty)."""
+        """Add committed output to what the final result reports, and publish it (nothing when it is empty).
+        With ``token_spans``, the held logprobs of those tokens go with it, each with the text it added."""
+        if delta.token_spans:
+            held = self.held_logprobs
+            entries = []
+            for span in delta.token_spans:
+                lp = held.get(span.index)
+                if lp is not None:
+                    entries.append(attrs.evolve(lp, token=span.text, channel=span.channel, part=span.part))
+            last = delta.token_spans[-1].index
+            for index in [i for i in held if i <= last]:  # released: listed, or no visible text
+                del held[index]
+            delta = attrs.evolve(delta, logprobs=delta.logprobs + tuple(entries))
         if not (delta.content or delta.reasoning or delta.token_ids or delta.tool_calls or delta.logprobs):
             return
         self.content.append(delta.content)

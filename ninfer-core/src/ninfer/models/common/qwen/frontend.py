@@ -233,6 +233,7 @@ class QwenFrontend:
         return QwenOutputSession(
             self.tokenizer, stop_token_ids=sorted(stop_ids), stop=sampling.stop, reasoning_open=reasoning_open,
             tools=prompt.tools, turn_end_id=self._im_end, grammar=matcher,
+            track_tokens=sampling.logprobs or sampling.top_logprobs > 0,
             turn_check=lambda message, output: self.turn_is_exact(message, output, reasoning_open=reasoning_open))
 
     def turn_is_exact(self, message: Mapping[str, Any], output_ids, *, reasoning_open: bool) -> bool | None:

@@ -4,13 +4,18 @@ detokenization, the thinking/content channels and XML tool calls.
 Tokens flow through four stages. ``preview`` runs them on a copy of the committed state, so it changes
 nothing; ``commit`` swaps the previewed state in:
 
-1. stop tokens (model side eos ids and the request's ``stop_token_ids``) end the output at that token;
+1. stop tokens (model side eos ids and the request's ``stop_token_ids``) end the output at that token,
+   in any channel;
 2. UTF-8 assembly: bytes of incomplete characters wait for the next token, never emitted broken;
-3. stop strings (``stop_strings.StopMatcher``, linear): text that could still become a stop string is held
-   back; the first stop string to complete ends the output before it (the token completing it is the last
-   accepted one);
-4. channels: ``<think>``/``</think>`` split reasoning from content, ``<tool_call>`` blocks become tool-call
-   fragments (only when the request offered tools); partial markers are held back.
+3. channels: ``<think>``/``</think>`` split reasoning from content, ``<tool_call>`` blocks become tool-call
+   fragments (only when the request offered tools); partial markers are held back;
+4. stop strings (``stop_strings.StopMatcher``, linear) match the content channel's text only (what the
+   client reads as the answer; never reasoning, markers or tool-call markup): content that could still
+   become a stop string is held back; the first stop string to complete ends the output before it (the
+   token completing it is the last accepted one).
+
+With ``track_tokens`` (the request wants logprobs) the session also says which token produced which text
+(``token_spans.Tracker``): a delta releases text only up to a token boundary, with the spans of its tokens.
 
 With a constraint, the request's ``TokenMatcher`` checks each token first: a token it refuses ends the output
 before it (``FinishReason.GRAMMAR``), a token that completes the grammar ends it after it; the matcher is
@@ -35,6 +40,7 @@ from ninfer.contract.model import Preview
 from ninfer.models.common.grammar import TokenMatcher
 from ninfer.models.common.qwen import tool_calls as tc
 from ninfer.models.common.qwen.stop_strings import StopMatcher
+from ninfer.models.common.qwen.token_spans import Tracker, join_segs, split_segs
 from ninfer.models.common.qwen.tokenizer import QwenTokenizer
 
 THINK_OPEN = "<think>"
@@ -47,29 +53,37 @@ class _State:
     """Where the output stands after the committed tokens. Previews work on a ``copy()``; the committed
     state is never mutated, so a preview changes nothing."""
 
-    __slots__ = ("generated", "finished", "utf8_pending", "stop_held", "stop_state", "mode", "at_start",
-                 "trim_lead", "held", "call", "calls", "ends_with_calls")
+    __slots__ = ("generated", "finished", "utf8_pending", "pos", "stop_held", "stop_state", "stop_segs",
+                 "stop_hit", "mode", "at_start", "trim_lead", "held", "call", "call_at", "calls",
+                 "ends_with_calls", "track")
 
-    def __init__(self, mode: str, trim_lead: bool) -> None:
+    def __init__(self, mode: str, trim_lead: bool, track: Tracker | None) -> None:
         self.generated = 0
         self.finished: FinishReason | None = None
         self.utf8_pending = b""     # bytes of an incomplete UTF-8 character
-        self.stop_held = ""         # text that may still become a stop string
+        self.pos = 0                # characters decoded so far (positions in the decoded stream)
+        self.stop_held = ""         # content that may still become a stop string
         self.stop_state = 0         # the stop matcher's state after it
+        self.stop_segs: tuple[tuple[int, int], ...] = ()  # where stop_held lies in the stream: (start, length)
+        self.stop_hit = False       # a stop string completed: nothing after it is routed
         self.mode = mode
         self.at_start = True        # nothing routed yet: a leading <think> opens reasoning
         self.trim_lead = trim_lead  # drop whitespace before the next text of this channel
         self.held = ""              # channel text not yet routed (partial marker, trailing whitespace)
         self.call: tc.ToolCallState | None = None
+        self.call_at = 0            # where the open tool call's marker began (it may still fall back to text)
         self.calls = 0
         self.ends_with_calls = False
+        self.track = track
 
     def copy(self) -> _State:
         new = _State.__new__(_State)
-        new.generated, new.finished, new.utf8_pending, new.stop_held, new.stop_state = (
-            self.generated, self.finished, self.utf8_pending, self.stop_held, self.stop_state)
+        new.generated, new.finished, new.utf8_pending, new.pos = self.generated, self.finished, self.utf8_pending, self.pos
+        new.stop_held, new.stop_state, new.stop_segs, new.stop_hit = (
+            self.stop_held, self.stop_state, self.stop_segs, self.stop_hit)
         new.mode, new.at_start, new.trim_lead, new.held = self.mode, self.at_start, self.trim_lead, self.held
-        new.call, new.calls, new.ends_with_calls = self.call, self.calls, self.ends_with_calls
+        new.call, new.call_at, new.calls, new.ends_with_calls, new.track = (
+            self.call, self.call_at, self.calls, self.ends_with_calls, self.track)
         return new
 
 
@@ -107,7 +121,7 @@ class QwenOutputSession:
                  reasoning_open: bool = False, tools: Sequence[Mapping[str, Any]] = (),
                  turn_end_id: int | None = None, call_id_prefix: str | None = None,
                  turn_check: Callable[[Mapping[str, Any], Sequence[int]], bool | None] | None = None,
-                 grammar: TokenMatcher | None = None) -> None:
+                 grammar: TokenMatcher | None = None, track_tokens: bool = False) -> None:
         self._tok = tokenizer
         self._grammar = grammar
         self.constrained = grammar is not None
@@ -119,7 +133,8 @@ class QwenOutputSession:
         self._call_prefix = call_id_prefix or f"call_{uuid.uuid4().hex[:16]}"
         self._turn_check = turn_check
         self._special = tokenizer.special_ids
-        self._state = _State(REASONING if reasoning_open else CONTENT, reasoning_open)
+        self._state = _State(REASONING if reasoning_open else CONTENT, reasoning_open,
+                             Tracker() if track_tokens else None)
         # Committed output, for the history message and complete tool calls.
         self._content: list[str] = []
         self._reasoning: list[str] = []
@@ -152,13 +167,15 @@ class QwenOutputSession:
                 if tok == self._turn_end:
                     boundary = accepted
                 break
-            text = self._decode(st, b"" if tok in self._special else self._tok.token_bytes(tok), final=False)
-            stopped = False
-            if self._stop is not None and text:
-                text, stopped = self._stop_strings(st, text)
+            piece = b"" if tok in self._special else self._tok.token_bytes(tok)
+            start = st.pos
+            text = self._decode(st, piece, final=False)
+            st.pos += len(text)
+            if st.track is not None and piece:
+                st.track = st.track.add_token(base.generated + accepted - 1, start, st.pos)
             self._route(st, text, out, final=False)
-            if stopped:  # whatever follows the stop string, complete or not, is dropped
-                st.utf8_pending = b""
+            if st.stop_hit:  # whatever follows the stop string, complete or not, is dropped
+                st.utf8_pending, st.held = b"", ""
                 finish = FinishReason.STOP
                 break
             if grammar is not None and grammar.terminated:  # a stop token completed it (eos ignored here)
@@ -174,8 +191,7 @@ class QwenOutputSession:
         if finish is not None:
             self._flush(st, out, finish)
             finish = st.finished
-        delta = OutputDelta(content="".join(out.content), reasoning="".join(out.reasoning),
-                            token_ids=tuple(tokens)[:accepted], tool_calls=out.tool_calls())
+        delta = self._delta(st, out, token_ids=tuple(tokens)[:accepted])
         if boundary is not None:
             message = self._message(delta)
             exact = None if self._turn_check is None else self._turn_check(
@@ -213,8 +229,7 @@ class QwenOutputSession:
         out = _Out()
         st = self._state.copy()
         self._flush(st, out, reason)
-        delta = OutputDelta(content="".join(out.content), reasoning="".join(out.reasoning),
-                            tool_calls=out.tool_calls())
+        delta = self._delta(st, out)
         self._adopt(st, delta)
         return delta
 
@@ -275,24 +290,67 @@ class QwenOutputSession:
         st.utf8_pending = data[used:]
         return text
 
-    def _stop_strings(self, st: _State, text: str) -> tuple[str, bool]:
+    def _delta(self, st: _State, out: _Out, token_ids: tuple[int, ...] = ()) -> OutputDelta:
+        """The preview's delta; when tracking, the text released up to a token boundary, with its spans."""
+        calls = out.tool_calls()
+        if st.track is None:
+            return OutputDelta(content="".join(out.content), reasoning="".join(out.reasoning),
+                               token_ids=token_ids, tool_calls=calls)
+        decided = st.pos - len(st.held)  # the undecided text: held stop prefix, held routing, an open call
+        if st.stop_segs:
+            decided = min(decided, st.stop_segs[0][0])
+        if st.mode == TOOL:
+            decided = min(decided, st.call_at)
+        st.track, text, spans = st.track.release(None if st.finished is not None else decided)
+        return OutputDelta(content=text.get(CONTENT, ""), reasoning=text.get(REASONING, ""),
+                           token_ids=token_ids, tool_calls=calls, token_spans=spans)
+
+    def _stop_strings(self, st: _State, out: _Out, text: str, start: int) -> None:
+        """Stage 4 on routed content: emit what can no longer become a stop string, hold the rest."""
         step = self._stop.advance(st.stop_held, st.stop_state, text)
-        st.stop_held, st.stop_state = step.held, step.state
-        return step.released, step.matched
+        if st.track is None:  # positions only matter to the tracker
+            st.stop_held, st.stop_state, st.stop_hit = step.held, step.state, step.matched
+            if step.released:
+                out.content.append(step.released)
+            return
+        segs = join_segs(st.stop_segs, start, len(text))
+        released, rest = split_segs(segs, len(step.released))
+        if step.matched:
+            st.stop_hit = True
+            rest = ()
+        st.stop_held, st.stop_state, st.stop_segs = step.held, step.state, rest
+        at = 0
+        for p, n in released:
+            self._emit_out(st, out, CONTENT, step.released[at:at + n], p)
+            at += n
 
     def _flush(self, st: _State, out: _Out, reason: FinishReason) -> None:
-        """Terminal: undecodable bytes become U+FFFD, held stop-string prefixes are text, channels close."""
-        text = st.stop_held + self._decode(st, b"", final=True)
-        st.stop_held, st.stop_state = "", 0
+        """Terminal: undecodable bytes become U+FFFD, channels close, held stop-string prefixes are text."""
+        start = st.pos
+        text = self._decode(st, b"", final=True)
+        st.pos += len(text)
+        if st.track is not None:
+            st.track = st.track.stretch_last(start, st.pos)
         self._route(st, text, out, final=True)
+        if not st.stop_hit and st.stop_held:
+            if st.track is None:
+                out.content.append(st.stop_held)
+            at = 0
+            for p, n in st.stop_segs:
+                self._emit_out(st, out, CONTENT, st.stop_held[at:at + n], p)
+                at += n
+        st.stop_held, st.stop_state, st.stop_segs, st.held = "", 0, (), ""
+        if st.stop_hit and reason == FinishReason.LENGTH:  # held text completed a stop string after all
+            reason = FinishReason.STOP
         if reason == FinishReason.STOP and st.ends_with_calls:
             reason = FinishReason.TOOL_CALLS
         st.finished = reason
 
     def _route(self, st: _State, text: str, out: _Out, *, final: bool) -> None:
-        """Channel routing of released text (stage 4)."""
+        """Channel routing of decoded text (stage 3). ``buf`` always ends at ``st.pos``, so its text starts at
+        ``st.pos - len(buf)`` in the stream."""
         buf = st.held + text if st.held else text
-        while True:
+        while not st.stop_hit:
             if st.mode == TOOL:
                 res = tc.feed(st.call, buf, self._tools, final=final)
                 out.calls.extend(res.fragments)
@@ -303,7 +361,8 @@ class QwenOutputSession:
                 if res.fallback is not None:  # "<tool_call>" that was not a call: plain content
                     st.calls -= 1
                     st.trim_lead = st.ends_with_calls = False
-                    self._emit(out, CONTENT, res.fallback)
+                    self._emit(st, out, CONTENT, res.fallback,
+                               max(st.call_at, st.pos - len(res.rest) - len(res.fallback)))
                 else:
                     st.trim_lead = st.ends_with_calls = True
                 buf = res.rest
@@ -333,18 +392,20 @@ class QwenOutputSession:
                     if i >= 0 and (pos < 0 or i < pos):
                         pos, marker = i, m
             if pos >= 0:
-                self._emit_text(st, out, buf[:pos].rstrip())
+                self._emit_text(st, out, buf[:pos].rstrip(), st.pos - len(buf))
+                at = st.pos - len(buf) + pos
                 buf = buf[pos + len(marker):]
                 if marker == THINK_CLOSE:
                     st.mode, st.trim_lead = CONTENT, True
                 else:
+                    st.call_at = at
                     st.call = tc.ToolCallState(index=st.calls, call_id=f"{self._call_prefix}_{st.calls}")
                     st.mode = TOOL
                     st.calls += 1
                 continue
             if final:
-                self._emit_text(st, out, buf.rstrip() if st.mode == REASONING else buf)
                 st.held = ""
+                self._emit_text(st, out, buf.rstrip() if st.mode == REASONING else buf, st.pos - len(buf))
                 return
             # Hold what may still be a marker (markers hold "<" only at their start, so a partial one
             # begins at the last "<"), and trailing whitespace where the template would trim it.
@@ -354,17 +415,30 @@ class QwenOutputSession:
                 cut = lt
             if st.mode == REASONING or self._tools:
                 cut = len(buf[:cut].rstrip())
-            self._emit_text(st, out, buf[:cut])
             st.held = buf[cut:]
+            self._emit_text(st, out, buf[:cut], st.pos - len(buf))
             return
 
-    def _emit_text(self, st: _State, out: _Out, text: str) -> None:
+    def _emit_text(self, st: _State, out: _Out, text: str, start: int) -> None:
         if text:
-            self._emit(out, st.mode, text)
+            self._emit(st, out, st.mode, text, start)
             if st.mode == CONTENT and st.ends_with_calls and not text.isspace():
                 st.ends_with_calls = False
 
+    def _emit(self, st: _State, out: _Out, mode: str, text: str, start: int) -> None:
+        """Routed text that begins at stream position ``start``: content passes the stop strings first."""
+        if not text:
+            return
+        if mode == CONTENT and self._stop is not None:
+            self._stop_strings(st, out, text, start)
+        else:
+            self._emit_out(st, out, mode, text, start)
+
     @staticmethod
-    def _emit(out: _Out, mode: str, text: str) -> None:
-        if text:
+    def _emit_out(st: _State, out: _Out, mode: str, text: str, start: int) -> None:
+        if not text:
+            return
+        if st.track is not None:
+            st.track = st.track.add_piece(mode, start, text)
+        else:
             (out.reasoning if mode == REASONING else out.content).append(text)
