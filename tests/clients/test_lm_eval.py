@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 
+import httpx
 import pytest
 
 lm_eval = pytest.importorskip("lm_eval")
@@ -107,7 +108,7 @@ def evaluate(served, tasks, task):
     args = {"model": "tiny", "base_url": f"{served.url}/v1/completions", "tokenizer_backend": "auto",
             "num_concurrent": 1, "batch_size": 4, "max_retries": 1, "timeout": 120, "max_length": 512}
     return simple_evaluate(model="local-completions", model_args=args, tasks=[task],
-                           task_manager=TaskManager(include_path=str(tasks)), log_samples=True,
+                           task_manager=TaskManager(include_path=str(tasks), include_defaults=False), log_samples=True,
                            random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
 
 
@@ -122,6 +123,8 @@ def test_loglikelihood_task_equals_ninfer_score(served, tasks, reference):
             assert logprob == pytest.approx(reference(context, continuation), abs=1e-4)
             compared += 1
     assert compared == sum(len(d["choices"]) for d in DOCS)
+    metrics = httpx.get(f"{served.url}/metrics").text  # lm-eval found and used the tokenizer routes
+    assert 'endpoint="tokenizer_info"' in metrics and 'endpoint="tokenize",status="200"' in metrics
 
 
 def test_generate_until_task_runs(served, tasks):
