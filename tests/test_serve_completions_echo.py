@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 from starlette.testclient import TestClient
@@ -165,3 +166,22 @@ def test_tokenizer_routes_need_the_api_key(engine):
             assert guarded.request(method, path, json={"prompt": "a"}).status_code == 401
         ok = guarded.post("/tokenize", json={"prompt": "a"}, headers={"Authorization": "Bearer k"})
         assert ok.status_code == 200 and ok.json()["count"] == 1
+
+
+def test_echo_while_every_slot_generates_scores_alike(client, engine):
+    """Scoring waits for a slot and pages generation holds, and gives the numbers it gives on an idle engine."""
+    from ninfer.contract import GenerationRequest, SamplingParams, TextInput
+
+    idle = post(client, "/v1/completions", {"prompt": TEXT, "echo": True, "logprobs": 1, "max_tokens": 0})
+    busy = [engine.submit(GenerationRequest(input=TextInput(text=OTHER),
+                                            sampling=SamplingParams(max_tokens=48, ignore_eos=True)))
+            for _ in range(4)]
+    try:
+        deadline = time.monotonic() + 60
+        while engine.metrics().running < 4 and time.monotonic() < deadline:  # every slot taken
+            time.sleep(0.01)
+        during = post(client, "/v1/completions", {"prompt": TEXT, "echo": True, "logprobs": 1, "max_tokens": 0})
+    finally:
+        results = [h.result(120) for h in busy]
+    assert during["choices"][0]["logprobs"] == idle["choices"][0]["logprobs"]
+    assert all(r.usage.completion_tokens == 48 for r in results)
