@@ -205,6 +205,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16  # OpenAI's default for text completions (null means the same: translate.py)
     logprobs: int | None = None
     echo: bool = False
+    prompt_logprobs: int | None = None  # vLLM: each prompt token's logprob with this many alternatives
     suffix: str | None = None
     best_of: int | None = None
 
