@@ -320,8 +320,13 @@ class TokenFrontend:
             raise ConstraintError("the token frontend compiles no constraints")
         return TokenSession(sampling)
 
+    eos_token_ids = ()
+
     def token_text(self, token_id: int) -> str:
         return str(token_id)
+
+    def decode(self, token_ids) -> str:
+        return _text(token_ids)
 
     def close(self) -> None:
         pass

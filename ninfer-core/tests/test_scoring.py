@@ -69,3 +69,21 @@ def test_bad_windows_are_refused_and_a_failed_forward_frees_its_pages():
         score_window([1, 2, 3], 1, forward=boom, logits=lambda h: h, states=states, pool=pool, max_model_len=32,
                      vocab_size=V, launches=contextlib.nullcontext())
     assert pool.allocator.num_used == 0 and states.num_used == 0
+
+
+def test_top_alternatives_and_ranks_come_from_the_same_rows():
+    ids = [3, 1, 4, 1, 5, 9, 2, 6]
+    rows = torch.stack([(torch.cos(torch.tensor(float(sum(ids[:i]))) * HEAD[0]) @ HEAD).log_softmax(-1)
+                        for i in range(1, len(ids))])
+    states, pool = _stores()
+    plain = _score(ids, 1, states, pool, logits_rows=3)
+    got = _score(ids, 1, states, pool, logits_rows=3, top=3)
+    assert torch.equal(got.logprobs, plain)  # asking for alternatives changes no logprob
+    want_lp, want_ids = rows.topk(3, dim=1)
+    assert torch.allclose(got.top_logprobs, want_lp, atol=1e-5) and torch.equal(got.top_ids, want_ids)
+    chosen = rows.gather(1, torch.tensor(ids[1:])[:, None])
+    assert torch.equal(got.ranks, (rows > chosen).sum(1) + 1)
+    assert _score(ids, 1, states, pool, top=0).top_ids.shape == (len(ids) - 1, 0)
+    with pytest.raises(ValueError, match="top must be in 0..16"):
+        _score(ids, 1, states, pool, top=17)
+    assert pool.allocator.num_used == 0 and states.num_used == 0

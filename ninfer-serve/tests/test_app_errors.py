@@ -146,7 +146,8 @@ def test_whole_message_has_no_tool_calls_when_there_are_none(engine, app_client,
 def test_openapi_document_describes_the_request_bodies(app_client):
     doc = app_client.get("/openapi.json").json()
     assert doc["openapi"].startswith("3.")
-    assert set(doc["paths"]) >= {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health"}
+    assert set(doc["paths"]) >= {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/tokenize",
+                                 "/detokenize", "/tokenizer_info"}
     schemas = doc["components"]["schemas"]
     for path, cls in (("/v1/chat/completions", ChatCompletionRequest), ("/v1/completions", CompletionRequest)):
         body = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]

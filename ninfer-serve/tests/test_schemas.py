@@ -6,7 +6,7 @@ from ninfer.contract import ChatInput, TextInput
 from ninfer_serve.errors import APIError
 from ninfer_serve.json_body import parse_json
 from ninfer_serve.schemas import ChatCompletionRequest, CompletionRequest, structure
-from ninfer_serve.translate import chat_request, choices, completion_request
+from ninfer_serve.translate import chat_request, choices, completion_request, completion_requests
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -133,13 +133,37 @@ def test_completion_translation():
     assert gen.input == TextInput(text="once") and not opts.logprobs
 
 
+def test_batched_prompts_translate_to_one_request_per_prompt_and_choice():
+    gens, opts = completion_requests(structure({"prompt": [[1, 2], [3]], "n": 2, "seed": 5}, CompletionRequest),
+                                     request_id="r")
+    assert [g.input for g in gens] == [TextInput(token_ids=(1, 2)), TextInput(token_ids=(3,))] and opts.n == 4
+    laid = choices(gens, opts.n)  # prompt i's choice j at i * n + j
+    assert [c.input.token_ids for c in laid] == [(1, 2), (1, 2), (3,), (3,)]
+    assert [c.request_id for c in laid] == ["r", "r-1", "r-2", "r-3"]
+    assert [c.sampling.seed for c in laid] == [5, 6, 5, 6]
+    gens, opts = completion_requests(structure({"prompt": ["a", "b", "c"]}, CompletionRequest))
+    assert [g.input.text for g in gens] == ["a", "b", "c"] and opts.n == 3
+
+
+def test_echo_and_prompt_logprobs_translation():
+    _, opts = completion_request(structure({"prompt": "x", "echo": True, "logprobs": 1, "max_tokens": 0},
+                                           CompletionRequest))
+    assert opts.echo and opts.prompt_only and opts.logprobs and opts.prompt_logprobs is None
+    gen, opts = completion_request(structure({"prompt": "x", "prompt_logprobs": 3, "max_tokens": 2},
+                                             CompletionRequest))
+    assert opts.prompt_logprobs == 3 and not opts.prompt_only and gen.sampling.max_tokens == 2
+
+
 @pytest.mark.parametrize("body,param", [
-    ({"prompt": []}, "prompt"), ({"prompt": ""}, "prompt"), ({"prompt": ["a", "b"]}, "prompt"),
-    ({"prompt": [[1], [2]]}, "prompt"), ({"prompt": [1, -2]}, "prompt"), ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": []}, "prompt"), ({"prompt": ""}, "prompt"), ({"prompt": ["a", ""]}, "prompt"),
+    ({"prompt": [[1], []]}, "prompt"), ({"prompt": [[1]] * 65}, "prompt"), ({"prompt": [[1]] * 33, "n": 2}, "n"),
+    ({"prompt": [1, -2]}, "prompt"), ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"), ({"prompt": "x", "prompt_logprobs": -1},
+                                                                  "prompt_logprobs"),
     ({"prompt": "x", "best_of": 2}, "best_of"), ({"prompt": "x", "logprobs": 21}, "logprobs"),
     ({"prompt": "x", "suffix": "y"}, "suffix"), ({"prompt": 5}, "prompt"), ({"prompt": [1, "a"]}, "prompt[1]"),
 ])
 def test_completion_errors(body, param):
     def run():
-        return completion_request(structure(body, CompletionRequest))
+        return completion_requests(structure(body, CompletionRequest))
     assert err(run).param == param

@@ -22,6 +22,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ninfer_serve.errors import APIError
+from ninfer_serve.tokenizer_routes import TOKENIZER_PATHS
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 KEY_SCOPE = "ninfer.key_scope"  # ASGI scope entry: the authenticating key's cache scope (several keys only)
@@ -114,11 +115,12 @@ def key_scope(scope: Scope) -> str | None:
 
 
 class ApiKeyCheck:
-    """Require ``Authorization: Bearer <key>`` on every ``/v1`` route, where the key is one of ``api_keys``
-    (each compared in constant time, all of them on every request); /health, /metrics and /openapi.json
-    stay open, as in vLLM. With several keys the request's scope gets the key's ``KEY_SCOPE``."""
+    """Require ``Authorization: Bearer <key>`` on every ``/v1`` route and the tokenizer routes, where the key is
+    one of ``api_keys`` (each compared in constant time, all of them on every request); /health, /metrics and
+    /openapi.json stay open, as in vLLM. With several keys the request's scope gets the key's ``KEY_SCOPE``."""
 
-    def __init__(self, app: ASGIApp, api_keys: Sequence[str], prefix: str = "/v1") -> None:
+    def __init__(self, app: ASGIApp, api_keys: Sequence[str], prefix: str = "/v1",
+                 paths: Sequence[str] = TOKENIZER_PATHS) -> None:
         if not api_keys or not all(api_keys):
             raise ValueError("ApiKeyCheck needs non-empty API keys")
         self.app = app
@@ -126,9 +128,10 @@ class ApiKeyCheck:
         self.keys = [(key.encode("utf-8"), _scope_of(secret, key) if len(api_keys) > 1 else None)
                      for key in api_keys]
         self.prefix = prefix
+        self.paths = frozenset(paths)
 
     def _guarded(self, path: str) -> bool:
-        return path == self.prefix or path.startswith(self.prefix + "/")
+        return path == self.prefix or path.startswith(self.prefix + "/") or path in self.paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self._guarded(scope["path"]):

@@ -38,6 +38,7 @@ from ninfer.contract.events import FinishReason, GenerationResult, GenerationSta
 from ninfer.core.task_pool import Task
 from ninfer.engine.errors import InvalidConstraint
 from ninfer_serve.access import access_middleware, key_scope
+from ninfer_serve.completions import completions
 from ninfer_serve.drain import Drain, ended_by_shutdown, refused_while_stopping
 from ninfer_serve.errors import APIError, from_engine_error, from_error_result, internal_error, new_request_id
 from ninfer_serve.json_body import parse_json
@@ -46,11 +47,12 @@ from ninfer_serve.metrics import GatewayMetrics
 from ninfer_serve.offload import ClientGone, client_of, submit_or_refuse, unless_disconnected, unless_ended
 from ninfer_serve.openapi import openapi_document
 from ninfer_serve.preparation import HEAVY_THREADS, Preparation, close_all, submit_each
-from ninfer_serve.responses import DONE, ChatResponse, CompletionResponse
+from ninfer_serve.responses import DONE, ChatResponse
 from ninfer_serve.responses_endpoint import ResponsesEndpoints
 from ninfer_serve.responses_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_RESPONSES, ResponseStore
-from ninfer_serve.schemas import ChatCompletionRequest, CompletionRequest, structure
-from ninfer_serve.translate import chat_request, choices, completion_request
+from ninfer_serve.schemas import ChatCompletionRequest, structure
+from ninfer_serve.tokenizer_routes import tokenizer_routes
+from ninfer_serve.translate import chat_request, choices
 
 log = logging.getLogger("ninfer_serve")
 
@@ -145,17 +147,21 @@ class Gateway:
         return await self._endpoint(request, "chat", ChatCompletionRequest, chat_request, ChatResponse)
 
     async def completions(self, request: Request) -> Response:
-        return await self._endpoint(request, "completions", CompletionRequest, completion_request,
-                                    CompletionResponse)
+        return await completions(self, request)
 
-    async def _endpoint(self, request: Request, endpoint: str, schema: type, translate: Any,
-                        builder_cls: Any) -> Response:
-        """Parse and check the body against ``schema``, translate it into engine requests and generate."""
+    async def parsed(self, request: Request, schema: type) -> Any:
+        """The body checked against ``schema`` (its model one this server serves)."""
         if self.drain.stopping:
             raise refused_while_stopping(self.retry_after_s)
         _require_json(request)
         req = structure(parse_json(await self._read_body(request)), schema)
         self._check_model(req.model)
+        return req
+
+    async def _endpoint(self, request: Request, endpoint: str, schema: type, translate: Any,
+                        builder_cls: Any) -> Response:
+        """Parse and check the body against ``schema``, translate it into engine requests and generate."""
+        req = await self.parsed(request, schema)
         rid = request.state.request_id
         gen, options = translate(req, queue_timeout_s=self.queue_timeout_s, request_id=rid,
                                  key_scope=key_scope(request.scope))
@@ -405,6 +411,7 @@ def create_app(engine: Any, *, model_id: str | None = None, queue_timeout_s: flo
         Route("/v1/responses", counted("responses", responses.create), methods=["POST"]),
         Route("/v1/responses/{response_id}", counted("responses", responses.retrieve), methods=["GET"]),
         Route("/v1/responses/{response_id}", counted("responses", responses.delete), methods=["DELETE"]),
+        *tokenizer_routes(gw, counted),
     ]
     middleware = [Middleware(InFlight, gauge=gw.metrics.in_flight),
                   *access_middleware(allowed_hosts=allowed_hosts, api_key=api_key, allowed_origins=allowed_origins)]

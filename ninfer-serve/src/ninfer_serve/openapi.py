@@ -12,6 +12,7 @@ import attrs
 from ninfer_serve.json_body import MAX_JSON_DEPTH
 from ninfer_serve.responses_api import ResponsesRequest
 from ninfer_serve.schemas import MESSAGE_CLASSES, ChatCompletionRequest, CompletionRequest
+from ninfer_serve.tokenizer_routes import DetokenizeRequest, TokenizeRequest
 
 _PRIMITIVES = {str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null"}
 
@@ -90,6 +91,13 @@ def _generation(summary: str, schema: dict[str, Any]) -> dict[str, Any]:
                       **_ERRORS}}}
 
 
+def _tokenizer_post(summary: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"post": {"summary": summary, "security": [{"bearer": []}, {}],
+                     "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+                     "responses": {"200": {"description": summary, "content": {"application/json": {
+                         "schema": {"type": "object"}}}}, **{k: _ERRORS[k] for k in ("400", "401", "415")}}}}
+
+
 def _get(summary: str, *, secured: bool, content_type: str = "application/json") -> dict[str, Any]:
     op: dict[str, Any] = {"summary": summary, "responses": {"200": {
         "description": summary, "content": {content_type: {"schema": {"type": "object" if content_type ==
@@ -129,6 +137,8 @@ def openapi_document(*, title: str, version: str) -> dict[str, Any]:
     chat = json_schema(ChatCompletionRequest, components)
     completion = json_schema(CompletionRequest, components)
     responses = json_schema(ResponsesRequest, components)
+    tokenize = json_schema(TokenizeRequest, components)
+    detokenize = json_schema(DetokenizeRequest, components)
     components["Error"] = _ERROR
     model_get = _get("one model", secured=True)
     model_get["get"]["parameters"] = [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
@@ -146,6 +156,9 @@ def openapi_document(*, title: str, version: str) -> dict[str, Any]:
             "/v1/responses/{response_id}": _stored_response(),
             "/v1/models": _get("the served model", secured=True),
             "/v1/models/{model}": model_get,
+            "/tokenize": _tokenizer_post("token ids of a prompt or of chat messages (vLLM's shape)", tokenize),
+            "/detokenize": _tokenizer_post("the text of token ids (vLLM's shape)", detokenize),
+            "/tokenizer_info": _get("the tokenizer's special tokens and context length", secured=True),
             "/health": _get("health: 200 while the engine serves, 503 once it has failed", secured=False),
             "/metrics": _get("Prometheus metrics", secured=False, content_type="text/plain"),
         },

@@ -217,6 +217,7 @@ class CompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None  # chat's spelling, which some clients send here too
     logprobs: int | None = None
     echo: bool = False
+    prompt_logprobs: int | None = None  # vLLM: each prompt token's logprob with this many alternatives
     suffix: str | None = None
     best_of: int | None = None
 

@@ -21,6 +21,7 @@ from ninfer_serve.schemas import ChatCompletionRequest, ChatMessage, CompletionR
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
 MAX_N = 16
+MAX_BATCH_COMPLETIONS = 64  # prompts x n of one text completion request (batched prompts)
 MAX_PROMPT_CACHE_KEY_CHARS = 1024
 # A client's cache_salt; the engine's bound (its MAX_CACHE_SALT_CHARS) leaves room for a key scope in front.
 MAX_CLIENT_CACHE_SALT_CHARS = 1024
@@ -38,6 +39,9 @@ class ResponseOptions:
     logprobs: bool = False
     tools_enabled: bool = False
     constraint_param: str | None = None  # the field the engine's refusal of the request's constraint is about
+    echo: bool = False  # text completions: the prompt (and its logprobs) before the completion
+    prompt_logprobs: int | None = None  # text completions: vLLM's per-choice prompt_logprobs, with this many top
+    prompt_only: bool = False  # max_tokens 0 with echo or prompt_logprobs: score the prompt, generate nothing
     budget_param: str = "max_tokens"  # the field the generation budget came from
 
 
@@ -283,36 +287,43 @@ def chat_request(req: ChatCompletionRequest, *, queue_timeout_s: float | None = 
 
 
 def _prompt_input(prompt: Any) -> TextInput:
+    """The first prompt (a batch's others: ``prompt_inputs``)."""
+    return prompt_inputs(prompt)[0]
+
+
+def prompt_inputs(prompt: Any) -> list[TextInput]:
+    """``prompt`` as one input per prompt: a string, token ids, or a batch (a list of either)."""
     if isinstance(prompt, str):
-        return TextInput(text=prompt)
+        if not prompt:
+            raise bad_request("'prompt' must not be empty", param="prompt")
+        return [TextInput(text=prompt)]
     if not prompt:
         raise bad_request("'prompt' must not be empty", param="prompt")
     if isinstance(prompt[0], list | str):
-        if len(prompt) != 1:
-            raise bad_request("batched prompts are not supported by this server; send one request per prompt",
+        if len(prompt) > MAX_BATCH_COMPLETIONS:
+            raise bad_request(f"'prompt' holds at most {MAX_BATCH_COMPLETIONS} prompts, got {len(prompt)}",
                               param="prompt")
-        return _prompt_input(prompt[0])
+        return [one for p in prompt for one in prompt_inputs(p)]
     if any(t < 0 for t in prompt):
         raise bad_request("'prompt' token ids must be non-negative", param="prompt")
-    return TextInput(token_ids=tuple(prompt))
+    return [TextInput(token_ids=tuple(prompt))]
 
 
 def completion_request(req: CompletionRequest, *, queue_timeout_s: float | None = None,
                        request_id: str | None = None, key_scope: str | None = None,
                        ) -> tuple[GenerationRequest, ResponseOptions]:
     text = _prompt_input(req.prompt)
-    if text.text == "":
-        raise bad_request("'prompt' must not be empty", param="prompt")
-    if req.echo:
-        raise bad_request("'echo' is not supported by this server", param="echo")
     if req.suffix:
         raise bad_request("'suffix' is not supported by this server", param="suffix")
     if req.best_of is not None and req.best_of != 1:
         raise bad_request("'best_of' other than 1 is not supported by this server", param="best_of")
     _check_range("logprobs", req.logprobs, 0, MAX_TOP_LOGPROBS)
     logprobs = req.logprobs is not None
+    _check_range("prompt_logprobs", req.prompt_logprobs, 0, MAX_TOP_LOGPROBS)
     max_tokens, budget_param = _max_tokens(req, COMPLETIONS_DEFAULT_MAX_TOKENS)
-    sampling = _sampling(req, max_tokens=max_tokens, budget_param=budget_param, logprobs=logprobs,
+    prompt_only = max_tokens == 0 and (req.echo or req.prompt_logprobs is not None)  # vLLM's scoring request
+    sampling = _sampling(req, max_tokens=1 if prompt_only else max_tokens, budget_param=budget_param,
+                         logprobs=logprobs,
                          top_logprobs=req.logprobs or 0)
     include_usage, continuous = _stream_options(req)
     asked = request_constraint(req)
@@ -322,14 +333,32 @@ def completion_request(req: CompletionRequest, *, queue_timeout_s: float | None 
     return gen, ResponseOptions(stream=req.stream, n=req.n, include_usage=include_usage,
                                 continuous_usage=continuous, logprobs=logprobs,
                                 constraint_param=None if asked is None else asked.compiled_from,
+                                echo=req.echo, prompt_logprobs=req.prompt_logprobs, prompt_only=prompt_only,
                                 budget_param=budget_param)
 
 
-def choices(gen: GenerationRequest, n: int) -> list[GenerationRequest]:
+def completion_requests(req: CompletionRequest, **kw: Any) -> tuple[list[GenerationRequest], ResponseOptions]:
+    """``completion_request`` for each prompt of a batch (``kw``: its keywords); the options' ``n`` counts every
+    choice: ``n`` per prompt, prompt ``i``'s choice ``j`` at index ``i * n + j`` (as ``choices`` lays them out)."""
+    inputs = prompt_inputs(req.prompt)
+    if len(inputs) * req.n > MAX_BATCH_COMPLETIONS:
+        raise bad_request(f"{len(inputs)} prompts with n={req.n} make {len(inputs) * req.n} completions; at most "
+                          f"{MAX_BATCH_COMPLETIONS} fit one request", param="prompt" if req.n == 1 else "n")
+    gen, options = completion_request(req, **kw)
+    gens = [attrs.evolve(gen, input=text) for text in inputs]
+    return gens, attrs.evolve(options, n=options.n * len(inputs))
+
+
+def choices(gen: GenerationRequest | list[GenerationRequest], n: int) -> list[GenerationRequest]:
     """The ``n`` engine requests behind ``n`` choices: one each (choice i > 0 has request id ``<id>-<i>``);
     a seeded request seeds choice i with seed + i (so the choices differ yet each is reproducible);
     greedy choices are identical by definition. Every choice keeps the request's ``session_key`` and
-    ``cache_salt``."""
+    ``cache_salt``. A batch (one request per prompt, ``completion_requests``) gets ``n / len(gen)`` choices a
+    prompt, numbered on across the batch."""
+    if isinstance(gen, list):
+        each, rid = n // len(gen), gen[0].request_id
+        return [attrs.evolve(c, request_id=rid if k == 0 or rid is None else f"{rid}-{k}")
+                for k, c in enumerate(c for g in gen for c in choices(g, each))]
     if n == 1:
         return [gen]
     seed, rid = gen.sampling.seed, gen.request_id

@@ -14,3 +14,7 @@ class PromptTooLong(ValueError):
         self.tokens, self.limit, self.exact, self.detail = tokens, limit, exact, detail
         amount = f"{tokens}" if exact else f"at least {tokens}"
         super().__init__(f"the prompt has {amount} tokens{detail}; at most {limit} fit")
+
+
+class NoRoomToScore(RuntimeError):
+    """A scoring window found no free state slot or too few free KV pages (generation holds them for now)."""

@@ -227,8 +227,13 @@ class Frontend(Protocol):
         engine passes its caller's event when there is one; once it is set, a compile in progress is abandoned
         and ``ConstraintCancelled`` raised. A Frontend that closes meanwhile raises ``ConstraintClosed``."""
 
+    eos_token_ids: tuple[int, ...]  # the tokens that end generation (unless ignore_eos)
+
     def token_text(self, token_id: int) -> str:
         """One token's text on its own (logprob reports name each token by it)."""
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """The text of a token sequence decoded together (special tokens included), as a detokenizer gives it."""
 
     def close(self) -> None:
         """Stop any threads of its own (media preparation) once accepted work is done, and end compiles in

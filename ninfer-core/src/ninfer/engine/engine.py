@@ -12,6 +12,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 
 import attrs
 
@@ -23,7 +24,7 @@ from ninfer.contract.constraint import (
     ConstraintError,
     ConstraintLimits,
 )
-from ninfer.contract.errors import PromptTooLong
+from ninfer.contract.errors import NoRoomToScore, PromptTooLong
 from ninfer.contract.memory import MemorySummary
 from ninfer.contract.model import ModelInstance, ResourceUsage, StartupFeatures
 from ninfer.contract.prompt import ChatInput, PreparedPrompt, TextInput
@@ -42,8 +43,11 @@ from ninfer.engine.errors import (
 from ninfer.engine.handle import GenerationHandle, ResponseChannel
 from ninfer.engine.metrics import EngineMetrics
 from ninfer.engine.request import RequestRecord
+from ninfer.engine.score_cli import DEFAULT_WINDOW
+from ninfer.engine.scoring import CausalScoreCore, ScoreResult
 
 PURPOSES = ("generation",)
+SCORE_RETRY_S = 0.02  # how often Engine.score looks again for a free slot and pages
 
 
 def default_device() -> str:
@@ -232,6 +236,23 @@ class Engine:
             raise InputTooLong(f"prompt has {len(prompt)} tokens; the context limit is {self.max_model_len} "
                                f"(at least one token must remain for generation)")
         return prompt
+
+    def score(self, token_ids: Sequence[int], *, top: int | None = None, timeout: float = 60.0) -> ScoreResult:
+        """``ninfer score``'s CausalScoring of ``token_ids`` (the same windows, so the same logprobs), run on the
+        worker between cycles on a temporary slot and pages, outside the scheduler and caches; ``top``: also
+        each token's rank and its ``top`` alternatives (``CausalScoreCore.score``). While generation holds every
+        slot or the pages it needs, it waits for cycles to free them, then raises Overloaded after ``timeout``."""
+        program = self._core.program
+        core = CausalScoreCore(program, window=min(DEFAULT_WINDOW, program.max_model_len))
+        end = time.monotonic() + timeout
+        while True:
+            self._core.ingress.check_open()
+            try:
+                return self._core.on_worker(lambda: core.score(token_ids, top=top), timeout=timeout)
+            except NoRoomToScore as exc:
+                if time.monotonic() >= end:
+                    raise Overloaded(f"no room to score the prompt now: {exc}") from exc
+            time.sleep(SCORE_RETRY_S)
 
     def generate(self, request: GenerationRequest, timeout: float | None = None):
         """Submit and block for the final GenerationResult."""

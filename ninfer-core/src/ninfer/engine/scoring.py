@@ -22,17 +22,21 @@ class ScoringProgram(Protocol):
 
     max_model_len: int
 
-    def score_window(self, token_ids: Sequence[int], score_from: int = 1): ...
+    def score_window(self, token_ids: Sequence[int], score_from: int = 1, *, top: int | None = None): ...
 
 
 @attrs.frozen(kw_only=True)
 class ScoreResult:
-    """``logprobs[i]`` is log p(token_ids[i + 1] | context); NLL in nats; perplexity = exp(NLL / scored)."""
+    """``logprobs[i]`` is log p(token_ids[i + 1] | context); NLL in nats; perplexity = exp(NLL / scored).
+    Scored with ``top``: ``ranks[i]`` is 1 + how many vocabulary entries were more likely than token i + 1,
+    ``top[i]`` the ``top`` most likely (token id, logprob) pairs, best first; both empty otherwise."""
 
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     total_nll: float
     windows: int
+    ranks: tuple[int, ...] = ()
+    top: tuple[tuple[tuple[int, float], ...], ...] = ()
 
     @property
     def num_scored(self) -> int:
@@ -76,14 +80,26 @@ class CausalScoreCore:
             begin += self.stride
         return out
 
-    def score(self, token_ids: Sequence[int]) -> ScoreResult:
+    def score(self, token_ids: Sequence[int], *, top: int | None = None) -> ScoreResult:
+        """Scores of ``token_ids``; with ``top`` (0 or more) also each token's rank and the ``top`` most
+        likely alternatives (the logprobs are the same either way)."""
         ids = tuple(int(t) for t in token_ids)
         if len(ids) < 2:
             raise ValueError(f"scoring needs at least 2 tokens (the first has no context), got {len(ids)}")
         logprobs: list[float] = []
+        ranks: list[int] = []
+        alternatives: list[tuple[tuple[int, float], ...]] = []
         spans = self.windows(len(ids))
         for begin, end, first in spans:
-            lp = self.program.score_window(ids[begin:end], first - begin)
-            logprobs.extend(lp.double().cpu().tolist())
+            if top is None:
+                lp = self.program.score_window(ids[begin:end], first - begin)
+                logprobs.extend(lp.double().cpu().tolist())
+                continue
+            scores = self.program.score_window(ids[begin:end], first - begin, top=top)
+            logprobs.extend(scores.logprobs.double().cpu().tolist())
+            ranks.extend(scores.ranks.cpu().tolist())
+            for row_ids, row_lps in zip(scores.top_ids.cpu().tolist(), scores.top_logprobs.double().cpu().tolist(),
+                                        strict=True):
+                alternatives.append(tuple(zip(row_ids, row_lps, strict=True)))
         return ScoreResult(token_ids=ids, logprobs=tuple(logprobs), total_nll=-math.fsum(logprobs),
-                           windows=len(spans))
+                           windows=len(spans), ranks=tuple(ranks), top=tuple(alternatives))

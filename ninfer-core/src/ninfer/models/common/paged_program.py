@@ -46,7 +46,7 @@ from ninfer.models.common.context.resume import PausedStates, ReplayResume
 from ninfer.models.common.context.sequence import SequenceRecord
 from ninfer.models.common.context.sequence_table import SequenceTable
 from ninfer.models.common.sampler import Sampler, pending_rows
-from ninfer.models.common.scoring import score_window
+from ninfer.models.common.scoring import WindowScores, score_window
 from ninfer.models.common.vision_handoff import VisionHandoff, decode_positions
 
 _program_ids = itertools.count(1)
@@ -442,9 +442,9 @@ class PagedProgram(Checkpointing, abc.ABC):
                              cache_host_bytes=cache.host_bytes_used, leases=cache.leases)
 
     def score_window(self, token_ids: Sequence[int], score_from: int = 1, *, chunk: int = 1024,
-                     logits_rows: int = 256) -> torch.Tensor:
+                     logits_rows: int = 256, top: int | None = None) -> torch.Tensor | WindowScores:
         """fp32 log p(token_ids[i] | token_ids[:i]) for i in score_from..n-1, as one fresh causal window
         (``ninfer.models.common.scoring.score_window``: a temporary slot and pages, outside generation)."""
         return score_window(token_ids, score_from, forward=self.forward, logits=self.logits, states=self.states,
                             pool=self.pool, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
-                            launches=self._launches(), chunk=chunk, logits_rows=logits_rows)
+                            launches=self._launches(), chunk=chunk, logits_rows=logits_rows, top=top)

@@ -16,7 +16,7 @@ A chat's images and videos (``ChatInput.media``) are prepared on the frontend's 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ninfer.contract.constraint import Constraint, ConstraintLimits
@@ -213,6 +213,10 @@ class QwenFrontend:
     def token_text(self, token_id: int) -> str:
         """One token decoded on its own (a partial UTF-8 sequence shows as U+FFFD)."""
         return self.tokenizer.decode([token_id])
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        self.tokenizer.check_ids(token_ids)
+        return self.tokenizer.decode(token_ids)
 
     def open_session(self, prompt: PreparedPrompt, sampling: SamplingParams, constraint: Constraint | None = None,
                      *, cancel: threading.Event | None = None) -> QwenOutputSession:
