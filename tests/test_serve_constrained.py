@@ -154,6 +154,34 @@ def test_a_constrained_string_argument_is_one_of_its_enum(client):
     jsonschema.validate(json.loads(call.function.arguments), zone)
 
 
+# A strict tool whose every value the tiny model must end (bounded strings, enums, integers in a range, small arrays).
+BOOKING = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 6}, "unit": {"enum": ["C", "F"]},
+    "nights": {"type": "integer", "minimum": 1, "maximum": 9},
+    "guest": {"type": "object", "properties": {"vip": {"type": "boolean"}}, "required": ["vip"],
+              "additionalProperties": False},
+    "rooms": {"type": "array", "items": {"enum": [1, 2]}, "maxItems": 2},
+    "note": {"anyOf": [{"type": "string", "maxLength": 4}, {"type": "null"}]}},
+    "required": ["city", "unit", "nights"], "additionalProperties": False}
+
+
+def test_strict_tool_calls_over_seeds_keep_their_schema(client):
+    """Sampled (temperature 1, two seeds, n=4), every constrained call validates against its strict schema:
+    the grammar and the tool-call parser agree (docs/serving.md, "Tool calls")."""
+    tools = [*TOOLS, {"type": "function", "function": {"name": "book", "strict": True, "parameters": BOOKING}}]
+    schemas = {**PARAMETERS, "book": BOOKING}
+    calls = 0
+    for seed, choice in enumerate(["required", {"type": "function", "function": {"name": "book"}}]):
+        r = chat(client, tools=tools, tool_choice=choice, parallel_tool_calls=False, temperature=1.0, seed=seed, n=4)
+        for c in r.choices:
+            assert c.finish_reason == "tool_calls", c
+            (call,) = c.message.tool_calls
+            assert choice == "required" or call.function.name == "book"
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+            calls += 1
+    assert calls == 8
+
+
 def test_streamed_output_is_the_whole_output(client):
     body = {"response_format": {"type": "json_schema", "json_schema": {"name": "rating", "schema": RATING}}}
     whole = chat(client, **body).choices[0]

@@ -21,7 +21,8 @@ class FinishReason(enum.Enum):
 @attrs.frozen(kw_only=True)
 class TokenLogprob:
     """One generated token's logprob. With a session that attributes tokens (``OutputDelta.token_spans``),
-    ``token`` is the text the token added to ``channel`` ("content" or "reasoning"); ``part``: the entry
+    ``token`` is the text the token added to ``channel`` ("content", "reasoning", or "none" with empty text for a
+    token that added no visible text: a stop token, a think marker); ``part``: the entry
     continues the previous one's token, whose text spans both channels."""
 
     token_id: int

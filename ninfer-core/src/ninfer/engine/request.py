@@ -95,19 +95,26 @@ class RequestRecord:
             return FinishReason.DEADLINE
         return None
 
-    def publish_output(self, delta: OutputDelta) -> None:
+    def publish_output(self, delta: OutputDelta, *, final: bool = False) -> None:
         """Add committed output to what the final result reports, and publish it (nothing when it is empty).
-        With ``token_spans``, the held logprobs of those tokens go with it, each with the text it added."""
-        if delta.token_spans:
-            held = self.held_logprobs
+        With ``token_spans``, the held logprobs of those tokens go with it, each with the text it added; a held
+        token that added no visible text (a stop token, a think marker) goes in order with empty text and
+        channel "none", so every generated token has an entry (legacy completions list each one: lm-eval reads
+        the last entry as the generated token). ``final``: the output ended, every held entry goes."""
+        held = self.held_logprobs
+        if held and (delta.token_spans or final):
+            by_index: dict[int, list] = {}
+            for span in delta.token_spans or ():
+                by_index.setdefault(span.index, []).append(span)
+            last = max(held) if final else delta.token_spans[-1].index
             entries = []
-            for span in delta.token_spans:
-                lp = held.get(span.index)
-                if lp is not None:
-                    entries.append(attrs.evolve(lp, token=span.text, channel=span.channel, part=span.part))
-            last = delta.token_spans[-1].index
-            for index in [i for i in held if i <= last]:  # released: listed, or no visible text
-                del held[index]
+            for index in sorted(i for i in held if i <= last):
+                lp = held.pop(index)
+                spans = by_index.get(index)
+                if spans is None:
+                    entries.append(attrs.evolve(lp, token="", channel="none", part=False))
+                    continue
+                entries.extend(attrs.evolve(lp, token=s.text, channel=s.channel, part=s.part) for s in spans)
             delta = attrs.evolve(delta, logprobs=delta.logprobs + tuple(entries))
         if not (delta.content or delta.reasoning or delta.token_ids or delta.tool_calls or delta.logprobs):
             return

@@ -68,7 +68,7 @@ class Settlement:
         st.capacity_event = st.admission_event = st.changed = True
         if rec.session is not None and was_admitted and error is None:
             try:
-                rec.publish_output(rec.session.finish(reason))
+                rec.publish_output(rec.session.finish(reason), final=True)
             except Exception as exc:  # the session's own failure: this request alone
                 log.exception("OutputSession.finish failed for %s", rec.request_id)
                 rec.frontend_error = exc

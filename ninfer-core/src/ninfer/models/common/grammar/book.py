@@ -89,7 +89,8 @@ class GrammarBook:
         naming what is wrong, ConstraintBusy when the workers are full, ConstraintCancelled once ``cancel`` is
         set while it waits, ConstraintClosed when the book closes meanwhile."""
         self.check(constraint, tools)
-        tools_json = json.dumps(list(tools), sort_keys=True) if isinstance(constraint, ToolCallConstraint) else None
+        # keys keep their order: a schema's property order is the order its call writes them in
+        tools_json = json.dumps(list(tools)) if isinstance(constraint, ToolCallConstraint) else None
         key = (constraint, reasoning_open, tools_json)
         digest = _digest(key)
         with self._lock:

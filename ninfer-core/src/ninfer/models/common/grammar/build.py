@@ -2,7 +2,8 @@
 
 One function, ``build_grammar``, used on both sides so that what was measured is what runs. With a thinking
 block open the constraint applies after ``</think>``: the reasoning before it is free text (without the think
-markers), then up to two newlines. Tool calls use xgrammar's built-in Qwen3.5 / Qwen3-Coder XML format.
+markers), then up to two newlines. Tool calls are ``qwen_tools``' structural tags, which the tool-call parser reads
+back exactly.
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ from ninfer.contract.constraint import (
     RegexConstraint,
     ToolCallConstraint,
 )
+from ninfer.models.common.grammar import qwen_tools
 from ninfer.models.common.grammar.schema_features import check_schema
 
 MAX_JSON_WHITESPACE = 16  # longest whitespace run in JSON with any_whitespace (a model cannot spin on spaces)
-TOOL_FORMAT = "qwen_3_5"   # xgrammar's built-in Qwen3.5 / Qwen3-Coder XML tool-call format
-TOOL_WHITESPACE = 2  # whitespace run between the format's tags (it writes one newline): a weak model cannot stall there
+TOOL_FORMAT = "qwen_3_5"   # the Qwen3.5 / Qwen3-Coder XML tool-call format (qwen_tools)
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
@@ -35,17 +36,14 @@ def build_grammar(constraint: Constraint, *, reasoning_open: bool, tools: Sequen
     does not build."""
     import xgrammar as xgr
 
-    if isinstance(constraint, ToolCallConstraint):
-        body = _tool_calls(xgr, constraint, reasoning_open, tools, tool_format)
-    else:
-        try:
-            body = _body(xgr, constraint)
-        except ConstraintError:
-            raise
-        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError with the reason
-            raise ConstraintError(f"{kind_of(constraint)} is not valid: {reason(e)}") from e
-    if isinstance(constraint, ToolCallConstraint) and constraint.tool_choice == "auto":
-        return body  # the structural tag carries the reasoning part itself
+    if isinstance(constraint, ToolCallConstraint):  # with its reasoning part
+        return _tool_calls(xgr, constraint, reasoning_open, tools, tool_format)
+    try:
+        body = _body(xgr, constraint)
+    except ConstraintError:
+        raise
+    except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError with the reason
+        raise ConstraintError(f"{kind_of(constraint)} is not valid: {reason(e)}") from e
     return xgr.Grammar.concat(_think(xgr), body) if reasoning_open else body
 
 
@@ -72,38 +70,29 @@ def _tool_calls(xgr, c: ToolCallConstraint, reasoning_open: bool, tools: Sequenc
         params = tool["function"].get("parameters")
         if params is not None:
             check_schema(params, f"tools[{i}].function.parameters")
+    if tool_format != TOOL_FORMAT:
+        raise ConstraintError(f"tool calls in the {tool_format!r} format cannot be constrained")
+    where = [f"tools[{i}]" for i in range(len(tools))]
+    if c.tool_choice == "auto":  # free text, and calls held to their tools' schemas once they begin
+        body = qwen_tools.auto_calls(tools, where, parallel=c.parallel)
+    else:  # required / one named function: calls only (OpenAI's tool_choice), then the end of the turn
+        chosen = [(t, w) for t, w, n in zip(tools, where, names, strict=True) if c.tool_choice in ("required", n)]
+        body = qwen_tools.required_calls([t for t, _ in chosen], [w for _, w in chosen], parallel=c.parallel)
     try:
-        if c.tool_choice == "auto":  # free text, and calls held to their tools' schemas once they begin
-            tag = xgr.get_model_structural_tag(tool_format, tools=[dict(t) for t in tools], tool_choice="auto",
-                                               reasoning=reasoning_open, parallel_tool_calls=c.parallel,
-                                               max_whitespace_cnt=TOOL_WHITESPACE)
-            return xgr.Grammar.from_structural_tag(tag.model_dump_json())
-        # required / one named function: calls only (OpenAI's tool_choice), separated by a newline as the
-        # Qwen template writes them, then the end of the turn
-        chosen = [t for t, n in zip(tools, names, strict=True) if c.tool_choice in ("required", n)]
-        calls = {"type": "tags_with_separator", "tags": [_qwen_call(t) for t in chosen], "separator": "\n",
-                 "at_least_one": True, "stop_after_first": not c.parallel}
-        return xgr.Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": calls}))
+        calls = xgr.Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": body}))
     except Exception as e:  # noqa: BLE001
         raise ConstraintError(f"tool calls over these tools do not compile: {reason(e)}") from e
+    # the reasoning before the calls may not hold one: the parser would read it as a call the grammar never saw
+    return xgr.Grammar.concat(_think(xgr, (qwen_tools.TOOL_CALL_OPEN,)), calls) if reasoning_open else calls
 
 
-def _think(xgr) -> Any:
-    """Free reasoning up to ``</think>`` (without think markers), then up to two newlines."""
+def _think(xgr, excludes: tuple[str, ...] = ()) -> Any:
+    """Free reasoning up to ``</think>`` (without think markers, nor ``excludes``), then up to two newlines."""
     think = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
-        {"type": "tag", "begin": "", "content": {"type": "any_text", "excludes": [THINK_OPEN, THINK_CLOSE]},
+        {"type": "tag", "begin": "", "content": {"type": "any_text", "excludes": [THINK_OPEN, THINK_CLOSE, *excludes]},
          "end": THINK_CLOSE},
         {"type": "regex", "pattern": "\\n{0,2}"}]}}
     return xgr.Grammar.from_structural_tag(json.dumps(think))
-
-
-def _qwen_call(tool: Mapping[str, Any]) -> dict:
-    """One call in the Qwen3.5 XML format, its parameters held to the tool's schema (xgrammar's qwen_xml style)."""
-    fn = tool["function"]
-    return {"type": "tag", "begin": f"<tool_call>\n<function={fn['name']}>\n",
-            "content": {"type": "json_schema", "json_schema": fn.get("parameters") or {"type": "object"},
-                        "style": "qwen_xml", "max_whitespace_cnt": TOOL_WHITESPACE},
-            "end": "\n</function>\n</tool_call>"}
 
 
 def _body(xgr, c: Constraint) -> Any:

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ninfer.contract.constraint import Constraint, ConstraintLimits
+from ninfer.contract.constraint import Constraint, ConstraintLimits, ToolCallConstraint
 from ninfer.contract.errors import PromptTooLong
 from ninfer.contract.prompt import ChatInput, PreparedPrompt, TextInput
 from ninfer.contract.request import SamplingParams
@@ -234,9 +234,12 @@ class QwenFrontend:
         if not sampling.ignore_eos:
             stop_ids.update(self.eos_token_ids)
         reasoning_open = prompt.reasoning_open
+        tool_grammar = isinstance(constraint, ToolCallConstraint)
+        # Under another constraint the answer is what it asks for (JSON, ...): "<tool_call>" in it is text.
+        tools = prompt.tools if constraint is None or tool_grammar else ()
         return QwenOutputSession(
             self.tokenizer, stop_token_ids=sorted(stop_ids), stop=sampling.stop, reasoning_open=reasoning_open,
-            tools=prompt.tools, turn_end_id=self._im_end, grammar=matcher,
+            tools=tools, turn_end_id=self._im_end, grammar=matcher, strict_tool_calls=tool_grammar,
             track_tokens=sampling.logprobs or sampling.top_logprobs > 0,
             turn_check=lambda message, output: self.turn_is_exact(message, output, reasoning_open=reasoning_open))
 

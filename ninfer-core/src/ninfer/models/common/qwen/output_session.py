@@ -121,10 +121,12 @@ class QwenOutputSession:
                  reasoning_open: bool = False, tools: Sequence[Mapping[str, Any]] = (),
                  turn_end_id: int | None = None, call_id_prefix: str | None = None,
                  turn_check: Callable[[Mapping[str, Any], Sequence[int]], bool | None] | None = None,
-                 grammar: TokenMatcher | None = None, track_tokens: bool = False) -> None:
+                 grammar: TokenMatcher | None = None, track_tokens: bool = False,
+                 strict_tool_calls: bool = False) -> None:
         self._tok = tokenizer
         self._grammar = grammar
         self.constrained = grammar is not None
+        self._strict_calls = strict_tool_calls  # a tool-call grammar wrote the calls: read them as it allowed
         self._stop_ids = frozenset(stop_token_ids)
         self._stop = StopMatcher(stop) if stop else None
         self._tools = tuple(tools)
@@ -399,7 +401,8 @@ class QwenOutputSession:
                     st.mode, st.trim_lead = CONTENT, True
                 else:
                     st.call_at = at
-                    st.call = tc.ToolCallState(index=st.calls, call_id=f"{self._call_prefix}_{st.calls}")
+                    st.call = tc.ToolCallState(index=st.calls, call_id=f"{self._call_prefix}_{st.calls}",
+                                               strict=self._strict_calls)
                     st.mode = TOOL
                     st.calls += 1
                 continue

@@ -15,6 +15,11 @@ JSON schema. The parser emits OpenAI-style fragments: the name once, then argume
 out whole once their end tag is seen (they must be parsed to be typed), and a closing brace ends the call.
 The fragments of one call concatenate to ``json.dumps(arguments, ensure_ascii=False)``. State is immutable;
 ``feed`` returns the next state.
+
+Without a constraint the parser is lenient (models sometimes omit ``</parameter>``: the next ``<parameter=`` or
+``</function>`` ends a value too). Under a tool-call constraint (``strict``) it reads exactly what the grammar
+allowed (``grammar.tool_schema``): a raw value ends at the first ``</parameter>`` only, a JSON value where its
+JSON ends. Either way a call to a function the request did not offer is not a call: its text stays content.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import Any
 import attrs
 
 from ninfer.contract.events import ToolCall
+from ninfer.models.common.grammar import tool_schema as ts
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
@@ -49,6 +55,7 @@ class ToolCallState:
     params_done: int = 0
     streamed: bool = False  # the current value is a string sent as it arrives
     started: bool = False   # the newline after <parameter=...> was consumed
+    strict: bool = False    # a constraint wrote the call: values end only where its grammar ends them
 
 
 @attrs.frozen
@@ -65,13 +72,19 @@ def _is_prefix(s: str, *tags: str) -> bool:
 
 
 def _param_schema(tools: Sequence[Mapping[str, Any]], function: str, param: str) -> Mapping[str, Any] | None:
-    for tool in tools:
-        fn = tool.get("function", tool) if isinstance(tool, Mapping) else None
-        if isinstance(fn, Mapping) and fn.get("name") == function:
-            props = (fn.get("parameters") or {}).get("properties") or {}
-            schema = props.get(param)
-            return schema if isinstance(schema, Mapping) else None
-    return None
+    fn = ts.find_function(tools, function)
+    if fn is None:
+        return None
+    root = fn.get("parameters") if isinstance(fn.get("parameters"), Mapping) else {}
+    schema = ts.resolve(ts.param_schema(fn, param), root)
+    return schema if isinstance(schema, Mapping) else None
+
+
+def _strict_raw(tools: Sequence[Mapping[str, Any]], function: str, param: str) -> bool:
+    """Under a constraint: whether this parameter's value is raw text (else one JSON value)."""
+    fn = ts.find_function(tools, function) or {}
+    root = fn.get("parameters") if isinstance(fn.get("parameters"), Mapping) else {}
+    return ts.is_raw(ts.param_schema(fn, param), root)
 
 
 def _as_type(value: str, kind: str) -> tuple[bool, Any]:
@@ -159,11 +172,29 @@ def _escape(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)[1:-1]
 
 
-def _safe_value_prefix(buf: str) -> int:
+def _json_value_end(buf: str) -> tuple[Any, int] | None:
+    """A JSON parameter value at the start of ``buf`` and where its ``</parameter>`` ends; None while it is
+    incomplete (or, at the end of the output, not JSON: then it ends at the first ``</parameter>``)."""
+    start = len(buf) - len(buf.lstrip())
+    try:
+        value, end = _DECODER.raw_decode(buf, start)
+    except ValueError:
+        return None
+    rest = buf[end:]
+    tail = rest.lstrip()
+    if not tail.startswith(_PARAMETER_END):
+        return None
+    return value, len(buf) - len(tail) + len(_PARAMETER_END)
+
+
+_DECODER = json.JSONDecoder()
+
+
+def _safe_value_prefix(buf: str, strict: bool) -> int:
     """How much of a streamed value can go out: not a possible end tag, nor the newline before one."""
     cut = len(buf)
     lt = buf.rfind("<")
-    if lt >= 0 and _is_prefix(buf[lt:], _PARAMETER_END, _PARAMETER, _FUNCTION_END):
+    if lt >= 0 and _is_prefix(buf[lt:], *((_PARAMETER_END,) if strict else (_PARAMETER_END, _PARAMETER, _FUNCTION_END))):
         cut = lt
     return cut - 1 if buf[:cut].endswith("\n") else cut
 
@@ -185,7 +216,7 @@ def feed(state: ToolCallState, text: str, tools: Sequence[Mapping[str, Any]], *,
                 name = s[len(_FUNCTION):gt].strip() if gt >= 0 else ""
                 if gt < 0 and len(s) < _MAX_TAG and not final:
                     return FeedResult(state, tuple(frags), held=buf)
-                if gt < 0 or not name or "<" in name or "\n" in name:
+                if gt < 0 or not name or "<" in name or "\n" in name or ts.find_function(tools, name) is None:
                     return FeedResult(None, tuple(frags), fallback=raw_prefix + buf)
                 state = attrs.evolve(state, phase="params", name=name)
                 frags.append(ToolCall(index=state.index, id=state.call_id, name=name, arguments=""))
@@ -206,8 +237,11 @@ def feed(state: ToolCallState, text: str, tools: Sequence[Mapping[str, Any]], *,
                     return FeedResult(None, tuple(frags), rest="" if final else s)
                 schema = _param_schema(tools, state.name, param)
                 # Free strings stream; an enum / const member is matched whole (whitespace around it dropped).
-                streamed = schema is None or (schema.get("type") == "string" and "enum" not in schema
-                                              and "const" not in schema)
+                if state.strict:
+                    streamed = _strict_raw(tools, state.name, param)
+                else:
+                    streamed = schema is None or (schema.get("type") == "string" and "enum" not in schema
+                                                  and "const" not in schema)
                 state = attrs.evolve(state, phase="value", param=param, streamed=streamed, started=False)
                 if streamed:  # a string value streams as it arrives: open it now
                     frags.append(_fragment(state, f"{_key(state)}\""))
@@ -229,12 +263,22 @@ def feed(state: ToolCallState, text: str, tools: Sequence[Mapping[str, Any]], *,
                     return FeedResult(state, tuple(frags), held=buf)
                 buf = buf[1:] if buf.startswith("\n") else buf
                 state = attrs.evolve(state, started=True)
-            # A value ends at </parameter>; models sometimes omit it before the next tag.
-            ends = [(pos, tag) for pos, tag in ((buf.find(t), t) for t in (_PARAMETER_END, _PARAMETER, _FUNCTION_END))
-                    if pos >= 0]
+            if state.strict and not state.streamed:
+                end = _json_value_end(buf)
+                if end is None and not final:
+                    return FeedResult(state, tuple(frags), held=buf)
+                if end is not None:
+                    value, pos = end
+                    frags.append(_fragment(state, f"{_key(state)}{json.dumps(value, ensure_ascii=False)}"))
+                    state = attrs.evolve(state, phase="params", param="", params_done=state.params_done + 1)
+                    buf = buf[pos:]
+                    continue
+            # A value ends at </parameter>; models sometimes omit it before the next tag (not under a constraint).
+            tags = (_PARAMETER_END,) if state.strict else (_PARAMETER_END, _PARAMETER, _FUNCTION_END)
+            ends = [(pos, tag) for pos, tag in ((buf.find(t), t) for t in tags) if pos >= 0]
             if not ends:
                 if state.streamed:
-                    cut = len(buf) if final else _safe_value_prefix(buf)
+                    cut = len(buf) if final else _safe_value_prefix(buf, state.strict)
                     if cut:
                         frags.append(_fragment(state, _escape(buf[:cut])))
                     if not final:
