@@ -22,8 +22,8 @@ from ninfer import env
 from ninfer_serve.testing import ServerProcess
 
 MODEL_ID = "verse"
-# Enough for any output of these constraints: every gap in a JSON value holds at most a newline and 20 spaces or
-# tabs (docs/constrained-decoding.md, "Whitespace in JSON"), so RATING's longest instance is about 250 tokens.
+# Enough for any output of these constraints: a gap in a JSON value holds at most a newline and 20 spaces or tabs
+# (docs/constrained-decoding.md, "Whitespace in JSON"), so RATING's longest instance is well under 250 tokens.
 MAX_TOKENS = 400
 DEVICE = env.get("NINFER_SERVE_TEST_DEVICE")
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
@@ -126,6 +126,7 @@ def test_disable_any_whitespace_beside_response_format(client):
     jsonschema.validate(json.loads(content), RATING)
     outside_strings = re.sub(r'"(\\.|[^"\\])*"', '""', content)
     assert all(re.fullmatch(r" |\n[ \t]{0,20}", run) for run in re.findall(r"\s+", outside_strings)), content
+    assert not re.search(r"\s[:,]|:\s\s|:\n", outside_strings), content
 
 
 def test_completions_constraints(client):

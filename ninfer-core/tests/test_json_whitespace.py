@@ -1,7 +1,8 @@
 """Whitespace in JSON output (docs/constrained-decoding.md, "Whitespace in JSON"), at the grammar (CPU, no model).
 
-Bounded (the default): every run between JSON tokens is nothing, one space, or one newline and at most
-MAX_JSON_INDENT spaces or tabs, so compact and pretty-printed JSON pass and a longer run is refused. Compact:
+Bounded (the default): nothing before ``:`` and ``,``, at most one space after ``:``, and elsewhere nothing, one
+space, or one newline and at most MAX_JSON_INDENT spaces or tabs, so compact and pretty-printed JSON pass and a
+longer run is refused. Compact:
 no whitespace at all outside strings. The rewrite never touches a schema's own strings or patterns, recognises
 every run xgrammar writes (every schema of the JSONSchemaBench sample builds), and bounds the tool-call
 formats' JSON values as well.
@@ -68,7 +69,7 @@ def test_the_whitespace_option_is_validated():
     json.dumps(INSTANCE, indent=2),
     json.dumps(INSTANCE, indent=4),
     json.dumps(INSTANCE, indent="\t"),
-    '{ "id" : 7 , "status" : "open" , "customer" : { "name" : "" } }',  # one space on each side
+    '{ "id": 7, "status": "open", "customer": { "name": "" } }',
     '{\n' + " " * MAX_JSON_INDENT + '"id": 1, "status": "void", "customer": {"name": "a"}}',
 ])
 def test_bounded_admits_compact_and_pretty_printed_json(compiler, text):
@@ -83,6 +84,9 @@ def test_bounded_admits_compact_and_pretty_printed_json(compiler, text):
     '{"id": 1, "status": "open", "customer": {"name": "a"} \n}',
     '{"id": 1,\r\n"status": "open", "customer": {"name": "a"}}',
     ' {"id": 1, "status": "open", "customer": {"name": "a"}}',  # nothing before the value
+    '{"id" : 1, "status": "open", "customer": {"name": "a"}}',  # nothing before ':' or ','
+    '{"id": 1 , "status": "open", "customer": {"name": "a"}}',
+    '{"id":\n  1, "status": "open", "customer": {"name": "a"}}',  # one space at most after ':'
 ])
 def test_bounded_refuses_longer_runs(compiler, text):
     assert json.loads(text)  # valid JSON, refused only for its whitespace

@@ -35,8 +35,8 @@ def add_constraint_arguments(parser: argparse.ArgumentParser) -> None:
     kinds.add_argument("--choice", metavar="TEXT", action="append",
                        help="output exactly one of the --choice texts (repeat it for each option)")
     group.add_argument("--json-compact", action="store_true",
-                       help="with --json-schema: no whitespace outside strings (default: each whitespace run is "
-                            "nothing, one space, or a newline and up to 20 spaces or tabs)")
+                       help="with --json-schema: no whitespace outside strings (default: at most one space after ':', "
+                            "and a space or a newline and up to 20 spaces or tabs between values)")
 
 
 def constraint_option(args: argparse.Namespace) -> str | None:
