@@ -61,10 +61,11 @@ MAX_JSON_INDENT = 20  # spaces or tabs after a newline in "bounded" JSON: 10 lev
 class JsonConstraint:
     """Output one JSON value: any JSON when ``schema`` is None, else an instance of the JSON Schema.
 
-    ``whitespace`` between JSON tokens (docs/constrained-decoding.md, "Whitespace in JSON"): ``"bounded"``, each
-    run is nothing, one space, or one newline and at most ``MAX_JSON_INDENT`` spaces or tabs (pretty-printed
-    JSON fits, a model cannot spend its budget on whitespace); ``"compact"``, none at all outside strings
-    (``,`` and ``:`` separators); None, the engine's default (``EngineConfig.json_whitespace``).
+    ``whitespace`` between JSON tokens (docs/constrained-decoding.md, "Whitespace in JSON"): ``"bounded"``, none
+    before ``:`` and ``,``, at most one space after ``:``, elsewhere nothing, one space, or one newline and at
+    most ``MAX_JSON_INDENT`` spaces or tabs (pretty-printed JSON fits, a model cannot spend its budget on
+    whitespace); ``"compact"``, none at all outside strings (``,`` and ``:`` separators); None, the engine's
+    default (``EngineConfig.json_whitespace``).
     """
 
     schema: str | None = attrs.field(default=None, converter=_json_text, validator=_bounded)
