@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 
+import attrs
 import pytest
 
 import ninfer
@@ -51,8 +52,8 @@ def check_person(text: str) -> None:
 
 # kind -> (constraint, prompt, check of the content)
 CASES = {
-    "json_schema": (JsonConstraint(schema=PERSON, any_whitespace=False), "KING HENRY:\n", check_person),
-    "json_any": (JsonConstraint(any_whitespace=False), "The list: ", json.loads),
+    "json_schema": (JsonConstraint(schema=PERSON, whitespace="compact"), "KING HENRY:\n", check_person),
+    "json_any": (JsonConstraint(whitespace="compact"), "The list: ", json.loads),
     "regex": (RegexConstraint(pattern=r"[A-Z][a-z]{2,8} (of|the) [A-Z][a-z]{2,8}"), "KING HENRY:\n",
               lambda t: re.fullmatch(r"[A-Z][a-z]{2,8} (of|the) [A-Z][a-z]{2,8}", t) or pytest.fail(t)),
     "choice": (ChoiceConstraint(choices=["Romeo", "Juliet", "Mercutio"]), "ROMEO:\nWhat say you?\n",
@@ -153,7 +154,7 @@ def test_an_unconstrained_neighbour_is_unaffected(engine):
 LONG = [  # constraints that take ~40-60 tokens, so four residents outgrow the pool below
     (JsonConstraint(schema={"type": "object", "properties": {"text": {"type": "string", "minLength": 120,
                                                                       "maxLength": 160}},
-                            "required": ["text"], "additionalProperties": False}, any_whitespace=False),
+                            "required": ["text"], "additionalProperties": False}, whitespace="compact"),
      lambda t: jsonschema.validate(json.loads(t), {"properties": {"text": {"minLength": 120}}, "required": ["text"]})),
     (RegexConstraint(pattern="[A-Za-z ,.']{150,200}"),
      lambda t: re.fullmatch("[A-Za-z ,.']{150,200}", t) or pytest.fail(t)),
@@ -295,3 +296,27 @@ def test_constrained_rows_on_cuda_with_graphs_and_pipelined_decode(monkeypatch, 
         assert call.finish_reason is FinishReason.TOOL_CALLS and len(call.tool_calls) == 1, call
         assert results[-1].usage.completion_tokens == 60
         assert eng.usage().all_free
+
+
+def outside_strings(text: str) -> str:
+    """(Possibly cut-short) JSON ``text`` with each string, the last one perhaps unterminated, written ``""``."""
+    return re.sub(r'"(\\.|[^"\\])*"?', '""', text)
+
+
+BOUNDED_RUN = re.compile(r" |\n[ \t]{0,20}")  # docs/constrained-decoding.md, "Whitespace in JSON"
+
+
+@pytest.mark.parametrize("whitespace", ["bounded", "compact"])
+def test_json_whitespace_is_held_to_its_rule_when_sampled(engine, monkeypatch, whitespace):
+    """Sampled at temperature 1 on a small budget, the embedded model's JSON never has a longer whitespace run than
+    the rule allows; the engine's default (``EngineConfig.json_whitespace``) applies where the constraint sets none."""
+    assert outside_strings('{"a \\" b": [1, {"c":\n  "d e') == '{"": [1, {"":\n  ""'  # the helper itself
+    monkeypatch.setattr(engine, "config", attrs.evolve(engine.config, json_whitespace=whitespace))
+    requests = [text_request("KING HENRY:\n", JsonConstraint(schema=schema), max_tokens=60, temperature=1.0, seed=seed)
+                for seed, schema in enumerate((PERSON, PERSON, {"type": "object"}))]
+    for handle in submit_together(engine, requests):
+        text = handle.result(timeout=120).content
+        json_part = outside_strings(text)
+        runs = re.findall(r"\s+", json_part)
+        assert all(BOUNDED_RUN.fullmatch(r) for r in runs) if whitespace == "bounded" else not runs, (runs, text)
+        assert not re.search(r"\s[:,]|:\s\s|:\n", json_part), text  # nothing before ':' or ',', one space after ':'

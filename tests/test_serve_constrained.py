@@ -22,8 +22,8 @@ from ninfer import env
 from ninfer_serve.testing import ServerProcess
 
 MODEL_ID = "verse"
-# Enough for any output of these constraints: with whitespace allowed, every gap in a JSON value holds at most 16
-# whitespace characters (the tiny model takes them all), so RATING's longest instance is about 250 tokens.
+# Enough for any output of these constraints: a gap in a JSON value holds at most a newline and 20 spaces or tabs
+# (docs/constrained-decoding.md, "Whitespace in JSON"), so RATING's longest instance is well under 250 tokens.
 MAX_TOKENS = 400
 DEVICE = env.get("NINFER_SERVE_TEST_DEVICE")
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
@@ -111,7 +111,22 @@ def test_structured_outputs_each_kind(client):
     r = chat(client, extra_body={"structured_outputs": {"json": json.dumps(RATING), "disable_any_whitespace": True}})
     content = r.choices[0].message.content
     jsonschema.validate(json.loads(content), RATING)
-    assert json.dumps(json.loads(content)) == content  # compact: ", " and ": " only
+    assert json.dumps(json.loads(content), separators=(",", ":")) == content  # compact: no whitespace
+
+
+def test_disable_any_whitespace_beside_response_format(client):
+    """vLLM's spelling for response_format: a structured_outputs holding only the option."""
+    rating = {"type": "json_schema", "json_schema": {"name": "rating", "schema": RATING}}
+    r = chat(client, response_format=rating, extra_body={"structured_outputs": {"disable_any_whitespace": True}})
+    content = r.choices[0].message.content
+    jsonschema.validate(json.loads(content), RATING)
+    assert json.dumps(json.loads(content), separators=(",", ":")) == content
+    r = chat(client, response_format=rating)  # the server's default: bounded runs
+    content = r.choices[0].message.content
+    jsonschema.validate(json.loads(content), RATING)
+    outside_strings = re.sub(r'"(\\.|[^"\\])*"', '""', content)
+    assert all(re.fullmatch(r" |\n[ \t]{0,20}", run) for run in re.findall(r"\s+", outside_strings)), content
+    assert not re.search(r"\s[:,]|:\s\s|:\n", outside_strings), content
 
 
 def test_completions_constraints(client):

@@ -29,6 +29,7 @@ def test_each_option_becomes_its_constraint(tmp_path, monkeypatch):
     schema = tmp_path / "s.json"
     schema.write_text(json.dumps(SCHEMA), encoding="utf-8")
     assert parse("--json-schema", str(schema)) == JsonConstraint(schema=SCHEMA)
+    assert parse("--json-schema", str(schema), "--json-compact") == JsonConstraint(schema=SCHEMA, whitespace="compact")
     schema.write_text("{}", encoding="utf-8")
     assert parse("--json-schema", str(schema)) == JsonConstraint(schema=None)  # {}: any JSON value
     gbnf, lark = tmp_path / "g.gbnf", tmp_path / "g.LARK"
@@ -74,6 +75,7 @@ def test_bad_constraints_are_usage_errors_naming_the_option(tmp_path, capsys):
     assert "--regex: the regex does not parse" in fails("--regex", "(a")
     assert "--regex: the regex is empty" in fails("--regex", "")
     assert "--choice: choice options must be non-empty strings" in fails("--choice", "a", "--choice", "")
+    assert "--json-compact: applies to --json-schema only" in fails("--regex", "a", "--json-compact")
 
 
 GREEDY = ["--temperature", "0", "--device", "cpu", "--max-tokens", "400"]
@@ -92,9 +94,11 @@ def generate(capsys, *argv: str) -> str:
 def test_constrained_output_on_the_embedded_model(tmp_path, capsys):
     schema = tmp_path / "rating.json"
     schema.write_text(json.dumps(RATING), encoding="utf-8")
-    out = generate(capsys, "--chat", "Rate the king.", "--no-think", "--json-schema", str(schema))
+    out = generate(capsys, "--chat", "Rate the king.", "--no-think", "--json-schema", str(schema), "--json-compact")
     assert out.startswith("[answer]\n")
-    jsonschema.validate(json.loads(out.removeprefix("[answer]\n")), RATING)
+    answer = out.removeprefix("[answer]\n").removesuffix("\n")
+    jsonschema.validate(json.loads(answer), RATING)
+    assert answer == json.dumps(json.loads(answer), separators=(",", ":"), ensure_ascii=False)  # compact
     out = generate(capsys, "--prompt", "KING.\n", "--regex", "(thou|thee) [a-z]{1,8}")
     assert re.fullmatch("(thou|thee) [a-z]{1,8}\n", out), out
     out = generate(capsys, "--prompt", "KING.\n", "--choice", "ay", "--choice", "nay")

@@ -61,6 +61,11 @@ def test_the_flags_become_the_engines_limits(served):
         compile_queue=0, total_matcher_bytes=256 << 20)
 
 
+def test_json_compact_sets_the_engines_default_json_whitespace(served):
+    assert served().json_whitespace == "bounded"
+    assert served("--json-compact").json_whitespace == "compact"
+
+
 @pytest.mark.parametrize("options,words", [
     (["--constraint-regex-bytes", "0"], "expected a positive byte count"),
     (["--constraint-workers", "0"], "must be >= 1, got 0"),

@@ -69,7 +69,7 @@ def test_response_format(make):
     assert schema_of(make(response_format={"type": "json_object", "schema": SCHEMA}).constraint) == SCHEMA
     c = make(response_format={"type": "json_schema", "json_schema": {
         "name": "my_Schema-1", "description": "d", "schema": SCHEMA, "strict": True}}).constraint
-    assert schema_of(c) == SCHEMA and c.any_whitespace
+    assert schema_of(c) == SCHEMA and c.whitespace is None  # the server's default
     # llama.cpp clients send json_schema without a name
     assert schema_of(make(response_format={"type": "json_schema", "json_schema": {"schema": SCHEMA}}).constraint) == \
         SCHEMA
@@ -82,13 +82,31 @@ def test_structured_outputs(make):
 
     assert schema_of(so(json=SCHEMA)) == SCHEMA
     assert schema_of(so(json=json.dumps(SCHEMA))) == SCHEMA  # a schema as JSON text
-    assert so(json=SCHEMA, disable_any_whitespace=True) == JsonConstraint(schema=SCHEMA, any_whitespace=False)
+    assert so(json=SCHEMA, disable_any_whitespace=True) == JsonConstraint(schema=SCHEMA, whitespace="compact")
+    assert so(json=SCHEMA, disable_any_whitespace=False) == JsonConstraint(schema=SCHEMA, whitespace="bounded")
     assert so(json_object=True) == JsonConstraint(schema={"type": "object"})
-    assert so(json_object=True, disable_any_whitespace=True).any_whitespace is False
+    assert so(json_object=True, disable_any_whitespace=True).whitespace == "compact"
     assert so(regex=r"\d{3}") == RegexConstraint(pattern=r"\d{3}")
     assert so(choice=["red", "green"]) == ChoiceConstraint(choices=("red", "green"))
     assert so(grammar=GBNF) == GrammarConstraint(grammar=GBNF, syntax="gbnf")
     assert so(grammar=LARK) == GrammarConstraint(grammar=LARK, syntax="lark")
+
+
+@pytest.mark.parametrize("make", [chat, completion])
+def test_disable_any_whitespace_applies_to_any_json_field(make):
+    """vLLM's spelling for response_format: structured_outputs holding only the option, beside it."""
+    json_schema = {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}
+    for flag, whitespace in ((True, "compact"), (False, "bounded")):
+        only = {"disable_any_whitespace": flag}
+        assert make(response_format=json_schema, structured_outputs=only).constraint == \
+            JsonConstraint(schema=SCHEMA, whitespace=whitespace)
+        assert make(response_format={"type": "json_object"}, structured_outputs=only).constraint.whitespace == \
+            whitespace
+        assert make(json_schema=SCHEMA, structured_outputs=only).constraint.whitespace == whitespace
+    # false asks for nothing a non-JSON or absent constraint could refuse
+    assert make(structured_outputs={"regex": "a", "disable_any_whitespace": False}).constraint == \
+        RegexConstraint(pattern="a")
+    assert make(structured_outputs={"disable_any_whitespace": False}).constraint is None
 
 
 @pytest.mark.parametrize("make", [chat, completion])
@@ -172,6 +190,10 @@ def test_grammar_finish_reason():
     ({"structured_outputs": {"regex": "a", "backend": "xgrammar"}}, "structured_outputs.backend", "Unrecognized"),
     ({"structured_outputs": {"regex": "a", "disable_any_whitespace": True}},
      "structured_outputs.disable_any_whitespace", "'json' and 'json_object' only"),
+    ({"structured_outputs": {"disable_any_whitespace": True}}, "structured_outputs.disable_any_whitespace",
+     "applies to JSON output"),
+    ({"structured_outputs": {"disable_any_whitespace": True}, "grammar": GBNF},
+     "structured_outputs.disable_any_whitespace", "applies to JSON output"),
     ({"structured_outputs": {"json": "{oops"}}, "structured_outputs.json", "not valid JSON"),
     ({"structured_outputs": {"json": "[1, 2]"}}, "structured_outputs.json", "must be an object"),
     ({"structured_outputs": {"json": 3}}, "structured_outputs.json", "expected an object or a string"),

@@ -257,6 +257,10 @@ def _add_constraint_arguments(p: argparse.ArgumentParser) -> None:
         # argparse passes a string default through ``type``: byte sizes show as 512K
         group.add_argument(flag, dest=f"constraint_{name}", type=kind, default=shown, metavar=metavar,
                            help=_CONSTRAINT_HELP[name])
+    p.add_argument("--json-compact", action="store_true",
+                   help="JSON output (response_format, structured_outputs, json_schema) has no whitespace outside "
+                        "strings unless a request sets structured_outputs.disable_any_whitespace to false; by "
+                        "default whitespace runs are bounded (docs/constrained-decoding.md)")
 
 
 def _byte_text(n: int) -> str:
@@ -337,7 +341,8 @@ def _load_and_serve(args: argparse.Namespace, model: str, chat_template: str | N
                               prefill_chunk=args.prefill_chunk, chat_template=chat_template,
                               special_tokens_in_content=args.special_tokens_in_content, features=features,
                               media_max_pixels=args.media_max_pixels, media_max_tokens=args.media_max_tokens,
-                              constraint_limits=constraint_limits)
+                              constraint_limits=constraint_limits,
+                              json_whitespace="compact" if args.json_compact else "bounded")
         engine = Engine(model, config=with_memory_options(with_context_cache(config, args), args))
     except Exception as exc:  # a bad artifact or device must read as a message, not a traceback
         return _fail(f"cannot start the engine for {model}: {type(exc).__name__}: {exc}")

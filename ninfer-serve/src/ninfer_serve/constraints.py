@@ -1,6 +1,8 @@
 """Constrained decoding over HTTP: the OpenAI, vLLM and llama.cpp request fields -> one ``Constraint``.
 
 A request carries at most one constraint, so two fields that each ask for one answer a 400 naming both.
+``structured_outputs.disable_any_whitespace`` sets the whitespace of whichever field asks for JSON (vLLM lets it
+stand alone beside ``response_format``); unset, the server's default applies (``ninfer serve --json-compact``).
 Whatever the contract classes refuse (an empty regex, a schema that is not JSON) answers a 400 naming the
 field; what only the grammar compiler can judge (an unsupported schema keyword, a GBNF syntax error) the
 engine rejects when the request is submitted, which the gateway also answers with a 400.
@@ -19,6 +21,7 @@ from ninfer.contract.constraint import (
     Constraint,
     GrammarConstraint,
     JsonConstraint,
+    JsonWhitespace,
     RegexConstraint,
     ToolCallConstraint,
 )
@@ -105,6 +108,8 @@ def structured_outputs(so: StructuredOutputs | None) -> Asked | None:
         raise bad_request("'structured_outputs.structural_tag' is not supported by this server; use 'tools' with "
                           "'tool_choice', or 'json'", param="structured_outputs.structural_tag")
     kinds = [k for k in _STRUCTURED_KINDS if getattr(so, k) not in (None, False)]
+    if not kinds and so.disable_any_whitespace is not None:
+        return None  # the whitespace option alone: it applies to another field's JSON (json_whitespace)
     if not kinds:
         raise bad_request("'structured_outputs' needs one of 'json', 'regex', 'choice', 'grammar' or "
                           "'json_object'", param="structured_outputs")
@@ -113,15 +118,11 @@ def structured_outputs(so: StructuredOutputs | None) -> Asked | None:
                           f"'{kinds[1]}'", param=f"structured_outputs.{kinds[1]}")
     (kind,) = kinds
     param = f"structured_outputs.{kind}"
-    if so.disable_any_whitespace and kind not in ("json", "json_object"):
-        raise bad_request("'structured_outputs.disable_any_whitespace' applies to 'json' and 'json_object' only",
-                          param="structured_outputs.disable_any_whitespace")
-    whitespace = not so.disable_any_whitespace
     what = f"'structured_outputs' ({kind})"
     if kind == "json":
-        return Asked(param, what, _build(param, JsonConstraint, schema=so.json, any_whitespace=whitespace))
+        return Asked(param, what, _build(param, JsonConstraint, schema=so.json))
     if kind == "json_object":
-        return Asked(param, what, _build(param, JsonConstraint, schema={"type": "object"}, any_whitespace=whitespace))
+        return Asked(param, what, _build(param, JsonConstraint, schema={"type": "object"}))
     if kind == "regex":
         return Asked(param, what, _build(param, RegexConstraint, pattern=so.regex))
     if kind == "choice":
@@ -164,6 +165,21 @@ def tool_calls(tools: Sequence[dict[str, Any]], tool_choice: Any, parallel_tool_
     return None
 
 
+def json_whitespace(asked: Asked | None, so: StructuredOutputs | None) -> Asked | None:
+    """``asked`` with ``structured_outputs.disable_any_whitespace`` applied: true, compact JSON; false, bounded
+    whitespace; unset, the server's default. Compact JSON asked of output that is not JSON is a 400."""
+    if so is None or so.disable_any_whitespace is None:
+        return asked
+    if asked is None or not isinstance(asked.constraint, JsonConstraint):
+        if not so.disable_any_whitespace:
+            return asked  # bounded whitespace asked of output that is not JSON: nothing to change
+        raise bad_request("'structured_outputs.disable_any_whitespace' applies to JSON output: 'structured_outputs' "
+                          "'json' and 'json_object' only, or 'response_format' of type 'json_object' or "
+                          "'json_schema'", param="structured_outputs.disable_any_whitespace")
+    whitespace: JsonWhitespace = "compact" if so.disable_any_whitespace else "bounded"
+    return attrs.evolve(asked, constraint=attrs.evolve(asked.constraint, whitespace=whitespace))
+
+
 def one_constraint(asked: Sequence[Asked | None]) -> Asked | None:
     """The request's constraint: at most one field may ask for one."""
     given = [a for a in asked if a is not None]
@@ -178,6 +194,7 @@ def request_constraint(req: Any, tools: Sequence[dict[str, Any]] = (), tool_choi
                        parallel_tool_calls: bool | None = None) -> Asked | None:
     """The constraint the fields of a chat or text completion request ask for, if any (``tools`` already
     rendered: empty for text completions and for ``tool_choice: none``)."""
-    return one_constraint([tool_calls(tools, tool_choice, parallel_tool_calls), response_format(req.response_format),
-                           structured_outputs(req.structured_outputs),
-                           *llama_cpp_fields(req.grammar, req.json_schema)])
+    asked = one_constraint([tool_calls(tools, tool_choice, parallel_tool_calls), response_format(req.response_format),
+                            structured_outputs(req.structured_outputs),
+                            *llama_cpp_fields(req.grammar, req.json_schema)])
+    return json_whitespace(asked, req.structured_outputs)

@@ -99,7 +99,8 @@ class ResponseFormat:
 @attrs.frozen(kw_only=True)
 class StructuredOutputs:
     """vLLM's ``structured_outputs``: exactly one of ``json`` (a schema, as an object or JSON text), ``regex``,
-    ``choice``, ``grammar`` (GBNF, or Lark with a ``start`` rule) and ``json_object``."""
+    ``choice``, ``grammar`` (GBNF, or Lark with a ``start`` rule) and ``json_object``; or, as vLLM allows beside
+    ``response_format``, only ``disable_any_whitespace`` (None: the server's default)."""
 
     json: dict[str, JSON] | str | None = None
     regex: str | None = None
@@ -107,7 +108,7 @@ class StructuredOutputs:
     grammar: str | None = None
     json_object: bool | None = None
     structural_tag: JSON = None
-    disable_any_whitespace: bool = False
+    disable_any_whitespace: bool | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import attrs
 
-from ninfer.contract.constraint import ConstraintLimits
+from ninfer.contract.constraint import JSON_WHITESPACE, ConstraintLimits, JsonWhitespace
 
 MAX_CONCURRENCY = 8  # the widest decode batch an engine runs (exact-B graphs are captured for 1..this)
 DTYPES = ("float32", "bfloat16", "float16")
@@ -220,8 +220,9 @@ class EngineConfig:
     request; default ``max_concurrency``), ``pause_mode`` (auto: Snapshot when host room allows, else
     Replay), ``device`` (None: cuda when available, else cpu), ``verify`` (check the artifact's checksums
     as it is read), ``context_cache`` (reuse checkpointed prefixes and session continuations; on by default),
-    ``checkpoint_grid`` (prompt positions between checkpoints inside a long prompt; None: the prefill chunk).
-    The rest are the model's startup options (``StartupOptions``).
+    ``checkpoint_grid`` (prompt positions between checkpoints inside a long prompt; None: the prefill chunk),
+    ``json_whitespace`` (whitespace in JSON output whose ``JsonConstraint`` leaves it unset: "bounded" or
+    "compact"). The rest are the model's startup options (``StartupOptions``).
     """
 
     max_concurrency: int = _shared("max_concurrency")
@@ -235,6 +236,7 @@ class EngineConfig:
     verify: bool = attrs.field(default=True, validator=_flag())
     context_cache: bool = _shared("context_cache")
     checkpoint_grid: int | None = attrs.field(default=None, validator=_int_range(1, optional=True))
+    json_whitespace: JsonWhitespace = attrs.field(default="bounded", validator=_choice(JSON_WHITESPACE))
     features: StartupFeatures = _shared("features")
     device_budget_bytes: int | None = _shared("device_budget_bytes")
     host_budget_bytes: int | None = _shared("host_budget_bytes")

@@ -52,16 +52,25 @@ def _bounded(instance, attribute: attrs.Attribute, value: str | None) -> None:
         raise ValueError(f"{attribute.name} holds {len(value)} characters; at most {MAX_CONSTRAINT_CHARS}")
 
 
+JsonWhitespace = Literal["bounded", "compact"]
+JSON_WHITESPACE: tuple[JsonWhitespace, ...] = ("bounded", "compact")
+MAX_JSON_INDENT = 20  # spaces or tabs after a newline in "bounded" JSON: 10 levels of 2-space indentation
+
+
 @attrs.frozen(kw_only=True)
 class JsonConstraint:
     """Output one JSON value: any JSON when ``schema`` is None, else an instance of the JSON Schema.
 
-    ``any_whitespace=False`` writes JSON compactly, with ``", "`` and ``": "`` separators; True allows
-    whitespace between tokens (each run bounded, so a model cannot spin on spaces).
+    ``whitespace`` between JSON tokens (docs/constrained-decoding.md, "Whitespace in JSON"): ``"bounded"``, none
+    before ``:`` and ``,``, at most one space after ``:``, elsewhere nothing, one space, or one newline and at
+    most ``MAX_JSON_INDENT`` spaces or tabs (pretty-printed JSON fits, a model cannot spend its budget on
+    whitespace); ``"compact"``, none at all outside strings (``,`` and ``:`` separators); None, the engine's
+    default (``EngineConfig.json_whitespace``).
     """
 
     schema: str | None = attrs.field(default=None, converter=_json_text, validator=_bounded)
-    any_whitespace: bool = True
+    whitespace: JsonWhitespace | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.in_(JSON_WHITESPACE)))
 
     @property
     def schema_object(self) -> Any:

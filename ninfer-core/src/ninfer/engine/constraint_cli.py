@@ -1,5 +1,6 @@
 """``ninfer generate``'s constrained-decoding options: ``--json-schema FILE``, ``--grammar FILE``, ``--regex
-PATTERN`` and ``--choice TEXT`` (repeatable), one kind per run.
+PATTERN`` and ``--choice TEXT`` (repeatable), one kind per run; ``--json-compact`` writes the JSON without
+whitespace outside strings.
 
 Light at import (argparse and the constraint contract only), so ``ninfer --help`` loads no torch. A file that
 cannot be read or a constraint the contract refuses is a ValueError naming the option, which the command
@@ -33,6 +34,9 @@ def add_constraint_arguments(parser: argparse.ArgumentParser) -> None:
     kinds.add_argument("--regex", metavar="PATTERN", help="output text that fully matches PATTERN")
     kinds.add_argument("--choice", metavar="TEXT", action="append",
                        help="output exactly one of the --choice texts (repeat it for each option)")
+    group.add_argument("--json-compact", action="store_true",
+                       help="with --json-schema: no whitespace outside strings (default: at most one space after ':', "
+                            "and a space or a newline and up to 20 spaces or tabs between values)")
 
 
 def constraint_option(args: argparse.Namespace) -> str | None:
@@ -46,8 +50,11 @@ def constraint_from_args(args: argparse.Namespace) -> Constraint | None:
     """The constraint the options ask for (None: none); a bad one is a ValueError naming its option."""
     from ninfer.engine.generate_cli import read_text_file as _read  # generate_cli imports this module
 
+    if args.json_compact and args.json_schema is None:
+        raise ValueError("--json-compact: applies to --json-schema only")
     if args.json_schema is not None:
-        option, make = "--json-schema", lambda: _json_schema(_read(args.json_schema, "--json-schema"))
+        option, make = "--json-schema", lambda: _json_schema(_read(args.json_schema, "--json-schema"),
+                                                             compact=args.json_compact)
     elif args.grammar is not None:
         syntax = "lark" if args.grammar.lower().endswith(".lark") else "gbnf"
         option, make = "--grammar", lambda: GrammarConstraint(grammar=_read(args.grammar, "--grammar"), syntax=syntax)
@@ -72,11 +79,11 @@ def _regex(pattern: str) -> RegexConstraint:
     return constraint
 
 
-def _json_schema(text: str) -> JsonConstraint:
+def _json_schema(text: str, *, compact: bool) -> JsonConstraint:
     try:
         schema = json.loads(text)
     except ValueError as exc:
         raise ValueError(f"the file is not valid JSON: {exc}") from None
     if not isinstance(schema, dict):
         raise ValueError(f"a JSON Schema must be a JSON object, got {type(schema).__name__}")
-    return JsonConstraint(schema=schema or None)
+    return JsonConstraint(schema=schema or None, whitespace="compact" if compact else None)

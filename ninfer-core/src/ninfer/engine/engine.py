@@ -23,6 +23,8 @@ from ninfer.contract.constraint import (
     ConstraintClosed,
     ConstraintError,
     ConstraintLimits,
+    JsonConstraint,
+    JsonWhitespace,
 )
 from ninfer.contract.errors import NoRoomToScore, PromptTooLong
 from ninfer.contract.memory import MemorySummary
@@ -78,7 +80,8 @@ class Engine:
                  cuda_graphs: bool | None = None, pdl: bool | None = None, chat_template: str | None = None,
                  special_tokens_in_content: bool | None = None, placement: str | None = None,
                  expert_cache_bytes: int | None = None, constraint_limits: ConstraintLimits | None = None,
-                 media_max_pixels: int | None = None, media_max_tokens: int | None = None) -> None:
+                 media_max_pixels: int | None = None, media_max_tokens: int | None = None,
+                 json_whitespace: JsonWhitespace | None = None) -> None:
         """Start an engine on the artifact ``model``. Pass the options as keywords, or as one ``config``
         (an ``EngineConfig``, which documents each); a keyword left None takes the config's default.
         ``verify=False`` skips the artifact's checksums; ``special_tokens_in_content=True`` reads
@@ -97,7 +100,7 @@ class Engine:
                  "pdl": pdl, "chat_template": chat_template, "special_tokens_in_content": special_tokens_in_content,
                  "placement": placement, "expert_cache_bytes": expert_cache_bytes,
                  "constraint_limits": constraint_limits, "media_max_pixels": media_max_pixels,
-                 "media_max_tokens": media_max_tokens}
+                 "media_max_tokens": media_max_tokens, "json_whitespace": json_whitespace}
         config = _config(config, given)
         config = config.for_device(config.device or default_device())
         instance, name, self.artifact = build_instance(model, config.startup_options(), verify=config.verify)
@@ -112,13 +115,15 @@ class Engine:
                       max_concurrency: int | None = None, max_queue: int | None = None,
                       max_model_len: int | None = None, device: str | None = None, prefill_chunk: int | None = None,
                       bypass_limit: int | None = None, pause_mode: PauseChoice | None = None,
-                      context_cache: bool | None = None, checkpoint_grid: int | None = None) -> Engine:
+                      context_cache: bool | None = None, checkpoint_grid: int | None = None,
+                      json_whitespace: JsonWhitespace | None = None) -> Engine:
         """An engine over an already built ModelInstance (its Program sized for ``max_concurrency``).
         Only the engine's own options apply: the model's startup options were the builder's to choose."""
         config = _config(config, {"max_concurrency": max_concurrency, "max_queue": max_queue,
                                   "max_model_len": max_model_len, "device": device, "prefill_chunk": prefill_chunk,
                                   "bypass_limit": bypass_limit, "pause_mode": pause_mode,
-                                  "context_cache": context_cache, "checkpoint_grid": checkpoint_grid})
+                                  "context_cache": context_cache, "checkpoint_grid": checkpoint_grid,
+                                  "json_whitespace": json_whitespace})
         if config.startup_fields_set():
             raise ValueError(f"from_instance: the ModelInstance is already built; startup options "
                              f"{', '.join(config.startup_fields_set())} do not apply to it")
@@ -181,6 +186,8 @@ class Engine:
         return GenerationHandle(core.ingress.enqueue(make_record).channel)
 
     def _open_session(self, prompt: PreparedPrompt, sampling: SamplingParams, constraint, cancel):
+        if isinstance(constraint, JsonConstraint) and constraint.whitespace is None:
+            constraint = attrs.evolve(constraint, whitespace=self.config.json_whitespace)
         try:
             return self.frontend.open_session(prompt, sampling, constraint, cancel=cancel)
         except ConstraintError as exc:

@@ -24,8 +24,8 @@ from ninfer.contract.constraint import (
 )
 from ninfer.models.common.grammar import qwen_tools
 from ninfer.models.common.grammar.schema_features import check_schema
+from ninfer.models.common.grammar.whitespace import COMPACT_SEPARATORS, WS_MARK, bound_whitespace
 
-MAX_JSON_WHITESPACE = 16  # longest whitespace run in JSON with any_whitespace (a model cannot spin on spaces)
 TOOL_FORMAT = "qwen_3_5"   # the Qwen3.5 / Qwen3-Coder XML tool-call format (qwen_tools)
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
@@ -100,8 +100,12 @@ def _body(xgr, c: Constraint) -> Any:
     if isinstance(c, JsonConstraint):
         if c.schema is not None:
             check_schema(c.schema_object)
-        return xgr.Grammar.from_json_schema(c.schema or "{}", any_whitespace=c.any_whitespace, strict_mode=True,
-                                            max_whitespace_cnt=MAX_JSON_WHITESPACE if c.any_whitespace else None)
+        if c.whitespace == "compact":
+            return xgr.Grammar.from_json_schema(c.schema or "{}", any_whitespace=False, strict_mode=True,
+                                                separators=COMPACT_SEPARATORS)
+        # bounded (None is the engine's to resolve; bounded is the safe reading)
+        return bound_whitespace(xgr.Grammar.from_json_schema(c.schema or "{}", any_whitespace=True,
+                                                             strict_mode=True, max_whitespace_cnt=WS_MARK))
     if isinstance(c, RegexConstraint):
         return xgr.Grammar.from_regex(c.pattern)
     if isinstance(c, ChoiceConstraint):
