@@ -32,10 +32,11 @@ JSON_VALUES = st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_
 CHAT_KEYS = ["model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
              "seed", "stop", "stop_token_ids", "ignore_eos", "n", "stream", "stream_options", "logprobs",
              "top_logprobs", "tools", "tool_choice", "chat_template_kwargs", "response_format", "frequency_penalty",
-             "presence_penalty", "repetition_penalty", "logit_bias", "user", "metadata", "parallel_tool_calls"]
+             "presence_penalty", "repetition_penalty", "logit_bias", "min_tokens", "user", "metadata",
+             "parallel_tool_calls"]
 COMPLETION_KEYS = ["model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
                    "stop_token_ids", "ignore_eos", "n", "stream", "stream_options", "logprobs", "echo", "suffix",
-                   "best_of"]
+                   "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens"]
 MESSAGE_KEYS = ["role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"]
 
 

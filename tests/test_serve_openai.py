@@ -155,6 +155,20 @@ def test_completions_logprobs(client):
                for t, v in zip(lp.top_logprobs, lp.token_logprobs, strict=True))
 
 
+def test_sampling_adjustments_through_the_client(client):
+    """logit_bias (as the SDK sends it), penalties and min_tokens reach the sampler; an id outside the vocabulary
+    is a 400 naming logit_bias."""
+    kw = dict(model=MODEL_ID, prompt="Once upon a time", max_tokens=4, temperature=0)
+    forced = client.completions.create(**kw, logit_bias={"100": 100}, presence_penalty=1.0, frequency_penalty=0.5,
+                                       extra_body={"ignore_eos": True, "repetition_penalty": 1.3, "min_tokens": 2})
+    assert forced.usage.completion_tokens == 4
+    assert client.completions.create(**kw, logit_bias={"100": 100}, extra_body={"ignore_eos": True}
+                                     ).choices[0].text == forced.choices[0].text
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(**kw, logit_bias={"99999999": 5})
+    assert "logit_bias" in info.value.body["message"]
+
+
 def test_tools_are_rendered_and_tool_turns_accepted(client):
     plain = chat(client, extra_body=NO_THINK)
     with_tools = chat(client, tools=TOOLS, tool_choice="auto", extra_body=NO_THINK)
@@ -225,6 +239,8 @@ def test_raw_sse_framing(server):
     ({"model": MODEL_ID, "messages": HI, "max_tokens": 5000}, 400, "max_tokens"),
     ({"model": MODEL_ID, "messages": HI, "top_logprobs": 50, "logprobs": True}, 400, "top_logprobs"),
     ({"model": MODEL_ID, "messages": HI, "n": 0}, 400, "n"),
+    ({"model": MODEL_ID, "messages": HI, "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ({"model": MODEL_ID, "messages": HI, "logit_bias": {"5": 200}}, 400, "logit_bias"),
     ({"model": MODEL_ID, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}]}, 400, "messages[0].content[0]"),
     ({"model": "nope", "messages": HI}, 404, "model"),

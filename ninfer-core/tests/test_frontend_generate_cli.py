@@ -64,3 +64,19 @@ def test_default_prefill_chunk_by_device():
 
     assert default_prefill_chunk("cuda") == default_prefill_chunk("cuda:1") == 2048
     assert default_prefill_chunk("cpu") == 512
+
+
+def test_logit_adjustment_flags(tiny, capsys):
+    """--logit-bias +100 forces a token; the penalty flags reach SamplingParams, whose ranges are checked."""
+    args = ["generate", tiny, "--prompt", "The quick", "--max-tokens", "4", "--temperature", "0", "--ignore-eos",
+            "--device", "cpu"]
+    assert main([*args, "--logit-bias", "100=100", "--presence-penalty", "0.5", "--frequency-penalty", "0.5",
+                 "--repetition-penalty", "1.2", "--min-p", "0.1", "--min-tokens", "2", "--stop-token-id", "7"]) == 0
+    forced, err = capsys.readouterr()
+    assert "4 generated tokens" in err
+    assert main([*args, "--logit-bias", "100=100"]) == 0
+    assert capsys.readouterr().out == forced  # +100 wins over every penalty
+    assert main([*args, "--presence-penalty", "3"]) == 2
+    assert "presence_penalty" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*args, "--logit-bias", "nope"])

@@ -59,13 +59,29 @@ def test_body_must_be_an_object_and_json():
     ({"max_tokens": 0}, "max_tokens"), ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"n": 17}, "n"), ({"n": 0}, "n"), ({"stop": [""]}, "stop"), ({"stop": ["x"] * 17}, "stop"),
     ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
-    ({"presence_penalty": 0.5}, "presence_penalty"), ({"logit_bias": {"1": 2.0}}, "logit_bias"),
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"repetition_penalty": 11}, "repetition_penalty"),
+    ({"logit_bias": {"1": 101.0}}, "logit_bias"), ({"logit_bias": {"x1": 1.0}}, "logit_bias"),
+    ({"logit_bias": {"-1": 1.0}}, "logit_bias"), ({"logit_bias": {"\u00b2": 1.0}}, "logit_bias"),
+    ({"logit_bias": {str(i): 1.0 for i in range(301)}}, "logit_bias"),
+    ({"min_tokens": -1}, "min_tokens"), ({"min_tokens": 8, "max_tokens": 4}, "min_tokens"),
     ({"tool_choice": "auto"}, "tool_choice"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
 ])
 def test_out_of_range_is_400_naming_the_parameter(kw, param):
     assert err(chat, **kw).param == param
+
+
+def test_penalties_logit_bias_and_min_tokens_reach_the_sampling_params():
+    s = chat(presence_penalty=-2, frequency_penalty=1.5, repetition_penalty=1.1, min_tokens=3, max_tokens=5,
+             logit_bias={"151645": -100, "7": 100})[0].sampling
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_tokens) == (-2, 1.5, 1.1, 3)
+    assert dict(s.logit_bias) == {151645: -100, 7: 100}
+    gen, _ = completion_request(structure({"prompt": "x", "repetition_penalty": 1.2, "min_tokens": 2},
+                                          CompletionRequest))
+    assert gen.sampling.repetition_penalty == 1.2 and gen.sampling.min_tokens == 2
+    assert chat()[0].sampling.presence_penalty is None and chat()[0].sampling.logit_bias == ()
 
 
 def test_n_choices_are_separate_requests_seeded_apart():

@@ -3,7 +3,7 @@
 Types are checked exactly (no ``int("3")``, no ``bool("false")``); unknown keys are refused as OpenAI does,
 except inside messages (clients send replies back with vendor fields: ninfer_serve.message_fields); range
 checks run after structuring and name the parameter. Fields OpenAI clients commonly send that ninfer cannot
-honour are accepted only at their neutral value (``presence_penalty: 0``).
+honour are accepted only at their neutral value (``best_of: 1``): nothing is silently ignored.
 """
 
 from __future__ import annotations
@@ -187,11 +187,12 @@ class _SamplingFields:
     structured_outputs: StructuredOutputs | None = None
     grammar: str | None = None  # llama.cpp: GBNF
     json_schema: dict[str, JSON] | None = None  # llama.cpp: a JSON Schema, {} for any JSON
-    # Accepted only at their neutral values.
+    # Logit adjustments (OpenAI, vLLM): ninfer.contract.SamplingParams documents each.
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    min_tokens: int = 0
     user: str | None = None
 
 

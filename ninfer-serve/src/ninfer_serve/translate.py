@@ -12,7 +12,7 @@ from typing import Any
 import attrs
 
 from ninfer.contract import ChatInput, GenerationRequest, SamplingParams, TextInput
-from ninfer.contract.request import MAX_STOP_CHARS
+from ninfer.contract.request import MAX_LOGIT_BIAS, MAX_STOP_CHARS
 from ninfer_serve.constraints import request_constraint
 from ninfer_serve.errors import bad_request
 from ninfer_serve.media_parts import check_part_fields, media_kind
@@ -22,6 +22,7 @@ MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
 MAX_N = 16
 MAX_BATCH_COMPLETIONS = 64  # prompts x n of one text completion request (batched prompts)
+MAX_REPETITION_PENALTY = 10.0  # far past any useful value (1.0 - 1.3 in practice); vLLM bounds it only below
 MAX_PROMPT_CACHE_KEY_CHARS = 1024
 # A client's cache_salt; the engine's bound (its MAX_CACHE_SALT_CHARS) leaves room for a key scope in front.
 MAX_CLIENT_CACHE_SALT_CHARS = 1024
@@ -53,15 +54,26 @@ def _check_range(name: str, value: float | None, lo: float, hi: float, *, lo_ope
         raise bad_request(f"'{name}' must be in {bracket}{lo}, {hi}], got {value}", param=name)
 
 
-def _neutral(req: Any) -> None:
-    """Parameters accepted only at the value that changes nothing (there is no implementation behind them)."""
-    for name, neutral in (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0)):
-        value = getattr(req, name)
-        if value is not None and value != neutral:
-            raise bad_request(f"'{name}' is not supported by this server (only {neutral} is accepted), got {value}",
-                              param=name)
-    if req.logit_bias:
-        raise bad_request("'logit_bias' is not supported by this server", param="logit_bias")
+def _adjustments(req: Any) -> dict[str, Any]:
+    """Penalties, logit_bias and min_tokens (OpenAI and vLLM spellings) as SamplingParams fields."""
+    _check_range("presence_penalty", req.presence_penalty, -2.0, 2.0)
+    _check_range("frequency_penalty", req.frequency_penalty, -2.0, 2.0)
+    if req.repetition_penalty is not None and not 0.0 < req.repetition_penalty <= MAX_REPETITION_PENALTY:
+        raise bad_request(f"'repetition_penalty' must be in (0, {MAX_REPETITION_PENALTY}], got "
+                          f"{req.repetition_penalty}", param="repetition_penalty")
+    bias = {}
+    for key, value in (req.logit_bias or {}).items():
+        if not (key.isascii() and key.isdigit()) or len(key) > 9:  # token ids as OpenAI writes them: decimal strings
+            raise bad_request(f"'logit_bias' keys must be token ids (decimal strings), got {key!r:.40}",
+                              param="logit_bias")
+        _check_range("logit_bias", value, -100.0, 100.0)
+        bias[int(key)] = value
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise bad_request(f"'logit_bias' holds at most {MAX_LOGIT_BIAS} entries, got {len(bias)}", param="logit_bias")
+    if req.min_tokens < 0:
+        raise bad_request(f"'min_tokens' must be >= 0, got {req.min_tokens}", param="min_tokens")
+    return {"presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
+            "repetition_penalty": req.repetition_penalty, "logit_bias": bias, "min_tokens": req.min_tokens}
 
 
 def _sampling(req: Any, *, max_tokens: int | None, logprobs: bool, top_logprobs: int,
@@ -92,11 +104,14 @@ def _sampling(req: Any, *, max_tokens: int | None, logprobs: bool, top_logprobs:
     stop_ids = list(req.stop_token_ids or [])
     if any(t < 0 for t in stop_ids):
         raise bad_request("'stop_token_ids' must be non-negative token ids", param="stop_token_ids")
-    _neutral(req)
+    adjust = _adjustments(req)
+    if max_tokens is not None and req.min_tokens > max_tokens:
+        raise bad_request(f"'min_tokens' ({req.min_tokens}) must not exceed 'max_tokens' ({max_tokens})",
+                          param="min_tokens")
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=top_k,
                               min_p=req.min_p, seed=req.seed, stop=tuple(stop), stop_token_ids=tuple(stop_ids),
-                              ignore_eos=req.ignore_eos, logprobs=logprobs, top_logprobs=top_logprobs)
+                              ignore_eos=req.ignore_eos, logprobs=logprobs, top_logprobs=top_logprobs, **adjust)
     except (ValueError, TypeError) as exc:  # the contract's own validators, as a last line
         raise bad_request(f"invalid sampling parameters: {exc}") from None
 

@@ -220,6 +220,10 @@ class Frontend(Protocol):
     def sampling_defaults(self) -> SamplingParams:
         """The model's generation defaults (from the artifact, never from the architecture name)."""
 
+    def end_token_ids(self, sampling: SamplingParams) -> tuple[int, ...]:
+        """The token ids that end an output under ``sampling``: its ``stop_token_ids``, and the model's EOS unless
+        ``ignore_eos`` (what ``min_tokens`` refuses)."""
+
     def open_session(self, prompt: PreparedPrompt, sampling: SamplingParams, constraint: Constraint | None = None,
                      *, cancel: threading.Event | None = None) -> OutputSession:
         """The request's OutputSession; compiles ``constraint`` (``ConstraintError`` when it cannot, or when it is

@@ -16,6 +16,14 @@ MAX_STOP_CHARS = 1024
 # Longest cache salt, in characters: room for a client's salt (a gateway takes up to 1024) and the scope a
 # gateway puts in front of it (its API key's identity).
 MAX_CACHE_SALT_CHARS = 2048
+# Most logit_bias entries per request (OpenAI's limit): the sampler adds them per row and step.
+MAX_LOGIT_BIAS = 300
+
+
+def _logit_bias(value) -> tuple[tuple[int, float], ...]:
+    """A mapping or pairs of token id -> bias as (id, bias) pairs (hashable)."""
+    items = value.items() if isinstance(value, dict) else value
+    return tuple((k, v) for k, v in items)
 
 
 @attrs.frozen(kw_only=True)
@@ -24,6 +32,13 @@ class SamplingParams:
 
     temperature 0 means greedy. ``seed`` makes sampling reproducible per request,
     independent of batch neighbours and of preemption.
+
+    Penalties and biases change the logits before temperature and filtering (``docs/engine.md``, Sampling):
+    ``presence_penalty`` / ``frequency_penalty`` (OpenAI) subtract from the logit of every token already generated,
+    once / per occurrence; ``repetition_penalty`` (HF, vLLM) divides the positive logits (multiplies the negative
+    ones) of every token of the prompt or the output; ``logit_bias`` adds to a token's logit (-100 bans it, +100
+    all but forces it); ``min_tokens``: the tokens that end generation (``stop_token_ids``, and EOS unless
+    ``ignore_eos``) are refused until that many tokens are generated.
     """
 
     max_tokens: int | None = attrs.field(default=None, validator=v.optional(v.ge(1)))
@@ -37,6 +52,29 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = attrs.field(default=0, validator=[v.ge(0), v.le(20)])
+    presence_penalty: float | None = attrs.field(default=None, validator=v.optional([finite, v.ge(-2.0), v.le(2.0)]))
+    frequency_penalty: float | None = attrs.field(default=None,
+                                                  validator=v.optional([finite, v.ge(-2.0), v.le(2.0)]))
+    repetition_penalty: float | None = attrs.field(default=None, validator=v.optional([finite, v.gt(0.0)]))
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_logit_bias)
+    min_tokens: int = attrs.field(default=0, validator=v.ge(0))
+
+    @logit_bias.validator
+    def _check_logit_bias(self, attribute, value):
+        if len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(value)}")
+        for token, bias in value:
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise ValueError(f"logit_bias keys must be non-negative integer token ids, got {token!r}")
+            if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {token}")
+        if len({t for t, _ in value}) != len(value):
+            raise ValueError("logit_bias names a token id twice")
+
+    @min_tokens.validator
+    def _check_min_tokens(self, attribute, value):
+        if self.max_tokens is not None and value > self.max_tokens:
+            raise ValueError(f"min_tokens ({value}) must not exceed max_tokens ({self.max_tokens})")
 
     @stop.validator
     def _check_stop(self, attribute, value):

@@ -167,6 +167,8 @@ class Engine:
             self._check_media(request.input)
             prompt = self._prepare(request.input)
             sampling = merge_sampling(self._defaults, request.sampling)
+            if sampling.min_tokens:  # the Program refuses these until min_tokens; they end the output all the same
+                sampling = attrs.evolve(sampling, stop_token_ids=self.frontend.end_token_ids(sampling))
             session = self._open_session(prompt, sampling, request.constraint, cancel)
         except RequestRejected as exc:
             core.metrics.rejected_request(exc.kind)

@@ -21,6 +21,7 @@ from typing import TextIO
 from ninfer.engine.cache_cli import add_context_cache_arguments, with_context_cache
 from ninfer.engine.constraint_cli import add_constraint_arguments, constraint_from_args, constraint_option
 from ninfer.engine.plan_cli import add_memory_arguments, with_memory_options
+from ninfer.engine.sampling_cli import add_adjustment_arguments, adjustments_from_args
 from ninfer.engine.speculative_cli import add_speculative_arguments, speculative_features
 from ninfer.engine.vision_cli import (
     add_media_arguments,
@@ -51,6 +52,7 @@ def add_generate_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, help="sampling seed (reproducible output)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's end-of-sequence tokens")
+    add_adjustment_arguments(p)
     p.add_argument("--chat-template", help="chat template file (or builtin:qwen3_5) replacing the artifact's")
     p.add_argument("--special-tokens-in-content", action="store_true",
                    help="read special-token strings in --chat/--system text (e.g. <|im_end|>) as control tokens "
@@ -195,7 +197,8 @@ def _generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     constraint = constraint_from_args(args)
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                              top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+                              top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+                              **adjustments_from_args(args))
     config = EngineConfig(max_concurrency=1, device=args.device, max_model_len=args.max_model_len,
                           chat_template=_template_arg(args.chat_template), prefill_chunk=args.prefill_chunk,
                           verify=not args.no_verify, special_tokens_in_content=args.special_tokens_in_content,

@@ -237,8 +237,7 @@ class PagedProgram(Checkpointing, abc.ABC):
 
         ``after``: an uncollected unit over the same sequences, in the same order; each row's input is its
         provisional token, still on the device, at the position after it (see ``PipelinedDecode``).
-        ``masks`` constraining one of the rows: only the forward is queued; the sampling waits (``_sampled``).
-        """
+        ``masks`` constraining one of the rows, or a row with a penalty: the sampling waits (``_sampled``)."""
         ids, seqs, prev = self._decode_rows(sequence_ids, after)
         # A chained row's input is on the device: a placeholder goes through the host path, then the copy.
         inputs = [0] * len(seqs) if prev is not None else [s.ledger[s.computed] for s in seqs]
@@ -263,7 +262,8 @@ class PagedProgram(Checkpointing, abc.ABC):
             native = _LaunchNative(program_id=self.id, seqs=tuple(seqs), readback=None, chained=prev is not None,
                                    logits=logits, indices=tuple(s.computed + 1 - s.prompt_len for s in seqs),
                                    masks=masks)
-            if masks is None or not any(masks.constrained(i) for i in ids):
+            waits = masks is not None and any(masks.constrained(i) for i in ids)
+            if not waits and not any(s.sampling.counts_tokens for s in seqs):  # penalties read the step before
                 self._sampled(native)
             for seq in seqs:
                 seq.computed += 1

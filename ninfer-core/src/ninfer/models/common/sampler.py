@@ -7,7 +7,9 @@ the sampling (and the logprobs rows ask for) and the one packed copy to the host
 ``wait`` blocks on that copy; ``pending_rows`` turns the results into the PendingBatch rows.
 
 Rows the engine's ``TokenMasks`` constrain get their allowed-token mask applied to the logits first (filled on
-the host into pinned rows, one upload per unit); a unit without a constrained row pays nothing for it.
+the host into pinned rows, one upload per unit); a unit without a constrained row pays nothing for it. Then rows
+with a logit_bias, min_tokens or a penalty get those (``models.common.penalties``); a unit without one pays a
+check per row.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from ninfer.contract.batch import PendingRow
 from ninfer.contract.constraint import MaskFill, TokenMasks, mask_words
 from ninfer.core.readback import Readback, RowLogprobs, upload
 from ninfer.models.common.context.sequence import RowSampling, SequenceRecord, draw_seed
+from ninfer.models.common.penalties import LogitAdjust
 
 TOPK_PATH = 1024  # largest top_k sampled from its top-k candidates; wider (or none) sorts the vocabulary
 
@@ -72,10 +75,12 @@ class Sampler:
         self._generators: dict[int, torch.Generator] = {}
         self.mask_rows = mask_rows
         self._masks: MaskRows | None = None  # allocated at the first constrained unit
+        self.adjustments = LogitAdjust(device)
 
     def forget(self, sequence_id: int) -> None:
-        """The sequence is released: drop its generator."""
+        """The sequence is released: drop its generator and its token history."""
         self._generators.pop(sequence_id, None)
+        self.adjustments.forget(sequence_id)
 
     def generator(self, seq: SequenceRecord, index: int) -> torch.Generator:
         """The generator of the sequence's ``index``-th sampled token (counter-based: see ``draw_seed``)."""
@@ -89,13 +94,17 @@ class Sampler:
                masks: TokenMasks | None = None) -> Readback:
         """Queue sampling (and logprobs) of every row of ``logits`` [B, V], then one device->host copy of the
         results. ``indices``: the generated-token index each row draws (its counter-based seed). ``masks``:
-        the engine's token masks; constrained rows' logits are masked in place first."""
+        the engine's token masks; constrained rows' logits are masked in place first, then adjusted (logit_bias,
+        min_tokens, penalties: ``adjust``)."""
         from ninfer.ops.sampling import greedy, sample
 
         dev = logits.device
         if masks is not None:
             self._apply_masks(seqs, logits, masks)
         sp = [s.sampling for s in seqs]
+        raw = logits
+        if any(p.adjusted for p in sp):
+            raw = self._adjust(seqs, logits, indices)
         if all(p.greedy for p in sp):
             tokens = greedy(logits)  # what sample() does for temperature 0, without its per-row setup
         else:
@@ -107,7 +116,15 @@ class Sampler:
                              for s, p, i in zip(seqs, sp, indices, strict=True)],
                             max_top_k=max(p.top_k for p in drawn) if narrow else None)
         want = tuple(i for i, p in enumerate(sp) if p.logprobs)
-        return launch_readback(tokens, logits, tokens, want, max((sp[i].top_logprobs for i in want), default=0))
+        return launch_readback(tokens, raw, tokens, want, max((sp[i].top_logprobs for i in want), default=0))
+
+    def _adjust(self, seqs: Sequence[SequenceRecord], logits: torch.Tensor, indices: Sequence[int],
+                drafts: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+        """Adjust ``logits`` in place; returns what logprobs are reported from: the logits before the adjustments
+        (a copy, when a row wants logprobs), as vLLM reports them."""
+        raw = logits.clone() if any(s.sampling.logprobs for s in seqs) else logits
+        self.adjustments.adjust(seqs, logits, indices, drafts)
+        return raw
 
     def _apply_masks(self, seqs: Sequence[SequenceRecord], logits: torch.Tensor, masks: TokenMasks,
                      drafts: Sequence[Sequence[int]] | None = None) -> None:
@@ -127,6 +144,13 @@ class Sampler:
                     masks: TokenMasks) -> None:
         """Mask a verify unit's logits [B*R, V] in place: each constrained row's mask after every draft prefix."""
         self._apply_masks(seqs, logits, masks, drafts)
+
+    def adjust_verify(self, seqs: Sequence[SequenceRecord], drafts: Sequence[Sequence[int]], logits: torch.Tensor,
+                      indices: Sequence[int]) -> torch.Tensor:
+        """Adjust a verify unit's logits [B*R, V] in place (logit_bias, min_tokens, penalties), each position as
+        plain decoding would after accepting the drafts before it; ``indices``: each row's first draw. Returns
+        the logits logprobs are reported from (``_adjust``)."""
+        return self._adjust(seqs, logits, indices, drafts)
 
     def verify(self, seqs: Sequence[SequenceRecord], logits: torch.Tensor, drafts: torch.Tensor,
                indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 
 @attrs.frozen(kw_only=True)
 class RowSampling:
-    """SamplingParams with every default resolved; ``seed`` is fixed at open so Replay draws the same tokens."""
+    """SamplingParams with every default resolved; ``seed`` is fixed at open so Replay draws the same tokens.
+    ``end_ids``: the tokens ``min_tokens`` refuses (the request's stop_token_ids, to which the engine adds EOS)."""
 
     temperature: float
     top_k: int
@@ -24,6 +25,12 @@ class RowSampling:
     seed: int
     logprobs: bool
     top_logprobs: int
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    end_ids: tuple[int, ...] = ()
 
     @classmethod
     def resolve(cls, params: SamplingParams, defaults: SamplingParams | None) -> RowSampling:
@@ -38,11 +45,26 @@ class RowSampling:
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         return cls(temperature=float(pick("temperature", 1.0)), top_k=int(pick("top_k", 0)),
                    top_p=float(pick("top_p", 1.0)), min_p=float(pick("min_p", 0.0)), seed=seed,
-                   logprobs=params.logprobs or params.top_logprobs > 0, top_logprobs=params.top_logprobs)
+                   logprobs=params.logprobs or params.top_logprobs > 0, top_logprobs=params.top_logprobs,
+                   presence_penalty=float(pick("presence_penalty", 0.0)),
+                   frequency_penalty=float(pick("frequency_penalty", 0.0)),
+                   repetition_penalty=float(pick("repetition_penalty", 1.0)),
+                   logit_bias=tuple((int(t), float(b)) for t, b in params.logit_bias), min_tokens=params.min_tokens,
+                   end_ids=tuple(params.stop_token_ids) if params.min_tokens else ())
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    @property
+    def counts_tokens(self) -> bool:
+        """A penalty reads the row's token history (``models.common.penalties``)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def adjusted(self) -> bool:
+        """The row's logits change before sampling: penalties, logit_bias or min_tokens."""
+        return self.counts_tokens or bool(self.logit_bias) or self.min_tokens > 0
 
 
 def draw_seed(seed: int, index: int) -> int:

@@ -210,6 +210,12 @@ class QwenFrontend:
     def sampling_defaults(self) -> SamplingParams:
         return self._defaults
 
+    def end_token_ids(self, sampling: SamplingParams) -> tuple[int, ...]:
+        ids = set(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            ids.update(self.eos_token_ids)
+        return tuple(sorted(ids))
+
     def token_text(self, token_id: int) -> str:
         """One token decoded on its own (a partial UTF-8 sequence shows as U+FFFD)."""
         return self.tokenizer.decode([token_id])
@@ -225,20 +231,21 @@ class QwenFrontend:
         (ConstraintCancelled). With a thinking block open in the prompt it applies to the answer after
         ``</think>``."""
         self.tokenizer.check_ids(sampling.stop_token_ids)
+        try:
+            self.tokenizer.check_ids(t for t, _ in sampling.logit_bias)
+        except FrontendInputError as exc:
+            raise FrontendInputError(f"logit_bias: {exc}") from None
         matcher = None
         if constraint is not None:
             compiled = self.grammars.compile(constraint, reasoning_open=prompt.reasoning_open, tools=prompt.tools,
                                              cancel=cancel)
             matcher = self.grammars.matcher(compiled)
-        stop_ids = set(sampling.stop_token_ids)
-        if not sampling.ignore_eos:
-            stop_ids.update(self.eos_token_ids)
         reasoning_open = prompt.reasoning_open
         tool_grammar = isinstance(constraint, ToolCallConstraint)
         # Under another constraint the answer is what it asks for (JSON, ...): "<tool_call>" in it is text.
         tools = prompt.tools if constraint is None or tool_grammar else ()
         return QwenOutputSession(
-            self.tokenizer, stop_token_ids=sorted(stop_ids), stop=sampling.stop, reasoning_open=reasoning_open,
+            self.tokenizer, stop_token_ids=list(self.end_token_ids(sampling)), stop=sampling.stop, reasoning_open=reasoning_open,
             tools=tools, turn_end_id=self._im_end, grammar=matcher, strict_tool_calls=tool_grammar,
             track_tokens=sampling.logprobs or sampling.top_logprobs > 0,
             turn_check=lambda message, output: self.turn_is_exact(message, output, reasoning_open=reasoning_open))

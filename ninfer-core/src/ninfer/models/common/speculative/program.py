@@ -160,21 +160,24 @@ class SpeculativeProgram(PagedProgram):
                 batch = verify_batch(rows, starts, slots, tables, span=span, page_size=self.page_size,
                                      scratch_page=self._scratch_page, device=self.device.torch)
             constrained = masks is not None and any(masks.constrained(i) for i in ids)
-            if not constrained and all(s.sampling.greedy for s in seqs):  # nothing for the host between stages
+            adjusted = any(s.sampling.adjusted for s in seqs)
+            indices = [s.computed + 1 - s.prompt_len for s in seqs]
+            if not constrained and not adjusted and all(s.sampling.greedy for s in seqs):  # no host between stages
                 hidden, logits, tokens, accepted, nxt = (graphs.greedy_unit(B) if graphs is not None
                                                          else self._greedy_unit(batch))
+                raw = logits
             else:
                 hidden, logits = graphs.forward(B) if graphs is not None else self._verify_stage(batch)
                 if constrained:
                     self.sampler.mask_verify(seqs, drafts, logits, masks)
+                raw = self.sampler.adjust_verify(seqs, drafts, logits, indices) if adjusted else logits
                 tokens, accepted = self.sampler.verify(seqs, logits.view(B, R, -1),
-                                                       batch.input_ids.view(B, R)[:, 1:],
-                                                       [s.computed + 1 - s.prompt_len for s in seqs])
+                                                       batch.input_ids.view(B, R)[:, 1:], indices)
                 if graphs is not None:
                     nxt = graphs.finish(B, hidden, tokens, accepted)
                 else:
                     nxt = self._finish_stage(batch, hidden, tokens, accepted)
-            readback = self._readback(seqs, logits, tokens, accepted, nxt)
+            readback = self._readback(seqs, raw, tokens, accepted, nxt)
             for seq in seqs:
                 seq.launched += 1
         native = _VerifyLaunch(program_id=self.id, seqs=tuple(seqs), readback=readback, rows=R)
