@@ -40,6 +40,20 @@ def test_chat_whole_and_streamed(client):
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
+@pytest.mark.xfail(reason="issue 43 item 3: assistant message fields the SDK dumps (refusal, audio, "
+                          "function_call, annotations) answer 400", strict=True)
+def test_reply_appended_as_the_sdk_dumps_it(client):
+    first = chat(client).choices[0].message
+    messages = [*ASK, first.model_dump(), {"role": "user", "content": "And tomorrow?"}]
+    assert chat(client, messages=messages).choices[0].message.content
+
+
+@pytest.mark.xfail(reason="issue 43 item 5: `reasoning_effort` answers 400", strict=True)
+def test_reasoning_effort_none_turns_thinking_off(client):
+    message = chat(client, reasoning_effort="none", extra_body={}).choices[0].message
+    assert message.content and not message.reasoning_content
+
+
 def assert_valid_weather_calls(message):
     assert message.tool_calls, message
     for call in message.tool_calls:
