@@ -5,24 +5,27 @@ defined by local YAML + JSONL files in data/ (no hub access: datasets and the hu
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
+import datasets.config
+import huggingface_hub.constants
+import lm_eval
 import pytest
+from lm_eval.tasks import TaskManager
 
-# Before datasets / huggingface_hub are imported: they read these once.
-os.environ["HF_DATASETS_OFFLINE"] = "1"
-os.environ["HF_HUB_OFFLINE"] = "1"
-import lm_eval  # noqa: E402
-from lm_eval.tasks import TaskManager  # noqa: E402
-
-from .conftest import MODEL_ID  # noqa: E402
+from .conftest import MODEL_ID
 
 DATA = Path(__file__).parent / "data"
 
 
 def evaluate(monkeypatch, task: str, model: str, model_args: dict, **kw) -> dict:
     monkeypatch.chdir(DATA)  # the tasks' data_files are relative to their folder
+    # No hub: the variables for anything that reads them later, the flags for what read them at import.
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=[task],
                                    log_samples=True, **kw,
                                    # only these tasks: indexing the ~14,000 built-in ones takes a minute

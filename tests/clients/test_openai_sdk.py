@@ -65,7 +65,7 @@ def assert_valid_weather_calls(message):
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
                          ids=["required", "named"])
 def test_constrained_tool_call_keeps_its_schema(client, tool_choice):
-    r = chat(client, tools=TOOLS, tool_choice=tool_choice, max_tokens=64)
+    r = chat(client, tools=TOOLS, tool_choice=tool_choice, max_tokens=96)
     assert r.choices[0].finish_reason == "tool_calls"
     assert_valid_weather_calls(r.choices[0].message)
 
