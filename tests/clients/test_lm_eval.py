@@ -1,20 +1,29 @@
 """lm-evaluation-harness against a real ``ninfer serve`` app (the embedded model on the CPU, in-process on a
 loopback port): its ``local-completions`` model with the remote tokenizer runs a loglikelihood task
 (multiple choice) and a generate_until task on local JSONL files, and every loglikelihood it computed equals
-``ninfer score`` of the same text."""
+``ninfer score`` of the same text; its ``local-chat-completions`` model runs a generate_until task against the
+shared ``ninfer serve`` process (data/). The hub stays offline: datasets reads the local files only."""
 
 from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import httpx
 import pytest
 
 lm_eval = pytest.importorskip("lm_eval")
 
+import datasets.config  # noqa: E402
+import huggingface_hub.constants  # noqa: E402
+
 from ninfer_serve.app import create_app  # noqa: E402
 from ninfer_serve.testing import ThreadServer  # noqa: E402
+
+from .conftest import MODEL_ID  # noqa: E402
+
+DATA = Path(__file__).parent / "data"
 
 DOCS = [{"question": "The capital of France is", "choices": [" Paris", " Rome", " a dog"], "answer": 0},
         {"question": "Two plus two equals", "choices": [" four", " five"], "answer": 0},
@@ -101,6 +110,16 @@ def reference():
     artifact.close()
 
 
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    """No hub: the variables for anything that reads them later, the flags for what read them at import."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+
 def evaluate(served, tasks, task):
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
@@ -133,3 +152,18 @@ def test_generate_until_task_runs(served, tasks):
     assert len(samples) == len(DOCS)
     assert all(isinstance(s["resps"][0][0], str) and "\n" not in s["resps"][0][0] for s in samples)
     assert "exact_match,none" in out["results"]["ninfer_tiny_gen"]
+
+
+def test_chat_generate_until_task(monkeypatch, base_url):
+    """``local-chat-completions`` with lm-eval's chat template on: a generate_until task through the chat route."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.chdir(DATA)  # the task's data_files are relative to its folder
+    out = simple_evaluate(model="local-chat-completions", model_args={
+        "model": MODEL_ID, "base_url": base_url + "/chat/completions", "num_concurrent": 1, "max_retries": 1},
+        tasks=["ninfer_gen"], apply_chat_template=True, log_samples=True,
+        task_manager=TaskManager(include_path=str(DATA), include_defaults=False))
+    assert 0.0 <= out["results"]["ninfer_gen"]["exact_match,none"] <= 1.0
+    samples = out["samples"]["ninfer_gen"]
+    assert len(samples) == 2 and all(isinstance(s["resps"][0][0], str) for s in samples)
