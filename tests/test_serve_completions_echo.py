@@ -185,3 +185,29 @@ def test_echo_while_every_slot_generates_scores_alike(client, engine):
         results = [h.result(120) for h in busy]
     assert during["choices"][0]["logprobs"] == idle["choices"][0]["logprobs"]
     assert all(r.usage.completion_tokens == 48 for r in results)
+
+
+@pytest.mark.gpu
+def test_scoring_between_pipelined_cuda_steps_changes_nothing(embedded_model):
+    """On CUDA (decode graphs, pipelined steps) a prompt scored while every slot generates gets the numbers it
+    gets on an idle engine, and the generating requests get the tokens they get without it."""
+    from ninfer import Engine
+    from ninfer.contract import GenerationRequest, SamplingParams, TextInput
+
+    def busy_requests(engine):
+        return [engine.submit(GenerationRequest(input=TextInput(text=OTHER + " " * i),
+                                                sampling=SamplingParams(max_tokens=64, ignore_eos=True,
+                                                                        temperature=0)))
+                for i in range(4)]
+
+    with Engine(embedded_model, device="cuda", max_concurrency=4, max_model_len=512) as engine:
+        ids = engine.instance.frontend.prepare(TextInput(text=TEXT)).token_ids
+        idle = engine.score(ids, top=2)
+        alone = [h.result(120).token_ids for h in busy_requests(engine)]
+        handles = busy_requests(engine)
+        during = []
+        while len(during) < 8:
+            during.append(engine.score(ids, top=2))
+        assert [h.result(120).token_ids for h in handles] == alone
+    assert all(d.logprobs == idle.logprobs and d.top == idle.top for d in during)
+    assert all(math.isfinite(x) for x in idle.logprobs)

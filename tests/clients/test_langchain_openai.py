@@ -32,7 +32,6 @@ def llm(base_url):
                       temperature=0, max_tokens=160, extra_body=NO_THINK)
 
 
-@pytest.mark.xfail(reason="issue 43 item 1: constrained tool-call arguments break their schema", strict=True)
 def test_bind_tools_forced_call(llm):
     message = llm.bind_tools([get_weather], tool_choice="get_weather").invoke("What is the weather in Mantua?")
     assert not message.invalid_tool_calls and len(message.tool_calls) >= 1

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 
-import pytest
-
 # LiteLLM fetches its model price map from the network at import unless told to use its bundled copy.
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 import litellm  # noqa: E402
@@ -20,8 +18,6 @@ TOOLS = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 
 
-@pytest.mark.xfail(reason="issue 43 item 3: the assistant message LiteLLM returns (provider_specific_fields) "
-                          "answers 400 when sent back", strict=True)
 def test_two_turn_tool_loop(base_url):
     common = dict(model=f"openai/{MODEL_ID}", api_base=base_url, api_key="unused", max_tokens=48,
                   temperature=0, extra_body=NO_THINK, num_retries=0, timeout=120)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Literal
 
-import pytest
 from agents import (
     Agent,
     ModelSettings,
@@ -55,6 +54,5 @@ def test_agent_tool_through_chat_completions(base_url):
     run_agent(OpenAIChatCompletionsModel(MODEL_ID, client(base_url)))
 
 
-@pytest.mark.xfail(reason="issue 43 item 8: no /v1/responses", strict=True)
 def test_agent_tool_through_responses(base_url):
     run_agent(OpenAIResponsesModel(MODEL_ID, client(base_url)))

@@ -40,15 +40,12 @@ def test_chat_whole_and_streamed(client):
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
-@pytest.mark.xfail(reason="issue 43 item 3: assistant message fields the SDK dumps (refusal, audio, "
-                          "function_call, annotations) answer 400", strict=True)
 def test_reply_appended_as_the_sdk_dumps_it(client):
     first = chat(client).choices[0].message
     messages = [*ASK, first.model_dump(), {"role": "user", "content": "And tomorrow?"}]
     assert chat(client, messages=messages).choices[0].message.content
 
 
-@pytest.mark.xfail(reason="issue 43 item 5: `reasoning_effort` answers 400", strict=True)
 def test_reasoning_effort_none_turns_thinking_off(client):
     message = chat(client, reasoning_effort="none", extra_body={}).choices[0].message
     assert message.content and not message.reasoning_content
@@ -61,7 +58,6 @@ def assert_valid_weather_calls(message):
         jsonschema.validate(json.loads(call.function.arguments), WEATHER)
 
 
-@pytest.mark.xfail(reason="issue 43 item 1: constrained tool-call arguments break their schema", strict=True)
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
                          ids=["required", "named"])
 def test_constrained_tool_call_keeps_its_schema(client, tool_choice):
@@ -70,8 +66,6 @@ def test_constrained_tool_call_keeps_its_schema(client, tool_choice):
     assert_valid_weather_calls(r.choices[0].message)
 
 
-@pytest.mark.xfail(reason="issue 43 item 1: with auto, a function not in `tools` is reported as a tool call",
-                   strict=True)
 def test_auto_tool_call_names_only_offered_tools(client):
     loose = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city.",
                                                "parameters": WEATHER}}]
@@ -96,7 +90,6 @@ def test_parse_with_a_pydantic_model(client):
     assert isinstance(message.parsed, Weather)
 
 
-@pytest.mark.xfail(reason="issue 43 item 4: completions `echo` with prompt logprobs answers 400", strict=True)
 def test_completions_echo_with_logprobs(client):
     prompt = "Once upon a time"
     r = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=1, temperature=0, echo=True,
