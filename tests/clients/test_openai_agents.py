@@ -15,8 +15,9 @@ from agents import (
     set_tracing_disabled,
 )
 from openai import AsyncOpenAI
+from openai.types.shared import Reasoning
 
-from .conftest import MODEL_ID, NO_THINK
+from .conftest import MODEL_ID
 
 set_tracing_disabled(True)  # the SDK would otherwise export traces to api.openai.com
 
@@ -39,8 +40,9 @@ def run_agent(model) -> None:
     CALLS.clear()
     agent = Agent(name="weather", instructions="Answer with the weather tool.", model=model, tools=[get_weather],
                   tool_use_behavior="stop_on_first_tool",
+                  # effort "minimal" turns Qwen's thinking off, through either API (reasoning_effort in chat)
                   model_settings=ModelSettings(tool_choice="required", max_tokens=96, temperature=0,
-                                               extra_body=NO_THINK))
+                                               reasoning=Reasoning(effort="minimal")))
     result = Runner.run_sync(agent, "What is the weather in Mantua?", max_turns=2)
     assert len(CALLS) == 1 and CALLS[0][1] in ("celsius", "fahrenheit")
     assert result.final_output == f"sunny in {CALLS[0][0]}"
