@@ -155,7 +155,8 @@ def test_reason_phrases_for_every_status_the_gateway_uses():
 
 
 def test_a_client_leaving_a_stream_is_one_log_line(engine, script, caplog, capfd, monkeypatch):
-    engine.next = lambda req: script.Handle("r", script.text("r", 1, ["tok"] * 1000), delay_s=0.01)
+    engine.next = lambda req: script.Handle(req.request_id, script.text(req.request_id, 1, ["tok"] * 1000),
+                                            delay_s=0.01)
     monkeypatch.setattr(logging.getLogger("ninfer_serve"), "propagate", True)  # to caplog, whatever ran before
     body = b'{"messages": [{"role": "user", "content": "x"}], "stream": true}'
     with caplog.at_level(logging.INFO, logger="ninfer_serve"), running(create_app(engine)) as (port, _):
@@ -170,9 +171,12 @@ def test_a_client_leaving_a_stream_is_one_log_line(engine, script, caplog, capfd
             assert time.monotonic() < end, "the request was not closed after its client left"
             time.sleep(0.01)
         assert get(port, "/health") == 200
-    lines = [r for r in caplog.records if "left the chat stream" in r.getMessage()]
+    rid = next(line.split(b":", 1)[1].strip().decode() for line in seen.split(b"\r\n")
+               if line.lower().startswith(b"x-request-id:"))
+    # this request's log calls (pytest may hold a record twice when its handler sits on two loggers)
+    lines = list({id(r): r for r in caplog.records if r.getMessage().startswith(f"request {rid}:")}.values())
     assert len(lines) == 1 and lines[0].levelno == logging.INFO and lines[0].exc_info is None
-    assert lines[0].getMessage().startswith("request ")
+    assert "left the chat stream" in lines[0].getMessage()
     err = capfd.readouterr().err
     assert "Traceback" not in err and "CancelledError" not in err
 
