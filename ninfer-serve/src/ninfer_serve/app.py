@@ -44,7 +44,14 @@ from ninfer_serve.errors import APIError, from_engine_error, from_error_result, 
 from ninfer_serve.json_body import parse_json
 from ninfer_serve.media import MediaAcquirer, MediaPolicy
 from ninfer_serve.metrics import GatewayMetrics
-from ninfer_serve.offload import ClientGone, client_of, submit_or_refuse, unless_disconnected, unless_ended
+from ninfer_serve.offload import (
+    ClientGone,
+    client_gone,
+    client_of,
+    submit_or_refuse,
+    unless_disconnected,
+    unless_ended,
+)
 from ninfer_serve.openapi import openapi_document
 from ninfer_serve.preparation import HEAVY_THREADS, Preparation, close_all, submit_each
 from ninfer_serve.responses import DONE, ChatResponse
@@ -235,6 +242,9 @@ class Gateway:
                 if isinstance(ev, GenerationResult) and ev.finish_reason is FinishReason.ERROR:
                     raise _error_of(h, ev, rid)
             headers = {"X-Request-Id": handles[0].request_id}
+            if client_gone(request):  # it left as the first events came: no stream would notice
+                self.metrics.disconnects.labels(endpoint).inc()
+                return Response(status_code=499)
             if options.stream:
                 streaming = True
                 return StreamingResponse(self._stream(endpoint, handles, streams, builder, firsts, rid),

@@ -25,10 +25,23 @@ def client_of(request: Request) -> str:
     return client_identity(request.client.host) if request.client is not None else "unknown"
 
 
+_GONE = "ninfer.client_gone"  # scope key: the connection's one http.disconnect message was consumed here
+
+
+def client_gone(request: Request) -> bool:
+    """Whether a watcher already saw the client leave. The server delivers ``http.disconnect`` once: a watch whose
+    work finished in the same turn returns that work's result, and later stages (the stream's own listener
+    among them) would never learn of it, so it is remembered on the connection's scope."""
+    return bool(request.scope.get(_GONE))
+
+
 async def _wait_disconnect(request: Request) -> None:
+    if client_gone(request):
+        return
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
+            request.scope[_GONE] = True
             return
 
 
