@@ -35,7 +35,7 @@ TRITON_OPS: frozenset[str] = frozenset({
     "attention.write_kv", "attention.paged_attention", "attention.paged_attention_gated",
     "attention.norm_rope_write_kv", "linear.linear", "linear.swiglu", "sampling.greedy",
     "sampling.apply_token_mask", "moe.moe_experts", "moe_route.moe_route", "moe.moe_block",
-    "attention.norm_rope_write_kv_mrope", "moe_one_token.moe_one_token",
+    "attention.norm_rope_write_kv_mrope", "moe_one_token.moe_one_token", "penalties.apply_penalties",
 })
 
 
