@@ -200,7 +200,8 @@ def test_scoring_between_pipelined_cuda_steps_changes_nothing(embedded_model):
                                                                         temperature=0)))
                 for i in range(4)]
 
-    with Engine(embedded_model, device="cuda", max_concurrency=4, max_model_len=512) as engine:
+    # a fifth lane: scoring need not wait for a slot (the CPU test covers that), so it runs between steps
+    with Engine(embedded_model, device="cuda", max_concurrency=5, max_model_len=512) as engine:
         ids = engine.instance.frontend.prepare(TextInput(text=TEXT)).token_ids
         idle = engine.score(ids, top=2)
         alone = [h.result(120).token_ids for h in busy_requests(engine)]
