@@ -69,6 +69,20 @@ def test_convert_cli_and_summary(text_ckpt, tmp_path, capsys):
         assert art.metadata.name == "tiny-qwen" and art.metadata.architecture == "Qwen3_5ForCausalLM"
 
 
+def test_the_default_name_is_the_checkpoint_folders(text_ckpt, tmp_path):
+    """Without --name the artifact, and so the model ``ninfer serve`` names, is called after its checkpoint folder;
+    a snapshot of the Hugging Face cache after its repository id."""
+    snapshot = tmp_path / "hub" / "models--acme--tiny-qwen" / "snapshots" / ("ab" * 20)
+    shutil.copytree(text_ckpt, snapshot)
+    assert ninfer_main(["convert", str(text_ckpt) + "/", str(tmp_path / "a.ninfer")]) == 0
+    assert ninfer_main(["convert", str(snapshot), str(tmp_path / "b.ninfer")]) == 0
+    names = []
+    for out in ("a.ninfer", "b.ninfer"):
+        with open_artifact(tmp_path / out) as art:
+            names.append(art.metadata.name)
+    assert names == ["src", "acme/tiny-qwen"]
+
+
 def test_missing_tensor(text_ckpt, tmp_path):
     _edit_tensors(text_ckpt, lambda t: t.pop("model.layers.2.linear_attn.in_proj_z.weight"))
     _fails(text_ckpt, tmp_path, r"missing tensor 'model\.layers\.2\.linear_attn\.in_proj_z\.weight'")

@@ -122,7 +122,7 @@ def test_frontend_resources(converted):
         assert fe.chat_template and "<|im_start|>" in fe.chat_template
         assert fe.generation_config["top_k"] == 20 and fe.embedding_vocab == 512
         assert (fe.media is not None) == (layout == "vl")
-        assert art.metadata.name == art.metadata.architecture
+        assert art.metadata.name == ckpt.name  # the checkpoint folder's name when convert is given none
         assert art.metadata.source_digest.startswith("blake2b:")
 
 

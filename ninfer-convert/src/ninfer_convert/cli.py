@@ -10,7 +10,8 @@ def add_convert_command(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("convert", help="convert a Hugging Face checkpoint directory into a .ninfer file")
     p.add_argument("src", help="checkpoint directory (config.json, *.safetensors, tokenizer files)")
     p.add_argument("out", help="output .ninfer path (written atomically)")
-    p.add_argument("--name", help="public instance name (metadata.name); default: the architecture name")
+    p.add_argument("--name", help="public model name (metadata.name; what ninfer serve calls the model); default: the "
+                                         "checkpoint folder's name (a Hugging Face cache snapshot's: its org/name id)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="show a progress line on stderr (default: when stderr is a terminal)")
     p.set_defaults(func=run_convert)

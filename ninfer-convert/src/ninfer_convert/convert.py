@@ -149,6 +149,16 @@ def _plan_tensors(ckpt: Checkpoint, mapping: SourceMapping) -> tuple[dict[str, P
     return logical, skipped, notes
 
 
+def default_name(src: Path) -> str:
+    """An artifact's name when none is given: the checkpoint folder's name, or for a snapshot in the Hugging Face
+    cache (``models--org--name/snapshots/<commit>``) its id, ``org/name``."""
+    path = src.resolve()
+    repo_folder = path.parent.parent.name
+    if path.parent.name == "snapshots" and repo_folder.startswith("models--"):
+        return repo_folder.removeprefix("models--").replace("--", "/", 1)
+    return path.name
+
+
 def convert_checkpoint(src: str | os.PathLike[str], out: str | os.PathLike[str], *, name: str | None = None,
                        host: PluginHost | None = None, progress: bool | Callable[[int, int], None] = False,
                        alignment: int = 4096, make_writer: Callable[[int], ArtifactWriter] = ArtifactWriter
@@ -239,7 +249,7 @@ def convert_checkpoint(src: str | os.PathLike[str], out: str | os.PathLike[str],
                 h.update(f"{o.id}\0{o.checksum}\0".encode())
             return "blake2b:" + h.hexdigest()
 
-        metadata = Metadata(name=name or architecture, architecture=architecture,
+        metadata = Metadata(name=name or default_name(src) or architecture, architecture=architecture,
                             converter_version=__version__, source_digest="blake2b:" + "0" * 32, source=src.name)
         bar = ProgressLine(f"converting {src.name}") if progress is True else None
         callback = bar.update if bar is not None else (progress or None)

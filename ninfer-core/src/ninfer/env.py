@@ -75,7 +75,7 @@ class EnvVar:
     default: Any
     meaning: str
     parse: Callable[[str], Any]
-    scope: str = "library"  # library | serve | testing
+    scope: str = "library"  # library | cli | serve | testing
     keep_empty: bool = False
     secret: bool = False
 
@@ -127,9 +127,16 @@ REGISTRY: tuple[EnvVar, ...] = (
     EnvVar(name="NINFER_CACHE_HOST_BUDGET_MIB", kind="MiB", default=None, parse=_mib,
            meaning="pinned host bytes the context cache's checkpoint replicas may hold (unset: the model's "
                    "default)"),
+    EnvVar(name="NINFER_CACHE_DIR", kind="path", default=None, parse=_text,
+           meaning="where models named by Hugging Face id are converted and kept (unset: ninfer under "
+                   "XDG_CACHE_HOME, else ~/.cache/ninfer); the checkpoints themselves stay in the Hugging Face "
+                   "cache (HF_HOME, HF_HUB_CACHE)"),
     EnvVar(name="NINFER_API_KEY", kind="text", default=None, parse=_text, scope="serve", secret=True,
            meaning="`ninfer serve --api-key`, kept out of the process list (read only without --api-key and "
                    "--api-key-file)"),
+    EnvVar(name="NINFER_COMMAND", kind="text", default="ninfer", parse=_text, scope="cli",
+           meaning="how the user runs the CLI, as the commands it suggests spell it (scripts/ninfer sets it to "
+                   "its own path)"),
     EnvVar(name="NINFER_SERVE_TEST_DEVICE", kind="text", default="cpu", parse=_text, scope="testing",
            meaning="device the server lifecycle tests start their servers on (cuda on the GPU machine)"),
     EnvVar(name="NINFER_TEST_CACHE", kind="path", default=None, parse=_text, scope="testing",

@@ -28,6 +28,15 @@ def ninfer_register_architectures(register: Callable[[ArchitectureSpec], None]) 
     """
 
 
+@hookspec(firstresult=True)
+def ninfer_resolve_model(name: str) -> str | None:
+    """The path of a local .ninfer artifact for a model name that is not a file, such as a Hugging Face id
+    (``org/name`` or ``org/name@revision``): fetch and convert it first if need be. Return None for a name this
+    plugin does not serve; raise ValueError with a one-line message fit for the user when the name is one it
+    serves but cannot provide (offline and not cached, no such model). The first answer wins.
+    """
+
+
 @hookspec
 def ninfer_add_commands(subparsers: argparse._SubParsersAction) -> None:
     """Add ``ninfer`` CLI subcommands: ``p = subparsers.add_parser(...); p.set_defaults(func=handler)``.
