@@ -18,13 +18,16 @@ def test_chat_streams_reasoning_apart_and_reports_speed(tiny, capsys):
                "--ignore-eos", "--device", "cpu"])
     out, err = capsys.readouterr()
     assert rc == 0, err
-    assert out.startswith("[thinking]\n")  # the Qwen3.5 prompt opens <think>: output starts as reasoning
+    # the Qwen3.5 prompt opens <think>: output starts as reasoning, which goes to stderr when stdout is no terminal
+    assert "[thinking]" not in out and "\n[thinking]\n" in err
+    reasoning = err[err.index("[thinking]"):err.index("finish:")]
     assert "finish: length" in err and "12 generated tokens" in err
     assert "TTFT" in err and "tokens/s" in err
     # greedy is reproducible
     assert main(["generate", tiny, "--chat", "Hello there", "--max-tokens", "12", "--temperature", "0",
                  "--ignore-eos", "--device", "cpu"]) == 0
-    assert capsys.readouterr().out == out
+    again = capsys.readouterr()
+    assert again.out == out and again.err[again.err.index("[thinking]"):again.err.index("finish:")] == reasoning
 
 
 def test_raw_prompt_with_thinking_disabled_chat_and_errors(tiny, capsys, tmp_path):
@@ -33,8 +36,8 @@ def test_raw_prompt_with_thinking_disabled_chat_and_errors(tiny, capsys, tmp_pat
     assert "5 generated tokens" in capsys.readouterr().err
     assert main(["generate", tiny, "--chat", "Hi", "--no-think", "--max-tokens", "6", "--temperature", "0",
                  "--ignore-eos", "--device", "cpu"]) == 0
-    out, _ = capsys.readouterr()
-    assert "[thinking]" not in out  # the template pre-filled an empty think block
+    out, err = capsys.readouterr()
+    assert "[thinking]" not in out + err  # the template pre-filled an empty think block
     assert main(["generate", str(tmp_path / "missing.ninfer"), "--prompt", "x"]) == 2
     assert "model file not found" in capsys.readouterr().err
     assert main(["generate", tiny, "--prompt", "x", "--no-think"]) == 2

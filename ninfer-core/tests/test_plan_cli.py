@@ -142,3 +142,22 @@ def test_the_plan_reads_no_weight_byte(capsys, monkeypatch):
         rc, out, err = plan(capsys, "--vram-budget", "2048", *extra)
         assert rc == 0, err
     assert read == []
+
+
+@pytest.mark.parametrize("args,bound,words", [
+    (["--vram-budget", "2048"], "sequences", "all that 4 sequence(s) of 2,048 tokens can use, x 4 for the context"),
+    (["--vram-budget", "2048", "--no-context-cache", "--max-concurrency", "2"], "sequences",
+     "all that 2 sequence(s) of 2,048 tokens can use; more needs"),
+    (["--vram-budget", "1100"], "room", "what the budget leaves after the other categories"),
+    (["--device", "cpu", "--num-pages", "50"], "num_pages", "as --num-pages asks"),
+    (["--device", "cpu"], "cpu_default", "the CPU's default KV budget (1.0 MiB)"),
+])
+def test_the_plan_says_what_stops_the_kv_pool(capsys, monkeypatch, args, bound, words):
+    from ninfer.core import device_plan
+
+    monkeypatch.setattr(device_plan, "CPU_KV_BUDGET", MIB)  # the embedded model's sequences fit in the real one
+    rc, out, err = plan(capsys, *args)
+    assert rc == 0, err
+    kv_line = out.splitlines().index(next(line for line in out.splitlines() if line.startswith("  KV: ")))
+    assert words in out.splitlines()[kv_line + 1]  # the line under the KV pages says why they stop there
+    assert json.loads(plan(capsys, *args, "--json")[1])["kv_bound"] == bound

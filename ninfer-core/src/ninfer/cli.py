@@ -6,6 +6,7 @@ import argparse
 import io
 import json
 import os
+import shlex
 import sys
 from collections.abc import Sequence
 
@@ -32,6 +33,11 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     return 1 if host.failures else 0
 
 
+# The test and example plugins this repository ships: real architectures, but not what a user runs, so
+# ``ninfer archs`` lists them only with --all.
+EXAMPLE_DISTRIBUTIONS = frozenset({"ninfer-example-arch", "ninfer-qwen3"})
+
+
 def _cmd_archs(args: argparse.Namespace) -> int:
     host: PluginHost = args.host
     try:
@@ -39,16 +45,22 @@ def _cmd_archs(args: argparse.Namespace) -> int:
     except PluginConflict as exc:
         print(f"ninfer: {exc}", file=sys.stderr)
         return 1
+    examples = {p.name for p in host.loaded if p.distribution in EXAMPLE_DISTRIBUTIONS}
     rows = [{"name": n, "plugin": e.plugin, "handles": list(e.spec.handles), "provides": list(e.spec.provided()),
-             "description": e.spec.description} for n, e in archs.items()]
+             "description": e.spec.description, "example": e.plugin in examples} for n, e in archs.items()]
+    hidden = [] if args.all else [r["name"] for r in rows if r["example"]]
+    rows = [r for r in rows if r["name"] not in hidden]
     if args.json:
         print(json.dumps(rows, indent=2))
-    elif not rows:
+        return 0
+    if not rows:
         print("no architectures registered (install an architecture plugin such as ninfer-qwen35)")
-    else:
-        for r in rows:
-            print(f"{r['name']:<12} from plugin {r['plugin']:<10} handles {', '.join(r['handles'])}")
-            print(f"{'':<12} provides: {', '.join(r['provides']) or 'nothing yet'}")
+    for r in rows:
+        print(f"{r['name']:<12} from plugin {r['plugin']:<10} handles {', '.join(r['handles'])}"
+              + ("  (example)" if r["example"] else ""))
+        print(f"{'':<12} provides: {', '.join(r['provides']) or 'nothing yet'}")
+    if hidden:
+        print(f"({len(hidden)} example and test architecture(s) not shown: {', '.join(hidden)}; --all lists them)")
     return 0
 
 
@@ -78,6 +90,7 @@ class _CoreCommands:
         p.set_defaults(func=_cmd_plugins)
         p = subparsers.add_parser("archs", help="list architectures and the plugin providing each")
         p.add_argument("--json", action="store_true", help="machine-readable output")
+        p.add_argument("--all", action="store_true", help="also the example and test plugins' architectures")
         p.set_defaults(func=_cmd_archs)
         p = subparsers.add_parser("env", help="the NINFER_* environment variables and their values now")
         p.add_argument("--markdown", action="store_true", help="the documentation table (docs/configuration.md)")
@@ -89,6 +102,9 @@ class _CoreCommands:
         from ninfer.engine.generate_cli import add_generate_command  # light: no torch until it runs
 
         add_generate_command(subparsers)
+        from ninfer.engine.chat_cli import add_chat_command  # light: no torch until it runs
+
+        add_chat_command(subparsers)
         from ninfer.engine.plan_cli import add_plan_command  # light: no torch until it runs
 
         add_plan_command(subparsers)
@@ -101,8 +117,28 @@ def build_parser(host: PluginHost) -> argparse.ArgumentParser:
     core = _CoreCommands()
     core.ninfer_add_commands(subparsers)
     host.pm.hook.ninfer_add_commands(subparsers=subparsers)
-    parser.set_defaults(host=host)
+    parser.set_defaults(host=host, commands=tuple(subparsers.choices))
     return parser
+
+
+# Commands the project's own plugins add, with the plugin (entry-point name) and the package that brings each:
+# a core-only install answers them with what to install, not argparse's "invalid choice".
+PLUGIN_COMMANDS = {"serve": ("serve", "ninfer-serve"), "convert": ("convert", "ninfer-convert"),
+                   "pull": ("convert", "ninfer-convert"), "list": ("convert", "ninfer-convert"),
+                   "tiny-checkpoint": ("qwen35", "ninfer-qwen35[test]")}
+
+
+def _missing_plugin_command(argv: Sequence[str], parser: argparse.ArgumentParser, host: PluginHost) -> str | None:
+    """Why the command ``argv`` names is absent, when it is one of PLUGIN_COMMANDS that no plugin added."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    if command not in PLUGIN_COMMANDS or command in parser.get_default("commands"):
+        return None
+    plugin, package = PLUGIN_COMMANDS[command]
+    failure = next((f for f in host.failures if f.name == plugin), None)
+    if failure is not None:
+        return f"'{command}' comes with the {plugin} plugin, which failed to load: {failure.error}"
+    return (f"'{command}' comes with {package.partition('[')[0]}, which is not installed: "
+            f"pip install {shlex.quote(package)} (in a checkout: scripts/bootstrap installs every package)")
 
 
 # What a shell reports for a tool stopped by SIGPIPE (128 + 13); Python ignores the signal, so we say it.
@@ -127,7 +163,12 @@ def _discard_stdout() -> None:
 def main(argv: Sequence[str] | None = None, host: PluginHost | None = None) -> int:
     try:
         host = host or default_host()
-        args = build_parser(host).parse_args(argv)
+        parser = build_parser(host)
+        missing = _missing_plugin_command(sys.argv[1:] if argv is None else argv, parser, host)
+        if missing is not None:
+            print(f"ninfer: {missing}", file=sys.stderr)
+            return 2
+        args = parser.parse_args(argv)
         status = int(args.func(args) or 0)
         sys.stdout.flush()  # a reader that left shows here, not in the interpreter's exit
         return status

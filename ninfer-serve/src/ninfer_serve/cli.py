@@ -14,6 +14,7 @@ from ninfer.contract.config import MAX_CONCURRENCY, StartupFeatures
 from ninfer.contract.constraint import LIMIT_FLAGS, ConstraintLimits
 from ninfer.engine.cache_cli import add_context_cache_arguments, with_context_cache
 from ninfer.engine.cli_numbers import positive_number, whole_number
+from ninfer.engine.dtype_cli import add_dtype_argument
 from ninfer.engine.plan_cli import add_memory_arguments, with_memory_options
 from ninfer.engine.speculative_cli import add_speculative_arguments, speculative_features
 from ninfer.engine.vision_cli import add_vision_argument, with_vision
@@ -66,10 +67,12 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="serve a .ninfer model over an OpenAI-compatible HTTP API",
                               description=DESCRIPTION, formatter_class=_HelpFormatter)
     p.add_argument("model", nargs="?",
-                   help="path to a .ninfer artifact, or 'default' (default: the embedded model)")
+                   help="path to a .ninfer artifact, a Hugging Face id (org/name[@revision]: fetched and "
+                        "converted once, see ninfer pull), or 'default' (default: the embedded model)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
-    p.add_argument("--model-id", help="public model name (default: the artifact's metadata.name)")
+    p.add_argument("--model-id", help="public model name (default: the artifact's metadata.name, which is the "
+                                      "Hugging Face id for a model named by one)")
     p.add_argument("--max-concurrency", type=int, default=4, choices=range(1, MAX_CONCURRENCY + 1),
                    metavar=f"1..{MAX_CONCURRENCY}",
                    help="requests resident on the device at once")
@@ -79,6 +82,7 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
                    help="a request not admitted within this time gets 503")
     p.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
     p.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
+    add_dtype_argument(p)
     add_memory_arguments(p)
     p.add_argument("--prefill-chunk", type=int, metavar="TOKENS",
                    help="prompt tokens per prefill unit (default: 2048 on a GPU, 512 on the CPU)")
@@ -336,7 +340,7 @@ def _load_and_serve(args: argparse.Namespace, model: str, chat_template: str | N
     from ninfer_serve.warmup import WarmupFailed, warmup
 
     try:
-        config = EngineConfig(max_concurrency=args.max_concurrency, max_queue=args.max_queue,
+        config = EngineConfig(max_concurrency=args.max_concurrency, max_queue=args.max_queue, dtype=args.dtype,
                               verify=not args.no_verify, max_model_len=args.max_model_len, device=args.device,
                               prefill_chunk=args.prefill_chunk, chat_template=chat_template,
                               special_tokens_in_content=args.special_tokens_in_content, features=features,

@@ -22,6 +22,7 @@ the cache's pinned replicas) are planned against the host's available memory the
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Literal
 
 import attrs
 
@@ -42,6 +43,12 @@ CACHE_POOL_FACTOR = 4  # KV pages beyond the residents' needs: room for cached p
 HEADROOM = GIB
 WORKSPACE_TOKENS = 2048  # the largest prefill chunk the workspace estimate covers
 GRAPH_DRIVER_BYTES = 4 * MIB  # per captured graph, before calibration measures it
+
+
+# What bounds the KV pages: "num_pages" (asked for exactly), "sequences" (all the resident sequences could use at
+# full context, times CACHE_POOL_FACTOR with the context cache), "room" (what the budget or free memory leaves after
+# the fixed needs), "cpu_default" (CPU_KV_BUDGET: a CPU planned without a budget).
+KvBound = Literal["num_pages", "sequences", "room", "cpu_default"]
 
 
 class PlanError(ValueError):
@@ -83,6 +90,7 @@ class MemoryPlan:
     expert_cache_slots: int
     kv_pages: int
     kv_automatic: bool
+    kv_bound: KvBound  # what stopped the KV pages where they are (``ninfer plan`` explains it)
     max_model_len: int
     host: HostMemory
     pdl: bool
@@ -213,6 +221,8 @@ def plan_memory(profile: ModelProfile, options: StartupOptions, room: DeviceRoom
             if auto_cache:
                 cache_slots = 0
             pages = min(max(0, left) // page_bytes, useful) if left is not None else useful
+    bound: KvBound = ("num_pages" if options.num_pages is not None else "sequences" if pages == useful
+                      else "cpu_default" if left is None else "room")
     if auto_cache:  # the cache also takes what the KV pages cannot use
         spare = left - checkpoint - pages * page_bytes - cache_slots * cand.expert_bytes
         cache_slots += max(0, min(cand.experts - cache_slots, spare // cand.expert_bytes))
@@ -220,7 +230,7 @@ def plan_memory(profile: ModelProfile, options: StartupOptions, room: DeviceRoom
                       checkpoint_slots=slots, checkpoint_bytes=checkpoint, backing_bytes=profile.backing_bytes,
                       workspace_bytes=profile.workspace_bytes, graph_bytes=graphs, headroom_bytes=headroom,
                       staging_bytes=cand.staging_bytes, expert_cache_slots=int(cache_slots),
-                      kv_pages=int(pages), kv_automatic=options.num_pages is None,
+                      kv_pages=int(pages), kv_automatic=options.num_pages is None, kv_bound=bound,
                       max_model_len=min(limit, int(pages) * profile.page_size), host=host,
                       pdl=_pdl(options, room.is_cuda, cand.step_read_bytes / profile.layers))
 

@@ -3,8 +3,9 @@ PATTERN`` and ``--choice TEXT`` (repeatable), one kind per run; ``--json-compact
 whitespace outside strings.
 
 Light at import (argparse and the constraint contract only), so ``ninfer --help`` loads no torch. A file that
-cannot be read or a constraint the contract refuses is a ValueError naming the option, which the command
-reports as a usage error; what only the grammar compiler can judge the engine rejects at submit.
+cannot be read, a constraint the contract refuses, or one whose grammar does not build (``check_constraint_builds``,
+before the model loads) is a ValueError naming the option, which the command reports as a usage error; what only
+the compiler can judge against the model's vocabulary (and the engine's size limits) is rejected at submit.
 """
 
 from __future__ import annotations
@@ -87,3 +88,22 @@ def _json_schema(text: str, *, compact: bool) -> JsonConstraint:
     if not isinstance(schema, dict):
         raise ValueError(f"a JSON Schema must be a JSON object, got {type(schema).__name__}")
     return JsonConstraint(schema=schema or None, whitespace="compact" if compact else None)
+
+
+def check_constraint_builds(constraint: Constraint | None, args: argparse.Namespace) -> None:
+    """What can be judged of ``constraint`` without the model's vocabulary: its grammar builds (the grammar
+    syntax, the regex, the JSON Schema's keywords) and derives a sentence. Run before the weights load; a
+    failure is a ValueError naming the option. The engine checks it again, with its limits, when it compiles."""
+    if constraint is None:
+        return
+    from ninfer.contract.constraint import ConstraintError
+    from ninfer.models.common.grammar.build import build_grammar, kind_of
+    from ninfer.models.common.grammar.productive import derives_a_sentence, grammar_shape
+
+    try:
+        grammar = build_grammar(constraint, reasoning_open=False, tools=())
+        if not derives_a_sentence(grammar_shape(grammar)):
+            raise ConstraintError(f"{kind_of(constraint)} derives no sentence: every derivation of its start rule "
+                                  f"recurses forever, so no output could complete it")
+    except ConstraintError as exc:
+        raise ValueError(f"{constraint_option(args)}: invalid constraint: {exc}") from None

@@ -21,8 +21,9 @@ from typing import TypeVar
 
 import attrs
 
-from ninfer.contract.config import DTYPES, MAX_CONCURRENCY, EngineConfig, StartupOptions
+from ninfer.contract.config import MAX_CONCURRENCY, EngineConfig, StartupOptions
 from ninfer.engine.cli_numbers import whole_number
+from ninfer.engine.dtype_cli import add_dtype_argument
 from ninfer.engine.memory_report import MIB, format_bytes
 from ninfer.engine.speculative_cli import add_speculative_arguments, speculative_features
 from ninfer.engine.vision_cli import add_vision_argument, with_vision
@@ -57,7 +58,8 @@ def add_plan_command(subparsers: argparse._SubParsersAction) -> None:
                                           "checkpoint slots, verify records, workspace, CUDA graphs (estimate), "
                                           "headroom and KV pages against the device budget; the KV tokens and "
                                           "context that fit, or what does not fit and by how much (exit 1).")
-    p.add_argument("model", nargs="?", help="a .ninfer artifact, or 'default' (default: the embedded model)")
+    p.add_argument("model", nargs="?", help="a .ninfer artifact, a Hugging Face id (org/name[@revision]), or "
+                                            "'default' (default: the embedded model)")
     add_memory_arguments(p)
     add_vision_argument(p)
     p.add_argument("--device", default="cuda",
@@ -66,7 +68,7 @@ def add_plan_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-concurrency", type=whole_number(1, MAX_CONCURRENCY), default=4, metavar=f"1..{MAX_CONCURRENCY}",
                    help="requests resident at once (default 4, as ninfer serve)")
     p.add_argument("--context", type=whole_number(2), metavar="TOKENS", help="context limit (default: the model's)")
-    p.add_argument("--dtype", choices=DTYPES, help="compute dtype (default: the artifact's)")
+    add_dtype_argument(p)
     p.add_argument("--page-size", type=whole_number(1), default=16, metavar="N", help="KV positions per page (default 16)")
     p.add_argument("--num-pages", type=whole_number(1), metavar="N", help="KV pages, exactly (default: from the budget)")
     p.add_argument("--no-context-cache", action="store_true", help="plan without the context cache")
@@ -146,7 +148,8 @@ def plan_report(model: str, options, profile, plan) -> dict:
         "needed_bytes": plan.needed_bytes,
         "unused_bytes": None if room.available is None else room.available - plan.needed_bytes,
         "kv_pages": plan.kv_pages, "page_size": profile.page_size, "kv_tokens": plan.kv_tokens,
-        "kv_bytes_per_token": profile.kv_bytes_per_token, "model_limit": profile.model_limit,
+        "kv_bytes_per_token": profile.kv_bytes_per_token, "kv_bound": plan.kv_bound,
+        "kv_why": _kv_why(plan.kv_bound, options, plan), "model_limit": profile.model_limit,
         "context": plan.max_model_len, "full_contexts_at_once": plan.kv_tokens // plan.max_model_len,
         "expert_cache_slots": plan.expert_cache_slots, "experts": plan.placement.experts,
         "host": {"weights_bytes": plan.host.weights_bytes, "snapshot_budget_bytes": plan.host.snapshot_budget_bytes,
@@ -176,6 +179,7 @@ def render(r: dict) -> str:
                  + (f"   ({format_bytes(r['unused_bytes'])} of the bound unused)" if r["unused_bytes"] else ""))
     lines.append(f"  KV: {r['kv_pages']:,} pages x {r['page_size']} = {r['kv_tokens']:,} tokens "
                  f"({format_bytes(r['kv_bytes_per_token'])} per token)")
+    lines.append(f"      {r['kv_why']}")
     lines.append(f"  context: {r['context']:,} of the model's {r['model_limit']:,}; {r['full_contexts_at_once']:,} "
                  f"full-length sequence(s) at once")
     if r["experts"]:
@@ -187,6 +191,26 @@ def render(r: dict) -> str:
                  + (f" of {format_bytes(host['available_bytes'])} available" if host["available_bytes"] else ""))
     lines.append("fits" if r["fits"] else f"does not fit: {r['error']}")
     return "\n".join(lines)
+
+
+def _kv_why(bound: str, options, plan) -> str:
+    """Why the KV pool stops where it does (the planner's ``kv_bound``), and what would move it."""
+    from ninfer.core.device_plan import CACHE_POOL_FACTOR, CPU_KV_BUDGET
+
+    if bound == "num_pages":
+        return "as --num-pages asks"
+    if bound == "sequences":
+        limit = min(plan.profile.model_limit, options.max_model_len or plan.profile.model_limit)
+        cache = f", x {CACHE_POOL_FACTOR} for the context cache's prefixes" if options.context_cache else ""
+        return (f"all that {options.max_concurrency} sequence(s) of {limit:,} tokens can use{cache}; more needs "
+                f"a higher --max-concurrency or --context")
+    if bound == "cpu_default":
+        return f"the CPU's default KV budget ({format_bytes(CPU_KV_BUDGET)}); --vram-budget or --num-pages sets it"
+    room = plan.room
+    which = ("free device memory" if room.free_bytes is not None and (room.budget_bytes is None
+                                                                     or room.free_bytes < room.budget_bytes)
+             else "the budget")
+    return f"what {which} leaves after the other categories; a larger --vram-budget gives more"
 
 
 def _bound(r: dict) -> str:

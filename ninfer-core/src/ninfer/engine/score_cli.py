@@ -14,6 +14,8 @@ import json
 import sys
 import time
 
+from ninfer.engine.dtype_cli import add_dtype_argument
+
 DEFAULT_WINDOW = 4096
 
 
@@ -26,15 +28,15 @@ def add_score_command(subparsers: argparse._SubParsersAction) -> None:
                                           "argument and no --file, that argument is the text and the embedded "
                                           "model scores it.")
     p.add_argument("model", nargs="?", metavar="MODEL",
-                   help="a .ninfer artifact, or 'default' (default: the embedded model)")
+                   help="a .ninfer artifact, a Hugging Face id (org/name[@revision]), or 'default' (default: the "
+                        "embedded model)")
     p.add_argument("text", nargs="?", metavar="TEXT", help="the text to score, taken literally (- reads stdin)")
     p.add_argument("--file", metavar="PATH", help="score the contents of this UTF-8 text file (- for stdin)")
     p.add_argument("--window", type=int, default=None,
                    help=f"tokens of context per window (default: min({DEFAULT_WINDOW}, the model's max length))")
     p.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: window // 2)")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                   help="compute dtype (default: the artifact's)")
+    add_dtype_argument(p)
     p.add_argument("--tokens", action="store_true", help="also print every scored token with its logprob")
     p.add_argument("--json", action="store_true", help="machine-readable output (includes per-token logprobs)")
     p.add_argument("--no-verify", action="store_true", help="load without checking the artifact's checksums")

@@ -80,3 +80,22 @@ def user_content(text: str, media: tuple[MediaItem, ...]) -> str | list[dict[str
     if not media:
         return text
     return [*({"type": item.kind} for item in media), {"type": "text", "text": text}]
+
+
+def check_model_sees(model: str, args: argparse.Namespace) -> None:
+    """``--image`` / ``--video`` need a model with a vision tower: the artifact's header says whether it has one,
+    read before (and without) its weights. A file that is no artifact is left to the engine's start to report."""
+    if not (args.image or args.video):
+        return
+    from ninfer.artifact.format import ArtifactError
+    from ninfer.artifact.reader import open_artifact
+
+    try:
+        with open_artifact(model, verify=False) as artifact:
+            features = artifact.features
+    except ArtifactError:
+        return
+    if "vision" not in features:
+        option = "--image" if args.image else "--video"
+        raise ValueError(f"{option}: {model} is a text-only model (its artifact has no vision tower); images and "
+                         f"videos need a model with vision")
