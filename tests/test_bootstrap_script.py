@@ -24,6 +24,13 @@ if [ "$1 $2" = "-m venv" ]; then
     mkdir -p "$3/bin" && cp "$0" "$3/bin/python" && exit 0
 fi
 echo "$*" >> "$here/pip-calls.log"
+echo "Looking in indexes: https://pypi.org/simple, file:///opt/pypi/simple"
+echo "Collecting attrs"
+echo "  Downloading attrs-26.1.0-py3-none-any.whl (67 kB)"
+echo "Processing /opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"
+echo "Requirement already satisfied: pluggy in ./.venv/lib/python3.11/site-packages (1.7.0)"
+echo "Installing collected packages: attrs, torch"
+echo "Successfully installed attrs-26.1.0 torch-2.13.0+cpu"
 echo "WARNING: Location 'file:///opt/pypi/simple/attrs/' is ignored: it is neither a file nor a directory." >&2
 echo "WARNING: Location 'file:///opt/pypi/simple/torch/' is ignored: it is neither a file nor a directory." >&2
 echo "WARNING: a real warning from pip" >&2
@@ -55,13 +62,23 @@ def test_first_run_says_what_it_sets_up_and_hides_only_the_location_warnings(che
     run = bootstrap(checkout)
     assert run.returncode == 0, run.stderr
     lines = run.stderr.splitlines()
-    assert lines[0] == "ninfer: setting up .venv (first run, about a minute) ..."
+    assert lines[0] == "ninfer: setting up .venv (first run: a few minutes) ..."
     assert lines[-1].startswith("ninfer: .venv ready (") and lines[-1].endswith(" s)")
     assert "Location" not in run.stderr
     assert lines.count("WARNING: a real warning from pip") == 2  # one per pip call: real messages stay
     assert run.stdout == ""
     calls = (checkout / ".venv" / "bin" / "pip-calls.log").read_text().splitlines()
-    assert len(calls) == 2 and all(c.startswith("-m pip install -q ") for c in calls)
+    assert len(calls) == 2 and all(c.startswith("-m pip install --progress-bar off ") for c in calls)
+
+
+def test_each_step_shows_pips_progress_a_line_per_package(checkout):
+    lines = bootstrap(checkout).stderr.splitlines()
+    step1 = lines.index("ninfer: [1/2] pip, setuptools and wheel")
+    step2 = next(i for i, line in enumerate(lines) if line.startswith("ninfer: [2/2] the ninfer packages"))
+    progress = ["  fetching attrs", "  fetching torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl",
+                "  installing 2 package(s) ...", "  installed 2 package(s)"]
+    for start in (step1, step2):
+        assert lines[start + 1:start + 5] == progress  # pip's own lines ("Looking in", "already satisfied") left out
 
     again = bootstrap(checkout)  # current: silent, no pip
     assert again.returncode == 0 and again.stderr == "" and again.stdout == ""

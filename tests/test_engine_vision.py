@@ -204,6 +204,19 @@ def test_forced_preemption_of_image_requests_changes_no_token(artifact, engine, 
         settled(tight)
 
 
+def test_media_with_mtp_is_refused_as_a_combination_not_supported(tmp_path):
+    """The startup leaves the encoder out when MTP is on: the refusal names the combination, not a missing tower.
+    (The module's artifact was re-saved by transformers, which drops the MTP head: this one keeps it.)"""
+    from ninfer.contract.config import StartupFeatures
+    from ninfer.engine.errors import VisionNotEnabled
+
+    with_mtp = convert_tiny(make_tiny_checkpoint(tmp_path / "ckpt", layout="vl"), tmp_path / "mtp.ninfer")
+    with make_engine(with_mtp, features=StartupFeatures(speculative="mtp")) as mtp:
+        with pytest.raises(VisionNotEnabled, match="together with speculative decoding .* not supported") as err:
+            mtp.submit(GenerationRequest(input=chat("What is this?", png(1, 64, 48))))
+    assert "vision tower" not in str(err.value)
+
+
 def test_plan_says_what_the_encoder_costs(artifact, capsys):
     """``ninfer plan --vision off`` plans without the encoder: fewer weight bytes and a smaller workspace."""
     import json

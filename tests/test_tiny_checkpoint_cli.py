@@ -54,9 +54,12 @@ def test_the_same_seed_writes_the_same_weights_and_a_used_directory_is_refused(t
     assert info.value.code == 2 and "must be >= 4" in capsys.readouterr().err
 
 
-def test_a_tiny_moe_checkpoint_converts_and_inspect_shows_its_expert_banks(tmp_path, capsys):
+def test_a_tiny_moe_checkpoint_converts_and_inspect_shows_its_expert_banks(tmp_path, capsys, monkeypatch):
     ckpt, art = tmp_path / "moe", tmp_path / "moe.ninfer"
+    monkeypatch.setenv("NINFER_COMMAND", "scripts/ninfer")  # as the checkout's wrapper runs it
     assert main(["tiny-checkpoint", str(ckpt), "--moe", "--no-mtp"]) == 0
+    out = capsys.readouterr().out
+    assert "(Qwen3_5MoeForCausalLM, 4 layers" in out and f"next: scripts/ninfer convert {ckpt} {art}" in out
     config = json.loads((ckpt / "config.json").read_text())
     assert config["architectures"] == ["Qwen3_5MoeForCausalLM"] and config["num_experts"] == 8
     capsys.readouterr()

@@ -37,9 +37,11 @@ def stub_engine(monkeypatch):
 def test_serve_fails_clearly(tmp_path, capsys, argv, words):
     bad = tmp_path / "bad.ninfer"
     bad.write_bytes(b"not an artifact")
+    # Port 0 always: the default port may be busy (another suite, a server running here), which is refused first.
+    argv = [*argv, "--port", "0"] if "--port" not in argv else argv
     assert main([a.replace("{bad}", str(bad)) for a in argv]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("ninfer serve: ") and words in err and err.count("\n") == 1
+    assert err.startswith("ninfer serve: ") and words in err and err.count("\n") == 1, err
 
 
 def test_serve_without_model_names_the_missing_default(capsys, monkeypatch):

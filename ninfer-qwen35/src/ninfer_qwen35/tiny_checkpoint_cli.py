@@ -10,10 +10,14 @@ Imports stay inside the handler so ``ninfer --help`` does not load torch.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shlex
 import shutil
 import sys
 from pathlib import Path
+
+from ninfer import env
 
 
 def add_tiny_checkpoint_command(subparsers: argparse._SubParsersAction) -> None:
@@ -90,8 +94,10 @@ def run_tiny_checkpoint(args: argparse.Namespace) -> int:
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     size = sum(f.stat().st_size for f in out.iterdir())
-    arch = "Qwen3_5ForCausalLM" if args.layout == "text" else "Qwen3_5ForConditionalGeneration"
-    print(f"wrote a tiny random Qwen3.5 checkpoint to {out} ({arch}, {args.layers} layers"
+    arch = ", ".join(json.loads((out / "config.json").read_text(encoding="utf-8"))["architectures"])
+    print(f"wrote a tiny random Qwen3.5{' MoE' if args.moe else ''} checkpoint to {out} ({arch}, {args.layers} layers"
           f"{', MTP' if args.mtp else ''}, seed {args.seed}, {size / 1e6:.1f} MB)")
-    print(f"next: ninfer convert {out} {out.with_name(out.name + '.ninfer')}")
+    # The hint names the CLI as the user runs it (scripts/ninfer in a checkout sets NINFER_COMMAND).
+    print(f"next: {shlex.quote(env.get('NINFER_COMMAND'))} convert {shlex.quote(str(out))} "
+          f"{shlex.quote(str(out.with_name(out.name + '.ninfer')))}")
     return 0

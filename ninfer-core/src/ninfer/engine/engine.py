@@ -212,7 +212,13 @@ class Engine:
         """Media for a model without the vision feature is refused before the Frontend sees it."""
         if self.vision_enabled or not isinstance(input, ChatInput) or not _carries_media(input):
             return
-        why = ("it was turned off (StartupFeatures(vision=False), --vision off)" if self.config.features.vision
+        features = self.config.features
+        if features.vision is not False and features.draft_tokens and self.artifact is not None \
+                and "vision" in self.artifact.features:  # the startup left the encoder out for MTP
+            raise VisionNotEnabled(f"image and video input together with speculative decoding "
+                                   f"(speculative={features.speculative!r}) is not supported yet; start the engine "
+                                   f"without speculative decoding to give this model images or videos")
+        why = ("it was turned off (StartupFeatures(vision=False), --vision off)" if features.vision
                is False else "the model does not provide it (its artifact has no vision tower, or its startup "
                "cannot run one)")
         raise VisionNotEnabled(f"image and video input needs the vision feature, which this engine was started "
