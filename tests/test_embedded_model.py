@@ -74,6 +74,38 @@ def test_engine_generates_english_verse_on_cpu():
     assert len(words) >= 10 and len(common.intersection(words)) >= 3, text
 
 
+def _tool_modules(*names: str):
+    """Import the training tool's modules (generic names: kept out of everyone else's imports afterwards)."""
+    sys.path.insert(0, str(TOOL))
+    try:
+        return [__import__(name) for name in names]
+    finally:
+        sys.path.remove(str(TOOL))
+        for name in ("model", "tokenizer", "loops", "chat_render", "engine_loops"):
+            sys.modules.pop(name, None)
+
+
+@pytest.mark.xfail(strict=True, reason="the shipped model still loops under greedy decoding; its retraining "
+                   "(tools/train_tiny/run_gpu.sh: dropout, the unlooping phase) needs a GPU run: issue 44 item 1")
+def test_greedy_decoding_does_not_loop():
+    """docs/embedded-model.md's greedy table: every plain prompt gets 60+ tokens with at least 60 % distinct
+    3-grams; the chat message is answered and the tool request gets a well-formed call."""
+    (engine_loops,) = _tool_modules("engine_loops")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rows = {r["prompt"]: r for r in engine_loops.engine_report(str(DEFAULT))}
+    finally:
+        torch.set_num_threads(before)
+    chats = [label for label in rows if label.startswith("chat:")]
+    for label, row in rows.items():
+        if label not in chats:
+            assert row["tokens"] >= 60 and row["distinct_3grams"] >= 0.6, row
+    speak, tool = (rows[label] for label in chats)
+    assert speak["finish"] == "stop" and speak["text"].split("</think>")[-1].strip(), speak
+    assert re.search(r"<tool_call>\n<function=[a-z_]+>\n<parameter=[a-z_]+>\n.+\n</parameter>", tool["text"]), tool
+
+
 def test_training_tool_exports_the_names_the_source_mapping_expects():
     pytest.importorskip("transformers")
     from ninfer_qwen35.config import parse_config

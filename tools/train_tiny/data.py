@@ -90,6 +90,19 @@ def speeches(play: Play) -> list[list[str]]:
     return [scene for scene in scenes if len(scene) >= 2]
 
 
+def colon_speakers(text: str) -> str:
+    """The play with its speaker tags written `ROMEO:` instead of `ROMEO.` (the form most Shakespeare corpora
+    and prompts use), by the rule `speeches` reads tags with."""
+    blocks = []
+    for block in text.split("\n\n"):
+        lines = block.split("\n")
+        head = lines[0].strip()
+        if len(lines) >= 2 and _SPEAKER.match(head) and len(head.split()) <= 4:
+            lines[0] = lines[0].rstrip()[:-1] + ":"
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
 def conversations(play: Play, turns: int = 6) -> list[list[dict[str, str]]]:
     """Consecutive speeches of a scene as user / assistant turns, `turns` speeches per conversation."""
     out = []

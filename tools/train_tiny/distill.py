@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 
 import torch
-from model import TinyQwen35, tiny_config
+from model import TinyQwen35, run_intermediate, tiny_config
 from safetensors.torch import load_file
 from torch.nn import functional as F
-from train import evaluate, held_out, load_stream, lr_at, save_shards
+from train import evaluate, held_out, load_stream, lr_at, save_shards, train_windows
 
 
 def distill_losses(model: TinyQwen35, ids: torch.Tensor, hard_weight: float) -> dict[str, torch.Tensor]:
@@ -64,7 +64,7 @@ def main() -> None:
     ap.add_argument("--weight-decay", type=float, default=0.0)
     ap.add_argument("--hard-weight", type=float, default=0.0, help="weight of the main model's argmax as a target")
     ap.add_argument("--eval-every", type=int, default=50)
-    ap.add_argument("--time-budget", type=float, default=80.0, help="seconds of distillation before stopping early")
+    ap.add_argument("--time-budget", type=float, default=60.0, help="seconds of distillation before stopping early")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--shard-mib", type=float, default=15.0)
@@ -75,7 +75,8 @@ def main() -> None:
     torch.manual_seed(args.seed)
     log = json.loads((args.run / "train_log.json").read_text())
     ids = json.loads((args.data / "meta.json").read_text())["ids"]
-    config = tiny_config(eos_ids=[ids["<|im_end|>"], ids["<|endoftext|>"]], pad_id=ids["<|endoftext|>"])
+    config = tiny_config(eos_ids=[ids["<|im_end|>"], ids["<|endoftext|>"]], pad_id=ids["<|endoftext|>"],
+                         intermediate=run_intermediate(log))
     config._attn_implementation = "sdpa"
     device = torch.device(args.device)
     model = TinyQwen35(config)
@@ -86,6 +87,7 @@ def main() -> None:
     model.mtp.train()
 
     train = load_stream(args.data / "train.u16")
+    sampler = train_windows(train, args.seq, json.loads((args.data / "meta.json").read_text()))
     dev = held_out(args.data / "dev.u16", args.eval_tokens)
 
     def autocast():
@@ -115,8 +117,7 @@ def main() -> None:
     t0 = time.time()
     step = 0
     for step in range(args.steps):
-        starts = torch.randint(0, train.numel() - args.seq - 1, (args.batch,), generator=gen)
-        batch = torch.stack([train[s:s + args.seq] for s in starts.tolist()]).to(device, non_blocking=True)
+        batch = sampler.batch(args.batch, gen).to(device, non_blocking=True)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args, time.time() - t0)
         with autocast():

@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 from chat_render import template_source
-from model import MAX_POSITIONS, tiny_config
+from model import MAX_POSITIONS, run_intermediate, tiny_config
 from safetensors.torch import load_file, save_file
 from tokenizer import ADDED_TOKENS
 
@@ -41,7 +41,7 @@ def main() -> None:
         tensors.update(load_file(str(args.run / shard)))
     save_file(tensors, str(args.out / "model.safetensors"), metadata={"format": "pt"})
 
-    config = tiny_config(eos_ids=[im_end, eot], pad_id=eot).to_dict()
+    config = tiny_config(eos_ids=[im_end, eot], pad_id=eot, intermediate=run_intermediate(log)).to_dict()
     config.update({"architectures": ["Qwen3_5ForCausalLM"], "dtype": "bfloat16",
                    "mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False,
                    "full_attention_interval": 4, "attn_output_gate": True, "mamba_ssm_dtype": "float32"})

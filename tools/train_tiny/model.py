@@ -18,9 +18,9 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qw
 MAX_POSITIONS = 2048
 
 
-def tiny_config(eos_ids: list[int], pad_id: int) -> Qwen3_5TextConfig:
+def tiny_config(eos_ids: list[int], pad_id: int, intermediate: int = 768) -> Qwen3_5TextConfig:
     config = Qwen3_5TextConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=768, num_hidden_layers=8,
+        vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=intermediate, num_hidden_layers=8,
         num_attention_heads=2, num_key_value_heads=1, head_dim=256,
         linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
         linear_num_key_heads=2, linear_num_value_heads=4,
@@ -118,6 +118,31 @@ class TinyQwen35(nn.Module):
                if not (k == "lm_head.weight" and self.lm.config.tie_word_embeddings)}
         out.update({f"mtp.{k}": v for k, v in self.mtp.state_dict().items()})
         return out
+
+
+def run_intermediate(log: dict) -> int:
+    """The MLP width a train.py run used (its log keeps the arguments as strings)."""
+    return int(log["args"].get("intermediate", 768))
+
+
+def add_residual_dropout(model: TinyQwen35, p: float) -> None:
+    """Dropout on every mixer's and MLP's output before it joins the residual stream, and on the embeddings
+    (GPT-2's resid / embd dropout). transformers' Qwen3.5 has attention-probability dropout only; with 1.4 M
+    tokens of text the model overfits after a few epochs without it. Active in train() mode only."""
+    if p <= 0:
+        return
+
+    def drop(module, args, output):
+        if isinstance(output, tuple):
+            return (nn.functional.dropout(output[0], p, module.training), *output[1:])
+        return nn.functional.dropout(output, p, module.training)
+
+    layers = [*model.lm.model.layers, *model.mtp.layers]
+    for layer in layers:
+        mixer = layer.linear_attn if layer.block_type == "linear_attention" else layer.self_attn
+        mixer.register_forward_hook(drop)
+        layer.mlp.register_forward_hook(drop)
+    model.lm.model.embed_tokens.register_forward_hook(drop)
 
 
 def check_mtp_causal(model: TinyQwen35, ids: torch.Tensor) -> None:

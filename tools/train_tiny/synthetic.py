@@ -160,13 +160,18 @@ def _plain_question(rng: random.Random, pool: PlayLines, addr: str) -> str:
     return rng.choice(PLAIN_QUESTIONS).format(topic=rng.choice(TOPICS), addr=addr, person=rng.choice(pool.names))
 
 
+def _speech(rng: random.Random, pool: PlayLines) -> str:
+    """An answer of a few lines: with one-line answers the model learned to end every chat reply at once."""
+    return "\n".join(rng.sample(pool.lines, rng.randint(3, 5)))
+
+
 def conversation(rng: random.Random, pool: PlayLines) -> SyntheticChat:
     kind = rng.choices([k for k, _ in KINDS], weights=[w for _, w in KINDS])[0]
     addr = rng.choice(ADDRESSES)
     if kind == "plain":
         return SyntheticChat(kind, [
             {"role": "user", "content": _plain_question(rng, pool, addr)},
-            {"role": "assistant", "reasoning_content": rng.choice(pool.lines), "content": rng.choice(pool.lines)}])
+            {"role": "assistant", "reasoning_content": rng.choice(pool.lines), "content": _speech(rng, pool)}])
     names = sorted(TOOLS)
     needed = rng.choice(names)
     offered = [needed, *rng.sample([n for n in names if n != needed], rng.randint(0, 1))]
@@ -177,7 +182,7 @@ def conversation(rng: random.Random, pool: PlayLines) -> SyntheticChat:
     if kind == "declined":
         return SyntheticChat(kind, [
             *head, {"role": "user", "content": _plain_question(rng, pool, addr)},
-            {"role": "assistant", "reasoning_content": rng.choice(pool.lines), "content": rng.choice(pool.lines)}],
+            {"role": "assistant", "reasoning_content": rng.choice(pool.lines), "content": _speech(rng, pool)}],
             tools)
     question, args, response, answer = _tool_task(rng, pool, needed, addr)
     return SyntheticChat(kind, [

@@ -21,7 +21,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from model import TinyQwen35, check_mtp_causal, tiny_config  # noqa: E402
+from model import TinyQwen35, add_residual_dropout, check_mtp_causal, tiny_config  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 FP32_SUFFIXES = ("linear_attn.A_log", "linear_attn.norm.weight")
@@ -29,6 +29,29 @@ FP32_SUFFIXES = ("linear_attn.A_log", "linear_attn.norm.weight")
 
 def load_stream(path: Path) -> torch.Tensor:
     return torch.from_numpy(np.fromfile(path, dtype=np.uint16).astype(np.int64))
+
+
+class Windows:
+    """Random training windows of the stream. A window that would start inside a chat is moved back to the
+    chat's `<|im_start|>`: the model then never sees chat turns at the start of its context without their
+    markup, so a plain-text prompt (no `<|im_start|>` before it) is not read as a chat turn it should end
+    with `<|im_end|>`."""
+
+    def __init__(self, stream: torch.Tensor, length: int, eot: int, im_start: int) -> None:
+        self.stream, self.length = stream, length
+        starts = torch.cat([torch.zeros(1, dtype=torch.long), torch.nonzero(stream == eot).flatten() + 1])
+        self.doc_starts = starts[starts < stream.numel()]
+        self.chat = stream[self.doc_starts] == im_start
+
+    def batch(self, size: int, gen: torch.Generator) -> torch.Tensor:
+        starts = torch.randint(0, self.stream.numel() - self.length - 1, (size,), generator=gen)
+        doc = torch.searchsorted(self.doc_starts, starts, right=True) - 1
+        starts = torch.where(self.chat[doc], self.doc_starts[doc], starts)
+        return torch.stack([self.stream[s:s + self.length] for s in starts.tolist()])
+
+
+def train_windows(stream: torch.Tensor, length: int, meta: dict) -> Windows:
+    return Windows(stream, length, meta["ids"]["<|endoftext|>"], meta["ids"]["<|im_start|>"])
 
 
 def held_out(path: Path, tokens: int) -> torch.Tensor:
@@ -116,6 +139,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=60)
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--mtp-weight", type=float, default=0.3)
+    ap.add_argument("--dropout", type=float, default=0.0, help="residual and embedding dropout while training")
+    ap.add_argument("--intermediate", type=int, default=768, help="the MLP width")
     ap.add_argument("--eval-every", type=int, default=20)
     ap.add_argument("--time-budget", type=float, default=480.0, help="seconds of training before stopping early")
     ap.add_argument("--seed", type=int, default=1234)
@@ -131,7 +156,8 @@ def main() -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
     meta = json.loads((args.data / "meta.json").read_text())
     ids = meta["ids"]
-    config = tiny_config(eos_ids=[ids["<|im_end|>"], ids["<|endoftext|>"]], pad_id=ids["<|endoftext|>"])
+    config = tiny_config(eos_ids=[ids["<|im_end|>"], ids["<|endoftext|>"]], pad_id=ids["<|endoftext|>"],
+                         intermediate=args.intermediate)
     config._attn_implementation = "sdpa"
     device = torch.device(args.device)
     model = TinyQwen35(config).to(device)
@@ -148,7 +174,9 @@ def main() -> None:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return torch.autocast("cpu", enabled=False)
 
+    sampler = train_windows(train, args.seq, meta)
     check_mtp_causal(model, train[:64].to(device)[None])
+    add_residual_dropout(model, args.dropout)
 
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
@@ -165,8 +193,7 @@ def main() -> None:
     t0 = time.time()
     step = 0
     for step in range(args.steps):
-        starts = torch.randint(0, train.numel() - args.seq - 1, (args.batch,), generator=gen)
-        batch = torch.stack([train[s:s + args.seq] for s in starts.tolist()]).to(device, non_blocking=True)
+        batch = sampler.batch(args.batch, gen).to(device, non_blocking=True)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args, time.time() - t0)
         with autocast():
