@@ -14,7 +14,7 @@ from ninfer.contract.config import MAX_CONCURRENCY, StartupFeatures
 from ninfer.contract.constraint import LIMIT_FLAGS, ConstraintLimits
 from ninfer.engine.cache_cli import add_context_cache_arguments, with_context_cache
 from ninfer.engine.cli_numbers import positive_number, whole_number
-from ninfer.engine.dtype_cli import add_dtype_argument
+from ninfer.engine.model_cli import add_dtype_argument
 from ninfer.engine.plan_cli import add_memory_arguments, with_memory_options
 from ninfer.engine.speculative_cli import add_speculative_arguments, speculative_features
 from ninfer.engine.vision_cli import add_vision_argument, with_vision

@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any
 
 from ninfer.engine.generate_cli import (
     add_engine_arguments,
-    add_model_argument,
     add_sampling_arguments,
     check_max_tokens,
     engine_config_from_args,
@@ -36,6 +35,7 @@ from ninfer.engine.generate_cli import (
     sampling_from_args,
     stats_line,
 )
+from ninfer.engine.model_cli import add_model_argument
 from ninfer.engine.stream_printer import StreamPrinter, follow
 
 if TYPE_CHECKING:

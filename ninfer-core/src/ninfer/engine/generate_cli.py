@@ -30,7 +30,7 @@ from ninfer.engine.constraint_cli import (
     constraint_from_args,
     constraint_option,
 )
-from ninfer.engine.dtype_cli import add_dtype_argument
+from ninfer.engine.model_cli import add_dtype_argument, add_model_argument
 from ninfer.engine.plan_cli import add_memory_arguments, with_memory_options
 from ninfer.engine.sampling_cli import add_adjustment_arguments, adjustments_from_args
 from ninfer.engine.speculative_cli import add_speculative_arguments, speculative_features
@@ -63,12 +63,6 @@ def add_generate_command(subparsers: argparse._SubParsersAction) -> None:
     add_constraint_arguments(p)
     add_media_arguments(p)
     p.set_defaults(func=cmd_generate)
-
-
-def add_model_argument(p: argparse.ArgumentParser) -> None:
-    """The optional MODEL positional of the commands that run a model for text (``generate``, ``chat``)."""
-    p.add_argument("model", nargs="?", help="a .ninfer artifact, a Hugging Face id (org/name[@revision]), or "
-                                            "'default' (default: the embedded model)")
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser, *, max_tokens: int = 256) -> None:

@@ -23,8 +23,8 @@ import attrs
 
 from ninfer.contract.config import MAX_CONCURRENCY, EngineConfig, StartupOptions
 from ninfer.engine.cli_numbers import whole_number
-from ninfer.engine.dtype_cli import add_dtype_argument
 from ninfer.engine.memory_report import MIB, format_bytes
+from ninfer.engine.model_cli import add_dtype_argument, add_model_argument
 from ninfer.engine.speculative_cli import add_speculative_arguments, speculative_features
 from ninfer.engine.vision_cli import add_vision_argument, with_vision
 
@@ -58,8 +58,7 @@ def add_plan_command(subparsers: argparse._SubParsersAction) -> None:
                                           "checkpoint slots, verify records, workspace, CUDA graphs (estimate), "
                                           "headroom and KV pages against the device budget; the KV tokens and "
                                           "context that fit, or what does not fit and by how much (exit 1).")
-    p.add_argument("model", nargs="?", help="a .ninfer artifact, a Hugging Face id (org/name[@revision]), or "
-                                            "'default' (default: the embedded model)")
+    add_model_argument(p)
     add_memory_arguments(p)
     add_vision_argument(p)
     p.add_argument("--device", default="cuda",

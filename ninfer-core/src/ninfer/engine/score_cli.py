@@ -14,7 +14,7 @@ import json
 import sys
 import time
 
-from ninfer.engine.dtype_cli import add_dtype_argument
+from ninfer.engine.model_cli import add_dtype_argument, add_model_argument
 
 DEFAULT_WINDOW = 4096
 
@@ -27,9 +27,7 @@ def add_score_command(subparsers: argparse._SubParsersAction) -> None:
                                           "log-likelihood in nats, and the perplexity. With one positional "
                                           "argument and no --file, that argument is the text and the embedded "
                                           "model scores it.")
-    p.add_argument("model", nargs="?", metavar="MODEL",
-                   help="a .ninfer artifact, a Hugging Face id (org/name[@revision]), or 'default' (default: the "
-                        "embedded model)")
+    add_model_argument(p, metavar="MODEL")
     p.add_argument("text", nargs="?", metavar="TEXT", help="the text to score, taken literally (- reads stdin)")
     p.add_argument("--file", metavar="PATH", help="score the contents of this UTF-8 text file (- for stdin)")
     p.add_argument("--window", type=int, default=None,
