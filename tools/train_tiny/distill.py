@@ -24,7 +24,7 @@ import torch
 from model import TinyQwen35, run_intermediate, tiny_config
 from safetensors.torch import load_file
 from torch.nn import functional as F
-from train import evaluate, held_out, load_stream, lr_at, save_shards, train_windows
+from train import adamw, autocast_for, evaluate, held_out, load_stream, lr_at, save_shards, train_windows
 
 
 def distill_losses(model: TinyQwen35, ids: torch.Tensor, hard_weight: float) -> dict[str, torch.Tensor]:
@@ -90,15 +90,10 @@ def main() -> None:
     sampler = train_windows(train, args.seq, json.loads((args.data / "meta.json").read_text()))
     dev = held_out(args.data / "dev.u16", args.eval_tokens)
 
-    def autocast():
-        if device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return torch.autocast("cpu", enabled=False)
+    autocast = autocast_for(device)
 
     params = list(model.mtp.parameters())
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": args.weight_decay},
-                             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
+    opt = adamw(params, args.lr, args.weight_decay, device)
     gen = torch.Generator().manual_seed(args.seed + 1)   # windows other than the main training's
     out = {"args": {k: str(v) for k, v in vars(args).items()}, "curve": []}
 

@@ -97,6 +97,21 @@ def evaluate(model: TinyQwen35, stream: torch.Tensor, length: int, device, autoc
             "mtp_top1": tot["mtp_hit"] / tot["mtp_n"], "mtp_agree_greedy": tot["mtp_agree"] / tot["mtp_n"]}
 
 
+def autocast_for(device: torch.device):
+    """A factory of the phase's autocast context: bf16 on the GPU, plain fp32 on the CPU."""
+    if device.type == "cuda":
+        return lambda: torch.autocast("cuda", dtype=torch.bfloat16)
+    return lambda: torch.autocast("cpu", enabled=False)
+
+
+def adamw(params, lr: float, weight_decay: float, device: torch.device) -> torch.optim.AdamW:
+    """AdamW as every phase uses it: weight decay on matrices only, betas 0.9 / 0.95."""
+    params = list(params)
+    return torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+                              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
+
+
 def lr_at(step: int, args, elapsed: float = 0.0) -> float:
     """Linear warmup, then cosine to min_lr_frac; the cosine ends at --steps or at --time-budget, whichever
     comes first, so a slower machine still finishes its schedule."""
@@ -169,20 +184,13 @@ def main() -> None:
     dev = held_out(args.data / "dev.u16", args.eval_tokens)
     test = held_out(args.data / "test.u16", args.eval_tokens)
 
-    def autocast():
-        if device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return torch.autocast("cpu", enabled=False)
+    autocast = autocast_for(device)
 
     sampler = train_windows(train, args.seq, meta)
     check_mtp_causal(model, train[:64].to(device)[None])
     add_residual_dropout(model, args.dropout)
 
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
+    opt = adamw(model.parameters(), args.lr, args.weight_decay, device)
     gen = torch.Generator().manual_seed(args.seed)
     log = {"args": {k: str(v) for k, v in vars(args).items()}, "params": n_params, "params_main": n_main,
            "params_mtp": n_params - n_main, "torch": torch.__version__,

@@ -28,7 +28,7 @@ from loops import greedy_report
 from model import TinyQwen35, add_residual_dropout, run_intermediate, tiny_config
 from tokenizers import Tokenizer
 from torch.nn import functional as F
-from train import evaluate, held_out, load_stream, lr_at, save_shards, train_windows
+from train import adamw, autocast_for, evaluate, held_out, load_stream, lr_at, save_shards, train_windows
 
 
 def newline_ids(tok: Tokenizer) -> torch.Tensor:
@@ -114,10 +114,7 @@ def main() -> None:
     dev = held_out(args.data / "dev.u16", args.eval_tokens)
     line_ends = newline_ids(tok)
 
-    def autocast():
-        if device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return torch.autocast("cpu", enabled=False)
+    autocast = autocast_for(device)
 
     def loops() -> dict:
         model.eval()
@@ -128,11 +125,7 @@ def main() -> None:
     out = {"args": {k: str(v) for k, v in vars(args).items()}, "curve": [],
            "before": {"dev": evaluate(model, dev, args.seq, device, autocast), "loops": loops()}}
     print(json.dumps({"before": {k: v for k, v in out["before"]["loops"].items() if k != "rows"}}), flush=True)
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
+    opt = adamw(model.parameters(), args.lr, args.weight_decay, device)
     gen = torch.Generator().manual_seed(args.seed + 2)
     model.train()
     t0 = time.time()
