@@ -1,4 +1,4 @@
-"""The context cache (issue 17) through the public ``ninfer.Engine``, cache on against cache off, same run.
+"""The ``cache`` suite: the context cache through the public ``ninfer.Engine``, cache on against cache off, same run.
 
 Per shape, random weights are written and converted once (``benchmarks/bench.py``'s checkpoint, the same
 ``--artifact-cache``), then one engine at a time is built, measured, checked and closed:
@@ -27,7 +27,7 @@ per checkpoint slot and the time of one device copy of them (what a save copies)
 Every engine warms up first (kernel compilation, one full-size conversation); after each measurement its
 ``usage().idle`` is checked, the cache cleared and ``usage().all_free`` checked: ``leak_free`` says all held.
 
-    python -m benchmarks.context_cache --shape 9b --json out.json                                 # GPU
+    scripts/gpu cache                                                                             # GPU
     python -m benchmarks.context_cache --shape tiny --device cpu --history 96 --context 24 ...    # CPU smoke
 """
 
@@ -40,13 +40,22 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks import bench, driver
-from benchmarks.bench import HF_MODEL_TYPE, _f, _prompts, _sync, decode_tokens, run_streams, steady_decode
-from benchmarks.load_throughput import _host, write_source
+from benchmarks import harness
+from benchmarks.bench import HF_MODEL_TYPE
+from benchmarks.harness import (
+    decode_tokens,
+    fmt,
+    plugin_host,
+    prompts,
+    run_streams,
+    steady_decode,
+    sync,
+    write_source,
+)
 from benchmarks.shapes import SHAPES
 
 PAGE = 16
-TARGETS = {"turn2_speedup": 10.0, "decode_cost_pct": 2.0}  # issue 17 (9B, one H200): printed, never enforced
+TARGETS = {"turn2_speedup": 10.0, "decode_cost_pct": 2.0}  # 9B, one H200: printed, never enforced
 
 
 # -- the engines -----------------------------------------------------------------------------------------
@@ -76,17 +85,17 @@ def with_engine(artifact: Path, device: str, args, body, *, cache: bool, rows: i
     config = EngineConfig(max_concurrency=rows, device=device, max_model_len=max_len, prefill_chunk=args.prefill_chunk,
                           page_size=PAGE, num_pages=pages, context_cache=cache, checkpoint_grid=grid,
                           checkpoint_slots=slots if cache else None, dtype=args.dtype)
-    t = bench.clock()
+    t = harness.clock()
     engine = ninfer.Engine(artifact, config=config)
-    _sync(device)
-    rec: dict = {"cache": cache, "rows": rows, "grid": grid, "start_s": bench.clock() - t, "checks": []}
+    sync(device)
+    rec: dict = {"cache": cache, "rows": rows, "grid": grid, "start_s": harness.clock() - t, "checks": []}
     try:
         rec["memory"] = attrs.asdict(engine.instance.memory)
         rec["image_bytes"] = engine.instance.program.states.image_bytes
         rec["replica_bytes"] = engine.instance.program.checkpoints.host_bytes(args.history)
-        t = bench.clock()
+        t = harness.clock()
         warm_up(engine, args, rec["checks"])
-        rec["warmup_s"] = bench.clock() - t
+        rec["warmup_s"] = harness.clock() - t
         rec.update(body(engine, rec["checks"]))
         m = engine.metrics()
         rec["metrics"] = {"prefix_cache_queries": m.prefix_cache_queries, "prefix_cache_hits": m.prefix_cache_hits,
@@ -96,7 +105,7 @@ def with_engine(artifact: Path, device: str, args, body, *, cache: bool, rows: i
         settle(engine, rec["checks"])
         rec["leak_free"] = all(c["idle"] and c["all_free"] for c in rec["checks"])
     finally:
-        bench.close_engine(engine, device)
+        harness.close_engine(engine, device)
         del engine
     return rec
 
@@ -113,8 +122,8 @@ def warm_up(engine, args, checks: list) -> None:
     conversation (a restore and the short prefill after it); the cache is cleared after."""
     vocab = engine.instance.program.vocab_size
     rows = engine.max_concurrency
-    run_streams(engine, _prompts(vocab, rows, args.prefill_chunk + 5, 1), 4)
-    run_streams(engine, _prompts(vocab, 1, 7, 2), 4)
+    run_streams(engine, prompts(vocab, rows, args.prefill_chunk + 5, 1), 4)
+    run_streams(engine, prompts(vocab, 1, 7, 2), 4)
     conversation(engine, args, 3)
     settle(engine, checks)
 
@@ -127,11 +136,11 @@ def conversation(engine, args, seed: int, turn2_prompt: list[int] | None = None)
     """Turn 1 (``--history`` tokens, ``--answer`` generated), then turn 2 (``turn2_prompt``, else the
     history + the answer + ``--new`` tokens)."""
     vocab = engine.instance.program.vocab_size
-    history = _prompts(vocab, 1, args.history, seed)[0]
+    history = prompts(vocab, 1, args.history, seed)[0]
     (t1,) = run_streams(engine, [history], args.answer)
     turn1 = list(t1["result"].token_ids)
     if turn2_prompt is None:
-        turn2_prompt = history + turn1 + _prompts(vocab, 1, args.new, seed + 1)[0]
+        turn2_prompt = history + turn1 + prompts(vocab, 1, args.new, seed + 1)[0]
     (t2,) = run_streams(engine, [turn2_prompt], args.answer)
     return {"turn1_ttft_s": ttft(t1), "turn1_tokens": turn1, "turn2_ttft_s": ttft(t2),
             "turn2_cached_tokens": t2["result"].usage.cached_tokens, "turn2_tokens": list(t2["result"].token_ids),
@@ -149,7 +158,7 @@ def measure_main(engine, checks: list, args, turn2_prompts: list | None) -> dict
         settle(engine, checks)
         out["conversations"].append(c)
     for r in range(args.reps):
-        p = _prompts(vocab, 1, args.history, 3000 + r)
+        p = prompts(vocab, 1, args.history, 3000 + r)
         (first,) = run_streams(engine, p, 2)
         (second,) = run_streams(engine, p, 2)
         settle(engine, checks)
@@ -159,7 +168,7 @@ def measure_main(engine, checks: list, args, turn2_prompts: list | None) -> dict
     for B in args.batches:
         best = None
         for r in range(args.decode_reps):
-            streams = run_streams(engine, _prompts(vocab, B, args.context, 4000 + 10 * B + r),
+            streams = run_streams(engine, prompts(vocab, B, args.context, 4000 + 10 * B + r),
                                   decode_tokens(args.steps, B, args.context, args.prefill_chunk))
             settle(engine, checks)
             d = steady_decode(streams)
@@ -176,10 +185,10 @@ def measure_grid(engine, checks: list, args) -> dict:
     share = int(args.history * args.share)
     fresh, shared, cached = [], [], []
     for r in range(args.reps):
-        p = _prompts(vocab, 1, args.history, 5000 + r)[0]
+        p = prompts(vocab, 1, args.history, 5000 + r)[0]
         (s,) = run_streams(engine, [p], 2)
         fresh.append(ttft(s))
-        (s,) = run_streams(engine, [p[:share] + _prompts(vocab, 1, args.history - share, 6000 + r)[0]], 2)
+        (s,) = run_streams(engine, [p[:share] + prompts(vocab, 1, args.history - share, 6000 + r)[0]], 2)
         shared.append(ttft(s))
         cached.append(s["result"].usage.cached_tokens)
         settle(engine, checks)
@@ -195,11 +204,11 @@ def measure_host(engine, checks: list, args) -> dict:
     runs = []
     for r in range(args.reps):
         evicted = engine.metrics().cache_evictions.get("host", 0)
-        history = _prompts(vocab, 1, args.history, 1000 + 10 * r)[0]
+        history = prompts(vocab, 1, args.history, 1000 + 10 * r)[0]
         (t1,) = run_streams(engine, [history], args.answer, session_key=f"host-{r}")
         turn1 = list(t1["result"].token_ids)
-        run_streams(engine, _prompts(vocab, 1, min(64, args.history), 7000 + r), 2)
-        prompt2 = history + turn1 + _prompts(vocab, 1, args.new, 1000 + 10 * r + 1)[0]
+        run_streams(engine, prompts(vocab, 1, min(64, args.history), 7000 + r), 2)
+        prompt2 = history + turn1 + prompts(vocab, 1, args.new, 1000 + 10 * r + 1)[0]
         source = restore_source(engine, prompt2)
         m = engine.metrics()
         (t2,) = run_streams(engine, [prompt2], args.answer, session_key=f"host-{r}")
@@ -241,9 +250,9 @@ def copy_seconds(nbytes: int, device: str, *, from_host: bool, reps: int = 5) ->
             end.synchronize()
             times.append(start.elapsed_time(end) * 1e-3)
         else:
-            t = bench.clock()
+            t = harness.clock()
             dst.copy_(src)
-            times.append(bench.clock() - t)
+            times.append(harness.clock() - t)
     return min(times[1:])
 
 
@@ -260,10 +269,10 @@ def artifact(shape: str, args, device: str, workdir: Path, res: dict) -> Path:
         res["artifact_reused"] = str(cached)
         return cached
     src, out = workdir / "hf", workdir / f"{shape}.ninfer"
-    t = bench.clock()
+    t = harness.clock()
     res["checkpoint_bytes"] = write_source(src, cfg, device)
-    res["write_s"] = bench.clock() - t
-    res["convert_s"] = convert_checkpoint(src, out, host=_host()).seconds
+    res["write_s"] = harness.clock() - t
+    res["convert_s"] = convert_checkpoint(src, out, host=plugin_host()).seconds
     shutil.rmtree(src)
     if cached is None:
         return out
@@ -331,7 +340,7 @@ def _median(rows: list[dict], key: str) -> float:
 
 
 def summarize(engines: dict, args) -> dict:
-    """The figures the issue names, the result table and the leak verdict."""
+    """The headline figures, the result table and the leak verdict."""
     on, off = engines["on"], engines["off"]
     conv_on, conv_off = on["conversations"], off["conversations"]
     out: dict = {}
@@ -437,8 +446,8 @@ def markdown(result: dict) -> str:
         for g in r["grid"]:
             over = None if g["over_end_only_s"] is None else g["over_end_only_s"] * 1e3
             per = None if g["per_save_s"] is None else g["per_save_s"] * 1e3
-            lines.append(f"| {g['grid']} | {g['grid_saves']} | {g['ttft_s'] * 1e3:.2f} | {_f(over, '+.2f')} "
-                         f"| {_f(per, '.3f')} | {g['share_ttft_s'] * 1e3:.2f} | {g['share_cached_tokens']} |")
+            lines.append(f"| {g['grid']} | {g['grid_saves']} | {g['ttft_s'] * 1e3:.2f} | {fmt(over, '+.2f')} "
+                         f"| {fmt(per, '.3f')} | {g['share_ttft_s'] * 1e3:.2f} | {g['share_cached_tokens']} |")
         c = r["calibration"]
         dflt = c["cost_model_defaults"]
         lines += ["", f"StateImage per checkpoint slot {c['image_bytes'] / 2**20:.2f} MiB, one device copy "
@@ -507,7 +516,7 @@ def _validate(args) -> str | None:
 
 
 def main(argv=None) -> int:
-    return driver.shape_benchmark_main("context_cache", argv, parse_args=parse_args, validate=_validate,
+    return harness.shape_benchmark_main("context_cache", argv, parse_args=parse_args, validate=_validate,
                                        bench_shape=bench_shape, markdown=markdown)
 
 

@@ -24,7 +24,8 @@ import time
 
 import torch
 
-from benchmarks.decode_step import prefilled_sequences
+from benchmarks.harness import sync
+from benchmarks.programs import prefilled_sequences
 from benchmarks.shapes import SHAPES
 
 # Per-position conditional acceptance published for Qwen3.5 MTP (shared/reference/speculative.md §3.4, Inco,
@@ -34,11 +35,6 @@ PROMPTS = ["To be, or not to be, that is the question:", "Friends, Romans, count
            "Now is the winter of our discontent", "O Romeo, Romeo! wherefore art thou Romeo?",
            "All the world's a stage,", "If music be the food of love, play on;", "Once more unto the breach,",
            "Double, double toil and trouble;"]
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def build_programs(shape: str, device: str, dtype: torch.dtype, *, max_batch: int, context: int, steps: int,
@@ -92,32 +88,32 @@ def time_units(program, config, device: str, B: int, *, context: int, steps: int
     seqs = prefilled_sequences(program, config, B, context)
     unit, forward, tokens = [], [], 0
     for i in range(warmup + steps):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         for sid in seqs:
             if not program.reserve_units(sid, program.decode_span):
                 raise RuntimeError("KV pool too small for the benchmark")
         batch = program.decode(seqs)
         program.commit(batch, [RowDecision(accepted=r.produced) for r in batch.rows])
-        _sync(device)
+        sync(device)
         if i >= warmup:
             unit.append((time.perf_counter() - t0) * 1e3)
             tokens += sum(r.produced for r in batch.rows)
         graphs = getattr(program, "graphs", None)
         if i >= warmup and program.decode_span > 1 and graphs is not None and B in getattr(graphs, "graphs", {}):
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             graphs.forward(B)
-            _sync(device)
+            sync(device)
             forward.append((time.perf_counter() - t0) * 1e3)
     commit = []
     graphs = getattr(program, "graphs", None)
     if program.decode_span > 1 and graphs is not None:  # the accepted state's scatter alone (last step kept)
         for _ in range(10):
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             program.verify_commit(graphs.batch(B), graphs.accepted[:B])
-            _sync(device)
+            sync(device)
             commit.append((time.perf_counter() - t0) * 1e3)
     for sid in seqs:
         program.release(sid)
@@ -148,12 +144,12 @@ def profile_forward(plain, spec, config, device: str, B: int, *, context: int) -
                 run = functools.partial(prog._verify_stage, batch)
             for _ in range(3):
                 run()
-            _sync(device)
+            sync(device)
             cuda = device.startswith("cuda")
             with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
                 for _ in range(5):
                     run()
-                _sync(device)
+                sync(device)
         events = prof.key_averages()
         took = (lambda e: e.device_time_total) if cuda else (lambda e: e.self_cpu_time_total)  # noqa: E731
         total = sum(took(e) for e in events) / 5 / 1e3

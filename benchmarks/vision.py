@@ -1,4 +1,4 @@
-"""The Qwen3.5 vision encoder on one GPU (issue 22): its attention, its throughput, and a chat's time to first token
+"""The ``vision`` suite: the Qwen3.5 vision encoder on one GPU: its attention, its throughput, and a chat's time to first token
 with one image, each beside what it replaces or competes with, on the same random weights.
 
 1. attention (``--parts attention``): the packed-frames attention of one encoder layer at the lengths of the
@@ -18,7 +18,7 @@ with one image, each beside what it replaces or competes with, on the same rando
    transformers (image processor + ``generate(max_new_tokens=1)``) on the same checkpoint and images. When this
    tree's Engine refuses the vision feature or media, ours is reported as skipped with the reason.
 
-    python -m benchmarks.vision --workdir /tmp/vision --json out.json                    # the H200
+    scripts/gpu vision                                                                   # on the GPU machine
     python -m benchmarks.vision --device cpu --vision tiny --text-shape tiny --images 64x1 64x2 ...   # smoke
 """
 
@@ -39,16 +39,10 @@ import traceback
 from pathlib import Path
 
 from benchmarks import vision_weights as vw
+from benchmarks.harness import sync
 
 clock = time.perf_counter
 PARTS = ("attention", "encoder", "ttft")
-
-
-def sync(device: str) -> None:
-    import torch
-
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def timed(device: str, warmup: int, repeats: int, fn, *call) -> dict:
@@ -340,7 +334,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    from benchmarks.bench import run_with_plugins
+    from benchmarks.harness import run_with_plugins
 
     return run_with_plugins(_run, argv)
 
@@ -349,7 +343,7 @@ def _run(argv) -> int:
     args = parse_args(argv)
     import torch
 
-    from benchmarks.bench import device_info
+    from benchmarks.harness import device_info
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():

@@ -1,25 +1,17 @@
-"""Decode step time at B = 1..8 through the real Qwen3.5 Program (random weights, no checkpoint needed).
-
-Each step is what the engine runs per cycle for B decode-ready rows: ``reserve_units`` per row, one
-``Program.decode`` of exactly B rows (CUDA graph replay on GPU unless --eager), and ``Program.commit``
-of every row's token. Sequences first prefill ``--context`` random prompt tokens.
-
-    python -m benchmarks.decode_step --shape 9b --device cuda --batch 1 2 3 4 5 6 7 8 [--eager] [--engine] [--json out.json]
-    python -m benchmarks.decode_step --shape tiny --device cpu --steps 3       # smoke run (the test uses it)
+"""Program-level runs on random weights made on the device (no checkpoint: a model too large for the disk still
+fits): a Qwen3.5 Program over them, sequences prefilled on it, decode steps timed as the engine runs them
+(``reserve_units`` per row, one ``Program.decode`` of exactly B rows, ``Program.commit``), the decode graph
+replayed alone, and the same rows through ``ninfer.Engine``. Used by ``numerics``, ``speculative`` and ``moe``.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import json
 import math
-import sys
 import time
 
 import torch
 
-from benchmarks import chain_profile
+from benchmarks.harness import sync
 from benchmarks.shapes import SHAPES
 
 
@@ -83,11 +75,6 @@ def build_program(shape: str | dict, device: str, *, max_batch: int, context: in
         static_decode=static_decode, pdl=pdl)
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def prefilled_sequences(program, config, B: int, context: int) -> list[int]:
     """B greedy sequences opened on ``program``, each with ``context`` random prompt tokens prefilled."""
     from ninfer.contract.batch import RowDecision
@@ -116,14 +103,14 @@ def measure(program, config, device: str, B: int, *, context: int, steps: int, w
     seqs = prefilled_sequences(program, config, B, context)
     times = []
     for i in range(warmup + steps):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         for sid in seqs:
             if not program.reserve_units(sid, 1):
                 raise RuntimeError("KV pool too small for the benchmark")
         batch = program.decode(seqs)
         program.commit(batch, [RowDecision(accepted=1)] * B)
-        _sync(device)
+        sync(device)
         if i >= warmup:
             times.append((time.perf_counter() - t0) * 1e3)
     graph_ms = replay_ms(program, B, steps) if program.graphs is not None and device.startswith("cuda") else None
@@ -149,13 +136,12 @@ def replay_ms(program, B: int, replays: int) -> float:
     return start.elapsed_time(end) / replays
 
 
-def measure_engine(program, config, device: str, B: int, *, context: int, steps: int, chain: bool = False) -> dict:
+def measure_engine(program, config, device: str, B: int, *, context: int, steps: int) -> dict:
     """The same B rows through ``ninfer.Engine`` (scheduler, PendingBatch commit, Frontend, events): the mean
     inter-token gap per request, i.e. the engine's cycle time with B decode rows. The B requests are admitted
     together, so the first rows' early gaps include the other prompts' prefill chunks: the figure is taken over
     the steady part only (every row has its first token, none has finished), and over the whole run when that
-    part is empty (``engine_steady`` says which). ``chain``: the steady part runs under a device trace and the
-    result also has ``chain``, its per-kernel chain advances per step (``benchmarks.chain_profile``)."""
+    part is empty (``engine_steady`` says which)."""
 
     from ninfer.contract.events import OutputDelta
     from ninfer.contract.model import ModelInstance
@@ -186,10 +172,9 @@ def measure_engine(program, config, device: str, B: int, *, context: int, steps:
                 if event is None or isinstance(event, OutputDelta) and event.token_ids:
                     waiting.discard(i)
         before = engine.metrics().inter_token
-        with chain_profile.trace() if chain else contextlib.nullcontext([]) as events:
-            while not any(h.done for h in handles):
-                time.sleep(0.0005)
-            after = engine.metrics().inter_token
+        while not any(h.done for h in handles):
+            time.sleep(0.0005)
+        after = engine.metrics().inter_token
         for h in handles:
             h.result()
         whole = engine.metrics().inter_token
@@ -198,57 +183,5 @@ def measure_engine(program, config, device: str, B: int, *, context: int, steps:
     gap = (total / count if steady else whole.total / whole.count) * 1e3
     res = {"batch": B, "engine_ms_per_step": gap, "engine_tokens_per_s": B / gap * 1e3, "engine_steady": steady,
            "engine_ms_whole_run": whole.total / whole.count * 1e3}
-    if chain and steady:
-        res["chain"] = chain_profile.table(chain_profile.advances(events), max(1, count // B))
     return res
 
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="9b", choices=sorted(SHAPES))
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--batch", type=int, nargs="+", default=list(range(1, 9)))
-    ap.add_argument("--context", type=int, default=512, help="prompt tokens prefilled per row before timing")
-    ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
-    ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
-                    help="weights/activations (default bfloat16 on GPU, float32 on CPU)")
-    ap.add_argument("--engine", action="store_true",
-                    help="also run the B rows through ninfer.Engine (mean inter-token gap per request)")
-    ap.add_argument("--pdl", default="auto", choices=["auto", "on", "off"],
-                    help="programmatic dependent launch: the model's own choice (auto) or forced")
-    ap.add_argument("--json", default=None, help="also write the rows to this file")
-    args = ap.parse_args(argv)
-    if not all(1 <= b <= 8 for b in args.batch):
-        print("decode_step: --batch values must be in 1..8", file=sys.stderr)
-        return 2
-    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
-    t0 = time.perf_counter()
-    params = random_parameters(args.shape, args.device, dtype)
-    pdl = auto_pdl(params, args.device) if args.pdl == "auto" else args.pdl == "on"
-    config, program = build_program(args.shape, args.device, max_batch=max(args.batch), context=args.context,
-                                    steps=args.steps + 3, graphs=not args.eager, dtype=dtype, params=params,
-                                    pdl=pdl)
-    print(f"# {args.shape} on {args.device} ({dtype}), context {args.context}, {args.steps} steps, PDL {pdl}; "
-          f"built in {time.perf_counter() - t0:.1f} s; graphs: {program.graphs is not None}"
-          + (f" ({program.graph_error})" if getattr(program, "graph_error", None) else ""), flush=True)
-    print(f"{'B':>2} {'ms/step':>9} {'mean':>9} {'tok/s':>9}" + (f" {'engine ms':>10} {'engine tok/s':>12}"
-                                                                  if args.engine else ""))
-    rows = []
-    for B in args.batch:
-        r = measure(program, config, args.device, B, context=args.context, steps=args.steps)
-        line = f"{B:>2} {r['ms_median']:>9.3f} {r['ms_mean']:>9.3f} {r['tokens_per_s']:>9.1f}"
-        if args.engine:
-            r.update(measure_engine(program, config, args.device, B, context=args.context, steps=args.steps))
-            line += f" {r['engine_ms_per_step']:>10.3f} {r['engine_tokens_per_s']:>12.1f}"
-        rows.append(r)
-        print(line, flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"shape": args.shape, "device": args.device, "dtype": str(dtype), "context": args.context,
-                       "pdl": pdl, "rows": rows}, f, indent=2)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
