@@ -41,14 +41,12 @@ from benchmarks.harness import (
     decode_tokens,
     device_info,
     fmt,
-    plugin_host,
     prompts,
     run_streams,
     run_with_plugins,
     steady_decode,
     sync,
     target_lines,
-    write_source,
 )
 from benchmarks.shapes import SHAPES, decode_bytes, model_figures, prefill_flops
 
@@ -206,38 +204,22 @@ def bench_shape(shape: str, args, device: str, ceilings: dict | None) -> dict:
     import torch
 
     from benchmarks import hf_baseline
-    from ninfer_convert.convert import convert_checkpoint
 
     cfg = dict(SHAPES[shape], dtype="bfloat16", mtp_num_hidden_layers=0, model_type=HF_MODEL_TYPE)
     res: dict = {"shape": shape, "config": cfg, **model_figures(cfg)}
     workdir = Path(tempfile.mkdtemp(prefix=f"ninfer-bench-{shape}-", dir=args.workdir))
-    src, out = workdir / "hf", workdir / f"{shape}.ninfer"
-    cached = Path(args.artifact_cache) / f"{shape}.ninfer" if args.artifact_cache and not args.hf else None
+    cache_dir = None if args.hf else args.artifact_cache  # the baseline reads the checkpoint: convert it afresh
     try:
-        if cached is not None and cached.exists():  # the seeded random weights of an earlier run: the same model
-            out = cached
-            res["artifact_reused"] = str(cached)
-        else:
-            t = harness.clock()
-            res["checkpoint_bytes"] = write_source(src, cfg, device)
-            res["write_s"] = harness.clock() - t
-            summary = convert_checkpoint(src, out, host=plugin_host())
-            res["convert_s"] = summary.seconds
-            if not args.hf:  # only the baseline reads the checkpoint
-                shutil.rmtree(src)
-            if cached is not None:
-                cached.parent.mkdir(parents=True, exist_ok=True)
-                out = Path(shutil.move(out, cached.with_suffix(".partial")))
-                out = out.rename(cached)  # complete or absent: a killed run leaves no half artifact to reuse
+        out = harness.artifact(shape, cfg, device, workdir, cache_dir, res, keep_source=args.hf)
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
         chain = ceilings["chain_ms"].get(shape) if ceilings else None
         res["engine"] = bench_engine(out, shape, cfg, args, device, chain)
-        if cached is None:
+        if cache_dir is None:
             out.unlink()
         if args.hf:
             try:
-                res["hf"] = hf_baseline.run(src, device=device, prompt=args.hf_prompt, new_tokens=args.hf_new_tokens,
+                res["hf"] = hf_baseline.run(workdir / "hf", device=device, prompt=args.hf_prompt, new_tokens=args.hf_new_tokens,
                                             batches=tuple(args.hf_batches), clock=harness.clock)
             except Exception as exc:  # the baseline is a comparison, not the measurement: keep ours
                 res["hf"] = {"error": f"{type(exc).__name__}: {exc}"}

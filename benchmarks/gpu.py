@@ -61,8 +61,10 @@ def module(name: str, *argv) -> list[str]:
 # -- the suites ----------------------------------------------------------------------------------------------------
 
 def tests(args) -> int:
+    # tests/clients drives third-party client libraries against a CPU server: none of it is marked gpu, and the
+    # device carries only the OpenAI client (scripts/device-wheels)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", f"--timeout={args.timeout:g}",
-           "--durations=15"]
+           "--durations=15", "--ignore=tests/clients"]
     return run(args, "tests", [*cmd, *args.extra])  # no paths: every test folder (pyproject's testpaths)
 
 

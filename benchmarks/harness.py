@@ -215,6 +215,32 @@ def write_source(directory: Path, config: dict, device: str, shard_bytes: int = 
     return write_shards(directory, tensors(), shard_bytes=shard_bytes)
 
 
+def artifact(shape: str, cfg: dict, device: str, workdir: Path, cache_dir: str | None, res: dict,
+             keep_source: bool = False) -> Path:
+    """The shape's artifact, converted from ``write_source``'s seeded checkpoint (in ``workdir/hf``, kept only with
+    ``keep_source``), or reused from ``cache_dir`` and left there as SHAPE.ninfer for later runs."""
+    import shutil
+
+    from ninfer_convert.convert import convert_checkpoint
+
+    cached = Path(cache_dir) / f"{shape}.ninfer" if cache_dir else None
+    if cached is not None and cached.exists():  # the seeded random weights of an earlier run: the same model
+        res["artifact_reused"] = str(cached)
+        return cached
+    src, out = workdir / "hf", workdir / f"{shape}.ninfer"
+    t = clock()
+    res["checkpoint_bytes"] = write_source(src, cfg, device)
+    res["write_s"] = clock() - t
+    res["convert_s"] = convert_checkpoint(src, out, host=plugin_host()).seconds
+    if not keep_source:
+        shutil.rmtree(src)
+    if cached is None:
+        return out
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(shutil.move(out, cached.with_suffix(".partial")))
+    return partial.rename(cached)  # complete or absent: a killed run leaves no half artifact to reuse
+
+
 # -- requests through the public Engine ------------------------------------------------------------------
 
 

@@ -105,7 +105,7 @@ def test_help_lists_every_suite(capsys):
 
 
 @pytest.mark.parametrize("argv, expected", [
-    (["tests", "-k", "linear"], "-m pytest -q -p no:cacheprovider -m gpu --timeout=300 --durations=15 -k linear"),
+    (["tests", "-k", "linear"], "-m pytest -q -p no:cacheprovider -m gpu --timeout=300 --durations=15 --ignore=tests/clients -k linear"),
     (["bench", "--shapes", "9b", "--batches", "1,8", "--no-hf"],
      "-m benchmarks.bench --shape 9b --quick --batches 1 8 --json"),
     (["numerics", "--shapes", "9b"], "-m benchmarks.program_check --shape 9b --batch 1 8"),
