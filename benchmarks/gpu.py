@@ -73,8 +73,8 @@ def bench_argv(args, json_path: Path, tree: Path) -> list[str]:
     if (tree / "benchmarks" / "gpu.py").exists():
         argv = ["bench", "--shapes", ",".join(args.shapes), "--batches", ",".join(map(str, args.batches)),
                 "--json", str(json_path)]
-        if args.prefill:
-            argv += ["--prefill", *map(str, args.prefill)]
+        for flag, values in (("--contexts", args.contexts), ("--prefill", args.prefill)):
+            argv += [flag, *map(str, values)] if values else []
         return [sys.executable, "-m", "benchmarks.gpu", *argv, *([] if args.hf else ["--no-hf"])]
     return bench_module_argv(args, json_path, tree)
 
@@ -82,8 +82,8 @@ def bench_argv(args, json_path: Path, tree: Path) -> list[str]:
 def bench_module_argv(args, json_path: Path, tree: Path) -> list[str]:
     argv = ["--shape", *args.shapes, "--quick", "--batches", *map(str, args.batches), "--json", str(json_path),
             "--workdir", "/tmp/bench"]
-    if args.prefill:
-        argv += ["--prefill", *map(str, args.prefill)]
+    for flag, values in (("--contexts", args.contexts), ("--prefill", args.prefill)):
+        argv += [flag, *map(str, values)] if values else []
     if not args.hf:  # the artifacts are kept per tree: each converts with its own converter
         argv += ["--no-hf", "--artifact-cache", "/tmp/bench-artifacts/" + str(tree).strip("/").replace("/", "_")]
     return [sys.executable, "-m", "benchmarks.bench", *argv]
@@ -214,6 +214,7 @@ def parser() -> argparse.ArgumentParser:
     s = suite(bench, "decode and prefill tokens/s of the Engine against the HBM floor, the kernel chain and transformers")
     s.add_argument("--shapes", type=csv(str), default=["0.8b", "9b"])
     s.add_argument("--batches", type=csv(int), default=[1, 2, 4, 8])
+    s.add_argument("--contexts", type=int, nargs="+", default=None, help="decode contexts (default 1024 8192)")
     s.add_argument("--prefill", type=int, nargs="+", default=None, help="prompt lengths (default 512 4096)")
     s.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers baseline")
     s.add_argument("--baseline", default=None, metavar="DIR",
