@@ -1,9 +1,9 @@
-"""The ``vision`` suite: the Qwen3.5 vision encoder on one GPU: its attention, its throughput, and a chat's time to first token
-with one image, each beside what it replaces or competes with, on the same random weights.
+"""The ``vision`` suite: the Qwen3.5 vision encoder on one GPU: its attention, its throughput, and a chat's time to
+first token with one image, each beside what it replaces or competes with, on the same random weights.
 
 1. attention (``--parts attention``): the packed-frames attention of one encoder layer at the lengths of the
-   ``--images`` batches (16 heads x 72 for the published tower): the Triton kernel (default tiles, the head padded
-   to 128 instead of split 64 + 16, a tile sweep) against torch's SDPA once per distinct length (the op's torch
+   ``--images`` batches (16 heads x 72 for the published tower): the Triton kernel (with ``--triton-attention``; and
+   the head padded to 128 instead of split 64 + 16) against torch's SDPA once per distinct length (the op's torch
    path; also with each SDPA backend forced) and SDPA once per image (as transformers calls it); relative error
    against fp32 and TFLOP/s (4 x sum(L^2) x heads x head_dim).
 2. encoder (``--parts encoder``): images/s of the whole tower (``--vision published``: depth 27, hidden 1152, 16
@@ -133,9 +133,6 @@ def attention_variants(device: str, triton_attention: bool = False) -> dict:
         return variants
     variants["triton"] = kernel
     variants["triton padded head"] = lambda q, k, v, s: kernel(q, k, v, s, head_split=False)
-    for bm, bn, warps in ((64, 32, 4), (64, 64, 4), (128, 32, 8), (128, 64, 8), (128, 64, 4), (128, 128, 8)):
-        variants[f"triton {bm}x{bn} w{warps}"] = \
-            lambda q, k, v, s, bm=bm, bn=bn, w=warps: kernel(q, k, v, s, block_m=bm, block_n=bn, num_warps=w)
     return variants
 
 
