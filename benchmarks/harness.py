@@ -1,6 +1,7 @@
-"""The harness every benchmark shares: device set-up, random checkpoints in published naming, the device
-ceilings (copy rate, matmul rate, the kernel chain), requests through the public ``ninfer.Engine`` timed as the
-engine publishes them, and the per-shape driver that writes the table and the JSON.
+"""The harness every benchmark shares: device set-up, random checkpoints in published naming and their artifacts,
+requests through the public ``ninfer.Engine`` timed as the engine publishes them, and the per-shape driver that
+writes the table and the JSON. The device ceilings (copy rate, matmul rate, the kernel chain) are
+``benchmarks/ceilings.py``; Program-level runs on random weights ``benchmarks/programs.py``.
 
 A benchmark module keeps only what it measures; ``benchmarks.gpu`` runs them as suites.
 """
@@ -114,7 +115,6 @@ def plugin_host():
 
         host.register_module(ninfer_qwen35.plugin, "qwen35")
     return host
-
 
 
 def _terminated(signum, frame):
