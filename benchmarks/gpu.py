@@ -93,7 +93,8 @@ def bench(args) -> int:
     out = out_dir()
     if args.baseline is None:
         json_path = Path(args.json) if args.json else out / "bench.json"
-        return run(args, "bench", bench_module_argv(args, json_path, ROOT), timeout=args.timeout)
+        profile = ["--profile", str(out)] if args.profile else []
+        return run(args, "bench", [*bench_module_argv(args, json_path, ROOT), *profile], timeout=args.timeout)
     base = Path(args.baseline).resolve()
     results: dict[str, list] = {"before": [], "after": []}
     failed = 0
@@ -217,6 +218,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--contexts", type=int, nargs="+", default=None, help="decode contexts (default 1024 8192)")
     s.add_argument("--prefill", type=int, nargs="+", default=None, help="prompt lengths (default 512 4096)")
     s.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers baseline")
+    s.add_argument("--profile", action="store_true",
+                   help="also profile the steady decode at the smallest and largest B (device busy against host idle)")
     s.add_argument("--baseline", default=None, metavar="DIR",
                    help="another checkout: its own bench, then this one, then its own again; one comparison table")
     s.add_argument("--json", default=None, help=argparse.SUPPRESS)  # where a newer tree's baseline call writes

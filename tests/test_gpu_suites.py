@@ -104,6 +104,24 @@ def test_help_lists_every_suite(capsys):
         assert f"    {suite}" in listed, listed
 
 
+def test_the_script_lists_the_suites_without_carried_wheels(tmp_path):
+    """scripts/gpu as the device runs it (python3 first on PATH), with no .whl folder to install."""
+    import os
+    import shutil
+    import subprocess
+
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "python3").symlink_to(sys.executable)
+    if not shutil.which("bash") or any((gpu.ROOT / ".whl").glob("*.whl")):
+        pytest.skip("no bash, or carried wheels the script would install")
+    env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}"}
+    run = subprocess.run(["bash", str(gpu.ROOT / "scripts" / "gpu"), "--help"], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert "    bench" in run.stdout and "    start" in run.stdout
+
+
 @pytest.mark.parametrize("argv, expected", [
     (["tests", "-k", "linear"], "-m pytest -q -p no:cacheprovider -m gpu --timeout=300 --durations=15 --ignore=tests/clients -k linear"),
     (["bench", "--shapes", "9b", "--batches", "1,8", "--no-hf"],
