@@ -15,18 +15,15 @@ from benchmarks.harness import sync
 from benchmarks.shapes import SHAPES
 
 
-def random_parameters(shape: str | dict, device: str, dtype: torch.dtype, seed: int = 0):
-    """Qwen35Parameters with random weights of a published shape (a ``SHAPES`` name or a config.json dict), made
-    directly on ``device``: no checkpoint, so a model too large for the disk still fits the device."""
+def random_weights(config, device: str, dtype: torch.dtype, features: tuple[str, ...] = ("text",), seed: int = 0):
+    """A WeightSet of random weights for ``config``'s parameters of ``features``, made directly on ``device``: no
+    checkpoint, so a model too large for the disk still fits the device."""
     from ninfer.models.common.weights import WeightSet
-    from ninfer_qwen35.config import parse_config
-    from ninfer_qwen35.execution.parameters import Qwen35Parameters
     from ninfer_qwen35.source_mapping import expected_parameters, fused_parents
 
-    config = parse_config(dict(SHAPES[shape] if isinstance(shape, str) else shape))
     gen = torch.Generator(device=device).manual_seed(seed)
     tensors = {}
-    for name, (_, dims) in expected_parameters(config, ("text",)).items():
+    for name, (_, dims) in expected_parameters(config, features).items():
         if name.endswith("A_log"):
             t = torch.empty(dims, device=device, dtype=torch.float32).uniform_(-1.0, 1.0, generator=gen)
         elif name.endswith("dt_bias"):
@@ -36,9 +33,17 @@ def random_parameters(shape: str | dict, device: str, dtype: torch.dtype, seed: 
         else:
             t = torch.randn(dims, device=device, dtype=dtype, generator=gen) * (1.0 / math.sqrt(dims[-1]))
         tensors[name] = t
-    weights = WeightSet.from_tensors(tensors, fused_parents(config))
-    del tensors
-    return config, Qwen35Parameters.from_weights(config, weights, dtype)
+    return WeightSet.from_tensors(tensors, fused_parents(config))
+
+
+def random_parameters(shape: str | dict, device: str, dtype: torch.dtype, seed: int = 0):
+    """(config, Qwen35Parameters) with random weights of a published shape (a ``SHAPES`` name or a config.json
+    dict), made on ``device``."""
+    from ninfer_qwen35.config import parse_config
+    from ninfer_qwen35.execution.parameters import Qwen35Parameters
+
+    config = parse_config(dict(SHAPES[shape] if isinstance(shape, str) else shape))
+    return config, Qwen35Parameters.from_weights(config, random_weights(config, device, dtype, seed=seed), dtype)
 
 
 def auto_pdl(params, device: str) -> bool:

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 
 import torch
 
 from benchmarks.harness import sync
-from benchmarks.programs import prefilled_sequences
+from benchmarks.programs import prefilled_sequences, random_weights
 from benchmarks.shapes import SHAPES
 
 # Per-position conditional acceptance published for Qwen3.5 MTP (shared/reference/speculative.md §3.4, Inco,
@@ -39,31 +38,16 @@ PROMPTS = ["To be, or not to be, that is the question:", "Friends, Romans, count
 def build_programs(shape: str, device: str, dtype: torch.dtype, *, max_batch: int, context: int, steps: int,
                    graphs: bool, ks: list[int]):
     """(config, plain Program, {k: speculative Program}) over one set of random weights (MTP block included)."""
-    from ninfer.models.common.weights import WeightSet
     from ninfer_qwen35.config import parse_config
     from ninfer_qwen35.execution.model import Qwen35Model
     from ninfer_qwen35.execution.mtp import Qwen35MTP
     from ninfer_qwen35.execution.parameters import MTPParams, Qwen35Parameters
     from ninfer_qwen35.program.mtp_program import Qwen35MTPProgram, verify_steps
     from ninfer_qwen35.program.program import Qwen35Program
-    from ninfer_qwen35.source_mapping import expected_parameters, fused_parents
     from ninfer_qwen35.state import kv_pools, state_layout
 
     config = parse_config({**SHAPES[shape], "mtp_num_hidden_layers": 1})
-    gen = torch.Generator(device=device).manual_seed(0)
-    tensors = {}
-    for name, (_, dims) in expected_parameters(config, ("text", "mtp")).items():
-        if name.endswith("A_log"):
-            t = torch.empty(dims, device=device, dtype=torch.float32).uniform_(-1.0, 1.0, generator=gen)
-        elif name.endswith("dt_bias"):
-            t = torch.zeros(dims, device=device, dtype=torch.float32)
-        elif len(dims) == 1:
-            t = torch.ones(dims, device=device, dtype=dtype)
-        else:
-            t = torch.randn(dims, device=device, dtype=dtype, generator=gen) * (1.0 / math.sqrt(dims[-1]))
-        tensors[name] = t
-    weights = WeightSet.from_tensors(tensors, fused_parents(config))
-    del tensors
+    weights = random_weights(config, device, dtype, ("text", "mtp"))
     model = Qwen35Model(Qwen35Parameters.from_weights(config, weights, dtype))
     mtp = Qwen35MTP(MTPParams.from_weights(config, weights, dtype, device), model)
     name = "bfloat16" if dtype == torch.bfloat16 else "float32"
