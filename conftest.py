@@ -18,7 +18,7 @@ if not _HAS_CUDA:
 def pytest_collection_modifyitems(config, items):
     if _HAS_CUDA:
         return
-    skip = pytest.mark.skip(reason="needs a CUDA device (run scripts/gpu-check on the GPU machine)")
+    skip = pytest.mark.skip(reason="needs a CUDA device (run scripts/gpu tests on the GPU machine)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

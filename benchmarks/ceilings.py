@@ -1,17 +1,16 @@
 """Device ceilings measured in the same run as any comparison: copy bandwidth, bf16 matmul rate, and the
 cuBLAS matrix-vector chain over a Qwen3.5 model's own decode weights (one CUDA graph, nothing else).
 
-    python benchmarks/ceilings.py --shape 9b --batch 1 2 4 8 [--json out.json]
+``measure`` gives them all at once; ``scripts/gpu bench`` prints them beside the Engine's figures.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
+import statistics
 
 import torch
 
+from benchmarks import harness
 from benchmarks.shapes import SHAPES, decode_weight_shapes
 
 
@@ -71,35 +70,39 @@ def matvec_chain(shape: str, batches: list[int]) -> dict[int, float]:
     return out
 
 
-def weight_bytes(shape: str) -> int:
-    return sum(o * i * 2 for o, i in decode_weight_shapes(SHAPES[shape]))
+def host_time_ms(fn, iters: int) -> float:
+    for _ in range(2):  # first calls pay one-time library setup
+        fn()
+    times = []
+    for _ in range(iters):
+        t = harness.clock()
+        fn()
+        times.append((harness.clock() - t) * 1e3)
+    return statistics.median(times)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--shape", default="9b", choices=sorted(SHAPES))
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8])
-    p.add_argument("--json")
-    args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("ceilings need a CUDA device", file=sys.stderr)
-        return 2
-    res = {"device": torch.cuda.get_device_name(), "copy_tb_s": copy_bandwidth(), "matmul_bf16_tflops": matmul_rate(),
-           "shape": args.shape, "decode_weight_gb": weight_bytes(args.shape) / 1e9,
-           "matvec_chain_ms": matvec_chain(args.shape, args.batch)}
-    res["bandwidth_floor_ms"] = weight_bytes(args.shape) / (res["copy_tb_s"] * 1e12) * 1e3
-    print(f"device {res['device']}: copy {res['copy_tb_s']:.2f} TB/s, bf16 matmul {res['matmul_bf16_tflops']:.0f} TFLOP/s")
-    print(f"{args.shape}: decode weights {res['decode_weight_gb']:.2f} GB, floor {res['bandwidth_floor_ms']:.2f} ms/step")
-    print("| B | cuBLAS chain ms/step | tokens/s |")
-    print("|---|---|---|")
-    for b, ms in res["matvec_chain_ms"].items():
-        print(f"| {b} | {ms:.3f} | {b * 1000 / ms:.0f} |")
-    print(json.dumps(res))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def measure(shapes: list[str], batches: list[int], device: str) -> dict:
+    """Copy bandwidth, bf16 matmul rate and the matvec chain per shape (CUDA: the functions above;
+    CPU: the same quantities at small sizes, timed on the host, for the smoke run)."""
+    if device.startswith("cuda"):
+        res = {"copy_tb_s": copy_bandwidth(), "matmul_tflops": matmul_rate(),
+               "matmul_dtype": "bfloat16", "chain_ms": {}}
+        for s in shapes:
+            res["chain_ms"][s] = {str(b): ms for b, ms in matvec_chain(s, batches).items()}
+        return res
+    src = torch.empty(1 << 26, dtype=torch.uint8).random_()
+    dst = torch.empty_like(src)
+    copy_ms = host_time_ms(lambda: dst.copy_(src), 5)
+    n = 512
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    mm_ms = host_time_ms(lambda: a @ b, 5)
+    res = {"copy_tb_s": 2 * src.numel() / (copy_ms * 1e-3) / 1e12, "matmul_tflops": 2 * n**3 / (mm_ms * 1e-3) / 1e12,
+           "matmul_dtype": "float32", "chain_ms": {}}
+    for s in shapes:
+        weights = [torch.randn(o, i) * 0.02 for o, i in decode_weight_shapes(SHAPES[s])]
+        res["chain_ms"][s] = {}
+        for B in batches:
+            xs = {w.shape[1]: torch.randn(B, w.shape[1]) for w in weights}
+            res["chain_ms"][s][str(B)] = host_time_ms(
+                lambda xs=xs, ws=weights: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in ws], 3)
+    return res

@@ -1,4 +1,4 @@
-"""The context cache (issue 17) through the public ``ninfer.Engine``, cache on against cache off, same run.
+"""The ``cache`` suite: the context cache through the public ``ninfer.Engine``, cache on against cache off, same run.
 
 Per shape, random weights are written and converted once (``benchmarks/bench.py``'s checkpoint, the same
 ``--artifact-cache``), then one engine at a time is built, measured, checked and closed:
@@ -27,7 +27,7 @@ per checkpoint slot and the time of one device copy of them (what a save copies)
 Every engine warms up first (kernel compilation, one full-size conversation); after each measurement its
 ``usage().idle`` is checked, the cache cleared and ``usage().all_free`` checked: ``leak_free`` says all held.
 
-    python -m benchmarks.context_cache --shape 9b --json out.json                                 # GPU
+    scripts/gpu cache                                                                             # GPU
     python -m benchmarks.context_cache --shape tiny --device cpu --history 96 --context 24 ...    # CPU smoke
 """
 
@@ -40,15 +40,19 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks import bench, driver
-from benchmarks.bench import HF_MODEL_TYPE, _f, _prompts, _sync, decode_tokens, run_streams, steady_decode
-from benchmarks.load_throughput import _host, write_source
+from benchmarks import harness
+from benchmarks.bench import HF_MODEL_TYPE
+from benchmarks.context_cache_report import markdown, summarize
+from benchmarks.harness import (
+    decode_tokens,
+    prompts,
+    run_streams,
+    steady_decode,
+    sync,
+)
 from benchmarks.shapes import SHAPES
 
 PAGE = 16
-TARGETS = {"turn2_speedup": 10.0, "decode_cost_pct": 2.0}  # issue 17 (9B, one H200): printed, never enforced
-
-
 # -- the engines -----------------------------------------------------------------------------------------
 
 def _sizes(args, rows: int) -> tuple[int, int]:
@@ -76,17 +80,17 @@ def with_engine(artifact: Path, device: str, args, body, *, cache: bool, rows: i
     config = EngineConfig(max_concurrency=rows, device=device, max_model_len=max_len, prefill_chunk=args.prefill_chunk,
                           page_size=PAGE, num_pages=pages, context_cache=cache, checkpoint_grid=grid,
                           checkpoint_slots=slots if cache else None, dtype=args.dtype)
-    t = bench.clock()
+    t = harness.clock()
     engine = ninfer.Engine(artifact, config=config)
-    _sync(device)
-    rec: dict = {"cache": cache, "rows": rows, "grid": grid, "start_s": bench.clock() - t, "checks": []}
+    sync(device)
+    rec: dict = {"cache": cache, "rows": rows, "grid": grid, "start_s": harness.clock() - t, "checks": []}
     try:
         rec["memory"] = attrs.asdict(engine.instance.memory)
         rec["image_bytes"] = engine.instance.program.states.image_bytes
         rec["replica_bytes"] = engine.instance.program.checkpoints.host_bytes(args.history)
-        t = bench.clock()
+        t = harness.clock()
         warm_up(engine, args, rec["checks"])
-        rec["warmup_s"] = bench.clock() - t
+        rec["warmup_s"] = harness.clock() - t
         rec.update(body(engine, rec["checks"]))
         m = engine.metrics()
         rec["metrics"] = {"prefix_cache_queries": m.prefix_cache_queries, "prefix_cache_hits": m.prefix_cache_hits,
@@ -96,7 +100,7 @@ def with_engine(artifact: Path, device: str, args, body, *, cache: bool, rows: i
         settle(engine, rec["checks"])
         rec["leak_free"] = all(c["idle"] and c["all_free"] for c in rec["checks"])
     finally:
-        bench.close_engine(engine, device)
+        harness.close_engine(engine, device)
         del engine
     return rec
 
@@ -113,8 +117,8 @@ def warm_up(engine, args, checks: list) -> None:
     conversation (a restore and the short prefill after it); the cache is cleared after."""
     vocab = engine.instance.program.vocab_size
     rows = engine.max_concurrency
-    run_streams(engine, _prompts(vocab, rows, args.prefill_chunk + 5, 1), 4)
-    run_streams(engine, _prompts(vocab, 1, 7, 2), 4)
+    run_streams(engine, prompts(vocab, rows, args.prefill_chunk + 5, 1), 4)
+    run_streams(engine, prompts(vocab, 1, 7, 2), 4)
     conversation(engine, args, 3)
     settle(engine, checks)
 
@@ -127,11 +131,11 @@ def conversation(engine, args, seed: int, turn2_prompt: list[int] | None = None)
     """Turn 1 (``--history`` tokens, ``--answer`` generated), then turn 2 (``turn2_prompt``, else the
     history + the answer + ``--new`` tokens)."""
     vocab = engine.instance.program.vocab_size
-    history = _prompts(vocab, 1, args.history, seed)[0]
+    history = prompts(vocab, 1, args.history, seed)[0]
     (t1,) = run_streams(engine, [history], args.answer)
     turn1 = list(t1["result"].token_ids)
     if turn2_prompt is None:
-        turn2_prompt = history + turn1 + _prompts(vocab, 1, args.new, seed + 1)[0]
+        turn2_prompt = history + turn1 + prompts(vocab, 1, args.new, seed + 1)[0]
     (t2,) = run_streams(engine, [turn2_prompt], args.answer)
     return {"turn1_ttft_s": ttft(t1), "turn1_tokens": turn1, "turn2_ttft_s": ttft(t2),
             "turn2_cached_tokens": t2["result"].usage.cached_tokens, "turn2_tokens": list(t2["result"].token_ids),
@@ -149,7 +153,7 @@ def measure_main(engine, checks: list, args, turn2_prompts: list | None) -> dict
         settle(engine, checks)
         out["conversations"].append(c)
     for r in range(args.reps):
-        p = _prompts(vocab, 1, args.history, 3000 + r)
+        p = prompts(vocab, 1, args.history, 3000 + r)
         (first,) = run_streams(engine, p, 2)
         (second,) = run_streams(engine, p, 2)
         settle(engine, checks)
@@ -159,7 +163,7 @@ def measure_main(engine, checks: list, args, turn2_prompts: list | None) -> dict
     for B in args.batches:
         best = None
         for r in range(args.decode_reps):
-            streams = run_streams(engine, _prompts(vocab, B, args.context, 4000 + 10 * B + r),
+            streams = run_streams(engine, prompts(vocab, B, args.context, 4000 + 10 * B + r),
                                   decode_tokens(args.steps, B, args.context, args.prefill_chunk))
             settle(engine, checks)
             d = steady_decode(streams)
@@ -176,10 +180,10 @@ def measure_grid(engine, checks: list, args) -> dict:
     share = int(args.history * args.share)
     fresh, shared, cached = [], [], []
     for r in range(args.reps):
-        p = _prompts(vocab, 1, args.history, 5000 + r)[0]
+        p = prompts(vocab, 1, args.history, 5000 + r)[0]
         (s,) = run_streams(engine, [p], 2)
         fresh.append(ttft(s))
-        (s,) = run_streams(engine, [p[:share] + _prompts(vocab, 1, args.history - share, 6000 + r)[0]], 2)
+        (s,) = run_streams(engine, [p[:share] + prompts(vocab, 1, args.history - share, 6000 + r)[0]], 2)
         shared.append(ttft(s))
         cached.append(s["result"].usage.cached_tokens)
         settle(engine, checks)
@@ -195,11 +199,11 @@ def measure_host(engine, checks: list, args) -> dict:
     runs = []
     for r in range(args.reps):
         evicted = engine.metrics().cache_evictions.get("host", 0)
-        history = _prompts(vocab, 1, args.history, 1000 + 10 * r)[0]
+        history = prompts(vocab, 1, args.history, 1000 + 10 * r)[0]
         (t1,) = run_streams(engine, [history], args.answer, session_key=f"host-{r}")
         turn1 = list(t1["result"].token_ids)
-        run_streams(engine, _prompts(vocab, 1, min(64, args.history), 7000 + r), 2)
-        prompt2 = history + turn1 + _prompts(vocab, 1, args.new, 1000 + 10 * r + 1)[0]
+        run_streams(engine, prompts(vocab, 1, min(64, args.history), 7000 + r), 2)
+        prompt2 = history + turn1 + prompts(vocab, 1, args.new, 1000 + 10 * r + 1)[0]
         source = restore_source(engine, prompt2)
         m = engine.metrics()
         (t2,) = run_streams(engine, [prompt2], args.answer, session_key=f"host-{r}")
@@ -241,36 +245,13 @@ def copy_seconds(nbytes: int, device: str, *, from_host: bool, reps: int = 5) ->
             end.synchronize()
             times.append(start.elapsed_time(end) * 1e-3)
         else:
-            t = bench.clock()
+            t = harness.clock()
             dst.copy_(src)
-            times.append(bench.clock() - t)
+            times.append(harness.clock() - t)
     return min(times[1:])
 
 
 # -- one shape end to end ---------------------------------------------------------------------------------
-
-def artifact(shape: str, args, device: str, workdir: Path, res: dict) -> Path:
-    """The shape's converted artifact: bench.py's seeded random checkpoint, reused from (or left in)
-    ``--artifact-cache`` under the same name bench.py gives it."""
-    from ninfer_convert.convert import convert_checkpoint
-
-    cfg = dict(SHAPES[shape], dtype="bfloat16", mtp_num_hidden_layers=0, model_type=HF_MODEL_TYPE)
-    cached = Path(args.artifact_cache) / f"{shape}.ninfer" if args.artifact_cache else None
-    if cached is not None and cached.exists():
-        res["artifact_reused"] = str(cached)
-        return cached
-    src, out = workdir / "hf", workdir / f"{shape}.ninfer"
-    t = bench.clock()
-    res["checkpoint_bytes"] = write_source(src, cfg, device)
-    res["write_s"] = bench.clock() - t
-    res["convert_s"] = convert_checkpoint(src, out, host=_host()).seconds
-    shutil.rmtree(src)
-    if cached is None:
-        return out
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(shutil.move(out, cached.with_suffix(".partial")))
-    return partial.rename(cached)  # complete or absent: a killed run leaves no half artifact to reuse
-
 
 def run_engines(path: Path, args, device: str, engines: dict) -> None:
     """Each engine in turn; ``engines`` keeps what finished if a later one fails or the run is stopped."""
@@ -302,7 +283,8 @@ def bench_shape(shape: str, args, device: str, res: dict) -> None:
     res.update(history=args.history, answer=args.answer, new=args.new, prefill_chunk=args.prefill_chunk, engines={})
     workdir = Path(tempfile.mkdtemp(prefix=f"ninfer-cache-{shape}-", dir=args.workdir))
     try:
-        path = artifact(shape, args, device, workdir, res)
+        cfg = dict(SHAPES[shape], dtype="bfloat16", mtp_num_hidden_layers=0, model_type=HF_MODEL_TYPE)
+        path = harness.artifact(shape, cfg, device, workdir, args.artifact_cache, res)  # bench's model
         run_engines(path, args, device, res["engines"])
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -324,135 +306,6 @@ def calibrate(image_bytes: int, replica_bytes: int, off: dict, args, device: str
             "pinned": device.startswith("cuda"),
             "cost_model_defaults": {"recompute_s_per_token": defaults.recompute_s_per_token,
                                     "transfer_s_per_byte": defaults.transfer_s_per_byte}}
-
-
-def _median(rows: list[dict], key: str) -> float:
-    return statistics.median(r[key] for r in rows)
-
-
-def summarize(engines: dict, args) -> dict:
-    """The figures the issue names, the result table and the leak verdict."""
-    on, off = engines["on"], engines["off"]
-    conv_on, conv_off = on["conversations"], off["conversations"]
-    out: dict = {}
-    t_on, t_off = _median(conv_on, "turn2_ttft_s"), _median(conv_off, "turn2_ttft_s")
-    out["turn2"] = {"on_ttft_s": t_on, "off_ttft_s": t_off, "speedup": t_off / t_on,
-                    "cached_tokens": [c["turn2_cached_tokens"] for c in conv_on],
-                    "prompt_tokens": args.history + args.answer + args.new,
-                    "turn1_equal": [a["turn1_tokens"] == b["turn1_tokens"] for a, b in zip(conv_on, conv_off, strict=True)],
-                    "outputs_equal": [a["turn2_tokens"] == b["turn2_tokens"] for a, b in zip(conv_on, conv_off, strict=True)]}
-    hit, miss = _median(on["repeats"], "second_ttft_s"), _median(on["repeats"], "first_ttft_s")
-    out["repeat"] = {"hit_ttft_s": hit, "miss_ttft_s": miss, "speedup": miss / hit,
-                     "off_second_ttft_s": _median(off["repeats"], "second_ttft_s"),
-                     "cached_tokens": [r["second_cached_tokens"] for r in on["repeats"]],
-                     "first_cached_tokens": [r["first_cached_tokens"] for r in on["repeats"]]}
-    miss_off = _median(off["repeats"], "first_ttft_s")
-    out["miss"] = {"on_ttft_s": miss, "off_ttft_s": miss_off, "overhead_pct": (miss / miss_off - 1) * 100}
-    out["decode"] = [{"batch": a["batch"], "context": a["context"], "on_tokens_per_s": a["tokens_per_s"],
-                      "off_tokens_per_s": b["tokens_per_s"], "cost_pct": (1 - a["tokens_per_s"] / b["tokens_per_s"]) * 100}
-                     for a, b in zip(on["decode"], off["decode"], strict=True)]
-    out["grid"] = grid_rows(engines, args)
-    if "host" in engines:
-        runs = engines["host"]["runs"]
-        t_host = _median(runs, "ttft_s")
-        out["host_restore"] = {"ttft_s": t_host, "full_prefill_ttft_s": t_off, "speedup": t_off / t_host,
-                               "cached_tokens": [r["cached_tokens"] for r in runs],
-                               "restored_from": [r["restored_from"] for r in runs],
-                               "host_evictions": [r["host_evictions"] for r in runs],
-                               "outputs_equal": [r["turn2_tokens"] == c["turn2_tokens"] if r["same_prompt_as_off"] else None
-                                                 for r, c in zip(runs, conv_off, strict=False)]}
-    out["leak_free"] = {name: e["leak_free"] for name, e in engines.items()}
-    out["targets"] = {"turn2_speedup": {"target": f">= {TARGETS['turn2_speedup']}", "measured": t_off / t_on,
-                                        "met": t_off / t_on >= TARGETS["turn2_speedup"]}}
-    for d in out["decode"]:
-        out["targets"][f"decode_b{d['batch']}_cost_pct"] = {
-            "target": f"<= {TARGETS['decode_cost_pct']}", "measured": d["cost_pct"],
-            "met": d["cost_pct"] <= TARGETS["decode_cost_pct"]}
-    out["table"] = table(out)
-    return out
-
-
-def grid_rows(engines: dict, args) -> list[dict]:
-    rows = []
-    for g in args.grids:
-        e = engines[f"grid-{g or 'none'}"]
-        grid = args.history if g is None else g
-        rows.append({"grid": g or "none", "grid_saves": len(range(grid, args.history - 1, grid)),
-                     "ttft_s": e["ttft_s"], "ttft_s_all": e["ttft_s_all"], "share_tokens": e["share_tokens"],
-                     "share_ttft_s": e["share_ttft_s"], "share_cached_tokens": e["share_cached_tokens"]})
-    end_only = next((r["ttft_s"] for r in rows if r["grid"] == "none"), None)
-    for r in rows:
-        r["over_end_only_s"] = None if end_only is None else r["ttft_s"] - end_only
-        r["per_save_s"] = r["over_end_only_s"] / r["grid_saves"] if end_only is not None and r["grid_saves"] else None
-    return rows
-
-
-def table(s: dict) -> list[dict]:
-    """The result table: one row per measurement, ``gain`` how many times better the cache does."""
-    t2, rep, miss = s["turn2"], s["repeat"], s["miss"]
-    yes = lambda flags: "yes" if all(flags) else f"NO ({sum(map(bool, flags))}/{len(flags)})"  # noqa: E731
-    rows = [
-        {"measurement": "turn-2 TTFT", "on": t2["on_ttft_s"] * 1e3, "off": t2["off_ttft_s"] * 1e3, "unit": "ms",
-         "gain": t2["speedup"], "detail": f"cached {t2['cached_tokens'][0]} of {t2['prompt_tokens']}; turn-2 outputs "
-                                          f"equal on/off: {yes(t2['outputs_equal'])}"},
-        {"measurement": "repeated prompt: 2nd (hit) / 1st (miss) TTFT", "on": rep["hit_ttft_s"] * 1e3,
-         "off": rep["miss_ttft_s"] * 1e3, "unit": "ms", "gain": rep["speedup"],
-         "detail": f"cached {rep['cached_tokens'][0]}"},
-        {"measurement": "fresh prompt TTFT (miss)", "on": miss["on_ttft_s"] * 1e3, "off": miss["off_ttft_s"] * 1e3,
-         "unit": "ms", "gain": miss["off_ttft_s"] / miss["on_ttft_s"],
-         "detail": f"checkpointing a miss costs {miss['overhead_pct']:+.1f} %"}]
-    for d in s["decode"]:
-        rows.append({"measurement": f"decode B={d['batch']}, context {d['context']}", "on": d["on_tokens_per_s"],
-                     "off": d["off_tokens_per_s"], "unit": "tok/s", "gain": d["on_tokens_per_s"] / d["off_tokens_per_s"],
-                     "detail": f"cost {d['cost_pct']:+.2f} % (target <= {TARGETS['decode_cost_pct']} %)"})
-    if "host_restore" in s:
-        h = s["host_restore"]
-        rows.append({"measurement": "turn-2 TTFT from a host replica (1 slot) / full prefill", "on": h["ttft_s"] * 1e3,
-                     "off": h["full_prefill_ttft_s"] * 1e3, "unit": "ms", "gain": h["speedup"],
-                     "detail": f"cached {h['cached_tokens'][0]}, restored from {h['restored_from'][0]}, "
-                               f"{h['host_evictions'][0]} host evictions"})
-    return rows
-
-
-# -- report ---------------------------------------------------------------------------------------------
-
-def markdown(result: dict) -> str:
-    d = result["device"]
-    lines = [f"# ninfer context cache on {d['name']} ({d['device']}), torch {d['torch']}, triton {d['triton']}"]
-    for shape, r in result["shapes"].items():
-        if "error" in r:
-            lines += ["", f"## {shape}: FAILED: {r['error']}"]
-            continue
-        lines += ["", f"## {shape}: history {r['history']} + answer {r['answer']} + new {r['new']} tokens, "
-                      f"prefill chunk {r['prefill_chunk']}; TTFTs are medians of {len(r['engines']['on']['conversations'])} "
-                      f"runs, decode the best of {result['args']['decode_reps']}",
-                  "", "| measurement | cache on | cache off | gain | detail |", "|---|---|---|---|---|"]
-        for row in r["table"]:
-            lines.append(f"| {row['measurement']} | {row['on']:.1f} {row['unit']} | {row['off']:.1f} {row['unit']} "
-                         f"| {row['gain']:.2f}x | {row['detail']} |")
-        if r["grid"]:
-            lines += ["", f"| checkpoint grid | grid saves | fresh TTFT ms | over prompt end only ms | per save ms "
-                          f"| sharing {r['grid'][0]['share_tokens']} tokens: TTFT ms | cached |",
-                      "|---|---|---|---|---|---|---|"]
-        for g in r["grid"]:
-            over = None if g["over_end_only_s"] is None else g["over_end_only_s"] * 1e3
-            per = None if g["per_save_s"] is None else g["per_save_s"] * 1e3
-            lines.append(f"| {g['grid']} | {g['grid_saves']} | {g['ttft_s'] * 1e3:.2f} | {_f(over, '+.2f')} "
-                         f"| {_f(per, '.3f')} | {g['share_ttft_s'] * 1e3:.2f} | {g['share_cached_tokens']} |")
-        c = r["calibration"]
-        dflt = c["cost_model_defaults"]
-        lines += ["", f"StateImage per checkpoint slot {c['image_bytes'] / 2**20:.2f} MiB, one device copy "
-                      f"{c['image_copy_s'] * 1e3:.3f} ms; host replica of a {r['history']}-token checkpoint "
-                      f"{c['replica_bytes'] / 2**20:.1f} MiB.",
-                  f"CostModel: prefill {c['recompute_s_per_token']:.3g} s/token (default "
-                  f"{dflt['recompute_s_per_token']:.3g}); {'pinned ' if c['pinned'] else ''}host->device "
-                  f"{c['h2d_bytes_per_s'] / 1e9:.1f} GB/s = {c['transfer_s_per_byte']:.3g} s/byte (default "
-                  f"{dflt['transfer_s_per_byte']:.3g}).",
-                  "Leak checks (idle after each run, all free after clearing): " + ", ".join(
-                      f"{k} {'ok' if v else 'LEAK'}" for k, v in r["leak_free"].items())]
-        for k, t in r["targets"].items():
-            lines.append(f"- target {k} {t['target']}: measured {t['measured']:.2f} -> {'met' if t['met'] else 'NOT met'}")
-    return "\n".join(lines)
 
 
 # -- entry point ----------------------------------------------------------------------------------------
@@ -496,7 +349,7 @@ def parse_args(argv=None):
 
 
 def _validate(args) -> str | None:
-    """What is wrong with this benchmark's own arguments (the driver checks --batches and --prefill-chunk)."""
+    """What is wrong with this benchmark's own arguments (harness.shape_benchmark_main checks --batches and --prefill-chunk)."""
     if args.history < 2 or args.answer < 1 or args.new < 1 or args.context < 1:
         return "--history must be >= 2; --answer, --new and --context >= 1"
     if args.steps < 3 or args.reps < 1 or args.decode_reps < 1:
@@ -507,7 +360,7 @@ def _validate(args) -> str | None:
 
 
 def main(argv=None) -> int:
-    return driver.shape_benchmark_main("context_cache", argv, parse_args=parse_args, validate=_validate,
+    return harness.shape_benchmark_main("context_cache", argv, parse_args=parse_args, validate=_validate,
                                        bench_shape=bench_shape, markdown=markdown)
 
 

@@ -8,15 +8,12 @@ sample), decode step = first to last token over N - 1 steps. Both come from one 
 two separately timed runs (T(N) - T(1)) can come out negative when the runs' noise exceeds the decode
 time. fla kernels are used by transformers when ``fla`` is importable (reported as ``fla``).
 
-    python -m benchmarks.hf_baseline CHECKPOINT_DIR [--device cuda] [--prompt 512] [--new-tokens 64] [--batch 1 8]
+``run`` is called by the ``bench`` and ``moe`` suites on the checkpoint they wrote.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
-import json
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -101,38 +98,3 @@ class TokenArrivals:
     def end(self) -> None:
         pass
 
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("checkpoint", help="a Hugging Face checkpoint folder (config.json + safetensors)")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--prompt", type=int, default=512)
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--json")
-    args = p.parse_args(argv)
-    import torch
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if not (Path(args.checkpoint) / "config.json").is_file():
-        print(f"hf_baseline: {args.checkpoint} has no config.json", file=sys.stderr)
-        return 2
-    try:
-        res = run(args.checkpoint, device=device, prompt=args.prompt, new_tokens=args.new_tokens,
-                  batches=tuple(args.batch), dtype="bfloat16" if device.startswith("cuda") else "float32")
-    except ValueError as exc:
-        print(f"hf_baseline: {exc}", file=sys.stderr)
-        return 2
-    print(f"transformers {res['transformers']} (fla: {res['fla']}) on {device}, {args.prompt}-token prompt, "
-          f"{args.new_tokens} new tokens")
-    print("| B | prefill s | decode ms/step | decode tokens/s |")
-    print("|---|---|---|---|")
-    for r in res["rows"]:
-        print(f"| {r['batch']} | {r['prefill_s']:.3f} | {r['decode_ms_per_step']:.1f} | {r['decode_tokens_per_s']:.1f} |")
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Qwen3.5 MoE on one GPU (issue 21): all-device decode against its bytes floor, host experts under a device
+"""The ``moe`` suite: Qwen3.5 MoE on one GPU: all-device decode against its bytes floor, host experts under a device
 budget, and transformers on the same weights, for the 35B-A3B shape at a reduced depth scaled to full depth.
 
 The disk cannot hold the 35B-A3B checkpoint and its artifact at full depth, so the benchmark writes the shape with
@@ -8,8 +8,8 @@ trained router's is, though real routers are more skewed), converts it with the 
 
 1. all-device (every weight on the GPU): decode tokens/s at B = 1 and 8 (Program-level steps: reserve, decode,
    commit, after ``--context`` prompt tokens) and a ``--prefill`` token prompt, with the bytes floor of a step:
-   the dense weights, the experts the step hits (B=1: k per layer; B=8: the distinct experts of 8 tokens,
-   measured from the router's choices over a prompt, else the uniform expectation) and each row's state and
+   the dense weights, the experts the step hits (B=1: k per layer; B=8: the expected distinct experts of 8
+   tokens under uniform routing) and each row's state and
    KV, over the copy bandwidth measured in the same run;
 2. host experts: the planner's expert cache for the FULL-depth model under ``--budget-gib`` (a sparse full-depth
    artifact, so nothing is written), its slots per layer given to the reduced model (``expert_cache_bytes``),
@@ -22,7 +22,7 @@ lookup, lm_head and argmax of the same rows) is timed alone; full-depth time = h
 What else a step does once (reserve, commit) is counted per layer, so the full-depth figure errs slow. The floor
 at full depth is computed from the full-depth config directly.
 
-    python -m benchmarks.moe --shape 35b-a3b --workdir /tmp/moe --json out.json           # the H200
+    scripts/gpu moe                                                                       # on the GPU machine
     python -m benchmarks.moe --shape tiny --layers 4 --device cpu --prefill 64 ...        # CPU smoke run (tested)
 """
 
@@ -38,9 +38,8 @@ import traceback
 from pathlib import Path
 
 from benchmarks import moe_weights as mw
-from benchmarks.bench import target_lines
+from benchmarks.harness import device_info, fmt, plugin_host, run_with_plugins, target_lines
 from benchmarks.moe_runs import (
-    ROUTING_PROBE_TOKENS,
     WARMUP_STEPS,
     decode_run,
     head_ms,
@@ -48,13 +47,11 @@ from benchmarks.moe_runs import (
     prefill_run,
     print_profile,
     profile_run,
-    routing_spread,
     stats_delta,
 )
-from benchmarks.moe_variants import host_variant, ops_off
 
 clock = time.perf_counter
-B1_FLOOR_TARGET = 0.6  # issue 21: all-device decode B=1 at >= 0.6 of its bytes floor (full depth)
+B1_FLOOR_TARGET = 0.6  # all-device decode B=1 at >= 0.6 of its bytes floor (full depth)
 
 
 class HostExpertsUnavailable(RuntimeError):
@@ -71,14 +68,13 @@ def scaled(ms: float, head: float, layers: int, full: int) -> dict:
     return {"head_ms": head, "per_layer_ms": per, "full_ms": head + full * per}
 
 
-def measure(program, config, cfg: dict, args, device: str, full_cfg: dict, bw: float, spread: dict,
-            stats=None) -> dict:
+def measure(program, config, cfg: dict, args, device: str, full_cfg: dict, bw: float, stats=None) -> dict:
     """Decode rows (with the bytes floor at this depth and at full depth) and the prefill, on one Program."""
     L, full, k = cfg["num_hidden_layers"], full_cfg["num_hidden_layers"], cfg["num_experts_per_tok"]
     res: dict = {"decode": []}
     for B in args.batches:
         row = decode_run(program, config, device, B, args.context, args.steps, stats)
-        distinct = k if B == 1 else spread.get(B, mw.expected_distinct(cfg["num_experts"], k, B))
+        distinct = k if B == 1 else mw.expected_distinct(cfg["num_experts"], k, B)
         head = head_ms(program, device, B, B)
         row.update(distinct_experts=distinct, **scaled(row["ms_per_step"], head, L, full))
         for tag, c, ms in (("", cfg, row["ms_per_step"]), ("full_", full_cfg, row["full_ms"])):
@@ -88,7 +84,7 @@ def measure(program, config, cfg: dict, args, device: str, full_cfg: dict, bw: f
         row["full_tokens_per_s"] = B / row["full_ms"] * 1e3 if row["full_ms"] else None
         res["decode"].append(row)
         print(f"#   decode B={B}: {row['ms_per_step']:.3f} ms/step ({L} layers), full depth "
-              f"{_f(row['full_ms'], '.3f')} ms, {_f(row['full_of_floor'], '.2f')} of the floor", flush=True)
+              f"{fmt(row['full_ms'], '.3f')} ms, {fmt(row['full_of_floor'], '.2f')} of the floor", flush=True)
     if args.profile:
         tag = "host_experts" if stats else "all_device"
         out = Path(args.json).with_name(f"profile_{tag}.txt") if args.json else None
@@ -119,22 +115,14 @@ def run_all_device(path: Path, cfg: dict, full_cfg: dict, args, device: str, bw:
     def run(inst) -> dict:
         res: dict = {"start_s": clock() - t, "placement": inst.memory.placement, "pdl": pdl,
                      "graphs": inst.program.graphs is not None, "graph_note": inst.program.graph_error}
-        res["routing"] = {B: routing_spread(inst.program, inst.config, B) for B in args.batches if B > 1}
-        res.update(measure(inst.program, inst.config, cfg, args, device, full_cfg, bw, measured_distinct(res)))
+        res.update(measure(inst.program, inst.config, cfg, args, device, full_cfg, bw))
         return res
 
     return on_instance(path, options, run)
 
 
-def measured_distinct(all_device: dict) -> dict[int, float]:
-    """B -> distinct experts per layer the routing probe measured (empty where it recorded nothing)."""
-    return {B: s["distinct"] for B, s in all_device.get("routing", {}).items() if s["source"] == "measured"}
-
-
-def run_host_experts(path: Path, cfg: dict, full_cfg: dict, args, device: str, bw: float, plan: dict,
-                     distinct: dict[int, float]) -> dict:
-    """The reduced model with the full-depth plan's expert cache slots per layer; ``distinct``: the all-device
-    run's measured distinct experts (same weights, same routing)."""
+def run_host_experts(path: Path, cfg: dict, full_cfg: dict, args, device: str, bw: float, plan: dict) -> dict:
+    """The reduced model with the full-depth plan's expert cache slots per layer."""
     from ninfer.contract.config import StartupOptions
     from ninfer_qwen35.startup import HOST_EXPERTS
 
@@ -156,9 +144,7 @@ def run_host_experts(path: Path, cfg: dict, full_cfg: dict, args, device: str, b
         res: dict = {"start_s": clock() - t, "placement": inst.memory.placement, "expert_cache_bytes": cache,
                      "slots_per_layer": plan["slots_per_layer"], "memory_expert_cache_slots":
                      inst.memory.expert_cache_slots, "graphs": inst.program.graphs is not None}
-        res.update(measure(inst.program, inst.config, cfg, args, device, full_cfg, bw, distinct,
-                           stats=lambda: experts.stats))
-        res["variants"] = [host_variant(inst, experts, v, args, device) for v in args.host_variants]
+        res.update(measure(inst.program, inst.config, cfg, args, device, full_cfg, bw, stats=lambda: experts.stats))
         return res
 
     return on_instance(path, options, run)
@@ -180,21 +166,17 @@ def run_hf(src: Path, args, device: str, heads: dict | None, layers: int, full: 
 
 
 def _max_len(args) -> int:
-    return max(args.prefill, args.context + args.steps + WARMUP_STEPS, ROUTING_PROBE_TOKENS) + 16
+    return max(args.prefill, args.context + args.steps + WARMUP_STEPS) + 16
 
 
 def copy_bandwidth(device: str) -> float:
     """TB/s, read + written (``benchmarks.ceilings.copy_bandwidth`` on CUDA; a host copy on the CPU)."""
-    from benchmarks.bench import measure_ceilings
+    from benchmarks import ceilings
 
-    return measure_ceilings([], [], device)["copy_tb_s"]
+    return ceilings.measure([], [], device)["copy_tb_s"]
 
 
 # -- report -----------------------------------------------------------------------------------------------
-
-def _f(x, spec: str = ".1f") -> str:
-    return "-" if x is None else format(x, spec)
-
 
 def markdown(r: dict) -> str:
     from ninfer.core.sizes import format_bytes
@@ -220,10 +202,10 @@ def markdown(r: dict) -> str:
         for d in m["decode"]:
             hit = d.get("experts", {}).get("hit_rate")
             lines.append(f"| {d['batch']} | {d['ms_per_step']:.3f} | {d['tokens_per_s']:.1f} | {d['head_ms']:.3f} "
-                         f"| {_f(d['per_layer_ms'], '.3f')} | {_f(d['full_ms'], '.3f')} "
-                         f"| {_f(d['full_tokens_per_s'])} | {d['full_floor_ms']:.3f} "
-                         f"| {_f(d['of_floor'], '.2f')} / {_f(d['full_of_floor'], '.2f')} "
-                         f"| {d['distinct_experts']:.1f} | {_f(hit, '.3f')} |")
+                         f"| {fmt(d['per_layer_ms'], '.3f')} | {fmt(d['full_ms'], '.3f')} "
+                         f"| {fmt(d['full_tokens_per_s'])} | {d['full_floor_ms']:.3f} "
+                         f"| {fmt(d['of_floor'], '.2f')} / {fmt(d['full_of_floor'], '.2f')} "
+                         f"| {d['distinct_experts']:.1f} | {fmt(hit, '.3f')} |")
         phases = [(d["batch"], d["experts"]) for d in m["decode"] if d.get("experts", {}).get("mixed_calls")]
         for B, e in phases:  # where a host-experts MoE call's host time goes
             calls = e["mixed_calls"]
@@ -233,7 +215,7 @@ def markdown(r: dict) -> str:
                          f"{(e['admitted'] + e['prefetched']) / calls:.1f} uploads per call")
         p = m["prefill"]
         lines.append(f"\nPrefill {p['tokens']} tokens (chunk {p['chunk']}): {p['tokens_per_s']:.0f} tok/s at {L} "
-                     f"layers, {_f(p['full_tokens_per_s'], '.0f')} tok/s at full depth")
+                     f"layers, {fmt(p['full_tokens_per_s'], '.0f')} tok/s at full depth")
     plan = r.get("plan", {})
     if plan:
         lines.append(f"\nPlan at full depth under {format_bytes(plan['budget_bytes'])}: "
@@ -247,8 +229,8 @@ def markdown(r: dict) -> str:
         lines.append(f"\ntransformers {hf['transformers']} (fla {hf['fla']}): decode B=1 "
                      f"{row['decode_tokens_per_s']:.1f} tok/s, prefill {hf['prompt']} {row['prefill_tokens_per_s']:.0f}"
                      f" tok/s at {L} layers" + ("" if "decode" not in hf else
-                     f"; full depth: decode {_f(hf['decode']['full_ms'], '.2f')} ms/step, prefill "
-                     f"{_f(hf['prefill']['full_ms'], '.0f')} ms"))
+                     f"; full depth: decode {fmt(hf['decode']['full_ms'], '.2f')} ms/step, prefill "
+                     f"{fmt(hf['prefill']['full_ms'], '.0f')} ms"))
     lines += target_lines(r.get("targets", {}))
     return "\n".join(lines)
 
@@ -268,17 +250,8 @@ def parse_args(argv=None):
     p.add_argument("--budget-gib", type=float, default=24.0, help="device budget of the host-experts plan")
     p.add_argument("--plan-max-model-len", type=int, default=None,
                    help="max_model_len of the host-experts plan (default: the model's limit)")
-    p.add_argument("--host-variants", nargs="*", default=[], metavar="PREFETCH,ADMIT,TEAM",
-                   help="after the host-experts run, decode B=1 again with these uploads per call and team sizes "
-                        "(e.g. 0,0,8 for no uploads; team 0: the caller thread with torch's intra-op threads), on "
-                        "the same instance")
-    p.add_argument("--pdl", nargs="+", default=["auto"], choices=sorted(PDL),
-                   help="all-device runs with programmatic dependent launch as the model prefers it, on, off; "
-                        "the first is the reported run, the others add all_device_pdl_<value> to the JSON")
-    p.add_argument("--ops-off", nargs="*", default=[], metavar="OPS",
-                   help="all-device runs again with these NINFER_OPS_OFF values (e.g. moe.moe_block: the block as "
-                        "its parts; none: nothing off), as all_device_ops_off_<value> in the JSON (_<i> added to a "
-                        "value given more than once)")
+    p.add_argument("--pdl", default="auto", choices=sorted(PDL),
+                   help="programmatic dependent launch as the model prefers it (auto), or forced on / off")
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="also profile STEPS decode steps at B=1 in each placement (kernels and host ops per step)")
     p.add_argument("--hf-new-tokens", type=int, default=32)
@@ -291,10 +264,6 @@ def parse_args(argv=None):
 
 
 def _validate(args) -> str | None:
-    for spec in args.host_variants:
-        parts = spec.split(",")
-        if len(parts) != 3 or not all(p.isdigit() for p in parts):
-            return f"--host-variants {spec!r}: expected PREFETCH,ADMIT,TEAM whole numbers (TEAM 0: the caller thread)"
     if args.layers < 4 or args.layers % 4:
         return "--layers must be a positive multiple of 4 (each group: 3 Gated DeltaNet layers + 1 attention)"
     if not all(1 <= b <= 8 for b in args.batches):
@@ -309,8 +278,6 @@ def _validate(args) -> str | None:
 
 
 def main(argv=None) -> int:
-    from benchmarks.bench import run_with_plugins
-
     return run_with_plugins(_run, argv)
 
 
@@ -321,8 +288,6 @@ def _run(argv) -> int:
         return 2
     import torch
 
-    from benchmarks.bench import device_info
-    from benchmarks.load_throughput import _host
     from ninfer_convert.convert import convert_checkpoint
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -359,7 +324,7 @@ def _run(argv) -> int:
         t = clock()
         res["checkpoint_bytes"] = mw.write_checkpoint(src, cfg, device)
         res["write_s"] = clock() - t
-        res["convert_s"] = convert_checkpoint(src, art, host=_host()).seconds
+        res["convert_s"] = convert_checkpoint(src, art, host=plugin_host()).seconds
         if not args.hf:
             shutil.rmtree(src)
         save()
@@ -367,8 +332,8 @@ def _run(argv) -> int:
             print(f"# {key}", flush=True)
             try:
                 common = (art, cfg, full_cfg, args, device, res["copy_tb_s"])
-                res[key] = run_all_device(*common, args.pdl[0]) if key == "all_device" else \
-                    run_host_experts(*common, res["plan"], measured_distinct(res["all_device"]))
+                res[key] = run_all_device(*common, args.pdl) if key == "all_device" else \
+                    run_host_experts(*common, res["plan"])
             except HostExpertsUnavailable as exc:
                 res[key] = {"unavailable": str(exc)}
                 print(f"#   not run: {exc}", file=sys.stderr, flush=True)
@@ -376,17 +341,6 @@ def _run(argv) -> int:
                 traceback.print_exc()
                 res[key] = {"error": f"{type(exc).__name__}: {exc}"}
                 failed = True
-            save()
-        once = argparse.Namespace(**{**vars(args), "profile": 0})  # the profile is the first run's
-        for extra in args.pdl[1:]:
-            print(f"# all_device, pdl {extra}", flush=True)
-            res[f"all_device_pdl_{extra}"] = run_all_device(art, cfg, full_cfg, once, device, res["copy_tb_s"], extra)
-            save()
-        for i, ops in enumerate(args.ops_off):  # a value given twice runs twice (A/B/A/B: instances differ)
-            print(f"# all_device, NINFER_OPS_OFF={ops}", flush=True)
-            key = f"all_device_ops_off_{ops}" + (f"_{i}" if args.ops_off.count(ops) > 1 else "")
-            with ops_off(ops):
-                res[key] = run_all_device(art, cfg, full_cfg, once, device, res["copy_tb_s"], args.pdl[0])
             save()
         art.unlink()
         if args.hf:

@@ -1,8 +1,7 @@
 """Timed units on a started Qwen3.5 MoE Program, for benchmarks/moe.py: decode steps of B rows, a prompt's prefill,
-the head a unit runs once whatever the depth, the host experts' counters over a window, and the distinct experts
-the router picks for B tokens.
+the head a unit runs once whatever the depth, and the host experts' counters over a window.
 
-Program-level, as benchmarks/decode_step.py times a step: ``reserve_units``, ``decode`` (or ``prefill``) and
+Program-level, as benchmarks/programs.py times a step: ``reserve_units``, ``decode`` (or ``prefill``) and
 ``commit``, with the device synchronised around each timed unit.
 """
 
@@ -14,26 +13,18 @@ import statistics
 import time
 from pathlib import Path
 
+from benchmarks.harness import sync
+
 clock = time.perf_counter
 WARMUP_STEPS = 3
-ROUTING_PROBE_TOKENS = 256
-
-
-def _sync(device: str) -> None:
-    import torch
-
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def _median_ms(fn, device: str, iters: int = 10) -> float:
     fn()
     times = []
     for _ in range(iters):
-        _sync(device)
+        sync(device)
         t = clock()
         fn()
-        _sync(device)
+        sync(device)
         times.append((clock() - t) * 1e3)
     return statistics.median(times)
 
@@ -79,7 +70,7 @@ def head_ms(program, device: str, rows: int, tokens: int) -> float:
 def warm_decode(program, config, B: int, context: int):
     """B greedy sequences after ``context`` prompt tokens each, warmed by ``WARMUP_STEPS`` decode steps; yields
     one step (reserve, decode, commit of every row) and releases the sequences on exit."""
-    from benchmarks.decode_step import prefilled_sequences
+    from benchmarks.programs import prefilled_sequences
     from ninfer.contract.batch import RowDecision
 
     seqs = prefilled_sequences(program, config, B, context)
@@ -106,10 +97,10 @@ def decode_run(program, config, device: str, B: int, context: int, steps: int, s
         before = stats() if stats else None
         times = []
         for _ in range(steps):
-            _sync(device)
+            sync(device)
             t = clock()
             step()
-            _sync(device)
+            sync(device)
             times.append((clock() - t) * 1e3)
         after = stats() if stats else None
     ms = statistics.median(times)
@@ -129,12 +120,12 @@ def profile_run(program, config, device: str, B: int, context: int, steps: int, 
 
     cuda = device.startswith("cuda")
     with warm_decode(program, config, B, context) as step:
-        _sync(device)
+        sync(device)
         with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
             t = clock()
             for _ in range(steps):
                 step()
-            _sync(device)
+            sync(device)
             wall = clock() - t
     events = prof.key_averages()
     kernels = sorted((e for e in events if e.device_type.name == "CUDA"), key=lambda e: e.self_device_time_total,
@@ -175,7 +166,7 @@ def prefill_run(program, config, device: str, tokens: int, chunk: int, reps: int
         prompt = PreparedPrompt(token_ids=torch.randint(0, config.vocab_size, (tokens,), generator=g).tolist())
         sid = program.open_sequence(prompt, SamplingParams(temperature=0.0))
         try:
-            _sync(device)
+            sync(device)
             t = clock()
             while program.input_remaining(sid):
                 n = min(chunk, program.input_remaining(sid))
@@ -184,7 +175,7 @@ def prefill_run(program, config, device: str, tokens: int, chunk: int, reps: int
                 batch = program.prefill(sid, n)
                 if batch is not None:
                     program.commit(batch, [RowDecision(accepted=1)])
-            _sync(device)
+            sync(device)
             seconds.append(clock() - t)
         finally:
             program.release(sid)
@@ -202,52 +193,3 @@ def stats_delta(before, after) -> dict:
     return {**d, "hit_rate": d["cache_hits"] / pairs if pairs else None}
 
 
-@contextlib.contextmanager
-def recorded_routing():
-    """The expert ids every MoE layer call routes to, recorded while the block is open (the model's ``moe_route``
-    and ``moe_block`` wrapped, the latter routing once more to record; an instrument for this benchmark only,
-    restored on exit)."""
-    from ninfer_qwen35.execution import layers
-
-    route, block, calls = layers.moe_route, layers.moe_block, []
-
-    def recording_route(logits, top_k):
-        weights, ids = route(logits, top_k)
-        calls.append(ids.to("cpu"))
-        return weights, ids
-
-    def recording_block(x, logits, *rest, **options):
-        calls.append(route(logits, rest[-1])[1].to("cpu"))
-        return block(x, logits, *rest, **options)
-
-    layers.moe_route, layers.moe_block = recording_route, recording_block
-    try:
-        yield calls
-    finally:
-        layers.moe_route, layers.moe_block = route, block
-
-
-def routing_spread(program, config, batch: int) -> dict:
-    """Distinct experts per layer among ``batch`` tokens, measured over the routing of one random prompt: the
-    tokens of each layer's call in groups of ``batch`` spread over the prompt (rows j, j + n, j + 2n, ...)."""
-    import torch
-
-    from benchmarks.decode_step import prefilled_sequences
-
-    with recorded_routing() as calls:
-        seqs = prefilled_sequences(program, config, 1, ROUTING_PROBE_TOKENS)
-    for sid in seqs:
-        program.release(sid)
-    counts, loads = [], []
-    for ids in calls:
-        n = ids.shape[0] // batch
-        if n == 0:
-            continue
-        groups = ids[:n * batch].reshape(batch, n, -1).transpose(0, 1).reshape(n, -1)
-        counts += [g.unique().numel() for g in groups]
-        load = torch.bincount(ids.reshape(-1), minlength=config.moe.num_experts).float()
-        loads.append(float(load.max() / load.mean()))
-    if not counts:
-        return {"source": "none recorded"}
-    return {"source": "measured", "distinct": statistics.mean(counts), "groups": len(counts),
-            "load_max_over_mean": statistics.mean(loads)}

@@ -82,8 +82,7 @@ def write_checkpoint(directory: Path, cfg: dict, device: str, *, shard_bytes: in
     Returns the tensor bytes written."""
     import torch
 
-    from benchmarks.load_throughput import write_source_files
-    from benchmarks.shards import write_shards
+    from benchmarks.harness import write_shards, write_source_files
 
     write_source_files(directory, cfg)
     gen_device = "cuda" if device.startswith("cuda") else "cpu"
@@ -102,8 +101,8 @@ def expert_cache_plan(shape: str, workdir: Path, *, device: str, budget_bytes: i
     """The planner's host-experts plan for the full-depth shape under ``budget_bytes``, from a sparse artifact (the
     converter's header over a hole: no weight is written or read). ``slots_per_layer``: the plan's expert cache
     slots over the model's MoE layers."""
-    from benchmarks.load_throughput import _host
-    from benchmarks.memory_plan import SparseArtifactWriter, write_sparse_source
+    from benchmarks.harness import plugin_host
+    from benchmarks.sparse import SparseArtifactWriter, write_sparse_source
     from ninfer.artifact import open_artifact
     from ninfer.contract.config import StartupOptions
     from ninfer.core.device_plan import DeviceRoom, PlanError, plan_memory
@@ -114,7 +113,7 @@ def expert_cache_plan(shape: str, workdir: Path, *, device: str, budget_bytes: i
     src, out = workdir / f"{shape}-sparse-source", workdir / f"{shape}-sparse.ninfer"
     write_sparse_source(src, cfg)
     try:
-        convert_checkpoint(src, out, name=f"sparse-{shape}", host=_host(), make_writer=SparseArtifactWriter)
+        convert_checkpoint(src, out, name=f"sparse-{shape}", host=plugin_host(), make_writer=SparseArtifactWriter)
     finally:
         shutil.rmtree(src, ignore_errors=True)
     options = StartupOptions(device=device, max_concurrency=max_concurrency, device_budget_bytes=budget_bytes,

@@ -23,11 +23,13 @@ import time
 
 import torch
 
+from benchmarks.harness import sync
+
 PATHS = ("eager", "static", "graph")
 
 
 def _programs(shape: str, device: str, dtype: torch.dtype, *, max_batch: int, max_len: int):
-    from benchmarks.decode_step import random_parameters
+    from benchmarks.programs import random_parameters
     from ninfer_qwen35.execution.model import Qwen35Model
     from ninfer_qwen35.program import Qwen35Program
     from ninfer_qwen35.state import kv_pools, state_layout
@@ -44,11 +46,6 @@ def _programs(shape: str, device: str, dtype: torch.dtype, *, max_batch: int, ma
                              max_model_len=max_len, cuda_graphs=path == "graph", static_decode=path == "static")
 
     return config, {path: make(path) for path in PATHS}
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def _compare(a: list[list[int]], b: list[list[int]], lp_a: list[list[float]], lp_b: list[list[float]]):
@@ -85,13 +82,13 @@ def check_batch(programs: dict, config, B: int, *, context: int, steps: int, dev
             logprobs[path][i].append(batch.rows[0].logprobs[0])
     for _ in range(steps):
         for path, prog in programs.items():
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             for sid in ids[path]:
                 assert prog.reserve_units(sid, 1)
             batch = prog.decode(ids[path])
             prog.commit(batch, [RowDecision(accepted=1)] * B)
-            _sync(device)
+            sync(device)
             times[path].append((time.perf_counter() - t0) * 1e3)
             for i, row in enumerate(batch.rows):
                 tokens[path][i].append(row.tokens[0])

@@ -1,4 +1,5 @@
-"""Published Qwen3.5 dense shapes (config.json text fields) used by the benchmarks."""
+"""Published Qwen3.5 dense shapes (config.json text fields) used by the benchmarks, and their arithmetic: parameters,
+the bytes a decode step must move, the FLOPs of a prefill."""
 
 from __future__ import annotations
 
@@ -54,3 +55,46 @@ def decode_weight_shapes(cfg: dict) -> list[tuple[int, int]]:
         out += [(2 * inter, H), (H, inter)] + ([(cfg["num_experts"] + 1, H)] if moe else [])
     out.append((cfg["vocab_size"], H))
     return out
+
+
+def model_figures(cfg: dict) -> dict:
+    """Parameters, decode bytes and the per-token / per-position FLOP terms of a config.json dict."""
+    shapes = decode_weight_shapes(cfg)
+    head = shapes[-1]
+    layer_params = sum(o * i for o, i in shapes[:-1])
+    n = cfg["num_hidden_layers"]
+    n_full = sum(1 for i in range(n) if (i + 1) % cfg["full_attention_interval"] == 0)
+    return {
+        "layer_matmul_params": layer_params,
+        "lm_head_params": head[0] * head[1],
+        "embedding_params": cfg["vocab_size"] * cfg["hidden_size"],
+        "decode_weight_bytes": 2 * (layer_params + head[0] * head[1]),
+        "full_attention_layers": n_full,
+        "gdn_layers": n - n_full,
+    }
+
+
+def prefill_flops(cfg: dict, tokens: int) -> float:
+    """Model FLOPs of one prompt of ``tokens`` from position 0: 2 x matmul params x tokens for the layers,
+    the lm_head once (only the last position is sampled), causal attention (QK^T and PV over the
+    prefix) and the GDN recurrence (about 6 Dk*Dv per token and value head: read-out, delta, update)."""
+    f = model_figures(cfg)
+    attn = 2 * 2 * cfg["num_attention_heads"] * cfg["head_dim"] * tokens * (tokens + 1) / 2 * f["full_attention_layers"]
+    gdn = 6 * cfg["linear_num_value_heads"] * cfg["linear_key_head_dim"] * cfg["linear_value_head_dim"] * tokens \
+        * f["gdn_layers"]
+    return 2 * f["layer_matmul_params"] * tokens + 2 * f["lm_head_params"] + attn + gdn
+
+
+def decode_bytes(cfg: dict, batch: int, context: int, dtype: str = "bfloat16") -> int:
+    """Bytes one decode step must move: every decode weight once, each row's StateImage slot read and
+    written, each row's KV prefix read."""
+    from ninfer.core.kv_pool import PagedKVPool
+    from ninfer_qwen35.config import parse_config
+    from ninfer_qwen35.state import kv_pools, state_layout
+
+    config = parse_config(dict(cfg))
+    state = state_layout(config, dtype).nbytes_per_slot
+    pools = kv_pools(config, 16, dtype)
+    kv_per_token = sum(PagedKVPool.page_bytes(p) for p in pools) // 16
+    return model_figures(cfg)["decode_weight_bytes"] + batch * (2 * state + context * kv_per_token)
+

@@ -1,4 +1,4 @@
-"""MTP speculative decoding: what a verify unit costs, and what it buys on a model with a trained MTP head.
+"""The ``speculative`` suite: MTP speculative decoding: what a verify unit costs, and what it buys on a model with a trained MTP head.
 
 Part 1, a published shape with random weights (acceptance means nothing there): time per decode unit through
 the real Program at B = 1 and 8, plain (one graphed decode step) against the speculative unit for k = 1..3
@@ -9,22 +9,21 @@ Part 2, the embedded model (its MTP head is trained): through ``ninfer.Engine``,
 and 8 concurrent requests: tokens/s plain and with k = 1..3, the mean acceptance length (tokens per verify row)
 and the acceptance per draft position.
 
-    python -m benchmarks.speculative --shape 9b --json out.json                         # on the GPU machine
+    scripts/gpu speculative                                                             # on the GPU machine
     python -m benchmarks.speculative --shape tiny --device cpu --steps 3 --tokens 16     # CPU smoke run
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
-import math
 import sys
 import time
 
 import torch
 
-from benchmarks.decode_step import prefilled_sequences
+from benchmarks.harness import sync
+from benchmarks.programs import prefilled_sequences, random_weights
 from benchmarks.shapes import SHAPES
 
 # Per-position conditional acceptance published for Qwen3.5 MTP (shared/reference/speculative.md §3.4, Inco,
@@ -36,39 +35,19 @@ PROMPTS = ["To be, or not to be, that is the question:", "Friends, Romans, count
            "Double, double toil and trouble;"]
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def build_programs(shape: str, device: str, dtype: torch.dtype, *, max_batch: int, context: int, steps: int,
                    graphs: bool, ks: list[int]):
     """(config, plain Program, {k: speculative Program}) over one set of random weights (MTP block included)."""
-    from ninfer.models.common.weights import WeightSet
     from ninfer_qwen35.config import parse_config
     from ninfer_qwen35.execution.model import Qwen35Model
     from ninfer_qwen35.execution.mtp import Qwen35MTP
     from ninfer_qwen35.execution.parameters import MTPParams, Qwen35Parameters
     from ninfer_qwen35.program.mtp_program import Qwen35MTPProgram, verify_steps
     from ninfer_qwen35.program.program import Qwen35Program
-    from ninfer_qwen35.source_mapping import expected_parameters, fused_parents
     from ninfer_qwen35.state import kv_pools, state_layout
 
     config = parse_config({**SHAPES[shape], "mtp_num_hidden_layers": 1})
-    gen = torch.Generator(device=device).manual_seed(0)
-    tensors = {}
-    for name, (_, dims) in expected_parameters(config, ("text", "mtp")).items():
-        if name.endswith("A_log"):
-            t = torch.empty(dims, device=device, dtype=torch.float32).uniform_(-1.0, 1.0, generator=gen)
-        elif name.endswith("dt_bias"):
-            t = torch.zeros(dims, device=device, dtype=torch.float32)
-        elif len(dims) == 1:
-            t = torch.ones(dims, device=device, dtype=dtype)
-        else:
-            t = torch.randn(dims, device=device, dtype=dtype, generator=gen) * (1.0 / math.sqrt(dims[-1]))
-        tensors[name] = t
-    weights = WeightSet.from_tensors(tensors, fused_parents(config))
-    del tensors
+    weights = random_weights(config, device, dtype, ("text", "mtp"))
     model = Qwen35Model(Qwen35Parameters.from_weights(config, weights, dtype))
     mtp = Qwen35MTP(MTPParams.from_weights(config, weights, dtype, device), model)
     name = "bfloat16" if dtype == torch.bfloat16 else "float32"
@@ -92,74 +71,38 @@ def time_units(program, config, device: str, B: int, *, context: int, steps: int
     seqs = prefilled_sequences(program, config, B, context)
     unit, forward, tokens = [], [], 0
     for i in range(warmup + steps):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         for sid in seqs:
             if not program.reserve_units(sid, program.decode_span):
                 raise RuntimeError("KV pool too small for the benchmark")
         batch = program.decode(seqs)
         program.commit(batch, [RowDecision(accepted=r.produced) for r in batch.rows])
-        _sync(device)
+        sync(device)
         if i >= warmup:
             unit.append((time.perf_counter() - t0) * 1e3)
             tokens += sum(r.produced for r in batch.rows)
         graphs = getattr(program, "graphs", None)
         if i >= warmup and program.decode_span > 1 and graphs is not None and B in getattr(graphs, "graphs", {}):
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             graphs.forward(B)
-            _sync(device)
+            sync(device)
             forward.append((time.perf_counter() - t0) * 1e3)
     commit = []
     graphs = getattr(program, "graphs", None)
     if program.decode_span > 1 and graphs is not None:  # the accepted state's scatter alone (last step kept)
         for _ in range(10):
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             program.verify_commit(graphs.batch(B), graphs.accepted[:B])
-            _sync(device)
+            sync(device)
             commit.append((time.perf_counter() - t0) * 1e3)
     for sid in seqs:
         program.release(sid)
     med = lambda xs: sorted(xs)[len(xs) // 2] if xs else None  # noqa: E731
     return {"batch": B, "ms_unit": med(unit), "ms_forward_stage": med(forward), "ms_state_commit": med(commit),
             "tokens_per_unit": tokens / steps / B}
-
-
-def profile_forward(plain, spec, config, device: str, B: int, *, context: int) -> None:
-    """Kernel time of one eager plain decode forward against one eager verify forward (k + 1 positions), top
-    kernels by device time (where a verify forward's extra cost goes)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from ninfer.core.batch_assembly import RowInput, build_forward_batch
-    from ninfer.models.common.speculative.batches import verify_batch
-
-    for name, prog in (("plain", plain), *((f"k={k}", p) for k, p in spec.items())):
-        R = getattr(prog, "draft_tokens", 0) + 1
-        pages = list(range(1, -(-(context + 8) // prog.page_size) + 1))
-        with torch.inference_mode():
-            if R == 1:
-                batch = build_forward_batch([RowInput(tokens=[1], start=context, slot=0, pages=pages, want_logits=True)]
-                                            * B, prog.page_size, prog.device.torch)
-                run = functools.partial(prog._decode_logits, batch)
-            else:
-                batch = verify_batch([[1] * R] * B, [context] * B, [0] * B, [pages] * B, span=prog.decode_span,
-                                     page_size=prog.page_size, scratch_page=prog._scratch_page, device=prog.device.torch)
-                run = functools.partial(prog._verify_stage, batch)
-            for _ in range(3):
-                run()
-            _sync(device)
-            cuda = device.startswith("cuda")
-            with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-                for _ in range(5):
-                    run()
-                _sync(device)
-        events = prof.key_averages()
-        took = (lambda e: e.device_time_total) if cuda else (lambda e: e.self_cpu_time_total)  # noqa: E731
-        total = sum(took(e) for e in events) / 5 / 1e3
-        print(f"## profile {name}, B={B}: {total:.3f} ms of kernels per forward")
-        for e in sorted(events, key=lambda e: -took(e))[:8]:
-            print(f"##   {took(e) / 5 / 1e3:8.3f} ms  {e.count // 5:4d}x  {e.key[:90]}")
 
 
 def implied_speedup(ratio: float, k: int, rates: tuple[float, ...]) -> float:
@@ -180,9 +123,6 @@ def part1(args, dtype) -> list[dict]:
     print(f"{'B':>2} {'k':>2} {'ms/unit':>9} {'x plain':>8} {'fwd ms':>8} {'x plain':>8} {'commit ms':>9} " +
           " ".join(f"{n:>16}" for n in PUBLISHED))
     rows = []
-    if args.profile:
-        for B in args.batch:
-            profile_forward(plain, spec, config, args.device, B, context=args.context)
     for B in args.batch:
         base = time_units(plain, config, args.device, B, context=args.context, steps=args.steps)
         rows.append({"k": 0, **base})
@@ -219,46 +159,29 @@ def part2(args, dtype_name: str) -> list[dict]:
             features = StartupFeatures(speculative="mtp", num_draft_tokens=k) if k else StartupFeatures()
             with Engine(default_model_path(), device=args.device, dtype=dtype_name, features=features,
                         max_concurrency=B, context_cache=False) as eng:
-                counts = _watch(eng)
                 work = [GenerationRequest(input=TextInput(text=PROMPTS[i % len(PROMPTS)]),
                                           sampling=SamplingParams(temperature=0.0, max_tokens=args.tokens,
                                                                   ignore_eos=True)) for i in range(B)]
                 eng.generate(work[0])  # warm (graphs captured at startup; first-use allocations)
                 tps = 0.0
-                for _ in range(2):  # the better of two runs, all B requests admitted together
-                    counts[:] = [0, 0, *([0] * 3)]
+                for _ in range(2):  # the better of two runs, all B requests admitted together; counts of the last
+                    before = eng.metrics().speculative
                     t0 = time.perf_counter()
                     results = [h.result() for h in submit_together(eng, work)]
                     tps = max(tps, sum(len(r.token_ids) for r in results) / (time.perf_counter() - t0))
+                    after = eng.metrics().speculative
             base = base or tps
-            units, produced = counts[0], counts[1]
+            units = after.drafts - before.drafts  # verify rows; each produced its accepted drafts + 1 token
+            per_position = [a - b for a, b in zip(after.accepted_per_position, before.accepted_per_position,
+                                                  strict=True)]
             row = {"batch": B, "k": k, "tokens_per_s": tps, "speedup": tps / base,
-                   "acceptance_length": produced / units if units else None,
-                   "acceptance_per_position": [c / units for c in counts[2:2 + k]] if units else []}
+                   "acceptance_length": 1 + (after.accepted_tokens - before.accepted_tokens) / units if units else None,
+                   "acceptance_per_position": [c / units for c in per_position[:k]] if units else []}
             rows.append(row)
             acc = f"{row['acceptance_length']:>10.3f}" if units else f"{'-':>10}"
             print(f"{B:>2} {k:>2} {tps:>9.1f} {row['speedup']:>8.3f} {acc}  "
                   + " ".join(f"{a:.3f}" for a in row["acceptance_per_position"]), flush=True)
     return rows
-
-
-def _watch(eng) -> list[int]:
-    """[verify rows, tokens they produced, accepted at draft position 0, 1, 2] as the worker collects units."""
-    prog, counts = eng.instance.program, [0, 0, 0, 0, 0]
-    collect = prog.collect
-
-    def counted(unit):
-        batch = collect(unit)
-        for row in batch.rows:
-            if row.drafted:
-                counts[0] += 1
-                counts[1] += row.produced
-                for i in range(row.produced - 1):
-                    counts[2 + i] += 1
-        return batch
-
-    prog.collect = counted
-    return counts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -271,7 +194,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=30, help="timed units per (B, k) in part 1")
     ap.add_argument("--tokens", type=int, default=256, help="tokens per request in part 2")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
-    ap.add_argument("--profile", action="store_true", help="part 1: kernel times of one eager forward, plain vs verify")
     ap.add_argument("--skip", choices=["part1", "part2"], help="run only the other part")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)

@@ -1,9 +1,9 @@
-"""The Qwen3.5 vision encoder on one GPU (issue 22): its attention, its throughput, and a chat's time to first token
-with one image, each beside what it replaces or competes with, on the same random weights.
+"""The ``vision`` suite: the Qwen3.5 vision encoder on one GPU: its attention, its throughput, and a chat's time to
+first token with one image, each beside what it replaces or competes with, on the same random weights.
 
 1. attention (``--parts attention``): the packed-frames attention of one encoder layer at the lengths of the
-   ``--images`` batches (16 heads x 72 for the published tower): the Triton kernel (default tiles, the head padded
-   to 128 instead of split 64 + 16, a tile sweep) against torch's SDPA once per distinct length (the op's torch
+   ``--images`` batches (16 heads x 72 for the published tower): the Triton kernel (with ``--triton-attention``; and
+   the head padded to 128 instead of split 64 + 16) against torch's SDPA once per distinct length (the op's torch
    path; also with each SDPA backend forced) and SDPA once per image (as transformers calls it); relative error
    against fp32 and TFLOP/s (4 x sum(L^2) x heads x head_dim).
 2. encoder (``--parts encoder``): images/s of the whole tower (``--vision published``: depth 27, hidden 1152, 16
@@ -18,7 +18,7 @@ with one image, each beside what it replaces or competes with, on the same rando
    transformers (image processor + ``generate(max_new_tokens=1)``) on the same checkpoint and images. When this
    tree's Engine refuses the vision feature or media, ours is reported as skipped with the reason.
 
-    python -m benchmarks.vision --workdir /tmp/vision --json out.json                    # the H200
+    scripts/gpu vision                                                                   # on the GPU machine
     python -m benchmarks.vision --device cpu --vision tiny --text-shape tiny --images 64x1 64x2 ...   # smoke
 """
 
@@ -39,16 +39,10 @@ import traceback
 from pathlib import Path
 
 from benchmarks import vision_weights as vw
+from benchmarks.harness import sync
 
 clock = time.perf_counter
 PARTS = ("attention", "encoder", "ttft")
-
-
-def sync(device: str) -> None:
-    import torch
-
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def timed(device: str, warmup: int, repeats: int, fn, *call) -> dict:
@@ -139,9 +133,6 @@ def attention_variants(device: str, triton_attention: bool = False) -> dict:
         return variants
     variants["triton"] = kernel
     variants["triton padded head"] = lambda q, k, v, s: kernel(q, k, v, s, head_split=False)
-    for bm, bn, warps in ((64, 32, 4), (64, 64, 4), (128, 32, 8), (128, 64, 8), (128, 64, 4), (128, 128, 8)):
-        variants[f"triton {bm}x{bn} w{warps}"] = \
-            lambda q, k, v, s, bm=bm, bn=bn, w=warps: kernel(q, k, v, s, block_m=bm, block_n=bn, num_warps=w)
     return variants
 
 
@@ -340,7 +331,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    from benchmarks.bench import run_with_plugins
+    from benchmarks.harness import run_with_plugins
 
     return run_with_plugins(_run, argv)
 
@@ -349,7 +340,7 @@ def _run(argv) -> int:
     args = parse_args(argv)
     import torch
 
-    from benchmarks.bench import device_info
+    from benchmarks.harness import device_info
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():

@@ -29,7 +29,7 @@ QUESTION = "Describe this image in one sentence."
 
 
 def run(args, device: str, vision: dict, workdir: Path) -> dict:
-    from benchmarks.load_throughput import _host
+    from benchmarks.harness import plugin_host
     from ninfer_convert.convert import convert_checkpoint
     from ninfer_qwen35.testing.checkpoints import make_tokenizer_json
 
@@ -43,7 +43,7 @@ def run(args, device: str, vision: dict, workdir: Path) -> dict:
     t = clock()
     cfg = vw.write_vl_checkpoint(src, args.text_shape, vision, device)
     res["write_s"], res["checkpoint_bytes"] = clock() - t, vw.checkpoint_bytes(cfg)
-    res["convert_s"] = convert_checkpoint(src, art, host=_host()).seconds
+    res["convert_s"] = convert_checkpoint(src, art, host=plugin_host()).seconds
     images = [vw.test_image(args.ttft_side, seed=i) for i in range(args.ttft_repeats + 1)]
     res["image_bytes"] = len(images[0])
     print(f"#   checkpoint {res['checkpoint_bytes'] / 1e9:.1f} GB written in {res['write_s']:.1f} s, converted in "
@@ -72,7 +72,7 @@ def _summary(runs: list[dict]) -> dict:
 
 def ours(artifact: Path, images: list[bytes], device: str) -> dict:
     import ninfer
-    from benchmarks.bench import close_engine
+    from benchmarks.harness import close_engine
     from ninfer.contract.config import StartupFeatures
     from ninfer.contract.events import GenerationResult, OutputDelta
     from ninfer.contract.prompt import ChatInput, MediaItem
@@ -128,7 +128,7 @@ def transformers_ttft(checkpoint: Path, images: list[bytes], device: str) -> dic
     from PIL import Image
     from tokenizers import Tokenizer
 
-    from benchmarks.vision import sync
+    from benchmarks.harness import sync
 
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     t = clock()

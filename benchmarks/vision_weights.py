@@ -115,7 +115,7 @@ def write_vl_checkpoint(directory: Path, text_shape: str, vision: dict, device: 
     shards + index), written shard by shard. Returns its config.json."""
     import torch
 
-    from benchmarks.shards import write_shards
+    from benchmarks.harness import write_shards
     from ninfer_qwen35.testing.checkpoints import CHAT_TEMPLATE, make_tokenizer_json
 
     tok, ids = make_tokenizer_json()

@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("ninfer_qwen35")
 
-from benchmarks.decode_step import build_program  # noqa: E402
+from benchmarks.programs import build_program  # noqa: E402
 from ninfer.contract.batch import RowDecision  # noqa: E402
 from ninfer.contract.prompt import PreparedPrompt  # noqa: E402
 from ninfer.contract.request import SamplingParams  # noqa: E402

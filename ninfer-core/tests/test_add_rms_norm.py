@@ -1,7 +1,7 @@
 """The fused residual add + RMSNorm: the op against the unfused sequence, the Triton kernel against the reference.
 
 The kernel runs on the CPU through Triton's interpreter (TRITON_INTERPRET=1, set by the root conftest without
-CUDA) at toy sizes in fp32/fp16; bf16, 9B shapes and timings are the `add_rms_norm` row of scripts/gpu-check.
+CUDA) at toy sizes in fp32/fp16; bf16 and 9B shapes are its GPU test (`scripts/gpu tests`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The root conftest sets TRITON_INTERPRET=1 when there is no CUDA device; shapes are tiny because the
 interpreter is slow, and dtypes are fp32/fp16 because it has no bf16 arithmetic. Real shapes and bf16 are the
-job of the GPU tests (ninfer-core/tests/gpu), timings of benchmarks/gpu_check.py.
+job of the GPU tests (ninfer-core/tests/gpu, `scripts/gpu tests`).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ def test_cuda_graph_decode_step_syncs_once(monkeypatch):
     launched, and collecting it waits on one event: the tokens' copy to the host."""
     import warnings
 
-    from benchmarks.decode_step import build_program
+    from benchmarks.programs import build_program
     from ninfer.contract.batch import RowDecision
     from ninfer.contract.prompt import PreparedPrompt
     from ninfer.contract.request import SamplingParams

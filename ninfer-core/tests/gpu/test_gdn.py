@@ -171,7 +171,7 @@ def test_gdn_prefill(model, case, tokens, has_state):
     from ninfer.ops.gdn import gdn_prefill_ref
     from ninfer.ops.triton.gdn import fla_available, gdn_prefill
 
-    assert fla_available(), "fla-core is not importable: carry its wheel in .whl/ (scripts/gpu-check installs it)"
+    assert fla_available(), "fla-core is not importable: carry its wheel in .whl/ (scripts/gpu installs it)"
     T = tokens
     q, k = case.randn(T, model.hk, model.dk), case.randn(T, model.hk, model.dk)
     v = case.randn(T, model.hv, model.dv)

@@ -1,0 +1,151 @@
+"""Sparse artifacts: a published shape converted by the real converter with every weight left as a hole of zeros
+(no weight is made, read or written to disk), so a full-size model can be planned and started on a small disk.
+Used by ``moe`` (the planner's expert cache at full depth) and ``start`` (a server started on a published shape).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import tempfile
+import zlib
+from pathlib import Path
+
+import attrs
+
+from benchmarks.harness import GIB, plugin_host, write_source_files
+from ninfer.artifact.format import (
+    PREFIX_SIZE,
+    RESOURCE_FEATURE,
+    ArtifactHeader,
+    align_up,
+    checksum_text,
+    header_to_json,
+    pack_prefix,
+)
+from ninfer.artifact.writer import ArtifactWriter, tensor_bytes
+
+_ZEROS = bytes(16 << 20)
+
+
+def zero_crcs(sizes) -> dict[int, int]:
+    """crc32 of n zero bytes for every n in ``sizes``, extending one running crc over the sorted sizes (the work
+    is the largest size once, not the sum)."""
+    out: dict[int, int] = {}
+    crc, done = 0, 0
+    for n in sorted(set(sizes)):
+        while done < n:
+            step = min(len(_ZEROS), n - done)
+            crc = zlib.crc32(memoryview(_ZEROS)[:step], crc)
+            done += step
+        out[n] = crc
+    return out
+
+
+class SparseArtifactWriter(ArtifactWriter):
+    """The converter's writer with every weight object left as a hole of zeros; frontend resources are written.
+    Same layout, header and atomic rename as ``ArtifactWriter.write``; no weight source is ever read."""
+
+    def write(self, path, *, metadata, config, features, frontend=None, progress=None, digest=None):
+        from ninfer.artifact.reader import _validate
+
+        path = Path(path)
+        pending = list(self._objects.values())
+
+        def header(objects, meta=metadata) -> ArtifactHeader:
+            return ArtifactHeader(metadata=meta, config=config, features=features, alignment=self.alignment,
+                                  data_size=self._end, objects=objects, bindings=tuple(self._bindings.values()),
+                                  uses=tuple(self._uses), frontend=frontend)
+
+        draft = header(tuple(p.obj for p in pending))
+        _validate(draft, path)
+        header_len = len(header_to_json(draft))
+        data_start = align_up(PREFIX_SIZE + header_len, self.alignment)
+        zeros = zero_crcs(p.obj.nbytes for p in pending if p.obj.feature != RESOURCE_FEATURE)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                final = []
+                for p in pending:
+                    crc = zeros.get(p.obj.nbytes, 0)
+                    if p.obj.feature == RESOURCE_FEATURE:
+                        data = b"".join(bytes(c if isinstance(c, bytes | bytearray | memoryview) else tensor_bytes(c))
+                                        for c in p.source())
+                        f.seek(data_start + p.obj.offset)
+                        f.write(data)
+                        crc = zlib.crc32(data)
+                    final.append(attrs.evolve(p.obj, checksum=checksum_text(crc)))
+                f.truncate(data_start + self._end)  # the rest is a hole: zeros on read, no disk
+                meta = metadata if digest is None else attrs.evolve(metadata, source_digest=digest(tuple(final)))
+                raw = header_to_json(header(tuple(final), meta))
+                if len(raw) != header_len:
+                    raise RuntimeError(f"header length changed from {header_len} to {len(raw)}")
+                f.seek(0)
+                f.write(pack_prefix(header_len, zlib.crc32(raw)))
+                f.write(raw)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return header(tuple(final), meta)
+
+
+def shape_config(shape: str) -> dict:
+    from benchmarks.shapes import MOE_SHAPES, SHAPES
+
+    # an MTP head: --speculative mtp plans
+    return dict({**SHAPES, **MOE_SHAPES}[shape], dtype="bfloat16", mtp_num_hidden_layers=1)
+
+
+def write_sparse_source(directory: Path, config: dict, shard_bytes: int = 4 * GIB) -> int:
+    """A checkpoint in published naming (flat text + ``mtp.*``) whose tensor data is a hole: config.json, tokenizer
+    files, safetensors shards with real headers (and their index). Shards as published: one mapping of 54 GB
+    is refused where memory overcommit is heuristic. Returns the tensor bytes it declares."""
+
+    from ninfer_qwen35.config import parse_config
+    from ninfer_qwen35.source_mapping import expected_parameters
+
+    write_source_files(directory, config)
+    shards: list[dict] = [{}]
+    sizes = [0]
+    for name, (_, shape) in expected_parameters(parse_config(config), ("text", "mtp")).items():
+        fp32 = name.endswith(("A_log", "linear_attn.norm.weight"))  # fp32 in published checkpoints
+        nbytes = math.prod(shape) * (4 if fp32 else 2)
+        if sizes[-1] and sizes[-1] + nbytes > shard_bytes:
+            shards.append({})
+            sizes.append(0)
+        shards[-1][name] = {"dtype": "F32" if fp32 else "BF16", "shape": list(shape),
+                            "data_offsets": [sizes[-1], sizes[-1] + nbytes]}
+        sizes[-1] += nbytes
+    weight_map = {}
+    for i, (entries, size) in enumerate(zip(shards, sizes, strict=True)):
+        file = directory / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        raw = json.dumps({"__metadata__": {"format": "pt"}, **entries}).encode()
+        raw += b" " * (-len(raw) % 8)
+        with open(file, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)))
+            f.write(raw)
+        os.truncate(file, 8 + len(raw) + size)
+        weight_map.update(dict.fromkeys(entries, file.name))
+    (directory / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}))
+    return sum(sizes)
+
+
+def write_sparse_artifact(shape: str, workdir: Path) -> Path:
+    """The shape's artifact through the real converter, data left as a hole (this module's docstring)."""
+    import shutil
+
+    import ninfer_convert.convert as convert
+
+    src, out = workdir / f"{shape}-source", workdir / f"{shape}.ninfer"
+    shutil.rmtree(src, ignore_errors=True)
+    write_sparse_source(src, shape_config(shape))
+    try:
+        convert.convert_checkpoint(src, out, name=f"sparse-{shape}", host=plugin_host(), make_writer=SparseArtifactWriter)
+    finally:
+        shutil.rmtree(src, ignore_errors=True)
+    return out
+
