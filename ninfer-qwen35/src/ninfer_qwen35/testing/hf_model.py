@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ninfer.artifact.weights import WeightSet
+from ninfer.models.common.weights import WeightSet
 from ninfer_qwen35.config import Qwen35Config, parse_config
 from ninfer_qwen35.execution.model import Qwen35Model
 from ninfer_qwen35.execution.parameters import Qwen35Parameters
