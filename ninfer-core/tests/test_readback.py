@@ -2,11 +2,11 @@
 
 import torch
 
-from ninfer.core.readback import Readback, upload
+from ninfer.core.readback import CopyStream, Readback, upload
 
 
 def test_tokens_only():
-    rb = Readback.launch(torch.tensor([7, 0, 123456789]))
+    rb = Readback.launch(torch.tensor([7, 0, 123456789]), copies=CopyStream())
     assert rb.event is None and rb.want == ()
     tokens, lp = rb.wait()
     assert tokens == [7, 0, 123456789] and lp == {}
@@ -18,7 +18,7 @@ def test_tokens_and_logprobs_of_the_rows_that_want_them():
     chosen = torch.tensor([-0.125, -3.5])
     top_ids = torch.tensor([[150_000, 7], [2, 151_935]])
     top_lp = torch.tensor([[-0.125, -2.0625], [-1.5, -1e-7]])
-    got, lp = Readback.launch(tokens, want, 2, (chosen, top_ids, top_lp)).wait()
+    got, lp = Readback.launch(tokens, want, 2, (chosen, top_ids, top_lp), copies=CopyStream()).wait()
     assert got == [3, 150_000, 9, 2] and all(type(t) is int for t in got)
     assert sorted(lp) == [1, 3]
     c, (ids, lps) = lp[1]

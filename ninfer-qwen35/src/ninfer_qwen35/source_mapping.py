@@ -11,7 +11,7 @@ import re
 from collections.abc import Collection
 
 from ninfer.artifact.mapping import StackedSource
-from ninfer.models.common.weights import FusedParent
+from ninfer.artifact.weights import FusedParent
 from ninfer_qwen35.config import Qwen35Config
 
 FEATURES = ("text", "vision", "mtp")

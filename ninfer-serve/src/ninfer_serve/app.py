@@ -21,8 +21,8 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import TypeVar
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -32,18 +32,20 @@ from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ninfer.contract.events import FinishReason, GenerationResult, GenerationStart, OutputDelta
+from ninfer.contract.errors import InvalidConstraint
+from ninfer.contract.events import Event, FinishReason, GenerationResult, GenerationStart, OutputDelta
+from ninfer.contract.request import GenerationRequest
+from ninfer.contract.serving import RequestHandle, ServingEngine
+from ninfer.contract.values import JSONObject
 from ninfer.core.task_pool import Task
-from ninfer.engine.errors import InvalidConstraint
 from ninfer_serve.access import access_middleware, key_scope
 from ninfer_serve.completions import completions
 from ninfer_serve.drain import Drain, ended_by_shutdown, refused_while_stopping
 from ninfer_serve.errors import APIError, from_engine_error, from_error_result, internal_error, new_request_id
 from ninfer_serve.json_body import parse_json
 from ninfer_serve.media import MediaAcquirer, MediaPolicy
-from ninfer_serve.metrics import GatewayMetrics
+from ninfer_serve.metrics import GatewayMetrics, InFlight
 from ninfer_serve.offload import (
     ClientGone,
     client_gone,
@@ -54,22 +56,24 @@ from ninfer_serve.offload import (
 )
 from ninfer_serve.openapi import openapi_document
 from ninfer_serve.preparation import HEAVY_THREADS, Preparation, close_all, submit_each
-from ninfer_serve.responses import DONE, ChatResponse
+from ninfer_serve.responses import DONE, BuilderFactory, ChatResponse, ResponseBuilding, Translate
 from ninfer_serve.responses_endpoint import ResponsesEndpoints
 from ninfer_serve.responses_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_RESPONSES, ResponseStore
 from ninfer_serve.schemas import ChatCompletionRequest, structure
 from ninfer_serve.tokenizer_routes import tokenizer_routes
-from ninfer_serve.translate import chat_request, choices
+from ninfer_serve.translate import ResponseOptions, chat_request, choices
 
 log = logging.getLogger("ninfer_serve")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 POOL_JOIN_S = 2.0  # at shutdown, how long the preparation and media threads may take to finish, in all
 _ENDED = object()  # a stream's queue item: the Drain ended it
+T = TypeVar("T")
+Handler = Callable[[Request], Awaitable[Response]]
 
 
-def _error_of(handle: Any, result: GenerationResult, request_id: str) -> APIError:
-    exc = handle.exception() if hasattr(handle, "exception") else None
+def _error_of(handle: RequestHandle, result: GenerationResult, request_id: str) -> APIError:
+    exc = handle.exception()
     if exc is not None:
         return from_engine_error(exc, request_id=request_id)
     return from_error_result(result.error, result.extra.get("error_kind"), request_id=request_id)
@@ -85,28 +89,10 @@ def _require_json(request: Request) -> None:
                        code="unsupported_media_type")
 
 
-class InFlight:
-    """Counts ``/v1`` requests from arrival until the response, streamed ones included, is over."""
-
-    def __init__(self, app: ASGIApp, gauge: Any) -> None:
-        self.app = app
-        self.gauge = gauge
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
-            await self.app(scope, receive, send)
-            return
-        self.gauge.inc()
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.gauge.dec()
-
-
 class Gateway:
     """Request handling bound to one engine; ``create_app`` wires it into Starlette routes."""
 
-    def __init__(self, engine: Any, *, model_id: str | None, queue_timeout_s: float | None,
+    def __init__(self, engine: ServingEngine, *, model_id: str | None, queue_timeout_s: float | None,
                  retry_after_s: int, body_timeout_s: float, preparation: Preparation, media: MediaAcquirer,
                  drain: Drain) -> None:
         self.engine = engine
@@ -130,7 +116,7 @@ class Gateway:
             return JSONResponse({"status": "failed"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    def _model_card(self) -> dict[str, Any]:
+    def _model_card(self) -> JSONObject:
         return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "ninfer",
                 "root": self.engine.model_name, "max_model_len": self.engine.max_model_len}
 
@@ -156,7 +142,7 @@ class Gateway:
     async def completions(self, request: Request) -> Response:
         return await completions(self, request)
 
-    async def parsed(self, request: Request, schema: type) -> Any:
+    async def parsed(self, request: Request, schema: type[T]) -> T:
         """The body checked against ``schema`` (its model one this server serves)."""
         if self.drain.stopping:
             raise refused_while_stopping(self.retry_after_s)
@@ -165,8 +151,8 @@ class Gateway:
         self._check_model(req.model)
         return req
 
-    async def _endpoint(self, request: Request, endpoint: str, schema: type, translate: Any,
-                        builder_cls: Any) -> Response:
+    async def _endpoint(self, request: Request, endpoint: str, schema: type[ChatCompletionRequest],
+                        translate: Translate, builder_cls: BuilderFactory) -> Response:
         """Parse and check the body against ``schema``, translate it into engine requests and generate."""
         req = await self.parsed(request, schema)
         rid = request.state.request_id
@@ -192,7 +178,7 @@ class Gateway:
             raise APIError(408, f"the request body was not received within {self.body_timeout_s:g} s",
                            code="body_timeout", headers={"Connection": "close"}) from None
 
-    def _check_budget(self, gen: Any, param: str = "max_tokens") -> None:
+    def _check_budget(self, gen: GenerationRequest, param: str = "max_tokens") -> None:
         """A generation budget that cannot fit the context even after a one-token prompt is out of range."""
         limit = self.engine.max_model_len
         wanted = gen.sampling.max_tokens
@@ -200,12 +186,12 @@ class Gateway:
             raise APIError(400, f"{param} {wanted} does not fit this model's context limit of {limit} tokens "
                            f"(at most {limit - 1} with a one-token prompt)", param=param)
 
-    async def _submit_all(self, request: Request, gens: list[Any], rid: str) -> list[Any]:
+    async def _submit_all(self, request: Request, gens: list[GenerationRequest], rid: str) -> list[RequestHandle]:
         """Submit every choice through a preparation TaskPool (the heavy one for a grammar or media); a full
         queue, or a client holding its share of the heavy pool, answers 429. A client that leaves meanwhile
         abandons the task: it never runs, or its handles are closed."""
         cancel = threading.Event()
-        task: Task[list[Any]] = Task(lambda: submit_each(self.engine, gens, cancel), on_abandon=close_all)
+        task: Task[list[RequestHandle]] = Task(lambda: submit_each(self.engine, gens, cancel), on_abandon=close_all)
         submit_or_refuse(self.preparation.pool_for(gens), task, retry_after_s=self.retry_after_s,
                          waiting_for="to be prepared", owner=client_of(request))
         try:
@@ -216,8 +202,8 @@ class Gateway:
         except Exception as exc:  # RequestRejected, EngineFailed, EngineClosed, anything else
             raise from_engine_error(exc, request_id=rid, retry_after_s=self.retry_after_s) from None
 
-    async def _generate(self, request: Request, endpoint: str, gen: Any, options: Any, builder_cls: Any,
-                        rid: str) -> Response:
+    async def _generate(self, request: Request, endpoint: str, gen: GenerationRequest | list[GenerationRequest],
+                        options: ResponseOptions, builder_cls: BuilderFactory, rid: str) -> Response:
         try:
             handles = await self._submit_all(request, choices(gen, options.n), rid)
         except ClientGone:
@@ -264,12 +250,13 @@ class Gateway:
                 for h in handles:
                     h.close()
 
-    async def _watched(self, request: Request, coro: Any) -> Any:
+    async def _watched(self, request: Request, coro: Awaitable[T]) -> T:
         """``coro``'s result; ClientGone when the client leaves first, 503 when the server's Drain ends first."""
         return await unless_disconnected(request, coro, drain=self.drain, retry_after_s=self.retry_after_s)
 
     @staticmethod
-    async def _rest(events: AsyncIterator[Any], builder: Any, first: Any, index: int) -> GenerationResult:
+    async def _rest(events: AsyncIterator[Event], builder: ResponseBuilding, first: Event, index: int
+                    ) -> GenerationResult:
         ev = first
         while not isinstance(ev, GenerationResult):
             if isinstance(ev, GenerationStart):
@@ -279,8 +266,8 @@ class Gateway:
             ev = await anext(events)
         return ev
 
-    async def _stream(self, endpoint: str, handles: list[Any], streams: list[AsyncIterator[Any]], builder: Any,
-                      firsts: list[Any], rid: str) -> AsyncIterator[str]:
+    async def _stream(self, endpoint: str, handles: list[RequestHandle], streams: list[AsyncIterator[Event]],
+                      builder: ResponseBuilding, firsts: list[Event], rid: str) -> AsyncIterator[str]:
         """SSE over every choice's events as they come (one pump task per choice feeding one queue)."""
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -336,7 +323,7 @@ class Gateway:
                 h.close()
 
 
-def create_app(engine: Any, *, model_id: str | None = None, queue_timeout_s: float | None = 60.0,
+def create_app(engine: ServingEngine, *, model_id: str | None = None, queue_timeout_s: float | None = 60.0,
                retry_after_s: int = 1, max_body_bytes: int = 32 << 20, body_timeout_s: float = 30.0,
                http_threads: int = 4, http_queue: int = 64, heavy_threads: int = HEAVY_THREADS, heavy_queue: int = 64,
                heavy_per_client: int | None = 16, heavy_running_per_client: int | None = 1,
@@ -368,7 +355,7 @@ def create_app(engine: Any, *, model_id: str | None = None, queue_timeout_s: flo
     responses = ResponsesEndpoints(gw, ResponseStore(responses_max, responses_max_bytes))
     openapi = openapi_document(title="ninfer", version=_version())
 
-    def counted(endpoint: str, handler: Any) -> Any:
+    def counted(endpoint: str, handler: Handler) -> Handler:
         async def wrapped(request: Request) -> Response:
             rid = request.state.request_id = new_request_id()
             try:

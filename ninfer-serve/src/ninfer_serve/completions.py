@@ -12,16 +12,18 @@ from __future__ import annotations
 import threading
 from collections.abc import AsyncIterator
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING
 
 import attrs
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from ninfer.contract.errors import RequestCancelled
 from ninfer.contract.events import GenerationResult
 from ninfer.contract.prompt import TextInput
-from ninfer.engine.errors import RequestCancelled
+from ninfer.contract.serving import ServingEngine
+from ninfer.contract.values import JSONObject
 from ninfer.engine.scoring import ScoreResult
 from ninfer_serve.access import key_scope
 from ninfer_serve.errors import APIError, from_engine_error
@@ -29,6 +31,9 @@ from ninfer_serve.offload import ClientGone
 from ninfer_serve.responses import DONE, CompletionResponse, _lp, sse
 from ninfer_serve.schemas import CompletionRequest
 from ninfer_serve.translate import ResponseOptions, completion_requests
+
+if TYPE_CHECKING:  # the Gateway calls this endpoint with itself
+    from ninfer_serve.app import Gateway
 
 
 @attrs.frozen(kw_only=True)
@@ -41,7 +46,7 @@ class ScoredPrompt:
     score: ScoreResult | None
     alternatives: dict[int, str]  # token id -> its text, for every id among the top alternatives
 
-    def legacy_logprobs(self, top: int) -> dict[str, Any]:
+    def legacy_logprobs(self, top: int) -> JSONObject:
         """OpenAI's legacy ``logprobs`` of the prompt tokens (null for the first)."""
         lps: list[float | None] = [None]
         tops: list[dict[str, float] | None] = [None]
@@ -55,9 +60,9 @@ class ScoredPrompt:
             at += len(text)
         return {"tokens": list(self.token_texts), "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
-    def vllm_prompt_logprobs(self, top: int) -> list[dict[str, Any] | None]:
+    def vllm_prompt_logprobs(self, top: int) -> list[JSONObject | None]:
         """vLLM's ``prompt_logprobs``: per position the token's entry then its ``top`` alternatives, keyed by id."""
-        out: list[dict[str, Any] | None] = [None]
+        out: list[JSONObject | None] = [None]
         if self.score is None:
             return out
         for j, (lp, rank) in enumerate(zip(self.score.logprobs, self.score.ranks, strict=True)):
@@ -84,7 +89,7 @@ class BatchCompletionResponse(CompletionResponse):
     def _prompt(self, index: int) -> ScoredPrompt | None:
         return None if self.prompts is None else self.prompts[index // self.n_each]
 
-    def usage(self) -> dict[str, Any]:
+    def usage(self) -> JSONObject:
         self.prompt_tokens = sum(self.prompt_sizes.values())
         return super().usage()
 
@@ -97,12 +102,12 @@ class BatchCompletionResponse(CompletionResponse):
         if result.usage.prompt_tokens:
             self.prompt_sizes[index // self.n_each] = result.usage.prompt_tokens
 
-    def _prompt_part(self, index: int) -> dict[str, Any]:
+    def _prompt_part(self, index: int) -> JSONObject:
         """What choice ``index`` carries of its prompt: the echoed text and logprobs, vLLM's prompt_logprobs."""
         prompt = self._prompt(index)
         if prompt is None:
             return {}
-        part: dict[str, Any] = {}
+        part: JSONObject = {}
         if self.options.echo:
             part["text"] = prompt.text
             part["logprobs"] = prompt.legacy_logprobs(self.top) if self.options.logprobs else None
@@ -122,7 +127,7 @@ class BatchCompletionResponse(CompletionResponse):
                  "finish_reason": None, **{k: v for k, v in part.items() if k == "prompt_logprobs"}}
         return [*frames, sse(self._obj(self.chunk_kind, [chunk]))]
 
-    def whole(self, results: list[GenerationResult]) -> dict[str, Any]:
+    def whole(self, results: list[GenerationResult]) -> JSONObject:
         out = super().whole(results)
         for choice in out["choices"]:
             part = self._prompt_part(choice["index"])
@@ -133,7 +138,7 @@ class BatchCompletionResponse(CompletionResponse):
                 choice["prompt_logprobs"] = part["prompt_logprobs"]
         return out
 
-    def prompt_only(self) -> list[dict[str, Any]]:
+    def prompt_only(self) -> list[JSONObject]:
         """The choices of a request that generates nothing (``max_tokens: 0``): the prompt part alone."""
         for i in range(len(self.choices)):
             self.prompt_sizes[i // self.n_each] = len(self._prompt(i).token_ids)
@@ -141,7 +146,7 @@ class BatchCompletionResponse(CompletionResponse):
                 for i in range(len(self.choices))]
 
 
-def _joined(prompt: dict[str, Any] | None, generated: dict[str, Any] | None, shift: int) -> dict[str, Any] | None:
+def _joined(prompt: JSONObject | None, generated: JSONObject | None, shift: int) -> JSONObject | None:
     """The prompt's legacy logprobs followed by the completion's (whose text_offset start after the prompt)."""
     if prompt is None or generated is None:
         return prompt or generated
@@ -151,7 +156,7 @@ def _joined(prompt: dict[str, Any] | None, generated: dict[str, Any] | None, shi
             "text_offset": prompt["text_offset"] + [o + shift for o in generated["text_offset"]]}
 
 
-def _score_prompts(engine: Any, inputs: list[TextInput], top: int, cancel: threading.Event) -> list[ScoredPrompt]:
+def _score_prompts(engine: ServingEngine, inputs: list[TextInput], top: int, cancel: threading.Event) -> list[ScoredPrompt]:
     """Tokenize and score each prompt (on the worker thread it blocks on, one after another)."""
     frontend = engine.frontend
     out = []
@@ -167,7 +172,7 @@ def _score_prompts(engine: Any, inputs: list[TextInput], top: int, cancel: threa
     return out
 
 
-async def completions(gw: Any, request: Request) -> Response:
+async def completions(gw: Gateway, request: Request) -> Response:
     """The endpoint, on the Gateway ``gw`` (ninfer_serve.app)."""
     req = await gw.parsed(request, CompletionRequest)
     rid = request.state.request_id

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import attrs
 
@@ -25,8 +24,15 @@ from ninfer.contract.constraint import (
     RegexConstraint,
     ToolCallConstraint,
 )
+from ninfer.contract.values import JSON, JSONObject
 from ninfer_serve.errors import bad_request
-from ninfer_serve.schemas import NamedToolChoice, ResponseFormat, StructuredOutputs
+from ninfer_serve.schemas import (
+    GenerationBody,
+    NamedToolChoice,
+    ResponseFormat,
+    StructuredOutputs,
+    ToolChoice,
+)
 
 # OpenAI's rule for response_format.json_schema.name.
 _SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -49,7 +55,7 @@ class Asked:
         return "tools" if isinstance(self.constraint, ToolCallConstraint) else self.param
 
 
-def _build(param: str, factory: Callable[..., Constraint], **fields: Any) -> Constraint:
+def _build(param: str, factory: Callable[..., Constraint], **fields: JSON) -> Constraint:
     """A contract constraint; its validators' refusals become a 400 naming ``param``."""
     try:
         return factory(**fields)
@@ -131,7 +137,7 @@ def structured_outputs(so: StructuredOutputs | None) -> Asked | None:
     return Asked(param, what, _build(param, GrammarConstraint, grammar=so.grammar, syntax=grammar_syntax(so.grammar)))
 
 
-def llama_cpp_fields(grammar: str | None, json_schema: dict[str, Any] | None) -> list[Asked]:
+def llama_cpp_fields(grammar: str | None, json_schema: JSONObject | None) -> list[Asked]:
     """llama.cpp's top-level ``grammar`` (GBNF) and ``json_schema`` (``{}``: any JSON value)."""
     asked = []
     if json_schema is not None:
@@ -142,7 +148,7 @@ def llama_cpp_fields(grammar: str | None, json_schema: dict[str, Any] | None) ->
     return asked
 
 
-def tool_calls(tools: Sequence[dict[str, Any]], tool_choice: Any, parallel_tool_calls: bool | None) -> Asked | None:
+def tool_calls(tools: Sequence[JSONObject], tool_choice: ToolChoice, parallel_tool_calls: bool | None) -> Asked | None:
     """``tool_choice`` over the rendered ``tools``: required or a named function constrain the output to tool
     calls; auto (OpenAI's default with tools) does only when a tool asks for ``strict`` arguments (vLLM's rule)."""
     if not tools or tool_choice == "none":
@@ -190,7 +196,7 @@ def one_constraint(asked: Sequence[Asked | None]) -> Asked | None:
     return given[0] if given else None
 
 
-def request_constraint(req: Any, tools: Sequence[dict[str, Any]] = (), tool_choice: Any = None,
+def request_constraint(req: GenerationBody, tools: Sequence[JSONObject] = (), tool_choice: ToolChoice = None,
                        parallel_tool_calls: bool | None = None) -> Asked | None:
     """The constraint the fields of a chat or text completion request ask for, if any (``tools`` already
     rendered: empty for text completions and for ``tool_choice: none``)."""

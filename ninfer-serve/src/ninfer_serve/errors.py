@@ -10,9 +10,12 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from typing import Any
 
 from starlette.responses import JSONResponse
+
+from ninfer.contract import errors as engine_errors
+from ninfer.contract.errors import EngineError
+from ninfer.contract.values import JSON, JSONObject
 
 log = logging.getLogger("ninfer_serve")
 
@@ -24,7 +27,7 @@ def new_request_id() -> str:
 class ErrorResponse(JSONResponse):
     """A JSON response whose body is always encodable: every non-ASCII character is escaped."""
 
-    def render(self, content: Any) -> bytes:
+    def render(self, content: JSON) -> bytes:
         return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
@@ -42,7 +45,7 @@ class APIError(Exception):
         self.code = code
         self.headers = headers or {}
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> JSONObject:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
@@ -73,14 +76,13 @@ def internal_error(request_id: str, *, code: str | None = "internal_error", what
 
 
 def from_engine_error(exc: BaseException, *, request_id: str, retry_after_s: int = 1) -> APIError:
-    """Map an engine error onto an APIError by its ``http_status`` and ``kind`` (ninfer.engine.errors).
+    """Map an engine error onto an APIError by its ``http_status`` and ``kind`` (ninfer.contract.errors).
 
     Overload answers 429 and a queue timeout 503, both with Retry-After; invalid and too-long input 400;
     a closed engine 503; a request that ended because memory ran out 503 with Retry-After (its message names
     the stage and the exception's type only); a failed engine and anything unexpected 500 (logged, never echoed).
     """
-    status = getattr(exc, "http_status", 500)
-    kind = getattr(exc, "kind", None)
+    status, kind = (exc.http_status, exc.kind) if isinstance(exc, EngineError) else (500, None)
     if status >= 500 and status != 503:
         log.error("request %s failed (%s): %s: %s", request_id, kind, type(exc).__name__, exc)
         if kind in _SERVER_SIDE:
@@ -93,8 +95,6 @@ def from_engine_error(exc: BaseException, *, request_id: str, retry_after_s: int
 
 def from_error_result(message: str | None, kind: str | None, *, request_id: str) -> APIError:
     """An APIError for a final ``GenerationResult`` with ``finish_reason=ERROR`` (kind in ``extra``)."""
-    from ninfer.engine import errors as engine_errors
-
     by_kind = {cls.kind: cls for cls in (engine_errors.QueueTimeout, engine_errors.Overloaded,
                                          engine_errors.InputTooLong, engine_errors.Unrepresentable,
                                          engine_errors.EngineFailed, engine_errors.EngineClosed,

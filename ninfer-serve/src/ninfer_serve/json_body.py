@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
 
+from ninfer.contract.values import JSON
 from ninfer_serve.errors import bad_request
 
 MAX_JSON_DEPTH = 64  # arrays/objects nested in a request body, the body itself counting as one
@@ -19,7 +19,7 @@ _SURROGATE = re.compile("[\ud800-\udfff]")  # valid pairs are joined by json.loa
 _SURROGATE_SOURCE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 
 
-def parse_json(raw: bytes) -> Any:
+def parse_json(raw: bytes) -> JSON:
     """Decode a request body: malformed JSON, non-Unicode text and excessive nesting answer 400."""
     try:
         body = json.loads(raw)
@@ -33,7 +33,7 @@ def parse_json(raw: bytes) -> Any:
     return body
 
 
-def _deeper_than(body: Any, limit: int) -> bool:
+def _deeper_than(body: JSON, limit: int) -> bool:
     """Whether arrays and objects nest more than ``limit`` levels (containers only: no paths, no strings)."""
     level, depth = [body] if isinstance(body, dict | list) else [], 1
     while level:
@@ -53,10 +53,10 @@ def _lone_surrogate(text: str) -> str | None:
     return None if m is None else f"\\u{ord(m.group()):04x}"
 
 
-def check_json_values(body: Any) -> None:
+def check_json_values(body: JSON) -> None:
     """Refuse text that is not Unicode (lone surrogates, in keys or values) and nesting deeper than
     MAX_JSON_DEPTH, naming the parameter path; iterative, so no input can exhaust the stack."""
-    stack: list[tuple[Any, str, int]] = [(body, "", 1)]
+    stack: list[tuple[JSON, str, int]] = [(body, "", 1)]
     while stack:
         value, path, depth = stack.pop()
         if isinstance(value, str):

@@ -31,9 +31,12 @@ import threading
 import time
 import urllib.parse
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING
 
 import attrs
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer, WriteableBuffer
 
 from ninfer_serve.media_policy import MediaPolicy, host_allowed
 
@@ -125,7 +128,7 @@ class _DeadlineSocket(socket.socket):
 
     deadline: _Deadline
 
-    def recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0) -> int:
+    def recv_into(self, buffer: WriteableBuffer, nbytes: int = 0, flags: int = 0) -> int:
         self.settimeout(self.deadline.left())
         return super().recv_into(buffer, nbytes, flags)
 
@@ -133,7 +136,7 @@ class _DeadlineSocket(socket.socket):
         self.settimeout(self.deadline.left())
         return super().recv(bufsize, flags)
 
-    def sendall(self, data: Any, flags: int = 0) -> None:
+    def sendall(self, data: ReadableBuffer, flags: int = 0) -> None:
         self.settimeout(self.deadline.left())
         super().sendall(data, flags)
 
@@ -143,7 +146,7 @@ class _DeadlineSSLSocket(ssl.SSLSocket):
 
     deadline: _Deadline | None = None
 
-    def recv_into(self, buffer: Any, nbytes: int | None = None, flags: int = 0) -> int:
+    def recv_into(self, buffer: WriteableBuffer, nbytes: int | None = None, flags: int = 0) -> int:
         if self.deadline is not None:
             self.settimeout(self.deadline.left())
         return super().recv_into(buffer, nbytes, flags)
@@ -153,7 +156,7 @@ class _DeadlineSSLSocket(ssl.SSLSocket):
             self.settimeout(self.deadline.left())
         return super().recv(buflen, flags)
 
-    def sendall(self, data: Any, flags: int = 0) -> None:
+    def sendall(self, data: ReadableBuffer, flags: int = 0) -> None:
         if self.deadline is not None:
             self.settimeout(self.deadline.left())
         super().sendall(data, flags)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-from typing import Any
+from collections.abc import Iterable
 
 import attrs
 
@@ -18,25 +18,25 @@ def _resolved_dir(path: str | None) -> str | None:
     return None if path is None else os.path.realpath(path)
 
 
-def _is_dir(instance: Any, attribute: attrs.Attribute, value: str | None) -> None:
+def _is_dir(instance: object, attribute: attrs.Attribute, value: str | None) -> None:
     if value is not None and not os.path.isdir(value):
         raise ValueError(f"{attribute.name}: {value} is not a directory")
 
 
 def _whole(lo: int, hi: int | None = None):
-    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    def check(instance: object, attribute: attrs.Attribute, value: object) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value < lo or (hi is not None and value > hi):
             bound = f"in {lo}..{hi}" if hi is not None else f">= {lo}"
             raise ValueError(f"{attribute.name} must be an integer {bound}, got {value!r}")
     return check
 
 
-def _flag(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+def _flag(instance: object, attribute: attrs.Attribute, value: object) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{attribute.name} must be True or False, got {value!r}")
 
 
-def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+def _positive(instance: object, attribute: attrs.Attribute, value: object) -> None:
     if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value < float("inf"):
         raise ValueError(f"{attribute.name} must be a finite number > 0, got {value!r}")
 
@@ -54,7 +54,7 @@ def _host_key(host: str) -> str:
         return host
 
 
-def allowed_host_names(value: Any) -> tuple[str, ...]:
+def allowed_host_names(value: Iterable[str]) -> tuple[str, ...]:
     """``value`` (a sequence of names) as ``MediaPolicy.allowed_hosts`` keeps them; ValueError names a bad one."""
     if isinstance(value, str):
         raise ValueError(f"allowed_hosts must be a sequence of names, got the string {value!r}")

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
 
 import attrs
 import cattrs
 from cattrs.gen import make_dict_structure_fn
+
+from ninfer.contract.values import JSON
 
 log = logging.getLogger("ninfer_serve")
 
@@ -41,8 +42,8 @@ def ignore_unknown_keys(conv: cattrs.Converter, classes: Iterable[type]) -> None
         known = frozenset(f.name for f in attrs.fields(cls))
         structure = make_dict_structure_fn(cls, conv)
 
-        def hook(value: Any, _t: Any, *, cls: type = cls, known: frozenset[str] = known,
-                 structure: Any = structure) -> Any:
+        def hook(value: JSON, _t: type, *, cls: type = cls, known: frozenset[str] = known,
+                 structure: Callable[[JSON], object] = structure) -> object:
             if isinstance(value, dict):
                 extra = value.keys() - known
                 if extra:

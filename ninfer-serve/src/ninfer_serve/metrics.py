@@ -7,16 +7,24 @@ start took (``engine.memory``) reads as the ``ninfer:memory_*`` gauges (``ninfer
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ninfer.contract.model import ResourceUsage
+from ninfer.contract.serving import ServingEngine
+from ninfer.core.task_pool import TaskPool
 from ninfer.engine.memory_report import memory_gauges
+from ninfer.engine.metrics import EngineMetrics, HistogramSnapshot
+
+Family = GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily
+One = Callable[[str, str, float], Family]  # one family of one sample: (name, doc, value)
 
 
-def _histogram(name: str, doc: str, snap: Any, model_name: str) -> HistogramMetricFamily:
+def _histogram(name: str, doc: str, snap: HistogramSnapshot, model_name: str) -> HistogramMetricFamily:
     cumulative = snap.cumulative()  # one more entry than bounds: the last is +Inf
     buckets = [(repr(float(b)), c) for b, c in zip(snap.bounds, cumulative, strict=False)]
     buckets.append(("+Inf", cumulative[-1] if cumulative else 0))
@@ -25,7 +33,7 @@ def _histogram(name: str, doc: str, snap: Any, model_name: str) -> HistogramMetr
     return h
 
 
-def _context_cache(m: Any, model_name: str, gauge: Any, counter: Any):
+def _context_cache(m: EngineMetrics, model_name: str, gauge: One, counter: One) -> Iterator[Family]:
     """The context cache's families: prefix-cache queries and hits in prompt tokens (vLLM's names), the
     checkpoints held and their bytes by place, evictions by where the checkpoint went."""
     yield counter("ninfer:prefix_cache_queries", "Prompt tokens of requests that looked up the context cache "
@@ -46,7 +54,7 @@ def _context_cache(m: Any, model_name: str, gauge: Any, counter: Any):
     yield evictions
 
 
-def _speculative(m: Any, model_name: str, gauge: Any, counter: Any):
+def _speculative(m: EngineMetrics, model_name: str, gauge: One, counter: One) -> Iterator[Family]:
     """Speculative decoding's families, under vLLM's spec_decode_* names: verify steps (drafts), draft tokens
     verified, drafts accepted (in all and per draft position), and the mean acceptance length."""
     s = m.speculative
@@ -68,20 +76,20 @@ def _speculative(m: Any, model_name: str, gauge: Any, counter: Any):
 
 
 class EngineCollector(Collector):
-    def __init__(self, engine: Any, model_name: str) -> None:
+    def __init__(self, engine: ServingEngine, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
 
     def describe(self):  # no up-front description: collect() reads the engine lazily
         return []
 
-    def _usage(self) -> Any:
+    def _usage(self) -> ResourceUsage | None:
         try:
             return self.engine.usage()
         except Exception:  # a failed or closed engine still answers the rest of /metrics
             return None
 
-    def collect(self):
+    def collect(self) -> Iterator[Family]:
         m = self.engine.metrics()
         label = ["model_name"]
         value = [self.model_name]
@@ -144,7 +152,8 @@ class EngineCollector(Collector):
 class GatewayMetrics:
     """The app's registry: the engine collector plus HTTP-level metrics the gateway itself owns."""
 
-    def __init__(self, engine: Any, model_name: str, pool: Any, media_pool: Any, heavy_pool: Any) -> None:
+    def __init__(self, engine: ServingEngine, model_name: str, pool: TaskPool, media_pool: TaskPool,
+                 heavy_pool: TaskPool) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(engine, model_name))
         self.http_requests = Counter("ninfer:http_requests", "HTTP requests by endpoint and status.",
@@ -171,3 +180,21 @@ class GatewayMetrics:
         heavy_running = Gauge("ninfer:http_heavy_prepare_running", "Requests with a constraint or media being "
                               "prepared now.", registry=self.registry)
         heavy_running.set_function(lambda: heavy_pool.running)
+
+
+class InFlight:
+    """Counts ``/v1`` requests from arrival until the response, streamed ones included, is over."""
+
+    def __init__(self, app: ASGIApp, gauge: Gauge) -> None:
+        self.app = app
+        self.gauge = gauge
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        self.gauge.inc()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.gauge.dec()

@@ -6,7 +6,8 @@ server's Drain is watched, so a shutdown past its graceful timeout ends it with 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Awaitable
+from typing import TypeVar
 
 from starlette.requests import Request
 
@@ -45,16 +46,19 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-async def _first(work: Any, watchers: dict[asyncio.Future, BaseException]) -> Any:
+T = TypeVar("T")
+
+
+async def _first(work: Awaitable[T], watchers: dict[asyncio.Future, BaseException]) -> T:
     """``work``'s result, unless a watcher finishes first: then its exception is raised and ``work`` cancelled."""
-    work = asyncio.ensure_future(work)
+    task = asyncio.ensure_future(work)
     try:
-        done, _ = await asyncio.wait({work, *watchers}, return_when=asyncio.FIRST_COMPLETED)
-        if work in done:
-            return work.result()
+        done, _ = await asyncio.wait({task, *watchers}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
         raise next(exc for w, exc in watchers.items() if w in done)
     finally:
-        pending = {t for t in (work, *watchers) if not t.done()}
+        pending = {t for t in (task, *watchers) if not t.done()}
         for task in pending:
             task.cancel()
         if pending:  # let them unwind; asyncio.wait neither raises their errors nor hides our own cancellation
@@ -64,8 +68,8 @@ async def _first(work: Any, watchers: dict[asyncio.Future, BaseException]) -> An
                     task.exception()
 
 
-async def unless_disconnected(request: Request, coro: Any, *, drain: Drain | None = None,
-                              retry_after_s: int = 1) -> Any:
+async def unless_disconnected(request: Request, coro: Awaitable[T], *, drain: Drain | None = None,
+                              retry_after_s: int = 1) -> T:
     """Run ``coro`` but raise ClientGone as soon as the client disconnects (the body is already read), and
     the 503 of ``ended_by_shutdown`` when ``drain`` ends first."""
     watchers: dict[asyncio.Future, BaseException] = {asyncio.ensure_future(_wait_disconnect(request)): ClientGone()}
@@ -74,7 +78,7 @@ async def unless_disconnected(request: Request, coro: Any, *, drain: Drain | Non
     return await _first(coro, watchers)
 
 
-async def unless_ended(drain: Drain, coro: Any, *, retry_after_s: int = 1) -> Any:
+async def unless_ended(drain: Drain, coro: Awaitable[T], *, retry_after_s: int = 1) -> T:
     """Run ``coro`` but answer 503 (``ended_by_shutdown``) when ``drain`` ends first."""
     return await _first(coro, {asyncio.ensure_future(drain.wait_ended()): ended_by_shutdown(retry_after_s)})
 

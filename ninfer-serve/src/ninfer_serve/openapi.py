@@ -9,15 +9,16 @@ from typing import Any, Literal, Union
 
 import attrs
 
+from ninfer.contract.values import JSONObject
 from ninfer_serve.json_body import MAX_JSON_DEPTH
 from ninfer_serve.responses_api import ResponsesRequest
-from ninfer_serve.schemas import MESSAGE_CLASSES, ChatCompletionRequest, CompletionRequest
+from ninfer_serve.schemas import MESSAGE_CLASSES, ChatCompletionRequest, CompletionRequest, TypeHint
 from ninfer_serve.tokenizer_routes import DetokenizeRequest, TokenizeRequest
 
 _PRIMITIVES = {str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null"}
 
 
-def json_schema(t: Any, components: dict[str, Any]) -> dict[str, Any]:
+def json_schema(t: TypeHint, components: JSONObject) -> JSONObject:
     """The JSON Schema of a type annotation; attrs classes go to ``components`` and are referenced."""
     origin = typing.get_origin(t)
     if t is Any:
@@ -43,9 +44,9 @@ def json_schema(t: Any, components: dict[str, Any]) -> dict[str, Any]:
     raise TypeError(f"no JSON Schema for {t!r}")
 
 
-def _object_schema(cls: type, components: dict[str, Any]) -> dict[str, Any]:
+def _object_schema(cls: type, components: JSONObject) -> JSONObject:
     hints = typing.get_type_hints(cls)
-    properties: dict[str, Any] = {}
+    properties: JSONObject = {}
     required = []
     for field in attrs.fields(cls):
         schema = json_schema(hints[field.name], components)
@@ -55,7 +56,7 @@ def _object_schema(cls: type, components: dict[str, Any]) -> dict[str, Any]:
             schema = {**schema, "default": field.default}
         properties[field.name] = schema
     # inside messages unknown keys are ignored, everywhere else refused
-    out: dict[str, Any] = {"type": "object", "properties": properties,
+    out: JSONObject = {"type": "object", "properties": properties,
                            "additionalProperties": cls in MESSAGE_CLASSES}
     if required:
         out["required"] = required
@@ -80,7 +81,7 @@ _ERRORS = {status: {"description": text, "content": {"application/json": {
                          ("503", "queue timeout, shutting down or closed; retry after Retry-After seconds"))}
 
 
-def _generation(summary: str, schema: dict[str, Any]) -> dict[str, Any]:
+def _generation(summary: str, schema: JSONObject) -> JSONObject:
     return {"post": {
         "summary": summary, "security": [{"bearer": []}, {}],
         "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
@@ -91,15 +92,15 @@ def _generation(summary: str, schema: dict[str, Any]) -> dict[str, Any]:
                       **_ERRORS}}}
 
 
-def _tokenizer_post(summary: str, schema: dict[str, Any]) -> dict[str, Any]:
+def _tokenizer_post(summary: str, schema: JSONObject) -> JSONObject:
     return {"post": {"summary": summary, "security": [{"bearer": []}, {}],
                      "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
                      "responses": {"200": {"description": summary, "content": {"application/json": {
                          "schema": {"type": "object"}}}}, **{k: _ERRORS[k] for k in ("400", "401", "415")}}}}
 
 
-def _get(summary: str, *, secured: bool, content_type: str = "application/json") -> dict[str, Any]:
-    op: dict[str, Any] = {"summary": summary, "responses": {"200": {
+def _get(summary: str, *, secured: bool, content_type: str = "application/json") -> JSONObject:
+    op: JSONObject = {"summary": summary, "responses": {"200": {
         "description": summary, "content": {content_type: {"schema": {"type": "object" if content_type ==
                                                                        "application/json" else "string"}}}}}}
     if secured:
@@ -108,7 +109,7 @@ def _get(summary: str, *, secured: bool, content_type: str = "application/json")
     return {"get": op}
 
 
-def _responses(schema: dict[str, Any]) -> dict[str, Any]:
+def _responses(schema: JSONObject) -> JSONObject:
     """``POST /v1/responses``: ``input`` items are checked by their ``type`` when translated (their shapes
     are OpenAI's), so the schema lists them as objects."""
     op = _generation("a Responses API response", schema)
@@ -119,7 +120,7 @@ def _responses(schema: dict[str, Any]) -> dict[str, Any]:
     return op
 
 
-def _stored_response() -> dict[str, Any]:
+def _stored_response() -> JSONObject:
     param = [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]
     not_found = {**_ERRORS["404"], "description": "no such stored response (never stored, deleted or evicted)"}
     ops = {"get": _get("a stored response", secured=True)["get"],
@@ -130,10 +131,10 @@ def _stored_response() -> dict[str, Any]:
     return ops
 
 
-def openapi_document(*, title: str, version: str) -> dict[str, Any]:
+def openapi_document(*, title: str, version: str) -> JSONObject:
     """The document served at ``/openapi.json``; ``security`` lists the bearer key as optional because
     it is required only when the server runs with --api-key."""
-    components: dict[str, Any] = {}
+    components: JSONObject = {}
     chat = json_schema(ChatCompletionRequest, components)
     completion = json_schema(CompletionRequest, components)
     responses = json_schema(ResponsesRequest, components)

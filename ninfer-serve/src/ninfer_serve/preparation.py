@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
 
 import attrs
 
 from ninfer.contract import GenerationRequest
 from ninfer.contract.prompt import ChatInput
+from ninfer.contract.serving import RequestHandle, ServingEngine
 from ninfer.core.task_pool import TaskPool
 
 HEAVY_THREADS = 4  # they wait for compile workers and media threads, which bound the CPU themselves
@@ -60,11 +60,12 @@ class Preparation:
             pool.shutdown(timeout=max(0.0, end - time.monotonic()))
 
 
-def submit_each(engine: Any, gens: list[GenerationRequest], cancel: threading.Event | None = None) -> list[Any]:
+def submit_each(engine: ServingEngine, gens: list[GenerationRequest], cancel: threading.Event | None = None
+                ) -> list[RequestHandle]:
     """Submit every choice (in a pool thread); all or none. The choices of a chat with media share one
     prepared prompt: its images and videos are decoded once, not once per choice. ``cancel``: set when the
     client is gone (a compile in progress for it stops)."""
-    handles: list[Any] = []
+    handles: list[RequestHandle] = []
     if len(gens) > 1 and isinstance(gens[0].input, ChatInput) and gens[0].input.media:
         prompt = engine.prepare(gens[0].input)
         gens = [attrs.evolve(gen, input=prompt) for gen in gens]
@@ -77,6 +78,6 @@ def submit_each(engine: Any, gens: list[GenerationRequest], cancel: threading.Ev
     return handles
 
 
-def close_all(handles: list[Any]) -> None:
+def close_all(handles: list[RequestHandle]) -> None:
     for h in handles:
         h.close()

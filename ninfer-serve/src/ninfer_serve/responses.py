@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import math
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Protocol
 
 from ninfer.contract.events import FinishReason, GenerationResult, OutputDelta, TokenLogprob, ToolCall
+from ninfer.contract.request import GenerationRequest
+from ninfer.contract.values import JSON, JSONObject
 from ninfer_serve.translate import ResponseOptions
 
 DONE = "data: [DONE]\n\n"
@@ -19,7 +22,27 @@ _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReaso
            FinishReason.GRAMMAR: "grammar"}
 
 
-def sse(obj: dict[str, Any]) -> str:
+class ResponseBuilding(Protocol):
+    """What the gateway asks of a response builder (chat, text completion, ``/v1/responses``): SSE frames per
+    event of choice ``index``, the frames after every choice ended, or the whole answer."""
+
+    def start(self, prompt_tokens: int, index: int = 0, *, cached_tokens: int = 0) -> list[str]: ...
+
+    def delta(self, d: OutputDelta, index: int = 0) -> list[str]: ...
+
+    def finish(self, result: GenerationResult, index: int = 0) -> list[str]: ...
+
+    def end(self) -> list[str]: ...
+
+    def whole(self, results: list[GenerationResult]) -> JSONObject: ...
+
+
+# A parsed body -> its engine request and response options; what builds the answer (id, model, options).
+Translate = Callable[..., tuple[GenerationRequest, ResponseOptions]]
+BuilderFactory = Callable[[str, str, ResponseOptions], ResponseBuilding]
+
+
+def sse(obj: JSONObject) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
@@ -31,11 +54,11 @@ def _lp(x: float) -> float:
     return x if math.isfinite(x) else -9999.0  # JSON has no -inf
 
 
-def _token_entry(token: str, logprob: float) -> dict[str, Any]:
+def _token_entry(token: str, logprob: float) -> JSONObject:
     return {"token": token, "logprob": _lp(logprob), "bytes": list(token.encode("utf-8"))}
 
 
-def chat_logprobs(items: tuple[TokenLogprob, ...] | list[TokenLogprob]) -> dict[str, Any]:
+def chat_logprobs(items: tuple[TokenLogprob, ...] | list[TokenLogprob]) -> JSONObject:
     """``logprobs.content``: the content tokens only (not reasoning, think markers or tool-call markup),
     each with the text it added to the content, so their texts joined are the content."""
     content = []
@@ -48,7 +71,7 @@ def chat_logprobs(items: tuple[TokenLogprob, ...] | list[TokenLogprob]) -> dict[
     return {"content": content}
 
 
-def completion_logprobs(items: list[TokenLogprob], offset: int) -> dict[str, Any]:
+def completion_logprobs(items: list[TokenLogprob], offset: int) -> JSONObject:
     """Legacy completions logprobs; ``offset`` is the text length already sent (for text_offset). A token
     whose text spans reasoning and content (``part``) is one entry with its whole text."""
     tokens, lps, tops, offsets = [], [], [], []
@@ -65,7 +88,7 @@ def completion_logprobs(items: list[TokenLogprob], offset: int) -> dict[str, Any
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> JSONObject:
     """OpenAI's usage object; ``cached_tokens``: prompt tokens restored from the context cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
@@ -78,14 +101,14 @@ class ToolCallIndexer:
 
     def __init__(self) -> None:
         self._slot: dict[int, int] = {}
-        self.calls: list[dict[str, Any]] = []
+        self.calls: list[JSONObject] = []
 
-    def add(self, call: ToolCall) -> dict[str, Any]:
+    def add(self, call: ToolCall) -> JSONObject:
         if call.index in self._slot:
             i = self._slot[call.index]
             fn = self.calls[i]["function"]
             fn["arguments"] += call.arguments
-            out: dict[str, Any] = {"index": i, "function": {"arguments": call.arguments}}
+            out: JSONObject = {"index": i, "function": {"arguments": call.arguments}}
             if call.name and not fn["name"]:
                 fn["name"] = out["function"]["name"] = call.name
             if call.id and not self.calls[i]["id"]:
@@ -110,7 +133,7 @@ class _Choice:
         self.tools = ToolCallIndexer()
         self.sent = 0  # characters of text so far (legacy text_offset)
 
-    def add(self, d: OutputDelta) -> list[dict[str, Any]]:
+    def add(self, d: OutputDelta) -> list[JSONObject]:
         self.completion_tokens += len(d.token_ids)
         self.content.append(d.content)
         self.reasoning.append(d.reasoning)
@@ -143,10 +166,10 @@ class _Response:
         restored, so the figure never claims a restore that some choice's prompt did not have."""
         return min((c.cached_tokens for c in self.choices if c.cached_tokens is not None), default=0)
 
-    def usage(self) -> dict[str, Any]:
+    def usage(self) -> JSONObject:
         return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
-    def _obj(self, kind: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    def _obj(self, kind: str, choices: list[JSONObject], **extra: JSON) -> JSONObject:
         out = {"id": self.id, "object": kind, "created": self.created, "model": self.model,
                "system_fingerprint": None, "choices": choices}
         if self.options.stream and self.options.continuous_usage and choices:
@@ -189,7 +212,7 @@ class ChatResponse(_Response):
         calls = self.choices[index].add(d)
         if not self.options.stream:
             return []
-        delta: dict[str, Any] = {}
+        delta: JSONObject = {}
         if d.reasoning:
             delta["reasoning_content"] = d.reasoning
             delta["reasoning"] = d.reasoning
@@ -213,7 +236,7 @@ class ChatResponse(_Response):
             return "tool_calls"
         return finish_reason(result.finish_reason)
 
-    def whole(self, results: list[GenerationResult]) -> dict[str, Any]:
+    def whole(self, results: list[GenerationResult]) -> JSONObject:
         out = []
         for i, (choice, result) in enumerate(zip(self.choices, results, strict=True)):
             self._settle(result, i)
@@ -256,7 +279,7 @@ class CompletionResponse(_Response):
         return [sse(self._obj(self.chunk_kind, [{"index": index, "text": "", "logprobs": None,
                                                  "finish_reason": finish_reason(result.finish_reason)}]))]
 
-    def whole(self, results: list[GenerationResult]) -> dict[str, Any]:
+    def whole(self, results: list[GenerationResult]) -> JSONObject:
         out = []
         for i, (choice, result) in enumerate(zip(self.choices, results, strict=True)):
             self._settle(result, i)

@@ -11,13 +11,13 @@ constraints, media) for both endpoints. ``previous_response_id`` puts the stored
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Literal, TypeVar
 
 import attrs
 
+from ninfer.contract.values import JSON, JSONObject
 from ninfer_serve.errors import APIError, bad_request
 from ninfer_serve.schemas import (
-    JSON,
     ChatCompletionRequest,
     ChatMessage,
     ContentPart,
@@ -39,6 +39,8 @@ KNOWN_INCLUDES = frozenset({
     "web_search_call.action.sources", "web_search_call.results"})
 # Efforts that turn thinking off; every other one keeps it on (budgets are not implemented).
 THINKING_OFF = ("none", "minimal")
+
+T = TypeVar("T")
 
 
 @attrs.frozen(kw_only=True)
@@ -165,7 +167,7 @@ class _FunctionCallOutputItem:
     status: str | None = None
 
 
-def _structure_at(value: Any, cls: type, where: str) -> Any:
+def _structure_at(value: JSON, cls: type[T], where: str) -> T:
     """``structure`` for a nested piece, its errors naming the full path (``input[2].content``)."""
     try:
         return structure(value, cls)
@@ -205,7 +207,7 @@ def _text_of(content: str | list[_Part], where: str) -> str:
     return "\n".join(p.text or "" for p in parts)
 
 
-def input_messages(items: str | list[dict[str, Any]] | None) -> list[ChatMessage]:
+def input_messages(items: str | list[JSONObject] | None) -> list[ChatMessage]:
     """``input`` as chat messages: consecutive ``function_call`` items (after an assistant message or not) make
     one assistant message's ``tool_calls``; ``reasoning`` items are accepted and dropped (the template keeps no
     reasoning of earlier turns)."""
@@ -259,7 +261,7 @@ def _tools(req: ResponsesRequest) -> list[Tool] | None:
     return tools
 
 
-def _tool_choice(choice: str | ToolChoiceFunction | None) -> Any:
+def _tool_choice(choice: str | ToolChoiceFunction | None) -> str | NamedToolChoice | None:
     if choice is None or isinstance(choice, str):
         if choice not in (None, "none", "auto", "required"):
             raise bad_request(f"'tool_choice' must be 'none', 'auto', 'required' or a function, got {choice[:80]!r}",
@@ -308,7 +310,7 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
         raise bad_request(f"'max_output_tokens' must be >= 1, got {req.max_output_tokens}", param="max_output_tokens")
 
 
-def thinking_kwargs(reasoning: ReasoningConfig | None) -> dict[str, Any] | None:
+def thinking_kwargs(reasoning: ReasoningConfig | None) -> JSONObject | None:
     """``reasoning.effort`` none / minimal turn thinking off through the template; others leave it on."""
     if reasoning is not None and reasoning.effort in THINKING_OFF:
         return {"enable_thinking": False}
@@ -383,7 +385,7 @@ def renamed(exc: APIError) -> APIError:
     return exc
 
 
-def stored_size(messages: list[ChatMessage], response: dict[str, Any]) -> int:
+def stored_size(messages: list[ChatMessage], response: JSONObject) -> int:
     """Bytes a stored turn holds, as JSON (what the store's byte bound counts)."""
     text = json.dumps([attrs.asdict(m) for m in messages], default=str) + json.dumps(response, default=str)
     return len(text.encode("utf-8", "surrogatepass"))

@@ -8,13 +8,14 @@ false, for ``previous_response_id`` and ``GET`` (ninfer_serve.responses_store).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator
+from typing import TYPE_CHECKING
 
 import attrs
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from ninfer.contract.values import JSON, JSONObject
 from ninfer_serve.access import key_scope
 from ninfer_serve.drain import refused_while_stopping
 from ninfer_serve.errors import APIError
@@ -31,12 +32,15 @@ from ninfer_serve.responses_api import (
 from ninfer_serve.responses_store import ResponseStore, StoredResponse
 from ninfer_serve.responses_stream import ResponseBuilder
 from ninfer_serve.schemas import ChatMessage, MessageToolCall, ToolCallFunction, structure
-from ninfer_serve.translate import chat_request
+from ninfer_serve.translate import ResponseOptions, chat_request
+
+if TYPE_CHECKING:  # the Gateway builds these endpoints on itself
+    from ninfer_serve.app import Gateway
 
 ENDPOINT = "responses"  # the metrics' endpoint label
 
 
-async def _without_done(frames: AsyncIterator[Any]) -> AsyncIterator[Any]:
+async def _without_done(frames: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:
     """The gateway's stream less its closing ``data: [DONE]``: a Responses stream ends with its last typed
     event, and strict clients parse every ``data:`` as an event."""
     try:
@@ -44,7 +48,7 @@ async def _without_done(frames: AsyncIterator[Any]) -> AsyncIterator[Any]:
             if frame != DONE:
                 yield frame
     finally:
-        await frames.aclose()  # type: ignore[attr-defined]  # the gateway's generator: closes the handles
+        await frames.aclose()  # the gateway's generator: closes the handles
 
 
 def _not_found(response_id: str, param: str) -> APIError:
@@ -53,7 +57,7 @@ def _not_found(response_id: str, param: str) -> APIError:
                     code="response_not_found")
 
 
-def output_message(body: dict[str, Any]) -> ChatMessage | None:
+def output_message(body: JSONObject) -> ChatMessage | None:
     """A response's output as the assistant message the next turn's template sees."""
     text, reasoning, calls = [], [], []
     for item in body["output"]:
@@ -70,14 +74,13 @@ def output_message(body: dict[str, Any]) -> ChatMessage | None:
                        reasoning_content="".join(reasoning) or None)
 
 
-def _skeleton(req: ResponsesRequest, model: str) -> dict[str, Any]:
+def _skeleton(req: ResponsesRequest, model: str) -> JSONObject:
     """The request-side fields of the response object, as OpenAI echoes them."""
-    fmt: dict[str, Any] = {"type": "text"}
+    fmt: JSONObject = {"type": "text"}
     if req.text is not None and req.text.format is not None:
         fmt = {k: v for k, v in attrs.asdict(req.text.format).items() if v is not None}
-    choice: Any = req.tool_choice if req.tool_choice is not None else "auto"
-    if not isinstance(choice, str):
-        choice = {"type": "function", "name": choice.name}
+    tc = req.tool_choice
+    choice: JSON = tc if isinstance(tc, str) else "auto" if tc is None else {"type": "function", "name": tc.name}
     effort = req.reasoning.effort if req.reasoning is not None else None
     return {"model": model, "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "max_tool_calls": req.max_tool_calls, "metadata": dict(req.metadata or {}),
@@ -91,7 +94,7 @@ def _skeleton(req: ResponsesRequest, model: str) -> dict[str, Any]:
 class ResponsesEndpoints:
     """The three routes, bound to a ``Gateway`` (ninfer_serve.app) and a ``ResponseStore``."""
 
-    def __init__(self, gateway: Any, store: ResponseStore) -> None:
+    def __init__(self, gateway: Gateway, store: ResponseStore) -> None:
         self.gw = gateway
         self.store = store
 
@@ -122,7 +125,7 @@ class ResponsesEndpoints:
         except APIError as exc:
             raise renamed(exc) from None
 
-        def on_done(body: dict[str, Any]) -> None:
+        def on_done(body: JSONObject) -> None:
             if req.store is False or body["status"] not in ("completed", "incomplete"):
                 return
             out = output_message(body)
@@ -130,7 +133,7 @@ class ResponsesEndpoints:
             self.store.put(scope, response_id, StoredResponse(messages=messages, session_key=session_key, body=body,
                                                               size=stored_size(list(messages), body)))
 
-        def builder(_rid: str, model: str, _options: Any) -> ResponseBuilder:
+        def builder(_rid: str, model: str, _options: ResponseOptions) -> ResponseBuilder:
             return ResponseBuilder(response_id, _skeleton(req, model), stream=req.stream, on_done=on_done)
 
         try:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Any
 
 import attrs
 
+from ninfer.contract.values import JSONObject
 from ninfer_serve.schemas import ChatMessage
 
 DEFAULT_MAX_RESPONSES = 1024
@@ -26,7 +26,7 @@ DEFAULT_MAX_BYTES = 256 << 20
 class StoredResponse:
     messages: tuple[ChatMessage, ...]  # the conversation through this response's output, without instructions
     session_key: str
-    body: dict[str, Any]  # the response object, as answered
+    body: JSONObject  # the response object, as answered
     size: int
 
 

@@ -14,9 +14,9 @@ import json
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
 
 from ninfer.contract.events import FinishReason, GenerationResult, OutputDelta, ToolCall
+from ninfer.contract.values import JSON, JSONObject
 
 # How a result that is not a plain stop reads (OpenAI's reasons; a deadline cut is a length limit).
 _INCOMPLETE = {FinishReason.LENGTH: "max_output_tokens", FinishReason.DEADLINE: "max_output_tokens"}
@@ -26,7 +26,7 @@ def _item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def event_frame(event: dict[str, Any]) -> str:
+def event_frame(event: JSONObject) -> str:
     data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
     return f"event: {event['type']}\ndata: {data}\n\n"
 
@@ -42,7 +42,7 @@ class _Item:
         self.call_id = (call.id if call is not None and call.id else _item_id("call"))
         self.name = call.name if call is not None else ""
 
-    def body(self, status: str) -> dict[str, Any]:
+    def body(self, status: str) -> JSONObject:
         text = "".join(self.text)
         if self.kind == "reasoning":
             content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
@@ -54,7 +54,7 @@ class _Item:
                 "arguments": text if status == "completed" else "", "status": status}
 
 
-def _output_text(text: str) -> dict[str, Any]:
+def _output_text(text: str) -> JSONObject:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
@@ -62,8 +62,8 @@ class ResponseBuilder:
     """Builds one ``response`` from one engine request's events. ``skeleton``: the response's request-side
     fields (model, instructions, tools, ...); ``on_done(body)`` is called once with the finished response."""
 
-    def __init__(self, response_id: str, skeleton: dict[str, Any], *, stream: bool,
-                 on_done: Callable[[dict[str, Any]], None]) -> None:
+    def __init__(self, response_id: str, skeleton: JSONObject, *, stream: bool,
+                 on_done: Callable[[JSONObject], None]) -> None:
         self.id = response_id
         self.skeleton = skeleton
         self.stream = stream
@@ -76,10 +76,10 @@ class ResponseBuilder:
         self.seq = 0
         self.prompt_tokens = self.cached_tokens = self.output_tokens = self.reasoning_tokens = 0
         self.status = "in_progress"
-        self.incomplete: dict[str, Any] | None = None
+        self.incomplete: JSONObject | None = None
 
     # -- the response object ------------------------------------------------------------------------------
-    def body(self) -> dict[str, Any]:
+    def body(self) -> JSONObject:
         output = [item.body("completed") for item in self.items]
         usage = None
         if self.status != "in_progress":
@@ -91,7 +91,7 @@ class ResponseBuilder:
                 "error": None, "incomplete_details": self.incomplete, **self.skeleton, "output": output,
                 "usage": usage}
 
-    def _event(self, kind: str, **fields: Any) -> str:
+    def _event(self, kind: str, **fields: JSON) -> str:
         event = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
         return event_frame(event)
@@ -211,7 +211,7 @@ class ResponseBuilder:
     def end(self) -> list[str]:
         return []
 
-    def whole(self, results: list[GenerationResult]) -> dict[str, Any]:
+    def whole(self, results: list[GenerationResult]) -> JSONObject:
         (result,) = results
         self.finish(result)
         return self.body()

@@ -12,16 +12,18 @@ import json
 import math
 import types
 import typing
-from typing import Any, Literal, Union
+from typing import Any, Literal, TypeVar, Union
 
 import attrs
 import cattrs
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
 
+from ninfer.contract.values import JSON
 from ninfer_serve.errors import APIError, bad_request
 from ninfer_serve.message_fields import ignore_unknown_keys
 
-JSON = Any  # any JSON value, passed through unchanged
+T = TypeVar("T")
+TypeHint = object  # a type as typing spells it: a class, Literal[...], a union, list[...], Any
 
 
 # ---------------------------------------------------------------- shared pieces
@@ -224,6 +226,10 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
 
 
+GenerationBody = ChatCompletionRequest | CompletionRequest  # a body the sampling translation reads
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice | None
+
+
 # Inside messages unknown keys are ignored (ninfer_serve.message_fields); leaves first.
 MESSAGE_CLASSES = (ToolCallFunction, MessageToolCall, ContentPart, ChatMessage)
 
@@ -231,7 +237,7 @@ MESSAGE_CLASSES = (ToolCallFunction, MessageToolCall, ContentPart, ChatMessage)
 # ---------------------------------------------------------------- strict converter
 
 
-def _type_name(t: Any) -> str:
+def _type_name(t: TypeHint) -> str:
     origin = typing.get_origin(t)
     if t is type(None):
         return "null"
@@ -256,7 +262,7 @@ def _plural(name: str) -> str:
     return f"({name})"
 
 
-def _matches(value: Any, t: Any) -> bool:
+def _matches(value: JSON, t: TypeHint) -> bool:
     """Whether a JSON value has the shape of one union member (decides which member to structure)."""
     origin = typing.get_origin(t)
     if t is Any:
@@ -284,7 +290,7 @@ def _matches(value: Any, t: Any) -> bool:
 
 
 def _strict_primitive(t: type):
-    def hook(value: Any, _t: Any) -> Any:
+    def hook(value: JSON, _t: TypeHint) -> object:
         if not _matches(value, t):
             raise TypeError(f"expected {_type_name(t)}, got {_describe(value)}")
         if t is float:
@@ -295,7 +301,7 @@ def _strict_primitive(t: type):
     return hook
 
 
-def _describe(value: Any) -> str:
+def _describe(value: JSON) -> str:
     return {type(None): "null", bool: "a boolean", int: "an integer", float: "a number", str: "a string",
             list: "an array", dict: "an object"}.get(type(value), type(value).__name__)
 
@@ -306,20 +312,20 @@ def make_converter() -> cattrs.Converter:
         conv.register_structure_hook(t, _strict_primitive(t))
     conv.register_structure_hook(Any, lambda v, _t: v)
 
-    def is_literal(t: Any) -> bool:
+    def is_literal(t: TypeHint) -> bool:
         return typing.get_origin(t) is Literal
 
-    def structure_literal(value: Any, t: Any) -> Any:
+    def structure_literal(value: JSON, t: TypeHint) -> object:
         if not _matches(value, t):
             raise ValueError(f"expected {_type_name(t)}, got {json.dumps(value)[:40]}")
         return value
 
     conv.register_structure_hook_func(is_literal, structure_literal)
 
-    def is_union(t: Any) -> bool:
+    def is_union(t: TypeHint) -> bool:
         return typing.get_origin(t) in (Union, types.UnionType)
 
-    def structure_union(value: Any, t: Any) -> Any:
+    def structure_union(value: JSON, t: TypeHint) -> object:
         for member in typing.get_args(t):
             if _matches(value, member):
                 return None if member is type(None) else conv.structure(value, member)
@@ -327,10 +333,10 @@ def make_converter() -> cattrs.Converter:
 
     conv.register_structure_hook_func(is_union, structure_union)
 
-    def is_dict(t: Any) -> bool:
+    def is_dict(t: TypeHint) -> bool:
         return typing.get_origin(t) is dict
 
-    def structure_dict(value: Any, t: Any) -> Any:
+    def structure_dict(value: JSON, t: TypeHint) -> object:
         if not isinstance(value, dict):
             raise TypeError(f"expected an object, got {_describe(value)}")
         _, vt = typing.get_args(t)
@@ -338,10 +344,10 @@ def make_converter() -> cattrs.Converter:
 
     conv.register_structure_hook_func(is_dict, structure_dict)
 
-    def is_list(t: Any) -> bool:
+    def is_list(t: TypeHint) -> bool:
         return typing.get_origin(t) is list
 
-    def structure_list(value: Any, t: Any) -> Any:
+    def structure_list(value: JSON, t: TypeHint) -> object:
         if not isinstance(value, list):
             raise TypeError(f"expected {_type_name(t)}, got {_describe(value)}")
         (item,) = typing.get_args(t)
@@ -398,7 +404,7 @@ def _first_error(exc: BaseException, path: str) -> tuple[str, str]:
     return path.lstrip("."), message
 
 
-def structure(body: Any, cls: type) -> Any:
+def structure(body: JSON, cls: type[T]) -> T:
     """Structure a decoded JSON body into ``cls`` or raise a 400 APIError naming the parameter."""
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {_describe(body)}")

@@ -22,12 +22,12 @@ import asyncio
 import logging
 import signal
 import sys
-from typing import Any
 
 import attrs
 from hypercorn.asyncio.run import worker_serve
 from hypercorn.config import Config, Sockets
 from hypercorn.utils import wrap_app
+from starlette.types import ASGIApp
 
 from ninfer_serve import status_line
 from ninfer_serve.drain import Drain
@@ -84,7 +84,7 @@ def hypercorn_config(options: ServerOptions, *, margin_s: float = 0.0) -> Config
     return cfg
 
 
-async def serve_async(app: Any, listener: LimitedListener, options: ServerOptions, *,
+async def serve_async(app: ASGIApp, listener: LimitedListener, options: ServerOptions, *,
                       stop: asyncio.Event | None = None, drain: Drain | None = None) -> None:
     """Serve on ``listener`` until SIGTERM/SIGINT (or ``stop`` is set); hypercorn then closes the listening
     socket and waits for open requests; ``graceful_timeout`` after the signal ``drain`` (the app's) is ended,
@@ -122,5 +122,5 @@ async def serve_async(app: Any, listener: LimitedListener, options: ServerOption
         listener.close()
 
 
-def serve(app: Any, listener: LimitedListener, options: ServerOptions, *, drain: Drain | None = None) -> None:
+def serve(app: ASGIApp, listener: LimitedListener, options: ServerOptions, *, drain: Drain | None = None) -> None:
     asyncio.run(serve_async(app, listener, options, drain=drain))

@@ -10,7 +10,6 @@ not silently.
 from __future__ import annotations
 
 import http
-from typing import Any
 
 import h11
 from hypercorn.protocol.h11 import H11Protocol
@@ -26,7 +25,7 @@ def reason_phrase(status: int) -> str:
         return _EXTRA_PHRASES.get(status, "")
 
 
-def with_reason(event: Any) -> Any:
+def with_reason(event: h11.Event) -> h11.Event:
     """``event`` with the standard reason phrase when it is a response without one; anything else unchanged."""
     if not isinstance(event, h11.Response | h11.InformationalResponse) or event.reason:
         return event
@@ -47,7 +46,7 @@ def install() -> None:
         return
     send = H11Protocol._send_h11_event
 
-    async def send_with_reason(self: H11Protocol, event: Any) -> None:
+    async def send_with_reason(self: H11Protocol, event: h11.Event) -> None:
         await send(self, with_reason(event))
 
     H11Protocol._send_h11_event = send_with_reason  # type: ignore[method-assign]

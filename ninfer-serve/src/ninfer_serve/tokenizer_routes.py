@@ -8,7 +8,8 @@ root, as in vLLM, behind the same API key as the ``/v1`` routes.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import attrs
 from starlette.concurrency import run_in_threadpool
@@ -16,10 +17,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ninfer.contract.prompt import TextInput
+from ninfer.contract.prompt import ChatInput, TextInput
+from ninfer.contract.values import JSON
 from ninfer_serve.errors import bad_request, from_engine_error
-from ninfer_serve.schemas import JSON, ChatCompletionRequest, structure
+from ninfer_serve.schemas import ChatCompletionRequest, structure
 from ninfer_serve.translate import chat_request
+
+if TYPE_CHECKING:  # the Gateway builds these routes on itself
+    from ninfer_serve.app import Gateway, Handler
 
 TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 MAX_DETOKENIZE_TOKENS = 1 << 20  # the body limit bounds it first; this names the parameter
@@ -46,7 +51,7 @@ class DetokenizeRequest:
     tokens: list[int]
 
 
-def _input(req: TokenizeRequest) -> Any:
+def _input(req: TokenizeRequest) -> TextInput | ChatInput:
     """The engine input the body stands for (a chat is checked as ``/v1/chat/completions`` checks it)."""
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("give exactly one of 'prompt' and 'messages'", param="prompt")
@@ -61,7 +66,7 @@ def _input(req: TokenizeRequest) -> Any:
     return attrs.evolve(gen.input, add_generation_prompt=req.add_generation_prompt)
 
 
-def tokenizer_routes(gw: Any, counted: Any) -> list[Route]:
+def tokenizer_routes(gw: Gateway, counted: Callable[[str, Handler], Handler]) -> list[Route]:
     """The three routes on the Gateway ``gw`` (ninfer_serve.app), counted as ``counted`` counts."""
     engine = gw.engine
 

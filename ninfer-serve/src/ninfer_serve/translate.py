@@ -7,16 +7,16 @@ Every range check names its parameter; whatever passes here is representable for
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import attrs
 
 from ninfer.contract import ChatInput, GenerationRequest, SamplingParams, TextInput
 from ninfer.contract.request import MAX_LOGIT_BIAS, MAX_STOP_CHARS
+from ninfer.contract.values import JSON, JSONObject
 from ninfer_serve.constraints import request_constraint
 from ninfer_serve.errors import bad_request
 from ninfer_serve.media_parts import check_part_fields, media_kind
-from ninfer_serve.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from ninfer_serve.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerationBody
 
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
@@ -54,7 +54,7 @@ def _check_range(name: str, value: float | None, lo: float, hi: float, *, lo_ope
         raise bad_request(f"'{name}' must be in {bracket}{lo}, {hi}], got {value}", param=name)
 
 
-def _adjustments(req: Any) -> dict[str, Any]:
+def _adjustments(req: GenerationBody) -> JSONObject:
     """Penalties, logit_bias and min_tokens (OpenAI and vLLM spellings) as SamplingParams fields."""
     _check_range("presence_penalty", req.presence_penalty, -2.0, 2.0)
     _check_range("frequency_penalty", req.frequency_penalty, -2.0, 2.0)
@@ -76,7 +76,7 @@ def _adjustments(req: Any) -> dict[str, Any]:
             "repetition_penalty": req.repetition_penalty, "logit_bias": bias, "min_tokens": req.min_tokens}
 
 
-def _sampling(req: Any, *, max_tokens: int | None, logprobs: bool, top_logprobs: int,
+def _sampling(req: GenerationBody, *, max_tokens: int | None, logprobs: bool, top_logprobs: int,
               budget_param: str = "max_tokens") -> SamplingParams:
     if not 1 <= req.n <= MAX_N:
         raise bad_request(f"'n' must be in [1, {MAX_N}], got {req.n}", param="n")
@@ -116,7 +116,7 @@ def _sampling(req: Any, *, max_tokens: int | None, logprobs: bool, top_logprobs:
         raise bad_request(f"invalid sampling parameters: {exc}") from None
 
 
-def _session_key(req: Any) -> str | None:
+def _session_key(req: GenerationBody) -> str | None:
     """``prompt_cache_key``: names the conversation for the context cache (the engine's ``session_key``)."""
     key = req.prompt_cache_key
     if key is None:
@@ -129,7 +129,7 @@ def _session_key(req: Any) -> str | None:
     return key
 
 
-def _cache_salt(req: Any, key_scope: str | None) -> str | None:
+def _cache_salt(req: GenerationBody, key_scope: str | None) -> str | None:
     """The engine's ``cache_salt``: the client's (vLLM's ``cache_salt``) behind the authenticating key's scope
     when the server has several keys (``access.key_scope``), so scope = (key, salt); otherwise the client's."""
     salt = req.cache_salt
@@ -144,7 +144,7 @@ def _cache_salt(req: Any, key_scope: str | None) -> str | None:
     return key_scope if salt is None else f"{key_scope}:{salt}"  # a key scope holds no ':'
 
 
-def _stream_options(req: Any) -> tuple[bool, bool]:
+def _stream_options(req: GenerationBody) -> tuple[bool, bool]:
     if req.stream_options is None:
         return False, False
     if not req.stream:
@@ -155,13 +155,13 @@ def _stream_options(req: Any) -> tuple[bool, bool]:
 # ---------------------------------------------------------------- chat
 
 
-def _message_content(m: ChatMessage, i: int) -> str | list[dict[str, Any]] | None:
+def _message_content(m: ChatMessage, i: int) -> str | list[JSONObject] | None:
     """The content as the chat template takes it: text parts joined by newlines; with media, a list in which each
     image or video is a ``{"type": "image"}`` / ``{"type": "video"}`` part (its bytes come later, as
     ``ChatInput.media``, in the same order) and each run of text parts one text part."""
     if m.content is None or isinstance(m.content, str):
         return m.content
-    parts: list[dict[str, Any]] = []
+    parts: list[JSONObject] = []
     texts: list[str] = []
     for j, part in enumerate(m.content):
         where = f"messages[{i}].content[{j}]"
@@ -187,7 +187,7 @@ def _message_content(m: ChatMessage, i: int) -> str | list[dict[str, Any]] | Non
     return parts
 
 
-def _call_arguments(args: str | dict[str, Any], where: str) -> dict[str, Any]:
+def _call_arguments(args: str | JSONObject, where: str) -> JSONObject:
     if isinstance(args, str):
         try:
             args = json.loads(args) if args.strip() else {}
@@ -198,7 +198,7 @@ def _call_arguments(args: str | dict[str, Any], where: str) -> dict[str, Any]:
     return args
 
 
-def _tool_calls(m: ChatMessage, i: int) -> list[dict[str, Any]]:
+def _tool_calls(m: ChatMessage, i: int) -> list[JSONObject]:
     """The assistant's tool calls, the deprecated ``function_call`` as one more (without an id)."""
     calls = []
     for j, call in enumerate(m.tool_calls or []):
@@ -210,7 +210,7 @@ def _tool_calls(m: ChatMessage, i: int) -> list[dict[str, Any]]:
     return calls
 
 
-def _message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
+def _message_dict(m: ChatMessage, i: int) -> JSONObject:
     """One OpenAI message as the chat template expects it (tool-call arguments as a mapping). A ``function``
     message (the deprecated form of a tool result) is a tool message; an assistant's ``refusal`` stands for its
     content when it has none; ``audio`` and ``annotations`` are ignored (docs/serving.md, "Messages")."""
@@ -218,7 +218,7 @@ def _message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
     content = _message_content(m, i)
     if m.role == "assistant" and not content and m.refusal:
         content = m.refusal
-    out: dict[str, Any] = {"role": role, "content": content}
+    out: JSONObject = {"role": role, "content": content}
     if m.role != "assistant" and out["content"] is None:
         raise bad_request(f"messages[{i}] ({m.role}) needs 'content'", param=f"messages[{i}].content")
     if m.name is not None:
@@ -240,8 +240,8 @@ def _message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
-def template_kwargs(effort: str | None, given: dict[str, Any] | None, *,
-                    param: str = "reasoning_effort") -> dict[str, Any]:
+def template_kwargs(effort: str | None, given: JSONObject | None, *,
+                    param: str = "reasoning_effort") -> JSONObject:
     """The chat template's kwargs: the client's ``chat_template_kwargs``, with ``enable_thinking: false`` when
     ``reasoning_effort`` is ``none`` or ``minimal`` (other efforts keep the template's default, thinking on). An
     explicit ``enable_thinking`` wins over the effort."""
@@ -255,7 +255,7 @@ def template_kwargs(effort: str | None, given: dict[str, Any] | None, *,
     return kwargs
 
 
-def _max_tokens(req: Any, default: int | None) -> tuple[int | None, str]:
+def _max_tokens(req: GenerationBody, default: int | None) -> tuple[int | None, str]:
     """The generation budget and the parameter it came from: ``max_completion_tokens`` wins when set; null is
     absent (OpenAI)."""
     if req.max_completion_tokens is not None:
@@ -301,12 +301,12 @@ def chat_request(req: ChatCompletionRequest, *, queue_timeout_s: float | None = 
 # ---------------------------------------------------------------- text completions
 
 
-def _prompt_input(prompt: Any) -> TextInput:
+def _prompt_input(prompt: JSON) -> TextInput:
     """The first prompt (a batch's others: ``prompt_inputs``)."""
     return prompt_inputs(prompt)[0]
 
 
-def prompt_inputs(prompt: Any) -> list[TextInput]:
+def prompt_inputs(prompt: JSON) -> list[TextInput]:
     """``prompt`` as one input per prompt: a string, token ids, or a batch (a list of either)."""
     if isinstance(prompt, str):
         if not prompt:
@@ -352,14 +352,17 @@ def completion_request(req: CompletionRequest, *, queue_timeout_s: float | None 
                                 budget_param=budget_param)
 
 
-def completion_requests(req: CompletionRequest, **kw: Any) -> tuple[list[GenerationRequest], ResponseOptions]:
-    """``completion_request`` for each prompt of a batch (``kw``: its keywords); the options' ``n`` counts every
+def completion_requests(req: CompletionRequest, *, queue_timeout_s: float | None = None,
+                        request_id: str | None = None, key_scope: str | None = None,
+                        ) -> tuple[list[GenerationRequest], ResponseOptions]:
+    """``completion_request`` for each prompt of a batch (the same keywords); the options' ``n`` counts every
     choice: ``n`` per prompt, prompt ``i``'s choice ``j`` at index ``i * n + j`` (as ``choices`` lays them out)."""
     inputs = prompt_inputs(req.prompt)
     if len(inputs) * req.n > MAX_BATCH_COMPLETIONS:
         raise bad_request(f"{len(inputs)} prompts with n={req.n} make {len(inputs) * req.n} completions; at most "
                           f"{MAX_BATCH_COMPLETIONS} fit one request", param="prompt" if req.n == 1 else "n")
-    gen, options = completion_request(req, **kw)
+    gen, options = completion_request(req, queue_timeout_s=queue_timeout_s, request_id=request_id,
+                                      key_scope=key_scope)
     gens = [attrs.evolve(gen, input=text) for text in inputs]
     return gens, attrs.evolve(options, n=options.n * len(inputs))
 

@@ -13,11 +13,14 @@ host byte free.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ninfer.contract import ChatInput, GenerationRequest, RegexConstraint, SamplingParams, TextInput
 from ninfer.contract.events import FinishReason
 from ninfer.contract.prompt import MediaItem
+
+if TYPE_CHECKING:  # warmup blocks on each result: it runs on the real engine
+    from ninfer import Engine
 
 WARMUP_IMAGE_SIDE = 64  # pixels; the preprocessor's minimum area resizes it up (256 x 256 for Qwen3.5)
 
@@ -57,7 +60,7 @@ def warmup_image(side: int = WARMUP_IMAGE_SIDE) -> bytes:
     return buf.getvalue()
 
 
-def warmup(engine: Any, *, concurrency: int, max_tokens: int = 4, prompt: str = "Hello",
+def warmup(engine: Engine, *, concurrency: int, max_tokens: int = 4, prompt: str = "Hello",
            settle_timeout_s: float = 30.0) -> float:
     """Run ``concurrency`` short requests at once (and a chat with a picture when the engine has vision); returns
     the seconds it took."""

@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 import attrs
 
 from ninfer.artifact.format import Use
-from ninfer.models.common.weights import FusedParent
+from ninfer.artifact.weights import FusedParent
 
 
 def _shape(value) -> tuple[int, ...]:

@@ -137,7 +137,7 @@ def _check_dense(plan: LoadPlan) -> None:
 
 def _bind(plan: LoadPlan, parents: dict):
     """Logical parameters as views (whole, or a row range) of their resident parents."""
-    from ninfer.models.common.weights import BoundParameter, WeightSet
+    from ninfer.artifact.weights import BoundParameter, WeightSet
 
     params = []
     for b in plan.bindings:

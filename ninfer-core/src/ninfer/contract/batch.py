@@ -9,9 +9,12 @@ everything it produced; a cancelled row accepts zero.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import attrs
+
+if TYPE_CHECKING:
+    from ninfer.contract.context import TurnBoundary
 
 
 class PendingBatchError(RuntimeError):
@@ -50,7 +53,7 @@ class RowDecision:
     accepted: int
     terminal: bool = False
     cancelled: bool = False
-    boundary: Any = None
+    boundary: TurnBoundary | None = None
 
 
 @attrs.define(eq=False)
@@ -59,7 +62,7 @@ class PendingBatch:
 
     kind: str  # "prefill", "decode", "control" or "verify"
     rows: tuple[PendingRow, ...] = attrs.field(converter=tuple)
-    native: Any = attrs.field(default=None, repr=False)  # the Program's private execution metadata
+    native: object = attrs.field(default=None, repr=False)  # the Program's private execution metadata
     consumed: bool = attrs.field(default=False, init=False)
 
     def sequence_ids(self) -> tuple[int, ...]:
@@ -88,7 +91,7 @@ class LaunchedUnit:
 
     kind: str
     sequence_ids: tuple[int, ...] = attrs.field(converter=tuple)
-    native: Any = attrs.field(default=None, repr=False)
+    native: object = attrs.field(default=None, repr=False)  # the Program's own, opaque to the engine
     collected: bool = attrs.field(default=False, init=False)
 
 

@@ -19,16 +19,21 @@ import json
 import math
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 import attrs
+
+from ninfer.contract.values import JSON
+
+if TYPE_CHECKING:
+    import torch
 
 # Hard bounds of the types themselves (no request is ever larger); ConstraintLimits sets the working ones.
 MAX_CHOICES = 1024
 MAX_CONSTRAINT_CHARS = 1 << 20  # a schema, grammar or regex text, or all of a choice's options together
 
 
-def _json_text(value: Any) -> str | None:
+def _json_text(value: JSON) -> str | None:
     """A schema given as a mapping or as JSON text, kept as JSON text (hashable; the compile cache's key)."""
     if value is None:
         return None
@@ -73,7 +78,7 @@ class JsonConstraint:
         default=None, validator=attrs.validators.optional(attrs.validators.in_(JSON_WHITESPACE)))
 
     @property
-    def schema_object(self) -> Any:
+    def schema_object(self) -> JSON:
         return None if self.schema is None else json.loads(self.schema)
 
 
@@ -187,13 +192,13 @@ KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 
 
 def _at_least(lo: int):
-    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    def check(instance: object, attribute: attrs.Attribute, value: object) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value < lo:
             raise ValueError(f"{attribute.name} must be an integer >= {lo}, got {value!r}")
     return check
 
 
-def _seconds(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+def _seconds(instance: object, attribute: attrs.Attribute, value: object) -> None:
     if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{attribute.name} must be a positive number of seconds, got {value!r}")
 
@@ -271,7 +276,7 @@ class MaskFill:
     prefix of ``drafts`` (rows after a draft the constraint refuses, or after a stop token, are all zero)."""
 
     sequence_id: int
-    out: Any
+    out: torch.Tensor
     drafts: tuple[int, ...] = attrs.field(default=(), converter=tuple)
 
 

@@ -12,12 +12,13 @@ restores, which session owns which continuation, and what to evict first under p
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 import attrs
 
 from ninfer.contract.prompt import PreparedPrompt
 from ninfer.contract.request import SamplingParams
+from ninfer.contract.values import JSON
 
 # grid: inside a long prompt; prompt: after every prompt token but the last (its first decode input);
 # turn: a finished assistant turn that re-renders as generated; final: another finished continuation.
@@ -38,7 +39,7 @@ class TurnBoundary:
     """
 
     end: int
-    message: Mapping[str, Any]
+    message: Mapping[str, JSON]
     exact: bool | None = None
 
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import enum
-from typing import Any
 
 import attrs
+
+from ninfer.contract.values import JSONObject
 
 
 class FinishReason(enum.Enum):
@@ -121,4 +122,7 @@ class GenerationResult:
     token_ids: tuple[int, ...] = ()
     tool_calls: tuple[ToolCall, ...] = ()
     error: str | None = None
-    extra: dict[str, Any] = attrs.field(factory=dict)
+    extra: JSONObject = attrs.field(factory=dict)
+
+
+Event = GenerationStart | OutputDelta | GenerationResult  # what a handle yields, in that order

@@ -10,7 +10,7 @@ Every attribute and method the engine uses is declared here; the engine never pr
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, TypeVar, runtime_checkable
 
 import attrs
 
@@ -21,12 +21,15 @@ from ninfer.contract.events import FinishReason, OutputDelta
 from ninfer.contract.memory import MemorySummary, ModelProfile, ProgramCapacity, WeightPlacement
 from ninfer.contract.prompt import ChatInput, PreparedPrompt, TextInput
 from ninfer.contract.request import SamplingParams
-from ninfer.contract.state import KVPoolSpec, StateImageLayout
+from ninfer.contract.state import KVPoolSpec, ResumeState, StateImageLayout
 
 if TYPE_CHECKING:
     import threading
 
+    import torch
+
     from ninfer.artifact import Artifact
+    from ninfer.contract.context import TurnBoundary
 
 __all__ = ["Frontend", "ModelInstance", "OutputSession", "PauseMode", "PipelinedDecode", "Preview", "Program",
            "ResourceUsage", "SnapshotCost", "Startup", "StartupFeatures", "StartupOptions"]
@@ -118,10 +121,10 @@ class Program(Protocol):
     def abort_pending(self, batch: PendingBatch) -> None:
         """Drop a whole PendingBatch; every row returns to its pre-batch frontier."""
 
-    def pause(self, sequence_id: int, mode: PauseMode) -> Any:
+    def pause(self, sequence_id: int, mode: PauseMode) -> ResumeState:
         """Release device resources at a committed boundary; returns an owning ResumeState."""
 
-    def resume(self, resume_state: Any) -> int | None:
+    def resume(self, resume_state: ResumeState) -> int | None:
         """Re-bind a paused sequence (Snapshot restore, or Replay of its accepted history).
 
         Reserves the rebuild up to the old frontier plus the first new unit, held across chunks;
@@ -131,13 +134,13 @@ class Program(Protocol):
     def can_snapshot(self, sequence_id: int) -> bool:
         """Whether host room allows pausing this sequence by Snapshot now (else the engine uses Replay)."""
 
-    def discard(self, resume_state: Any) -> None:
+    def discard(self, resume_state: ResumeState) -> None:
         """Free what a paused request's ResumeState holds (host bytes) without resuming it."""
 
     def snapshot_cost(self, sequence_id: int) -> SnapshotCost:
         """What pausing this resident sequence by Snapshot would hold on the host now, and the Replay it saves."""
 
-    def demote(self, resume_state: Any) -> Any:
+    def demote(self, resume_state: ResumeState) -> ResumeState:
         """Revoke a Snapshot ResumeState: free its host copy and return a Replay ResumeState of the same
         accepted ledger, so the request still resumes exactly. ``resume_state`` is invalid afterwards."""
 
@@ -186,8 +189,8 @@ class Preview:
     accepted: int
     finish_reason: FinishReason | None
     delta: OutputDelta
-    boundary: Any = None
-    native: Any = None
+    boundary: TurnBoundary | None = None
+    native: object = None  # the session's own, opaque to the engine
 
 
 @runtime_checkable
@@ -197,7 +200,7 @@ class OutputSession(Protocol):
 
     constrained: bool  # the request carries a constraint: the engine lends its masks to the Program
 
-    def fill_token_mask(self, out: Any, drafts: Sequence[int] = ()) -> None:
+    def fill_token_mask(self, out: torch.Tensor, drafts: Sequence[int] = ()) -> None:
         """``TokenMasks.fill`` for this session's committed state (only called when ``constrained``)."""
 
     def preview(self, tokens: Sequence[int], *, at_length_limit: bool = False) -> Preview: ...
@@ -247,20 +250,25 @@ class Frontend(Protocol):
 
 @attrs.frozen(kw_only=True, eq=False)
 class ModelInstance:
-    """Holds Model (config, bindings, read-only resources), Parameters, Frontend and Program."""
+    """Holds Model (config, bindings, read-only resources), Parameters, Frontend and Program. ``config``, ``model``
+    and ``parameters`` are the plugin's own (its tests and tools read them); the runtime reads only the Frontend,
+    the Program, ``memory`` and ``features``."""
 
     architecture: str
-    config: Any
-    model: Any
-    parameters: Any
+    config: object
+    model: object
+    parameters: object
     frontend: Frontend
     program: Program | None
     memory: MemorySummary | None = None  # what the start took (set by the runtime's startup)
     features: tuple[str, ...] = attrs.field(default=("text",), converter=tuple)  # bound: "text", "vision", "mtp"
 
 
+Loaded = TypeVar("Loaded")  # a Startup's loaded model: what its ``load`` returns and its ``instance`` takes
+
+
 @runtime_checkable
-class Startup(Protocol):
+class Startup(Protocol[Loaded]):
     """Native startup, in the three steps the runtime's planner drives (docs/memory.md): ``profile`` (what the
     model needs, from the artifact's header alone: no weight byte is read), ``load`` (weights for one placement
     candidate, Parameters and the Frontend) and ``instance`` (a Program of exactly the granted capacity; called
@@ -275,10 +283,10 @@ class Startup(Protocol):
         """The model's needs under ``options`` (features, dtype, concurrency, page size). Refuses (``ValueError``
         naming the problem) what it cannot run: unknown features, a missing head, a bad dtype."""
 
-    def load(self, artifact: Artifact, options: StartupOptions, placement: WeightPlacement) -> Any:
+    def load(self, artifact: Artifact, options: StartupOptions, placement: WeightPlacement) -> Loaded:
         """Read the selected features' weights as ``placement`` says and prepare Parameters and the Frontend;
         returns the loaded model that ``instance`` takes (opaque to the runtime)."""
 
-    def instance(self, loaded: Any, options: StartupOptions, capacity: ProgramCapacity) -> ModelInstance:
+    def instance(self, loaded: Loaded, options: StartupOptions, capacity: ProgramCapacity) -> ModelInstance:
         """A ModelInstance whose Program holds exactly ``capacity`` (CUDA graphs captured when
         ``options.cuda_graphs`` asks and the device is CUDA)."""

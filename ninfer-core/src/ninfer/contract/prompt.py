@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import attrs
 
 from ninfer.contract._validate import token_ids
+from ninfer.contract.values import JSONObject
+
+if TYPE_CHECKING:
+    import torch
 
 
 @attrs.frozen(kw_only=True)
@@ -51,9 +55,9 @@ class TextInput:
 class ChatInput:
     """A chat conversation in OpenAI message form, rendered by the Frontend's chat template."""
 
-    messages: tuple[dict[str, Any], ...] = attrs.field(converter=tuple)
-    tools: tuple[dict[str, Any], ...] = attrs.field(default=(), converter=tuple)
-    template_kwargs: dict[str, Any] = attrs.field(factory=dict)
+    messages: tuple[JSONObject, ...] = attrs.field(converter=tuple)
+    tools: tuple[JSONObject, ...] = attrs.field(default=(), converter=tuple)
+    template_kwargs: JSONObject = attrs.field(factory=dict)
     add_generation_prompt: bool = True
     media: tuple[MediaItem, ...] = attrs.field(default=(), converter=tuple)
 
@@ -85,7 +89,7 @@ class VisionItem:
     """
 
     kind: Literal["image", "video"]
-    pixel_values: Any = attrs.field(repr=lambda t: f"<pixels {tuple(t.shape)}>")
+    pixel_values: torch.Tensor = attrs.field(repr=lambda t: f"<pixels {tuple(t.shape)}>")
     grid_thw: tuple[int, int, int] = attrs.field(converter=tuple)
     digest: str
 
@@ -113,7 +117,7 @@ class PreparedPrompt:
     media_spans: tuple[MediaSpan, ...] = attrs.field(default=(), converter=tuple)
     vision: tuple[VisionItem, ...] = attrs.field(default=(), converter=tuple)
     reasoning_open: bool = False
-    tools: tuple[dict[str, Any], ...] = attrs.field(default=(), converter=tuple)
+    tools: tuple[JSONObject, ...] = attrs.field(default=(), converter=tuple)
     text: str | None = None
     history_boundary: int | None = None
 

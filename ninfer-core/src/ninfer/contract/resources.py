@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import attrs
+
+from ninfer.contract.values import JSONObject
 
 
 @attrs.frozen(kw_only=True)
@@ -20,8 +20,8 @@ class FrontendResources:
 
     tokenizer_json: str = attrs.field(repr=lambda s: f"<{len(s)} chars>")
     chat_template: str | None = attrs.field(default=None, repr=False)
-    generation_config: dict[str, Any] = attrs.field(factory=dict)
+    generation_config: JSONObject = attrs.field(factory=dict)
     special_tokens: dict[str, int] = attrs.field(factory=dict)
     eos_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
     embedding_vocab: int | None = None
-    media: dict[str, Any] | None = None
+    media: JSONObject | None = None

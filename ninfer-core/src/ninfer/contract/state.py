@@ -9,6 +9,7 @@ image contiguous, and the Host copy uses the same internal layout. Growing histo
 from __future__ import annotations
 
 import math
+from typing import Protocol, runtime_checkable
 
 import attrs
 from attrs import validators as v
@@ -99,3 +100,17 @@ class KVPoolSpec:
 
 def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
+
+
+@runtime_checkable
+class ResumeState(Protocol):
+    """What ``Program.pause`` hands the engine for a paused sequence: an owning token, opaque to the engine, that
+    only the Program that made it resumes, demotes or discards (exactly once)."""
+
+    @property
+    def program_id(self) -> int:
+        """The Program that made it (another Program refuses it)."""
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory it holds (a Snapshot's copies; 0 for a Replay of the ledger alone)."""

@@ -1,8 +1,8 @@
 """The one device->host copy of a unit's results: sampled tokens, plus logprobs when rows want them.
 
 Launching packs everything into one tensor (fp64 holds token ids and fp32 logprobs exactly) and
-queues its copy into pinned host memory, on a stream of its own, followed by an event; waiting blocks on that
-event only.
+queues its copy into pinned host memory, on its owner's copy stream (``CopyStream``: one per Program, made at
+its first CUDA readback and dropped with it), followed by an event; waiting blocks on that event only.
 A pipelined decode launches the next step before it waits for this one.
 """
 
@@ -13,16 +13,19 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-_streams: dict[torch.device, torch.cuda.Stream] = {}
 
+class CopyStream:
+    """The stream one owner's readback copies run on (a Program's, through its Sampler): made on first use on a
+    CUDA device, released with the owner, so nothing process-wide outlives a Program."""
 
-def _readback_stream(dev: torch.device) -> torch.cuda.Stream:
-    """The device's stream for readback copies (one per device, made on first use)."""
-    dev = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
-    stream = _streams.get(dev)
-    if stream is None:
-        stream = _streams[dev] = torch.cuda.Stream(dev)
-    return stream
+    def __init__(self) -> None:
+        self._stream: torch.cuda.Stream | None = None
+
+    def on(self, dev: torch.device) -> torch.cuda.Stream:
+        if self._stream is None:
+            dev = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
+            self._stream = torch.cuda.Stream(dev)
+        return self._stream
 
 
 RowLogprobs = tuple[float, tuple[Sequence[float], Sequence[float]]]  # chosen, (top ids, top logprobs)
@@ -51,9 +54,10 @@ class Readback:
 
     @classmethod
     def launch(cls, tokens: torch.Tensor, want: tuple[int, ...] = (), top_n: int = 0,
-               logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> Readback:
+               logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, *,
+               copies: CopyStream) -> Readback:
         """Queue the copy of ``tokens`` [B] and, for rows ``want``, ``logprobs`` = (chosen [W], top ids
-        [W, top_n], top logprobs [W, top_n])."""
+        [W, top_n], top logprobs [W, top_n]), on ``copies`` (the owner's stream; unused off CUDA)."""
         if want:
             chosen, top_ids, top_lp = logprobs
             pack = torch.cat([tokens.double(), chosen.double(), top_ids.double().flatten(), top_lp.double().flatten()])
@@ -62,9 +66,9 @@ class Readback:
         event = None
         if pack.device.type == "cuda":
             # On a stream of its own: the next step's work on the compute stream does not queue behind the copy.
-            copies = _readback_stream(pack.device)
-            copies.wait_stream(torch.cuda.current_stream(pack.device))
-            with torch.cuda.stream(copies):
+            stream = copies.on(pack.device)
+            stream.wait_stream(torch.cuda.current_stream(pack.device))
+            with torch.cuda.stream(stream):
                 host = torch.empty(pack.shape, dtype=pack.dtype, pin_memory=True)
                 host.copy_(pack, non_blocking=True)
                 event = torch.cuda.Event()

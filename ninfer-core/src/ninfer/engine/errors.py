@@ -1,4 +1,5 @@
-"""Engine errors. Request-level rejections carry a ``kind`` the gateway maps to an HTTP status.
+"""Engine errors. Request-level rejections carry a ``kind`` the gateway maps to an HTTP status; the error family
+itself lives in ``ninfer.contract.errors`` (shared model parts raise it without importing the engine).
 
 ``is_fatal`` sorts what a worker step raised (docs/engine.md, "Failure"): a broken invariant, a device error
 or an interpreter exit fails the engine; anything else ends only the requests the step concerned
@@ -10,110 +11,22 @@ from __future__ import annotations
 import sys
 
 from ninfer.contract.batch import PendingBatchError
-
-
-class EngineError(Exception):
-    """Base of every error the public Engine raises or reports."""
-
-    kind = "internal"
-    http_status = 500
-
-
-class RequestRejected(EngineError):
-    """The request was refused; the engine itself is healthy."""
-
-    kind = "invalid"
-    http_status = 400
-
-
-class Overloaded(RequestRejected):
-    """Every outstanding-request place is taken; retry later."""
-
-    kind = "overload"
-    http_status = 429
-
-
-class QueueTimeout(RequestRejected):
-    """The request waited longer than its queue timeout without being admitted."""
-
-    kind = "queue_timeout"
-    http_status = 503
-
-
-class InputTooLong(RequestRejected):
-    """The prompt leaves no room for one generated token within the context limit."""
-
-    kind = "too_long"
-    http_status = 400
-
-
-class Unrepresentable(RequestRejected):
-    """The request cannot be expressed for this model (bad template, tokens, media or parameters)."""
-
-    kind = "invalid"
-    http_status = 400
-
-
-class VisionNotEnabled(Unrepresentable):
-    """The request carries images or videos and the model was started without the vision feature."""
-
-    kind = "vision_not_enabled"
-    http_status = 400
-
-
-class InvalidConstraint(RequestRejected):
-    """The request's constraint does not compile (schema, regex, grammar or tool choice); the message says why."""
-
-    kind = "invalid_constraint"
-    http_status = 400
-
-
-class RequestCancelled(RequestRejected):
-    """The caller's ``cancel`` event was set while ``submit`` prepared the request (its constraint compiled);
-    the preparation was abandoned and nothing was queued."""
-
-    kind = "cancelled"
-    http_status = 499  # the client closed the request (nginx's code); nobody reads the answer
-
-
-class EngineFailed(EngineError):
-    """An internal invariant broke or the device failed; every response ends with this error."""
-
-    kind = "engine_failed"
-    http_status = 500
-
-
-class EngineClosed(EngineError):
-    """The engine was shut down and accepts no new work."""
-
-    kind = "closed"
-    http_status = 503
-
-
-class CapacityExhausted(EngineError):
-    """The request alone needs more KV/state than the Program has; it ends with an error."""
-
-    kind = "capacity"
-    http_status = 500
-
-
-class RequestFailed(EngineError):
-    """This request alone could not continue (its output could not be interpreted, a step serving it raised);
-    the engine is healthy. ``stage``: where it failed (docs/engine.md, "Failure")."""
-
-    kind = "request_failed"
-    http_status = 500
-
-    def __init__(self, message: str, *, stage: str | None = None) -> None:
-        super().__init__(message)
-        self.stage = stage
-
-
-class MemoryExhausted(RequestFailed):
-    """Host or device memory ran out while serving this request; it ended, the engine goes on (retry later)."""
-
-    kind = "memory_exhausted"
-    http_status = 503
+from ninfer.contract.errors import (  # noqa: F401  (re-exported: the engine's public error family)
+    CapacityExhausted,
+    EngineClosed,
+    EngineError,
+    EngineFailed,
+    InputTooLong,
+    InvalidConstraint,
+    MemoryExhausted,
+    Overloaded,
+    QueueTimeout,
+    RequestCancelled,
+    RequestFailed,
+    RequestRejected,
+    Unrepresentable,
+    VisionNotEnabled,
+)
 
 
 class InvariantBroken(RuntimeError):

@@ -16,10 +16,8 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
-from ninfer.contract.events import GenerationResult, GenerationStart, OutputDelta
+from ninfer.contract.events import Event, GenerationResult
 from ninfer.engine.errors import InvariantBroken
-
-Event = GenerationStart | OutputDelta | GenerationResult
 
 
 class ResponseChannel:

@@ -8,14 +8,15 @@ arrive with prefix reuse and forced control.
 from __future__ import annotations
 
 import enum
-from typing import Any
 
 import attrs
 
+from ninfer.contract.context import TurnBoundary
 from ninfer.contract.events import FinishReason, OutputDelta, TokenLogprob, ToolCall
 from ninfer.contract.model import OutputSession, SnapshotCost
 from ninfer.contract.prompt import PreparedPrompt
 from ninfer.contract.request import GenerationRequest, SamplingParams
+from ninfer.contract.state import ResumeState
 from ninfer.engine.errors import InvariantBroken
 from ninfer.engine.handle import ResponseChannel
 
@@ -44,7 +45,7 @@ class RequestRecord:
     session: OutputSession | None = None
     state: RequestState = RequestState.WAITING
     sequence_id: int | None = None
-    resume_state: Any = None
+    resume_state: ResumeState | None = None
     snapshot: SnapshotCost | None = None  # while paused by Snapshot: the host bytes its ResumeState holds
     # Output accounting: what was committed and published (never re-counted after a resume).
     generated: int = 0
@@ -64,7 +65,7 @@ class RequestRecord:
     queue_deadline_at: float | None = None
     frontend_error: BaseException | None = None  # the OutputSession failed on this request's output
     cached_tokens: int = 0  # prompt tokens restored from the context cache at admission
-    boundary: Any = None    # the Frontend's boundary of the last committed row (a TurnBoundary ends a turn)
+    boundary: TurnBoundary | None = None    # the Frontend's boundary of the last committed row (a TurnBoundary ends a turn)
 
     @property
     def request_id(self) -> str:

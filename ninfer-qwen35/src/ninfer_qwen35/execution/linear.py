@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from ninfer.models.common.weights import WeightSet
+from ninfer.artifact.weights import WeightSet
 from ninfer.ops import linear
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from ninfer.models.common.weights import WeightSet
+from ninfer.artifact.weights import WeightSet
 from ninfer_qwen35.config import Qwen35Config
 from ninfer_qwen35.execution.linear import LinearSplit
 from ninfer_qwen35.source_mapping import expected_parameters, vision_parameters

@@ -20,7 +20,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from ninfer.models.common.weights import WeightSet
+from ninfer.artifact.weights import WeightSet
 from ninfer.ops import apply_rope
 from ninfer.ops.vision import PackedSequences, vision_attention, vision_attention_ref
 from ninfer_qwen35.config import Qwen35Config

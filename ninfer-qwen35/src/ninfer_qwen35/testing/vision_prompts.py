@@ -20,11 +20,11 @@ import numpy as np
 import torch
 from PIL import Image
 
+from ninfer.artifact.weights import WeightSet
 from ninfer.contract.batch import RowDecision
 from ninfer.contract.prompt import MediaSpan, PreparedPrompt, VisionItem
 from ninfer.contract.request import SamplingParams
 from ninfer.models.common.qwen.vision_preprocess import PreprocessConfig, preprocess_image, preprocess_video
-from ninfer.models.common.weights import WeightSet
 from ninfer_qwen35.config import parse_config
 from ninfer_qwen35.execution.model import Qwen35Model
 from ninfer_qwen35.execution.parameters import Qwen35Parameters

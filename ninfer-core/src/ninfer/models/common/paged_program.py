@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import itertools
+import uuid
 from collections.abc import Sequence
 
 import attrs
@@ -48,8 +48,6 @@ from ninfer.models.common.context.sequence_table import SequenceTable
 from ninfer.models.common.sampler import Sampler, pending_rows
 from ninfer.models.common.scoring import WindowScores, score_window
 from ninfer.models.common.vision_handoff import VisionHandoff, decode_positions
-
-_program_ids = itertools.count(1)
 
 
 @attrs.frozen(kw_only=True)
@@ -86,7 +84,7 @@ class PagedProgram(Checkpointing, abc.ABC):
         planned context although ``num_pages`` cannot hold it; it never runs a sequence."""
         if not 1 <= max_concurrency <= MAX_CONCURRENCY:  # StartupOptions validated it; a direct build too
             raise ValueError(f"max_concurrency must be in 1..{MAX_CONCURRENCY}, got {max_concurrency}")
-        self.id = next(_program_ids)
+        self.id = uuid.uuid4().int >> 65  # names this Program in its launches and ResumeStates; no global counter
         self.pdl = pdl
         self.device = Device.parse(device)
         self.state_layout = state_layout

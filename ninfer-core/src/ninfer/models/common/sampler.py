@@ -20,7 +20,7 @@ import torch
 
 from ninfer.contract.batch import PendingRow
 from ninfer.contract.constraint import MaskFill, TokenMasks, mask_words
-from ninfer.core.readback import Readback, RowLogprobs, upload
+from ninfer.core.readback import CopyStream, Readback, RowLogprobs, upload
 from ninfer.models.common.context.sequence import RowSampling, SequenceRecord, draw_seed
 from ninfer.models.common.penalties import LogitAdjust
 
@@ -76,6 +76,7 @@ class Sampler:
         self.mask_rows = mask_rows
         self._masks: MaskRows | None = None  # allocated at the first constrained unit
         self.adjustments = LogitAdjust(device)
+        self.copies = CopyStream()  # the readback copies' stream: this Program's, released with it
 
     def forget(self, sequence_id: int) -> None:
         """The sequence is released: drop its generator and its token history."""
@@ -116,7 +117,8 @@ class Sampler:
                              for s, p, i in zip(seqs, sp, indices, strict=True)],
                             max_top_k=max(p.top_k for p in drawn) if narrow else None)
         want = tuple(i for i, p in enumerate(sp) if p.logprobs)
-        return launch_readback(tokens, raw, tokens, want, max((sp[i].top_logprobs for i in want), default=0))
+        return launch_readback(tokens, raw, tokens, want, max((sp[i].top_logprobs for i in want), default=0),
+                               copies=self.copies)
 
     def _adjust(self, seqs: Sequence[SequenceRecord], logits: torch.Tensor, indices: Sequence[int],
                 drafts: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
@@ -201,19 +203,19 @@ def _knobs(sp: Sequence[RowSampling], dev: torch.device) -> torch.Tensor:
 
 
 def launch_readback(pack: torch.Tensor, logits: torch.Tensor, tokens: torch.Tensor, want: tuple[int, ...],
-                    top_n: int) -> Readback:
+                    top_n: int, *, copies: CopyStream) -> Readback:
     """The unit's one copy to the host: ``pack`` (its sampled tokens, and whatever else the unit reports), plus
     the logprobs of rows ``want`` of ``logits`` [N, V] for their ``tokens`` [N] with their ``top_n`` best."""
     from ninfer.ops.sampling import logprobs
 
     if not want:
-        return Readback.launch(pack)
+        return Readback.launch(pack, copies=copies)
     if len(want) == logits.shape[0]:
         lps = logprobs(logits, tokens, top_n)
     else:
         idx = upload(torch.tensor(want), logits.device)
         lps = logprobs(logits[idx], tokens[idx], top_n)
-    return Readback.launch(pack, want, top_n, lps)
+    return Readback.launch(pack, want, top_n, lps, copies=copies)
 
 
 def pending_row(seq: SequenceRecord, tokens: tuple[int, ...], logprobs: Sequence[RowLogprobs] | None,

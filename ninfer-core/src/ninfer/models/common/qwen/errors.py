@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ninfer.engine.errors import Unrepresentable
+from ninfer.contract.errors import Unrepresentable
 
 
 class FrontendInputError(Unrepresentable, ValueError):

@@ -27,9 +27,9 @@ from functools import partial
 
 import attrs
 
+from ninfer.contract.errors import EngineClosed
 from ninfer.contract.prompt import MediaItem, VisionItem
 from ninfer.core.task_pool import PoolClosed, Task, TaskPool
-from ninfer.engine.errors import EngineClosed
 from ninfer.models.common.qwen.image_decode import MediaError, MediaOverLimit, release_freed_memory
 from ninfer.models.common.qwen.media_plan import (
     MediaPlan,

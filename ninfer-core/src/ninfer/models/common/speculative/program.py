@@ -210,7 +210,7 @@ class SpeculativeProgram(PagedProgram):
         pack = torch.cat([tokens.flatten(), accepted, drafts.flatten()])
         want = tuple(b * R + t for b, s in enumerate(seqs) if s.sampling.logprobs for t in range(R))
         top_n = max((s.sampling.top_logprobs for s in seqs if s.sampling.logprobs), default=0)
-        return launch_readback(pack, logits, tokens.flatten().clamp_min(0), want, top_n)
+        return launch_readback(pack, logits, tokens.flatten().clamp_min(0), want, top_n, copies=self.sampler.copies)
 
     def collect(self, unit: LaunchedUnit) -> PendingBatch:
         native = unit.native
