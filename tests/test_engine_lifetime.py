@@ -20,7 +20,8 @@ from ninfer.contract.events import FinishReason, GenerationStart, OutputDelta
 
 @pytest.fixture(scope="module")
 def engine(one_cpu_thread):
-    with ninfer.Engine(ninfer.default_model_path(), device="cpu", max_concurrency=2) as eng:
+    with ninfer.Engine(ninfer.default_model_path(), ninfer.EngineConfig(device="cpu",
+                                                                        max_concurrency=2)) as eng:
         yield eng
 
 

@@ -126,7 +126,7 @@ def test_the_engine_hands_the_speculative_feature_to_the_startup(monkeypatch, ho
     features = StartupFeatures(speculative="mtp", num_draft_tokens=3)
     with pytest.raises(_Built):
         if how == "keyword":
-            ninfer.Engine(ninfer.default_model_path(), device="cpu", features=features)
+            ninfer.Engine(ninfer.default_model_path(), ninfer.EngineConfig(device="cpu", features=features))
         else:
             ninfer.Engine(ninfer.default_model_path(), config=EngineConfig(device="cpu", features=features))
     (options,) = seen
