@@ -15,7 +15,7 @@ import attrs
 import pytest
 
 from ninfer import default_model_path
-from ninfer.contract import EngineConfig
+from ninfer.contract import EngineConfig, ProgramCapacity
 from ninfer.contract.config import StartupFeatures
 from ninfer.contract.constraint import JsonConstraint
 from ninfer.contract.events import FinishReason, GenerationResult
@@ -46,8 +46,9 @@ def make_engine(k: int, *, max_concurrency: int = 8, static: bool = False, **opt
     inst, prog = eng.instance, eng.instance.program
     static_prog = Qwen35MTPProgram(prog.model, mtp=prog.mtp, steps=prog.steps, draft_tokens=k, static_decode=True,
                                    state_layout=prog.state_layout, kv_pool=prog.kv_pools[0], device="cpu",
-                                   max_concurrency=max_concurrency, num_pages=prog.pool.num_pages - 1,
-                                   vocab_size=prog.vocab_size, max_model_len=prog.max_model_len,
+                                   max_concurrency=max_concurrency, vocab_size=prog.vocab_size,
+                                   capacity=ProgramCapacity(kv_pages=prog.pool.num_pages - 1,
+                                                            max_model_len=prog.max_model_len),
                                    sampling_defaults=prog.sampling_defaults)
     assert static_prog.graphs is not None
     return Engine.from_instance(attrs.evolve(inst, program=static_prog), EngineConfig(max_concurrency=max_concurrency,

@@ -21,6 +21,7 @@ from ninfer.contract import (  # noqa: E402
     GenerationResult,
     ModelInstance,
     OutputDelta,
+    ProgramCapacity,
     SamplingParams,
     StartupFeatures,
     TextInput,
@@ -128,7 +129,8 @@ def test_decode_through_the_graph_input_buffers_matches_transformers(converted, 
                                                  page_size=PAGE)) as built:
         model, memory = built.instance.program.model, built.instance.memory
         program = Qwen3Program(model, kv_pool=built.instance.program.kv_pools[0], device="cpu", max_concurrency=2,
-                               num_pages=memory.kv_pages, max_model_len=memory.max_model_len, static_decode=True)
+                               capacity=ProgramCapacity(kv_pages=memory.kv_pages, max_model_len=memory.max_model_len),
+                               static_decode=True)
         assert program.graphs is not None
         instance = ModelInstance(architecture="qwen3", config=model.config, model=model,
                                                  parameters=model.params, frontend=built.frontend, program=program)

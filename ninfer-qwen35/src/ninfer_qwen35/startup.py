@@ -134,11 +134,8 @@ class Qwen35Startup:
         eager = _eager_reason(loaded)
         graphs = options.cuda_graphs and eager is None
         common = dict(state_layout=layout, kv_pool=pool, device=dev, max_concurrency=options.max_concurrency,
-                      num_pages=capacity.kv_pages, kv_dtype=compute, vocab_size=config.vocab_size,
-                      host_budget_bytes=capacity.host_budget_bytes,
-                      sampling_defaults=loaded.frontend.sampling_defaults(), max_model_len=capacity.max_model_len,
-                      cuda_graphs=graphs, pdl=capacity.pdl, checkpoint_slots=capacity.checkpoint_slots,
-                      cache_host_budget_bytes=capacity.cache_host_budget_bytes, calibration=capacity.calibration,
+                      capacity=capacity, kv_dtype=compute, vocab_size=config.vocab_size,
+                      sampling_defaults=loaded.frontend.sampling_defaults(), cuda_graphs=graphs,
                       host_experts=_host_experts(loaded, dev, capacity.expert_cache_slots))
         k = options.features.draft_tokens
         if k:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ninfer.contract import KVPoolSpec, SamplingParams
+from ninfer.contract import KVPoolSpec, ProgramCapacity, SamplingParams
 from ninfer.core.device import Device
 from ninfer.core.forward_batch import ForwardBatch, PagedKVViews
 from ninfer.models.common.paged_program import PagedProgram
@@ -21,19 +21,14 @@ class Qwen3Program(PagedProgram):
     """Implements ``ninfer.contract.Program`` (and ``PipelinedDecode``) for a ``Qwen3Model``."""
 
     def __init__(self, model: Qwen3Model, *, kv_pool: KVPoolSpec, device: Device | str, max_concurrency: int,
-                 num_pages: int, kv_dtype: torch.dtype | str | None = None, host_budget_bytes: int = 0,
-                 sampling_defaults: SamplingParams | None = None, max_model_len: int | None = None,
-                 cuda_graphs: bool = True, static_decode: bool = False, pdl: bool = False, checkpoint_slots: int = 0,
-                 cache_host_budget_bytes: int = 0, calibration: bool = False) -> None:
+                 capacity: ProgramCapacity, kv_dtype: torch.dtype | str | None = None,
+                 sampling_defaults: SamplingParams | None = None, cuda_graphs: bool = True,
+                 static_decode: bool = False) -> None:
         """``static_decode``: without graphs, still decode through the graphs' static input buffers (the
-        CUDA-graph input path, checked on the CPU). The rest (``calibration`` included: a graph-calibration
-        build keeps the planned ``max_model_len`` over its few pages) is ``PagedProgram``'s."""
+        CUDA-graph input path, checked on the CPU). ``capacity`` is ``PagedProgram``'s."""
         super().__init__(state_layout=state_layout(model.config), kv_pool=kv_pool, device=device,
-                         max_concurrency=max_concurrency, num_pages=num_pages, kv_dtype=kv_dtype,
-                         vocab_size=model.config.vocab_size, host_budget_bytes=host_budget_bytes,
-                         sampling_defaults=sampling_defaults, max_model_len=max_model_len, pdl=pdl,
-                         checkpoint_slots=checkpoint_slots, cache_host_budget_bytes=cache_host_budget_bytes,
-                         calibration=calibration)
+                         max_concurrency=max_concurrency, capacity=capacity, kv_dtype=kv_dtype,
+                         vocab_size=model.config.vocab_size, sampling_defaults=sampling_defaults)
         self.model = model
         self.views = PagedKVViews(kv=self.pool.caches(), page_size=self.page_size)
         self.start_graphs(cuda_graphs=cuda_graphs, static_decode=static_decode)

@@ -80,10 +80,8 @@ class Qwen3Startup:
         pool = kv_pool(loaded.config, page_size=options.page_size, dtype=dtype_name(loaded.compute))
         program = Qwen3Program(
             loaded.model, kv_pool=pool, device=options.device, max_concurrency=options.max_concurrency,
-            num_pages=capacity.kv_pages, kv_dtype=loaded.compute, host_budget_bytes=capacity.host_budget_bytes,
-            sampling_defaults=loaded.frontend.sampling_defaults(), max_model_len=capacity.max_model_len,
-            cuda_graphs=options.cuda_graphs, pdl=capacity.pdl, checkpoint_slots=capacity.checkpoint_slots,
-            cache_host_budget_bytes=capacity.cache_host_budget_bytes, calibration=capacity.calibration)
+            capacity=capacity, kv_dtype=loaded.compute, sampling_defaults=loaded.frontend.sampling_defaults(),
+            cuda_graphs=options.cuda_graphs)
         return ModelInstance(architecture="qwen3", config=loaded.config, model=loaded.model,
                              parameters=loaded.model.params, frontend=loaded.frontend, program=program)
 

@@ -74,10 +74,10 @@ class ModelProfile:
 
 @attrs.frozen(kw_only=True)
 class ProgramCapacity:
-    """What the runtime grants a Program: the native Startup builds exactly this.
+    """What the runtime grants a Program: the native Startup passes it, unchanged, to the Program it builds.
 
-    ``kv_pages``: usable KV pages (the Program adds its scratch page). ``max_model_len``: the longest history;
-    in a ``calibration`` build it is the planned context although the few pages cannot hold it (the graphs are
+    ``kv_pages``: usable KV pages (the Program adds its scratch page). ``max_model_len``: the longest history
+    (None: what the pages hold; a direct build's choice); in a ``calibration`` build it is the planned context although the few pages cannot hold it (the graphs are
     captured for the real context; a calibration Program never runs a sequence). ``checkpoint_slots`` /
     ``cache_host_budget_bytes``: the context cache's device StateImages and pinned host bytes.
     ``host_budget_bytes``: host bytes paused Snapshots may hold. ``pdl``: programmatic dependent launch.
@@ -85,7 +85,7 @@ class ProgramCapacity:
     """
 
     kv_pages: int = attrs.field(validator=v.and_(v.instance_of(int), v.ge(1)))
-    max_model_len: int = attrs.field(validator=v.and_(v.instance_of(int), v.ge(1)))
+    max_model_len: int | None = attrs.field(default=None, validator=v.optional(v.and_(v.instance_of(int), v.ge(1))))
     checkpoint_slots: int = attrs.field(default=0, validator=_bytes)
     host_budget_bytes: int = attrs.field(default=0, validator=_bytes)
     cache_host_budget_bytes: int = attrs.field(default=0, validator=_bytes)
