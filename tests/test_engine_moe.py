@@ -120,12 +120,13 @@ def test_host_experts_are_chosen_when_the_device_cannot_hold_the_banks_and_give_
     """A budget that holds every weight but the routed expert banks: the plan picks the host-experts candidate
     (banks in host memory, everything else on the device), and greedy output is the all-device output."""
     from ninfer.artifact import open_artifact
+    from ninfer.core.device_plan import sized
     from ninfer_qwen35.startup import Qwen35Startup
 
     art, hf = moe
     options = StartupOptions(device="cpu", dtype="float32", max_concurrency=2, context_cache=False)
     with open_artifact(art) as a:
-        profile = Qwen35Startup().profile(a, options)
+        profile = sized(Qwen35Startup().profile(a, options), options)
     everything, hosted = profile.placements
     assert (everything.name, hosted.name) == ("all-device", "host-experts")
     assert hosted.host_bytes > 0 and hosted.device_bytes + hosted.host_bytes == everything.device_bytes

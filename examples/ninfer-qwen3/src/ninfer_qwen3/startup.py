@@ -13,9 +13,16 @@ import attrs
 import torch
 
 from ninfer.artifact import Artifact, LoadReport, load_weights, meta_weights
-from ninfer.contract import ModelInstance, ModelProfile, ProgramCapacity, StartupOptions, WeightPlacement
+from ninfer.contract import (
+    ModelInstance,
+    ModelProfile,
+    ModelShape,
+    ProgramCapacity,
+    StartupOptions,
+    WeightPlacement,
+)
 from ninfer.core.device import Device, dtype_name, torch_dtype
-from ninfer.core.device_plan import WORKSPACE_TOKENS, graph_estimate, resident_bytes
+from ninfer.core.device_plan import resident_bytes
 from ninfer.core.kv_pool import PagedKVPool
 from ninfer.models.common.qwen import QwenFrontend
 from ninfer.models.common.weights import WeightSet
@@ -49,16 +56,14 @@ class Qwen3Startup:
         compute = _compute_dtype(options, weights[EMBED].dtype)
         params = Qwen3Parameters.from_weights(config, weights, compute, torch.device("meta"))
         pool = kv_pool(config, page_size=options.page_size, dtype=dtype_name(compute))
-        size = torch.empty((), dtype=compute).element_size()
-        width = activation_width(config)
         fixed = resident_bytes([*weights.parents.values(), *params.tensors()])
         return ModelProfile(
             architecture=artifact.metadata.architecture, dtype=dtype_name(compute), features=FEATURES,
             placements=(WeightPlacement(name="all-device", device_bytes=fixed),),
             state_slot_bytes=state_layout(config).nbytes_per_slot, kv_page_bytes=PagedKVPool.page_bytes(pool),
-            page_size=pool.page_size, workspace_bytes=WORKSPACE_TOKENS * width * size,
-            graph_bytes=graph_estimate(vocab_size=config.vocab_size, activation_width=width, element_size=size,
-                                       max_batch=options.max_concurrency),
+            page_size=pool.page_size, shape=ModelShape(
+                hidden_size=config.hidden_size, vocab_size=config.vocab_size, mlp_width=2 * config.intermediate_size,
+                mixer_width=(config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim),
             model_limit=config.max_position_embeddings, layers=config.num_hidden_layers)
 
     def load(self, artifact: Artifact, options: StartupOptions, placement: WeightPlacement) -> Qwen3Loaded:
@@ -84,12 +89,6 @@ class Qwen3Startup:
             cuda_graphs=options.cuda_graphs)
         return ModelInstance(architecture="qwen3", config=loaded.config, model=loaded.model,
                              parameters=loaded.model.params, frontend=loaded.frontend, program=program)
-
-
-def activation_width(c: Qwen3Config) -> int:
-    """Elements per token a prefill chunk's activations hold at once (residual, normed, q/k/v, MLP, logits)."""
-    return 4 * c.hidden_size + 2 * c.intermediate_size + (c.num_attention_heads + 2 * c.num_key_value_heads) \
-        * c.head_dim + c.vocab_size // 8
 
 
 def _checked(artifact: Artifact, options: StartupOptions) -> Qwen3Config:
