@@ -1,4 +1,4 @@
-"""Acceptance through ``ninfer.Engine`` (the plugin's Startup, Qwen3Program and the shared Qwen Frontend)
+"""Acceptance through ``ninfer.Engine`` (the plugin's Startup, the shared DenseProgram and Qwen Frontend)
 against transformers' ``Qwen3ForCausalLM`` on the tiny random checkpoint, fp32 on the CPU.
 
 Greedy generation picks transformers' tokens one for one (``generate(do_sample=False)``), with prompts longer
@@ -24,11 +24,12 @@ from ninfer.contract import (  # noqa: E402
     ProgramCapacity,
     SamplingParams,
     StartupFeatures,
+    StateImageLayout,
     TextInput,
 )
 from ninfer.core.device_plan import PlanError  # noqa: E402
+from ninfer.models.common.dense import DenseProgram  # noqa: E402
 from ninfer.testing.scheduling import submit_together  # noqa: E402
-from ninfer_qwen3.program import Qwen3Program  # noqa: E402
 
 LOGPROB_ATOL = 1e-4
 NEW_TOKENS = 24
@@ -58,7 +59,7 @@ def request(prompt, **sampling) -> GenerationRequest:
         temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, **sampling))
 
 
-def watch(program: Qwen3Program) -> tuple[list[int], list[int]]:
+def watch(program: DenseProgram) -> tuple[list[int], list[int]]:
     """Record the sequence of every prefill chunk and the rows of every decode step the engine runs."""
     chunks, rows = [], []
     prefill, launch = program.prefill, program.launch_decode
@@ -128,7 +129,8 @@ def test_decode_through_the_graph_input_buffers_matches_transformers(converted, 
     with ninfer.Engine(path, ninfer.EngineConfig(device="cpu", dtype="float32", max_concurrency=2,
                                                  page_size=PAGE)) as built:
         model, memory = built.instance.program.model, built.instance.memory
-        program = Qwen3Program(model, kv_pool=built.instance.program.kv_pools[0], device="cpu", max_concurrency=2,
+        program = DenseProgram(model, state_layout=StateImageLayout(fields=()), device="cpu", max_concurrency=2,
+                               kv_pool=built.instance.program.kv_pools[0], vocab_size=model.config.vocab_size,
                                capacity=ProgramCapacity(kv_pages=memory.kv_pages, max_model_len=memory.max_model_len),
                                static_decode=True)
         assert program.graphs is not None
