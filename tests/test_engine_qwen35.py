@@ -85,7 +85,8 @@ def make_engine(parts, *, max_concurrency=2, pages=64, host_bytes=1 << 24, pause
                          frontend=QwenFrontend.from_resources(resources), program=prog)
     return Engine.from_instance(inst, EngineConfig(max_concurrency=max_concurrency, device=device,
                                                    prefill_chunk=prefill_chunk, pause_mode=pause_mode,
-                                                   bypass_limit=bypass_limit))
+                                                   bypass_limit=max_concurrency if bypass_limit is None
+                                                   else bypass_limit))
 
 
 def req(prompt, **s) -> GenerationRequest:

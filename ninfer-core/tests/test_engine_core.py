@@ -373,7 +373,8 @@ def make_engine(*, max_concurrency=4, max_queue=64, prefill_chunk=8, pause_mode=
     return Engine.from_instance(inst, EngineConfig(max_concurrency=max_concurrency, max_queue=max_queue,
                                                    max_model_len=inst.program.max_model_len,
                                                    prefill_chunk=prefill_chunk, pause_mode=pause_mode,
-                                                   bypass_limit=bypass_limit, device="cpu"))
+                                                   bypass_limit=max_concurrency if bypass_limit is None
+                                                   else bypass_limit, device="cpu"))
 
 
 def long_engine(**kw) -> Engine:

@@ -1,4 +1,4 @@
-"""Selecting speculative decoding: ``ninfer.Engine(..., features=StartupFeatures(speculative="mtp"))`` hands
+"""Selecting speculative decoding: ``ninfer.EngineConfig(features=StartupFeatures(speculative="mtp"))`` hands
 the feature to the model's Startup; ``ninfer generate --speculative mtp [--num-draft-tokens K]`` maps onto it,
 a bad combination is a usage error before any model work, and the stats line reports the drafts' acceptance
 when drafts were verified. No model runs here: the Startup and the CLI's engine are stand-ins."""
