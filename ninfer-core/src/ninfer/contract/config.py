@@ -206,7 +206,8 @@ class EngineConfig(_ModelOptions):
     as it is read), ``context_cache`` (reuse checkpointed prefixes and session continuations; on by default),
     ``checkpoint_grid`` (prompt positions between checkpoints inside a long prompt; None: the prefill chunk),
     ``json_whitespace`` (whitespace in JSON output whose ``JsonConstraint`` leaves it unset: "bounded" or
-    "compact"). The rest are the model's startup options, declared once by ``StartupOptions``.
+    "compact"). The rest are the model's startup options, declared once for both classes (``StartupOptions``
+    documents them).
     """
 
     max_queue: int = attrs.field(default=64, validator=_int_range(0))

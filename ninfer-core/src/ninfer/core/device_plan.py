@@ -184,6 +184,7 @@ def plan_memory(profile: ModelProfile, options: StartupOptions, room: DeviceRoom
     """Plan one Program. ``placement``: the candidate already chosen (else the first that fits);
     ``weights_resident``: the weights are loaded and ``room`` is what is left beside them; ``graph_bytes``: the
     calibrated graph figure (else the profile's estimate); ``host_available``: the host's available bytes."""
+    profile = sized(profile, options)  # a profile straight from a Startup declares widths, not bytes
     limit = min(profile.model_limit, options.max_model_len or profile.model_limit)
     page_bytes = profile.kv_page_bytes
     useful = _pages_for(limit, profile.page_size) * options.max_concurrency  # more could never run at once
