@@ -102,14 +102,14 @@ def _flag(*, optional: bool = False):
     return check
 
 
-def _device(*, optional: bool):
-    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-        if value is None and optional:
-            return
-        if not isinstance(value, str) or not _DEVICE.match(value):
-            raise ValueError(f"{attribute.name} must be 'cpu', 'cuda' or 'cuda:N'"
-                             f"{' (or None: cuda when available)' if optional else ''}, got {value!r}")
-    return check
+def _device(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    """An EngineConfig may leave the device to be found (None); a Startup's options have it fixed."""
+    optional = not isinstance(instance, StartupOptions)
+    if value is None and optional:
+        return
+    if not isinstance(value, str) or not _DEVICE.match(value):
+        raise ValueError(f"{attribute.name} must be 'cpu', 'cuda' or 'cuda:N'"
+                         f"{' (or None: cuda when available)' if optional else ''}, got {value!r}")
 
 
 def _text(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -132,7 +132,7 @@ def _constraint_limits(instance: Any, attribute: attrs.Attribute, value: Any) ->
 class _ModelOptions:
     """The fields ``StartupOptions`` and ``EngineConfig`` share (see ``StartupOptions``)."""
 
-    device: str | None = attrs.field(default=None, validator=_device(optional=True))
+    device: str | None = attrs.field(default=None, validator=_device)
     max_concurrency: int = attrs.field(default=4, validator=_int_range(1, MAX_CONCURRENCY))
     max_model_len: int | None = attrs.field(default=None, validator=_int_range(2, optional=True))
     context_cache: bool = attrs.field(default=True, validator=_flag())
@@ -188,10 +188,6 @@ class StartupOptions(_ModelOptions):
     ``constraint_limits``: what one constrained request may cost (``ConstraintLimits``; the Frontend's grammar
     compile workers, matcher memory and time).
     """
-
-    def __attrs_post_init__(self) -> None:
-        if self.device is None:
-            raise ValueError("device must be 'cpu', 'cuda' or 'cuda:N', got None")
 
 
 @attrs.frozen(kw_only=True)
