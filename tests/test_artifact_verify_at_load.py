@@ -60,10 +60,10 @@ def _generates(engine) -> None:
 def test_engine_refuses_a_corrupted_object_and_verify_false_loads_it(tmp_path, object_id, edit, one_cpu_thread):
     bad = _corrupted_copy(tmp_path, object_id, edit)
     with pytest.raises(ChecksumError) as err:
-        ninfer.Engine(bad, device="cpu")
+        ninfer.Engine(bad, ninfer.EngineConfig(device="cpu"))
     message = str(err.value)
     assert repr(object_id) in message and str(bad) in message and "corrupted" in message
-    with ninfer.Engine(bad, device="cpu", verify=False) as engine:
+    with ninfer.Engine(bad, ninfer.EngineConfig(device="cpu", verify=False)) as engine:
         _generates(engine)
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from ninfer.artifact.reader import open_artifact
+from ninfer.contract import EngineConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT = ROOT / "ninfer-core/src/ninfer/data/default.ninfer"
@@ -57,7 +58,7 @@ def test_engine_generates_english_verse_on_cpu():
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with Engine(str(DEFAULT), device="cpu", max_concurrency=1) as engine:
+        with Engine(str(DEFAULT), EngineConfig(device="cpu", max_concurrency=1)) as engine:
             handle = engine.submit(GenerationRequest(input=TextInput(text="ROMEO.\n"),
                                                      sampling=SamplingParams(max_tokens=40, temperature=0.0)))
             text, result = "", None

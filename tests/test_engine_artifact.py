@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from ninfer.contract import EngineConfig
 from ninfer.contract.events import FinishReason, GenerationResult, GenerationStart
 from ninfer.contract.prompt import ChatInput, TextInput
 from ninfer.contract.request import GenerationRequest, SamplingParams
@@ -29,7 +30,8 @@ def artifact(tmp_path_factory):
 def test_engine_serves_a_converted_artifact(artifact):
     import ninfer
 
-    with ninfer.Engine(artifact, device="cpu", max_concurrency=2, max_model_len=256) as eng:
+    with ninfer.Engine(artifact, ninfer.EngineConfig(device="cpu", max_concurrency=2,
+                                                     max_model_len=256)) as eng:
         assert eng.model_name and eng.max_model_len == 256
         assert eng.instance.program.max_model_len == 256  # Startup planned the KV pool for it
         chat = ChatInput(messages=[{"role": "user", "content": "Hello there"}])
@@ -57,8 +59,8 @@ def test_bad_start_is_a_clear_error(artifact, tmp_path):
     from ninfer import Engine
 
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        Engine(tmp_path / "missing.ninfer", device="cpu")
+        Engine(tmp_path / "missing.ninfer", EngineConfig(device="cpu"))
     with pytest.raises(ValueError, match="purpose"):
-        Engine(artifact, purpose="scoring", device="cpu")
+        Engine(artifact, EngineConfig(device="cpu"), purpose="scoring")
     with pytest.raises(ValueError, match="max_concurrency"):
-        Engine(artifact, max_concurrency=9, device="cpu")
+        Engine(artifact, EngineConfig(max_concurrency=9, device="cpu"))

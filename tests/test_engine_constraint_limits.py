@@ -40,8 +40,9 @@ LIMITS = ConstraintLimits(max_choices=1024, max_choice_bytes=1 << 20, max_compil
 
 
 def make_engine() -> ninfer.Engine:
-    return ninfer.Engine(ninfer.default_model_path(), device="cpu", max_concurrency=2, context_cache=False,
-                         constraint_limits=LIMITS)
+    return ninfer.Engine(ninfer.default_model_path(), ninfer.EngineConfig(device="cpu", max_concurrency=2,
+                                                                          context_cache=False,
+                                                                          constraint_limits=LIMITS))
 
 
 @pytest.fixture(scope="module")

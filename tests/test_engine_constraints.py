@@ -68,8 +68,9 @@ CASES = {
 @pytest.fixture(scope="module")
 def engine():
     # float32: a Replay recomputes history by prefill, equal to the decode steps' numbers only up to rounding
-    eng = ninfer.Engine(ninfer.default_model_path(), device="cpu", max_concurrency=4, context_cache=False,
-                        dtype="float32")
+    eng = ninfer.Engine(ninfer.default_model_path(), ninfer.EngineConfig(device="cpu", max_concurrency=4,
+                                                                         context_cache=False,
+                                                                         dtype="float32"))
     yield eng
     eng.close()
 
@@ -176,9 +177,11 @@ def alone(engine):
 @pytest.mark.parametrize("mode", ["snapshot", "replay"])
 def test_pause_and_resume_keep_the_committed_matcher(alone, mode):
     # 9 pages of 16 positions cannot hold 4 residents of up to ~70 positions: pauses are forced
-    with ninfer.Engine(ninfer.default_model_path(), device="cpu", max_concurrency=4, context_cache=False,
-                       dtype="float32", page_size=16, num_pages=9, prefill_chunk=16, pause_mode=mode,
-                       host_budget_bytes=(64 << 20) if mode == "snapshot" else 0) as eng:
+    with ninfer.Engine(ninfer.default_model_path(), ninfer.EngineConfig(device="cpu", max_concurrency=4,
+                                                                        context_cache=False, dtype="float32",
+                                                                        page_size=16, num_pages=9,
+                                                                        prefill_chunk=16, pause_mode=mode,
+                                                                        host_budget_bytes=(64 << 20) if mode == "snapshot" else 0)) as eng:
         results = [h.result(timeout=300) for h in submit_together(eng, workload())]
         m = eng.metrics()
         assert m.preemptions > 0
@@ -268,7 +271,8 @@ def test_cancellations_and_deadlines_among_constrained_rows_leave_nothing_held(e
 def test_a_restored_prompt_is_constrained_from_its_first_token():
     """With the context cache on, a repeated prompt restores everything and its first token comes from a
     decode step: the mask applies there as it does after a prefill."""
-    with ninfer.Engine(ninfer.default_model_path(), device="cpu", dtype="float32") as eng:
+    with ninfer.Engine(ninfer.default_model_path(), ninfer.EngineConfig(device="cpu",
+                                                                        dtype="float32")) as eng:
         constraint, prompt, check = CASES["json_schema"]
         first, again = (eng.generate(text_request(prompt, constraint), timeout=120) for _ in range(2))
         assert again.usage.cached_tokens > 0 and again.token_ids == first.token_ids
@@ -282,7 +286,8 @@ def test_constrained_rows_on_cuda_with_graphs_and_pipelined_decode(monkeypatch, 
     for the step before it to be committed): outputs valid, beside unconstrained rows, and nothing left held.
     ``ops=torch``: the mask applied by the torch reference instead of the Triton kernel."""
     monkeypatch.setenv("NINFER_OPS", ops)
-    with ninfer.Engine(ninfer.default_model_path(), device="cuda", max_concurrency=8, context_cache=False) as eng:
+    with ninfer.Engine(ninfer.default_model_path(), ninfer.EngineConfig(device="cuda", max_concurrency=8,
+                                                                        context_cache=False)) as eng:
         kinds = sorted(CASES)
         requests = [text_request(CASES[k][1], CASES[k][0]) for k in kinds]
         requests.append(chat_request("What is the weather in Paris this week?",

@@ -20,7 +20,8 @@ from ninfer.contract.events import FinishReason, GenerationStart, OutputDelta
 
 @pytest.fixture(scope="module")
 def engine(one_cpu_thread):
-    with ninfer.Engine(ninfer.default_model_path(), device="cpu", max_concurrency=2) as eng:
+    with ninfer.Engine(ninfer.default_model_path(), ninfer.EngineConfig(device="cpu",
+                                                                        max_concurrency=2)) as eng:
         yield eng
 
 
@@ -105,7 +106,7 @@ _EXIT_SCRIPT = textwrap.dedent("""
     import ninfer
     from ninfer.contract import GenerationRequest, SamplingParams, TextInput
 
-    engine = ninfer.Engine(ninfer.default_model_path(), device="cpu")
+    engine = ninfer.Engine(ninfer.default_model_path(), ninfer.EngineConfig(device="cpu"))
     handle = engine.submit(GenerationRequest(input=TextInput(text="ROMEO:"),
                                              sampling=SamplingParams(max_tokens=1000, ignore_eos=True)))
     events = iter(handle)  # kept: the request is not cancelled by the break below

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ninfer import default_model_path
+from ninfer.contract import EngineConfig
 from ninfer.contract.config import StartupFeatures
 from ninfer.contract.prompt import TextInput
 from ninfer.contract.request import GenerationRequest, SamplingParams
@@ -27,7 +28,8 @@ def long_text(seed: int, words: int) -> str:
 
 
 def test_a_cpu_start_reports_its_memory_and_a_small_budget_is_refused_with_numbers():
-    eng = Engine(default_model_path(), device="cpu", max_concurrency=2, device_budget_bytes=256 * MIB)
+    eng = Engine(default_model_path(), EngineConfig(device="cpu", max_concurrency=2,
+                                                    device_budget_bytes=256 * MIB))
     try:
         m = eng.instance.memory
         assert m.budget_bytes == 256 * MIB and m.corrections == 0 and m.kv_automatic
@@ -37,7 +39,7 @@ def test_a_cpu_start_reports_its_memory_and_a_small_budget_is_refused_with_numbe
     finally:
         eng.close()
     with pytest.raises(PlanError, match="does not fit: it needs .* short by"):
-        Engine(default_model_path(), device="cpu", device_budget_bytes=4 * MIB)
+        Engine(default_model_path(), EngineConfig(device="cpu", device_budget_bytes=4 * MIB))
 
 
 @pytest.mark.gpu
@@ -45,8 +47,9 @@ def test_a_cpu_start_reports_its_memory_and_a_small_budget_is_refused_with_numbe
 def test_a_cuda_start_calibrates_its_graphs_and_its_workload_stays_within_the_budget(features):
     budget = 2 * GIB
     torch.cuda.empty_cache()
-    eng = Engine(default_model_path(), device="cuda", max_concurrency=8, device_budget_bytes=budget,
-                 prefill_chunk=2048, features=features)
+    eng = Engine(default_model_path(), EngineConfig(device="cuda", max_concurrency=8,
+                                                    device_budget_bytes=budget, prefill_chunk=2048,
+                                                    features=features))
     try:
         m = eng.instance.memory
         assert eng.instance.program.graphs is not None, eng.instance.program.graph_error

@@ -15,6 +15,7 @@ from ninfer.engine.scoring import CausalScoreCore
 from ninfer.engine.startup import build_instance
 
 transformers = pytest.importorskip("transformers")
+from ninfer.contract import EngineConfig  # noqa: E402
 from ninfer_qwen35.testing.checkpoints import convert_tiny, make_tiny_checkpoint  # noqa: E402
 
 PROMPTS = ["The quick brown fox", "Hello, world! How are", "def main():\n    print("]
@@ -42,7 +43,7 @@ def test_the_artifact_holds_fused_expert_banks(moe):
 
 def test_greedy_generation_matches_transformers(moe):
     art, hf = moe
-    eng = Engine(art, device="cpu", dtype="float32", max_concurrency=3, context_cache=False)
+    eng = Engine(art, EngineConfig(device="cpu", dtype="float32", max_concurrency=3, context_cache=False))
     try:
         requests = [GenerationRequest(input=TextInput(text=t), sampling=SamplingParams(temperature=0.0, max_tokens=12,
                                                                                        ignore_eos=True))
@@ -106,8 +107,8 @@ def test_mtp_speculative_decoding_of_a_moe_model_gives_plain_greedy_tokens(tmp_p
     art = convert_tiny(make_tiny_checkpoint(tmp_path / "ckpt", moe=True, mtp=True, seed=4), tmp_path / "mtp.ninfer")
     outs = {}
     for k in (0, 2):
-        eng = Engine(art, device="cpu", dtype="float32", max_concurrency=2, context_cache=False,
-                     features=StartupFeatures(speculative="mtp", num_draft_tokens=k) if k else StartupFeatures())
+        eng = Engine(art, EngineConfig(device="cpu", dtype="float32", max_concurrency=2, context_cache=False,
+                                       features=StartupFeatures(speculative="mtp", num_draft_tokens=k) if k else StartupFeatures()))
         try:
             outs[k] = greedy(eng)
         finally:
@@ -119,12 +120,13 @@ def test_host_experts_are_chosen_when_the_device_cannot_hold_the_banks_and_give_
     """A budget that holds every weight but the routed expert banks: the plan picks the host-experts candidate
     (banks in host memory, everything else on the device), and greedy output is the all-device output."""
     from ninfer.artifact import open_artifact
+    from ninfer.core.device_plan import sized
     from ninfer_qwen35.startup import Qwen35Startup
 
     art, hf = moe
     options = StartupOptions(device="cpu", dtype="float32", max_concurrency=2, context_cache=False)
     with open_artifact(art) as a:
-        profile = Qwen35Startup().profile(a, options)
+        profile = sized(Qwen35Startup().profile(a, options), options)
     everything, hosted = profile.placements
     assert (everything.name, hosted.name) == ("all-device", "host-experts")
     assert hosted.host_bytes > 0 and hosted.device_bytes + hosted.host_bytes == everything.device_bytes
@@ -138,7 +140,8 @@ def test_host_experts_are_chosen_when_the_device_cannot_hold_the_banks_and_give_
     assert everything.device_bytes + others + 2 * profile.kv_page_bytes > budget  # all-device cannot fit
     outs = {}
     for name, kwargs in (("all-device", {}), ("host-experts", {"device_budget_bytes": budget})):
-        eng = Engine(art, device="cpu", dtype="float32", max_concurrency=2, context_cache=False, **kwargs)
+        eng = Engine(art, EngineConfig(device="cpu", dtype="float32", max_concurrency=2, context_cache=False,
+                                       **kwargs))
         try:
             assert eng.memory.placement == name
             assert eng.memory.host.weights_bytes == (hosted.host_bytes if name == "host-experts" else 0)
@@ -169,9 +172,10 @@ def test_host_experts_stream_prefill_and_mix_decode_with_mtp_and_give_the_same_t
     outs, stats = {}, None
     before = set(threading.enumerate())
     for placement in ("all-device", "host-experts"):
-        eng = Engine(art, device="cpu", dtype="float32", max_concurrency=2, context_cache=False,
-                     placement=placement, features=StartupFeatures(speculative="mtp", num_draft_tokens=2),
-                     expert_cache_bytes=None if placement == "all-device" else cache_experts * _expert_bytes(art))
+        eng = Engine(art, EngineConfig(device="cpu", dtype="float32", max_concurrency=2, context_cache=False,
+                                       placement=placement,
+                                       features=StartupFeatures(speculative="mtp", num_draft_tokens=2),
+                                       expert_cache_bytes=None if placement == "all-device" else cache_experts * _expert_bytes(art)))
         try:
             outs[placement] = greedy(eng)
             runtime = eng.instance.program.host_experts
@@ -221,9 +225,10 @@ def test_host_experts_on_cuda_give_the_all_device_tokens(tmp_path, monkeypatch):
     art = convert_tiny(make_tiny_checkpoint(tmp_path / "ckpt", moe=True, mtp=True, seed=6), tmp_path / "m.ninfer")
     outs, stats = {}, None
     for placement in ("all-device", "host-experts"):
-        eng = Engine(art, device="cuda", dtype="float32", max_concurrency=2, context_cache=False,
-                     placement=placement, features=StartupFeatures(speculative="mtp", num_draft_tokens=2),
-                     expert_cache_bytes=None if placement == "all-device" else 5 * _expert_bytes(art))
+        eng = Engine(art, EngineConfig(device="cuda", dtype="float32", max_concurrency=2, context_cache=False,
+                                       placement=placement,
+                                       features=StartupFeatures(speculative="mtp", num_draft_tokens=2),
+                                       expert_cache_bytes=None if placement == "all-device" else 5 * _expert_bytes(art)))
         try:
             outs[placement] = greedy(eng)
             runtime = eng.instance.program.host_experts

@@ -14,6 +14,7 @@ import collections
 import pytest
 
 from ninfer import default_model_path
+from ninfer.contract import EngineConfig
 from ninfer.contract.config import StartupFeatures
 from ninfer.contract.events import FinishReason
 from ninfer.contract.prompt import TextInput
@@ -29,8 +30,9 @@ TOKENS = 8
 
 def _engine(k: int) -> Engine:
     features = StartupFeatures(speculative="mtp", num_draft_tokens=k) if k else StartupFeatures()
-    return Engine(default_model_path(), device="cpu", dtype="float32", features=features, max_concurrency=4,
-                  prefill_chunk=16, context_cache=False)
+    return Engine(default_model_path(), EngineConfig(device="cpu", dtype="float32", features=features,
+                                                     max_concurrency=4, prefill_chunk=16,
+                                                     context_cache=False))
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ from ninfer_qwen35.testing.checkpoints import make_tokenizer_json
 
 transformers = pytest.importorskip("transformers")
 
+from ninfer.contract import EngineConfig  # noqa: E402
 from ninfer_qwen35.execution.model import Qwen35Model  # noqa: E402
 from ninfer_qwen35.testing import decisive_tiny_hf, float32_program, model_from_hf  # noqa: E402
 
@@ -82,8 +83,10 @@ def make_engine(parts, *, max_concurrency=2, pages=64, host_bytes=1 << 24, pause
                            host_experts=runtime)
     inst = ModelInstance(architecture="qwen35", config=cfg, model=model, parameters=model.params,
                          frontend=QwenFrontend.from_resources(resources), program=prog)
-    return Engine.from_instance(inst, max_concurrency=max_concurrency, device=device,
-                                prefill_chunk=prefill_chunk, pause_mode=pause_mode, bypass_limit=bypass_limit)
+    return Engine.from_instance(inst, EngineConfig(max_concurrency=max_concurrency, device=device,
+                                                   prefill_chunk=prefill_chunk, pause_mode=pause_mode,
+                                                   bypass_limit=max_concurrency if bypass_limit is None
+                                                   else bypass_limit))
 
 
 def req(prompt, **s) -> GenerationRequest:
@@ -273,7 +276,7 @@ def test_logprobs_are_published_with_the_accepted_tokens(parts):
 def test_engine_refuses_more_lanes_than_the_program_has(parts):
     eng = make_engine(parts, max_concurrency=2)
     with pytest.raises(ValueError, match="built for 2 concurrent sequences"):
-        Engine.from_instance(eng.instance, max_concurrency=4, device="cpu")
+        Engine.from_instance(eng.instance, EngineConfig(max_concurrency=4, device="cpu"))
     eng.close()
 
 

@@ -15,6 +15,7 @@ import attrs
 import pytest
 
 from ninfer import default_model_path
+from ninfer.contract import EngineConfig, ProgramCapacity
 from ninfer.contract.config import StartupFeatures
 from ninfer.contract.constraint import JsonConstraint
 from ninfer.contract.events import FinishReason, GenerationResult
@@ -37,20 +38,23 @@ def make_engine(k: int, *, max_concurrency: int = 8, static: bool = False, **opt
     features = StartupFeatures(speculative="mtp", num_draft_tokens=k) if k else StartupFeatures()
     options.setdefault("prefill_chunk", 8)
     options.setdefault("context_cache", False)
-    eng = Engine(default_model_path(), device="cpu", dtype="float32", features=features,
-                 max_concurrency=max_concurrency, **options)
+    eng = Engine(default_model_path(), EngineConfig(device="cpu", dtype="float32", features=features,
+                                                    max_concurrency=max_concurrency, **options))
     if not static:
         return eng
     eng.close()
     inst, prog = eng.instance, eng.instance.program
     static_prog = Qwen35MTPProgram(prog.model, mtp=prog.mtp, steps=prog.steps, draft_tokens=k, static_decode=True,
                                    state_layout=prog.state_layout, kv_pool=prog.kv_pools[0], device="cpu",
-                                   max_concurrency=max_concurrency, num_pages=prog.pool.num_pages - 1,
-                                   vocab_size=prog.vocab_size, max_model_len=prog.max_model_len,
+                                   max_concurrency=max_concurrency, vocab_size=prog.vocab_size,
+                                   capacity=ProgramCapacity(kv_pages=prog.pool.num_pages - 1,
+                                                            max_model_len=prog.max_model_len),
                                    sampling_defaults=prog.sampling_defaults)
     assert static_prog.graphs is not None
-    return Engine.from_instance(attrs.evolve(inst, program=static_prog), max_concurrency=max_concurrency,
-                                device="cpu", prefill_chunk=options["prefill_chunk"], context_cache=False)
+    return Engine.from_instance(attrs.evolve(inst, program=static_prog), EngineConfig(max_concurrency=max_concurrency,
+                                                                                      device="cpu",
+                                                                                      prefill_chunk=options["prefill_chunk"],
+                                                                                      context_cache=False))
 
 
 def req(text: str, **s) -> GenerationRequest:
@@ -249,9 +253,8 @@ def test_cuda_verify_graphs_match_eager_and_plain(seeded_rows):
     work = [req(t, **(seeded(i) if seeded_rows and i % 2 else {})) for i, t in enumerate(LINES)]
     out = {}
     for k, graphs in ((0, True), (2, False), (2, True), (3, True)):
-        eng = Engine(default_model_path(), device="cuda", dtype="float32", max_concurrency=8, context_cache=False,
-                     cuda_graphs=graphs, features=StartupFeatures(speculative="mtp", num_draft_tokens=k) if k
-                     else StartupFeatures())
+        eng = Engine(default_model_path(), EngineConfig(device="cuda", dtype="float32", max_concurrency=8, context_cache=False, cuda_graphs=graphs, features=StartupFeatures(speculative="mtp", num_draft_tokens=k) if k
+                     else StartupFeatures()))
         prog = eng.instance.program
         assert (prog.graphs is not None) == graphs, prog.graph_error
         out[k, graphs] = [r.token_ids for r in run(eng, work)]

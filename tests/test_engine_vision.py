@@ -22,6 +22,7 @@ pytest.importorskip("ninfer_qwen35")
 from PIL import Image  # noqa: E402
 
 from ninfer import Engine  # noqa: E402
+from ninfer.contract import EngineConfig
 from ninfer_qwen35.testing.checkpoints import convert_tiny, make_tiny_checkpoint  # noqa: E402
 from ninfer_qwen35.testing.vision_prompts import hf_media_inputs, randomise  # noqa: E402
 
@@ -71,7 +72,7 @@ def artifact(checkpoint, tmp_path_factory):
 def make_engine(artifact, **kw) -> Engine:
     opts = dict(device="cpu", dtype="float32", max_concurrency=2, max_model_len=512, page_size=8, num_pages=128,
                 context_cache=False)
-    return Engine(artifact, **{**opts, **kw})
+    return Engine(artifact, EngineConfig(**{**opts, **kw}))
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import json
 import pytest
 from starlette.testclient import TestClient
 
+from ninfer.contract import EngineConfig
 from ninfer_serve.app import create_app
 
 QUESTION = [{"role": "user", "content": "What says the king?"}]
@@ -18,7 +19,7 @@ QUESTION = [{"role": "user", "content": "What says the king?"}]
 def engine(embedded_model, one_cpu_thread):
     from ninfer import Engine
 
-    with Engine(embedded_model, device="cpu", max_concurrency=2, max_model_len=512) as eng:
+    with Engine(embedded_model, EngineConfig(device="cpu", max_concurrency=2, max_model_len=512)) as eng:
         yield eng
 
 

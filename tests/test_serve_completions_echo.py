@@ -11,6 +11,7 @@ import time
 import pytest
 from starlette.testclient import TestClient
 
+from ninfer.contract import EngineConfig
 from ninfer_serve.app import create_app
 
 TEXT = "The quick brown fox jumps over the lazy dog. It was not amused."
@@ -21,7 +22,7 @@ OTHER = "Paris is the capital of"
 def engine(embedded_model, one_cpu_thread):
     from ninfer import Engine
 
-    with Engine(embedded_model, device="cpu", max_concurrency=4, max_model_len=512) as engine:
+    with Engine(embedded_model, EngineConfig(device="cpu", max_concurrency=4, max_model_len=512)) as engine:
         yield engine
 
 
@@ -201,7 +202,7 @@ def test_scoring_between_pipelined_cuda_steps_changes_nothing(embedded_model):
                 for i in range(4)]
 
     # a fifth lane: scoring need not wait for a slot (the CPU test covers that), so it runs between steps
-    with Engine(embedded_model, device="cuda", max_concurrency=5, max_model_len=512) as engine:
+    with Engine(embedded_model, EngineConfig(device="cuda", max_concurrency=5, max_model_len=512)) as engine:
         ids = engine.instance.frontend.prepare(TextInput(text=TEXT)).token_ids
         idle = engine.score(ids, top=2)
         alone = [h.result(120).token_ids for h in busy_requests(engine)]

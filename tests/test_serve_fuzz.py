@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
+from ninfer.contract import EngineConfig
 from ninfer_serve.app import create_app
 from ninfer_serve.testing import parse_metrics, tiny_model, wait_idle
 
@@ -98,7 +99,7 @@ def fuzz_client(tmp_path_factory, one_cpu_thread):
     from ninfer import Engine
 
     model = tiny_model(tmp_path_factory.getbasetemp())
-    with Engine(model, device="cpu", max_concurrency=2, max_model_len=64) as engine:
+    with Engine(model, EngineConfig(device="cpu", max_concurrency=2, max_model_len=64)) as engine:
         with TestClient(create_app(engine, model_id="tiny", http_threads=2)) as client:
             yield client
 

@@ -35,7 +35,7 @@ def test_tiny_checkpoint_converts_and_generates(tmp_path, capsys):
     assert "features text, mtp" in capsys.readouterr().out
     assert main(["generate", str(art), "--prompt", "Hello", "--max-tokens", "4", "--temperature", "0",
                  "--ignore-eos", "--device", "cpu"]) == 0
-    with ninfer.Engine(art, device="cpu", max_concurrency=1) as engine:
+    with ninfer.Engine(art, ninfer.EngineConfig(device="cpu", max_concurrency=1)) as engine:
         res = engine.generate(GenerationRequest(input=TextInput(text="Hello"), sampling=SamplingParams(
             max_tokens=4, temperature=0.0, ignore_eos=True)), timeout=120)
     assert res.usage.completion_tokens == 4

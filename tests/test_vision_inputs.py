@@ -33,7 +33,8 @@ IMAGE_CHAT = ChatInput(messages=[{"role": "user", "content": [{"type": "image"},
 
 @pytest.fixture(scope="module")
 def engine(embedded_model):
-    with ninfer.Engine(embedded_model, device="cpu", max_concurrency=1, max_model_len=128) as e:
+    with ninfer.Engine(embedded_model, ninfer.EngineConfig(device="cpu", max_concurrency=1,
+                                                           max_model_len=128)) as e:
         yield e
 
 
@@ -51,8 +52,8 @@ def test_the_engine_refuses_media_without_vision(engine):
 
 
 def test_vision_off_says_it_was_turned_off(embedded_model):
-    with ninfer.Engine(embedded_model, device="cpu", max_concurrency=1, max_model_len=64,
-                       features=StartupFeatures(vision=False)) as e:
+    with ninfer.Engine(embedded_model, ninfer.EngineConfig(device="cpu", max_concurrency=1, max_model_len=64,
+                                                           features=StartupFeatures(vision=False))) as e:
         assert e.vision_enabled is False
         with pytest.raises(VisionNotEnabled, match="it was turned off"):
             e.submit(GenerationRequest(input=IMAGE_CHAT))
@@ -60,7 +61,8 @@ def test_vision_off_says_it_was_turned_off(embedded_model):
 
 def test_vision_required_on_a_model_without_it_does_not_start(embedded_model):
     with pytest.raises(ValueError, match="(?i)vision"):
-        ninfer.Engine(embedded_model, device="cpu", max_concurrency=1, max_model_len=64, features=StartupFeatures(vision=True))
+        ninfer.Engine(embedded_model, ninfer.EngineConfig(device="cpu", max_concurrency=1, max_model_len=64,
+                                                          features=StartupFeatures(vision=True)))
 
 
 @pytest.mark.parametrize("asked,bound,words", [
@@ -76,7 +78,7 @@ def test_the_engine_checks_that_the_startup_kept_the_vision_setting(monkeypatch,
     monkeypatch.setattr(ninfer.engine.startup, "build_instance", lambda model, options, verify: (
         instance, "fake", artifact))
     with pytest.raises(ValueError, match=words):
-        ninfer.Engine("unused", device="cpu", features=StartupFeatures(vision=asked))
+        ninfer.Engine("unused", ninfer.EngineConfig(device="cpu", features=StartupFeatures(vision=asked)))
     assert closed == [True]  # the opened artifact is not left behind
 
 

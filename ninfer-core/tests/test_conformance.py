@@ -1,5 +1,5 @@
-"""The conformance kit's state_layout check: a layout with no fields (an attention-only model) conforms; a
-field that holds no bytes, or something that is not a StateImageLayout, is named as the failure."""
+"""The conformance kit: the source mapping a sample config.json makes has every member the converter and the
+loader call (what lacks one is named), and the startup slot names a class of the three-step Startup shape."""
 
 from __future__ import annotations
 
@@ -9,31 +9,55 @@ import types
 import pytest
 
 from ninfer import ArchitectureSpec, hookimpl
-from ninfer.contract import StateField, StateImageLayout
-from ninfer.plugins import make_plugin_host
+from ninfer.plugins import CONTRACT_SLOTS, make_plugin_host
 from ninfer.testing import ConformanceError, check_architecture
 
-LAYOUTS = {
-    "attention_only": StateImageLayout(fields=()),
-    "recurrent": StateImageLayout(fields=[StateField(name="s", dtype="float32", shape=(4, 8), layers=2)]),
-    "zero_extent": StateImageLayout(fields=[StateField(name="conv", dtype="float32", shape=(4, 0), layers=2)]),
-    "not_a_layout": {"fields": ()},
-}
+
+class _Mapping:
+    validated_features = ("text",)
+
+    def __init__(self, config: dict) -> None:
+        self.config = config
+
+    def canonical_name(self, source_name): ...
+
+    def stacked_sources(self, source_names):
+        return ()
+
+    def configured_features(self):
+        return ("text",)
+
+    def expected_parameters(self, features):
+        return {}
+
+    def fused_parents(self):
+        return ()
+
+    def shared_uses(self, bound, features):
+        return ()
+
+    def embedding_vocab(self):
+        return 8
+
+
+# a mapping written against an older contract: every member but embedding_vocab
+_NoVocab = type("_NoVocab", (), {k: v for k, v in vars(_Mapping).items() if k != "embedding_vocab"})
+
+
+MAPPINGS = {"complete": _Mapping, "no_vocab": _NoVocab}
 
 
 @pytest.fixture
 def host_with(monkeypatch):
-    """A plugin host holding one architecture ``arch_<kind>`` whose state_layout slot returns LAYOUTS[kind]."""
+    """A plugin host holding one architecture ``arch_<kind>`` whose source_mapping slot makes MAPPINGS[kind]."""
     def make(kind: str):
         mod = types.ModuleType(f"fake_conformance_{kind}")
-        mod.parse_config = lambda raw: dict(raw)
-        mod.state_layout = lambda config: LAYOUTS[kind]
+        mod.source_mapping = MAPPINGS[kind]
 
         @hookimpl
         def ninfer_register_architectures(register):
             register(ArchitectureSpec(name=f"arch_{kind}", handles=(f"Fake{kind}",),
-                                      config=f"{mod.__name__}:parse_config",
-                                      state_layout=f"{mod.__name__}:state_layout"))
+                                      source_mapping=f"{mod.__name__}:source_mapping"))
 
         mod.ninfer_register_architectures = ninfer_register_architectures
         monkeypatch.setitem(sys.modules, mod.__name__, mod)
@@ -43,18 +67,23 @@ def host_with(monkeypatch):
     return make
 
 
-@pytest.mark.parametrize("kind", ["attention_only", "recurrent"])
-def test_a_layout_with_no_fields_or_with_real_fields_conforms(host_with, kind):
-    check_architecture(f"arch_{kind}", sample_config={}, host=host_with(kind))
+def test_the_slots_are_what_the_runtime_loads():
+    assert CONTRACT_SLOTS == ("startup", "source_mapping")
 
 
-@pytest.mark.parametrize(("kind", "message"), [
-    ("zero_extent", r"fields \['conv'\] hold no bytes"),
-    ("not_a_layout", "not a StateImageLayout"),
-])
-def test_a_layout_that_holds_nothing_or_is_not_a_layout_is_named(host_with, kind, message):
-    with pytest.raises(ConformanceError, match=message):
-        check_architecture(f"arch_{kind}", sample_config={}, host=host_with(kind))
+def test_a_complete_source_mapping_conforms(host_with):
+    check_architecture("arch_complete", sample_config={}, host=host_with("complete"))
+
+
+def test_a_source_mapping_that_lacks_a_member_is_named(host_with):
+    with pytest.raises(ConformanceError, match=r"arch_no_vocab\.source_mapping returned _NoVocab, which lacks "
+                                               r"\['embedding_vocab'\]"):
+        check_architecture("arch_no_vocab", sample_config={}, host=host_with("no_vocab"))
+
+
+def test_a_sample_config_needs_a_source_mapping(host_with_startup):
+    with pytest.raises(ConformanceError, match="provides no source_mapping"):
+        check_architecture("startup_complete", sample_config={}, host=host_with_startup("complete"))
 
 
 # -- the startup slot: a class of the three-step Startup shape, made with no arguments ----------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 
+import attrs
 import pytest
 import torch
 
@@ -233,3 +234,25 @@ def test_a_named_placement_is_used_or_refused_with_the_names():
     assert plan(moe_profile(), cuda(80 * GIB), device="cuda").expert_cache_slots == 0
     with pytest.raises(ValueError, match="'on-disk' is not one of this model's: all-device, host-experts"):
         plan(moe_profile(), cuda(80 * GIB), device="cuda", placement="on-disk")
+
+
+def test_the_planner_sizes_the_transients_from_the_declared_widths():
+    """A profile that declares its widths (``ModelShape``) gets its workspace (a full prefill chunk's
+    activations) and graph estimate from the planner, the same rule for every architecture; a media encoder
+    (``EncoderNeeds``) adds its peak, and on CUDA its tables."""
+    from ninfer.contract import EncoderNeeds, ModelShape
+    from ninfer.core.device_plan import WORKSPACE_TOKENS, sized
+
+    shape = ModelShape(hidden_size=8, vocab_size=64, mlp_width=32, mixer_width=16)
+    assert shape.activation_width == 4 * 8 + 32 + 16 + 64 // 8
+    declared = attrs.evolve(profile(), shape=shape, workspace_bytes=0, graph_bytes=0)
+    p = plan(declared, cuda(4 * GIB), device="cuda", max_concurrency=2, num_pages=2)
+    assert p.workspace_bytes == WORKSPACE_TOKENS * shape.activation_width * 4
+    assert p.graph_bytes == graph_estimate(vocab_size=64, activation_width=shape.activation_width, element_size=4,
+                                           max_batch=2)
+    encoder = EncoderNeeds(workspace_bytes=10 * MIB, output_bytes=MIB, cuda_cache_bytes=3 * MIB)
+    with_encoder = attrs.evolve(declared, encoder=encoder)
+    for device, cache in (("cpu", 0), ("cuda", 3 * MIB)):
+        options = StartupOptions(device=device)
+        assert sized(with_encoder, options).workspace_bytes == max(10 * MIB, p.workspace_bytes + MIB) + cache
+    assert sized(profile(), StartupOptions(device="cpu")) == profile()  # no widths: its own figures stand

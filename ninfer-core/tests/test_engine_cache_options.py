@@ -24,7 +24,7 @@ def test_a_bad_cache_option_is_a_value_error_naming_it(field, value):
         EngineConfig(**{field: value})
     if value is not None:  # a keyword left None takes the default
         with pytest.raises(ValueError, match=rf"^{field} must be"):
-            ninfer.Engine(ninfer.default_model_path(), device="cpu", **{field: value})
+            ninfer.Engine(ninfer.default_model_path(), ninfer.EngineConfig(device="cpu", **{field: value}))
 
 
 def test_defaults_and_which_side_owns_each_option():
@@ -33,7 +33,8 @@ def test_defaults_and_which_side_owns_each_option():
             config.cache_host_budget_bytes) == (True, None, None, None)
     assert {"checkpoint_slots", "cache_host_budget_bytes"} <= set(MODEL_KNOBS)
     assert "context_cache" not in MODEL_KNOBS and "checkpoint_grid" not in MODEL_KNOBS
-    assert EngineConfig(checkpoint_slots=0, cache_host_budget_bytes=0).checkpoint_slots == 0  # host only / none
+    assert EngineConfig(checkpoint_slots=0,
+                        cache_host_budget_bytes=0).checkpoint_slots == 0  # host only / none
 
 
 def test_engine_keywords_reach_the_config_and_the_startup(monkeypatch):
@@ -44,8 +45,11 @@ def test_engine_keywords_reach_the_config_and_the_startup(monkeypatch):
         seen.append(options)
         return build(model, options, **kw)
     monkeypatch.setattr(ninfer.engine.startup, "build_instance", recording)
-    with ninfer.Engine(ninfer.default_model_path(), device="cpu", max_concurrency=1, context_cache=False,
-                       checkpoint_grid=64, checkpoint_slots=1, cache_host_budget_bytes=1 << 20) as engine:
+    with ninfer.Engine(ninfer.default_model_path(), ninfer.EngineConfig(device="cpu", max_concurrency=1,
+                                                                        context_cache=False,
+                                                                        checkpoint_grid=64,
+                                                                        checkpoint_slots=1,
+                                                                        cache_host_budget_bytes=1 << 20)) as engine:
         c = engine.config
         assert (c.context_cache, c.checkpoint_grid, c.checkpoint_slots, c.cache_host_budget_bytes) == \
             (False, 64, 1, 1 << 20)
@@ -59,8 +63,9 @@ def test_from_instance_takes_the_engine_side_options():
     instance, _, artifact = build_instance(ninfer.default_model_path(), StartupOptions(device="cpu",
                                                                                       max_concurrency=1))
     try:
-        with ninfer.Engine.from_instance(instance, max_concurrency=1, device="cpu", context_cache=False,
-                                         checkpoint_grid=32) as engine:
+        with ninfer.Engine.from_instance(instance, ninfer.EngineConfig(max_concurrency=1, device="cpu",
+                                                                       context_cache=False,
+                                                                       checkpoint_grid=32)) as engine:
             assert (engine.config.context_cache, engine.config.checkpoint_grid) == (False, 32)
     finally:
         artifact.close()
@@ -70,8 +75,9 @@ def test_from_instance_refuses_the_model_side_options_and_bad_values():
     bare = ModelInstance(architecture="none", config=None, model=None, parameters=None, frontend=None,
                          program=None)
     with pytest.raises(ValueError, match="checkpoint_grid must be >= 1, got 0"):
-        ninfer.Engine.from_instance(bare, checkpoint_grid=0)
+        ninfer.Engine.from_instance(bare, ninfer.EngineConfig(checkpoint_grid=0))
     with pytest.raises(ValueError, match="already built; startup options checkpoint_slots, cache_host_budget_bytes"):
         ninfer.Engine.from_instance(bare, config=EngineConfig(checkpoint_slots=2, cache_host_budget_bytes=0))
     with pytest.raises(ValueError, match="has no Program"):  # the cache keywords themselves were accepted
-        ninfer.Engine.from_instance(bare, device="cpu", context_cache=False, checkpoint_grid=8)
+        ninfer.Engine.from_instance(bare, ninfer.EngineConfig(device="cpu", context_cache=False,
+                                                              checkpoint_grid=8))

@@ -81,25 +81,31 @@ def test_one_prefill_chunk_rule_and_max_model_len_rule():
     assert EngineConfig(max_concurrency=3).bypass_limit == 3 and EngineConfig(bypass_limit=0).bypass_limit == 0
 
 
-def test_engine_takes_keywords_or_a_config_not_both():
+def test_engine_takes_one_config():
     model = ninfer.default_model_path()
-    with pytest.raises(ValueError, match="not both .*max_queue"):
-        ninfer.Engine(model, config=EngineConfig(device="cpu"), max_queue=3)
+    with pytest.raises(TypeError, match="max_queue"):
+        ninfer.Engine(model, EngineConfig(device="cpu"), max_queue=3)
     with pytest.raises(ValueError, match="max_concurrency must be in 1..8, got 9"):
-        ninfer.Engine(model, max_concurrency=9, device="cpu")
+        ninfer.Engine(model, EngineConfig(max_concurrency=9, device="cpu"))
     with pytest.raises(TypeError, match="EngineConfig"):
-        ninfer.Engine(model, config={"device": "cpu"})
-    with ninfer.Engine(model, config=EngineConfig(device="cpu", max_concurrency=2, max_model_len=64)) as engine:
+        ninfer.Engine(model, {"device": "cpu"})
+    with ninfer.Engine(model, EngineConfig(device="cpu", max_concurrency=2, max_model_len=64)) as engine:
         assert (engine.config.max_concurrency, engine.max_model_len, engine.config.prefill_chunk) == (2, 64, 512)
         assert engine.instance.program.max_concurrency == 2 and engine.instance.program.max_model_len == 64
 
 
-def test_every_config_field_is_an_engine_keyword():
-    """``Engine(model, **options)`` takes every EngineConfig field (docs/engine.md, "Configuration")."""
+def test_options_are_declared_once():
+    """Each option is one EngineConfig field: the Engine takes the config, not the options again, and the
+    model-side fields are StartupOptions' own (one declaration, inherited)."""
     import inspect
 
-    keywords = set(inspect.signature(ninfer.Engine.__init__).parameters)
-    assert {f.name for f in attrs.fields(EngineConfig)} <= keywords
+    from ninfer.contract.config import _ModelOptions
+
+    assert set(inspect.signature(ninfer.Engine.__init__).parameters) == {"self", "model", "config", "purpose"}
+    assert set(inspect.signature(ninfer.Engine.from_instance).parameters) == {"instance", "config", "name"}
+    for cls in (StartupOptions, EngineConfig):
+        assert set(attrs.fields_dict(_ModelOptions)) <= set(attrs.fields_dict(cls))
+        assert not set(vars(cls).get("__annotations__", {})) & set(attrs.fields_dict(_ModelOptions)), cls
 
 
 def test_contract_declares_what_the_engine_reads():

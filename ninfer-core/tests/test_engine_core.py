@@ -353,6 +353,7 @@ def reference_tokens(prompt: Sequence[int], sampling: SamplingParams, *, vocab: 
 
 
 # == tests ==========================================================================================
+from ninfer.contract import EngineConfig  # noqa: E402
 from ninfer.engine.engine import Engine  # noqa: E402
 from ninfer.engine.errors import (  # noqa: E402
     EngineClosed,
@@ -369,9 +370,11 @@ def make_engine(*, max_concurrency=4, max_queue=64, prefill_chunk=8, pause_mode=
                 **program_kw) -> Engine:
     program_kw.setdefault("slots", max_concurrency)
     inst = ledger_instance(**program_kw)
-    return Engine.from_instance(inst, max_concurrency=max_concurrency, max_queue=max_queue,
-                                max_model_len=inst.program.max_model_len, prefill_chunk=prefill_chunk,
-                                pause_mode=pause_mode, bypass_limit=bypass_limit, device="cpu")
+    return Engine.from_instance(inst, EngineConfig(max_concurrency=max_concurrency, max_queue=max_queue,
+                                                   max_model_len=inst.program.max_model_len,
+                                                   prefill_chunk=prefill_chunk, pause_mode=pause_mode,
+                                                   bypass_limit=max_concurrency if bypass_limit is None
+                                                   else bypass_limit, device="cpu"))
 
 
 def long_engine(**kw) -> Engine:
@@ -928,7 +931,7 @@ def test_an_engine_over_a_built_instance_takes_the_devices_prefill_chunk():
     inst.program.prefill = recorded
     prompt = [1 + i % 46 for i in range(1500)]
     # "cuda" alone binds no ordinal, so the ledger Program runs on any machine; only the default differs.
-    with Engine.from_instance(inst, max_concurrency=1, device="cuda") as eng:
+    with Engine.from_instance(inst, EngineConfig(max_concurrency=1, device="cuda")) as eng:
         assert eng.config.prefill_chunk == default_prefill_chunk("cuda") == 2048
         assert eng.generate(req(prompt, max_tokens=1, ignore_eos=True)).usage.completion_tokens == 1
     assert chunks == [1500]
@@ -938,7 +941,8 @@ def test_startup_options_do_not_apply_to_a_built_instance():
     from ninfer.contract.config import EngineConfig
 
     with pytest.raises(ValueError, match="already built; startup options dtype, num_pages do not apply"):
-        Engine.from_instance(ledger_instance(), config=EngineConfig(device="cpu", dtype="float32", num_pages=3))
+        Engine.from_instance(ledger_instance(), config=EngineConfig(device="cpu", dtype="float32",
+                                                                    num_pages=3))
 
 
 # -- speculative decoding's counters ------------------------------------------------------------------
@@ -978,8 +982,8 @@ def drafting_engine(**program_kw) -> Engine:
     program = DraftingLedger(slots=4, **program_kw)
     inst = ModelInstance(architecture="ledger", config=None, model=None, parameters=None, frontend=TokenFrontend(),
                          program=program)
-    return Engine.from_instance(inst, max_concurrency=4, max_model_len=program.max_model_len, prefill_chunk=8,
-                                device="cpu")
+    return Engine.from_instance(inst, EngineConfig(max_concurrency=4, max_model_len=program.max_model_len,
+                                                   prefill_chunk=8, device="cpu"))
 
 
 def expected_speculative(verified: list[tuple[int, int]]):

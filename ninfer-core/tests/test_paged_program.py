@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from ninfer.contract.batch import RowDecision
+from ninfer.contract.memory import ProgramCapacity
 from ninfer.contract.prompt import PreparedPrompt
 from ninfer.contract.request import SamplingParams
 from ninfer.contract.state import KVPoolSpec, StateImageLayout
@@ -60,8 +61,8 @@ class RecencyProgram(PagedProgram):
     def __init__(self, model: RecencyAttention, *, static_decode: bool = False, num_pages: int = 32,
                  max_concurrency: int = 3, host_budget_bytes: int = 1 << 20) -> None:
         super().__init__(state_layout=StateImageLayout(fields=()), kv_pool=SPEC, device="cpu",
-                         max_concurrency=max_concurrency, num_pages=num_pages, vocab_size=V,
-                         host_budget_bytes=host_budget_bytes)
+                         max_concurrency=max_concurrency, vocab_size=V,
+                         capacity=ProgramCapacity(kv_pages=num_pages, host_budget_bytes=host_budget_bytes))
         self.model = model
         self.views = PagedKVViews(kv=self.pool.caches(), page_size=self.page_size)
         self.start_graphs(cuda_graphs=False, static_decode=static_decode)
@@ -239,7 +240,7 @@ def test_contract_misuse_is_refused():
         prog.input_remaining(sid + 1)
     with pytest.raises(TypeError, match="abstract"):
         PagedProgram(state_layout=StateImageLayout(fields=()), kv_pool=SPEC, device="cpu", max_concurrency=1,
-                     num_pages=4, vocab_size=V)
+                     capacity=ProgramCapacity(kv_pages=4), vocab_size=V)
 
 
 def test_the_shared_parts_import_no_plugin():

@@ -101,7 +101,9 @@ def test_unknown_architecture_lists_known(fake_modules):
 
 
 def test_spec_rejects_malformed_targets():
-    with pytest.raises(ValueError, match="program"):
-        ArchitectureSpec(name="x", handles=("X",), program="no_colon_here")
-    with pytest.raises(NotImplementedError, match="provides no program"):
+    with pytest.raises(ValueError, match="startup"):
+        ArchitectureSpec(name="x", handles=("X",), startup="no_colon_here")
+    with pytest.raises(NotImplementedError, match="provides no startup"):
+        ArchitectureSpec(name="x", handles=("X",)).load("startup")
+    with pytest.raises(ValueError, match="unknown contract slot 'program'"):
         ArchitectureSpec(name="x", handles=("X",)).load("program")

@@ -1,4 +1,4 @@
-"""Selecting speculative decoding: ``ninfer.Engine(..., features=StartupFeatures(speculative="mtp"))`` hands
+"""Selecting speculative decoding: ``ninfer.EngineConfig(features=StartupFeatures(speculative="mtp"))`` hands
 the feature to the model's Startup; ``ninfer generate --speculative mtp [--num-draft-tokens K]`` maps onto it,
 a bad combination is a usage error before any model work, and the stats line reports the drafts' acceptance
 when drafts were verified. No model runs here: the Startup and the CLI's engine are stand-ins."""
@@ -126,7 +126,7 @@ def test_the_engine_hands_the_speculative_feature_to_the_startup(monkeypatch, ho
     features = StartupFeatures(speculative="mtp", num_draft_tokens=3)
     with pytest.raises(_Built):
         if how == "keyword":
-            ninfer.Engine(ninfer.default_model_path(), device="cpu", features=features)
+            ninfer.Engine(ninfer.default_model_path(), ninfer.EngineConfig(device="cpu", features=features))
         else:
             ninfer.Engine(ninfer.default_model_path(), config=EngineConfig(device="cpu", features=features))
     (options,) = seen

@@ -52,7 +52,7 @@ def test_build_makes_a_working_instance(artifact_path):
 def test_startup_is_registered_with_the_plugin(artifact_path):
     spec = make_plugin_host().architecture("Qwen3_5ForConditionalGeneration").spec
     assert spec.load("startup") is Qwen35Startup
-    assert spec.load("program").__name__ == "Qwen35Program"
+    assert spec.provided() == ("startup", "source_mapping")
 
 
 def test_capacity_from_budget_and_clear_refusals(artifact_path, monkeypatch):

@@ -14,7 +14,7 @@ import torch
 from ninfer.contract.config import StartupFeatures, StartupOptions
 from ninfer.core.device import Device
 from ninfer.core.device_memory import DeviceMemory, MemorySnapshot
-from ninfer.core.device_plan import GIB, MIB, PlanError, resident_bytes
+from ninfer.core.device_plan import GIB, MIB, PlanError, resident_bytes, sized
 
 pytest.importorskip("transformers")
 from ninfer.artifact import Artifact, open_artifact  # noqa: E402
@@ -139,7 +139,7 @@ def p_calibration(program) -> bool:
 
 def _fake_start(path, options, startup, **fake):
     with open_artifact(path) as art:
-        profile = startup.profile(art, options)
+        profile = sized(startup.profile(art, options), options)
         memory = FakeDevice(startup, budget=options.device_budget_bytes, workspace=profile.workspace_bytes, **fake)
         memory.weights = profile.placements[0].device_bytes
         return start(startup, art, options, memory), memory

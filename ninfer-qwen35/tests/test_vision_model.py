@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ninfer.contract.batch import RowDecision
+from ninfer.contract.memory import ProgramCapacity
 from ninfer.contract.prompt import PreparedPrompt
 from ninfer.contract.request import SamplingParams
 from ninfer.core.batch_assembly import RowInput, build_forward_batch
@@ -234,5 +235,6 @@ def test_mtp_program_refuses_media(tiny):
 
     with pytest.raises(ValueError, match="MTP"):
         Qwen35MTPProgram(tiny.model, mtp=None, steps=None, draft_tokens=1, vision=tiny.vision, state_layout=None,
-                         kv_pool=None, device="cpu", max_concurrency=1, num_pages=8, vocab_size=VOCAB)
+                         kv_pool=None, device="cpu", max_concurrency=1, capacity=ProgramCapacity(kv_pages=8),
+                         vocab_size=VOCAB)
 

@@ -87,13 +87,15 @@ def test_the_plan_reserves_the_encoders_peak_for_the_largest_image(artifact_path
     """The workspace covers the encoder over the largest image a request can carry (max_pixels of the artifact's
     preprocessor config, and no more placeholder tokens than the context), so such an image cannot run the
     device out of memory mid-request."""
+    from ninfer.core.device_plan import sized
     from ninfer.models.common.qwen.vision_preprocess import PreprocessConfig
     from ninfer_qwen35.config import parse_config
     from ninfer_qwen35.execution.vision import VisionConfig
 
     with open_artifact(artifact_path) as art:
         startup = Qwen35Startup()
-        with_vision, without = (startup.profile(art, _options(vision=v)) for v in (None, False))
+        with_vision, without = (sized(startup.profile(art, _options(vision=v)), _options(vision=v))
+                                for v in (None, False))
         vc = VisionConfig.from_config(parse_config(art.config))
         pre = PreprocessConfig.from_preprocessor_config(art.frontend.media)
     patches = min(pre.max_pixels // vc.patch_size ** 2, with_vision.model_limit * 4)
@@ -121,3 +123,15 @@ def test_vision_true_needs_the_feature(tmp_path):
         with pytest.raises(StartupError, match="no vision feature"):
             Qwen35Startup().profile(art, _options(vision=True))
         assert build(art, _options()).features == ("text",)  # None: bound only when present
+
+
+def test_the_planned_encoder_workspace_is_what_the_plugin_heuristics_gave(artifact_path):
+    """The planner sizes the workspace from the encoder's declared needs: the figures the plugin's own estimate
+    gave before it moved into core (float32, one sequence; the context bounds the largest item)."""
+    from ninfer.core.device_plan import sized
+
+    with open_artifact(artifact_path) as art:
+        for context, workspace in ((None, 124780544), (64, 5783552), (4096, 124780544)):
+            options = StartupOptions(device="cpu", max_concurrency=1, dtype="float32", max_model_len=context)
+            planned = sized(Qwen35Startup().profile(art, options), options)
+            assert (planned.workspace_bytes, planned.graph_bytes) == (workspace, 4199168), context

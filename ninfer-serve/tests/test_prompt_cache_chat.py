@@ -21,8 +21,10 @@ def engines():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny CPU models run fastest single-threaded
     try:
-        with ninfer.Engine(model, device="cpu", max_concurrency=2, max_model_len=512) as on, \
-                ninfer.Engine(model, device="cpu", max_concurrency=2, max_model_len=512, context_cache=False) as off:
+        with ninfer.Engine(model, ninfer.EngineConfig(device="cpu", max_concurrency=2,
+                                                      max_model_len=512)) as on, \
+                ninfer.Engine(model, ninfer.EngineConfig(device="cpu", max_concurrency=2, max_model_len=512,
+                                                         context_cache=False)) as off:
             yield on, off
     finally:
         torch.set_num_threads(threads)

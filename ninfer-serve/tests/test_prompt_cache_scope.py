@@ -109,7 +109,8 @@ def real_engine():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny CPU models run fastest single-threaded
     try:
-        with ninfer.Engine(model, device="cpu", max_concurrency=2, max_model_len=256) as engine:
+        with ninfer.Engine(model, ninfer.EngineConfig(device="cpu", max_concurrency=2,
+                                                      max_model_len=256)) as engine:
             warmup(engine, concurrency=2)
             yield engine
     finally:

@@ -34,7 +34,8 @@ def engine():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny CPU models run fastest single-threaded
     try:
-        with ninfer.Engine(model, device="cpu", max_concurrency=2, max_model_len=1024) as eng:
+        with ninfer.Engine(model, ninfer.EngineConfig(device="cpu", max_concurrency=2,
+                                                      max_model_len=1024)) as eng:
             yield eng
     finally:
         torch.set_num_threads(threads)

@@ -18,6 +18,7 @@ lm_eval = pytest.importorskip("lm_eval")
 import datasets.config  # noqa: E402
 import huggingface_hub.constants  # noqa: E402
 
+from ninfer.contract import EngineConfig  # noqa: E402
 from ninfer_serve.app import create_app  # noqa: E402
 from ninfer_serve.testing import ThreadServer  # noqa: E402
 
@@ -65,7 +66,7 @@ metric_list:
 def served(embedded_model, one_cpu_thread):
     from ninfer import Engine
 
-    with Engine(embedded_model, device="cpu", max_concurrency=4, max_model_len=512) as engine:
+    with Engine(embedded_model, EngineConfig(device="cpu", max_concurrency=4, max_model_len=512)) as engine:
         with ThreadServer(create_app(engine, model_id="tiny", http_threads=2)) as server:
             yield server
 

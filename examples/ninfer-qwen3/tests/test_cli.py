@@ -34,7 +34,7 @@ def model(tmp_path_factory, make_qwen3_checkpoint):
 
 
 def engine(path: str) -> ninfer.Engine:
-    return ninfer.Engine(path, device="cpu", max_concurrency=1)
+    return ninfer.Engine(path, ninfer.EngineConfig(device="cpu", max_concurrency=1))
 
 
 def test_generate_streams_transformers_greedy_continuation(model, capsys):

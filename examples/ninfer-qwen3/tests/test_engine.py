@@ -1,4 +1,4 @@
-"""Acceptance through ``ninfer.Engine`` (the plugin's Startup, Qwen3Program and the shared Qwen Frontend)
+"""Acceptance through ``ninfer.Engine`` (the plugin's Startup, the shared DenseProgram and Qwen Frontend)
 against transformers' ``Qwen3ForCausalLM`` on the tiny random checkpoint, fp32 on the CPU.
 
 Greedy generation picks transformers' tokens one for one (``generate(do_sample=False)``), with prompts longer
@@ -21,13 +21,15 @@ from ninfer.contract import (  # noqa: E402
     GenerationResult,
     ModelInstance,
     OutputDelta,
+    ProgramCapacity,
     SamplingParams,
     StartupFeatures,
+    StateImageLayout,
     TextInput,
 )
 from ninfer.core.device_plan import PlanError  # noqa: E402
+from ninfer.models.common.dense import DenseProgram  # noqa: E402
 from ninfer.testing.scheduling import submit_together  # noqa: E402
-from ninfer_qwen3.program import Qwen3Program  # noqa: E402
 
 LOGPROB_ATOL = 1e-4
 NEW_TOKENS = 24
@@ -57,7 +59,7 @@ def request(prompt, **sampling) -> GenerationRequest:
         temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, **sampling))
 
 
-def watch(program: Qwen3Program) -> tuple[list[int], list[int]]:
+def watch(program: DenseProgram) -> tuple[list[int], list[int]]:
     """Record the sequence of every prefill chunk and the rows of every decode step the engine runs."""
     chunks, rows = [], []
     prefill, launch = program.prefill, program.launch_decode
@@ -84,8 +86,8 @@ def settled(engine: ninfer.Engine) -> None:
 
 def test_greedy_generation_and_logprobs_match_transformers(converted, reference):
     _, path = converted
-    with ninfer.Engine(path, device="cpu", dtype="float32", max_concurrency=3, page_size=PAGE,
-                       prefill_chunk=4) as engine:
+    with ninfer.Engine(path, ninfer.EngineConfig(device="cpu", dtype="float32", max_concurrency=3,
+                                                 page_size=PAGE, prefill_chunk=4)) as engine:
         chunks, rows = watch(engine.instance.program)
         handles = submit_together(engine, [request(p, logprobs=True, top_logprobs=TOP) for p in PROMPTS])
         for handle, (tokens, logprobs) in zip(handles, reference, strict=True):
@@ -108,9 +110,10 @@ def test_greedy_generation_and_logprobs_match_transformers(converted, reference)
 def test_forced_preemption_changes_no_token(converted, reference, mode):
     # 10 pages of 4 positions; each request reaches 25..39 positions (up to 10 pages): two cannot stay resident.
     _, path = converted
-    with ninfer.Engine(path, device="cpu", dtype="float32", max_concurrency=2, page_size=PAGE, num_pages=10,
-                       prefill_chunk=4, pause_mode=mode,
-                       host_budget_bytes=(1 << 24) if mode == "snapshot" else 0) as engine:
+    with ninfer.Engine(path, ninfer.EngineConfig(device="cpu", dtype="float32", max_concurrency=2,
+                                                 page_size=PAGE, num_pages=10, prefill_chunk=4,
+                                                 pause_mode=mode,
+                                                 host_budget_bytes=(1 << 24) if mode == "snapshot" else 0)) as engine:
         results = [h.result(timeout=120) for h in submit_together(engine, [request(p) for p in PROMPTS])]
         metrics = engine.metrics()
         assert metrics.preemptions > 0
@@ -123,14 +126,18 @@ def test_forced_preemption_changes_no_token(converted, reference, mode):
 def test_decode_through_the_graph_input_buffers_matches_transformers(converted, reference):
     """The CUDA-graph input path (static buffers, exact-B), run eagerly on the CPU."""
     _, path = converted
-    with ninfer.Engine(path, device="cpu", dtype="float32", max_concurrency=2, page_size=PAGE) as built:
+    with ninfer.Engine(path, ninfer.EngineConfig(device="cpu", dtype="float32", max_concurrency=2,
+                                                 page_size=PAGE)) as built:
         model, memory = built.instance.program.model, built.instance.memory
-        program = Qwen3Program(model, kv_pool=built.instance.program.kv_pools[0], device="cpu", max_concurrency=2,
-                               num_pages=memory.kv_pages, max_model_len=memory.max_model_len, static_decode=True)
+        program = DenseProgram(model, state_layout=StateImageLayout(fields=()), device="cpu", max_concurrency=2,
+                               kv_pool=built.instance.program.kv_pools[0], vocab_size=model.config.vocab_size,
+                               capacity=ProgramCapacity(kv_pages=memory.kv_pages, max_model_len=memory.max_model_len),
+                               static_decode=True)
         assert program.graphs is not None
         instance = ModelInstance(architecture="qwen3", config=model.config, model=model,
                                                  parameters=model.params, frontend=built.frontend, program=program)
-    with ninfer.Engine.from_instance(instance, device="cpu", max_concurrency=2, prefill_chunk=4) as engine:
+    with ninfer.Engine.from_instance(instance, ninfer.EngineConfig(device="cpu", max_concurrency=2,
+                                                                   prefill_chunk=4)) as engine:
         results = [h.result(timeout=120) for h in submit_together(engine, [request(p) for p in PROMPTS])]
         assert [r.token_ids for r in results] == [tokens for tokens, _ in reference]
         settled(engine)
@@ -142,8 +149,9 @@ def test_cuda_graph_decode_matches_eager(converted):
     _, path = converted
     tokens = {}
     for graphs in (False, True):
-        with ninfer.Engine(path, device="cuda", dtype="float32", max_concurrency=2, page_size=PAGE,
-                           prefill_chunk=4, cuda_graphs=graphs) as engine:
+        with ninfer.Engine(path, ninfer.EngineConfig(device="cuda", dtype="float32", max_concurrency=2,
+                                                     page_size=PAGE, prefill_chunk=4,
+                                                     cuda_graphs=graphs)) as engine:
             program = engine.instance.program
             assert (program.graphs is not None) == graphs, program.graph_error
             handles = submit_together(engine, [request(p) for p in PROMPTS])
@@ -155,10 +163,12 @@ def test_cuda_graph_decode_matches_eager(converted):
 def test_startup_names_what_it_cannot_build(converted):
     _, path = converted
     with pytest.raises(ValueError, match="runs text only"):
-        ninfer.Engine(path, device="cpu", features=StartupFeatures(vision=True))
+        ninfer.Engine(path, ninfer.EngineConfig(device="cpu", features=StartupFeatures(vision=True)))
     with pytest.raises(PlanError, match=r"\(text, float32\) does not fit: it needs .*weights .*workspace"):
-        ninfer.Engine(path, device="cpu", device_budget_bytes=1 << 20)  # less than the weights and workspace
-    with ninfer.Engine(path, device="cpu", max_concurrency=2, num_pages=6, page_size=PAGE) as engine:
+        ninfer.Engine(path, ninfer.EngineConfig(device="cpu",
+                                                device_budget_bytes=1 << 20))  # less than the weights and workspace
+    with ninfer.Engine(path, ninfer.EngineConfig(device="cpu", max_concurrency=2, num_pages=6,
+                                                 page_size=PAGE)) as engine:
         memory = engine.instance.memory
         assert (memory.kv_pages, memory.max_model_len, memory.page_size, memory.kv_automatic) == (6, 24, PAGE, False)
         assert memory.weights_bytes > 0 and memory.runtime_reservation_bytes == engine.instance.program.backing_bytes()

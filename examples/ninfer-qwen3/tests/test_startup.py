@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 
 from ninfer.artifact import open_artifact  # noqa: E402
 from ninfer.contract import ProgramCapacity, StartupFeatures, StartupOptions  # noqa: E402
-from ninfer.core.device_plan import resident_bytes  # noqa: E402
+from ninfer.core.device_plan import resident_bytes, sized  # noqa: E402
 from ninfer_qwen3.startup import Qwen3Startup  # noqa: E402
 
 PAGE = 4
@@ -31,7 +31,7 @@ def test_profile_reads_no_weight_and_counts_what_a_load_allocates(converted, dty
         assert placement.device_bytes == real
         assert real >= sum(p.nbytes for p in loaded.weights.parents.values())
         assert profile.dtype == (dtype or "float32") and profile.state_slot_bytes == 0
-        assert profile.page_size == PAGE and profile.workspace_bytes > 0 and profile.layers == 3
+        assert profile.page_size == PAGE and sized(profile, options).workspace_bytes > 0 and profile.layers == 3
 
 
 def test_profile_refuses_what_it_cannot_run_before_reading_a_weight(converted):

@@ -30,8 +30,9 @@ from ninfer._markers import ENTRY_POINT_GROUP, PROJECT
 
 log = logging.getLogger(__name__)
 
-# Contract slots an architecture may fill, each a lazy "module:attr" target.
-CONTRACT_SLOTS = ("config", "startup", "program", "frontend", "state_layout", "source_mapping")
+# Contract slots an architecture may fill, each a lazy "module:attr" target: what the runtime loads (the engine
+# its Startup; the converter and the loader its source mapping).
+CONTRACT_SLOTS = ("startup", "source_mapping")
 
 
 class PluginError(Exception):
@@ -56,18 +57,16 @@ class ArchitectureSpec:
     """What an architecture plugin provides, as lazy ``"module:attr"`` targets.
 
     ``handles`` lists the Hugging Face ``architectures`` strings (config.json) this
-    architecture implements. A slot left ``None`` is not provided (yet); consumers
-    report that clearly instead of guessing.
+    architecture implements. ``startup``: its ``ninfer.contract.Startup`` class (the engine
+    builds the config, Frontend, state layout and Program through it). ``source_mapping``: its
+    ``ninfer.artifact.mapping.SourceMapping`` factory (the converter and the loader). A slot left
+    ``None`` is not provided (yet); consumers report that clearly instead of guessing.
     """
 
     name: str = attrs.field(validator=attrs.validators.matches_re(r"^[a-z][a-z0-9_]*$"))
     handles: tuple[str, ...] = attrs.field(converter=tuple)
     description: str = ""
-    config: str | None = attrs.field(default=None, validator=_check_target)
     startup: str | None = attrs.field(default=None, validator=_check_target)
-    program: str | None = attrs.field(default=None, validator=_check_target)
-    frontend: str | None = attrs.field(default=None, validator=_check_target)
-    state_layout: str | None = attrs.field(default=None, validator=_check_target)
     source_mapping: str | None = attrs.field(default=None, validator=_check_target)
 
     def provided(self) -> tuple[str, ...]:

@@ -6,14 +6,8 @@ import argparse
 from ninfer import ArchitectureSpec, hookimpl
 
 # Dense and MoE share every native part: the MoE block is a config choice of the same model code.
-_SLOTS = dict(
-    config="ninfer_qwen35.config:parse_config",
-    startup="ninfer_qwen35.startup:Qwen35Startup",
-    program="ninfer_qwen35.program:Qwen35Program",
-    frontend="ninfer.models.common.qwen:QwenFrontend",
-    source_mapping="ninfer_qwen35.source_mapping:source_mapping",
-    state_layout="ninfer_qwen35.state:state_layout",
-)
+_SLOTS = dict(startup="ninfer_qwen35.startup:Qwen35Startup",
+              source_mapping="ninfer_qwen35.source_mapping:source_mapping")
 
 
 @hookimpl

@@ -4,7 +4,8 @@ Only the selected features are bound and read (Text; Vision when the artifact ha
 not False; with ``speculative="mtp"`` the MTP head too; the DFlash backends are refused clearly until they exist). ``profile`` prepares the very Parameters execution
 uses, on the meta device from the artifact's header (``ninfer.artifact.meta_weights``), so the weight bytes it
 reports are what a load allocates (views of the artifact's parents where dtype and layout allow, copies
-where not); StateImage slot, KV page, verify records, workspace and graph estimate complete the profile.
+where not); StateImage slot, KV page, verify records, the model's widths and its encoder's needs complete the
+profile (the runtime's planner sizes the workspace and graphs from them).
 The runtime plans the budget; ``instance`` builds a Program of exactly the granted capacity.
 """
 
@@ -16,10 +17,10 @@ import attrs
 import torch
 
 from ninfer.contract.config import StartupOptions
-from ninfer.contract.memory import ModelProfile, ProgramCapacity, WeightPlacement
+from ninfer.contract.memory import EncoderNeeds, ModelProfile, ModelShape, ProgramCapacity, WeightPlacement
 from ninfer.contract.model import ModelInstance
 from ninfer.core.device import Device, dtype_name, torch_dtype
-from ninfer.core.device_plan import WORKSPACE_TOKENS, graph_estimate, resident_bytes
+from ninfer.core.device_plan import resident_bytes
 from ninfer.core.kv_pool import PagedKVPool
 from ninfer.models.common.moe.host_experts import expert_bytes, staging_bytes
 from ninfer_qwen35.config import Qwen35Config, parse_config
@@ -73,23 +74,18 @@ class Qwen35Startup:
             steps = verify_steps(config, rows=options.max_concurrency, draft_tokens=k, dtype=compute, device=meta)
             backing = resident_bytes([steps.conv, steps.recurrent])
         layout, pool = _stores(config, options, compute)
-        size = torch.empty((), dtype=compute).element_size()
-        width = activation_width(config)
-        workspace = WORKSPACE_TOKENS * width * size
+        encoder = None
         if "vision" in features:  # the encoder runs before its chunk; its output rows stay for the chunk
             context = options.max_model_len or config.max_position_embeddings
-            workspace = _vision_workspace(config, artifact.frontend.media, size, workspace, context,
-                                          cuda=Device.parse(options.device).is_cuda)
+            encoder = _encoder_needs(config, artifact.frontend.media, torch.empty((), dtype=compute).element_size(),
+                                     context)
         return ModelProfile(
             architecture=artifact.metadata.architecture, dtype=dtype_name(compute), features=features,
             placements=_placements(resident_bytes(fixed), resident_bytes(
                 [*(weights.parents[o] for o in _bank_objects(artifact, features)), *banks]), banks,
                 config.moe.num_experts_per_tok if config.moe is not None else 0),
             state_slot_bytes=layout.nbytes_per_slot, kv_page_bytes=PagedKVPool.page_bytes(pool),
-            page_size=pool.page_size, backing_bytes=backing, workspace_bytes=workspace,
-            graph_bytes=graph_estimate(vocab_size=config.vocab_size, activation_width=width, element_size=size,
-                                       max_batch=options.max_concurrency, rows_per_sequence=k + 1,
-                                       graph_sets=3 if k else 1),
+            page_size=pool.page_size, backing_bytes=backing, shape=model_shape(config), encoder=encoder,
             model_limit=config.max_position_embeddings, layers=config.num_hidden_layers)
 
     def load(self, artifact: Any, options: StartupOptions, placement: WeightPlacement) -> Qwen35Loaded:
@@ -134,11 +130,8 @@ class Qwen35Startup:
         eager = _eager_reason(loaded)
         graphs = options.cuda_graphs and eager is None
         common = dict(state_layout=layout, kv_pool=pool, device=dev, max_concurrency=options.max_concurrency,
-                      num_pages=capacity.kv_pages, kv_dtype=compute, vocab_size=config.vocab_size,
-                      host_budget_bytes=capacity.host_budget_bytes,
-                      sampling_defaults=loaded.frontend.sampling_defaults(), max_model_len=capacity.max_model_len,
-                      cuda_graphs=graphs, pdl=capacity.pdl, checkpoint_slots=capacity.checkpoint_slots,
-                      cache_host_budget_bytes=capacity.cache_host_budget_bytes, calibration=capacity.calibration,
+                      capacity=capacity, kv_dtype=compute, vocab_size=config.vocab_size,
+                      sampling_defaults=loaded.frontend.sampling_defaults(), cuda_graphs=graphs,
                       host_experts=_host_experts(loaded, dev, capacity.expert_cache_slots))
         k = options.features.draft_tokens
         if k:
@@ -216,13 +209,11 @@ def _bank_objects(artifact: Any, features: tuple[str, ...]) -> frozenset[str]:
     return frozenset(b.object for b in artifact.bindings.values() if b.feature in features and b.name.endswith(BANKS))
 
 
-def _vision_workspace(config: Qwen35Config, media: dict | None, element_size: int, text_workspace: int,
-                      context: int, *, cuda: bool) -> int:
-    """The transient peak with the encoder: its call over the largest item a request can carry (an image at
-    ``max_pixels``, or a video at its pixel bound over all frames, each patch row covering the temporal patch;
-    and never more placeholder tokens than the context holds), or a prefill chunk's activations beside that
-    item's output rows, whichever is larger; on CUDA plus the encoder's per-frame-size table cache, which stays
-    (at most ``TABLE_CACHE_BYTES``)."""
+def _encoder_needs(config: Qwen35Config, media: dict | None, element_size: int, context: int) -> EncoderNeeds:
+    """The encoder's bytes for the largest item a request can carry: an image at ``max_pixels``, or a video at
+    its pixel bound over all frames, each patch row covering the temporal patch; and never more placeholder
+    tokens than the context holds. On CUDA it keeps its per-frame-size table cache (at most
+    ``TABLE_CACHE_BYTES``)."""
     from ninfer.models.common.qwen.vision_preprocess import PreprocessConfig
     from ninfer_qwen35.execution.vision import TABLE_CACHE_BYTES, VisionConfig
 
@@ -231,13 +222,15 @@ def _vision_workspace(config: Qwen35Config, media: dict | None, element_size: in
     area = vc.patch_size ** 2
     patches = min(max(pre.max_pixels // area, pre.video_max_pixels // (area * vc.temporal_patch_size)),
                   context * vc.spatial_merge_size ** 2)
-    peak = max(vc.workspace_bytes(patches, element_size), text_workspace + vc.output_bytes(patches, element_size))
-    return peak + (TABLE_CACHE_BYTES if cuda else 0)
+    return EncoderNeeds(workspace_bytes=vc.workspace_bytes(patches, element_size),
+                        output_bytes=vc.output_bytes(patches, element_size), cuda_cache_bytes=TABLE_CACHE_BYTES)
 
 
-def activation_width(config: Qwen35Config) -> int:
-    """Elements per token a prefill chunk holds at once: residual stream and projections, MLP, conv, logits rows."""
-    return 4 * config.hidden_size + config.ffn_width + 2 * config.conv_dim + config.vocab_size // 8
+def model_shape(config: Qwen35Config) -> ModelShape:
+    """The widths the planner sizes transients from: the MLP (or MoE block) and the GDN mixer's convolution
+    input and output, its widest."""
+    return ModelShape(hidden_size=config.hidden_size, vocab_size=config.vocab_size, mlp_width=config.ffn_width,
+                      mixer_width=2 * config.conv_dim)
 
 
 def _checked(artifact: Any, options: StartupOptions) -> tuple[Qwen35Config, tuple[str, ...]]:

@@ -39,7 +39,7 @@ _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layer
 
 
 def parse_config(raw: dict[str, Any]) -> Qwen3Config:
-    """Plugin slot ``config``. Refuses what the model code does not implement instead of running it wrongly."""
+    """The typed config (the Startup's and the source mapping's). Refuses what the model code does not run."""
     if not isinstance(raw, dict):
         raise ConfigError("config.json must be a JSON object")
     missing = [k for k in _REQUIRED if k not in raw]

@@ -15,7 +15,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from ninfer.contract import KVPoolSpec, StateImageLayout
+from ninfer.contract import KVPoolSpec
 from ninfer.core.forward_batch import ForwardBatch, PagedKVViews
 from ninfer.models.common.weights import WeightSet
 from ninfer.ops import (
@@ -29,12 +29,7 @@ from ninfer.ops import (
     write_kv,
 )
 from ninfer_qwen3.config import Qwen3Config
-from ninfer_qwen3.source_mapping import EMBED, expected_parameters
-
-
-def state_layout(config: Qwen3Config) -> StateImageLayout:
-    """Plugin slot ``state_layout``: no recurrent state (a slot is only a sequence's identity)."""
-    return StateImageLayout(fields=())
+from ninfer_qwen3.source_mapping import EMBED, parameter_shapes
 
 
 def kv_pool(config: Qwen3Config, *, page_size: int = 16, dtype: str = "bfloat16") -> KVPoolSpec:
@@ -67,7 +62,7 @@ class Qwen3Parameters:
     def from_weights(cls, config: Qwen3Config, weights: WeightSet, dtype: torch.dtype | None = None,
                      device: torch.device | str | None = None) -> Qwen3Parameters:
         wrong = [f"{name} {tuple(weights[name].shape) if name in weights else 'missing'} (want {shape})"
-                 for name, (_, shape) in expected_parameters(config).items()
+                 for name, shape in parameter_shapes(config).items()
                  if name not in weights or tuple(weights[name].shape) != shape]
         if wrong:
             raise ValueError(f"Qwen3 weights do not match the config: {'; '.join(wrong[:8])}")

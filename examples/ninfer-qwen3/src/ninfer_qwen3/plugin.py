@@ -9,10 +9,6 @@ def ninfer_register_architectures(register):
         name="qwen3",
         handles=("Qwen3ForCausalLM",),
         description="Qwen3 dense: attention-only, per-head q/k RMSNorm, RoPE, SwiGLU (example plugin)",
-        config="ninfer_qwen3.config:parse_config",
         startup="ninfer_qwen3.startup:Qwen3Startup",
-        program="ninfer_qwen3.program:Qwen3Program",
-        frontend="ninfer.models.common.qwen:QwenFrontend",
         source_mapping="ninfer_qwen3.source_mapping:source_mapping",
-        state_layout="ninfer_qwen3.model:state_layout",
     ))

@@ -1,20 +1,17 @@
-"""Qwen3 source mapping (plugin slot ``source_mapping``, the ``ninfer.artifact.mapping.SourceMapping`` shape):
-Hugging Face tensor names are the logical names; q/k/v and gate/up are stored fused so one matmul serves each."""
+"""Qwen3 source mapping (plugin slot ``source_mapping``): Hugging Face tensor names are the logical names; q/k/v
+and gate/up are stored fused so one matmul serves each (``DenseSourceMapping`` does the rest)."""
 
 from __future__ import annotations
 
-from collections.abc import Collection
-
-from ninfer.artifact import Use
-from ninfer.artifact.mapping import StackedSource
+from ninfer.models.common.dense import DenseSourceMapping
 from ninfer.models.common.weights import FusedParent
 from ninfer_qwen3.config import Qwen3Config, parse_config
 
 EMBED = "model.embed_tokens.weight"
 
 
-def expected_parameters(c: Qwen3Config) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Logical name -> ("text", shape) of every parameter the config implies."""
+def parameter_shapes(c: Qwen3Config) -> dict[str, tuple[int, ...]]:
+    """Logical name -> shape of every parameter the config implies."""
     H, d, inter = c.hidden_size, c.head_dim, c.intermediate_size
     shapes: dict[str, tuple[int, ...]] = {EMBED: (c.vocab_size, H), "model.norm.weight": (H,)}
     if not c.tie_word_embeddings:
@@ -29,49 +26,22 @@ def expected_parameters(c: Qwen3Config) -> dict[str, tuple[str, tuple[int, ...]]
             p + "mlp.gate_proj.weight": (inter, H), p + "mlp.up_proj.weight": (inter, H),
             p + "mlp.down_proj.weight": (H, inter),
         })
-    return {name: ("text", shape) for name, shape in shapes.items()}
+    return shapes
 
 
-def fused_parents(c: Qwen3Config) -> list[FusedParent]:
-    groups = []
-    for i in range(c.num_hidden_layers):
-        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        groups.append(FusedParent(name=a + "qkv_proj", members=[a + f"{x}_proj.weight" for x in "qkv"]))
-        groups.append(FusedParent(name=m + "gate_up_proj", members=[m + "gate_proj.weight", m + "up_proj.weight"]))
-    return groups
+class Qwen3SourceMapping(DenseSourceMapping):
+    embed = EMBED
 
-
-class Qwen3SourceMapping:
-    validated_features = ("text",)
-
-    def __init__(self, config: Qwen3Config) -> None:
-        self.config = config
-
-    def canonical_name(self, source_name: str) -> tuple[str, str] | None:
-        if source_name == "lm_head.weight" and self.config.tie_word_embeddings:
-            return None  # a tied checkpoint may still ship a copy; the head reads the embedding instead
-        if source_name.startswith("model.") or source_name == "lm_head.weight":
-            return "text", source_name
-        return None
-
-    def stacked_sources(self, source_names: Collection[str]) -> tuple[StackedSource, ...]:
-        return ()  # Qwen3 checkpoints store every parameter whole
-
-    def configured_features(self) -> tuple[str, ...]:
-        return ("text",)
-
-    def expected_parameters(self, features: tuple[str, ...]) -> dict[str, tuple[str, tuple[int, ...]]]:
-        return expected_parameters(self.config) if "text" in features else {}
+    def parameters(self) -> dict[str, tuple[int, ...]]:
+        return parameter_shapes(self.config)
 
     def fused_parents(self) -> list[FusedParent]:
-        return fused_parents(self.config)
-
-    def shared_uses(self, bound: set[str], features: tuple[str, ...]) -> list[Use]:
-        tied = self.config.tie_word_embeddings and EMBED in bound
-        return [Use(site="lm_head", feature="text", binding=EMBED)] if tied else []
-
-    def embedding_vocab(self) -> int:
-        return self.config.vocab_size
+        groups = []
+        for i in range(self.config.num_hidden_layers):
+            a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            groups.append(FusedParent(name=a + "qkv_proj", members=[a + f"{x}_proj.weight" for x in "qkv"]))
+            groups.append(FusedParent(name=m + "gate_up_proj", members=[m + "gate_proj.weight", m + "up_proj.weight"]))
+        return groups
 
 
 def source_mapping(raw_config: dict) -> Qwen3SourceMapping:

@@ -1,108 +1,29 @@
-"""Qwen3 Startup (plugin slot ``startup``, a ``ninfer.contract.Startup`` class): profile -> load -> instance.
-
-``profile`` says what the model needs from the artifact's header alone: it prepares the very Parameters a load
-makes, on the meta device (``meta_weights``), so the weight bytes it reports are what a load allocates (views of
-the artifact's parents where dtype and layout allow, copies where not); KV page, workspace and a CUDA graph
-estimate complete it. The runtime plans the budget (docs/memory.md); ``load`` reads the text weights and
-``instance`` builds a Program of exactly the granted capacity.
-"""
+"""Qwen3 Startup (plugin slot ``startup``): the shared dense start (``ninfer.models.common.dense``) with Qwen3's
+config, Parameters, model calls, KV pool and widths. The runtime plans the memory (docs/memory.md); the shared
+parts build a Program of exactly the granted capacity."""
 
 from __future__ import annotations
 
-import attrs
-import torch
-
-from ninfer.artifact import Artifact, LoadReport, load_weights, meta_weights
-from ninfer.contract import ModelInstance, ModelProfile, ProgramCapacity, StartupOptions, WeightPlacement
-from ninfer.core.device import Device, dtype_name, torch_dtype
-from ninfer.core.device_plan import WORKSPACE_TOKENS, graph_estimate, resident_bytes
-from ninfer.core.kv_pool import PagedKVPool
+from ninfer.contract import ModelShape
+from ninfer.models.common.dense import DenseStartup
 from ninfer.models.common.qwen import QwenFrontend
-from ninfer.models.common.weights import WeightSet
 from ninfer_qwen3.config import Qwen3Config, parse_config
-from ninfer_qwen3.model import Qwen3Model, Qwen3Parameters, kv_pool, state_layout
-from ninfer_qwen3.program import Qwen3Program
+from ninfer_qwen3.model import Qwen3Model, Qwen3Parameters, kv_pool
 from ninfer_qwen3.source_mapping import EMBED
 
-COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-FEATURES = ("text",)
 
+class Qwen3Startup(DenseStartup):
+    architecture, embed = "qwen3", EMBED
+    parse_config = staticmethod(parse_config)
+    parameters = staticmethod(Qwen3Parameters.from_weights)
+    model = staticmethod(Qwen3Model)
+    kv_pool = staticmethod(kv_pool)
 
-@attrs.frozen(kw_only=True, eq=False)
-class Qwen3Loaded:
-    """What ``load`` made: the config, the bound weights, the model over its prepared Parameters, the Frontend."""
+    def shape(self, c: Qwen3Config) -> ModelShape:
+        return ModelShape(hidden_size=c.hidden_size, vocab_size=c.vocab_size, mlp_width=2 * c.intermediate_size,
+                          mixer_width=(c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim)
 
-    config: Qwen3Config
-    weights: WeightSet
-    load_report: LoadReport
-    model: Qwen3Model
-    frontend: QwenFrontend
-    compute: torch.dtype
-
-
-class Qwen3Startup:
-    """Qwen3's side of startup: what it needs, its weights, and a Program of a granted capacity."""
-
-    def profile(self, artifact: Artifact, options: StartupOptions) -> ModelProfile:
-        config = _checked(artifact, options)
-        weights = meta_weights(artifact, features=FEATURES)
-        compute = _compute_dtype(options, weights[EMBED].dtype)
-        params = Qwen3Parameters.from_weights(config, weights, compute, torch.device("meta"))
-        pool = kv_pool(config, page_size=options.page_size, dtype=dtype_name(compute))
-        size = torch.empty((), dtype=compute).element_size()
-        width = activation_width(config)
-        fixed = resident_bytes([*weights.parents.values(), *params.tensors()])
-        return ModelProfile(
-            architecture=artifact.metadata.architecture, dtype=dtype_name(compute), features=FEATURES,
-            placements=(WeightPlacement(name="all-device", device_bytes=fixed),),
-            state_slot_bytes=state_layout(config).nbytes_per_slot, kv_page_bytes=PagedKVPool.page_bytes(pool),
-            page_size=pool.page_size, workspace_bytes=WORKSPACE_TOKENS * width * size,
-            graph_bytes=graph_estimate(vocab_size=config.vocab_size, activation_width=width, element_size=size,
-                                       max_batch=options.max_concurrency),
-            model_limit=config.max_position_embeddings, layers=config.num_hidden_layers)
-
-    def load(self, artifact: Artifact, options: StartupOptions, placement: WeightPlacement) -> Qwen3Loaded:
-        if placement.host_bytes:
-            raise ValueError(f"Qwen3 places every weight on the device; placement {placement.name!r} asks for "
-                             f"{placement.host_bytes} host bytes")
-        config = _checked(artifact, options)
-        device = Device.parse(options.device)
-        frontend = QwenFrontend.from_resources(artifact.frontend, chat_template_override=options.chat_template,
-                                               special_tokens_in_content=options.special_tokens_in_content,
-                                               constraint_limits=options.constraint_limits)
-        weights, report = load_weights(artifact, features=FEATURES, device=str(device))
-        compute = _compute_dtype(options, weights[EMBED].dtype)
-        model = Qwen3Model(Qwen3Parameters.from_weights(config, weights, compute, device.torch))
-        return Qwen3Loaded(config=config, weights=weights, load_report=report, model=model, frontend=frontend,
-                           compute=compute)
-
-    def instance(self, loaded: Qwen3Loaded, options: StartupOptions, capacity: ProgramCapacity) -> ModelInstance:
-        pool = kv_pool(loaded.config, page_size=options.page_size, dtype=dtype_name(loaded.compute))
-        program = Qwen3Program(
-            loaded.model, kv_pool=pool, device=options.device, max_concurrency=options.max_concurrency,
-            num_pages=capacity.kv_pages, kv_dtype=loaded.compute, host_budget_bytes=capacity.host_budget_bytes,
-            sampling_defaults=loaded.frontend.sampling_defaults(), max_model_len=capacity.max_model_len,
-            cuda_graphs=options.cuda_graphs, pdl=capacity.pdl, checkpoint_slots=capacity.checkpoint_slots,
-            cache_host_budget_bytes=capacity.cache_host_budget_bytes, calibration=capacity.calibration)
-        return ModelInstance(architecture="qwen3", config=loaded.config, model=loaded.model,
-                             parameters=loaded.model.params, frontend=loaded.frontend, program=program)
-
-
-def activation_width(c: Qwen3Config) -> int:
-    """Elements per token a prefill chunk's activations hold at once (residual, normed, q/k/v, MLP, logits)."""
-    return 4 * c.hidden_size + 2 * c.intermediate_size + (c.num_attention_heads + 2 * c.num_key_value_heads) \
-        * c.head_dim + c.vocab_size // 8
-
-
-def _checked(artifact: Artifact, options: StartupOptions) -> Qwen3Config:
-    """The config; refuses the features this Startup cannot run."""
-    if options.features.vision or options.features.speculative is not None:
-        raise ValueError("the Qwen3 plugin runs text only; start without vision or a speculative backend")
-    return parse_config(artifact.config)
-
-
-def _compute_dtype(options: StartupOptions, stored: torch.dtype) -> torch.dtype:
-    compute = torch_dtype(options.dtype) if options.dtype is not None else stored
-    if compute not in COMPUTE_DTYPES:
-        raise ValueError(f"compute dtype must be float32, bfloat16 or float16, got {compute}")
-    return compute
+    def frontend(self, artifact, options) -> QwenFrontend:
+        return QwenFrontend.from_resources(artifact.frontend, chat_template_override=options.chat_template,
+                                           special_tokens_in_content=options.special_tokens_in_content,
+                                           constraint_limits=options.constraint_limits)

@@ -29,10 +29,12 @@ from ninfer.contract.events import (
     Usage,
 )
 from ninfer.contract.memory import (
+    EncoderNeeds,
     GraphMemory,
     HostMemory,
     MemorySummary,
     ModelProfile,
+    ModelShape,
     ProgramCapacity,
     WeightPlacement,
 )
@@ -54,8 +56,8 @@ from ninfer.contract.state import KVPoolSpec, StateField, StateImageLayout
 
 __all__ = [
     "CacheUsage", "ChatInput", "CheckpointInfo", "ChoiceConstraint", "Constraint", "ConstraintError", "ConstraintLimits",
-    "GrammarConstraint", "GraphMemory", "HostMemory", "JsonConstraint", "MaskFill", "RegexConstraint", "TokenMasks", "ToolCallConstraint", "ContextStore", "EngineConfig", "FinishReason", "Frontend", "FrontendResources", "GenerationRequest", "GenerationResult", "GenerationStart",
-    "KVPoolSpec", "LaunchedUnit", "MediaItem", "MediaSpan", "MemorySummary", "ModelInstance", "ModelProfile", "OutputDelta", "OutputSession", "PendingBatch",
+    "EncoderNeeds", "GrammarConstraint", "GraphMemory", "HostMemory", "JsonConstraint", "MaskFill", "RegexConstraint", "TokenMasks", "ToolCallConstraint", "ContextStore", "EngineConfig", "FinishReason", "Frontend", "FrontendResources", "GenerationRequest", "GenerationResult", "GenerationStart",
+    "KVPoolSpec", "LaunchedUnit", "MediaItem", "MediaSpan", "MemorySummary", "ModelInstance", "ModelProfile", "ModelShape", "OutputDelta", "OutputSession", "PendingBatch",
     "PendingRow", "PipelinedDecode", "PreparedPrompt", "Preview", "Program", "ProgramCapacity", "PromptTooLong", "ResourceUsage", "RowDecision", "SamplingParams", "SnapshotCost", "StateField", "StateImageLayout",
     "Startup", "StartupFeatures", "StartupOptions", "TextInput", "VisionItem", "Timings", "TurnBoundary", "Usage", "WeightPlacement",
 ]

@@ -1,10 +1,10 @@
 """Typed configuration: what an Engine starts with, and what it asks of a model's native Startup.
 
-``EngineConfig`` holds every choice ``ninfer.Engine`` takes (its keyword arguments build one).
-``StartupOptions`` is the part a plugin's Startup receives, ``build(artifact, options)``: the same
-fields, with the device fixed. Both are frozen and validated once, when made; a bad value is a
-``ValueError`` naming the field. A field both classes hold has its default and rule written once
-(``_SHARED``).
+``EngineConfig`` holds every choice ``ninfer.Engine`` takes (``Engine(model, config)``).
+``StartupOptions`` is the part a plugin's Startup receives, ``build(artifact, options)``, with the device
+fixed. Each model-side field is declared once (``_ModelOptions``, which both classes extend); ``EngineConfig``
+adds the engine's own. Both are frozen and validated once, when made; a bad value is a ``ValueError``
+naming the field.
 """
 
 from __future__ import annotations
@@ -102,14 +102,14 @@ def _flag(*, optional: bool = False):
     return check
 
 
-def _device(*, optional: bool):
-    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-        if value is None and optional:
-            return
-        if not isinstance(value, str) or not _DEVICE.match(value):
-            raise ValueError(f"{attribute.name} must be 'cpu', 'cuda' or 'cuda:N'"
-                             f"{' (or None: cuda when available)' if optional else ''}, got {value!r}")
-    return check
+def _device(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    """An EngineConfig may leave the device to be found (None); a Startup's options have it fixed."""
+    optional = not isinstance(instance, StartupOptions)
+    if value is None and optional:
+        return
+    if not isinstance(value, str) or not _DEVICE.match(value):
+        raise ValueError(f"{attribute.name} must be 'cpu', 'cuda' or 'cuda:N'"
+                         f"{' (or None: cuda when available)' if optional else ''}, got {value!r}")
 
 
 def _text(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -127,43 +127,45 @@ def _constraint_limits(instance: Any, attribute: attrs.Attribute, value: Any) ->
         raise ValueError(f"{attribute.name} must be a ConstraintLimits, got {value!r}")
 
 
-# -- the fields both classes share: one default and one rule each -------------------------------------
-_SHARED: dict[str, tuple[Any, Any]] = {
-    "max_concurrency": (4, _int_range(1, MAX_CONCURRENCY)),
-    "max_model_len": (None, _int_range(2, optional=True)),
-    "context_cache": (True, _flag()),
+# -- the model-side options: each declared once, here; EngineConfig inherits them ------------------------
+@attrs.frozen(kw_only=True)
+class _ModelOptions:
+    """The fields ``StartupOptions`` and ``EngineConfig`` share (see ``StartupOptions``)."""
+
+    device: str | None = attrs.field(default=None, validator=_device)
+    max_concurrency: int = attrs.field(default=4, validator=_int_range(1, MAX_CONCURRENCY))
+    max_model_len: int | None = attrs.field(default=None, validator=_int_range(2, optional=True))
+    context_cache: bool = attrs.field(default=True, validator=_flag())
     # the model-side knobs (mean nothing to an already built model)
-    "features": (StartupFeatures(), _features),
-    "device_budget_bytes": (None, _int_range(1, optional=True)),
-    "host_budget_bytes": (None, _int_range(0, optional=True)),
-    "checkpoint_slots": (None, _int_range(0, optional=True)),
-    "cache_host_budget_bytes": (None, _int_range(0, optional=True)),
-    "dtype": (None, _choice(DTYPES, optional=True)),
-    "page_size": (16, _int_range(1)),
-    "num_pages": (None, _int_range(1, optional=True)),
-    "cuda_graphs": (True, _flag()),
-    "pdl": (None, _flag(optional=True)),
-    "chat_template": (None, _text),
-    "special_tokens_in_content": (False, _flag()),
-    "placement": (None, _text),
-    "expert_cache_bytes": (None, _int_range(0, optional=True)),
+    features: StartupFeatures = attrs.field(default=StartupFeatures(), validator=_features)
+    device_budget_bytes: int | None = attrs.field(default=None, validator=_int_range(1, optional=True))
+    host_budget_bytes: int | None = attrs.field(default=None, validator=_int_range(0, optional=True))
+    checkpoint_slots: int | None = attrs.field(default=None, validator=_int_range(0, optional=True))
+    cache_host_budget_bytes: int | None = attrs.field(default=None, validator=_int_range(0, optional=True))
+    dtype: str | None = attrs.field(default=None, validator=_choice(DTYPES, optional=True))
+    page_size: int = attrs.field(default=16, validator=_int_range(1))
+    num_pages: int | None = attrs.field(default=None, validator=_int_range(1, optional=True))
+    cuda_graphs: bool = attrs.field(default=True, validator=_flag())
+    pdl: bool | None = attrs.field(default=None, validator=_flag(optional=True))
+    chat_template: str | None = attrs.field(default=None, validator=_text)
+    special_tokens_in_content: bool = attrs.field(default=False, validator=_flag())
+    placement: str | None = attrs.field(default=None, validator=_text)
+    expert_cache_bytes: int | None = attrs.field(default=None, validator=_int_range(0, optional=True))
     # the Frontend's bound on one decoded image or video frame, in pixels (None: the model's)
-    "media_max_pixels": (None, _int_range(1, optional=True)),
+    media_max_pixels: int | None = attrs.field(default=None, validator=_int_range(1, optional=True))
     # the Frontend's bound on one request's image and video placeholder tokens together (None: its default)
-    "media_max_tokens": (None, _int_range(1, optional=True)),
+    media_max_tokens: int | None = attrs.field(default=None, validator=_int_range(1, optional=True))
     # constrained decoding: what one request's grammar may cost (the Frontend's compile workers and matchers)
-    "constraint_limits": (ConstraintLimits(), _constraint_limits),
-}
-MODEL_KNOBS = tuple(_SHARED)[3:]
+    constraint_limits: ConstraintLimits = attrs.field(default=ConstraintLimits(), validator=_constraint_limits)
 
 
-def _shared(name: str) -> Any:
-    default, check = _SHARED[name]
-    return attrs.field(default=default, validator=check)
+# Shared fields the engine reads too; the others are the model's alone.
+_ENGINE_READS = ("device", "max_concurrency", "max_model_len", "context_cache")
+MODEL_KNOBS = tuple(f.name for f in attrs.fields(_ModelOptions) if f.name not in _ENGINE_READS)
 
 
 @attrs.frozen(kw_only=True)
-class StartupOptions:
+class StartupOptions(_ModelOptions):
     """What the engine asks of a native Startup. ``device`` is fixed ("cpu", "cuda", "cuda:N").
 
     ``max_model_len``: None lets the model use its limit. ``device_budget_bytes``: None takes the device's
@@ -187,31 +189,9 @@ class StartupOptions:
     compile workers, matcher memory and time).
     """
 
-    device: str = attrs.field(validator=_device(optional=False))
-    max_concurrency: int = _shared("max_concurrency")
-    max_model_len: int | None = _shared("max_model_len")
-    context_cache: bool = _shared("context_cache")
-    features: StartupFeatures = _shared("features")
-    device_budget_bytes: int | None = _shared("device_budget_bytes")
-    host_budget_bytes: int | None = _shared("host_budget_bytes")
-    checkpoint_slots: int | None = _shared("checkpoint_slots")
-    cache_host_budget_bytes: int | None = _shared("cache_host_budget_bytes")
-    dtype: str | None = _shared("dtype")
-    page_size: int = _shared("page_size")
-    num_pages: int | None = _shared("num_pages")
-    cuda_graphs: bool = _shared("cuda_graphs")
-    pdl: bool | None = _shared("pdl")
-    chat_template: str | None = _shared("chat_template")
-    special_tokens_in_content: bool = _shared("special_tokens_in_content")
-    placement: str | None = _shared("placement")
-    expert_cache_bytes: int | None = _shared("expert_cache_bytes")
-    media_max_pixels: int | None = _shared("media_max_pixels")
-    media_max_tokens: int | None = _shared("media_max_tokens")
-    constraint_limits: ConstraintLimits = _shared("constraint_limits")
-
 
 @attrs.frozen(kw_only=True)
-class EngineConfig:
+class EngineConfig(_ModelOptions):
     """Everything ``ninfer.Engine`` is started with (see docs/engine.md, "Configuration").
 
     Engine fields: ``max_concurrency`` (resident requests, 1..8), ``max_queue`` (waiting places beyond
@@ -222,38 +202,18 @@ class EngineConfig:
     as it is read), ``context_cache`` (reuse checkpointed prefixes and session continuations; on by default),
     ``checkpoint_grid`` (prompt positions between checkpoints inside a long prompt; None: the prefill chunk),
     ``json_whitespace`` (whitespace in JSON output whose ``JsonConstraint`` leaves it unset: "bounded" or
-    "compact"). The rest are the model's startup options (``StartupOptions``).
+    "compact"). The rest are the model's startup options, declared once for both classes (``StartupOptions``
+    documents them).
     """
 
-    max_concurrency: int = _shared("max_concurrency")
     max_queue: int = attrs.field(default=64, validator=_int_range(0))
-    max_model_len: int | None = _shared("max_model_len")
     prefill_chunk: int | None = attrs.field(default=None, validator=_int_range(1, optional=True))
     bypass_limit: int = attrs.field(default=attrs.Factory(lambda self: self.max_concurrency, takes_self=True),
                                     validator=_int_range(0))
     pause_mode: PauseChoice = attrs.field(default="auto", validator=_choice(PAUSE_CHOICES))
-    device: str | None = attrs.field(default=None, validator=_device(optional=True))
     verify: bool = attrs.field(default=True, validator=_flag())
-    context_cache: bool = _shared("context_cache")
     checkpoint_grid: int | None = attrs.field(default=None, validator=_int_range(1, optional=True))
     json_whitespace: JsonWhitespace = attrs.field(default="bounded", validator=_choice(JSON_WHITESPACE))
-    features: StartupFeatures = _shared("features")
-    device_budget_bytes: int | None = _shared("device_budget_bytes")
-    host_budget_bytes: int | None = _shared("host_budget_bytes")
-    checkpoint_slots: int | None = _shared("checkpoint_slots")
-    cache_host_budget_bytes: int | None = _shared("cache_host_budget_bytes")
-    dtype: str | None = _shared("dtype")
-    page_size: int = _shared("page_size")
-    num_pages: int | None = _shared("num_pages")
-    cuda_graphs: bool = _shared("cuda_graphs")
-    pdl: bool | None = _shared("pdl")
-    chat_template: str | None = _shared("chat_template")
-    special_tokens_in_content: bool = _shared("special_tokens_in_content")
-    placement: str | None = _shared("placement")
-    expert_cache_bytes: int | None = _shared("expert_cache_bytes")
-    media_max_pixels: int | None = _shared("media_max_pixels")
-    media_max_tokens: int | None = _shared("media_max_tokens")
-    constraint_limits: ConstraintLimits = _shared("constraint_limits")
 
     def for_device(self, device: str) -> EngineConfig:
         """This configuration on ``device``, with ``prefill_chunk`` fixed (the device's default when unset)."""
@@ -270,9 +230,10 @@ class EngineConfig:
         """What the model's Startup receives; needs the device fixed (``for_device``)."""
         if self.device is None:
             raise ValueError("startup options need a device: call EngineConfig.for_device first")
-        return StartupOptions(**{f.name: getattr(self, f.name) for f in attrs.fields(StartupOptions)})
+        return StartupOptions(**{f.name: getattr(self, f.name) for f in attrs.fields(_ModelOptions)})
 
     def startup_fields_set(self) -> tuple[str, ...]:
         """Model-side options that differ from their defaults (they mean nothing to an already built model)."""
-        return tuple(name for name in MODEL_KNOBS if getattr(self, name) != _SHARED[name][0])
+        defaults = attrs.fields_dict(_ModelOptions)
+        return tuple(name for name in MODEL_KNOBS if getattr(self, name) != defaults[name].default)
 

@@ -41,6 +41,42 @@ class WeightPlacement:
         return self.step_bytes or self.device_bytes
 
 
+_width = v.and_(v.instance_of(int), v.ge(0))
+
+
+@attrs.frozen(kw_only=True)
+class ModelShape:
+    """A model's per-token widths, declared by its plugin: the runtime's planner sizes a unit's transient memory
+    (the prefill workspace, the CUDA graph estimate) from them, the same way for every architecture.
+
+    ``hidden_size``: the residual stream. ``vocab_size``: the logits row. ``mlp_width``: elements per token the
+    feed-forward activations hold at once (gate and up of what runs: a MoE layer's routed and shared experts and
+    its router logits). ``mixer_width``: elements per token the widest token mixer's projections hold at once
+    (attention's q, k and v; a linear-attention layer's convolution input and output)."""
+
+    hidden_size: int = attrs.field(validator=v.and_(v.instance_of(int), v.gt(0)))
+    vocab_size: int = attrs.field(validator=v.and_(v.instance_of(int), v.gt(0)))
+    mlp_width: int = attrs.field(validator=_width)
+    mixer_width: int = attrs.field(validator=_width)
+
+    @property
+    def activation_width(self) -> int:
+        """Elements per token a prefill chunk holds at once: the residual stream and its normed copies and
+        projections, the MLP, the mixer, and an eighth of a logits row (the chunk's last rows only)."""
+        return 4 * self.hidden_size + self.mlp_width + self.mixer_width + self.vocab_size // 8
+
+
+@attrs.frozen(kw_only=True)
+class EncoderNeeds:
+    """A media encoder's device bytes for the largest item one request can carry: ``workspace_bytes`` (its call
+    over that item), ``output_bytes`` (the item's output rows, held through the prefill chunk that places them)
+    and ``cuda_cache_bytes`` (tables it keeps on a CUDA device)."""
+
+    workspace_bytes: int = attrs.field(validator=_bytes)
+    output_bytes: int = attrs.field(validator=_bytes)
+    cuda_cache_bytes: int = attrs.field(default=0, validator=_bytes)
+
+
 @attrs.frozen(kw_only=True)
 class ModelProfile:
     """What one model needs, computed from the artifact's header, its bindings and the selected features alone.
@@ -48,9 +84,11 @@ class ModelProfile:
     ``placements``: weight candidates, preferred first. ``state_slot_bytes``: one StateImage slot (a sequence's
     fixed state; 0 for a pure-attention model). ``kv_page_bytes`` / ``page_size``: one page of the paged KV pool
     and the positions it holds. ``backing_bytes``: other explicit Program backing sized by the options (verify
-    records of a speculative unit, live until the commit boundary). ``workspace_bytes``: the transient peak of a
-    unit (sequentially exclusive scratch, taken at its largest: a full prefill chunk). ``graph_bytes``: an
-    estimate of the CUDA graph set (replaced by the calibrated figure once weights are resident).
+    records of a speculative unit, live until the commit boundary). ``shape`` / ``encoder``: the widths (and media
+    encoder) the planner sizes the transient figures from (``ninfer.core.device_plan.sized``). ``workspace_bytes``:
+    the transient peak of a unit (sequentially exclusive scratch, taken at its largest: a full prefill chunk).
+    ``graph_bytes``: an estimate of the CUDA graph set (replaced by the calibrated figure once weights are
+    resident). Both are the planner's from ``shape``; a profile without a shape gives them itself.
     ``model_limit``: the longest history the model supports. ``layers``: decoder layers the weights spread over.
     """
 
@@ -62,7 +100,9 @@ class ModelProfile:
     kv_page_bytes: int = attrs.field(validator=v.and_(v.instance_of(int), v.gt(0)))
     page_size: int = attrs.field(validator=v.and_(v.instance_of(int), v.gt(0)))
     backing_bytes: int = attrs.field(default=0, validator=_bytes)
-    workspace_bytes: int = attrs.field(validator=_bytes)
+    shape: ModelShape | None = attrs.field(default=None, validator=v.optional(v.instance_of(ModelShape)))
+    encoder: EncoderNeeds | None = attrs.field(default=None, validator=v.optional(v.instance_of(EncoderNeeds)))
+    workspace_bytes: int = attrs.field(default=0, validator=_bytes)
     graph_bytes: int = attrs.field(default=0, validator=_bytes)
     model_limit: int = attrs.field(validator=v.and_(v.instance_of(int), v.gt(0)))
     layers: int = attrs.field(validator=v.and_(v.instance_of(int), v.gt(0)))
@@ -74,10 +114,10 @@ class ModelProfile:
 
 @attrs.frozen(kw_only=True)
 class ProgramCapacity:
-    """What the runtime grants a Program: the native Startup builds exactly this.
+    """What the runtime grants a Program: the native Startup passes it, unchanged, to the Program it builds.
 
-    ``kv_pages``: usable KV pages (the Program adds its scratch page). ``max_model_len``: the longest history;
-    in a ``calibration`` build it is the planned context although the few pages cannot hold it (the graphs are
+    ``kv_pages``: usable KV pages (the Program adds its scratch page). ``max_model_len``: the longest history
+    (None: what the pages hold; a direct build's choice); in a ``calibration`` build it is the planned context although the few pages cannot hold it (the graphs are
     captured for the real context; a calibration Program never runs a sequence). ``checkpoint_slots`` /
     ``cache_host_budget_bytes``: the context cache's device StateImages and pinned host bytes.
     ``host_budget_bytes``: host bytes paused Snapshots may hold. ``pdl``: programmatic dependent launch.
@@ -85,7 +125,7 @@ class ProgramCapacity:
     """
 
     kv_pages: int = attrs.field(validator=v.and_(v.instance_of(int), v.ge(1)))
-    max_model_len: int = attrs.field(validator=v.and_(v.instance_of(int), v.ge(1)))
+    max_model_len: int | None = attrs.field(default=None, validator=v.optional(v.and_(v.instance_of(int), v.ge(1))))
     checkpoint_slots: int = attrs.field(default=0, validator=_bytes)
     host_budget_bytes: int = attrs.field(default=0, validator=_bytes)
     cache_host_budget_bytes: int = attrs.field(default=0, validator=_bytes)
@@ -164,4 +204,5 @@ class MemorySummary:
         return self.kv_pages * self.page_size
 
 
-__all__ = ["GraphMemory", "HostMemory", "MemorySummary", "ModelProfile", "ProgramCapacity", "WeightPlacement"]
+__all__ = ["EncoderNeeds", "GraphMemory", "HostMemory", "MemorySummary", "ModelProfile", "ModelShape",
+           "ProgramCapacity", "WeightPlacement"]

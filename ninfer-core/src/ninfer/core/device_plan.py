@@ -137,6 +137,30 @@ def resident_bytes(tensors: Iterable) -> int:
     return sum(seen.values())
 
 
+ELEMENT_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+SPECULATIVE_GRAPH_SETS = 3  # per B, a speculative Program: its plain decode and the verify unit's two stages
+
+
+def sized(profile: ModelProfile, options: StartupOptions) -> ModelProfile:
+    """``profile`` with its workspace and CUDA graph estimate computed from its ``shape`` (a profile without a
+    shape keeps its own figures). The workspace is a full prefill chunk's activations; with a media encoder,
+    the larger of its call and that chunk beside the encoder's output rows, plus its tables on CUDA."""
+    shape = profile.shape
+    if shape is None:
+        return profile
+    size, width = ELEMENT_SIZE[profile.dtype], shape.activation_width
+    workspace = WORKSPACE_TOKENS * width * size
+    encoder = profile.encoder
+    if encoder is not None:
+        cache = encoder.cuda_cache_bytes if options.device.startswith("cuda") else 0
+        workspace = max(encoder.workspace_bytes, workspace + encoder.output_bytes) + cache
+    k = options.features.draft_tokens
+    graphs = graph_estimate(vocab_size=shape.vocab_size, activation_width=width, element_size=size,
+                            max_batch=options.max_concurrency, rows_per_sequence=k + 1,
+                            graph_sets=SPECULATIVE_GRAPH_SETS if k else 1)
+    return attrs.evolve(profile, workspace_bytes=workspace, graph_bytes=graphs)
+
+
 def graph_estimate(*, vocab_size: int, activation_width: int, element_size: int, max_batch: int,
                    rows_per_sequence: int = 1, graph_sets: int = 1) -> int:
     """A CUDA graph set before calibration: each captured B keeps its fp32 logits rows alive in the shared pool,
@@ -160,6 +184,7 @@ def plan_memory(profile: ModelProfile, options: StartupOptions, room: DeviceRoom
     """Plan one Program. ``placement``: the candidate already chosen (else the first that fits);
     ``weights_resident``: the weights are loaded and ``room`` is what is left beside them; ``graph_bytes``: the
     calibrated graph figure (else the profile's estimate); ``host_available``: the host's available bytes."""
+    profile = sized(profile, options)  # a profile straight from a Startup declares widths, not bytes
     limit = min(profile.model_limit, options.max_model_len or profile.model_limit)
     page_bytes = profile.kv_page_bytes
     useful = _pages_for(limit, profile.page_size) * options.max_concurrency  # more could never run at once

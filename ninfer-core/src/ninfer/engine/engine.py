@@ -16,19 +16,17 @@ from collections.abc import Sequence
 
 import attrs
 
-from ninfer.contract.config import EngineConfig, PauseChoice
+from ninfer.contract.config import EngineConfig
 from ninfer.contract.constraint import (
     ConstraintBusy,
     ConstraintCancelled,
     ConstraintClosed,
     ConstraintError,
-    ConstraintLimits,
     JsonConstraint,
-    JsonWhitespace,
 )
 from ninfer.contract.errors import NoRoomToScore, PromptTooLong
 from ninfer.contract.memory import MemorySummary
-from ninfer.contract.model import ModelInstance, ResourceUsage, StartupFeatures
+from ninfer.contract.model import ModelInstance, ResourceUsage
 from ninfer.contract.prompt import ChatInput, PreparedPrompt, TextInput
 from ninfer.contract.request import GenerationRequest, SamplingParams
 from ninfer.engine.core import EngineCore
@@ -68,40 +66,17 @@ def merge_sampling(defaults: SamplingParams, request: SamplingParams) -> Samplin
 class Engine:
     """Generation engine over one ``.ninfer`` artifact (see docs/engine.md)."""
 
-    def __init__(self, model: str | os.PathLike, *, config: EngineConfig | None = None,
-                 purpose: str = "generation", max_concurrency: int | None = None, max_queue: int | None = None,
-                 max_model_len: int | None = None, prefill_chunk: int | None = None,
-                 bypass_limit: int | None = None, pause_mode: PauseChoice | None = None, device: str | None = None,
-                 verify: bool | None = None, context_cache: bool | None = None, checkpoint_grid: int | None = None,
-                 features: StartupFeatures | None = None,
-                 device_budget_bytes: int | None = None, host_budget_bytes: int | None = None,
-                 checkpoint_slots: int | None = None, cache_host_budget_bytes: int | None = None,
-                 dtype: str | None = None, page_size: int | None = None, num_pages: int | None = None,
-                 cuda_graphs: bool | None = None, pdl: bool | None = None, chat_template: str | None = None,
-                 special_tokens_in_content: bool | None = None, placement: str | None = None,
-                 expert_cache_bytes: int | None = None, constraint_limits: ConstraintLimits | None = None,
-                 media_max_pixels: int | None = None, media_max_tokens: int | None = None,
-                 json_whitespace: JsonWhitespace | None = None) -> None:
-        """Start an engine on the artifact ``model``. Pass the options as keywords, or as one ``config``
-        (an ``EngineConfig``, which documents each); a keyword left None takes the config's default.
-        ``verify=False`` skips the artifact's checksums; ``special_tokens_in_content=True`` reads
-        special-token strings inside chat messages as control tokens (by default they are plain text);
-        ``context_cache=False`` turns prefix and session reuse off (outputs are the same either way)."""
+    def __init__(self, model: str | os.PathLike, config: EngineConfig | None = None, *,
+                 purpose: str = "generation") -> None:
+        """Start an engine on the artifact ``model`` with ``config`` (an ``EngineConfig``, which documents each
+        option; None: the defaults). ``EngineConfig(verify=False)`` skips the artifact's checksums;
+        ``special_tokens_in_content=True`` reads special-token strings inside chat messages as control tokens
+        (by default they are plain text); ``context_cache=False`` turns prefix and session reuse off (outputs
+        are the same either way)."""
         from ninfer.engine.startup import build_instance
 
         _check_purpose(purpose)
-        given = {"max_concurrency": max_concurrency, "max_queue": max_queue, "max_model_len": max_model_len,
-                 "prefill_chunk": prefill_chunk, "bypass_limit": bypass_limit, "pause_mode": pause_mode,
-                 "device": device, "verify": verify, "context_cache": context_cache,
-                 "checkpoint_grid": checkpoint_grid, "features": features,
-                 "device_budget_bytes": device_budget_bytes, "host_budget_bytes": host_budget_bytes,
-                 "checkpoint_slots": checkpoint_slots, "cache_host_budget_bytes": cache_host_budget_bytes,
-                 "dtype": dtype, "page_size": page_size, "num_pages": num_pages, "cuda_graphs": cuda_graphs,
-                 "pdl": pdl, "chat_template": chat_template, "special_tokens_in_content": special_tokens_in_content,
-                 "placement": placement, "expert_cache_bytes": expert_cache_bytes,
-                 "constraint_limits": constraint_limits, "media_max_pixels": media_max_pixels,
-                 "media_max_tokens": media_max_tokens, "json_whitespace": json_whitespace}
-        config = _config(config, given)
+        config = _checked_config(config)
         config = config.for_device(config.device or default_device())
         instance, name, self.artifact = build_instance(model, config.startup_options(), verify=config.verify)
         try:
@@ -111,19 +86,11 @@ class Engine:
             raise
 
     @classmethod
-    def from_instance(cls, instance: ModelInstance, *, config: EngineConfig | None = None, name: str | None = None,
-                      max_concurrency: int | None = None, max_queue: int | None = None,
-                      max_model_len: int | None = None, device: str | None = None, prefill_chunk: int | None = None,
-                      bypass_limit: int | None = None, pause_mode: PauseChoice | None = None,
-                      context_cache: bool | None = None, checkpoint_grid: int | None = None,
-                      json_whitespace: JsonWhitespace | None = None) -> Engine:
-        """An engine over an already built ModelInstance (its Program sized for ``max_concurrency``).
+    def from_instance(cls, instance: ModelInstance, config: EngineConfig | None = None, *,
+                      name: str | None = None) -> Engine:
+        """An engine over an already built ModelInstance (its Program sized for ``config.max_concurrency``).
         Only the engine's own options apply: the model's startup options were the builder's to choose."""
-        config = _config(config, {"max_concurrency": max_concurrency, "max_queue": max_queue,
-                                  "max_model_len": max_model_len, "device": device, "prefill_chunk": prefill_chunk,
-                                  "bypass_limit": bypass_limit, "pause_mode": pause_mode,
-                                  "context_cache": context_cache, "checkpoint_grid": checkpoint_grid,
-                                  "json_whitespace": json_whitespace})
+        config = _checked_config(config)
         if config.startup_fields_set():
             raise ValueError(f"from_instance: the ModelInstance is already built; startup options "
                              f"{', '.join(config.startup_fields_set())} do not apply to it")
@@ -339,14 +306,9 @@ def _check_vision(asked: bool | None, bound: tuple[str, ...]) -> None:
         raise ValueError("vision was turned off (StartupFeatures(vision=False)) but the model bound its encoder")
 
 
-def _config(config: EngineConfig | None, given: dict[str, object]) -> EngineConfig:
-    """``config``, or one made from the keywords that were given (not both)."""
-    given = {k: v for k, v in given.items() if v is not None}
+def _checked_config(config: EngineConfig | None) -> EngineConfig:
     if config is None:
-        return EngineConfig(**given)
-    if given:
-        raise ValueError(f"pass the options in config= or as keywords, not both (got config= and "
-                         f"{', '.join(sorted(given))})")
+        return EngineConfig()
     if not isinstance(config, EngineConfig):
         raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
     return config

@@ -31,7 +31,7 @@ from ninfer.contract.memory import GraphMemory, MemorySummary, ModelProfile
 from ninfer.contract.model import ModelInstance, Startup
 from ninfer.core.device import Device
 from ninfer.core.device_memory import DeviceMemory, MemorySnapshot, host_available_bytes
-from ninfer.core.device_plan import DeviceRoom, MemoryPlan, PlanError, device_budget, plan_memory
+from ninfer.core.device_plan import DeviceRoom, MemoryPlan, PlanError, device_budget, plan_memory, sized
 from ninfer.plugins import PluginHost, default_host
 
 if TYPE_CHECKING:
@@ -90,11 +90,13 @@ def device_room(options: StartupOptions, snapshot: MemorySnapshot | None, *, hel
 
 def profile_and_plan(startup: Startup, artifact: Artifact, options: StartupOptions,
                      snapshot: MemorySnapshot | None) -> tuple[ModelProfile, MemoryPlan]:
-    """The plan before any weight is read (``ninfer plan`` stops here)."""
+    """The plan before any weight is read (``ninfer plan`` stops here). The Startup's profile declares the model's
+    widths; the planner sizes its workspace and graph estimate from them (``sized``)."""
     profile = startup.profile(artifact, options)
     if not isinstance(profile, ModelProfile):
         raise TypeError(f"the {artifact.metadata.architecture!r} Startup's profile returned "
                         f"{type(profile).__name__}, not a ModelProfile")
+    profile = sized(profile, options)
     return profile, plan_memory(profile, options, device_room(options, snapshot), host_available=host_available_bytes())
 
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from typing import Any
 
-from ninfer.contract import Frontend, Program, Startup, StateImageLayout
+from ninfer.contract import Startup
 from ninfer.plugins import CONTRACT_SLOTS, PluginHost, make_plugin_host
 
 _HEAVY = ("torch", "triton")
@@ -48,37 +48,35 @@ def check_architecture(name: str, *, sample_config: dict[str, Any] | None = None
         if not callable(obj):
             raise ConformanceError(f"{name}.{slot} target {getattr(spec, slot)!r} is not callable")
     if sample_config is not None:
-        if spec.config is None:
-            raise ConformanceError(f"architecture {name!r} provides no config parser")
-        config = spec.load("config")(sample_config)
-        if spec.state_layout is not None:
-            _check_state_layout(name, spec.load("state_layout")(config))
+        _check_source_mapping(name, spec, sample_config)
     _check_protocol_classes(spec)
 
 
-def _check_state_layout(name: str, layout: Any) -> None:
-    """A StateImageLayout whose every field holds bytes. No fields is valid: an attention-only model keeps no
-    recurrent state, its slots are sequence identities with zero-byte images (docs/program.md, "Stores")."""
-    if not isinstance(layout, StateImageLayout):
-        raise ConformanceError(f"{name}.state_layout returned {layout!r}, not a StateImageLayout")
-    empty = [f.name for f in layout.fields if f.nbytes_per_layer == 0]
-    if empty:
-        raise ConformanceError(f"{name}.state_layout fields {empty} hold no bytes (a shape with a zero extent)")
+def _check_source_mapping(name: str, spec, sample_config: dict[str, Any]) -> None:
+    """The source mapping made from ``sample_config`` (a config.json) has every member the converter and the
+    loader call, and describes the text feature."""
+    from ninfer.artifact.mapping import missing_members
+
+    if spec.source_mapping is None:
+        raise ConformanceError(f"architecture {name!r} provides no source_mapping to read a config with")
+    mapping = spec.load("source_mapping")(sample_config)
+    missing = missing_members(mapping)
+    if missing:
+        raise ConformanceError(f"{name}.source_mapping returned {type(mapping).__name__}, which lacks {missing}")
+    if "text" not in mapping.configured_features():
+        raise ConformanceError(f"{name}.source_mapping configures {mapping.configured_features()}, not text")
 
 
 def _check_protocol_classes(spec) -> None:
-    """Classes named by startup/program/frontend must define every method of their Protocol; the startup slot
-    must name such a class, made with no arguments (a bare function is the old one-step contract)."""
-    for slot, proto in (("startup", Startup), ("program", Program), ("frontend", Frontend)):
-        if getattr(spec, slot) is None:
-            continue
-        obj = spec.load(slot)
-        if slot == "startup":
-            _check_startup_class(spec.name, getattr(spec, slot), obj)
-        if isinstance(obj, type):
-            missing = [m for m in _protocol_methods(proto) if not callable(getattr(obj, m, None))]
-            if missing:
-                raise ConformanceError(f"{spec.name}.{slot} {obj.__name__} lacks {missing} of {proto.__name__}")
+    """The startup slot names a class of the ``Startup`` shape, made with no arguments (a bare function is the
+    old one-step contract), defining every method of the Protocol."""
+    if spec.startup is None:
+        return
+    obj = spec.load("startup")
+    _check_startup_class(spec.name, spec.startup, obj)
+    missing = [m for m in _protocol_methods(Startup) if not callable(getattr(obj, m, None))]
+    if missing:
+        raise ConformanceError(f"{spec.name}.startup {obj.__name__} lacks {missing} of {Startup.__name__}")
 
 
 def _check_startup_class(name: str, target: str, obj: Any) -> None:

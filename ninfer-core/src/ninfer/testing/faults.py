@@ -276,8 +276,8 @@ def faulty_engine(inst, faults: list[Fault], *, target: tuple = (), pipelined: b
         real = getattr(owner, attr)
         setattr(owner, attr, FaultyPart(real, name, faults))
         swapped.append((owner, attr, real))
-    eng = Engine.from_instance(attrs.evolve(inst, program=program, frontend=frontend), max_concurrency=2,
-                               device="cpu", prefill_chunk=8, context_cache=True, pause_mode=pause_mode)
+    config = EngineConfig(max_concurrency=2, device="cpu", prefill_chunk=8, context_cache=True, pause_mode=pause_mode)
+    eng = Engine.from_instance(attrs.evolve(inst, program=program, frontend=frontend), config)
     reuse = eng._core.reuse
     if reuse.manager is not None:  # before any request: the worker has none yet
         manager = reuse.manager

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ninfer.contract.memory import ProgramCapacity
 from ninfer.contract.request import SamplingParams
 from ninfer.contract.state import KVPoolSpec, StateImageLayout
 from ninfer.core.device import Device
@@ -30,24 +31,19 @@ class Qwen35Program(PagedProgram):
     """Implements ``ninfer.contract.Program`` for Qwen3.5 over the native model (``forward`` / ``logits``)."""
 
     def __init__(self, model: Any, *, state_layout: StateImageLayout, kv_pool: KVPoolSpec, device: Device | str,
-                 max_concurrency: int, num_pages: int, kv_dtype: torch.dtype | str | None = None,
-                 vocab_size: int, host_budget_bytes: int = 0, sampling_defaults: SamplingParams | None = None,
-                 max_model_len: int | None = None, cuda_graphs: bool = True, static_decode: bool = False,
-                 pdl: bool = False, checkpoint_slots: int = 0, cache_host_budget_bytes: int = 0,
-                 calibration: bool = False, host_experts: HostExperts | None = None, vision: Any = None) -> None:
-        """``model``: a ``Qwen35Model``. ``state_layout`` / ``kv_pool``: ``ninfer_qwen35.state``'s. ``cuda_graphs``:
-        capture decode graphs on CUDA. ``static_decode``: without graphs, still decode through the graphs'
-        static input buffers (checks that input path on CPU). ``pdl``: launch this Program's Triton kernels
-        with programmatic dependent launch (``ops.triton._pdl``). ``max_concurrency`` comes validated from
-        ``StartupOptions`` (1..8). ``checkpoint_slots`` / ``cache_host_budget_bytes``: the context cache's store.
-        ``calibration``: a graph-calibration build (``PagedProgram``). ``host_experts``: this Program's runtime of
-        MoE routed experts kept in host memory (it runs them outside CUDA graphs). ``vision``: the model's
-        ``Qwen35Vision`` encoder; with it the Program takes prompts with images and videos (docs/vision.md)."""
+                 max_concurrency: int, capacity: ProgramCapacity, kv_dtype: torch.dtype | str | None = None,
+                 vocab_size: int, sampling_defaults: SamplingParams | None = None, cuda_graphs: bool = True,
+                 static_decode: bool = False, host_experts: HostExperts | None = None, vision: Any = None) -> None:
+        """``model``: a ``Qwen35Model``. ``state_layout`` / ``kv_pool``: ``ninfer_qwen35.state``'s. ``capacity``:
+        what the runtime granted (``PagedProgram``). ``cuda_graphs``: capture decode graphs on CUDA.
+        ``static_decode``: without graphs, still decode through the graphs' static input buffers (checks that
+        input path on CPU). ``max_concurrency`` comes validated from ``StartupOptions`` (1..8). ``host_experts``:
+        this Program's runtime of MoE routed experts kept in host memory (it runs them outside CUDA graphs).
+        ``vision``: the model's ``Qwen35Vision`` encoder; with it the Program takes prompts with images and
+        videos (docs/vision.md)."""
         super().__init__(state_layout=state_layout, kv_pool=kv_pool, device=device, max_concurrency=max_concurrency,
-                         num_pages=num_pages, kv_dtype=kv_dtype, vocab_size=vocab_size,
-                         host_budget_bytes=host_budget_bytes, sampling_defaults=sampling_defaults,
-                         max_model_len=max_model_len, pdl=pdl, checkpoint_slots=checkpoint_slots,
-                         cache_host_budget_bytes=cache_host_budget_bytes, calibration=calibration)
+                         capacity=capacity, kv_dtype=kv_dtype, vocab_size=vocab_size,
+                         sampling_defaults=sampling_defaults)
         self.model = model
         # The pool's first layers are the target's attention layers (an MTP drafter's follow them).
         self.views = ModelStateViews(conv=self.states.view("conv"), recurrent=self.states.view("recurrent"),

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ninfer.contract.memory import ProgramCapacity
 from ninfer.models.common.weights import WeightSet
 from ninfer_qwen35.config import Qwen35Config, parse_config
 from ninfer_qwen35.execution.model import Qwen35Model
@@ -29,13 +30,17 @@ def model_from_hf(hf_model: Any, *, dtype: torch.dtype = torch.float32,
 
 
 def float32_program(model: Any, *, page_size: int, num_pages: int, device: str = "cpu", max_concurrency: int = 1,
-                    config: Qwen35Config | None = None, **options: Any) -> Qwen35Program:
-    """A Qwen35Program over ``model`` with float32 state and KV pages. ``config`` defaults to ``model.config``
-    (give it when ``model`` wraps ours); ``options`` go to the Program as they are."""
+                    config: Qwen35Config | None = None, max_model_len: int | None = None, host_budget_bytes: int = 0,
+                    checkpoint_slots: int = 0, cache_host_budget_bytes: int = 0, **options: Any) -> Qwen35Program:
+    """A Qwen35Program over ``model`` with float32 state and KV pages, granted ``num_pages`` and the capacity
+    keywords (``ProgramCapacity``). ``config`` defaults to ``model.config`` (give it when ``model`` wraps ours);
+    ``options`` go to the Program as they are."""
     config = config if config is not None else model.config
+    capacity = ProgramCapacity(kv_pages=num_pages, max_model_len=max_model_len, host_budget_bytes=host_budget_bytes,
+                               checkpoint_slots=checkpoint_slots, cache_host_budget_bytes=cache_host_budget_bytes)
     return Qwen35Program(model, state_layout=state_layout(config, "float32"),
                          kv_pool=kv_pools(config, page_size=page_size, dtype="float32")[0], device=device,
-                         max_concurrency=max_concurrency, num_pages=num_pages, vocab_size=config.vocab_size,
+                         max_concurrency=max_concurrency, capacity=capacity, vocab_size=config.vocab_size,
                          **options)
 
 

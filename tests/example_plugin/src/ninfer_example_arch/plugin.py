@@ -1,4 +1,4 @@
-"""An out-of-tree architecture plugin: registers one architecture with a real config parser."""
+"""An out-of-tree architecture plugin: registers one architecture (its name and the checkpoints it handles)."""
 
 from ninfer import ArchitectureSpec, hookimpl
 
@@ -9,5 +9,4 @@ def ninfer_register_architectures(register):
         name="example_arch",
         handles=("ExampleForCausalLM",),
         description="test-only third-party architecture",
-        config="ninfer_example_arch.config:parse_config",
     ))

@@ -27,6 +27,7 @@ import torch
 from ninfer.contract.batch import LaunchedUnit, PendingBatch, PendingBatchError, RowDecision
 from ninfer.contract.config import MAX_CONCURRENCY
 from ninfer.contract.constraint import TokenMasks
+from ninfer.contract.memory import ProgramCapacity
 from ninfer.contract.model import PauseMode, ResourceUsage, SnapshotCost
 from ninfer.contract.prompt import PreparedPrompt
 from ninfer.contract.request import SamplingParams
@@ -74,18 +75,17 @@ class PagedProgram(Checkpointing, abc.ABC):
     ``forward`` / ``logits``."""
 
     def __init__(self, *, state_layout: StateImageLayout, kv_pool: KVPoolSpec, device: Device | str,
-                 max_concurrency: int, num_pages: int, kv_dtype: torch.dtype | str | None = None, vocab_size: int,
-                 host_budget_bytes: int = 0, sampling_defaults: SamplingParams | None = None,
-                 max_model_len: int | None = None, pdl: bool = False, checkpoint_slots: int = 0,
-                 cache_host_budget_bytes: int = 0, calibration: bool = False) -> None:
-        """``pdl``: launch this Program's Triton kernels with programmatic dependent launch (``ops.triton._pdl``).
-        ``checkpoint_slots`` / ``cache_host_budget_bytes``: the context cache's device StateImages and host bytes.
-        ``calibration``: a graph-calibration build (``ProgramCapacity.calibration``): ``max_model_len`` stays the
-        planned context although ``num_pages`` cannot hold it; it never runs a sequence."""
+                 max_concurrency: int, capacity: ProgramCapacity, kv_dtype: torch.dtype | str | None = None,
+                 vocab_size: int, sampling_defaults: SamplingParams | None = None) -> None:
+        """``capacity``: what the runtime granted (``ProgramCapacity``: KV pages, context, the context cache's
+        device StateImages and host bytes, the Snapshot host budget, programmatic dependent launch for this
+        Program's Triton kernels). A ``calibration`` capacity keeps ``max_model_len`` at the planned context
+        although its pages cannot hold it; such a Program never runs a sequence."""
         if not 1 <= max_concurrency <= MAX_CONCURRENCY:  # StartupOptions validated it; a direct build too
             raise ValueError(f"max_concurrency must be in 1..{MAX_CONCURRENCY}, got {max_concurrency}")
+        num_pages, host_budget_bytes = capacity.kv_pages, capacity.host_budget_bytes
         self.id = uuid.uuid4().int >> 65  # names this Program in its launches and ResumeStates; no global counter
-        self.pdl = pdl
+        self.pdl = capacity.pdl
         self.device = Device.parse(device)
         self.state_layout = state_layout
         self.kv_pools = (kv_pool,)
@@ -100,16 +100,15 @@ class PagedProgram(Checkpointing, abc.ABC):
         self._scratch_slot = self.states.allocate()
         (self._scratch_page,) = self.pool.allocator.allocate(1)
         self.page_size = kv_pool.page_size
-        capacity = num_pages * self.page_size
-        limit = max_model_len or capacity
-        self.max_model_len = limit if calibration else min(limit, capacity)
+        limit = capacity.max_model_len or num_pages * self.page_size
+        self.max_model_len = limit if capacity.calibration else min(limit, num_pages * self.page_size)
         self.kv = KVHistoryStore(self.pool)
         self.sequences = SequenceTable(self.states, self.kv, max_model_len=self.max_model_len,
                                        vocab_size=vocab_size, sampling_defaults=sampling_defaults)
         self._seqs = self.sequences.records  # read on every step
         self.paused = PausedStates(self.id, self.states, self.kv, host_budget_bytes)
-        self.checkpoints = CheckpointStore(self.states, self.kv, slots=checkpoint_slots,
-                                           host_budget_bytes=cache_host_budget_bytes)
+        self.checkpoints = CheckpointStore(self.states, self.kv, slots=capacity.checkpoint_slots,
+                                           host_budget_bytes=capacity.cache_host_budget_bytes)
         self.sampler = Sampler(self.device.torch, mask_rows=max_concurrency)
         self.graphs: DecodeGraphs | None = None
         self.graph_error: str | None = None
