@@ -97,3 +97,19 @@ def test_model_argument_names_the_embedded_model(tmp_path, monkeypatch):
     assert ninfer.resolve_model_path("default") == "default"
     with pytest.raises(ValueError, match="model file not found: missing.ninfer"):
         ninfer.resolve_model_path("missing.ninfer")
+
+
+def test_the_cli_lives_in_its_package_and_the_engine_does_not_import_it():
+    """Commands and their flags are ``ninfer.cli``'s; the engine under them knows nothing of argparse."""
+    import ast
+    from pathlib import Path
+
+    import ninfer.engine
+
+    engine = Path(ninfer.engine.__file__).parent
+    assert not [p.name for p in engine.rglob("*.py") if "cli" in p.name or p.name == "stream_printer.py"]
+    for path in engine.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not [n for n in names if n == "ninfer.cli" or n.startswith("ninfer.cli.")], path

@@ -14,9 +14,9 @@ import json
 import sys
 import time
 
-from ninfer.engine.model_cli import add_dtype_argument, add_model_argument
-
-DEFAULT_WINDOW = 4096
+from ninfer.cli.model_args import add_dtype_argument, add_model_argument
+from ninfer.cli.text_files import read_text_file
+from ninfer.engine.scoring import DEFAULT_WINDOW
 
 
 def add_score_command(subparsers: argparse._SubParsersAction) -> None:
@@ -43,8 +43,6 @@ def add_score_command(subparsers: argparse._SubParsersAction) -> None:
 
 def _model_and_text(args: argparse.Namespace) -> tuple[str | None, str]:
     """Split the positionals: ``[MODEL] TEXT``, or ``[MODEL]`` with ``--file``."""
-    from ninfer.engine.generate_cli import read_text_file
-
     if args.file is not None:
         if args.text is not None:
             raise ValueError(f"give the text or --file, not both (extra argument {args.text!r})")
