@@ -18,7 +18,8 @@ def add_installation_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--all", action="store_true", help="also the example and test plugins' architectures")
     p.set_defaults(func=_cmd_archs)
-    p = subparsers.add_parser("env", help="the NINFER_* environment variables and their values now")
+    p = subparsers.add_parser("env", help="the NINFER_* environment variables and their values now, and the "
+                                          "fast paths a CUDA start has (fla-core, Triton)")
     p.add_argument("--markdown", action="store_true", help="the documentation table (docs/configuration.md)")
     p.set_defaults(func=_cmd_env)
 
@@ -72,7 +73,7 @@ def _cmd_archs(args: argparse.Namespace) -> int:
 
 
 def _cmd_env(args: argparse.Namespace) -> int:
-    from ninfer import env
+    from ninfer import env, fast_paths
 
     if args.markdown:
         print(env.markdown_table(), end="")
@@ -84,4 +85,7 @@ def _cmd_env(args: argparse.Namespace) -> int:
         except env.EnvError as exc:
             value, status = f"error: {exc}", 1
         print(f"{v.name:<32} {value:<12} {v.meaning}")
+    print("\nfast paths of a CUDA start (ninfer.fast_paths):")
+    for path in fast_paths.FAST_PATHS:
+        print(f"{path.name:<32} {fast_paths.status(path).text()}")
     return status

@@ -14,6 +14,7 @@ import json
 import sys
 import time
 
+from ninfer import fast_paths
 from ninfer.cli.model_args import add_dtype_argument, add_model_argument
 from ninfer.cli.text_files import read_text_file
 from ninfer.engine.scoring import DEFAULT_WINDOW
@@ -76,6 +77,7 @@ def _score(args: argparse.Namespace, model: str, text: str) -> int:
     from ninfer.engine.startup import build_instance
 
     device = args.device or default_device()
+    fast_paths.log_unavailable(device)
     options = StartupOptions(device=device, max_concurrency=1, dtype=args.dtype, cuda_graphs=False)
     # the artifact stays referenced while scoring: loaded weights may borrow its mapping
     instance, name, artifact = build_instance(model, options, host=args.host, verify=not args.no_verify)
