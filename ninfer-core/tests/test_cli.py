@@ -113,3 +113,12 @@ def test_the_cli_lives_in_its_package_and_the_engine_does_not_import_it():
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not [n for n in names if n == "ninfer.cli" or n.startswith("ninfer.cli.")], path
+
+
+def test_the_parser_of_every_command_loads_no_torch():
+    """``ninfer --help`` stays quick: the command modules import torch only when a command runs."""
+    code = ("import sys; from ninfer.cli import build_parser; from ninfer.plugins import default_host; "
+            "build_parser(default_host()); print('torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"
