@@ -67,3 +67,14 @@ def test_the_gdn_kernels_ask_the_one_check():
     from ninfer.ops.triton import gdn
 
     assert gdn.fla_available is fast_paths.fla_available
+
+
+def test_an_engine_start_reports_the_fast_paths_of_its_device(monkeypatch):
+    import ninfer
+    from ninfer.contract.config import EngineConfig
+
+    asked = []
+    monkeypatch.setattr(fast_paths, "log_unavailable", asked.append)
+    with ninfer.Engine(ninfer.default_model_path(), config=EngineConfig(device="cpu", max_concurrency=1)):
+        pass
+    assert asked == ["cpu"]
