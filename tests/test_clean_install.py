@@ -4,7 +4,7 @@
 Two cheaper halves of one clean install (which takes minutes, most of it unpacking torch): pip resolves every
 dependency of the two packages under the constraints as for an empty environment (a dry run: nothing is
 downloaded or installed), and the packages built as wheels into a clean venv, with only what the plugin
-commands import (no torch), register through their entry points."""
+commands import (no torch), register through their entry points; the embedded model comes with ninfer-qwen35."""
 
 import json
 import subprocess
@@ -60,6 +60,18 @@ def test_installed_packages_register_through_entry_points(clean_venv):
     assert names in (["qwen35"], ["example_arch", "qwen35"])  # the example plugin if its test ran first
     assert [a["name"] for a in ninfer(clean_venv, "archs", "--json")] == ["qwen35", "qwen35_moe"]
     assert sys.version_info >= (3, 11)
+
+
+@pytest.mark.slow
+def test_the_embedded_model_comes_with_the_qwen35_wheel_not_with_core(clean_venv):
+    py = clean_venv / "bin" / "python"
+    proc = subprocess.run([str(py), "-c", "import ninfer, pathlib; print(ninfer.default_model_path()); "
+                           "print(*pathlib.Path(ninfer.__file__).parent.rglob('*.ninfer'))"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    model, core_models = (proc.stdout.splitlines() + [""])[:2]
+    assert Path(model).is_file() and Path(model).parent.parent.name == "ninfer_qwen35", model
+    assert core_models == ""  # the core wheel ships no model
 
 
 @pytest.mark.slow

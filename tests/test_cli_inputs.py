@@ -78,7 +78,7 @@ def test_raw_prompt_prints_a_plain_continuation_and_piped_chat_the_answer_alone(
 
 
 def test_stats_line_starts_its_own_line_when_output_and_stats_share_a_stream():
-    proc = subprocess.run([sys.executable, "-m", "ninfer.cli", "generate", "--prompt", "ROMEO:", *GREEDY],
+    proc = subprocess.run([sys.executable, "-m", "ninfer", "generate", "--prompt", "ROMEO:", *GREEDY],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout
     stats = [line for line in proc.stdout.splitlines() if "finish: length" in line]

@@ -9,8 +9,8 @@ import pytest
 import ninfer
 import ninfer.engine.engine
 from ninfer.cli import main
+from ninfer.cli.generate import _report
 from ninfer.contract.events import FinishReason, GenerationResult, Timings, Usage
-from ninfer.engine.generate_cli import _report
 
 pytest.importorskip("ninfer_serve")
 

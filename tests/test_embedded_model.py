@@ -1,4 +1,5 @@
-"""The embedded default model (ninfer/data/default.ninfer, trained by tools/train_tiny; docs/embedded-model.md).
+"""The embedded default model (ninfer_qwen35/data/default.ninfer, trained by tools/train_tiny;
+docs/embedded-model.md).
 
 It must be a valid, small artifact of the Qwen3.5 architecture with an MTP head, carry the Qwen3.5 special
 tokens and chat template, and generate English verse through the real engine on CPU. The training tool's
@@ -18,7 +19,7 @@ from ninfer.artifact.reader import open_artifact
 from ninfer.contract import EngineConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT = ROOT / "ninfer-core/src/ninfer/data/default.ninfer"
+DEFAULT = ROOT / "ninfer-qwen35/src/ninfer_qwen35/data/default.ninfer"
 TOOL = ROOT / "tools/train_tiny"
 
 
@@ -47,6 +48,18 @@ def test_artifact_is_small_valid_qwen35_with_mtp(artifact):
     assert front.special_tokens["<|endoftext|>"] == 4063 and front.special_tokens["<|im_end|>"] == 4065
     assert set(front.eos_token_ids) == {4063, 4065}
     assert front.chat_template and "<think>" in front.chat_template
+
+
+def test_the_qwen35_plugin_ships_it_and_core_finds_it_through_the_hook():
+    import ninfer
+    from ninfer.plugins import make_plugin_host
+
+    assert Path(ninfer.default_model_path()) == DEFAULT
+    assert not list((ROOT / "ninfer-core/src").rglob("*.ninfer"))  # pip install ninfer-core carries no model
+    bare = make_plugin_host(autoload=False)
+    assert ninfer.default_model_path(host=bare) is None
+    with pytest.raises(ValueError, match="no embedded default model .*ninfer-qwen35"):
+        ninfer.resolve_model_path(None, host=bare)
 
 
 def test_engine_generates_english_verse_on_cpu():

@@ -16,12 +16,12 @@ import ninfer
 import ninfer.engine.engine
 import ninfer.engine.startup
 from ninfer.cli import main
+from ninfer.cli.vision_args import add_media_arguments, media_from_args, user_content
 from ninfer.contract import ChatInput, GenerationRequest, SamplingParams
 from ninfer.contract.config import StartupFeatures
 from ninfer.contract.model import ModelInstance
 from ninfer.contract.prompt import MediaItem
 from ninfer.engine.errors import VisionNotEnabled
-from ninfer.engine.vision_cli import add_media_arguments, media_from_args, user_content
 
 pytest.importorskip("ninfer_qwen35")
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")

@@ -97,3 +97,28 @@ def test_model_argument_names_the_embedded_model(tmp_path, monkeypatch):
     assert ninfer.resolve_model_path("default") == "default"
     with pytest.raises(ValueError, match="model file not found: missing.ninfer"):
         ninfer.resolve_model_path("missing.ninfer")
+
+
+def test_the_cli_lives_in_its_package_and_the_engine_does_not_import_it():
+    """Commands and their flags are ``ninfer.cli``'s; the engine under them knows nothing of argparse."""
+    import ast
+    from pathlib import Path
+
+    import ninfer.engine
+
+    engine = Path(ninfer.engine.__file__).parent
+    assert not [p.name for p in engine.rglob("*.py") if "cli" in p.name or p.name == "stream_printer.py"]
+    for path in engine.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not [n for n in names if n == "ninfer.cli" or n.startswith("ninfer.cli.")], path
+
+
+def test_the_parser_of_every_command_loads_no_torch():
+    """``ninfer --help`` stays quick: the command modules import torch only when a command runs."""
+    code = ("import sys; from ninfer.cli import build_parser; from ninfer.plugins import default_host; "
+            "build_parser(default_host()); print('torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"

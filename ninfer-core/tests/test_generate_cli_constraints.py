@@ -11,8 +11,8 @@ import jsonschema
 import pytest
 
 from ninfer.cli import main
+from ninfer.cli.constraint_args import add_constraint_arguments, constraint_from_args
 from ninfer.contract import ChoiceConstraint, GrammarConstraint, JsonConstraint, RegexConstraint
-from ninfer.engine.constraint_cli import add_constraint_arguments, constraint_from_args
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
 

@@ -11,8 +11,8 @@ import select
 
 import pytest
 
+from ninfer.cli.stream_printer import StreamPrinter
 from ninfer.contract.events import OutputDelta, ToolCall
-from ninfer.engine.stream_printer import StreamPrinter
 
 EVENTS = [OutputDelta(token_ids=(1,)),  # a token whose text is held back
           OutputDelta(reasoning="Let me", token_ids=(2, 3)),

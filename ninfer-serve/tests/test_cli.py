@@ -45,7 +45,7 @@ def test_serve_fails_clearly(tmp_path, capsys, argv, words):
 
 
 def test_serve_without_model_names_the_missing_default(capsys, monkeypatch):
-    monkeypatch.setattr(ninfer, "default_model_path", lambda: None)
+    monkeypatch.setattr(ninfer, "default_model_path", lambda *, host=None: None)
     assert main(["serve"]) == 2
     assert "no embedded default model" in capsys.readouterr().err
 

@@ -83,12 +83,11 @@ def tasks(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference():
-    """``ninfer score``'s own path (ninfer.engine.score_cli): the embedded model started for scoring alone."""
+    """``ninfer score``'s own path (ninfer.cli.score): the embedded model started for scoring alone."""
     import ninfer
     from ninfer.contract.config import StartupOptions
     from ninfer.contract.prompt import TextInput
-    from ninfer.engine.score_cli import DEFAULT_WINDOW
-    from ninfer.engine.scoring import CausalScoreCore
+    from ninfer.engine.scoring import DEFAULT_WINDOW, CausalScoreCore
     from ninfer.engine.startup import build_instance
 
     options = StartupOptions(device="cpu", max_concurrency=1, cuda_graphs=False)

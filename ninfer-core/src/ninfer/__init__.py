@@ -30,12 +30,13 @@ _LAZY = {
 }
 
 
-def default_model_path() -> str | None:
-    """The embedded default model (a tiny Qwen3.5 trained on Shakespeare) shipped as package data, if present."""
-    from pathlib import Path
+def default_model_path(*, host: "PluginHost | None" = None) -> str | None:
+    """The embedded default model, if an installed plugin ships one (ninfer-qwen35: a tiny Qwen3.5 trained on
+    Shakespeare), through the ``ninfer_default_model`` hook. ``host``: the plugin host asked (default: the
+    process's)."""
+    from ninfer.plugins import default_host
 
-    path = Path(__file__).parent / "data" / "default.ninfer"
-    return str(path) if path.is_file() else None
+    return (host or default_host()).pm.hook.ninfer_default_model()
 
 
 DEFAULT_MODEL_NAME = "default"
@@ -61,10 +62,10 @@ def resolve_model_path(arg: str | None, *, host: "PluginHost | None" = None) -> 
     import os
 
     if arg is None or (arg == DEFAULT_MODEL_NAME and not os.path.exists(arg)):
-        path = default_model_path()
+        path = default_model_path(host=host)
         if path is None:
-            raise ValueError("no model given and no embedded default model is available in this installation; "
-                             "pass the path of a .ninfer artifact")
+            raise ValueError("no model given and no embedded default model is available in this installation "
+                             "(ninfer-qwen35 ships it); pass the path of a .ninfer artifact")
         return path
     if os.path.exists(arg):
         return arg

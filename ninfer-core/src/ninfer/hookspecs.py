@@ -37,6 +37,13 @@ def ninfer_resolve_model(name: str) -> str | None:
     """
 
 
+@hookspec(firstresult=True)
+def ninfer_default_model() -> str | None:
+    """The path of the small model this plugin ships as the installation's default (``ninfer generate`` with no
+    model, ``ninfer.default_model_path()``), or None when it ships none. The first answer wins.
+    """
+
+
 @hookspec
 def ninfer_add_commands(subparsers: argparse._SubParsersAction) -> None:
     """Add ``ninfer`` CLI subcommands: ``p = subparsers.add_parser(...); p.set_defaults(func=handler)``.

@@ -1,7 +1,8 @@
-"""Qwen3.5 plugin: registers the implemented contract slots as lazy targets and the ``tiny-checkpoint``
-command (no torch import here)."""
+"""Qwen3.5 plugin: registers the implemented contract slots as lazy targets, the embedded default model (a tiny
+Qwen3.5 shipped as this package's data) and the ``tiny-checkpoint`` command (no torch import here)."""
 
 import argparse
+from pathlib import Path
 
 from ninfer import ArchitectureSpec, hookimpl
 
@@ -19,6 +20,12 @@ def ninfer_register_architectures(register):
         name="qwen35_moe", handles=("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
         description="Qwen3.5 MoE: the same mixers, every MLP a sparse block (routed experts + a shared expert)",
         **_SLOTS))
+
+
+@hookimpl
+def ninfer_default_model() -> str | None:
+    path = Path(__file__).parent / "data" / "default.ninfer"
+    return str(path) if path.is_file() else None
 
 
 @hookimpl

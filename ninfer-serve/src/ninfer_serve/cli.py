@@ -10,14 +10,14 @@ import sys
 import attrs
 
 from ninfer import env
+from ninfer.cli.cache_args import add_context_cache_arguments, with_context_cache
+from ninfer.cli.memory_args import add_memory_arguments, with_memory_options
+from ninfer.cli.model_args import add_dtype_argument
+from ninfer.cli.number_args import positive_number, whole_number
+from ninfer.cli.speculative_args import add_speculative_arguments, speculative_features
+from ninfer.cli.vision_args import add_vision_argument, with_vision
 from ninfer.contract.config import MAX_CONCURRENCY, StartupFeatures
 from ninfer.contract.constraint import LIMIT_FLAGS, ConstraintLimits
-from ninfer.engine.cache_cli import add_context_cache_arguments, with_context_cache
-from ninfer.engine.cli_numbers import positive_number, whole_number
-from ninfer.engine.model_cli import add_dtype_argument
-from ninfer.engine.plan_cli import add_memory_arguments, with_memory_options
-from ninfer.engine.speculative_cli import add_speculative_arguments, speculative_features
-from ninfer.engine.vision_cli import add_vision_argument, with_vision
 from ninfer_serve.media_policy import MAX_MEDIA_THREADS, MIB, MediaPolicy, allowed_host_names
 from ninfer_serve.preparation import HEAVY_THREADS
 from ninfer_serve.responses_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_RESPONSES

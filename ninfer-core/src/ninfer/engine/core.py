@@ -38,6 +38,7 @@ import logging
 import threading
 import time
 
+from ninfer import fast_paths
 from ninfer.contract.config import EngineConfig
 from ninfer.contract.model import Frontend, PipelinedDecode, Program
 from ninfer.engine import exit_hook
@@ -63,6 +64,7 @@ class EngineCore:
         """``config`` is resolved: ``device``, ``prefill_chunk`` and ``max_model_len`` fixed."""
         if config.device is None or config.prefill_chunk is None or config.max_model_len is None:
             raise ValueError("EngineCore needs a resolved EngineConfig (for_device, then for_model)")
+        fast_paths.log_unavailable(config.device)  # a missing one costs speed, not results: say it at start
         self.program = program
         self.frontend = frontend
         self.config = config

@@ -43,8 +43,7 @@ from ninfer.engine.errors import (
 from ninfer.engine.handle import GenerationHandle, ResponseChannel
 from ninfer.engine.metrics import EngineMetrics
 from ninfer.engine.request import RequestRecord
-from ninfer.engine.score_cli import DEFAULT_WINDOW
-from ninfer.engine.scoring import CausalScoreCore, ScoreResult
+from ninfer.engine.scoring import DEFAULT_WINDOW, CausalScoreCore, ScoreResult
 
 PURPOSES = ("generation",)
 SCORE_RETRY_S = 0.02  # how often Engine.score looks again for a free slot and pages

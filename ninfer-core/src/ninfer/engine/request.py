@@ -1,8 +1,11 @@
 """The request record: everything the engine worker knows about one request (worker-owned).
 
-States follow the design document's lifecycle diagram. ``Materializing`` is folded into the
-binding call (``open_sequence`` / ``resume`` complete synchronously); Capture and ControlReady
-arrive with prefix reuse and forced control.
+States follow the design document's lifecycle diagram, less the states nothing needs yet.
+``Materializing`` is folded into the binding call (``open_sequence`` / ``resume`` complete synchronously).
+Capture needs no state: a prefill unit publishes its save points itself and the worker
+adopts them after the unit (``reuse.py``), and a prompt that a resident's pending save would cover waits
+in ``WAITING``. ControlReady does not exist: there is no forced control (tokens the Frontend supplies
+instead of the sampler); every token is sampled, so a ``PendingBatch`` row's ``forced`` is never set.
 """
 
 from __future__ import annotations

@@ -15,6 +15,10 @@ from typing import Protocol, runtime_checkable
 
 import attrs
 
+# Tokens of context per window unless the caller says (``ninfer score``, ``Engine.score``), bounded by the
+# model's max length.
+DEFAULT_WINDOW = 4096
+
 
 @runtime_checkable
 class ScoringProgram(Protocol):

@@ -8,12 +8,11 @@ it in registers for the whole update, and fuses the q/k L2 norm and the q scalin
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from ninfer.fast_paths import fla_available
 from ninfer.ops.triton._arrivals import arrival_counters as _arrival_counters
 from ninfer.ops.triton._pdl import pdl_args
 from ninfer.ops.triton._pdl_jit import pdl_prologue
@@ -254,16 +253,6 @@ def gdn_gates(a, b, A_log, dt_bias, *, out=None):
         a, b, A_log, dt_bias, g, beta, N, HV, a.stride(0), b.stride(0), BLOCK_N=block_n, BLOCK_H=block_h,
         num_warps=4, **pdl_args(a.device))
     return g, beta
-
-
-@functools.cache
-def fla_available() -> bool:
-    """True when fla-core's chunked GDN kernels can be imported (optional dependency, GPU only)."""
-    try:
-        import fla.ops.gated_delta_rule  # noqa: F401
-    except Exception:  # fla missing, or its own imports failing: use the torch reference instead
-        return False
-    return True
 
 
 def gdn_prefill(q, k, v, g, beta, state, has_initial_state: bool, *, out=None):

@@ -10,8 +10,8 @@ import argparse
 
 import attrs
 
+from ninfer.cli.number_args import whole_number
 from ninfer.contract.config import MAX_DRAFT_TOKENS, StartupFeatures
-from ninfer.engine.cli_numbers import whole_number
 
 # The speculative backends a command line can select (the others have no Startup yet).
 CLI_METHODS = ("mtp",)

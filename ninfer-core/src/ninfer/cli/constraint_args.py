@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from ninfer.cli.text_files import read_text_file
 from ninfer.contract.constraint import (
     ChoiceConstraint,
     Constraint,
@@ -49,16 +50,14 @@ def constraint_option(args: argparse.Namespace) -> str | None:
 
 def constraint_from_args(args: argparse.Namespace) -> Constraint | None:
     """The constraint the options ask for (None: none); a bad one is a ValueError naming its option."""
-    from ninfer.engine.generate_cli import read_text_file as _read  # generate_cli imports this module
-
     if args.json_compact and args.json_schema is None:
         raise ValueError("--json-compact: applies to --json-schema only")
     if args.json_schema is not None:
-        option, make = "--json-schema", lambda: _json_schema(_read(args.json_schema, "--json-schema"),
+        option, make = "--json-schema", lambda: _json_schema(read_text_file(args.json_schema, "--json-schema"),
                                                              compact=args.json_compact)
     elif args.grammar is not None:
         syntax = "lark" if args.grammar.lower().endswith(".lark") else "gbnf"
-        option, make = "--grammar", lambda: GrammarConstraint(grammar=_read(args.grammar, "--grammar"), syntax=syntax)
+        option, make = "--grammar", lambda: GrammarConstraint(grammar=read_text_file(args.grammar, "--grammar"), syntax=syntax)
     elif args.regex is not None:
         option, make = "--regex", lambda: _regex(args.regex)
     elif args.choice is not None:

@@ -7,7 +7,7 @@ and tokens and the context they allow, or what does not fit and by how much (exi
 default: on a machine with a GPU its size and free memory bound the plan (``--vram-budget`` lowers the bound);
 on one without, ``--vram-budget`` alone is the GPU planned for ("will it fit on a 24 GiB GPU?"). The CUDA graph
 figure is the profile's estimate (a start replaces it by a calibrated one). ``--vram-budget`` is one definition
-for ``plan``, ``generate`` and ``serve``, with ``--placement`` and ``--expert-cache`` (``add_memory_arguments``).
+for ``plan``, ``generate`` and ``serve``, with ``--placement`` and ``--expert-cache`` (``memory_args``).
 
 Light at import (argparse and the config contract only), so ``ninfer --help`` loads no torch.
 """
@@ -17,39 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import TypeVar
 
-import attrs
-
-from ninfer.contract.config import MAX_CONCURRENCY, EngineConfig, StartupOptions
-from ninfer.engine.cli_numbers import whole_number
-from ninfer.engine.memory_report import MIB, format_bytes
-from ninfer.engine.model_cli import add_dtype_argument, add_model_argument
-from ninfer.engine.speculative_cli import add_speculative_arguments, speculative_features
-from ninfer.engine.vision_cli import add_vision_argument, with_vision
+from ninfer.cli.memory_args import add_memory_arguments, with_memory_options
+from ninfer.cli.model_args import add_dtype_argument, add_model_argument
+from ninfer.cli.number_args import whole_number
+from ninfer.cli.speculative_args import add_speculative_arguments, speculative_features
+from ninfer.cli.vision_args import add_vision_argument, with_vision
+from ninfer.contract.config import MAX_CONCURRENCY, StartupOptions
+from ninfer.engine.memory_report import format_bytes
 
 FITS, DOES_NOT_FIT, BAD_INPUT = 0, 1, 2
-_Options = TypeVar("_Options", EngineConfig, StartupOptions)
-
-
-def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--vram-budget", type=whole_number(1, unit=" of MiB"), metavar="MIB",
-                        help="device MiB the engine may use in all: weights, StateImages, KV, workspace, CUDA "
-                             "graphs (default: the device's memory; NINFER_VRAM_BUDGET_MIB also sets it; free "
-                             "memory is the other bound)")
-    parser.add_argument("--placement", metavar="NAME",
-                        help="weight placement to use, e.g. host-experts (a MoE model's routed experts in host "
-                             "memory; default: the first placement that fits the budget)")
-    parser.add_argument("--expert-cache", type=whole_number(0, unit=" of MiB"), metavar="MIB",
-                        help="device MiB for the cache of host-resident MoE experts (default: sized from the "
-                             "budget; 0: none)")
-
-
-def with_memory_options(config: _Options, args: argparse.Namespace) -> _Options:
-    """``config`` (an EngineConfig or StartupOptions) with what ``add_memory_arguments``' flags ask for."""
-    return attrs.evolve(config, device_budget_bytes=None if args.vram_budget is None else args.vram_budget * MIB,
-                        placement=args.placement,
-                        expert_cache_bytes=None if args.expert_cache is None else args.expert_cache * MIB)
 
 
 def add_plan_command(subparsers: argparse._SubParsersAction) -> None:
@@ -95,7 +72,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace, model: str) -> int:
-    from ninfer.contract.config import StartupOptions
     from ninfer.core.device_plan import device_budget
     from ninfer.engine.startup import native_startup, open_model, profile_and_plan
 

@@ -14,9 +14,10 @@ import json
 import sys
 import time
 
-from ninfer.engine.model_cli import add_dtype_argument, add_model_argument
-
-DEFAULT_WINDOW = 4096
+from ninfer import fast_paths
+from ninfer.cli.model_args import add_dtype_argument, add_model_argument
+from ninfer.cli.text_files import read_text_file
+from ninfer.engine.scoring import DEFAULT_WINDOW
 
 
 def add_score_command(subparsers: argparse._SubParsersAction) -> None:
@@ -43,8 +44,6 @@ def add_score_command(subparsers: argparse._SubParsersAction) -> None:
 
 def _model_and_text(args: argparse.Namespace) -> tuple[str | None, str]:
     """Split the positionals: ``[MODEL] TEXT``, or ``[MODEL]`` with ``--file``."""
-    from ninfer.engine.generate_cli import read_text_file
-
     if args.file is not None:
         if args.text is not None:
             raise ValueError(f"give the text or --file, not both (extra argument {args.text!r})")
@@ -78,6 +77,7 @@ def _score(args: argparse.Namespace, model: str, text: str) -> int:
     from ninfer.engine.startup import build_instance
 
     device = args.device or default_device()
+    fast_paths.log_unavailable(device)
     options = StartupOptions(device=device, max_concurrency=1, dtype=args.dtype, cuda_graphs=False)
     # the artifact stays referenced while scoring: loaded weights may borrow its mapping
     instance, name, artifact = build_instance(model, options, host=args.host, verify=not args.no_verify)

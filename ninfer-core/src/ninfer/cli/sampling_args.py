@@ -1,9 +1,12 @@
-"""``ninfer generate``'s logit adjustment flags: min-p, penalties, logit bias, min tokens, stop token ids."""
+"""The sampling flags of ``ninfer generate`` and ``ninfer chat``: max tokens, temperature, top-p/k, seed, stop
+strings, and the logit adjustments (min-p, penalties, logit bias, min tokens, stop token ids)."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
+
+from ninfer.contract.request import SamplingParams
 
 
 def _bias(text: str) -> tuple[int, float]:
@@ -39,3 +42,25 @@ def adjustments_from_args(args: argparse.Namespace) -> dict[str, Any]:
             "frequency_penalty": args.frequency_penalty, "repetition_penalty": args.repetition_penalty,
             "logit_bias": dict(args.logit_bias), "min_tokens": args.min_tokens,
             "stop_token_ids": tuple(args.stop_token_id)}
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser, *, max_tokens: int = 256) -> None:
+    """The sampling flags ``sampling_from_args`` reads (``generate``, ``chat``)."""
+    p.add_argument("--max-tokens", type=int, default=max_tokens,
+                   help=f"tokens to generate at most (default {max_tokens})")
+    p.add_argument("--temperature", type=float, help="0 = greedy (default: the model's generation config)")
+    p.add_argument("--top-p", type=float, help="nucleus sampling mass (default: the model's)")
+    p.add_argument("--top-k", type=int, help="top-k sampling (default: the model's)")
+    p.add_argument("--seed", type=int, help="sampling seed (reproducible output)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's end-of-sequence tokens")
+    add_adjustment_arguments(p)
+
+
+def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    """The SamplingParams of ``add_sampling_arguments``' flags; a bad value is a ValueError naming it."""
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+                          **adjustments_from_args(args))

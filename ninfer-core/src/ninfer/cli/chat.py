@@ -14,7 +14,7 @@ Ctrl-D, ``/exit`` and ``/quit`` leave; ``/reset`` forgets the conversation; ``/h
 Stdout carries the answers alone; notices, the folded thinking line when stdout is not a terminal, and the
 ``--verbose`` stats go to stderr. When stdin is not a terminal, lines are read without a prompt, so a chat can
 be scripted (``printf 'Hi\\nAnd then?\\n' | ninfer chat``). The model, sampling and engine flags are
-``ninfer generate``'s (generate_cli's helpers). Imports stay lazy so ``ninfer --help`` does not load torch.
+``ninfer generate``'s (``sampling_args``, ``engine_args``). Imports stay lazy so ``ninfer --help`` does not load torch.
 """
 
 from __future__ import annotations
@@ -26,17 +26,12 @@ import threading
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from ninfer.engine.generate_cli import (
-    add_engine_arguments,
-    add_sampling_arguments,
-    check_max_tokens,
-    engine_config_from_args,
-    run_reporting_errors,
-    sampling_from_args,
-    stats_line,
-)
-from ninfer.engine.model_cli import add_model_argument
-from ninfer.engine.stream_printer import StreamPrinter, follow
+from ninfer.cli.command_errors import run_reporting_errors
+from ninfer.cli.engine_args import add_engine_arguments, engine_config_from_args
+from ninfer.cli.generate import check_max_tokens, stats_line
+from ninfer.cli.model_args import add_model_argument
+from ninfer.cli.sampling_args import add_sampling_arguments, sampling_from_args
+from ninfer.cli.stream_printer import StreamPrinter, follow
 
 if TYPE_CHECKING:
     from ninfer.contract import ChatInput, SamplingParams

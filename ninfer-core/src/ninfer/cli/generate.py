@@ -6,43 +6,32 @@ name + JSON arguments. When stdout is not a terminal it gets the output alone (n
 and the reasoning goes to stderr. The start prints the memory it took (a short block on stderr,
 ``memory_report``); the end prints time to first token and tokens/s to stderr, on a line of its own. Text
 arguments are always text: files (or stdin, ``-``) are read only through the ``-file`` options.
-``--json-schema``, ``--grammar``, ``--regex`` and ``--choice`` constrain the output (constraint_cli);
-``--speculative mtp`` decodes with drafts (speculative_cli), and the stats line then adds their acceptance.
-``--image`` and ``--video`` put media into the chat message; ``--vision`` selects the encoder (vision_cli).
+``--json-schema``, ``--grammar``, ``--regex`` and ``--choice`` constrain the output (``constraint_args``);
+``--speculative mtp`` decodes with drafts (``speculative_args``), and the stats line then adds their acceptance.
+``--image`` and ``--video`` put media into the chat message; ``--vision`` selects the encoder (``vision_args``).
 Bad options (a constraint that does not build, media for a text-only model) are reported before the weights
-load. The argument helpers here are shared with ``ninfer chat`` (chat_cli). Imports stay lazy so
-``ninfer --help`` does not load torch.
+load. ``ninfer chat`` shares the sampling and engine flags (``sampling_args``, ``engine_args``) and the stats
+line. Imports stay lazy so ``ninfer --help`` does not load torch.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-from collections.abc import Callable
 
-from ninfer.contract.config import EngineConfig
-from ninfer.contract.request import SamplingParams
-from ninfer.engine.cache_cli import add_context_cache_arguments, with_context_cache
-from ninfer.engine.constraint_cli import (
+from ninfer.cli.command_errors import run_reporting_errors
+from ninfer.cli.constraint_args import (
     add_constraint_arguments,
     check_constraint_builds,
     constraint_from_args,
     constraint_option,
 )
-from ninfer.engine.model_cli import add_dtype_argument, add_model_argument
-from ninfer.engine.plan_cli import add_memory_arguments, with_memory_options
-from ninfer.engine.sampling_cli import add_adjustment_arguments, adjustments_from_args
-from ninfer.engine.speculative_cli import add_speculative_arguments, speculative_features
-from ninfer.engine.stream_printer import StreamPrinter, follow
-from ninfer.engine.vision_cli import (
-    add_media_arguments,
-    add_vision_argument,
-    check_model_sees,
-    media_from_args,
-    user_content,
-    with_vision,
-)
+from ninfer.cli.engine_args import add_engine_arguments, engine_config_from_args
+from ninfer.cli.model_args import add_model_argument
+from ninfer.cli.sampling_args import add_sampling_arguments, sampling_from_args
+from ninfer.cli.stream_printer import StreamPrinter, follow
+from ninfer.cli.text_files import read_text_file
+from ninfer.cli.vision_args import add_media_arguments, check_model_sees, media_from_args, user_content
 
 
 def add_generate_command(subparsers: argparse._SubParsersAction) -> None:
@@ -65,97 +54,8 @@ def add_generate_command(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_generate)
 
 
-def add_sampling_arguments(p: argparse.ArgumentParser, *, max_tokens: int = 256) -> None:
-    """The sampling flags ``sampling_from_args`` reads (``generate``, ``chat``)."""
-    p.add_argument("--max-tokens", type=int, default=max_tokens,
-                   help=f"tokens to generate at most (default {max_tokens})")
-    p.add_argument("--temperature", type=float, help="0 = greedy (default: the model's generation config)")
-    p.add_argument("--top-p", type=float, help="nucleus sampling mass (default: the model's)")
-    p.add_argument("--top-k", type=int, help="top-k sampling (default: the model's)")
-    p.add_argument("--seed", type=int, help="sampling seed (reproducible output)")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's end-of-sequence tokens")
-    add_adjustment_arguments(p)
-
-
-def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """The engine flags ``engine_config_from_args`` reads, the context cache, speculative and vision ones
-    included (``generate``, ``chat``)."""
-    p.add_argument("--chat-template", help="chat template file (or builtin:qwen3_5) replacing the artifact's")
-    p.add_argument("--special-tokens-in-content", action="store_true",
-                   help="read special-token strings in --chat/--system text (e.g. <|im_end|>) as control tokens "
-                        "(default: plain text)")
-    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
-    add_dtype_argument(p)
-    p.add_argument("--no-verify", action="store_true", help="load without checking the artifact's checksums")
-    p.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
-    add_memory_arguments(p)
-    p.add_argument("--prefill-chunk", type=int, metavar="TOKENS",
-                   help="prompt tokens per prefill unit (default: 2048 on a GPU, 512 on the CPU)")
-    add_vision_argument(p)
-    add_context_cache_arguments(p)
-    add_speculative_arguments(p)
-
-
-def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
-    """The SamplingParams of ``add_sampling_arguments``' flags; a bad value is a ValueError naming it."""
-    if args.max_tokens < 1:
-        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
-                          **adjustments_from_args(args))
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The EngineConfig (one request at a time) of ``add_engine_arguments``' flags."""
-    config = EngineConfig(max_concurrency=1, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                          chat_template=_template_arg(args.chat_template), prefill_chunk=args.prefill_chunk,
-                          verify=not args.no_verify, special_tokens_in_content=args.special_tokens_in_content,
-                          features=with_vision(speculative_features(args), args))
-    return with_memory_options(with_context_cache(config, args), args)
-
-
-def read_text_file(path: str, option: str) -> str:
-    """The UTF-8 text of ``path`` (``-``: stdin) for ``option``; a missing or non-UTF-8 file is a ValueError."""
-    if path == "-":
-        return sys.stdin.read()
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except FileNotFoundError:
-        raise ValueError(f"{option}: file not found: {path}") from None
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{option}: {path} is not UTF-8 text: {exc}") from None
-    except OSError as exc:
-        raise ValueError(f"{option}: cannot read {path}: {exc.strerror or exc}") from None
-
-
-def _template_arg(arg: str | None) -> str | None:
-    if arg is None or arg.startswith("builtin:"):
-        return arg
-    if not os.path.isfile(arg):
-        raise ValueError(f"chat template file not found: {arg}")
-    with open(arg, encoding="utf-8") as f:
-        return f.read()
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
     return run_reporting_errors("generate", _generate, args)
-
-
-def run_reporting_errors(command: str, body: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
-    """``body(args)``'s exit status; bad input (a ValueError, a file that cannot be read, ...) is one line
-    ``ninfer COMMAND: ...`` on stderr and status 2, Ctrl-C status 130, never a traceback."""
-    try:
-        return body(args)
-    except KeyboardInterrupt:
-        print(f"\nninfer {command}: interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:
-        raise  # the reader of stdout left: ninfer.cli.main ends quietly
-    except (OSError, ValueError, TypeError, LookupError, RuntimeError) as exc:
-        print(f"ninfer {command}: {exc}", file=sys.stderr)
-        return 2
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -14,9 +14,9 @@ from typing import Any
 
 import attrs
 
+from ninfer.cli.number_args import positive_number
 from ninfer.contract.config import StartupFeatures
 from ninfer.contract.prompt import MediaItem
-from ninfer.engine.cli_numbers import positive_number
 
 VISION_SETTINGS: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
 

@@ -9,8 +9,8 @@ import argparse
 
 import attrs
 
+from ninfer.cli.number_args import whole_number
 from ninfer.contract.config import EngineConfig
-from ninfer.engine.cli_numbers import whole_number
 
 MIB = 1 << 20
 

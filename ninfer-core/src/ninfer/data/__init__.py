@@ -1,1 +1,0 @@
-"""Package data: the embedded default model (default.ninfer, see docs/embedded-model.md)."""
