@@ -190,7 +190,7 @@ def decode_runs(engine, args, B: int, timer: HostMaskTimes) -> dict:
 def bench_shape(shape: str, args, device: str, res: dict) -> None:
     import ninfer
     from ninfer.contract.config import EngineConfig
-    from ninfer.ops._dispatch import triton_kernel
+    from ninfer.ops.dispatch import triton_kernel
 
     workdir = Path(tempfile.mkdtemp(prefix=f"ninfer-constrained-{shape}-", dir=args.workdir))
     try:

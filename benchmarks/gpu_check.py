@@ -256,7 +256,9 @@ def time_gdn_gates(ctx: Ctx) -> None:
 @timed("gdn_decode")
 def time_gdn_decode(ctx: Ctx) -> None:
     """The recurrent decode step, and its block_v x warps sweep."""
-    from ninfer.ops.triton.gdn import _default_block_v, gdn_decode
+    from ninfer.ops.triton import tuning
+    from ninfer.ops.triton.gdn import gdn_decode
+    from ninfer.ops.triton.gdn_shared import default_block_v
 
     d = dims(ctx.cfg)
     per_slot = (d["hv"], d["dk"], d["dv"])
@@ -270,7 +272,7 @@ def time_gdn_decode(ctx: Ctx) -> None:
         moved = 2 * B * math.prod(per_slot) * 4 + B * (2 * d["hk"] * d["dk"] + 2 * d["hv"] * d["dv"]) * 2 \
             + 2 * B * d["hv"] * 4  # state read and written, q k v o, the fp32 gates
         ctx.timing(f"B={B}", nbytes=moved, make=lambda B=B: partial(gdn_decode, *inputs(B)),
-                   note=f"block_v {_default_block_v(B, d['hv'], d['dv'])}")
+                   note=f"block_v {default_block_v(B, d['hv'], d['dv'], tuning.device_key(torch.device(ctx.device)))}")
         for block_v in (16, 32, 64):
             for warps in (2, 4, 8):
                 ctx.timing(f"B={B} block_v {block_v} warps {warps}", nbytes=moved, make=lambda B=B, bv=block_v,
@@ -281,8 +283,10 @@ def time_gdn_decode(ctx: Ctx) -> None:
 def time_gdn_decode_fused(ctx: Ctx) -> None:
     """The fused GDN decode step beside the unfused kernel sequence it replaces (gates, conv, gdn_decode) on the
     same bytes, and its block_v x warps sweep."""
+    from ninfer.ops.triton import tuning
     from ninfer.ops.triton.conv1d import causal_conv1d_decode
-    from ninfer.ops.triton.gdn import _default_block_v, gdn_decode, gdn_decode_fused, gdn_gates
+    from ninfer.ops.triton.gdn import gdn_decode, gdn_decode_fused, gdn_gates
+    from ninfer.ops.triton.gdn_shared import default_block_v
 
     d = dims(ctx.cfg)
     hk, hv, dk, dv, C, K = d["hk"], d["hv"], d["dk"], d["dv"], d["conv_dim"], d["conv_k"]
@@ -304,7 +308,7 @@ def time_gdn_decode_fused(ctx: Ctx) -> None:
         moved = (2 * B * hv * dk * dv * 4 + 2 * B * C * (K - 1) * 2 + (B * (C + 2 * hv + hv * dv) + C * K) * 2
                  + 2 * hv * 4)  # both states read and written, inputs and output, the conv and gate weights
         ctx.timing(f"B={B}", nbytes=moved, make=lambda B=B: partial(gdn_decode_fused, *inputs(B)),
-                   note=f"block_v {_default_block_v(B, hv, dv)}")
+                   note=f"block_v {default_block_v(B, hv, dv, tuning.device_key(torch.device(ctx.device)))}")
         ctx.timing(f"B={B} unfused gates+conv+gdn_decode", nbytes=moved, note="bytes of the fused op",
                    make=lambda B=B: partial(unfused, *inputs(B)))
         for block_v in (16, 32, 64):

@@ -42,6 +42,7 @@ def _attn_call(ctx: Ctx, seqs, **kw):
 @timed("paged_attention_decode")
 def time_paged_attention_decode(ctx: Ctx) -> None:
     """Decode attention per batch and context, and the splits / tile sweep around the default."""
+    from ninfer.ops.triton import tuning
     from ninfer.ops.triton.attention import _decode_splits
 
     sz = sizes(ctx)
@@ -52,7 +53,8 @@ def time_paged_attention_decode(ctx: Ctx) -> None:
     kv_heads = dims(ctx.cfg)["kv_heads"]
     for seqs in cases:
         moved, _ = _attn_cost(ctx, seqs)
-        splits = _decode_splits(len(seqs), kv_heads, max(q + c for q, c in seqs), 32)
+        splits = _decode_splits(len(seqs), kv_heads, max(q + c for q, c in seqs), 32,
+                                tuning.choices("attention", tuning.device_key(torch.device(ctx.device))))
         label = f"B={len(seqs)} ctx={'mixed' if len({c for _, c in seqs}) > 1 else seqs[0][1] + 1}"
         ctx.timing(label, nbytes=moved, note=f"splits {splits}", make=lambda seqs=seqs: _attn_call(ctx, seqs))
         for splits_v, tile in ((max(1, splits // 2), 32), (min(64, splits * 2), 32), (splits, 64)):

@@ -124,14 +124,15 @@ def test_one_launch_replays_many_times_under_pdl(case, preload):
     """Captured with PDL, the one launch replays 40 times over fresh routings, each time as the grouped path run
     eagerly: its counters are zero again after every launch, and no down program reads a slot early (a stale or
     early hidden row would be another routing's)."""
-    from ninfer.ops.triton import _pdl, moe_one_token
+    from ninfer.ops import launch
+    from ninfer.ops.launch import arrival_counters
     from ninfer.ops.triton import moe as t_moe
-    from ninfer.ops.triton._arrivals import arrival_counters
+    from ninfer.ops.triton import moe_one_token
 
     tiles = moe_one_token.OneTokenTiles(down_n=32, preload=True) if preload else None
     static = block(case, *A3B, 1, torch.bfloat16)
     x, logits, gate = static[:3]
-    with _pdl.scope(True):
+    with launch.scope(True):
         moe_one_token.moe_one_token(*static, tiles=tiles)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -155,12 +156,12 @@ def test_one_launch_replays_many_times_under_pdl(case, preload):
 def test_cuda_graph_replays_as_eager(case, tokens, summed, pdl):
     """The block captured at a fixed token count replays new activations and new router logits exactly as
     eager runs them: nothing of the routing is baked into the graph."""
-    from ninfer.ops.triton import _pdl
+    from ninfer.ops import launch
     from ninfer.ops.triton.moe import moe_block
 
     static = block(case, *A3B, tokens, torch.bfloat16)
     x, logits, gate = static[:3]
-    with _pdl.scope(pdl):
+    with launch.scope(pdl):
         moe_block(*static, summed=summed)  # compile and warm outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()

@@ -38,7 +38,7 @@ class Qwen35Program(PagedProgram):
         """``model``: a ``Qwen35Model``. ``state_layout`` / ``kv_pool``: ``ninfer_qwen35.state``'s. ``cuda_graphs``:
         capture decode graphs on CUDA. ``static_decode``: without graphs, still decode through the graphs'
         static input buffers (checks that input path on CPU). ``pdl``: launch this Program's Triton kernels
-        with programmatic dependent launch (``ops.triton._pdl``). ``max_concurrency`` comes validated from
+        with programmatic dependent launch (``ninfer.ops.launch``). ``max_concurrency`` comes validated from
         ``StartupOptions`` (1..8). ``checkpoint_slots`` / ``cache_host_budget_bytes``: the context cache's store.
         ``calibration``: a graph-calibration build (``PagedProgram``). ``host_experts``: this Program's runtime of
         MoE routed experts kept in host memory (it runs them outside CUDA graphs). ``vision``: the model's

@@ -48,6 +48,7 @@ from ninfer.models.common.context.sequence_table import SequenceTable
 from ninfer.models.common.sampler import Sampler, pending_rows
 from ninfer.models.common.scoring import WindowScores, score_window
 from ninfer.models.common.vision_handoff import VisionHandoff, decode_positions
+from ninfer.ops.launch import Arrivals, scope
 
 _program_ids = itertools.count(1)
 
@@ -80,7 +81,7 @@ class PagedProgram(Checkpointing, abc.ABC):
                  host_budget_bytes: int = 0, sampling_defaults: SamplingParams | None = None,
                  max_model_len: int | None = None, pdl: bool = False, checkpoint_slots: int = 0,
                  cache_host_budget_bytes: int = 0, calibration: bool = False) -> None:
-        """``pdl``: launch this Program's Triton kernels with programmatic dependent launch (``ops.triton._pdl``).
+        """``pdl``: launch this Program's Triton kernels with programmatic dependent launch (``ninfer.ops.launch``).
         ``checkpoint_slots`` / ``cache_host_budget_bytes``: the context cache's device StateImages and host bytes.
         ``calibration``: a graph-calibration build (``ProgramCapacity.calibration``): ``max_model_len`` stays the
         planned context although ``num_pages`` cannot hold it; it never runs a sequence."""
@@ -88,6 +89,7 @@ class PagedProgram(Checkpointing, abc.ABC):
             raise ValueError(f"max_concurrency must be in 1..{MAX_CONCURRENCY}, got {max_concurrency}")
         self.id = next(_program_ids)
         self.pdl = pdl
+        self.arrivals = Arrivals()  # the kernels' arrival counters: this Program's, freed with it
         self.device = Device.parse(device)
         self.state_layout = state_layout
         self.kv_pools = (kv_pool,)
@@ -159,9 +161,7 @@ class PagedProgram(Checkpointing, abc.ABC):
         return self.logits(hidden)
 
     def _launches(self):
-        from ninfer.ops.triton._pdl import scope
-
-        return scope(self.pdl)
+        return scope(self.pdl, self.arrivals)
 
     # -- sequences (``SequenceTable``) ------------------------------------------------------------
     def open_sequence(self, prompt: PreparedPrompt, sampling: SamplingParams) -> int:
