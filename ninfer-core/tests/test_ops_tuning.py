@@ -180,3 +180,24 @@ def test_broken_tables_are_clear_errors(tmp_path, monkeypatch):
     with pytest.raises(tuning.TuningError, match="no tuning family"):
         tuning.choices("conv1d", H200)
 
+
+def test_tune_refuses_without_cuda_in_one_line(capsys):
+    from ninfer.ops.triton import tune
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine would run the sweeps")
+    assert tune.main(["--kernels", "sampling"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no CUDA device" in err
+    with pytest.raises(SystemExit):
+        tune.main(["--kernels", "conv1d"])
+
+
+def test_tune_candidates_step_one_field_at_a_time():
+    from ninfer.ops.triton import tune
+
+    around = tune._neighbours((16, 64, 128, 4, 4))
+    assert around[0] == (16, 64, 128, 4, 4) and len(set(around)) == len(around)
+    assert all(sum(a != b for a, b in zip(c, around[0], strict=True)) == 1 for c in around[1:])
+    generic = tune._generic(tuning.table("attention"), H100_PCIE)
+    assert generic["decode_programs"] == 8 * 114 and generic["sms"] == 114
