@@ -107,7 +107,7 @@ def test_decode_call_launches(case, tokens, summed, launches):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_one_launch_equals_the_grouped_path(case, dtype):
     """At the A3B bank, over fresh inputs: ``moe_one_token`` (routing the token itself) gives the slot rows of
-    the routing program and the grouped kernels, with its whole down slice loaded before the wait too."""
+    the routing program and the grouped kernels."""
     from ninfer.ops.triton import moe as t_moe
     from ninfer.ops.triton import moe_one_token
 
@@ -115,12 +115,9 @@ def test_one_launch_equals_the_grouped_path(case, dtype):
         args = block(case, *A3B, 1, dtype)
         grouped = t_moe.moe_block(*args, summed=False, one_launch=False)[0].float()
         case.within(moe_one_token.moe_one_token(*args), grouped, TOL[dtype], "one launch")
-        preload = moe_one_token.OneTokenTiles(down_n=32, preload=True)
-        case.within(moe_one_token.moe_one_token(*args, tiles=preload), grouped, TOL[dtype], "preloaded down")
 
 
-@pytest.mark.parametrize("preload", (False, True), ids=("k-loop", "preload"))
-def test_one_launch_replays_many_times_under_pdl(case, preload):
+def test_one_launch_replays_many_times_under_pdl(case):
     """Captured with PDL, the one launch replays 40 times over fresh routings, each time as the grouped path run
     eagerly: its counters are zero again after every launch, and no down program reads a slot early (a stale or
     early hidden row would be another routing's)."""
@@ -129,15 +126,14 @@ def test_one_launch_replays_many_times_under_pdl(case, preload):
     from ninfer.ops.triton import moe as t_moe
     from ninfer.ops.triton import moe_one_token
 
-    tiles = moe_one_token.OneTokenTiles(down_n=32, preload=True) if preload else None
     static = block(case, *A3B, 1, torch.bfloat16)
     x, logits, gate = static[:3]
     with launch.scope(True):
-        moe_one_token.moe_one_token(*static, tiles=tiles)
+        moe_one_token.moe_one_token(*static)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = moe_one_token.moe_one_token(*static, tiles=tiles)
+            out = moe_one_token.moe_one_token(*static)
     for _ in range(40):
         fresh = block(case, *A3B, 1, torch.bfloat16)
         x.copy_(fresh[0])

@@ -76,7 +76,7 @@ def _gate_up_kernel(
     expert = _expert_offset(experts_ptr + pid_m, s_we, bank_experts, shared_off, SHARED)
     valid = pair < numel
     hidden = gate_up_tile(x_ptr, w_ptr + expert, (pair // TOP_K).to(tl.int64), valid, pid_n, INTER, H, s_xm, s_xk,
-                           s_wn, s_wk, h_ptr.dtype.element_ty, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+                          s_wn, s_wk, h_ptr.dtype.element_ty, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
     nn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out = h_ptr + pair.to(tl.int64)[:, None] * s_hm + nn[None, :]
     tl.store(out, hidden, mask=valid[:, None] & (nn < INTER)[None, :])
@@ -101,7 +101,7 @@ def _down_kernel(
     route = tl.load(route_ptr + row, mask=valid, other=0.0).to(tl.float32)  # with the expert: one round trip
     w_tile = w_ptr + expert + (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None] * s_wn
     acc = down_acc(h_ptr + row[:, None] * s_hm, w_tile, valid, pid_n, H, INTER, s_wk, BLOCK_M, BLOCK_N, BLOCK_K,
-                    PRECISION)
+                   PRECISION)
     store_weighted(y_ptr + row[:, None] * s_ym, acc, route, valid, pid_n, H, BLOCK_N)
 
 

@@ -29,9 +29,8 @@ class MoeConfig:
 @attrs.frozen
 class OneTokenTiles:
     """``up_n`` gate (and as many up) columns and ``up_k`` per K step of a gate_up program; ``down_n`` output
-    columns and ``down_k`` per K step of a down program; ``preload``: a down program loads its whole weight slice
-    (``down_k`` raised to the intermediate width) before it waits; ``shared_first``: the shared expert's gate_up
-    programs start on their weights without routing the token."""
+    columns and ``down_k`` per K step of a down program; ``shared_first``: the shared expert's gate_up programs start
+    on their weights without routing the token."""
 
     up_n: int = 32
     up_k: int = 128
@@ -39,7 +38,6 @@ class OneTokenTiles:
     down_k: int = 128
     num_warps: int = 4
     num_stages: int = 4
-    preload: bool = False
     shared_first: bool = True
 
 
@@ -73,7 +71,7 @@ def expert_base(expert, s_we, bank_experts, shared_off, SHARED: tl.constexpr):
 
 @triton.jit
 def gate_up_tile(x_ptr, w_ptr, token, valid, pid_n, INTER, H, s_xm, s_xk, s_wn, s_wk, dtype: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     """silu(x Wg^T) * (x Wu^T) of the rows ``token`` (where ``valid``) for intermediate column block ``pid_n`` of the
     expert whose gate rows start at ``w_ptr`` (its up rows INTER rows on), rounded as the unfused ops round."""
     nn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -103,7 +101,7 @@ def gate_up_tile(x_ptr, w_ptr, token, valid, pid_n, INTER, H, s_xm, s_xk, s_wn, 
 
 @triton.jit
 def down_acc(h_rows, w_rows, valid, pid_n, H, INTER, s_wk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, H_L2: tl.constexpr = False):
+             BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, H_L2: tl.constexpr = False):
     """The fp32 products of the hidden rows at ``h_rows`` [BLOCK_M, 1] (where ``valid``) with the down rows at
     ``w_rows`` [BLOCK_N, 1] (output column block ``pid_n``) over the INTER intermediate columns; ``H_L2``: the hidden
     loads bypass L1 (".cg")."""
