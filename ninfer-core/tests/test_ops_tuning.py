@@ -199,5 +199,6 @@ def test_tune_candidates_step_one_field_at_a_time():
     around = tune._neighbours((16, 64, 128, 4, 4))
     assert around[0] == (16, 64, 128, 4, 4) and len(set(around)) == len(around)
     assert all(sum(a != b for a, b in zip(c, around[0], strict=True)) == 1 for c in around[1:])
-    generic = tune._generic(tuning.table("attention"), H100_PCIE)
-    assert generic["decode_programs"] == 8 * 114 and generic["sms"] == 114
+    start = tune._start("attention", H100_PCIE)  # the generic rule for a device without an entry
+    assert start["decode_programs"] == 8 * 114 and start["sms"] == 114
+    assert tune._start("linear", H200)["programs"] == 256  # a measured entry starts from itself

@@ -6,8 +6,9 @@ For each family asked (all by default) it times candidate configurations at the 
 graphs of a few launches, ``triton.testing.do_bench_cudagraph``), keeps the fastest, and writes the table of
 ``tables_dir()`` (the packaged one unless ``NINFER_TUNING_DIR``) with this device's entry added or replaced to
 ``DIR/<family>.json`` (default: the packaged folder itself, so a source checkout's ``git diff`` shows the change).
-A family whose kernels have no sweep here takes the generic rule resolved for this device. On a machine without
-CUDA it exits with one line.
+A sweep starts from the device's current choices (its entry, else the generic rule resolved for its SMs) and
+keeps what it does not sweep; a family without a sweep (``vision_attention``) writes those choices as they are.
+On a machine without CUDA it exits with one line.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def _randn(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
 def tune_linear(reference: Mapping[str, Any], device: tuning.DeviceKey) -> dict:
     from ninfer.ops.triton import linear
 
-    entry = _generic(reference, device)
+    entry = _start("linear", device)
     shapes = {}
     for key in sorted(_shapes(reference)):
         N, K = map(int, key.split("x"))
@@ -86,7 +87,7 @@ def tune_moe(reference: Mapping[str, Any], device: tuning.DeviceKey) -> dict:
     g = _MOE
     gate_up = _randn(g["experts"], 2 * g["inter"], g["hidden"]) * 0.02
     down = _randn(g["experts"], g["hidden"], g["inter"]) * 0.02
-    entry = _generic(reference, device)
+    entry = _start("moe", device)
     rows = []
     for row in [*entry["by_tokens"], {"tokens": None, "tiles": entry["largest"]}]:
         tokens = row["tokens"] or 2 * entry["by_tokens"][-1]["tokens"]
@@ -122,7 +123,7 @@ def tune_attention(reference: Mapping[str, Any], device: tuning.DeviceKey) -> di
     from ninfer.ops.triton import attention
 
     a = _attention_case()
-    entry = _generic(reference, device)
+    entry = _start("attention", device)
 
     def cost(cfg):
         tile_n, per_sm = cfg
@@ -186,15 +187,9 @@ def tune_gdn(reference: Mapping[str, Any], device: tuning.DeviceKey) -> dict:
     return {"sms": device.sms, "narrow_block_v": 16, "wide_block_v": 32, "wide_programs": programs}
 
 
-def _generic(reference: Mapping[str, Any], device: tuning.DeviceKey) -> dict:
-    """The generic rule of ``reference`` resolved for ``device``, as an entry to refine."""
-    out: dict[str, Any] = {"sms": device.sms}
-    for key, value in reference["generic"].items():
-        if key.endswith("_per_sm"):
-            out[key.removesuffix("_per_sm")] = max(1, round(value * device.sms))
-        else:
-            out[key] = _thawed(value)
-    return out
+def _start(family: str, device: tuning.DeviceKey) -> dict:
+    """Where a sweep starts: the device's resolved choices (its measured entry, else the generic rule)."""
+    return {"sms": device.sms, **_thawed(tuning.choices(family, device))}
 
 
 def _shapes(reference: Mapping[str, Any]) -> set[str]:
@@ -211,7 +206,7 @@ def _thawed(value: Any) -> Any:
 
 SWEEPS: dict[str, Callable[[Mapping[str, Any], tuning.DeviceKey], dict]] = {
     "linear": tune_linear, "moe": tune_moe, "attention": tune_attention, "sampling": tune_sampling,
-    "gdn": tune_gdn, "vision_attention": _generic,
+    "gdn": tune_gdn, "vision_attention": lambda reference, device: _start("vision_attention", device),
 }
 
 
