@@ -630,10 +630,6 @@ def parse_args(argv=None):
                    help="keep each shape's artifact in DIR and reuse it in later runs (not with the HF baseline, "
                         "which reads the checkpoint)")
     p.add_argument("--json", default=None, help="write every figure here")
-    p.add_argument("--pdl-late", action="store_true",
-                   help="experiment: the few-row linear triggers its PDL successor after its K loop")
-    p.add_argument("--pdl-prefetch", type=int, default=None, metavar="TILES",
-                   help="experiment: weight tiles the few-row linear prefetches before its PDL wait")
     args = p.parse_args(argv)
     args.steps = args.steps or (48 if args.quick else 128)
     args.prefill = args.prefill or ([512, 4096] if args.quick else [512, 4096, 16384])
@@ -689,10 +685,6 @@ def _run(argv) -> int:
         return 2
     import torch
 
-    from ninfer.ops.triton import _pdl
-
-    _pdl.LATE_TRIGGER = args.pdl_late or _pdl.LATE_TRIGGER  # experiment knobs: library defaults otherwise
-    _pdl.PREFETCH_TILES = _pdl.PREFETCH_TILES if args.pdl_prefetch is None else args.pdl_prefetch
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         print("bench: no CUDA device; use --device cpu", file=sys.stderr)
