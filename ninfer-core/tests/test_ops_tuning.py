@@ -202,3 +202,35 @@ def test_tune_candidates_step_one_field_at_a_time():
     start = tune._start("attention", H100_PCIE)  # the generic rule for a device without an entry
     assert start["decode_programs"] == 8 * 114 and start["sms"] == 114
     assert tune._start("linear", H200)["programs"] == 256  # a measured entry starts from itself
+
+
+def test_every_sweep_writes_an_entry_the_tables_then_give(tmp_path, monkeypatch):
+    """Every family's sweep, run in the interpreter at tiny shapes with a timer that prefers one candidate,
+    writes this device's entry beside the others; NINFER_TUNING_DIR on that folder then gives its choices."""
+    from ninfer.ops.triton import tune
+
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter sweep is for machines without CUDA")
+    favour = {"block_n": 64, "block_k": 128, "split_k": 2, "tile_n": 16, "programs_per_row": 9, "block_v": 16}
+
+    def timer(fn):  # a thunk with a favoured keyword is "faster"; every candidate still runs once
+        fn()
+        return 1.0 - 0.1 * sum(fn.keywords.get(k) == v for k, v in favour.items())
+
+    shapes = tune.Geometry(kv_heads=1, group=2, head_dim=16, page=4, context=16, gdn_heads=(1, 2, 16, 64),
+                           moe=(32, 4, 16, 2), vocab=5000, batches=(1,), linear_shapes=("64x256",), moe_tokens=4)
+    bench = tune.Bench(torch.device("cpu"), timer, shapes)
+    key = tuning.DeviceKey("Test GPU", 9)
+    for family in tuning.FAMILIES:
+        tune.write_entry(family, key, tune.SWEEPS[family](bench, key), tmp_path)
+        table = json.loads((tmp_path / f"{family}.json").read_text())
+        assert table["devices"]["NVIDIA H200"] == tune._thawed(tuning.table(family)["devices"]["NVIDIA H200"])
+    monkeypatch.setenv("NINFER_TUNING_DIR", str(tmp_path))
+    assert tuning.known_entry("linear", key) == "Test GPU"
+    assert t_linear.default_config(64, 256, key) == (64, 128, 2, 4, 3)
+    assert t_linear.default_config(4096, 4096, key) == (32, 256, 1, 4, 3)  # unswept: the rule, 2 programs per SM
+    assert tuning.choices("attention", key)["decode_tile_n"] == 16
+    assert tuning.choices("sampling", key)["programs_per_row"] == 9  # 1 per SM
+    assert tuning.choices("gdn", key)["wide_programs"] == 1 << 30  # wide never timed faster
+    assert tuning.choices("moe", key)["largest"] == (128, 256, 64, 8, 3)  # ties keep the generic start
+    assert tuning.choices("vision_attention", key)["wide_programs"] == 18

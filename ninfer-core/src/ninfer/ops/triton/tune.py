@@ -22,25 +22,51 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 
 from ninfer.ops.triton import tuning
 
-# The geometries the sweeps time: Qwen3.5 decode (attention 9B: 4 KV heads of 256, G = 4; GDN: 32 value heads of
-# 128; the 35B-A3B experts: hidden 2048, 256 experts of 512, top 8) and its vocabulary.
-_ATTENTION = {"kv_heads": 4, "group": 4, "head_dim": 256, "page": 16, "context": 4096}
-_GDN = {"hk": 16, "hv": 32, "dk": 128, "dv": 128}
-_MOE = {"hidden": 2048, "experts": 256, "inter": 512, "top_k": 8}
-_VOCAB = 248320
 
-
-def _time(fn: Callable[[], Any]) -> float:
+def graph_time(fn: Callable[[], Any]) -> float:
     """Milliseconds per call of ``fn`` (warmed up, then replayed in a CUDA graph)."""
     import triton.testing
 
     fn()
     torch.cuda.synchronize()
     return float(triton.testing.do_bench_cudagraph(fn, rep=20))
+
+
+@attrs.frozen
+class Geometry:
+    """The shapes the sweeps time. Defaults: Qwen3.5 decode (the 9B's attention, 4 KV heads of 256 with G = 4;
+    its GDN, 32 value heads of 128; the 35B-A3B experts, hidden 2048, 256 experts of 512, top 8) and its
+    vocabulary. ``linear_shapes``: "NxK" weights (None: every shape the linear table holds); ``moe_tokens``: the
+    most tokens a MoE call is timed with (None: each token row's limit, twice the last for the largest tile)."""
+
+    kv_heads: int = 4
+    group: int = 4
+    head_dim: int = 256
+    page: int = 16
+    context: int = 4096
+    gdn_heads: tuple[int, int, int, int] = (16, 32, 128, 128)  # key heads, value heads, Dk, Dv
+    moe: tuple[int, int, int, int] = (2048, 256, 512, 8)  # hidden, experts, intermediate, top k
+    vocab: int = 248320
+    batches: tuple[int, ...] = (1, 8)
+    linear_shapes: tuple[str, ...] | None = None
+    moe_tokens: int | None = None
+
+
+@attrs.frozen
+class Bench:
+    """Where and how a sweep measures: the torch device, the timer (milliseconds of a thunk), the shapes."""
+
+    device: torch.device
+    time: Callable[[Callable[[], Any]], float] = graph_time
+    shapes: Geometry = Geometry()
+
+    def randn(self, *shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return torch.randn(*shape, device=self.device, dtype=dtype)
 
 
 def _best(candidates: Iterable[Any], cost: Callable[[Any], float]) -> Any:
@@ -56,47 +82,44 @@ def _best(candidates: Iterable[Any], cost: Callable[[Any], float]) -> Any:
     return min(timed, key=lambda t: t[0])[1]
 
 
-def _randn(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    return torch.randn(*shape, device="cuda", dtype=dtype)
-
-
-def tune_linear(reference: Mapping[str, Any], device: tuning.DeviceKey) -> dict:
+def tune_linear(bench: Bench, key: tuning.DeviceKey) -> dict:
     from ninfer.ops.triton import linear
 
-    entry = _start("linear", device)
+    entry = _start("linear", key)
     shapes = {}
-    for key in sorted(_shapes(reference)):
-        N, K = map(int, key.split("x"))
-        w = _randn(N, K) * 0.02
-        xs = [_randn(m, K) for m in (1, 8)]
+    for name in bench.shapes.linear_shapes or sorted(_shapes(tuning.table("linear"))):
+        N, K = map(int, name.split("x"))
+        w = bench.randn(N, K) * 0.02
+        xs = [bench.randn(m, K) for m in bench.shapes.batches]
 
         def cost(cfg, w=w, xs=xs):
             bn, bk, split = cfg
-            return sum(_time(lambda x=x: linear.linear(x, w, block_n=bn, block_k=bk, split_k=split)) for x in xs)
+            return sum(bench.time(functools.partial(linear.linear, x, w, block_n=bn, block_k=bk, split_k=split))
+                       for x in xs)
 
-        shapes[key] = list(_best(itertools.product((32, 64), (128, 256), (1, 2, 4, 8)), cost))
-        print(f"  linear {key}: {shapes[key]}", file=sys.stderr)
-        del w, xs
+        shapes[name] = list(_best(itertools.product((32, 64), (128, 256), (1, 2, 4, 8)), cost))
+        print(f"  linear {name}: {shapes[name]}", file=sys.stderr)
     return {**entry, "shapes": shapes}
 
 
-def tune_moe(reference: Mapping[str, Any], device: tuning.DeviceKey) -> dict:
+def tune_moe(bench: Bench, key: tuning.DeviceKey) -> dict:
     from ninfer.ops.triton import moe
     from ninfer.ops.triton.moe_shared import MoeConfig
 
-    g = _MOE
-    gate_up = _randn(g["experts"], 2 * g["inter"], g["hidden"]) * 0.02
-    down = _randn(g["experts"], g["hidden"], g["inter"]) * 0.02
-    entry = _start("moe", device)
+    hidden, experts, inter, top_k = bench.shapes.moe
+    gate_up = bench.randn(experts, 2 * inter, hidden) * 0.02
+    down = bench.randn(experts, hidden, inter) * 0.02
+    entry = _start("moe", key)
     rows = []
     for row in [*entry["by_tokens"], {"tokens": None, "tiles": entry["largest"]}]:
-        tokens = row["tokens"] or 2 * entry["by_tokens"][-1]["tokens"]
-        x = _randn(tokens, g["hidden"])
-        ids = torch.stack([torch.randperm(g["experts"], device="cuda")[:g["top_k"]] for _ in range(tokens)])
-        weights = torch.rand(tokens, g["top_k"], device="cuda", dtype=torch.bfloat16)
+        tokens = min(row["tokens"] or 2 * entry["by_tokens"][-1]["tokens"], bench.shapes.moe_tokens or 1 << 30)
+        x = bench.randn(tokens, hidden)
+        ids = torch.rand(tokens, experts, device=bench.device).argsort(dim=1)[:, :top_k]  # distinct per token
+        weights = torch.rand(tokens, top_k, device=bench.device, dtype=x.dtype)
 
         def cost(tiles, x=x, ids=ids, weights=weights):
-            return _time(lambda: moe.moe_experts(x, gate_up, down, ids, weights, config=MoeConfig(*tiles)))
+            return bench.time(functools.partial(moe.moe_experts, x, gate_up, down, ids, weights,
+                                                config=MoeConfig(*tiles)))
 
         best = list(_best(_neighbours(tuple(row["tiles"])), cost))
         print(f"  moe tokens {tokens}: {best}", file=sys.stderr)
@@ -119,81 +142,78 @@ def _neighbours(tiles: tuple[int, ...]) -> list[tuple[int, ...]]:
     return out
 
 
-def tune_attention(reference: Mapping[str, Any], device: tuning.DeviceKey) -> dict:
+def tune_attention(bench: Bench, key: tuning.DeviceKey) -> dict:
     from ninfer.ops.triton import attention
 
-    a = _attention_case()
-    entry = _start("attention", device)
+    g = bench.shapes
+    cases = [(B, _attention_args(bench, B)) for B in g.batches]
+    entry = _start("attention", key)
 
     def cost(cfg):
         tile_n, per_sm = cfg
+        choice = {**entry, "decode_programs": per_sm * key.sms}
         total = 0.0
-        for B, args in a:
-            choice = dict(entry, decode_programs=per_sm * device.sms)
-            splits = attention._decode_splits(B, _ATTENTION["kv_heads"], _ATTENTION["context"], tile_n, choice)
-            total += _time(lambda args=args, splits=splits: attention.paged_attention(
-                *args, tile_n=tile_n, num_splits=splits))
+        for B, args in cases:
+            splits = attention._decode_splits(B, g.kv_heads, g.context, tile_n, choice)
+            total += bench.time(functools.partial(attention.paged_attention, *args, tile_n=tile_n,
+                                                  num_splits=splits))
         return total
 
     tile_n, per_sm = _best(itertools.product((16, 32, 64), (4, 8, 16)), cost)
-    entry.pop("decode_programs", None)
+    entry.pop("decode_programs")
     return {**entry, "decode_tile_n": tile_n, "decode_programs_per_sm": per_sm}
 
 
-def _attention_case() -> list[tuple[int, tuple]]:
-    c = _ATTENTION
-    pages_per_seq = c["context"] // c["page"]
-    cases = []
-    for B in (1, 8):
-        k_cache = _randn(B * pages_per_seq, c["page"], c["kv_heads"], c["head_dim"])
-        q = _randn(B, c["kv_heads"] * c["group"], c["head_dim"])
-        tables = torch.arange(B * pages_per_seq, device="cuda", dtype=torch.int32).view(B, pages_per_seq)
-        lens = torch.full((B,), c["context"], device="cuda", dtype=torch.int32)
-        starts = torch.arange(B + 1, device="cuda", dtype=torch.int32)
-        cases.append((B, (q, k_cache, k_cache.clone(), tables, lens, starts, 1, c["context"], c["head_dim"] ** -0.5)))
-    return cases
+def _attention_args(bench: Bench, B: int) -> tuple:
+    """paged_attention's arguments for B decode rows over ``context`` keys each."""
+    g = bench.shapes
+    pages = g.context // g.page
+    k_cache = bench.randn(B * pages, g.page, g.kv_heads, g.head_dim)
+    q = bench.randn(B, g.kv_heads * g.group, g.head_dim)
+    tables = torch.arange(B * pages, device=bench.device, dtype=torch.int32).view(B, pages)
+    lens = torch.full((B,), g.context, device=bench.device, dtype=torch.int32)
+    starts = torch.arange(B + 1, device=bench.device, dtype=torch.int32)
+    return q, k_cache, k_cache.clone(), tables, lens, starts, 1, g.context, g.head_dim ** -0.5
 
 
-def tune_sampling(reference: Mapping[str, Any], device: tuning.DeviceKey) -> dict:
+def tune_sampling(bench: Bench, key: tuning.DeviceKey) -> dict:
     from ninfer.ops.triton import sampling
 
-    logits = _randn(1, _VOCAB, dtype=torch.float32)
-    out = torch.empty(1, dtype=torch.int64, device="cuda")
+    logits = bench.randn(1, bench.shapes.vocab, dtype=torch.float32)
 
     def cost(per_sm):
-        programs = max(1, round(per_sm * device.sms))
-        return _time(lambda: sampling.greedy(logits, out=out, programs_per_row=programs))
+        programs = max(1, round(per_sm * key.sms))
+        return bench.time(functools.partial(sampling.greedy, logits, programs_per_row=programs))
 
-    return {"sms": device.sms, "programs_per_row_per_sm": _best((0.5, 1, 2, 4), cost)}
+    return {"sms": key.sms, "programs_per_row_per_sm": _best((0.5, 1, 2, 4), cost)}
 
 
-def tune_gdn(reference: Mapping[str, Any], device: tuning.DeviceKey) -> dict:
+def tune_gdn(bench: Bench, key: tuning.DeviceKey) -> dict:
+    """The program count from which wide value blocks win: the first batch where they time no slower."""
     from ninfer.ops.triton import gdn
 
-    c = _GDN
-    first_wide = None
+    entry = _start("gdn", key)
+    hk, hv, dk, dv = bench.shapes.gdn_heads
+    narrow, wide = entry["narrow_block_v"], entry["wide_block_v"]
+    entry["wide_programs"] = 1 << 30  # never, unless a batch below shows otherwise
     for B in (1, 2, 4, 8, 16, 32):
-        q, k = _randn(B, c["hk"], c["dk"]), _randn(B, c["hk"], c["dk"])
-        v = _randn(B, c["hv"], c["dv"])
-        g, beta = -torch.rand(B, c["hv"], device="cuda"), torch.rand(B, c["hv"], device="cuda")
-        states = torch.zeros(B, c["hv"], c["dk"], c["dv"], device="cuda")
-        slots = torch.arange(B, device="cuda", dtype=torch.int32)
-        args = (q, k, v, g, beta, states, slots)
-        narrow, wide = (_time(functools.partial(gdn.gdn_decode, *args, block_v=bv)) for bv in (16, 32))
-        if wide <= narrow:
-            first_wide = B * c["hv"] * (c["dv"] // 32)
+        args = (bench.randn(B, hk, dk), bench.randn(B, hk, dk), bench.randn(B, hv, dv),
+                -torch.rand(B, hv, device=bench.device), torch.rand(B, hv, device=bench.device),
+                torch.zeros(B, hv, dk, dv, device=bench.device), torch.arange(B, device=bench.device))
+        t_narrow, t_wide = (bench.time(functools.partial(gdn.gdn_decode, *args, block_v=bv)) for bv in (narrow, wide))
+        if t_wide <= t_narrow:
+            entry["wide_programs"] = B * hv * -(-dv // wide)
             break
-    programs = first_wide if first_wide is not None else 1 << 30
-    return {"sms": device.sms, "narrow_block_v": 16, "wide_block_v": 32, "wide_programs": programs}
+    return entry
 
 
-def _start(family: str, device: tuning.DeviceKey) -> dict:
+def _start(family: str, key: tuning.DeviceKey) -> dict:
     """Where a sweep starts: the device's resolved choices (its measured entry, else the generic rule)."""
-    return {"sms": device.sms, **_thawed(tuning.choices(family, device))}
+    return {"sms": key.sms, **_thawed(tuning.choices(family, key))}
 
 
-def _shapes(reference: Mapping[str, Any]) -> set[str]:
-    return {s for e in reference["devices"].values() for s in e.get("shapes", {})}
+def _shapes(table: Mapping[str, Any]) -> set[str]:
+    return {s for e in table["devices"].values() for s in e.get("shapes", {})}
 
 
 def _thawed(value: Any) -> Any:
@@ -204,10 +224,19 @@ def _thawed(value: Any) -> Any:
     return value
 
 
-SWEEPS: dict[str, Callable[[Mapping[str, Any], tuning.DeviceKey], dict]] = {
+SWEEPS: dict[str, Callable[[Bench, tuning.DeviceKey], dict]] = {
     "linear": tune_linear, "moe": tune_moe, "attention": tune_attention, "sampling": tune_sampling,
-    "gdn": tune_gdn, "vision_attention": lambda reference, device: _start("vision_attention", device),
+    "gdn": tune_gdn, "vision_attention": lambda bench, key: _start("vision_attention", key),
 }
+
+
+def write_entry(family: str, key: tuning.DeviceKey, entry: dict, out: Path) -> Path:
+    """``family``'s current table with ``key``'s entry set to ``entry``, written to ``out/<family>.json``."""
+    data = _thawed(tuning.table(family))
+    data["devices"][key.name] = entry
+    path = out / f"{family}.json"
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,17 +253,12 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("tune: no CUDA device here; tuning tables are measured on the GPU they are for", file=sys.stderr)
         return 1
-    device = tuning.device_key(torch.device("cuda", torch.cuda.current_device()))
+    device = torch.device("cuda", torch.cuda.current_device())
+    key, bench = tuning.device_key(device), Bench(device)
     args.out.mkdir(parents=True, exist_ok=True)
     for family in families:
-        reference = tuning.table(family)
-        print(f"tune {family} on {device.name} ({device.sms} SMs)", file=sys.stderr)
-        entry = SWEEPS[family](reference, device)
-        data = _thawed(reference)
-        data["devices"][device.name] = entry
-        path = args.out / f"{family}.json"
-        path.write_text(json.dumps(data, indent=2) + "\n")
-        print(f"wrote {path}")
+        print(f"tune {family} on {key.name} ({key.sms} SMs)", file=sys.stderr)
+        print(f"wrote {write_entry(family, key, SWEEPS[family](bench, key), args.out)}")
     return 0
 
 
