@@ -52,7 +52,7 @@ def auto_pdl(params, device: str) -> bool:
     if not device.startswith("cuda"):
         return False
     from ninfer.core.device_plan import resident_bytes
-    from ninfer.ops.triton._pdl import prefers_pdl
+    from ninfer.ops.launch import prefers_pdl
     from ninfer_qwen35.startup import _placements
 
     config, weights = params

@@ -85,7 +85,7 @@ def test_partial_rope_matches_complex_rotation():
 
 @pytest.mark.parametrize("mode", ["", "torch", "triton"])
 def test_cpu_tensors_always_use_the_references(mode, monkeypatch):
-    from ninfer.ops._dispatch import triton_kernel
+    from ninfer.ops.dispatch import triton_kernel
 
     monkeypatch.setenv("NINFER_OPS", mode)
     assert triton_kernel("norm", "rms_norm", torch.zeros(1)) is None

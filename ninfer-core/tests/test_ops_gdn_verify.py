@@ -180,11 +180,12 @@ def test_triton_wrapper_shape_errors_name_the_shapes():
         t_verify.gdn_verify(mixed, a, b, w, conv_states, A_log, dt_bias, states, slots, step_conv[0], step_states)
 
 
-def test_dispatcher_finds_the_kernel_in_the_gdn_module():
+def test_dispatcher_finds_the_kernels_in_their_own_module():
     t_verify = _interpreted_kernel()
-    from ninfer.ops import _dispatch
+    from ninfer.ops import dispatch
 
-    assert _dispatch._load("gdn", "gdn_verify") is t_verify.gdn_verify
+    assert dispatch._load("gdn", "gdn_verify") is t_verify.gdn_verify
+    assert dispatch._load("gdn", "gdn_verify_commit") is t_verify.gdn_verify_commit
 
 
 @pytest.mark.parametrize("dtype,tol,block_v,hk,R,step_conv_dtype", [

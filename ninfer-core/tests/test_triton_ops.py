@@ -23,6 +23,7 @@ from ninfer.ops.triton import conv1d as t_conv1d  # noqa: E402
 from ninfer.ops.triton import gdn as t_gdn  # noqa: E402
 from ninfer.ops.triton import norm as t_norm  # noqa: E402
 from ninfer.ops.triton import rope as t_rope  # noqa: E402
+from ninfer.ops.triton.gdn_shared import default_block_v  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # Triton's interpreter converts 1-element arrays to ints, which numpy deprecates; not our code.
@@ -223,21 +224,24 @@ def test_shape_errors_are_clear():
 def test_launch_heuristics_depend_on_shapes_only():
     # Decode splits: powers of two, at most 64, never more than half the tiles of the longest context; a graph
     # captured with a capacity as max_seq_len only changes the speed (ranges come from the device lengths).
+    from ninfer.ops.triton import tuning
+
+    c = tuning.choices("attention", tuning.CPU)
     for batch in (1, 2, 8, 64):
         for ctx_len in (1, 100, 8192, 262144):
-            s = t_attention._decode_splits(batch, 4, ctx_len, 32)
+            s = t_attention._decode_splits(batch, 4, ctx_len, 32, c)
             assert s & (s - 1) == 0 and 1 <= s <= 64 and s <= max(1, -(-ctx_len // 64))
-    assert t_attention._decode_splits(1, 4, 8192, 32) == 64 and t_attention._decode_splits(8, 4, 8192, 32) == 32
-    assert t_gdn._default_block_v(1, 32, 128) == 16 and t_gdn._default_block_v(2, 32, 128) == 16
-    assert t_gdn._default_block_v(4, 32, 128) == 32 and t_gdn._default_block_v(8, 32, 128) == 32
+    assert t_attention._decode_splits(1, 4, 8192, 32, c) == 64 and t_attention._decode_splits(8, 4, 8192, 32, c) == 32
+    block_v = [default_block_v(b, 32, 128, tuning.CPU) for b in (1, 2, 4, 8)]
+    assert block_v == [16, 16, 32, 32]
 
 
 def test_linear_rows_kernel():
     """The few-row linear (fp16 inputs) against an fp32 F.linear: one pass and split-K (last arrival reduces), ragged N
     and K, a row's result independent of its neighbours, counters back at zero, prefill rows via cuBLAS."""
+    from ninfer.ops.launch import arrival_counters
     from ninfer.ops.linear import linear_ref
     from ninfer.ops.triton import linear as t_linear
-    from ninfer.ops.triton._arrivals import arrival_counters
 
     gen = _gen(7)
     N, K = 50, 200
@@ -289,50 +293,50 @@ def test_swiglu_kernel(split):
 def test_pdl_only_inside_an_enabled_scope_on_capable_cuda_devices(monkeypatch):
     """Programmatic dependent launch is requested only inside an enabled scope and on a CUDA device of sm_90
     or newer; the CPU interpreter never gets the launch keyword; leaving the scope restores the outer one."""
-    from ninfer.ops.triton import _pdl
+    from ninfer.ops import launch
 
     cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(_pdl, "_capable", lambda index: True)
-    assert _pdl.pdl_args(cuda) == {"USE_PDL": False}  # no scope: off
-    with _pdl.scope(True):
-        assert _pdl.pdl_args(torch.device("cpu")) == {"USE_PDL": False}
-        assert _pdl.pdl_args(cuda) == {"USE_PDL": True, "launch_pdl": True}
-        with _pdl.scope(False):
-            assert _pdl.pdl_args(cuda) == {"USE_PDL": False}
-        assert _pdl.pdl_args(cuda) == {"USE_PDL": True, "launch_pdl": True}
-        monkeypatch.setattr(_pdl, "_capable", lambda index: False)
-        assert _pdl.pdl_args(cuda) == {"USE_PDL": False}
-    monkeypatch.setattr(_pdl, "_capable", lambda index: True)
-    assert _pdl.pdl_args(cuda) == {"USE_PDL": False}
+    monkeypatch.setattr(launch, "_capable", lambda index: True)
+    assert launch.pdl_args(cuda) == {"USE_PDL": False}  # no scope: off
+    with launch.scope(True):
+        assert launch.pdl_args(torch.device("cpu")) == {"USE_PDL": False}
+        assert launch.pdl_args(cuda) == {"USE_PDL": True, "launch_pdl": True}
+        with launch.scope(False):
+            assert launch.pdl_args(cuda) == {"USE_PDL": False}
+        assert launch.pdl_args(cuda) == {"USE_PDL": True, "launch_pdl": True}
+        monkeypatch.setattr(launch, "_capable", lambda index: False)
+        assert launch.pdl_args(cuda) == {"USE_PDL": False}
+    monkeypatch.setattr(launch, "_capable", lambda index: True)
+    assert launch.pdl_args(cuda) == {"USE_PDL": False}
 
 
 def test_pdl_scope_is_per_thread():
     """One Program's scope does not leak into another thread (no process-global state)."""
     import threading
 
-    from ninfer.ops.triton import _pdl
+    from ninfer.ops import launch
 
     seen = []
-    with _pdl.scope(True):
-        worker = threading.Thread(target=lambda: seen.append(_pdl._ACTIVE.get()))
+    with launch.scope(True):
+        worker = threading.Thread(target=lambda: seen.append(launch._PDL.get()))
         worker.start()
         worker.join()
-        assert _pdl._ACTIVE.get() is True
+        assert launch._PDL.get() is True
     assert seen == [False]
 
 
 def test_pdl_preference_by_layer_size_and_environment(monkeypatch):
     """Small layers ask for PDL, large ones do not; NINFER_PDL=0/1 overrides the model's preference."""
-    from ninfer.ops.triton import _pdl
+    from ninfer.ops import launch
 
     monkeypatch.delenv("NINFER_PDL", raising=False)
-    assert _pdl.prefers_pdl(60e6) is True
-    assert _pdl.prefers_pdl(173e6) is True  # the 35B-A3B MoE: dense weights + 8 experts per layer
-    assert _pdl.prefers_pdl(600e6) is False
+    assert launch.prefers_pdl(60e6) is True
+    assert launch.prefers_pdl(173e6) is True  # the 35B-A3B MoE: dense weights + 8 experts per layer
+    assert launch.prefers_pdl(600e6) is False
     monkeypatch.setenv("NINFER_PDL", "1")
-    assert _pdl.prefers_pdl(600e6) is True
+    assert launch.prefers_pdl(600e6) is True
     monkeypatch.setenv("NINFER_PDL", "0")
-    assert _pdl.prefers_pdl(60e6) is False
+    assert launch.prefers_pdl(60e6) is False
 
 
 @pytest.mark.parametrize("split", [1, 3])
@@ -340,9 +344,9 @@ def test_linear_fp32_out(split):
     """An fp32 result from fp16 inputs is the kernel's fp32 accumulator: near an fp32 F.linear, and rounding it
     gives bitwise the fp16 result of the same configuration (the same sums); split-K's last arrival stores it
     too; swiglu keeps the input dtype; prefill-sized inputs go to cuBLAS and cast."""
+    from ninfer.ops.launch import arrival_counters
     from ninfer.ops.linear import linear_ref
     from ninfer.ops.triton import linear as t_linear
-    from ninfer.ops.triton._arrivals import arrival_counters
 
     gen = _gen(13)
     N, K = 50, 200
@@ -369,15 +373,15 @@ def test_greedy_kernel(dtype):
     """The split-row argmax == torch.argmax bitwise: V below one block, not a multiple of it, over several chunks
     and loop steps per chunk; B = 1..5; ties (the first index wins, across chunks and lanes, -0.0 == +0.0), -inf
     rows, NaN (the first NaN wins, above +inf), strided rows; the arrival counters are back at zero."""
+    from ninfer.ops.launch import arrival_counters
     from ninfer.ops.triton import sampling as t_sampling
-    from ninfer.ops.triton._arrivals import arrival_counters
 
     gen = _gen(17)
     for V, batches in [(5, (1, 3)), (2048, (2,)), (3001, (1, 4)), (5 * 2048 + 7, (5,)), (270_001, (1,))]:
         for B in batches:
             x = _randn(B, V, gen=gen, dtype=dtype)
             assert torch.equal(t_sampling.greedy(x), x.argmax(-1)), (V, B)
-    chunk, S = t_sampling.splits(270_001)
+    chunk, S = t_sampling.splits(270_001, 128)
     assert S > 1 and chunk > t_sampling._BLOCK  # that row took more than one loop step per chunk
     V = 3 * 2048 + 100
     x = _randn(7, V, gen=gen, dtype=dtype)

@@ -316,7 +316,7 @@ def test_cuda_references_match_cpu(cpu_reference, monkeypatch):
 @pytest.mark.gpu
 def test_cuda_default_dispatch_bf16_tracks_fp32(cpu_reference):
     """Whatever kernels TRITON_OPS enables, in bf16: close to the fp32 CPU run and the same top-1 mostly."""
-    from ninfer.ops._dispatch import TRITON_OPS
+    from ninfer.ops.dispatch import TRITON_OPS
 
     got = scenario(random_model("cuda", torch.bfloat16))
     err = relative_error(got, cpu_reference)
@@ -329,7 +329,7 @@ def test_cuda_default_dispatch_bf16_tracks_fp32(cpu_reference):
 @pytest.mark.gpu
 def test_cuda_decode_step_needs_no_host_sync():
     """With every decode op on a Triton kernel, a decode forward never syncs (CUDA-graph capturable)."""
-    from ninfer.ops._dispatch import TRITON_OPS
+    from ninfer.ops.dispatch import TRITON_OPS
 
     needed = {"norm.rms_norm", "norm.rms_norm_gated", "activation.silu_and_mul", "rope.apply_rope",
               "conv1d.causal_conv1d_decode", "gdn.gdn_gates", "gdn.gdn_decode", "attention.write_kv",

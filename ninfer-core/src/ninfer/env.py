@@ -116,6 +116,9 @@ REGISTRY: tuple[EnvVar, ...] = (
     EnvVar(name="NINFER_PDL", kind="flag", default=None, parse=_flag,
            meaning="programmatic dependent launch on or off for every Program (unset: each model's startup "
                    "chooses by the weight bytes a decode step reads per layer)"),
+    EnvVar(name="NINFER_TUNING_DIR", kind="path", default=None, parse=_text,
+           meaning="a folder of kernel tuning tables (<family>.json, docs/kernels.md) used instead of the packaged "
+                   "ones, e.g. written by python -m ninfer.ops.triton.tune --out"),
     EnvVar(name="NINFER_VRAM_BUDGET_MIB", kind="MiB", default=None, parse=_mib,
            meaning="device bytes the engine may use (weights, StateImages, KV, workspace, CUDA graphs: "
                    "docs/memory.md); the free memory is the other bound"),

@@ -1,6 +1,6 @@
 """The decode kernels captured together in one CUDA graph replay on new slots, lengths and block tables with
 the same bits as eager calls (everything that changes between steps is read from device tensors), with and
-without programmatic dependent launch (ninfer.ops.triton._pdl): the prologue orders, never changes, results."""
+without programmatic dependent launch (ninfer.ops.launch): the prologue orders, never changes, results."""
 
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ def _new_rows(case, block_tables, seq_lens, slot_mapping, n_pages: int, ctx_cap:
 
 def _capture(step, pdl: bool):
     """(graph, its outputs) of ``step`` captured with PDL on or off, after one warming call."""
-    from ninfer.ops.triton import _pdl
+    from ninfer.ops import launch
 
-    with _pdl.scope(pdl):
+    with launch.scope(pdl):
         step()  # compile and warm every kernel before the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()

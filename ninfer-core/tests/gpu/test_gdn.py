@@ -121,7 +121,7 @@ def test_gdn_decode_fused_under_pdl_matches_eager_steps_without_it(model, case, 
     states chain, give the bits of the same steps run eagerly without PDL from the same start. With two steps in
     one graph, the second step reads the state and conv history that the first step wrote two kernels back (what
     a load moved ahead of the PDL wait would have to see)."""
-    from ninfer.ops.triton import _pdl
+    from ninfer.ops import launch
     from ninfer.ops.triton.gdn import gdn_decode_fused
     from ninfer.ops.triton.linear import linear
 
@@ -138,7 +138,7 @@ def test_gdn_decode_fused_under_pdl_matches_eager_steps_without_it(model, case, 
 
     start = image.clone(), conv_image.clone()
     inputs = [case.randn(B, model.hidden) for _ in range(3)]
-    with _pdl.scope(True):
+    with launch.scope(True):
         step()  # compile the PDL variants outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()

@@ -218,13 +218,13 @@ def test_decode_call_is_four_launches(case):
 def test_cuda_graph_with_the_alignment_kernel(case, align_launches, monkeypatch, tokens, pdl):
     """The decode call captured with the alignment kernel, with and without PDL, replays new routings exactly
     as eager runs them, and as the call grouped by the torch steps does."""
-    from ninfer.ops.triton import _pdl
+    from ninfer.ops import launch
     from ninfer.ops.triton.moe import moe_experts
 
     static = routed_bank(case, *A3B, tokens, torch.bfloat16)
     x, gate_up, down, ids, weights = static
     out = case.nans(tokens, A3B[2])
-    with _pdl.scope(pdl):
+    with launch.scope(pdl):
         moe_experts(*static, out=out)  # compile and warm outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()

@@ -107,7 +107,7 @@ def test_decode_call_launches(case, tokens, summed, launches):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_one_launch_equals_the_grouped_path(case, dtype):
     """At the A3B bank, over fresh inputs: ``moe_one_token`` (routing the token itself) gives the slot rows of
-    the routing program and the grouped kernels, with its whole down slice loaded before the wait too."""
+    the routing program and the grouped kernels."""
     from ninfer.ops.triton import moe as t_moe
     from ninfer.ops.triton import moe_one_token
 
@@ -115,28 +115,25 @@ def test_one_launch_equals_the_grouped_path(case, dtype):
         args = block(case, *A3B, 1, dtype)
         grouped = t_moe.moe_block(*args, summed=False, one_launch=False)[0].float()
         case.within(moe_one_token.moe_one_token(*args), grouped, TOL[dtype], "one launch")
-        preload = moe_one_token.OneTokenTiles(down_n=32, preload=True)
-        case.within(moe_one_token.moe_one_token(*args, tiles=preload), grouped, TOL[dtype], "preloaded down")
 
 
-@pytest.mark.parametrize("preload", (False, True), ids=("k-loop", "preload"))
-def test_one_launch_replays_many_times_under_pdl(case, preload):
+def test_one_launch_replays_many_times_under_pdl(case):
     """Captured with PDL, the one launch replays 40 times over fresh routings, each time as the grouped path run
     eagerly: its counters are zero again after every launch, and no down program reads a slot early (a stale or
     early hidden row would be another routing's)."""
-    from ninfer.ops.triton import _pdl, moe_one_token
+    from ninfer.ops import launch
+    from ninfer.ops.launch import arrival_counters
     from ninfer.ops.triton import moe as t_moe
-    from ninfer.ops.triton._arrivals import arrival_counters
+    from ninfer.ops.triton import moe_one_token
 
-    tiles = moe_one_token.OneTokenTiles(down_n=32, preload=True) if preload else None
     static = block(case, *A3B, 1, torch.bfloat16)
     x, logits, gate = static[:3]
-    with _pdl.scope(True):
-        moe_one_token.moe_one_token(*static, tiles=tiles)
+    with launch.scope(True):
+        moe_one_token.moe_one_token(*static)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = moe_one_token.moe_one_token(*static, tiles=tiles)
+            out = moe_one_token.moe_one_token(*static)
     for _ in range(40):
         fresh = block(case, *A3B, 1, torch.bfloat16)
         x.copy_(fresh[0])
@@ -155,12 +152,12 @@ def test_one_launch_replays_many_times_under_pdl(case, preload):
 def test_cuda_graph_replays_as_eager(case, tokens, summed, pdl):
     """The block captured at a fixed token count replays new activations and new router logits exactly as
     eager runs them: nothing of the routing is baked into the graph."""
-    from ninfer.ops.triton import _pdl
+    from ninfer.ops import launch
     from ninfer.ops.triton.moe import moe_block
 
     static = block(case, *A3B, tokens, torch.bfloat16)
     x, logits, gate = static[:3]
-    with _pdl.scope(pdl):
+    with launch.scope(pdl):
         moe_block(*static, summed=summed)  # compile and warm outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()

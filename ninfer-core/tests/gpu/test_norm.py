@@ -107,12 +107,12 @@ def test_add_rms_norm_linear(case, hidden, projected, rows, pdl):
     """A MoE router's projection in the post-mixer norm's kernel (the 35B-A3B's [E + 1, H] router and shared gate,
     wider models): the normed rows and the residual bitwise add_rms_norm's, the projection within bf16 rounding of
     an fp32 product of those rows; the same under PDL and in a CUDA graph."""
-    from ninfer.ops.triton import _pdl
+    from ninfer.ops import launch
     from ninfer.ops.triton.norm import add_rms_norm, add_rms_norm_linear
 
     x, r = case.randn(rows, hidden), case.randn(rows, hidden)
     w, proj = case.randn(hidden, scale=0.1), case.randn(projected, hidden, scale=hidden ** -0.5)
-    with _pdl.scope(pdl):
+    with launch.scope(pdl):
         normed, residual, out = add_rms_norm_linear(x, r, w, 1e-6, proj)
         want_normed, want_residual = add_rms_norm(x, r, w, 1e-6)
         assert torch.equal(normed, want_normed) and torch.equal(residual, want_residual)

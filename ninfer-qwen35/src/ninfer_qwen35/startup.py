@@ -177,7 +177,7 @@ def _placements(total: int, host: int, banks: list[torch.Tensor], top_k: int) ->
 def _eager_reason(loaded: Qwen35Loaded) -> str | None:
     """Why decode cannot run through CUDA graphs (None: it can). Host experts read each MoE layer's routing on the
     host; the routed experts' torch reference reads which experts were hit (their Triton kernels do not)."""
-    from ninfer.ops._dispatch import triton_selected
+    from ninfer.ops.dispatch import triton_selected
 
     if loaded.host_experts:
         return "the MoE routed experts live in host memory (placement host-experts)"

@@ -173,7 +173,7 @@ class StartupOptions(_ModelOptions):
     (None: the model's default, ``NINFER_HOST_BUDGET_MIB`` sets it). ``dtype``: compute dtype (None: the
     artifact's). ``page_size`` / ``num_pages``: KV positions per page and pages (None: sized from the
     budget). ``cuda_graphs``: capture decode graphs on CUDA. ``pdl``: programmatic dependent launch (None:
-    the model decides, ``ninfer.ops.triton._pdl.prefers_pdl``). ``chat_template``: overrides the artifact's.
+    the model decides, ``ninfer.ops.launch.prefers_pdl``). ``chat_template``: overrides the artifact's.
     ``special_tokens_in_content``: special-token strings in chat messages are read as control tokens.
     ``context_cache``: build the checkpoint store (prefix reuse, session continuations); ``checkpoint_slots``:
     device StateImage slots for checkpoints (None: sized from the budget; 0 keeps checkpoints on the host

@@ -312,7 +312,7 @@ def _pdl(options: StartupOptions, is_cuda: bool, layer_bytes: float) -> bool:
         return False
     if options.pdl is not None:
         return options.pdl
-    from ninfer.ops.triton._pdl import prefers_pdl
+    from ninfer.ops.launch import prefers_pdl
 
     return prefers_pdl(layer_bytes)
 

@@ -1,5 +1,5 @@
 """Model ops: each a public function over tensors with a pure-torch reference (``<name>_ref``, runs
-on CPU) and, on CUDA, a validated Triton kernel of the same signature (see ``_dispatch``).
+on CPU) and, on CUDA, a validated Triton kernel of the same signature (see ``dispatch``).
 
 Importing this package imports torch but never triton.
 """

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ninfer.ops._dispatch import triton_kernel
+from ninfer.ops.dispatch import triton_kernel
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ninfer.ops._dispatch import triton_kernel
+from ninfer.ops.dispatch import triton_kernel
 
 
 def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ninfer.ops._dispatch import triton_kernel
+from ninfer.ops.dispatch import triton_kernel
 
 
 def causal_conv1d_prefill_ref(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ninfer.ops._dispatch import triton_kernel
 from ninfer.ops.conv1d import causal_conv1d_decode
+from ninfer.ops.dispatch import triton_kernel
 
 CHUNK = 64
 

@@ -2,7 +2,7 @@
 
 Decode multiplies a few rows by every weight of the model once per step, so its speed is the speed
 of reading the weights. cuBLAS (``F.linear``) is the reference and the path for many rows; a Triton
-kernel for few rows (``ninfer.ops.triton.linear``) is used once validated and listed (``_dispatch``).
+kernel for few rows (``ninfer.ops.triton.linear``) is used once validated and listed (``dispatch``).
 A quantized weight format will dispatch here as well.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ninfer.ops._dispatch import triton_kernel
 from ninfer.ops.activation import silu_and_mul, silu_and_mul_ref
+from ninfer.ops.dispatch import triton_kernel
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | None = None) -> torch.Tensor:

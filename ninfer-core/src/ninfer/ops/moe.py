@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ninfer.ops._dispatch import triton_kernel, triton_selected
+from ninfer.ops.dispatch import triton_kernel, triton_selected
 
 
 def moe_route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ninfer.ops._dispatch import triton_kernel
+from ninfer.ops.dispatch import triton_kernel
 
 
 def penalize_ref(x: torch.Tensor, count: torch.Tensor, in_prompt: torch.Tensor, presence: torch.Tensor,

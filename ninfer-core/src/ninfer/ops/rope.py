@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ninfer.ops._dispatch import triton_kernel
+from ninfer.ops.dispatch import triton_kernel
 
 
 def rope_inv_freq(rotary_dim: int, theta: float, device: torch.device | str | None = None) -> torch.Tensor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ninfer.ops._dispatch import triton_kernel
+from ninfer.ops.dispatch import triton_kernel
 
 
 def _filter_sorted(sorted_x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

@@ -15,7 +15,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from ninfer.ops._dispatch import triton_kernel
+from ninfer.ops.dispatch import triton_kernel
 
 
 @attrs.frozen(kw_only=True)

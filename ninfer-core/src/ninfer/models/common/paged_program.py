@@ -49,6 +49,7 @@ from ninfer.models.common.context.sequence_table import SequenceTable
 from ninfer.models.common.sampler import Sampler, pending_rows
 from ninfer.models.common.scoring import WindowScores, score_window
 from ninfer.models.common.vision_handoff import VisionHandoff, decode_positions
+from ninfer.ops.launch import Arrivals, scope
 
 
 @attrs.frozen(kw_only=True)
@@ -86,6 +87,7 @@ class PagedProgram(Checkpointing, abc.ABC):
         num_pages, host_budget_bytes = capacity.kv_pages, capacity.host_budget_bytes
         self.id = uuid.uuid4().int >> 65  # names this Program in its launches and ResumeStates; no global counter
         self.pdl = capacity.pdl
+        self.arrivals = Arrivals()  # the kernels' arrival counters: this Program's, freed with it
         self.device = Device.parse(device)
         self.state_layout = state_layout
         self.kv_pools = (kv_pool,)
@@ -156,9 +158,7 @@ class PagedProgram(Checkpointing, abc.ABC):
         return self.logits(hidden)
 
     def _launches(self):
-        from ninfer.ops.triton._pdl import scope
-
-        return scope(self.pdl)
+        return scope(self.pdl, self.arrivals)
 
     # -- sequences (``SequenceTable``) ------------------------------------------------------------
     def open_sequence(self, prompt: PreparedPrompt, sampling: SamplingParams) -> int:

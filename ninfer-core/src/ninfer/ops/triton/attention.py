@@ -9,12 +9,14 @@ graph stays right for any length; a second kernel merges the partial softmax sta
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import triton
 import triton.language as tl
 
-from ninfer.ops.triton._device import H200_SMS, sm_count
-from ninfer.ops.triton._pdl import pdl_args
+from ninfer.ops.launch import pdl_args
+from ninfer.ops.triton import tuning
 from ninfer.ops.triton._pdl_jit import pdl_prologue
 
 
@@ -288,20 +290,40 @@ def _merge_splits_kernel(
     tl.store(o_ptr + n * s_on + h * s_oh + dd * s_od, o.to(o_ptr.dtype.element_ty), mask=dd < D)
 
 
-# Decode tiles: keys per tile, and the most splits of a context (both powers of two).
-DECODE_TILE_N = 32
-MAX_DECODE_SPLITS = 64
-
-
-def _decode_splits(batch: int, kv_heads: int, max_seq_len: int, tile_n: int, num_sms: int = H200_SMS) -> int:
-    """Splits of the context for a decode batch: about eight programs per SM (measured best on the H200 for
-    B = 1..8 at 1k..8k context), at least two tiles per split of the longest context. A power of two. Only
-    speed depends on it: the ranges are computed in the kernel, so a graph captured with one max_seq_len
-    stays right for any context."""
-    want = triton.cdiv(8 * num_sms, max(batch * kv_heads, 1))
+def _decode_splits(batch: int, kv_heads: int, max_seq_len: int, tile_n: int, choices: Mapping[str, int]) -> int:
+    """Splits of the context for a decode batch: about ``decode_programs`` programs (eight per SM measured best
+    on the H200 for B = 1..8 at 1k..8k context), at least two tiles per split of the longest context, at most
+    ``max_decode_splits``. A power of two. Only speed depends on it: the ranges are computed in the kernel, so a
+    graph captured with one max_seq_len stays right for any context."""
+    want = triton.cdiv(choices["decode_programs"], max(batch * kv_heads, 1))
     most = triton.cdiv(max(max_seq_len, 1), 2 * tile_n)
-    s = max(1, min(want, most, MAX_DECODE_SPLITS))
+    s = max(1, min(want, most, choices["max_decode_splits"]))
     return 1 << (s.bit_length() - 1)
+
+
+def launch_config(batch: int, kv_heads: int, group: int, max_query_len: int, max_seq_len: int,
+                  device: tuning.DeviceKey, *, tile_n: int | None = None, block_q: int | None = None,
+                  num_splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None
+                  ) -> tuple[int, int, int, int, int, int]:
+    """(tile_n, block_q, block_m, num_splits, num_warps, num_stages) of a paged-attention launch: the given
+    values, the rest from ``device``'s tuning table (``tables/attention.json``)."""
+    decode = max_query_len <= 1
+    c = tuning.choices("attention", device)
+    tile_n = tile_n or (c["decode_tile_n"] if decode else c["prefill_tile_n"])
+    if block_q is None:
+        # Prefill: prefill_rows score rows per program (128 measured best on the H200 for head_dim 256, G = 4).
+        block_q = 1 if decode else max(1, c["prefill_rows"] // group)
+    block_q = min(block_q, triton.next_power_of_2(max(max_query_len, 1)))
+    block_m = max(16, triton.next_power_of_2(block_q * group))
+    if num_splits is None:
+        num_splits = _decode_splits(batch, kv_heads, max_seq_len, tile_n, c) if decode else 1
+    if num_splits & (num_splits - 1):
+        raise ValueError(f"paged_attention: num_splits must be a power of two, got {num_splits}")
+    if num_warps is None:
+        num_warps = 4 if block_m <= 16 else 8
+    if num_stages is None:
+        num_stages = c["decode_stages"] if decode else c["prefill_stages"]
+    return tile_n, block_q, block_m, num_splits, num_warps, num_stages
 
 
 def paged_attention(
@@ -330,22 +352,9 @@ def paged_attention(
         return out
     g_arg, s_gn, s_gh = (gate, gate.stride(0), gate.stride(1)) if gate is not None else (out, 0, 0)
     G = H // KVH
-    decode = max_query_len <= 1
-    tile_n = tile_n or (DECODE_TILE_N if decode else 64)
-    if block_q is None:
-        # Prefill: 128 score rows per program (measured best on the H200 for head_dim 256, G = 4).
-        block_q = 1 if decode else max(1, 128 // G)
-    block_q = min(block_q, triton.next_power_of_2(max(max_query_len, 1)))
-    block_m = max(16, triton.next_power_of_2(block_q * G))
-    if num_splits is None:
-        sms = sm_count(q)
-        num_splits = _decode_splits(B, KVH, max_seq_len, tile_n, sms) if decode else 1
-    if num_splits & (num_splits - 1):
-        raise ValueError(f"paged_attention: num_splits must be a power of two, got {num_splits}")
-    if num_warps is None:
-        num_warps = 4 if block_m <= 16 else 8
-    if num_stages is None:
-        num_stages = 2 if decode else 3
+    tile_n, block_q, block_m, num_splits, num_warps, num_stages = launch_config(
+        B, KVH, G, max_query_len, max_seq_len, tuning.device_key(q), tile_n=tile_n, block_q=block_q,
+        num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
     block_d = triton.next_power_of_2(D)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     if num_splits > 1:

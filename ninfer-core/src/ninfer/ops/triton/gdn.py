@@ -13,9 +13,10 @@ import triton
 import triton.language as tl
 
 from ninfer.fast_paths import fla_available
-from ninfer.ops.triton._arrivals import arrival_counters as _arrival_counters
-from ninfer.ops.triton._pdl import pdl_args
+from ninfer.ops.launch import arrival_counters, pdl_args
+from ninfer.ops.triton import tuning
 from ninfer.ops.triton._pdl_jit import pdl_prologue
+from ninfer.ops.triton.gdn_shared import default_block_v
 
 
 @triton.jit
@@ -58,12 +59,6 @@ def _gdn_decode_kernel(
     tl.store(o_ptr + b * s_ob + h * s_oh + offs_v * s_od, o.to(o_ptr.dtype.element_ty), mask=mask_v)
 
 
-def _default_block_v(batch: int, hv: int, dv: int) -> int:
-    # Narrow blocks put more programs in flight while there are few rows; from about 512 programs of 32
-    # columns on, the wider block wins (the block_v sweeps in docs/kernels.md).
-    return 32 if batch * hv * triton.cdiv(dv, 32) >= 512 else 16
-
-
 def gdn_decode(q, k, v, g, beta, states, slots, *, out=None, block_v: int | None = None, num_warps: int = 4):
     """One recurrent step per row, updating ``states[slots[b]]`` in place; returns o [B, HV, Dv] in v.dtype."""
     B, HK, DK = q.shape
@@ -79,7 +74,7 @@ def gdn_decode(q, k, v, g, beta, states, slots, *, out=None, block_v: int | None
         out = torch.empty((B, HV, DV), dtype=v.dtype, device=v.device)
     if B == 0:
         return out
-    block_v = block_v or _default_block_v(B, HV, DV)
+    block_v = block_v or default_block_v(B, HV, DV, tuning.device_key(q))
     grid = (triton.cdiv(DV, block_v), HV, B)
     _gdn_decode_kernel[grid](
         q, k, v, g, beta, states, slots, out,
@@ -204,8 +199,8 @@ def gdn_decode_fused(mixed_qkv, a, b, conv_weight, conv_states, A_log, dt_bias, 
         out = torch.empty((B, HV, DV), dtype=mixed_qkv.dtype, device=mixed_qkv.device)
     if B == 0:
         return out
-    block_v = min(block_v or _default_block_v(B, HV, DV), triton.next_power_of_2(DV))
-    arrivals = _arrival_counters(mixed_qkv.device, B * HK)
+    block_v = min(block_v or default_block_v(B, HV, DV, tuning.device_key(mixed_qkv)), triton.next_power_of_2(DV))
+    arrivals = arrival_counters(mixed_qkv.device, B * HK)
     _gdn_decode_fused_kernel[(triton.cdiv(DV, block_v), HV, B)](
         mixed_qkv, a, b, conv_weight, conv_states, A_log, dt_bias, states, slots, out, arrivals,
         *mixed_qkv.stride(), *a.stride(), *b.stride(), *conv_weight.stride(), *conv_states.stride(),
@@ -281,5 +276,3 @@ def gdn_prefill(q, k, v, g, beta, state, has_initial_state: bool, *, out=None):
     out.copy_(o[0])
     return out
 
-
-from ninfer.ops.triton.gdn_verify import gdn_verify, gdn_verify_commit  # noqa: E402, F401  (the dispatcher looks them up here)

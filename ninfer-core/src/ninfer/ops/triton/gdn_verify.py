@@ -14,8 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer.ops.triton._pdl import pdl_args
+from ninfer.ops.launch import pdl_args
+from ninfer.ops.triton import tuning
 from ninfer.ops.triton._pdl_jit import pdl_prologue
+from ninfer.ops.triton.gdn_shared import default_block_v
 
 
 @triton.jit
@@ -152,8 +154,6 @@ def gdn_verify(mixed_qkv, a, b, conv_weight, conv_states, A_log, dt_bias, states
     """R fused decode steps per row (rows b*R..b*R+R-1 of mixed_qkv, a and b) from the slot's states, which stay
     unchanged; the state after token t goes to ``step_conv[b, t]`` / ``step_states[b, t]`` (strided views);
     returns o [B*R, HV, Dv] in mixed_qkv.dtype."""
-    from ninfer.ops.triton.gdn import _default_block_v
-
     HK, HV, DK, DV = _check(mixed_qkv, a, b, conv_weight, conv_states, A_log, dt_bias, states, slots, step_conv,
                             step_states)
     B, R = step_conv.shape[:2]
@@ -162,7 +162,7 @@ def gdn_verify(mixed_qkv, a, b, conv_weight, conv_states, A_log, dt_bias, states
         out = torch.empty((B * R, HV, DV), dtype=mixed_qkv.dtype, device=mixed_qkv.device)
     if B == 0:
         return out
-    block_v = min(block_v or _default_block_v(B, HV, DV), triton.next_power_of_2(DV))
+    block_v = min(block_v or default_block_v(B, HV, DV, tuning.device_key(mixed_qkv)), triton.next_power_of_2(DV))
     _gdn_verify_kernel[(triton.cdiv(DV, block_v), HV, B)](
         mixed_qkv, a, b, conv_weight, conv_states, A_log, dt_bias, states, slots, step_conv, step_states, out,
         *mixed_qkv.stride(), *a.stride(), *b.stride(), *conv_weight.stride(), *conv_states.stride(),

@@ -17,17 +17,14 @@ once per tile. docs/kernels.md has the measurement.)
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ninfer.ops.triton import _pdl
-from ninfer.ops.triton._arrivals import arrival_counters
-from ninfer.ops.triton._pdl import pdl_args
-from ninfer.ops.triton._pdl_jit import pdl_launch_dependents, pdl_prologue
+from ninfer.ops.launch import arrival_counters, pdl_args
+from ninfer.ops.triton import tuning
+from ninfer.ops.triton._pdl_jit import pdl_prologue
 
 MAX_ROWS = 16
 _DTYPES = (torch.bfloat16, torch.float16)  # fp32 stays on cuBLAS (tl.dot would round its inputs to tf32)
@@ -38,7 +35,6 @@ def _linear_rows_kernel(
     x_ptr, w_ptr, y_ptr, part_ptr, arrive_ptr, M, N, K, K_SPLIT, s_xm, s_wn, s_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     SWIGLU: tl.constexpr, USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
-    LATE_TRIGGER: tl.constexpr = False,
 ):
     # N output columns; with SWIGLU, W holds 2N rows [gate; up] and column n pairs rows n and N + n.
     pid_n = tl.program_id(0)
@@ -61,7 +57,7 @@ def _linear_rows_kernel(
             _prefetch_l2(rows_in + lines[None, :])
             if SWIGLU:
                 _prefetch_l2(rows_in + N * s_wn + lines[None, :])
-    pdl_prologue(USE_PDL, not LATE_TRIGGER)
+    pdl_prologue(USE_PDL)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         mask_k = kk < k_hi
@@ -72,8 +68,6 @@ def _linear_rows_kernel(
         if SWIGLU:
             w_up = tl.load(w_rows + N * s_wn + kk[None, :], mask=mask_w, other=0.0)
             acc_up += tl.dot(x, tl.trans(w_up))
-    if LATE_TRIGGER:  # the successor is scheduled once this program has streamed its W
-        pdl_launch_dependents(USE_PDL)
     out = y_ptr + mm.to(tl.int64)[:, None] * s_ym + nn[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K > 1:
@@ -116,37 +110,21 @@ def _finish(acc, acc_up, dtype: tl.constexpr, SWIGLU: tl.constexpr):
     return acc.to(dtype)
 
 
-# The best (block_n, block_k, split_k) per Qwen3.5-9B and -0.8B decode weight shape in the timing sweep at 1
-# and 8 rows (benchmarks/gpu_check.py; the times are in docs/kernels.md).
-_MEASURED = {
-    (4096, 4096): (64, 128, 4),     # 9B GDN out, attention o
-    (4096, 12288): (32, 128, 4),    # 9B down
-    (10240, 4096): (32, 256, 1),    # 9B attention q|gate,k,v
-    (12352, 4096): (32, 256, 1),    # 9B GDN in_proj
-    (24576, 4096): (64, 128, 1),    # 9B gate|up
-    (1024, 2048): (32, 128, 8),     # 0.8B GDN out, attention o
-    (1024, 3584): (64, 256, 8),     # 0.8B down
-    (5120, 1024): (32, 256, 1),     # 0.8B attention q|gate,k,v
-    (7168, 1024): (32, 256, 1),     # 0.8B gate|up
-    (8224, 1024): (32, 256, 1),     # 0.8B GDN in_proj
-    (248320, 2048): (64, 128, 1),   # 35B-A3B lm_head (measured at full depth, engine step; docs/performance.md)
-}
-_PROGRAMS_TARGET = 256  # about two per SM of an H200: fewer leave bandwidth unused, many more add partial traffic
-
-
-@functools.cache
-def default_config(N: int, K: int) -> tuple[int, int, int, int, int]:
-    """(block_n, block_k, split_k, num_warps, num_stages) for an [N, K] weight. The measured best for a known
-    shape; otherwise split K until about _PROGRAMS_TARGET programs stream W (the rule the sweep favoured:
-    256-wide K tiles when unsplit, 128-wide when split)."""
-    if (N, K) in _MEASURED:
-        return (*_MEASURED[N, K], 4, 3)
-    block_n = 32
+def default_config(N: int, K: int, device: tuning.DeviceKey = tuning.CPU) -> tuple[int, int, int, int, int]:
+    """(block_n, block_k, split_k, num_warps, num_stages) for an [N, K] weight on ``device``: the measured best
+    for a shape in its tuning table (``tables/linear.json``); otherwise ``block_n``-wide column blocks with K
+    split in two until about ``programs`` programs stream W (the rule the sweep favoured: ``block_k``-wide K
+    tiles when unsplit, ``split_block_k``-wide when split)."""
+    c = tuning.choices("linear", device)
+    measured = c["shapes"].get(f"{N}x{K}")
+    if measured is not None:
+        return (*measured, c["num_warps"], c["num_stages"])
+    block_n = c["block_n"]
     blocks_n = triton.cdiv(N, block_n)
     split = 1
-    while blocks_n * split < _PROGRAMS_TARGET and K // (split * 2) >= 256:
+    while blocks_n * split < c["programs"] and K // (split * 2) >= c["block_k"]:
         split *= 2
-    return block_n, 256 if split == 1 else 128, split, 4, 3
+    return block_n, c["block_k"] if split == 1 else c["split_block_k"], split, c["num_warps"], c["num_stages"]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None,
@@ -179,16 +157,15 @@ def swiglu(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = 
         from ninfer.ops.activation import silu_and_mul
         return silu_and_mul(linear(x, weight)) if out is None else out.copy_(silu_and_mul(linear(x, weight)))
     if block_n is None:
-        block_n = max(16, default_config(*weight.shape)[0] // 2)
+        block_n = max(16, default_config(*weight.shape, tuning.device_key(x))[0] // 2)
     return _launch(x, weight, out, (block_n, block_k, split_k, num_warps, num_stages), swiglu=True)
 
 
-def _with_prefetch(pdl: dict, tiles: int) -> dict:
-    """Under PDL: the weight tiles a program hints into L2 before waiting for the previous kernel, and where it
-    lets its successor be scheduled (start, or after its K loop: ``_pdl.LATE_TRIGGER``)."""
+def _with_prefetch(pdl: dict, tiles: int, device: tuning.DeviceKey) -> dict:
+    """Under PDL: the weight tiles a program hints into L2 before waiting for the previous kernel."""
     if not pdl.get("USE_PDL"):
         return pdl
-    return {**pdl, "PREFETCH": min(_pdl.PREFETCH_TILES, tiles), "LATE_TRIGGER": _pdl.LATE_TRIGGER}
+    return {**pdl, "PREFETCH": min(tuning.choices("linear", device)["prefetch_tiles"], tiles)}
 
 
 def _unfused(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -210,8 +187,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, kno
     y2 = out.view(-1, N)
     if M == 0:
         return out
+    device = tuning.device_key(x2)
     bn, bk, split, warps, stages = (v if v is not None else d
-                                    for v, d in zip(knobs, default_config(rows_n, K), strict=True))
+                                    for v, d in zip(knobs, default_config(rows_n, K, device), strict=True))
     blocks_n = triton.cdiv(N, bn)
     k_split = triton.cdiv(triton.cdiv(K, split), bk) * bk  # whole BLOCK_K tiles per slice
     split = triton.cdiv(K, k_split)
@@ -220,5 +198,5 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, kno
     _linear_rows_kernel[(blocks_n, split)](
         x2, weight, y2, part, arrive, M, N, K, k_split, x2.stride(0), weight.stride(0), y2.stride(0),
         BLOCK_M=MAX_ROWS, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, SWIGLU=swiglu, num_warps=warps, num_stages=stages,
-        **_with_prefetch(pdl_args(x2.device), k_split // bk))
+        **_with_prefetch(pdl_args(x2.device), k_split // bk, device))
     return out

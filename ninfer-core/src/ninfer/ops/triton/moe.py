@@ -18,79 +18,46 @@ kernels (one slot more per token, its weight sigmoid(gate); ``_expert_offset`` p
 matrices) after one program that routes and groups (``moe_route_align``): four launches, where the block's parts
 take seven (route, align, the shared expert's two linears, the three above). A one-token call (decode at B=1)
 needs no grouping, since a token's experts are distinct: ``moe_one_token`` routes it and runs its gate_up and
-down in one launch, with the tiles and sums of the two kernels here (``_gate_up_tile``, ``_down_acc``). A caller
+down in one launch, with the tiles and sums the two kernels here share with it (``moe_shared``). A caller
 that adds the slot rows itself (the next ``add_rms_norm``, ``summed=False``) saves the slot sum's launch as well.
 
 Accumulation is fp32; fp32 inputs multiply in full fp32 (``input_precision="ieee"``, not TF32). Block sizes
-follow the token count (``default_config``): BLOCK_M stays 16 while each expert sees few rows and grows for
-long prefill chunks. Grids depend on the shapes only and the used-block count is read on the device, so a call
-is CUDA-graph capturable at a fixed token count.
+follow the token count (``moe_shared.default_config``, from the tuning table ``tables/moe.json``): BLOCK_M stays
+16 while each expert sees few rows and grows for long prefill chunks. Grids depend on the shapes only and the
+used-block count is read on the device, so a call is CUDA-graph capturable at a fixed token count.
 """
 
 from __future__ import annotations
 
-import attrs
 import torch
 import triton
 import triton.language as tl
 
-from ninfer.ops.triton._pdl import pdl_args
+from ninfer.ops.launch import pdl_args
+from ninfer.ops.triton import moe_one_token, moe_route_align, tuning
 from ninfer.ops.triton._pdl_jit import pdl_prologue
-from ninfer.ops.triton.moe_align import ExpertBlocks, align_by_expert
+from ninfer.ops.triton.moe_align import align_by_expert
+from ninfer.ops.triton.moe_layout import ExpertBlocks
+from ninfer.ops.triton.moe_shared import (
+    MoeConfig,
+    as_expert,
+    default_config,
+    down_acc,
+    expert_base,
+    gate_up_tile,
+    precision,
+    shared_args,
+    store_weighted,
+    tile,
+)
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-@attrs.frozen
-class MoeConfig:
-    """Tile sizes of both grouped GEMMs. ``block_n`` counts output columns of a program: for the gate_up GEMM
-    it is split between the gate and the up half, so a program reads as many weight rows in both."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-
-
-# By token count: vLLM's tuned H200 table for E=512, I=512 (the 35B-A3B geometry but E), as summarised in
-# shared/reference/kernels_quant.md section 3.1, except the decode rows (1 and up to 16 tokens), which are the
-# best of our own sweep at 1 and 8 tokens (benchmarks/gpu_check.py "moe"; docs/performance.md, issue 21).
-_BY_TOKENS: tuple[tuple[int, MoeConfig], ...] = (
-    (1, MoeConfig(16, 64, 128, 4, 4)),
-    (16, MoeConfig(16, 64, 64, 4, 4)),
-    (256, MoeConfig(16, 128, 128, 4, 3)),
-    (512, MoeConfig(16, 256, 128, 8, 2)),
-    (1024, MoeConfig(32, 128, 64, 4, 3)),
-    (3072, MoeConfig(64, 128, 64, 4, 3)),
-)
-_LARGEST = MoeConfig(128, 256, 64, 8, 4)
-FP32_BLOCK_K, FP32_STAGES = 32, 2  # fp32 tiles take twice the shared memory: a shorter K step, fewer stages
-
-
-def default_config(tokens: int, dtype: torch.dtype) -> MoeConfig:
-    """The tiles for a call over ``tokens`` tokens; fp32 tiles take twice the shared memory, so they use a
-    shorter K step and at most two pipeline stages."""
-    cfg = next((c for limit, c in _BY_TOKENS if tokens <= limit), _LARGEST)
-    if dtype == torch.float32:
-        cfg = attrs.evolve(cfg, block_k=min(cfg.block_k, FP32_BLOCK_K), num_stages=min(cfg.num_stages, FP32_STAGES))
-    return cfg
-
-
-@triton.jit
-def _expert_base(expert, s_we, bank_experts, shared_off, SHARED: tl.constexpr):
-    """Where ``expert``'s matrices start, in elements from the bank's base; with SHARED, expert ``bank_experts``
-    is the shared expert, ``shared_off`` elements away (its weights keep the bank's row and column strides)."""
-    expert = expert.to(tl.int64)
-    if SHARED:
-        return tl.where(expert == bank_experts, shared_off, expert * s_we)
-    return expert * s_we
-
-
 @triton.jit
 def _expert_offset(block_expert_ptr, s_we, bank_experts, shared_off, SHARED: tl.constexpr):
-    """``_expert_base`` of the expert a block of the grouping holds."""
-    return _expert_base(tl.load(block_expert_ptr), s_we, bank_experts, shared_off, SHARED)
+    """``expert_base`` of the expert a block of the grouping holds."""
+    return expert_base(tl.load(block_expert_ptr), s_we, bank_experts, shared_off, SHARED)
 
 
 @triton.jit
@@ -108,40 +75,11 @@ def _gate_up_kernel(
     pair = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     expert = _expert_offset(experts_ptr + pid_m, s_we, bank_experts, shared_off, SHARED)
     valid = pair < numel
-    hidden = _gate_up_tile(x_ptr, w_ptr + expert, (pair // TOP_K).to(tl.int64), valid, pid_n, INTER, H, s_xm, s_xk,
-                           s_wn, s_wk, h_ptr.dtype.element_ty, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+    hidden = gate_up_tile(x_ptr, w_ptr + expert, (pair // TOP_K).to(tl.int64), valid, pid_n, INTER, H, s_xm, s_xk,
+                          s_wn, s_wk, h_ptr.dtype.element_ty, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
     nn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out = h_ptr + pair.to(tl.int64)[:, None] * s_hm + nn[None, :]
     tl.store(out, hidden, mask=valid[:, None] & (nn < INTER)[None, :])
-
-
-@triton.jit
-def _gate_up_tile(x_ptr, w_ptr, token, valid, pid_n, INTER, H, s_xm, s_xk, s_wn, s_wk, dtype: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    """silu(x Wg^T) * (x Wu^T) of the rows ``token`` (where ``valid``) for intermediate column block ``pid_n`` of the
-    expert whose gate rows start at ``w_ptr`` (its up rows INTER rows on), rounded as the unfused ops round."""
-    nn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = nn < INTER
-    kk = tl.arange(0, BLOCK_K)
-    x_tile = x_ptr + token[:, None] * s_xm + kk[None, :] * s_xk
-    gate_tile = w_ptr + nn.to(tl.int64)[:, None] * s_wn + kk[None, :] * s_wk
-    up_tile = gate_tile + INTER * s_wn
-    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        mask_k = kk < H - k0
-        a = tl.load(x_tile, mask=valid[:, None] & mask_k[None, :], other=0.0)
-        g = tl.load(gate_tile, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        u = tl.load(up_tile, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        acc_gate = tl.dot(a, tl.trans(g), acc_gate, input_precision=PRECISION)
-        acc_up = tl.dot(a, tl.trans(u), acc_up, input_precision=PRECISION)
-        x_tile += BLOCK_K * s_xk
-        gate_tile += BLOCK_K * s_wk
-        up_tile += BLOCK_K * s_wk
-    # Round as the unfused ops do: both projections, silu(gate), the product.
-    gate = acc_gate.to(dtype).to(tl.float32)
-    act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-    return (act * acc_up.to(dtype).to(tl.float32)).to(dtype)
 
 
 @triton.jit
@@ -162,43 +100,9 @@ def _down_kernel(
     expert = _expert_offset(experts_ptr + pid_m, s_we, bank_experts, shared_off, SHARED)
     route = tl.load(route_ptr + row, mask=valid, other=0.0).to(tl.float32)  # with the expert: one round trip
     w_tile = w_ptr + expert + (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None] * s_wn
-    acc = _down_acc(h_ptr + row[:, None] * s_hm, w_tile, valid, pid_n, H, INTER, s_wk, BLOCK_M, BLOCK_N, BLOCK_K,
-                    PRECISION)
-    _store_weighted(y_ptr + row[:, None] * s_ym, acc, route, valid, pid_n, H, BLOCK_N)
-
-
-@triton.jit
-def _down_acc(h_rows, w_rows, valid, pid_n, H, INTER, s_wk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, H_L2: tl.constexpr = False):
-    """The fp32 products of the hidden rows at ``h_rows`` [BLOCK_M, 1] (where ``valid``) with the down rows at
-    ``w_rows`` [BLOCK_N, 1] (output column block ``pid_n``) over the INTER intermediate columns; ``H_L2``: the hidden
-    loads bypass L1 (".cg")."""
-    mask_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N) < H
-    kk = tl.arange(0, BLOCK_K)
-    h_tile = h_rows + kk[None, :]
-    w_tile = w_rows + kk[None, :] * s_wk
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, INTER, BLOCK_K):
-        mask_k = kk < INTER - k0
-        if H_L2:
-            a = tl.load(h_tile, mask=valid[:, None] & mask_k[None, :], other=0.0, cache_modifier=".cg")
-        else:
-            a = tl.load(h_tile, mask=valid[:, None] & mask_k[None, :], other=0.0)
-        w = tl.load(w_tile, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
-        h_tile += BLOCK_K
-        w_tile += BLOCK_K * s_wk
-    return acc
-
-
-@triton.jit
-def _store_weighted(y_rows, acc, route, valid, pid_n, H, BLOCK_N: tl.constexpr):
-    """The expert's output rounded as the unfused projection does, then scaled by the pair's routing weight,
-    stored at ``y_rows`` [BLOCK_M, 1] (where ``valid``), output column block ``pid_n``."""
-    nn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    dtype = y_rows.dtype.element_ty
-    y = (acc.to(dtype).to(tl.float32) * route[:, None]).to(dtype)
-    tl.store(y_rows + nn[None, :], y, mask=valid[:, None] & (nn < H)[None, :])
+    acc = down_acc(h_ptr + row[:, None] * s_hm, w_tile, valid, pid_n, H, INTER, s_wk, BLOCK_M, BLOCK_N, BLOCK_K,
+                   PRECISION)
+    store_weighted(y_ptr + row[:, None] * s_ym, acc, route, valid, pid_n, H, BLOCK_N)
 
 
 @triton.jit
@@ -237,7 +141,7 @@ def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids:
         out = torch.empty((N, H), dtype=x.dtype, device=x.device)
     if N == 0:
         return out
-    cfg = config or default_config(N, x.dtype)
+    cfg = config or default_config(N, x.dtype, tuning.device_key(x))
     blocks = align_by_expert(ids, E, cfg.block_m)
     per_pair = _grouped(x, gate_up, down, blocks, top_k, weights.reshape(-1).contiguous(), cfg)
     _sum_slots(per_pair, out, top_k, shared, shared_gate)
@@ -256,17 +160,16 @@ def moe_block(x: torch.Tensor, logits: torch.Tensor, shared_gate: torch.Tensor, 
     the slot sum is left to the caller (``ninfer.ops.add_rms_norm`` takes the rows as terms): the weighted slot
     rows [N, k + 1, H] come back. Other calls run the block as its parts (``moe_block_ref``; [N, 1, H] when not
     summed)."""
-    from ninfer.ops.moe import moe_block_ref
-    from ninfer.ops.triton import moe_one_token, moe_route_align
+    from ninfer.ops.moe import moe_block_ref  # the reference module dispatches here: imported on use
 
     N, H = x.shape
-    folded = (moe_route_align.fits(N, gate_up.shape[0], top_k, shared=True) and _as_expert(gate_up, shared_gate_up)
-              and _as_expert(down, shared_down) and x.dtype == gate_up.dtype == down.dtype == logits.dtype
+    folded = (moe_route_align.fits(N, gate_up.shape[0], top_k, shared=True) and as_expert(gate_up, shared_gate_up)
+              and as_expert(down, shared_down) and x.dtype == gate_up.dtype == down.dtype == logits.dtype
               and x.dtype in _DTYPES)
     if not folded:
         out = moe_block_ref(x, logits, shared_gate, gate_up, down, shared_gate_up, shared_down, top_k)
         return out if summed else out[:, None]
-    cfg = default_config(N, x.dtype)
+    cfg = default_config(N, x.dtype, tuning.device_key(x))
     slots, shared = top_k + 1, (shared_gate_up, shared_down)
     if N == 1 and one_launch and moe_one_token.fits(x, gate_up, down, shared_gate_up, shared_down):
         per_pair = moe_one_token.moe_one_token(x, logits, shared_gate, gate_up, down, shared_gate_up, shared_down,
@@ -305,42 +208,18 @@ def _sum_slots(per_pair: torch.Tensor, out: torch.Tensor, slots: int, shared: to
         BLOCK=block, HAS_SHARED=has_shared, num_warps=4, **pdl_args(out.device))
 
 
-def _precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"  # only fp32 operands are affected
-
-
-def _tile(width: int, dim: int) -> int:
-    return max(16, min(width, triton.next_power_of_2(dim)))
-
-
-def _as_expert(bank: torch.Tensor, shared: torch.Tensor) -> bool:
-    """Whether ``shared`` is laid out as one expert of ``bank`` [E, ...]: its shape, strides and dtype."""
-    return shared.shape == bank.shape[1:] and shared.stride() == bank.stride()[1:] and shared.dtype == bank.dtype
-
-
-def _shared_args(bank: torch.Tensor, shared: torch.Tensor | None) -> dict:
-    """The kernels' arguments that make expert E (one past ``bank`` [E, ...]) the ``shared`` matrix."""
-    if shared is None:
-        return {"bank_experts": bank.shape[0], "shared_off": 0, "SHARED": False}
-    offset, rem = divmod(shared.data_ptr() - bank.data_ptr(), bank.element_size())
-    if rem or not _as_expert(bank, shared):
-        raise ValueError(f"moe: the shared expert {tuple(shared.shape)} {shared.dtype} must be laid out as one "
-                         f"expert of the bank {tuple(bank.shape)} {bank.dtype}")
-    return {"bank_experts": bank.shape[0], "shared_off": offset, "SHARED": True}
-
-
 def gate_up_grouped(x: torch.Tensor, gate_up: torch.Tensor, blocks: ExpertBlocks, top_k: int, hidden: torch.Tensor,
                     cfg: MoeConfig, shared: torch.Tensor | None = None) -> None:
     """hidden[p] = silu(x[p // k] Wg_e^T) * (x[p // k] Wu_e^T) for every pair p routed to expert e; with
     ``shared`` [2I, H], expert E is that matrix."""
     H, inter = x.shape[1], hidden.shape[1]
-    block_n = _tile(cfg.block_n // 2, inter)
+    block_n = tile(cfg.block_n // 2, inter)
     _gate_up_kernel[(blocks.max_blocks, triton.cdiv(inter, block_n))](
         x, gate_up, hidden, blocks.sorted_pairs, blocks.block_experts, blocks.used, blocks.numel, inter, H,
         x.stride(0), x.stride(1), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), hidden.stride(0),
-        TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=_tile(cfg.block_k, H),
-        PRECISION=_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **_shared_args(gate_up, shared), **pdl_args(x.device))
+        TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=tile(cfg.block_k, H),
+        PRECISION=precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **shared_args(gate_up, shared), **pdl_args(x.device))
 
 
 def down_grouped(hidden: torch.Tensor, down: torch.Tensor, blocks: ExpertBlocks, route: torch.Tensor,
@@ -348,10 +227,10 @@ def down_grouped(hidden: torch.Tensor, down: torch.Tensor, blocks: ExpertBlocks,
     """per_pair[p] = route[p] * (hidden[p] Wd_e^T) for every pair p routed to expert e; with ``shared``
     [H, I], expert E is that matrix."""
     inter, H = hidden.shape[1], per_pair.shape[1]
-    block_n = _tile(cfg.block_n, H)
+    block_n = tile(cfg.block_n, H)
     _down_kernel[(blocks.max_blocks, triton.cdiv(H, block_n))](
         hidden, down, per_pair, blocks.sorted_pairs, blocks.block_experts, blocks.used, route, blocks.numel,
         H, inter, hidden.stride(0), down.stride(0), down.stride(1), down.stride(2), per_pair.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=_tile(cfg.block_k, inter),
-        PRECISION=_precision(hidden.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **_shared_args(down, shared), **pdl_args(hidden.device))
+        BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=tile(cfg.block_k, inter),
+        PRECISION=precision(hidden.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **shared_args(down, shared), **pdl_args(hidden.device))

@@ -32,9 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer.ops.triton._pdl import pdl_args
+from ninfer.ops.launch import pdl_args
 from ninfer.ops.triton._pdl_jit import pdl_prologue
-from ninfer.ops.triton.moe_align import ExpertBlocks, capacity
+from ninfer.ops.triton.moe_layout import ExpertBlocks, capacity
 
 MAX_PAIRS = 2048
 _PAIRS_PER_THREAD = 4

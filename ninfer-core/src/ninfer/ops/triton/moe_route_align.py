@@ -23,10 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer.ops.triton._pdl import pdl_args
+from ninfer.ops.launch import pdl_args
 from ninfer.ops.triton._pdl_jit import pdl_prologue
-from ninfer.ops.triton.moe_align import ExpertBlocks, capacity
 from ninfer.ops.triton.moe_align_kernel import align_pairs, launch_shape, max_experts
+from ninfer.ops.triton.moe_layout import ExpertBlocks, capacity
 
 MAX_TOKENS = 16  # the logits tile stays [16, E]: decode batches and speculative verification rows
 MAX_EXPERTS = 1024

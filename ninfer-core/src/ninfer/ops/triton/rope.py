@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer.ops.triton._pdl import pdl_args
+from ninfer.ops.launch import pdl_args
 from ninfer.ops.triton._pdl_jit import pdl_prologue
 
 

@@ -2,9 +2,10 @@
 
 Greedy: the first index of each row's maximum, as ``torch.argmax(logits, -1)``.
 
-A row is cut into S chunks of whole blocks, one program each (about _PROGRAMS_PER_ROW for any vocabulary, so
-B = 1 still streams the row with the whole GPU); each program writes its chunk's (key, first index) to a small
-workspace and the last program of the row to arrive reduces the S partials and stores the token: one launch.
+A row is cut into S chunks of whole blocks, one program each (about the tuning table's ``programs_per_row`` for
+any vocabulary, about one per SM, so B = 1 still streams the row with the whole GPU); each program writes its
+chunk's (key, first index) to a small workspace and the last program of the row to arrive reduces the S partials
+and stores the token: one launch.
 
 Values are compared through an int32 key that orders like torch: floats by value with -0.0 == +0.0, NaN
 above +inf (every NaN equal, so the first NaN wins), padding below -inf (an all -inf row gives index 0).
@@ -20,12 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer.ops.triton._arrivals import arrival_counters
-from ninfer.ops.triton._pdl import pdl_args
+from ninfer.ops.launch import arrival_counters, pdl_args
+from ninfer.ops.triton import tuning
 from ninfer.ops.triton._pdl_jit import pdl_prologue
 
 _BLOCK = 2048  # elements per program and loop step: 16 per thread at 4 warps, 4 x 16-byte loads for fp32
-_PROGRAMS_PER_ROW = 128  # ~one per SM of an H200: a 248320-wide row is 122 chunks of one block each
 _KEY_PAD = tl.constexpr(-(2**31))  # below every float's key
 _KEY_NAN = tl.constexpr(2**31 - 1)  # above +inf's key
 _INDEX_NONE = tl.constexpr(2**31 - 1)
@@ -87,14 +87,16 @@ def _greedy_kernel(
             tl.store(counter, 0)
 
 
-def splits(V: int) -> tuple[int, int]:
-    """(chunk, S) for rows of V: whole blocks per chunk, about _PROGRAMS_PER_ROW chunks, none empty."""
-    chunk = triton.cdiv(triton.cdiv(V, _PROGRAMS_PER_ROW), _BLOCK) * _BLOCK
+def splits(V: int, programs_per_row: int) -> tuple[int, int]:
+    """(chunk, S) for rows of V: whole blocks per chunk, about ``programs_per_row`` chunks, none empty."""
+    chunk = triton.cdiv(triton.cdiv(V, programs_per_row), _BLOCK) * _BLOCK
     return chunk, triton.cdiv(V, chunk)
 
 
-def greedy(logits: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """tokens[B] int64 = torch.argmax(logits, -1) for logits [B, V] (fp32, bf16 or fp16), bitwise."""
+def greedy(logits: torch.Tensor, *, out: torch.Tensor | None = None, programs_per_row: int | None = None
+           ) -> torch.Tensor:
+    """tokens[B] int64 = torch.argmax(logits, -1) for logits [B, V] (fp32, bf16 or fp16), bitwise.
+    ``programs_per_row``: the tuning table's unless given (the result does not depend on it)."""
     if logits.dim() != 2 or logits.shape[1] == 0 or logits.shape[1] >= 2**31:
         raise ValueError(f"greedy: logits {tuple(logits.shape)} is not [B, V] with 0 < V < 2**31")
     if logits.stride(1) != 1:
@@ -104,7 +106,9 @@ def greedy(logits: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Te
         out = torch.empty(B, dtype=torch.int64, device=logits.device)
     if B == 0:
         return out
-    chunk, S = splits(V)
+    if programs_per_row is None:
+        programs_per_row = tuning.choices("sampling", tuning.device_key(logits))["programs_per_row"]
+    chunk, S = splits(V, programs_per_row)
     part = torch.empty((2, B, S), dtype=torch.int32, device=logits.device) if S > 1 else out
     arrive = arrival_counters(logits.device, B) if S > 1 else out
     _greedy_kernel[(B, S)](

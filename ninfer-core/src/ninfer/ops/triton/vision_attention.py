@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer.ops.triton._device import sm_count
-from ninfer.ops.triton._pdl import pdl_args
+from ninfer.ops.launch import pdl_args
+from ninfer.ops.triton import tuning
 from ninfer.ops.triton._pdl_jit import pdl_prologue
 
 _LOG2E = 1.4426950408889634
@@ -107,10 +107,13 @@ def head_blocks(head_dim: int, split: bool) -> tuple[int, int]:
     return first, max(16, triton.next_power_of_2(head_dim - first))
 
 
-def default_block_m(programs_at_128: int, num_sms: int) -> int:
-    """Query rows per program: 128 (the prefill attention's measured best), or 64 when 128-row blocks would
-    leave the GPU with fewer than two programs per SM (one small image)."""
-    return 128 if programs_at_128 >= 2 * num_sms else 64
+def default_block_m(longest: int, seqs: int, heads: int, device: tuning.DeviceKey) -> int:
+    """Query rows per program: the table's ``block_m`` (128, the prefill attention's measured best), or
+    ``narrow_block_m`` when blocks that wide would leave the GPU with fewer than ``wide_programs`` programs (two
+    per SM: one small image)."""
+    c = tuning.choices("vision_attention", device)
+    wide = c["block_m"]
+    return wide if triton.cdiv(longest, wide) * seqs * heads >= c["wide_programs"] else c["narrow_block_m"]
 
 
 def vision_attention(q, k, v, seqs, scale: float | None = None, *, out=None, block_m: int | None = None,
@@ -132,8 +135,7 @@ def vision_attention(q, k, v, seqs, scale: float | None = None, *, out=None, blo
         return out
     B, longest = len(seqs.lengths), seqs.max_length
     if block_m is None:
-        sms = sm_count(q)
-        block_m = default_block_m(triton.cdiv(longest, 128) * B * H, sms)
+        block_m = default_block_m(longest, B, H, tuning.device_key(q))
     if num_warps is None:
         num_warps = 8 if block_m >= 128 else 4
     da, db = head_blocks(D, head_split)

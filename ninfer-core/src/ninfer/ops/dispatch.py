@@ -1,10 +1,10 @@
 """Choosing an op's implementation: the pure-torch reference, or a validated Triton kernel on CUDA.
 
 Every op module ``ninfer.ops.<module>`` has a reference ``<name>_ref`` that runs anywhere. A Triton
-kernel with the same signature lives in ``ninfer.ops.triton.<module>``; it is used for CUDA tensors
-only once its name is listed in ``TRITON_OPS`` (added after it passes the GPU tests), so enabling a
-kernel is a one-line edit here. The Triton module is imported lazily, on first use, so
-importing ``ninfer.ops`` never imports triton.
+kernel with the same signature lives in ``ninfer.ops.triton.<module>`` (or the module ``_HOMES`` names); it is
+used for CUDA tensors only once its name is listed in ``TRITON_OPS`` (added after it passes the GPU tests), so
+enabling a kernel is a one-line edit here. The Triton module is imported lazily, on first use, so importing
+``ninfer.ops`` never imports triton. Public: plugins ask ``triton_selected`` what their startup plans for.
 
 ``NINFER_OPS=torch`` forces the references everywhere (debugging, kernel comparisons);
 ``NINFER_OPS=triton`` uses every Triton kernel that exists, listed or not (to try kernels end to end
@@ -43,9 +43,14 @@ def _mode() -> str:
     return env.get("NINFER_OPS")
 
 
+# Kernels kept in a module of their own, under their op module's name.
+_HOMES: dict[str, str] = {"gdn.gdn_verify": "gdn_verify", "gdn.gdn_verify_commit": "gdn_verify"}
+
+
 @functools.cache
 def _load(module: str, name: str) -> Callable:
-    return getattr(importlib.import_module(f"ninfer.ops.triton.{module}"), name)
+    home = _HOMES.get(f"{module}.{name}", module)
+    return getattr(importlib.import_module(f"ninfer.ops.triton.{home}"), name)
 
 
 def triton_selected(module: str, name: str) -> bool:
