@@ -109,7 +109,7 @@ def test_every_declared_field_is_a_flag_or_api_only(flags):
 def test_generate_flags_set_the_field_the_table_names(argv, field, value):
     """What ``ninfer generate`` builds from each flag is the field ENGINE_FLAGS maps it to (and only that one)."""
     from ninfer.cli import build_parser
-    from ninfer.engine.generate_cli import engine_config_from_args
+    from ninfer.cli.generate import engine_config_from_args
     from ninfer.plugins import default_host
 
     parser = build_parser(default_host())

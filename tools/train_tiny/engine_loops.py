@@ -29,7 +29,7 @@ def engine_report(artifact: str, new_tokens: int = 80) -> list[dict]:
                for m, t in CHATS]
     sampling = SamplingParams(max_tokens=new_tokens, temperature=0.0)
     rows = []
-    with ninfer.Engine(artifact, device="cpu", dtype="float32", max_concurrency=8) as engine:
+    with ninfer.Engine(artifact, ninfer.EngineConfig(device="cpu", dtype="float32", max_concurrency=8)) as engine:
         handles = [(label, engine.submit(GenerationRequest(input=i, sampling=sampling))) for label, i in inputs]
         for label, handle in handles:
             result = next(e for e in handle if isinstance(e, GenerationResult))
