@@ -128,8 +128,9 @@ def bench_engine(artifact: Path, shape: str, cfg: dict, args, device: str, chain
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(device)
     t = harness.clock()
-    engine = ninfer.Engine(artifact, max_concurrency=B_max, device=device, max_model_len=max_len,
-                           prefill_chunk=args.prefill_chunk, page_size=page_size, num_pages=num_pages)
+    engine = ninfer.Engine(artifact, ninfer.EngineConfig(
+        max_concurrency=B_max, device=device, max_model_len=max_len, prefill_chunk=args.prefill_chunk,
+        page_size=page_size, num_pages=num_pages))
     sync(device)
     res: dict = {"start_s": harness.clock() - t, "max_model_len": max_len, "prefill_chunk": args.prefill_chunk,
                  "graphs": getattr(engine.instance.program, "graphs", None) is not None}

@@ -64,6 +64,7 @@ def _weights(shape: str, device: str, seed: int):
 
 def _logits(config, weights, dtype: torch.dtype, device: str, tokens: list[int], chunk: int | None = None
             ) -> torch.Tensor:
+    from ninfer.contract.memory import ProgramCapacity
     from ninfer.core.batch_assembly import RowInput, build_forward_batch
     from ninfer_qwen35.execution.model import Qwen35Model
     from ninfer_qwen35.execution.parameters import Qwen35Parameters
@@ -75,8 +76,8 @@ def _logits(config, weights, dtype: torch.dtype, device: str, tokens: list[int],
     pool = kv_pools(config, 16, name)[0]
     n = len(tokens)
     program = Qwen35Program(model, state_layout=state_layout(config, name), kv_pool=pool, device=device,
-                            max_concurrency=1, num_pages=-(-n // pool.page_size) + 1, vocab_size=config.vocab_size,
-                            max_model_len=n + 16, cuda_graphs=False)
+                            max_concurrency=1, vocab_size=config.vocab_size, cuda_graphs=False,
+                            capacity=ProgramCapacity(kv_pages=-(-n // pool.page_size) + 1, max_model_len=n + 16))
     slot = program.states.allocate()
     pages = program.pool.allocator.allocate(-(-n // pool.page_size))
     try:

@@ -30,6 +30,7 @@ PATHS = ("eager", "static", "graph")
 
 def _programs(shape: str, device: str, dtype: torch.dtype, *, max_batch: int, max_len: int):
     from benchmarks.programs import random_parameters
+    from ninfer.contract.memory import ProgramCapacity
     from ninfer_qwen35.execution.model import Qwen35Model
     from ninfer_qwen35.program import Qwen35Program
     from ninfer_qwen35.state import kv_pools, state_layout
@@ -42,8 +43,9 @@ def _programs(shape: str, device: str, dtype: torch.dtype, *, max_batch: int, ma
 
     def make(path: str) -> Qwen35Program:
         return Qwen35Program(model, state_layout=state_layout(config, name), kv_pool=pool, device=device,
-                             max_concurrency=max_batch, num_pages=pages, vocab_size=config.vocab_size,
-                             max_model_len=max_len, cuda_graphs=path == "graph", static_decode=path == "static")
+                             max_concurrency=max_batch, vocab_size=config.vocab_size,
+                             capacity=ProgramCapacity(kv_pages=pages, max_model_len=max_len),
+                             cuda_graphs=path == "graph", static_decode=path == "static")
 
     return config, {path: make(path) for path in PATHS}
 

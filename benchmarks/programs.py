@@ -47,25 +47,27 @@ def random_parameters(shape: str | dict, device: str, dtype: torch.dtype, seed: 
 
 
 def auto_pdl(params, device: str) -> bool:
-    """What a start chooses for these weights: ``device_plan`` asks ``prefers_pdl`` with the all-device
-    placement's decode reads per layer, here from the Qwen3.5 startup's own placements of ``params``."""
+    """What a start chooses for these weights: ``prefers_pdl`` with the weight bytes a one-row decode step reads
+    per decoder layer (the placements' ``step_bytes``: every dense weight and ``top_k`` experts of each MoE layer)."""
     if not device.startswith("cuda"):
         return False
     from ninfer.core.device_plan import resident_bytes
+    from ninfer.models.common.moe.host_experts import expert_bytes
     from ninfer.ops.launch import prefers_pdl
-    from ninfer_qwen35.startup import _placements
 
     config, weights = params
-    banks = weights.expert_banks()
-    top_k = config.moe.num_experts_per_tok if config.moe is not None else 0
-    everything = _placements(resident_bytes(weights.tensors()), resident_bytes(banks), banks, top_k)[0]
-    return prefers_pdl(everything.step_read_bytes / config.num_hidden_layers)
+    banks = weights.expert_banks()  # gate_up / down of every MoE layer, in pairs
+    step = resident_bytes(weights.tensors()) - resident_bytes(banks)
+    if banks:
+        step += len(banks) // 2 * config.moe.num_experts_per_tok * expert_bytes(banks[0], banks[1])
+    return prefers_pdl(step / config.num_hidden_layers)
 
 
 def build_program(shape: str | dict, device: str, *, max_batch: int, context: int, steps: int, graphs: bool,
                   dtype: torch.dtype, static_decode: bool = False, params=None, pdl: bool = False):
     """A Qwen3.5 Program over random weights of ``shape``, or over ``params`` (config, Qwen35Parameters) made
     before, so several Programs can share one set of weights."""
+    from ninfer.contract.memory import ProgramCapacity
     from ninfer_qwen35.execution.model import Qwen35Model
     from ninfer_qwen35.program.program import Qwen35Program
     from ninfer_qwen35.state import kv_pools, state_layout
@@ -75,9 +77,9 @@ def build_program(shape: str | dict, device: str, *, max_batch: int, context: in
     pages_per_seq = -(-(context + steps + 8) // pool.page_size)
     return config, Qwen35Program(
         Qwen35Model(params), state_layout=state_layout(config, "bfloat16" if dtype == torch.bfloat16 else "float32"),
-        kv_pool=pool, device=device, max_concurrency=max_batch, num_pages=max_batch * pages_per_seq,
-        vocab_size=config.vocab_size, max_model_len=context + steps + 8, cuda_graphs=graphs,
-        static_decode=static_decode, pdl=pdl)
+        kv_pool=pool, device=device, max_concurrency=max_batch, vocab_size=config.vocab_size,
+        capacity=ProgramCapacity(kv_pages=max_batch * pages_per_seq, max_model_len=context + steps + 8, pdl=pdl),
+        cuda_graphs=graphs, static_decode=static_decode)
 
 
 def prefilled_sequences(program, config, B: int, context: int) -> list[int]:
@@ -148,6 +150,7 @@ def measure_engine(program, config, device: str, B: int, *, context: int, steps:
     the steady part only (every row has its first token, none has finished), and over the whole run when that
     part is empty (``engine_steady`` says which)."""
 
+    from ninfer.contract.config import EngineConfig
     from ninfer.contract.events import OutputDelta
     from ninfer.contract.model import ModelInstance
     from ninfer.contract.prompt import TextInput
@@ -162,8 +165,8 @@ def measure_engine(program, config, device: str, B: int, *, context: int, steps:
     inst = ModelInstance(architecture="qwen35", config=config, model=program.model, parameters=None,
                          frontend=frontend, program=program)
     gen = torch.Generator().manual_seed(100 + B)
-    with Engine.from_instance(inst, max_concurrency=program.max_concurrency, device=device,
-                              prefill_chunk=512) as engine:
+    config_ = EngineConfig(max_concurrency=program.max_concurrency, device=device, prefill_chunk=512)
+    with Engine.from_instance(inst, config_) as engine:
         handles = [engine.submit(GenerationRequest(
             input=TextInput(token_ids=tuple(torch.randint(0, config.vocab_size, (context,), generator=gen).tolist())),
             sampling=SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True))) for _ in range(B)]

@@ -38,6 +38,7 @@ PROMPTS = ["To be, or not to be, that is the question:", "Friends, Romans, count
 def build_programs(shape: str, device: str, dtype: torch.dtype, *, max_batch: int, context: int, steps: int,
                    graphs: bool, ks: list[int]):
     """(config, plain Program, {k: speculative Program}) over one set of random weights (MTP block included)."""
+    from ninfer.contract.memory import ProgramCapacity
     from ninfer_qwen35.config import parse_config
     from ninfer_qwen35.execution.model import Qwen35Model
     from ninfer_qwen35.execution.mtp import Qwen35MTP
@@ -54,7 +55,8 @@ def build_programs(shape: str, device: str, dtype: torch.dtype, *, max_batch: in
     max_len = context + 4 * steps + 16
     pages = max_batch * -(-max_len // 16)
     common = dict(state_layout=state_layout(config, name), device=device, max_concurrency=max_batch,
-                  num_pages=pages, vocab_size=config.vocab_size, max_model_len=max_len, cuda_graphs=graphs)
+                  capacity=ProgramCapacity(kv_pages=pages, max_model_len=max_len), vocab_size=config.vocab_size,
+                  cuda_graphs=graphs)
     plain = Qwen35Program(model, kv_pool=kv_pools(config, 16, name)[0], **common)
     spec = {k: Qwen35MTPProgram(model, mtp=mtp, draft_tokens=k, kv_pool=kv_pools(config, 16, name, mtp_layers=1)[0],
                                 steps=verify_steps(config, rows=max_batch, draft_tokens=k, dtype=dtype,
@@ -144,7 +146,7 @@ def part1(args, dtype) -> list[dict]:
 
 def part2(args, dtype_name: str) -> list[dict]:
     from ninfer import default_model_path
-    from ninfer.contract.config import StartupFeatures
+    from ninfer.contract.config import EngineConfig, StartupFeatures
     from ninfer.contract.prompt import TextInput
     from ninfer.contract.request import GenerationRequest, SamplingParams
     from ninfer.engine.engine import Engine
@@ -157,8 +159,9 @@ def part2(args, dtype_name: str) -> list[dict]:
         base = None
         for k in [0, *args.k]:
             features = StartupFeatures(speculative="mtp", num_draft_tokens=k) if k else StartupFeatures()
-            with Engine(default_model_path(), device=args.device, dtype=dtype_name, features=features,
-                        max_concurrency=B, context_cache=False) as eng:
+            config = EngineConfig(device=args.device, dtype=dtype_name, features=features, max_concurrency=B,
+                                  context_cache=False)
+            with Engine(default_model_path(), config) as eng:
                 work = [GenerationRequest(input=TextInput(text=PROMPTS[i % len(PROMPTS)]),
                                           sampling=SamplingParams(temperature=0.0, max_tokens=args.tokens,
                                                                   ignore_eos=True)) for i in range(B)]

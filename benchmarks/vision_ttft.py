@@ -73,7 +73,7 @@ def _summary(runs: list[dict]) -> dict:
 def ours(artifact: Path, images: list[bytes], device: str) -> dict:
     import ninfer
     from benchmarks.harness import close_engine
-    from ninfer.contract.config import StartupFeatures
+    from ninfer.contract.config import EngineConfig, StartupFeatures
     from ninfer.contract.events import GenerationResult, OutputDelta
     from ninfer.contract.prompt import ChatInput, MediaItem
     from ninfer.contract.request import GenerationRequest, SamplingParams
@@ -81,8 +81,8 @@ def ours(artifact: Path, images: list[bytes], device: str) -> dict:
 
     t = clock()
     try:
-        engine = ninfer.Engine(artifact, device=device, max_concurrency=1, max_model_len=8192, context_cache=False,
-                               features=StartupFeatures(vision=True))
+        engine = ninfer.Engine(artifact, EngineConfig(device=device, max_concurrency=1, max_model_len=8192,
+                                                      context_cache=False, features=StartupFeatures(vision=True)))
     except ValueError as exc:  # a Startup that cannot run the encoder refuses the feature
         return {"skipped": f"the Engine does not start with the vision feature: {type(exc).__name__}: {exc}"}
     start_s = clock() - t
