@@ -126,16 +126,14 @@ def _calls(gen: torch.Generator) -> list[tuple[str, callable]]:
     ]
 
 
-def _specialized(kernel, args: tuple, kwargs: dict, backend, pdl: bool, late: bool = False
-                 ) -> tuple[dict, dict, dict, dict]:
+def _specialized(kernel, args: tuple, kwargs: dict, backend, pdl: bool) -> tuple[dict, dict, dict, dict]:
     """(signature, constexprs, attrs, options) for triton.compile from one intercepted launch, specialized as
     Triton's launcher does at run time (pointers and integers divisible by 16, integers equal to 1), so the build
-    is the code the GPU runs (vectorized, pipelined loads); ``pdl`` turns the prologue on (with the L2 prefetch),
-    ``late`` also moves the successor's trigger after the K loop."""
+    is the code the GPU runs (vectorized, pipelined loads); ``pdl`` turns the prologue on (with the L2 prefetch)."""
     from triton.runtime.jit import create_function_from_signature
 
     params = inspect.signature(kernel.fn).parameters
-    knobs = {"USE_PDL": pdl, "PREFETCH": 2 if pdl else None, "LATE_TRIGGER": late or None}
+    knobs = {"USE_PDL": pdl, "PREFETCH": 2 if pdl else None}
     kwargs = {**kwargs, **{k: v for k, v in knobs.items() if k in params and v}}
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, specialization, options = binder(*args, **kwargs)
@@ -189,24 +187,20 @@ def run(arch: int, pdl: bool, registers: bool = False) -> list[dict]:
         JITFunction.run = original
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
-    builds = [(name, kernel, args, kwargs, False) for name, kernel, args, kwargs in captured]
-    if pdl:  # the few-row linear's experiment: its successor's trigger after the K loop
-        builds += [(f"{name} late trigger", kernel, args, kwargs, True) for name, kernel, args, kwargs in captured
-                   if "LATE_TRIGGER" in inspect.signature(kernel.fn).parameters]
     results = []
-    for name, kernel, args, kwargs, late in builds:
-        signature, constexprs, attrs, options = _specialized(kernel, args, kwargs, backend, pdl, late)
+    for name, kernel, args, kwargs in captured:
+        signature, constexprs, attrs, options = _specialized(kernel, args, kwargs, backend, pdl)
         t0 = time.perf_counter()
         compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
                                   target=target, options=options)
         ptx = compiled.asm["ptx"]
         results.append({"case": name, "kernel": kernel.fn.__name__, "seconds": time.perf_counter() - t0,
-                        "late": late, "cubin_bytes": len(compiled.asm["cubin"]),
+                        "cubin_bytes": len(compiled.asm["cubin"]),
                         "gdc_wait": "griddepcontrol.wait" in ptx,
                         "gdc_launch_dependents": "griddepcontrol.launch_dependents" in ptx,
                         "l2_prefetch": "prefetch.global.L2" in ptx,
                         "cp_async": "cp.async" in ptx,  # loads pipelined through shared memory
-                        "pdl_order": _pdl_order(ptx, late, kernel.fn.__name__ in _READS_EARLY) if pdl else "",
+                        "pdl_order": _pdl_order(ptx, kernel.fn.__name__ in _READS_EARLY) if pdl else "",
                         **(_ptxas_report(ptx, arch) if registers else {})})
     return results
 
@@ -216,26 +210,23 @@ _GLOBAL_WRITE = re.compile(r"\b(st|atom|red)\.global")
 # Kernels that read before their wait what the kernel before them never writes (weights; the batch's index
 # tensors, written before the step): only their writes must follow it.
 _READS_EARLY = {"_add_rms_norm_linear_kernel", "_paged_attention_kernel"}
-_DOT = re.compile(r"\b(w?mma)\.")
 
 
-def _pdl_order(ptx: str, late: bool, reads_early: bool = False) -> str:
+def _pdl_order(ptx: str, reads_early: bool = False) -> str:
     """What is out of order in a PDL build's PTX, or "": the wait comes before the first global memory access
     (nothing is read or written early; with ``reads_early``, before the first write); the successor's
-    trigger comes before it too, or after the last dot when ``late``."""
+    trigger comes before it too."""
     lines = ptx.splitlines()
 
     def where(pattern: str | re.Pattern) -> list[int]:
         return [i for i, line in enumerate(lines) if re.search(pattern, line)]
 
     wait, trigger = where(r"griddepcontrol\.wait"), where(r"griddepcontrol\.launch_dependents")
-    access, dots = where(_GLOBAL_WRITE if reads_early else _GLOBAL_ACCESS), where(_DOT)
+    access = where(_GLOBAL_WRITE if reads_early else _GLOBAL_ACCESS)
     if not wait or not trigger:
         return "no prologue"
     if access and wait[0] > access[0]:
         return "global memory accessed before griddepcontrol.wait"
-    if late:
-        return "" if dots and trigger[0] > dots[-1] else "late trigger not after the K loop's last dot"
     return "" if not access or trigger[0] < access[0] else "trigger after the first global memory access"
 
 
@@ -253,9 +244,7 @@ def main(argv=None) -> int:
         print(f"{r['case']:<40} {r['kernel']:<32} sm_{args.arch} cubin {r['cubin_bytes']:>7} B "
               f"{r['seconds']:5.1f} s{regs}  {flags}")
     wrong = [f"{r['case']}: {r['pdl_order']}" for r in results if r["pdl_order"]]
-    late = sum(r["late"] for r in results)
-    print(f"{len(results) - late} kernel builds for sm_{args.arch}" + (f", {late} late-trigger builds" if late else "")
-          + (f"; PDL prologue out of order: {wrong}" if wrong else ""))
+    print(f"{len(results)} kernel builds for sm_{args.arch}" + (f"; PDL prologue out of order: {wrong}" if wrong else ""))
     return 1 if wrong else 0
 
 

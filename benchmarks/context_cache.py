@@ -100,8 +100,9 @@ def with_engine(artifact: Path, device: str, args, body, *, cache: bool, rows: i
         settle(engine, rec["checks"])
         rec["leak_free"] = all(c["idle"] and c["all_free"] for c in rec["checks"])
     finally:
-        harness.close_engine(engine, device)
+        harness.close_engine(engine)
         del engine
+        harness.device_left(device)
     return rec
 
 
@@ -204,26 +205,17 @@ def measure_host(engine, checks: list, args) -> dict:
         turn1 = list(t1["result"].token_ids)
         run_streams(engine, prompts(vocab, 1, min(64, args.history), 7000 + r), 2)
         prompt2 = history + turn1 + prompts(vocab, 1, args.new, 1000 + 10 * r + 1)[0]
-        source = restore_source(engine, prompt2)
         m = engine.metrics()
         (t2,) = run_streams(engine, [prompt2], args.answer, session_key=f"host-{r}")
         settle(engine, checks)
-        runs.append({"ttft_s": ttft(t2), "cached_tokens": t2["result"].usage.cached_tokens, "restored_from": source,
-                     "host_evictions": m.cache_evictions.get("host", 0) - evicted, "checkpoint_host_bytes": m.checkpoint_host_bytes,
+        demoted, cached = m.cache_evictions.get("host", 0) - evicted, t2["result"].usage.cached_tokens
+        # turn 1's checkpoint was demoted to the host (the other prompt took the device slot) and turn 2 reused
+        # it: the restore read the host replica
+        source = None if not cached else "host" if demoted else "device"
+        runs.append({"ttft_s": ttft(t2), "cached_tokens": cached, "restored_from": source,
+                     "host_evictions": demoted, "checkpoint_host_bytes": m.checkpoint_host_bytes,
                      "turn1_tokens": turn1, "turn2_tokens": list(t2["result"].token_ids), "_turn2_prompt": prompt2})
     return {"runs": runs}
-
-
-def restore_source(engine, prompt: list[int]) -> str | None:
-    """Where the longest checkpoint that ``prompt`` extends lives now ("device", "host"; None: none): proof
-    that the host run restores from a replica. Read from the ResourceManager on the engine's worker."""
-    core = engine._core
-    infos = core.on_worker(core.reuse.manager.checkpoints)
-    fits = [i for i in infos if i.length < len(prompt) and tuple(prompt[:i.length]) == i.tokens]
-    if not fits:
-        return None
-    best = max(fits, key=lambda i: (i.length, i.on_device))
-    return "device" if best.on_device else "host"
 
 
 def copy_seconds(nbytes: int, device: str, *, from_host: bool, reps: int = 5) -> float:

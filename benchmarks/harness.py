@@ -1,5 +1,5 @@
 """The harness every benchmark shares: device set-up, random checkpoints in published naming and their artifacts,
-requests through the public ``ninfer.Engine`` timed as the engine publishes them, and the per-shape driver that
+requests through the public ``ninfer.Engine`` timed as their consumers receive each token, and the per-shape driver that
 writes the table and the JSON. The device ceilings (copy rate, matmul rate, the kernel chain) are
 ``benchmarks/ceilings.py``; Program-level runs on random weights ``benchmarks/programs.py``.
 
@@ -246,20 +246,24 @@ def artifact(shape: str, cfg: dict, device: str, workdir: Path, cache_dir: str |
 
 def run_streams(engine, prompts: list[list[int]], max_tokens: int, on_steady=None, on_end=None,
                 timeout: float = 600.0, session_key: str | None = None, constraint=None) -> list[dict]:
-    """Submit every prompt at once (greedy, ignore_eos) and record when the engine publishes each token.
+    """Submit every prompt at once (greedy, ignore_eos) and record when each token reaches its consumer.
     Returns per stream: submit time, token times, the final result.
 
-    The prompts are submitted on the engine's worker between two of its cycles, so the scheduler sees
-    all of them together, and each token is timed on the worker as it is published to its stream: the
-    figures describe the engine's schedule, not how promptly this process's consumer thread ran (a
-    consumer that falls behind on a busy host would see tokens in bursts and blur every window).
+    The prompts are submitted together (``ninfer.testing.scheduling.submit_together``: between two of the
+    worker's cycles, so the scheduler sees all of them at once) and streamed to asyncio consumers as a server
+    streams them; each token is timed by its consumer as its event arrives. What is measured is therefore the
+    engine's schedule as a client of the public API sees it: a consumer that falls behind on a busy host would see
+    tokens in bursts, which the steady window's per-stream rates average out (callers record the engine's own
+    inter-token metric beside it as a check).
 
-    ``on_steady()`` runs on the worker once every stream has its first token (all rows decode from then
-    on), ``on_end()`` once the first stream ends (the profiler's window). ``session_key``: every request's
-    (a conversation's OpenAI ``prompt_cache_key``); ``constraint``: every request's (``ninfer.contract.constraint``)."""
+    ``on_steady()`` runs once every stream has its first token (all rows decode from then on), ``on_end()``
+    once the first stream ends (the profiler's window); both on the consumers' thread. ``session_key``: every
+    request's (a conversation's OpenAI ``prompt_cache_key``); ``constraint``: every request's
+    (``ninfer.contract.constraint``)."""
     from ninfer.contract.events import FinishReason, GenerationResult, OutputDelta
     from ninfer.contract.prompt import TextInput
     from ninfer.contract.request import GenerationRequest, SamplingParams
+    from ninfer.testing.scheduling import submit_together
 
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     hooks = {"steady": on_steady, "end": on_end}
@@ -271,8 +275,9 @@ def run_streams(engine, prompts: list[list[int]], max_tokens: int, on_steady=Non
         if fn is not None:
             fn()
 
-    def timed(stream: dict, publish):
-        def publish_timed(event) -> None:
+    async def consume(handle, stream: dict) -> GenerationResult | None:  # the worker wakes it per event
+        final = None
+        async for event in handle:
             if isinstance(event, OutputDelta) and event.token_ids:
                 if not stream["times"]:
                     started[0] += 1
@@ -280,35 +285,23 @@ def run_streams(engine, prompts: list[list[int]], max_tokens: int, on_steady=Non
                         fire("steady")
                 stream["times"].extend([clock()] * len(event.token_ids))
             elif isinstance(event, GenerationResult):
-                fire("end")
-            publish(event)
-        return publish_timed
-
-    def submit_all() -> list:  # on the worker: nothing is scheduled until every request is in
-        handles = []
-        for p, stream in zip(prompts, streams, strict=True):
-            stream["submitted"] = clock()
-            h = engine.submit(GenerationRequest(input=TextInput(token_ids=tuple(p)), sampling=sampling,
-                                                session_key=session_key, constraint=constraint))
-            channel = h._channel  # the worker publishes through it; timed before the worker's next cycle
-            channel.publish = timed(stream, channel.publish)
-            handles.append(h)
-        return handles
-
-    async def consume(handle) -> GenerationResult | None:  # streams as a server does: the worker wakes it
-        final = None
-        async for event in handle:
-            if isinstance(event, GenerationResult):
                 final = event
+                fire("end")
         return final
 
     async def consume_all(handles: list) -> list:
         try:  # a hang guard in real time, whatever ``clock`` is
-            return await asyncio.wait_for(asyncio.gather(*(consume(h) for h in handles)), timeout)
+            return await asyncio.wait_for(asyncio.gather(*(consume(h, s) for h, s in zip(handles, streams, strict=True))),
+                                          timeout)
         except TimeoutError:
             raise TimeoutError(f"benchmark requests did not finish within {timeout} s") from None
 
-    finals = asyncio.run(consume_all(engine._core.on_worker(submit_all)))
+    requests = [GenerationRequest(input=TextInput(token_ids=tuple(p)), sampling=sampling, session_key=session_key,
+                                  constraint=constraint) for p in prompts]
+    submitted = clock()
+    for stream in streams:
+        stream["submitted"] = submitted
+    finals = asyncio.run(consume_all(submit_together(engine, requests)))
     for stream, final in zip(streams, finals, strict=True):
         times = stream["times"]
         if final is None or final.finish_reason is not FinishReason.LENGTH or len(times) != max_tokens:
@@ -353,20 +346,22 @@ def decode_tokens(steps: int, B: int, ctx: int, chunk: int) -> int:
     return steps + B * -(-ctx // chunk) + 2
 
 
-def close_engine(engine, device: str) -> int | None:
-    """Close the engine and its artifact and give the device memory back; the bytes still allocated on CUDA."""
-    import torch
-
+def close_engine(engine) -> None:
+    """Close the engine and its artifact; the caller drops its last reference, then reads ``device_left``."""
     engine.close()
     if engine.artifact is not None:
         engine.artifact.close()
-    engine.instance = engine._core = None  # the Program's tensors go with the last references
-    gc.collect()
+
+
+def device_left(device: str) -> int | None:
+    """Give freed device memory back and return the bytes still allocated on CUDA (None on the CPU)."""
+    import torch
+
+    gc.collect()  # the Program's tensors go with the engine's last references
     if not device.startswith("cuda"):
         return None
     torch.cuda.empty_cache()
     return torch.cuda.memory_allocated(device)
-
 
 
 # -- the per-shape driver ------------------------------------------------------------------------------

@@ -17,9 +17,14 @@ import attrs
 
 from benchmarks.harness import GIB, plugin_host, write_source_files
 from ninfer.artifact.format import (
+    DEFAULT_ALIGNMENT,
     PREFIX_SIZE,
     RESOURCE_FEATURE,
     ArtifactHeader,
+    Binding,
+    PhysicalObject,
+    Plane,
+    Use,
     align_up,
     checksum_text,
     header_to_json,
@@ -46,38 +51,57 @@ def zero_crcs(sizes) -> dict[int, int]:
 
 class SparseArtifactWriter(ArtifactWriter):
     """The converter's writer with every weight object left as a hole of zeros; frontend resources are written.
-    Same layout, header and atomic rename as ``ArtifactWriter.write``; no weight source is ever read."""
+    Same layout, header and atomic rename as ``ArtifactWriter.write``; no weight source is ever read. It keeps
+    its own record of what the converter adds (through the writer's public methods); the reader validates the
+    header when the artifact is opened."""
+
+    def __init__(self, alignment: int = DEFAULT_ALIGNMENT) -> None:
+        super().__init__(alignment)
+        self.pending: list[tuple[PhysicalObject, object]] = []  # (object, its chunk source), in file order
+        self.bindings: list[Binding] = []
+        self.uses: list[Use] = []
+
+    def add_object(self, id: str, *, feature: str, dtype: str, shape: tuple[int, ...], nbytes: int, source,
+                   format: str = "dense", planes: tuple[Plane, ...] = (), block: tuple[int, ...] | None = None
+                   ) -> PhysicalObject:
+        obj = super().add_object(id, feature=feature, dtype=dtype, shape=shape, nbytes=nbytes, source=source,
+                                 format=format, planes=planes, block=block)
+        self.pending.append((obj, source))
+        return obj
+
+    def add_binding(self, binding: Binding) -> None:
+        super().add_binding(binding)
+        self.bindings.append(binding)
+
+    def add_use(self, use: Use) -> None:
+        super().add_use(use)
+        self.uses.append(use)
 
     def write(self, path, *, metadata, config, features, frontend=None, progress=None, digest=None):
-        from ninfer.artifact.reader import _validate
-
         path = Path(path)
-        pending = list(self._objects.values())
-
         def header(objects, meta=metadata) -> ArtifactHeader:
             return ArtifactHeader(metadata=meta, config=config, features=features, alignment=self.alignment,
-                                  data_size=self._end, objects=objects, bindings=tuple(self._bindings.values()),
-                                  uses=tuple(self._uses), frontend=frontend)
+                                  data_size=self.data_size, objects=objects, bindings=tuple(self.bindings),
+                                  uses=tuple(self.uses), frontend=frontend)
 
-        draft = header(tuple(p.obj for p in pending))
-        _validate(draft, path)
+        draft = header(tuple(obj for obj, _ in self.pending))
         header_len = len(header_to_json(draft))
         data_start = align_up(PREFIX_SIZE + header_len, self.alignment)
-        zeros = zero_crcs(p.obj.nbytes for p in pending if p.obj.feature != RESOURCE_FEATURE)
+        zeros = zero_crcs(obj.nbytes for obj, _ in self.pending if obj.feature != RESOURCE_FEATURE)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
             with os.fdopen(fd, "wb") as f:
                 final = []
-                for p in pending:
-                    crc = zeros.get(p.obj.nbytes, 0)
-                    if p.obj.feature == RESOURCE_FEATURE:
+                for obj, source in self.pending:
+                    crc = zeros.get(obj.nbytes, 0)
+                    if obj.feature == RESOURCE_FEATURE:
                         data = b"".join(bytes(c if isinstance(c, bytes | bytearray | memoryview) else tensor_bytes(c))
-                                        for c in p.source())
-                        f.seek(data_start + p.obj.offset)
+                                        for c in source())
+                        f.seek(data_start + obj.offset)
                         f.write(data)
                         crc = zlib.crc32(data)
-                    final.append(attrs.evolve(p.obj, checksum=checksum_text(crc)))
-                f.truncate(data_start + self._end)  # the rest is a hole: zeros on read, no disk
+                    final.append(attrs.evolve(obj, checksum=checksum_text(crc)))
+                f.truncate(data_start + self.data_size)  # the rest is a hole: zeros on read, no disk
                 meta = metadata if digest is None else attrs.evolve(metadata, source_digest=digest(tuple(final)))
                 raw = header_to_json(header(tuple(final), meta))
                 if len(raw) != header_len:

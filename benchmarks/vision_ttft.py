@@ -117,7 +117,7 @@ def ours(artifact: Path, images: list[bytes], device: str) -> dict:
             engine.frontend.prepare(ChatInput(messages=chat.messages, media=(MediaItem(kind="image", data=image),)))
             prepare.append(clock() - t)
     finally:
-        close_engine(engine, device)
+        close_engine(engine)
     return {**_summary(runs), "start_s": start_s, "prompt_tokens": runs[0]["prompt_tokens"],
             "prepare_ms": statistics.median(prepare) * 1e3}
 
