@@ -45,8 +45,6 @@ from benchmarks.moe_runs import (
     head_ms,
     on_instance,
     prefill_run,
-    print_profile,
-    profile_run,
     stats_delta,
 )
 
@@ -85,11 +83,6 @@ def measure(program, config, cfg: dict, args, device: str, full_cfg: dict, bw: f
         res["decode"].append(row)
         print(f"#   decode B={B}: {row['ms_per_step']:.3f} ms/step ({L} layers), full depth "
               f"{fmt(row['full_ms'], '.3f')} ms, {fmt(row['full_of_floor'], '.2f')} of the floor", flush=True)
-    if args.profile:
-        tag = "host_experts" if stats else "all_device"
-        out = Path(args.json).with_name(f"profile_{tag}.txt") if args.json else None
-        res["profile"] = profile_run(program, config, device, 1, args.context, args.profile, out)
-        print_profile(tag, res["profile"])
     before = stats() if stats else None
     p = prefill_run(program, config, device, args.prefill, args.prefill_chunk)
     if stats:
@@ -101,19 +94,16 @@ def measure(program, config, cfg: dict, args, device: str, full_cfg: dict, bw: f
     return res
 
 
-PDL = {"auto": None, "on": True, "off": False}
-
-
-def run_all_device(path: Path, cfg: dict, full_cfg: dict, args, device: str, bw: float, pdl: str = "auto") -> dict:
-    """``pdl``: programmatic dependent launch as the model prefers it (auto), or forced on / off."""
+def run_all_device(path: Path, cfg: dict, full_cfg: dict, args, device: str, bw: float) -> dict:
+    """Every weight on the device; programmatic dependent launch as the model prefers it."""
     from ninfer.contract.config import StartupOptions
 
     options = StartupOptions(device=device, max_concurrency=max(args.batches), max_model_len=_max_len(args),
-                             context_cache=False, pdl=PDL[pdl] if device.startswith("cuda") else None)
+                             context_cache=False)
     t = clock()
 
     def run(inst) -> dict:
-        res: dict = {"start_s": clock() - t, "placement": inst.memory.placement, "pdl": pdl,
+        res: dict = {"start_s": clock() - t, "placement": inst.memory.placement, "pdl": inst.program.pdl,
                      "graphs": inst.program.graphs is not None, "graph_note": inst.program.graph_error}
         res.update(measure(inst.program, inst.config, cfg, args, device, full_cfg, bw))
         return res
@@ -250,10 +240,6 @@ def parse_args(argv=None):
     p.add_argument("--budget-gib", type=float, default=24.0, help="device budget of the host-experts plan")
     p.add_argument("--plan-max-model-len", type=int, default=None,
                    help="max_model_len of the host-experts plan (default: the model's limit)")
-    p.add_argument("--pdl", default="auto", choices=sorted(PDL),
-                   help="programmatic dependent launch as the model prefers it (auto), or forced on / off")
-    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
-                   help="also profile STEPS decode steps at B=1 in each placement (kernels and host ops per step)")
     p.add_argument("--hf-new-tokens", type=int, default=32)
     p.add_argument("--no-host", dest="host", action="store_false", help="skip the host-experts placement")
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers baseline")
@@ -332,7 +318,7 @@ def _run(argv) -> int:
             print(f"# {key}", flush=True)
             try:
                 common = (art, cfg, full_cfg, args, device, res["copy_tb_s"])
-                res[key] = run_all_device(*common, args.pdl) if key == "all_device" else \
+                res[key] = run_all_device(*common) if key == "all_device" else \
                     run_host_experts(*common, res["plan"])
             except HostExpertsUnavailable as exc:
                 res[key] = {"unavailable": str(exc)}

@@ -35,9 +35,8 @@ clock = time.perf_counter
 PDL = ("auto", "on", "off")
 
 
-def time_variant(params, cfg: dict, args, device: str, pdl_choice: str, profile: bool = False) -> dict:
-    """Start a Program over ``params`` with PDL as chosen and time decode at every B (and the engine's); with
-    ``profile``, then also profile ``args.profile`` steps at B=1 (the full table beside ``--json``)."""
+def time_variant(params, cfg: dict, args, device: str, pdl_choice: str) -> dict:
+    """Start a Program over ``params`` with PDL as chosen and time decode at every B (and the engine's)."""
     import torch
 
     pdl = auto_pdl(params, device) if pdl_choice == "auto" else pdl_choice == "on"
@@ -52,12 +51,6 @@ def time_variant(params, cfg: dict, args, device: str, pdl_choice: str, profile:
             if args.engine:
                 row.update(measure_engine(program, config, device, B, context=args.context, steps=args.steps))
             res["rows"].append(row)
-        if profile:
-            from benchmarks.moe_runs import print_profile, profile_run
-
-            table = Path(args.json).with_name("profile_full_depth.txt") if args.json else None
-            res["profile"] = profile_run(program, config, device, 1, args.context, args.profile, table)
-            print_profile(f"full depth, pdl {pdl}", res["profile"])
     finally:
         program.release_graphs()
         del program
@@ -130,8 +123,6 @@ def parse_args(argv=None):
                         "the reported one")
     p.add_argument("--rounds", type=int, default=1, help="times the --pdl list runs, in order")
     p.add_argument("--engine", action="store_true", help="also time each B through ninfer.Engine (pipelined)")
-    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
-                   help="profile STEPS decode steps at B=1 on the first run (kernels per step)")
     p.add_argument("--json", default=None, help="write every figure here")
     return p.parse_args(argv)
 
@@ -171,8 +162,7 @@ def _run(argv) -> int:
     res["distinct_experts"] = distinct
     for i in range(args.rounds):
         for spec in args.variants:
-            run = time_variant(params, cfg, args, device, spec.split("=")[1],
-                               bool(args.profile) and i == 0 and spec == args.variants[0])
+            run = time_variant(params, cfg, args, device, spec.split("=")[1])
             res["runs"].append({"round": i, "variant": spec, **run})
             print(f"# round {i} {spec} (pdl {run['pdl']}): " + ", ".join(
                 f"B={r['batch']} {r['ms_median']:.3f} ms" + (f" (engine {r['engine_ms_per_step']:.3f})"

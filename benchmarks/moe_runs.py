@@ -111,47 +111,6 @@ def decode_run(program, config, device: str, B: int, context: int, steps: int, s
     return row
 
 
-def profile_run(program, config, device: str, B: int, context: int, steps: int, path: Path | None = None,
-                top: int = 25) -> dict:
-    """torch.profiler over ``steps`` decode steps of B rows: per step, the device kernels' time and count
-    (CUDA) and the host ops' self time (where a host-experts step spends its host time); the full tables go
-    to ``path``."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = device.startswith("cuda")
-    with warm_decode(program, config, B, context) as step:
-        sync(device)
-        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-            t = clock()
-            for _ in range(steps):
-                step()
-            sync(device)
-            wall = clock() - t
-    events = prof.key_averages()
-    kernels = sorted((e for e in events if e.device_type.name == "CUDA"), key=lambda e: e.self_device_time_total,
-                     reverse=True)
-    host = sorted((e for e in events if e.device_type.name == "CPU"), key=lambda e: e.self_cpu_time_total,
-                  reverse=True)
-    if path is not None:
-        path.write_text(events.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
-                                     row_limit=80)
-                        + "\n" + events.table(sort_by="self_cpu_time_total", row_limit=60))
-    return {"batch": B, "steps": steps, "ms_per_step_profiled": wall / steps * 1e3,
-            "device_busy_ms_per_step": sum(e.self_device_time_total for e in kernels) / steps / 1e3,
-            "kernels": [{"name": e.key[:100], "us_per_step": e.self_device_time_total / steps,
-                         "calls_per_step": e.count / steps} for e in kernels[:top]],
-            "host": [{"name": e.key[:100], "us_per_step": e.self_cpu_time_total / steps,
-                      "calls_per_step": e.count / steps} for e in host[:top]]}
-
-
-def print_profile(title: str, prof: dict) -> None:
-    print(f"#   profile {title} B={prof['batch']}: {prof['ms_per_step_profiled']:.3f} ms/step under the profiler, "
-          f"device kernels busy {prof['device_busy_ms_per_step']:.3f} ms/step", flush=True)
-    for kind in ("kernels", "host"):
-        for e in prof[kind]:
-            print(f"#     {kind[:4]} {e['us_per_step']:9.1f} us {e['calls_per_step']:6.1f}x  {e['name']}")
-
-
 def prefill_run(program, config, device: str, tokens: int, chunk: int, reps: int = 2) -> dict:
     """Seconds from a ``tokens``-token prompt to its first sampled token, in chunks of ``chunk``; best of ``reps``."""
     import torch
