@@ -26,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
+FP32 = ("A_log", "linear_attn.norm.weight")  # kept fp32 in published checkpoints
 
 # Every figure is timed with this monotonic clock (seconds); the CPU smoke tests substitute a deterministic one.
 clock = time.perf_counter
@@ -202,6 +203,7 @@ def write_source(directory: Path, config: dict, device: str, shard_bytes: int = 
     from ninfer_qwen35.config import parse_config
     from ninfer_qwen35.source_mapping import expected_parameters
 
+    # tensors are made on the device one at a time and a shard is written once full: host memory holds one shard
     write_source_files(directory, config)
     gen_device = "cuda" if device.startswith("cuda") else "cpu"
     g = torch.Generator(device=gen_device).manual_seed(0)
@@ -209,7 +211,7 @@ def write_source(directory: Path, config: dict, device: str, shard_bytes: int = 
 
     def tensors():
         for name, (_, shape) in params.items():
-            dtype = torch.float32 if name.endswith(("A_log", "linear_attn.norm.weight")) else torch.bfloat16
+            dtype = torch.float32 if name.endswith(FP32) else torch.bfloat16
             yield name, torch.randn(shape, generator=g, device=gen_device, dtype=torch.float32).mul_(0.02).to(dtype).cpu()
 
     return write_shards(directory, tensors(), shard_bytes=shard_bytes)

@@ -38,7 +38,15 @@ import traceback
 from pathlib import Path
 
 from benchmarks import moe_weights as mw
-from benchmarks.harness import device_info, fmt, plugin_host, run_with_plugins, target_lines
+from benchmarks.harness import (
+    GIB,
+    device_info,
+    fmt,
+    plugin_host,
+    run_with_plugins,
+    target_lines,
+    write_source,
+)
 from benchmarks.moe_runs import (
     WARMUP_STEPS,
     decode_run,
@@ -304,11 +312,11 @@ def _run(argv) -> int:
     failed = False
     try:
         res["copy_tb_s"] = copy_bandwidth(device)
-        res["plan"] = mw.expert_cache_plan(args.shape, workdir, device=device, budget_bytes=int(args.budget_gib * mw.GIB),
+        res["plan"] = mw.expert_cache_plan(args.shape, workdir, device=device, budget_bytes=int(args.budget_gib * GIB),
                                            max_concurrency=max(args.batches), max_model_len=args.plan_max_model_len)
         src, art = workdir / "hf", workdir / f"{args.shape}-{args.layers}l.ninfer"
         t = clock()
-        res["checkpoint_bytes"] = mw.write_checkpoint(src, cfg, device)
+        res["checkpoint_bytes"] = write_source(src, cfg, device, shard_bytes=2 * GIB)
         res["write_s"] = clock() - t
         res["convert_s"] = convert_checkpoint(src, art, host=plugin_host()).seconds
         if not args.hf:

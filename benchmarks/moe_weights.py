@@ -13,13 +13,12 @@ import math
 import shutil
 from pathlib import Path
 
+from benchmarks.harness import FP32
 from benchmarks.shapes import MOE_SHAPES, SHAPES
 
-GIB = 1 << 30
 HF_MODEL_TYPE = "qwen3_5_moe_text"  # transformers' AutoModelForCausalLM reads it as Qwen3_5MoeForCausalLM
 EMBED = "model.embed_tokens.weight"
 BANKS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
-FP32 = ("A_log", "linear_attn.norm.weight")  # kept fp32 in published checkpoints
 
 # For CPU smoke runs: the tiny dense shape with a sparse block (8 experts, top-2), 8 layers at full depth.
 _TINY = {k: v for k, v in SHAPES["tiny"].items() if k != "intermediate_size"}
@@ -74,26 +73,6 @@ def step_bytes(cfg: dict, batch: int, context: int, distinct: float) -> float:
     kv_per_token = sum(PagedKVPool.page_bytes(p) for p in kv_pools(config, 16, "bfloat16")) // 16
     experts = cfg["num_hidden_layers"] * distinct * w["expert"]
     return w["dense_read"] + experts + batch * (2 * state + context * kv_per_token)
-
-
-def write_checkpoint(directory: Path, cfg: dict, device: str, *, shard_bytes: int = 2 * GIB, seed: int = 0) -> int:
-    """A random checkpoint of ``cfg`` (config.json, the small test tokenizer, safetensors shards + index). Tensors
-    are made on ``device`` one at a time and a shard is written once full, so host memory holds one shard at most.
-    Returns the tensor bytes written."""
-    import torch
-
-    from benchmarks.harness import write_shards, write_source_files
-
-    write_source_files(directory, cfg)
-    gen_device = "cuda" if device.startswith("cuda") else "cpu"
-    g = torch.Generator(device=gen_device).manual_seed(seed)
-
-    def tensors():
-        for name, (shape, elem) in parameters(cfg).items():
-            dtype = torch.float32 if elem == 4 else torch.bfloat16
-            yield name, torch.randn(shape, generator=g, device=gen_device, dtype=torch.float32).mul_(0.02).to(dtype).cpu()
-
-    return write_shards(directory, tensors(), shard_bytes=shard_bytes)
 
 
 def expert_cache_plan(shape: str, workdir: Path, *, device: str, budget_bytes: int, max_concurrency: int,

@@ -14,9 +14,9 @@ import json
 import math
 from pathlib import Path
 
+from benchmarks.harness import FP32, GIB
 from benchmarks.shapes import SHAPES
 
-GIB = 1 << 30
 # Qwen3_5VisionConfig as the 9B / 27B / MoE checkpoints publish it (qwen35_arch.md 1.3, 5.2); out_hidden_size is
 # the LM hidden size.
 PUBLISHED_VISION = {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16, "in_channels": 3,
@@ -33,7 +33,6 @@ PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessorFast", "processor_
                 "size": {"shortest_edge": 65536, "longest_edge": 16777216}, "image_mean": [0.5, 0.5, 0.5],
                 "image_std": [0.5, 0.5, 0.5], "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
                 "do_convert_rgb": True, "resample": 3}
-FP32 = ("A_log", "linear_attn.norm.weight")  # kept fp32 in published checkpoints
 
 
 def vl_config(text_shape: str, vision: dict, token_ids: dict[str, int]) -> dict:
