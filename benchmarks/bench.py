@@ -26,12 +26,9 @@ prefill unless ``--prefill`` names it.
 from __future__ import annotations
 
 import argparse
-import gc
-import json
 import shutil
 import sys
 import tempfile
-import traceback
 from pathlib import Path
 
 from benchmarks import ceilings as device_ceilings
@@ -39,11 +36,9 @@ from benchmarks import harness
 from benchmarks.harness import (
     close_engine,
     decode_tokens,
-    device_info,
     fmt,
     prompts,
     run_streams,
-    run_with_plugins,
     steady_decode,
     sync,
     target_lines,
@@ -359,73 +354,44 @@ def parse_args(argv=None):
 
 
 def _validate(args) -> str | None:
-    if not all(1 <= b <= 8 for b in args.batches):
-        return "--batches values must be in 1..8 (the engine's max_concurrency range)"
+    """This benchmark's own arguments (the harness checks --batches and --prefill-chunk), and room on the disk."""
     for name in ("contexts", "prefill", "hf_batches"):
         if min(getattr(args, name)) < 1:
             return f"--{name.replace('_', '-')} values must be >= 1"
-    if args.steps < 3 or args.prefill_reps < 1 or args.prefill_chunk < 1 or args.hf_prompt < 1:
-        return "--steps must be >= 3; --prefill-reps, --prefill-chunk and --hf-prompt >= 1"
+    if args.steps < 3 or args.prefill_reps < 1 or args.hf_prompt < 1:
+        return "--steps must be >= 3; --prefill-reps and --hf-prompt >= 1"
     if args.hf_new_tokens < 2:
         return "--hf-new-tokens must be >= 2"
-    return None
-
-
-def main(argv=None) -> int:
-    return run_with_plugins(_run, argv)
-
-
-def _run(argv) -> int:
-    args = parse_args(argv)
-    if (err := _validate(args)) is not None:
-        print(f"bench: {err}", file=sys.stderr)
-        return 2
-    import torch
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        print("bench: no CUDA device; use --device cpu", file=sys.stderr)
-        return 2
     if args.profile:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
     base = Path(args.workdir or tempfile.gettempdir())
     base.mkdir(parents=True, exist_ok=True)
-    args.workdir = str(base)
     for s in args.shape:  # source + artifact coexist until the engine ran
         if args.artifact_cache and not args.hf and (Path(args.artifact_cache) / f"{s}.ninfer").exists():
             continue
         need = 2.05 * 2 * sum(model_figures(SHAPES[s])[k] for k in ("layer_matmul_params", "lm_head_params",
                                                                       "embedding_params"))
         if shutil.disk_usage(base).free < need:
-            print(f"bench: {base} has {shutil.disk_usage(base).free / 1e9:.1f} GB free, shape {s} needs about "
-                  f"{need / 1e9:.1f} GB; pass --workdir", file=sys.stderr)
-            return 2
-    t0 = harness.clock()
-    result: dict = {"device": device_info(device), "args": {k: v for k, v in vars(args).items()}}
-    if args.ceilings:
+            return f"{base} has {shutil.disk_usage(base).free / 1e9:.1f} GB free, shape {s} needs about " \
+                   f"{need / 1e9:.1f} GB; pass --workdir"
+    return None
+
+
+def main(argv=None) -> int:
+    ceilings: dict = {}
+
+    def measure_ceilings(args, device: str) -> dict:
+        if not args.ceilings:
+            return {}
         print("# ceilings", flush=True)
-        result["ceilings"] = device_ceilings.measure(args.shape, sorted(set(args.batches)), device)
-    result["shapes"] = {}
-    failed = []
-    for s in args.shape:
-        print(f"# shape {s}", flush=True)
-        try:
-            result["shapes"][s] = bench_shape(s, args, device, result.get("ceilings"))
-        except Exception as exc:  # one shape's failure must not lose the others' figures
-            traceback.print_exc()
-            result["shapes"][s] = {"shape": s, "error": f"{type(exc).__name__}: {exc}"}
-            failed.append(s)
-            gc.collect()
-            if device.startswith("cuda"):
-                torch.cuda.empty_cache()
-        if args.json:  # keep what is measured even if a later shape fails
-            Path(args.json).write_text(json.dumps(result, indent=2, default=str))
-    result["wall_s"] = harness.clock() - t0
-    print(markdown(result))
-    print(f"\n# wall time {result['wall_s']:.1f} s" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
-    return 1 if failed else 0
+        ceilings.update(device_ceilings.measure(args.shape, sorted(set(args.batches)), device))
+        return {"ceilings": ceilings}
+
+    def one_shape(shape: str, args, device: str, res: dict) -> None:
+        res.update(bench_shape(shape, args, device, ceilings or None))
+
+    return harness.shape_benchmark_main("bench", argv, parse_args=parse_args, validate=_validate,
+                                        bench_shape=one_shape, markdown=markdown, prepare=measure_ceilings)
 
 
 if __name__ == "__main__":

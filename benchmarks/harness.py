@@ -369,16 +369,16 @@ def device_left(device: str) -> int | None:
 # -- the per-shape driver ------------------------------------------------------------------------------
 
 
-def shape_benchmark_main(tool: str, argv, *, parse_args, validate, bench_shape, markdown) -> int:
-    """The ``main`` a per-shape benchmark shares (``context_cache``, ``constrained_decode``): parse its
-    arguments, check the ones every such benchmark has (``--batches``, ``--prefill-chunk``) and then its own
-    (``validate``; a message: exit 2), then ``drive_shapes`` with the plugins importable."""
+def shape_benchmark_main(tool: str, argv, *, parse_args, validate, bench_shape, markdown, prepare=None) -> int:
+    """The ``main`` a per-shape benchmark shares (``bench``, ``context_cache``): parse its arguments, check the
+    ones every such benchmark has (``--batches``, ``--prefill-chunk``) and then its own (``validate``; a message:
+    exit 2), then ``drive_shapes`` with the plugins importable."""
     def run(argv) -> int:
         args = parse_args(argv)
         if (err := _shared_problem(args) or validate(args)) is not None:
             print(f"{tool}: {err}", file=sys.stderr)
             return 2
-        return drive_shapes(tool, args, bench_shape, markdown)
+        return drive_shapes(tool, args, bench_shape, markdown, prepare)
 
     return run_with_plugins(run, argv)
 
@@ -391,9 +391,10 @@ def _shared_problem(args) -> str | None:
     return None
 
 
-def drive_shapes(tool: str, args, bench_shape, markdown) -> int:
-    """Resolve the device and the prefill chunk, run ``bench_shape(shape, args, device, res)`` for each shape
-    (one shape's failure keeps the others' figures), write the JSON after each, then print ``markdown(result)``."""
+def drive_shapes(tool: str, args, bench_shape, markdown, prepare=None) -> int:
+    """Resolve the device and the prefill chunk, add ``prepare(args, device)`` (a dict: figures every shape shares)
+    to the result, run ``bench_shape(shape, args, device, res)`` for each shape (one shape's failure keeps the
+    others' figures), write the JSON after each, then print ``markdown(result)``."""
     import torch
 
     from ninfer.contract.config import default_prefill_chunk
@@ -407,7 +408,9 @@ def drive_shapes(tool: str, args, bench_shape, markdown) -> int:
     base.mkdir(parents=True, exist_ok=True)
     args.workdir = str(base)
     t0 = clock()
-    result: dict = {"device": device_info(device), "args": dict(vars(args)), "shapes": {}}
+    result: dict = {"device": device_info(device), "args": dict(vars(args))}
+    result.update(prepare(args, device) if prepare else {})
+    result["shapes"] = {}
     failed = []
     for s in args.shape:
         print(f"# shape {s}", flush=True)
