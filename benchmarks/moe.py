@@ -48,13 +48,13 @@ from benchmarks.harness import (
     write_source,
 )
 from benchmarks.moe_runs import (
-    WARMUP_STEPS,
     decode_run,
     head_ms,
     on_instance,
     prefill_run,
     stats_delta,
 )
+from benchmarks.programs import WARMUP_STEPS
 
 clock = time.perf_counter
 B1_FLOOR_TARGET = 0.6  # all-device decode B=1 at >= 0.6 of its bytes floor (full depth)

@@ -7,16 +7,17 @@ Program-level, as benchmarks/programs.py times a step: ``reserve_units``, ``deco
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import statistics
 import time
 from pathlib import Path
 
 from benchmarks.harness import sync
+from benchmarks.programs import prefill, timed_steps, warm_decode
 
 clock = time.perf_counter
-WARMUP_STEPS = 3
+
+
 def _median_ms(fn, device: str, iters: int = 10) -> float:
     fn()
     times = []
@@ -66,42 +67,12 @@ def head_ms(program, device: str, rows: int, tokens: int) -> float:
         return _median_ms(lambda: (F.embedding(ids, p.embed), program.model.logits(hidden).argmax(-1)), device)
 
 
-@contextlib.contextmanager
-def warm_decode(program, config, B: int, context: int):
-    """B greedy sequences after ``context`` prompt tokens each, warmed by ``WARMUP_STEPS`` decode steps; yields
-    one step (reserve, decode, commit of every row) and releases the sequences on exit."""
-    from benchmarks.programs import prefilled_sequences
-    from ninfer.contract.batch import RowDecision
-
-    seqs = prefilled_sequences(program, config, B, context)
-
-    def step() -> None:
-        for sid in seqs:
-            if not program.reserve_units(sid, 1):
-                raise RuntimeError("the KV pool is too small for the decode run")
-        program.commit(program.decode(seqs), [RowDecision(accepted=1)] * B)
-
-    try:
-        for _ in range(WARMUP_STEPS):
-            step()
-        yield step
-    finally:
-        for sid in seqs:
-            program.release(sid)
-
-
 def decode_run(program, config, device: str, B: int, context: int, steps: int, stats=None) -> dict:
     """Median ms of a B-row decode step (reserve + decode + commit) after ``context`` prompt tokens per row;
     ``stats()`` (the host experts' counters) is read around the timed steps."""
     with warm_decode(program, config, B, context) as step:
         before = stats() if stats else None
-        times = []
-        for _ in range(steps):
-            sync(device)
-            t = clock()
-            step()
-            sync(device)
-            times.append((clock() - t) * 1e3)
+        times = timed_steps(step, device, steps)
         after = stats() if stats else None
     ms = statistics.median(times)
     row = {"batch": B, "context": context, "steps": steps, "ms_per_step": ms, "ms_mean": statistics.mean(times),
@@ -115,7 +86,6 @@ def prefill_run(program, config, device: str, tokens: int, chunk: int, reps: int
     """Seconds from a ``tokens``-token prompt to its first sampled token, in chunks of ``chunk``; best of ``reps``."""
     import torch
 
-    from ninfer.contract.batch import RowDecision
     from ninfer.contract.prompt import PreparedPrompt
     from ninfer.contract.request import SamplingParams
 
@@ -127,13 +97,7 @@ def prefill_run(program, config, device: str, tokens: int, chunk: int, reps: int
         try:
             sync(device)
             t = clock()
-            while program.input_remaining(sid):
-                n = min(chunk, program.input_remaining(sid))
-                if not program.reserve_units(sid, n):
-                    raise RuntimeError("the KV pool is too small for the prefill run")
-                batch = program.prefill(sid, n)
-                if batch is not None:
-                    program.commit(batch, [RowDecision(accepted=1)])
+            prefill(program, sid, chunk)
             sync(device)
             seconds.append(clock() - t)
         finally:

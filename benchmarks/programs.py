@@ -6,6 +6,7 @@ replayed alone, and the same rows through ``ninfer.Engine``. Used by ``numerics`
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -13,6 +14,8 @@ import torch
 
 from benchmarks.harness import sync
 from benchmarks.shapes import SHAPES
+
+WARMUP_STEPS = 3
 
 
 def random_weights(config, device: str, dtype: torch.dtype, features: tuple[str, ...] = ("text",), seed: int = 0):
@@ -82,9 +85,21 @@ def build_program(shape: str | dict, device: str, *, max_batch: int, context: in
         cuda_graphs=graphs, static_decode=static_decode)
 
 
+def prefill(program, sid: int, chunk: int = 512) -> None:
+    """Run sequence ``sid``'s remaining prompt through ``program`` in units of at most ``chunk`` tokens."""
+    from ninfer.contract.batch import RowDecision
+
+    while program.input_remaining(sid):
+        n = min(chunk, program.input_remaining(sid))
+        if not program.reserve_units(sid, n):
+            raise RuntimeError("the KV pool is too small for the benchmark's prefill")
+        batch = program.prefill(sid, n)
+        if batch is not None:
+            program.commit(batch, [RowDecision(accepted=1)])
+
+
 def prefilled_sequences(program, config, B: int, context: int) -> list[int]:
     """B greedy sequences opened on ``program``, each with ``context`` random prompt tokens prefilled."""
-    from ninfer.contract.batch import RowDecision
     from ninfer.contract.prompt import PreparedPrompt
     from ninfer.contract.request import SamplingParams
 
@@ -92,38 +107,51 @@ def prefilled_sequences(program, config, B: int, context: int) -> list[int]:
     seqs = []
     for _ in range(B):
         prompt = PreparedPrompt(token_ids=torch.randint(0, config.vocab_size, (context,), generator=gen).tolist())
-        sid = program.open_sequence(prompt, SamplingParams(temperature=0.0))
-        while program.input_remaining(sid):
-            n = min(512, program.input_remaining(sid))
-            assert program.reserve_units(sid, n)
-            batch = program.prefill(sid, n)
-            if batch is not None:
-                program.commit(batch, [RowDecision(accepted=1)])
-        seqs.append(sid)
+        seqs.append(program.open_sequence(prompt, SamplingParams(temperature=0.0)))
+        prefill(program, seqs[-1])
     return seqs
 
 
-def measure(program, config, device: str, B: int, *, context: int, steps: int, warmup: int = 3) -> dict:
-    """Median and mean ms per decode step (reserve + decode + commit) for B rows at ~``context`` tokens."""
+@contextlib.contextmanager
+def warm_decode(program, config, B: int, context: int):
+    """B greedy sequences after ``context`` prompt tokens each, warmed by ``WARMUP_STEPS`` decode steps; yields
+    one step (reserve, decode, commit of every row) and releases the sequences on exit."""
     from ninfer.contract.batch import RowDecision
 
     seqs = prefilled_sequences(program, config, B, context)
-    times = []
-    for i in range(warmup + steps):
-        sync(device)
-        t0 = time.perf_counter()
+
+    def step() -> None:
         for sid in seqs:
             if not program.reserve_units(sid, 1):
-                raise RuntimeError("KV pool too small for the benchmark")
-        batch = program.decode(seqs)
-        program.commit(batch, [RowDecision(accepted=1)] * B)
+                raise RuntimeError("the KV pool is too small for the benchmark's decode")
+        program.commit(program.decode(seqs), [RowDecision(accepted=1)] * B)
+
+    try:
+        for _ in range(WARMUP_STEPS):
+            step()
+        yield step
+    finally:
+        for sid in seqs:
+            program.release(sid)
+
+
+def timed_steps(step, device: str, steps: int) -> list[float]:
+    """ms of each of ``steps`` calls of ``step``, the device synchronised around each."""
+    times = []
+    for _ in range(steps):
         sync(device)
-        if i >= warmup:
-            times.append((time.perf_counter() - t0) * 1e3)
-    graph_ms = replay_ms(program, B, steps) if program.graphs is not None and device.startswith("cuda") else None
-    for sid in seqs:
-        program.release(sid)
-    times.sort()
+        t0 = time.perf_counter()
+        step()
+        sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def measure(program, config, device: str, B: int, *, context: int, steps: int) -> dict:
+    """Median and mean ms per decode step (reserve + decode + commit) for B rows at ~``context`` tokens."""
+    with warm_decode(program, config, B, context) as step:
+        times = sorted(timed_steps(step, device, steps))
+        graph_ms = replay_ms(program, B, steps) if program.graphs is not None and device.startswith("cuda") else None
     med = times[len(times) // 2]
     return {"batch": B, "ms_median": med, "ms_mean": sum(times) / len(times), "tokens_per_s": B / med * 1e3,
             "graphs": program.graphs is not None, "graph_ms": graph_ms}
