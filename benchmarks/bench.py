@@ -128,7 +128,7 @@ def bench_engine(artifact: Path, shape: str, cfg: dict, args, device: str, chain
         page_size=page_size, num_pages=num_pages))
     sync(device)
     res: dict = {"start_s": harness.clock() - t, "max_model_len": max_len, "prefill_chunk": args.prefill_chunk,
-                 "graphs": getattr(engine.instance.program, "graphs", None) is not None}
+                 "graphs": engine.instance.program.graphs is not None}
     import attrs
 
     res["memory"] = attrs.asdict(engine.memory)

@@ -84,15 +84,15 @@ def time_units(program, config, device: str, B: int, *, context: int, steps: int
         if i >= warmup:
             unit.append((time.perf_counter() - t0) * 1e3)
             tokens += sum(r.produced for r in batch.rows)
-        graphs = getattr(program, "graphs", None)
-        if i >= warmup and program.decode_span > 1 and graphs is not None and B in getattr(graphs, "graphs", {}):
+        graphs = program.graphs  # a verify unit's VerifyGraphs (None without CUDA graphs)
+        if i >= warmup and program.decode_span > 1 and graphs is not None and B in graphs.graphs:
             sync(device)
             t0 = time.perf_counter()
             graphs.forward(B)
             sync(device)
             forward.append((time.perf_counter() - t0) * 1e3)
     commit = []
-    graphs = getattr(program, "graphs", None)
+    graphs = program.graphs
     if program.decode_span > 1 and graphs is not None:  # the accepted state's scatter alone (last step kept)
         for _ in range(10):
             sync(device)
