@@ -16,6 +16,7 @@ import ninfer.models.common.paged_program
 import ninfer.models.common.sampler
 import ninfer.models.common.speculative.program
 from ninfer.contract.batch import RowDecision
+from ninfer.contract.memory import ProgramCapacity
 from ninfer.contract.prompt import PreparedPrompt
 from ninfer.contract.request import SamplingParams
 from ninfer.contract.state import KVPoolSpec, StateImageLayout
@@ -34,7 +35,7 @@ class EmbedProgram(PagedProgram):
 
     def __init__(self) -> None:
         super().__init__(state_layout=StateImageLayout(fields=()), kv_pool=SPEC, device="cpu", max_concurrency=2,
-                         num_pages=8, vocab_size=V)
+                         capacity=ProgramCapacity(kv_pages=8), vocab_size=V)
         gen = torch.Generator().manual_seed(0)
         self.embed, self.head = torch.randn(V, D, generator=gen), torch.randn(D, V, generator=gen)
         self.start_graphs(cuda_graphs=False, static_decode=False)
