@@ -5,7 +5,7 @@ max_concurrency and the output path run once before the port opens) that neither
 context cache; the last one is constrained, so the vocabulary's grammar tables are built and the mask path
 runs before the first client's constrained request. With the vision feature one more request carries a small
 picture, so the media path (preparation, the encoder, MRoPE prefill) has run and compiled its kernels before
-the first client's image (a cold first image pays for kernel compilation: docs/performance.md, issue 22).
+the first client's image (a cold first image pays for kernel compilation: docs/performance.md, "Vision encoder").
 Afterwards the engine must be back to empty: no resident, paused or queued request and every page, slot and
 host byte free.
 """

@@ -63,7 +63,7 @@ class StartupFeatures:
 def default_prefill_chunk(device: str) -> int:
     """Prompt tokens per prefill unit when none is given. On a GPU, 2048: long enough for the prefill matmuls to
     run near their peak rate, short enough that a decode row waits at most one chunk (docs/performance.md,
-    "Prefill chunk"); on the CPU, 512 keeps other rows' inter-token gaps short."""
+    "Prefill"); on the CPU, 512 keeps other rows' inter-token gaps short."""
     return 2048 if device.startswith("cuda") else 512
 
 

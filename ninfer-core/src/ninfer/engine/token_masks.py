@@ -5,7 +5,7 @@ unit of those sequences, so each session's matcher stands exactly before the tok
 no longer bound to a request (finished while its row was in flight) is unconstrained: its token is never kept.
 
 A unit's rows may be spread over fill threads: a position of a large JSON Schema or a GBNF grammar is slow
-to fill (docs/performance.md, issue 18), and the fills of different sessions touch different matchers (their
+to fill (docs/performance.md, "Constrained decoding"), and the fills of different sessions touch different matchers (their
 C++ fill releases the GIL). Handing a cheap fill to a thread costs more than it saves, so the choice is
 measured: units are filled by the worker alone first; once that costs more than PARALLEL_ABOVE_S, spreading
 (the worker plus a small TaskPool, started then) is tried, and from then on the cheaper way per row is used,

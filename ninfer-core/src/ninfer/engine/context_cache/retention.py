@@ -21,8 +21,8 @@ def _positive(_instance: object, attribute: attrs.Attribute, value: float) -> No
 @attrs.frozen(kw_only=True)
 class CostModel:
     """Recovery cost estimates: prefill seconds per token and pinned host->device seconds per byte, as
-    ``benchmarks/context_cache.py`` calibrates them for a 9B bf16 model on one H200 (the figures are in
-    docs/performance.md, "Issue 17", calibration). Only their ratio to each other and to the bytes matters, not their
+    ``scripts/gpu cache`` calibrates them for a 9B bf16 model on one H200 (the figures are in
+    docs/performance.md, "Context cache"). Only their ratio to each other and to the bytes matters, not their
     absolute scale."""
 
     recompute_s_per_token: float = attrs.field(default=3.1e-5, validator=_positive)

@@ -3,7 +3,7 @@
 xgrammar compiles most of Draft 2020-12 but ignores or mis-enforces a few keywords (measured in
 ``shared/reference/constrained_frontend.md`` §1.2: ``allOf`` not enforced, ``uniqueItems`` ignored,
 ``patternProperties`` rejecting valid instances; vLLM routes the same set away from xgrammar), and drops two
-combinations with only a warning on stderr (``benchmarks/grammar_masks.py`` on JSONSchemaBench): string
+combinations with only a warning on stderr (measured on JSONSchemaBench): string
 lengths beside a ``pattern``, and ``multipleOf`` beside a range. An output that silently breaks the user's
 schema is worse than a 400 that names the keyword, so these are errors. ``oneOf`` compiles as ``anyOf``
 (an output may match several branches only where they overlap); it is accepted, and documented. A ``$ref``
