@@ -22,8 +22,11 @@ from collections.abc import Mapping, Sequence
 
 ESCAPE = re.compile(r"\x1b(\[[0-9;?]*[ -/]*[@-~]|[@-Z\\-_])|\r")
 UNFINISHED_ESCAPE = re.compile(r"\x1b(\[[0-9;?]*[ -/]*)?$")
-# Run in the child: make the terminal on fd 0 its controlling terminal (a new session), then become the command.
-LAUNCHER = "import os, sys; os.login_tty(0); os.execv(sys.argv[1], sys.argv[1:])"
+# Run in the child: make the terminal on fd 0 its controlling terminal (a new session), give Ctrl-C its default
+# meaning back (a test process may have inherited or set SIGINT ignored or blocked, and an ignored SIGINT stays
+# ignored across exec: Python then installs no KeyboardInterrupt handler), then become the command.
+LAUNCHER = ("import os, signal, sys; os.login_tty(0); signal.signal(signal.SIGINT, signal.SIG_DFL); "
+            "signal.pthread_sigmask(signal.SIG_SETMASK, []); os.execv(sys.argv[1], sys.argv[1:])")
 
 
 class Terminal:
