@@ -6,9 +6,10 @@ loop under greedy decoding.
 A small model trained on little text falls into repetition loops under greedy decoding: once a line has been
 repeated, repeating it again becomes more likely each time. This phase fine-tunes the trained model on its usual
 next-token loss plus a loss on pseudo-repetitive windows (DITTO, Xu et al. 2022, "Learning to Break the Loop"):
-a window of real text, then one of its lines repeated until the window is full. On each token of the n-th repeat
-the model's probability p_n of that token is pulled towards lambda * p_{n-1} (the same token one repeat earlier,
-held fixed), through -log(1 - |p_n - lambda * p_{n-1}|), so each further repeat becomes less likely instead of more.
+a window of real text (never inside a chat), then one of its lines repeated until the window is full. On each
+token of the n-th repeat the model's probability p_n of that token is pulled towards lambda * p_{n-1} (the same
+token one repeat earlier, held fixed), through -log(1 - |p_n - lambda * p_{n-1}|), so each further repeat becomes
+less likely instead of more.
 
 The run's train_log.json then lists the new `unlooped-*` shards under "shards" (the main training's stay under
 "trained_shards") and the phase's log, with the greedy-loop report before and after, under "unloop".
@@ -36,16 +37,29 @@ def newline_ids(tok: Tokenizer) -> torch.Tensor:
     return torch.tensor([i for i in range(tok.get_vocab_size()) if "\n" in tok.decode([i])])
 
 
+def in_chats(stream: torch.Tensor, im_start: int, end_of_text: int) -> torch.Tensor:
+    """Which positions of the stream lie inside a chat: after an `<|im_start|>`, before the `<|endoftext|>` that
+    ends its conversation."""
+    pos = torch.arange(stream.numel())
+    last_start = torch.where(stream == im_start, pos, -1).cummax(0).values
+    last_end = torch.where(stream == end_of_text, pos, -1).cummax(0).values
+    return last_start > last_end
+
+
 def repeated_batch(stream: torch.Tensor, line_ends: torch.Tensor, batch: int, context: int, length: int,
-                   gen: torch.Generator) -> tuple[torch.Tensor, list[int]]:
+                   gen: torch.Generator, chats: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int]]:
     """[batch, length] windows: `context` tokens of real text, then the line that follows them (up to and with
-    its newline, 4 to 40 tokens) repeated to the end; and each window's line length."""
+    its newline, 4 to 40 tokens) repeated to the end; and each window's line length. With `chats` (`in_chats`),
+    no window touches a chat: a tool call repeats its `<parameter=...>` / `</parameter>` lines by design, and
+    teaching their repeats away costs the model its tool calls."""
     ends = torch.nonzero(torch.isin(stream, line_ends)).flatten()
     rows, periods = [], []
     while len(rows) < batch:
         k = int(torch.randint(1, ends.numel() - 1, (1,), generator=gen))
         start, stop = int(ends[k - 1]) + 1, int(ends[k]) + 1
         if start < context or not 4 <= stop - start <= 40:
+            continue
+        if chats is not None and bool(chats[start - context:stop].any()):
             continue
         line = stream[start:stop]
         reps = (length - context) // line.numel() + 1
@@ -113,6 +127,7 @@ def main() -> None:
     sampler = train_windows(train, args.seq, json.loads((args.data / "meta.json").read_text()))
     dev = held_out(args.data / "dev.u16", args.eval_tokens)
     line_ends = newline_ids(tok)
+    chats = in_chats(train, ids["<|im_start|>"], ids["<|endoftext|>"])
 
     autocast = autocast_for(device)
 
@@ -132,7 +147,7 @@ def main() -> None:
     step = 0
     for step in range(args.steps):
         batch = sampler.batch(args.batch, gen).to(device, non_blocking=True)
-        rep, periods = repeated_batch(train, line_ends, args.rep_batch, args.rep_context, args.rep_seq, gen)
+        rep, periods = repeated_batch(train, line_ends, args.rep_batch, args.rep_context, args.rep_seq, gen, chats)
         rep = rep.to(device)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args, time.time() - t0)
