@@ -24,7 +24,17 @@ import torch
 from model import TinyQwen35, run_intermediate, tiny_config
 from safetensors.torch import load_file
 from torch.nn import functional as F
-from train import adamw, autocast_for, evaluate, held_out, load_stream, lr_at, save_shards, train_windows
+from train import (
+    adamw,
+    add_run_arguments,
+    autocast_for,
+    evaluate,
+    held_out,
+    load_stream,
+    lr_at,
+    save_shards,
+    train_windows,
+)
 
 
 def distill_losses(model: TinyQwen35, ids: torch.Tensor, hard_weight: float) -> dict[str, torch.Tensor]:
@@ -54,22 +64,9 @@ def load_run(run: Path, model: TinyQwen35, log: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", type=Path, required=True, help="a train.py output folder; updated in place")
-    ap.add_argument("--data", type=Path, default=Path(".train_data"))
-    ap.add_argument("--steps", type=int, default=400)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--min-lr-frac", type=float, default=0.1)
-    ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--weight-decay", type=float, default=0.0)
+    add_run_arguments(ap, steps=400, lr=1e-3, warmup=20, weight_decay=0.0, eval_every=50, time_budget=60.0,
+                      phase="distillation")
     ap.add_argument("--hard-weight", type=float, default=0.0, help="weight of the main model's argmax as a target")
-    ap.add_argument("--eval-every", type=int, default=50)
-    ap.add_argument("--time-budget", type=float, default=60.0, help="seconds of distillation before stopping early")
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--shard-mib", type=float, default=15.0)
-    ap.add_argument("--eval-tokens", type=int, default=0, help="evaluate on this many tokens of each held-out "
-                    "play (0: all; fewer for smoke runs)")
     args = ap.parse_args()
 
     torch.manual_seed(args.seed)

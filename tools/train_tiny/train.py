@@ -142,27 +142,34 @@ def save_shards(state: dict[str, torch.Tensor], out: Path, shard_mib: float, pre
     return names
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_run_arguments(ap: argparse.ArgumentParser, *, steps: int, lr: float, warmup: int, weight_decay: float,
+                      eval_every: int, time_budget: float, phase: str, batch_help: str | None = None) -> None:
+    """The options every phase (training, unlooping, distillation) shares; the defaults are each phase's own."""
     ap.add_argument("--data", type=Path, default=Path(".train_data"))
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--steps", type=int, default=240)
-    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--batch", type=int, default=32, help=batch_help)
     ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--lr", type=float, default=1.5e-3)
+    ap.add_argument("--lr", type=float, default=lr)
     ap.add_argument("--min-lr-frac", type=float, default=0.1)
-    ap.add_argument("--warmup", type=int, default=60)
-    ap.add_argument("--weight-decay", type=float, default=0.1)
-    ap.add_argument("--mtp-weight", type=float, default=0.3)
-    ap.add_argument("--dropout", type=float, default=0.0, help="residual and embedding dropout while training")
-    ap.add_argument("--intermediate", type=int, default=768, help="the MLP width")
-    ap.add_argument("--eval-every", type=int, default=20)
-    ap.add_argument("--time-budget", type=float, default=480.0, help="seconds of training before stopping early")
+    ap.add_argument("--warmup", type=int, default=warmup)
+    ap.add_argument("--weight-decay", type=float, default=weight_decay)
+    ap.add_argument("--eval-every", type=int, default=eval_every)
+    ap.add_argument("--time-budget", type=float, default=time_budget, help=f"seconds of {phase} before stopping early")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--shard-mib", type=float, default=15.0)
     ap.add_argument("--eval-tokens", type=int, default=0, help="evaluate on this many tokens of each held-out "
                     "play (0: all; fewer for smoke runs)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    add_run_arguments(ap, steps=240, lr=1.5e-3, warmup=60, weight_decay=0.1, eval_every=20, time_budget=480.0,
+                      phase="training")
+    ap.add_argument("--mtp-weight", type=float, default=0.3)
+    ap.add_argument("--dropout", type=float, default=0.0, help="residual and embedding dropout while training")
+    ap.add_argument("--intermediate", type=int, default=768, help="the MLP width")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 

@@ -29,7 +29,17 @@ from loops import greedy_report
 from model import TinyQwen35, add_residual_dropout, run_intermediate, tiny_config
 from tokenizers import Tokenizer
 from torch.nn import functional as F
-from train import adamw, autocast_for, evaluate, held_out, load_stream, lr_at, save_shards, train_windows
+from train import (
+    adamw,
+    add_run_arguments,
+    autocast_for,
+    evaluate,
+    held_out,
+    load_stream,
+    lr_at,
+    save_shards,
+    train_windows,
+)
 
 
 def newline_ids(tok: Tokenizer) -> torch.Tensor:
@@ -83,10 +93,8 @@ def ditto_loss(logits: torch.Tensor, ids: torch.Tensor, periods: list[int], cont
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", type=Path, required=True, help="a train.py output folder; updated in place")
-    ap.add_argument("--data", type=Path, default=Path(".train_data"))
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--batch", type=int, default=32, help="windows of real text per step")
-    ap.add_argument("--seq", type=int, default=1024)
+    add_run_arguments(ap, steps=300, lr=3e-4, warmup=10, weight_decay=0.1, eval_every=50, time_budget=75.0,
+                      phase="unlooping", batch_help="windows of real text per step")
     ap.add_argument("--rep-batch", type=int, default=16, help="pseudo-repetitive windows per step")
     ap.add_argument("--rep-context", type=int, default=64)
     ap.add_argument("--rep-seq", type=int, default=320)
@@ -94,17 +102,6 @@ def main() -> None:
     ap.add_argument("--rep-weight", type=float, default=1.0)
     ap.add_argument("--mtp-weight", type=float, default=0.3)
     ap.add_argument("--dropout", type=float, help="residual dropout (default: the main training's)")
-    ap.add_argument("--lr", type=float, default=3e-4)
-    ap.add_argument("--min-lr-frac", type=float, default=0.1)
-    ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--weight-decay", type=float, default=0.1)
-    ap.add_argument("--eval-every", type=int, default=50)
-    ap.add_argument("--time-budget", type=float, default=75.0, help="seconds before stopping early")
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--shard-mib", type=float, default=15.0)
-    ap.add_argument("--eval-tokens", type=int, default=0, help="evaluate on this many tokens of each held-out "
-                    "play (0: all; fewer for smoke runs)")
     ap.add_argument("--new-tokens", type=int, default=80, help="tokens per greedy-loop prompt")
     args = ap.parse_args()
 
