@@ -86,3 +86,15 @@ def test_permits_intersect():
     assert intersect([ALLOW_A8, ALLOW_A4]) == ALLOW_A8
     assert intersect([ALLOW_A8, A16_ONLY]) == A16_ONLY
     assert intersect([]) == ALLOW_A4
+
+
+@pytest.mark.parametrize("quantize", [quantize_fp8_block, quantize_nvfp4])
+def test_an_expert_bank_is_its_experts_stacked(quantize):
+    experts = [quantize(torch.randn(256, 128)) for _ in range(3)]
+    stack = [torch.stack(p) if p[0] is not None else None
+             for p in zip(*[(q.data, q.scale, q.global_scale) for q in experts], strict=True)]
+    bank = QuantizedWeight(format=experts[0].format, data=stack[0], scale=stack[1], global_scale=stack[2],
+                           block=experts[0].block)
+    assert bank.shape == (3, 256, 128) and bank.nbytes == sum(q.nbytes for q in experts)
+    assert torch.equal(bank.dequantize(), torch.stack([q.dequantize() for q in experts]))
+    assert torch.equal(bank.expert(1).dequantize(), experts[1].dequantize())

@@ -38,26 +38,29 @@ class QuantizedWeight:
     activation: str = attrs.field(default=A16, validator=attrs.validators.in_((A16, A8)))
 
     def __attrs_post_init__(self) -> None:
-        n, k = self.shape
+        *lead, n, k = self.shape
+        lead = tuple(lead)
         if self.format == FP8_BLOCK:
-            want = (math.ceil(n / self.block[0]), math.ceil(k / self.block[1]))
+            want = (*lead, math.ceil(n / self.block[0]), math.ceil(k / self.block[1]))
             ok = self.data.dtype == torch.float8_e4m3fn and self.scale.dtype == torch.float32 and \
                 tuple(self.scale.shape) == want and self.global_scale is None
-            expected = f"data float8_e4m3fn [N, K], scale float32 {list(want)}"
+            expected = f"data float8_e4m3fn [.., N, K], scale float32 {list(want)}"
         else:
             ok = self.data.dtype == torch.uint8 and self.scale.dtype == torch.float8_e4m3fn and \
-                self.block == (1, NVFP4_GROUP) and tuple(self.scale.shape) == (n, k // NVFP4_GROUP) and \
+                self.block == (1, NVFP4_GROUP) and tuple(self.scale.shape) == (*lead, n, k // NVFP4_GROUP) and \
                 k % NVFP4_GROUP == 0 and self.global_scale is not None and \
-                self.global_scale.dtype == torch.float32 and tuple(self.global_scale.shape) == (n,)
-            expected = "data uint8 [N, K/2], scale float8_e4m3fn [N, K/16], global_scale float32 [N], block (1, 16)"
-        if not ok or self.data.dim() != 2:
+                self.global_scale.dtype == torch.float32 and tuple(self.global_scale.shape) == (*lead, n)
+            expected = ("data uint8 [.., N, K/2], scale float8_e4m3fn [.., N, K/16], global_scale float32 [.., N], "
+                        "block (1, 16)")
+        if not ok or self.data.dim() not in (2, 3):
             raise ValueError(f"{self.format} weight {self.shape}: planes {self.describe_planes()} do not match "
                              f"{expected}")
 
     @property
-    def shape(self) -> tuple[int, int]:
-        n, k = self.data.shape
-        return (n, k * 2) if self.format == NVFP4 else (n, k)
+    def shape(self) -> tuple[int, ...]:
+        """The logical shape: ``[N, K]``, or ``[E, N, K]`` for a bank of experts."""
+        *lead, n, k = self.data.shape
+        return (*lead, n, k * 2 if self.format == NVFP4 else k)
 
     @property
     def device(self) -> torch.device:
@@ -74,11 +77,18 @@ class QuantizedWeight:
         return ", ".join(f"{t.dtype} {list(t.shape)}" for t in self.planes())
 
     def dim(self) -> int:
-        return 2
+        return self.data.dim()
+
+    def expert(self, e: int) -> QuantizedWeight:
+        """Expert ``e`` of a bank ``[E, N, K]``: a 2-D view."""
+        return attrs.evolve(self, data=self.data[e], scale=self.scale[e],
+                            global_scale=None if self.global_scale is None else self.global_scale[e])
 
     def rows(self, lo: int, hi: int) -> QuantizedWeight:
         """Rows ``lo:hi`` (a logical part of a fused parent): views of the planes, no copy. FP8 blocks must not
         straddle the cut."""
+        if self.dim() != 2:
+            raise ValueError(f"rows of a {self.dim()}-D weight: take an expert first")
         n = self.shape[0]
         if not 0 <= lo <= hi <= n:
             raise ValueError(f"rows {lo}:{hi} outside a weight of {n} rows")
@@ -98,13 +108,13 @@ class QuantizedWeight:
         return self if activation == self.activation else attrs.evolve(self, activation=activation)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight ``[N, K]`` the format defines (computed in fp32, then cast)."""
-        n, k = self.shape
+        """The weight (``[N, K]`` or ``[E, N, K]``) the format defines (computed in fp32, then cast)."""
+        *_, n, k = self.shape
         if self.format == FP8_BLOCK:
             b0, b1 = self.block
-            s = self.scale.repeat_interleave(b0, 0)[:n].repeat_interleave(b1, 1)[:, :k]
+            s = self.scale.repeat_interleave(b0, -2)[..., :n, :].repeat_interleave(b1, -1)[..., :k]
             return (self.data.float() * s).to(dtype)
-        s = self.scale.float().repeat_interleave(NVFP4_GROUP, 1) * self.global_scale[:, None]
+        s = self.scale.float().repeat_interleave(NVFP4_GROUP, -1) * self.global_scale[..., None]
         return (unpack_e2m1(self.data) * s).to(dtype)
 
     @staticmethod
