@@ -12,6 +12,7 @@ from collections.abc import Collection
 
 from ninfer.artifact.mapping import StackedSource
 from ninfer.artifact.weights import FusedParent
+from ninfer.contract.quant import A16_ONLY, ALLOW_A4, ALLOW_A8
 from ninfer_qwen35.config import Qwen35Config
 
 FEATURES = ("text", "vision", "mtp")
@@ -30,6 +31,21 @@ def canonical_name(hf_name: str) -> tuple[str, str] | None:
     if hf_name.startswith("model.") or hf_name == "lm_head.weight":
         return "text", hf_name
     return None
+
+
+# Activation permits of the linears (a quantized weight's input precision; ninfer.contract.quant). The gate inputs of
+# GDN (in_proj_b / in_proj_a: beta and decay), the router and shared-expert gate, the MTP's fc and the head feed
+# softmaxes, sigmoids and exponentials where an FP8 input's rounding is amplified: A16 only. The MLPs tolerate
+# coarser inputs than attention and GDN's projections.
+_A16_ONLY = re.compile(r"(in_proj_[ab]|mlp\.gate|shared_expert_gate|mtp\.fc|lm_head|embed_tokens)\.weight$")
+_ALLOW_A4 = re.compile(r"mlp\.(shared_expert\.)?(gate_proj|up_proj|down_proj)\.weight$|mlp\.experts\.")
+
+
+def activation_permit(name: str) -> frozenset[str]:
+    """The activation permit of the linear ``name`` (a logical parameter name)."""
+    if _A16_ONLY.search(name):
+        return A16_ONLY
+    return ALLOW_A4 if _ALLOW_A4.search(name) else ALLOW_A8
 
 
 def _ffn_names(m: str, c: Qwen35Config) -> dict[str, tuple[int, ...]]:

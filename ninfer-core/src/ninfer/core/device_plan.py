@@ -129,10 +129,13 @@ class MemoryPlan:
 
 def resident_bytes(tensors: Iterable) -> int:
     """Bytes of the distinct storages behind ``tensors``: views of one parent count once (meta tensors too, so a
-    profile built on the meta device counts exactly what a real build allocates)."""
+    profile built on the meta device counts exactly what a real build allocates); a quantized weight counts its
+    planes."""
+    from ninfer.ops.quant import QuantizedWeight
+
     seen: dict[int, int] = {}
-    for t in tensors:
-        storage = t.untyped_storage()
+    for plane in (p for t in tensors for p in (t.planes() if isinstance(t, QuantizedWeight) else (t,))):
+        storage = plane.untyped_storage()
         seen[storage._cdata] = storage.nbytes()  # the StorageImpl: one per allocation, shared by its views
     return sum(seen.values())
 

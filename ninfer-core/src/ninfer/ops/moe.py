@@ -6,6 +6,9 @@ projection, I..2I-1 the up projection) and ``down`` [E, H, I]. Routing: p = soft
 p, renormalised to sum to 1 (always, in Qwen3.5), then cast to the activations' dtype; the routed output of a
 token is sum_j w_j * down_e(silu(gate_e x) * up_e x) over its k experts. ``moe_block`` is the whole block:
 the routing, the routed experts and the shared SwiGLU expert scaled by sigmoid of its gate logit.
+
+A bank may be quantized (``QuantizedWeight`` [E, N, K], FP8 or NVFP4): each hit expert's matmul then runs through
+``linear`` on that expert's view (weight-only), as the reference; the grouped Triton kernels take bf16 banks.
 """
 
 from __future__ import annotations
@@ -14,6 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from ninfer.ops.dispatch import triton_kernel, triton_selected
+from ninfer.ops.quant import QuantizedWeight
+
+Bank = torch.Tensor | QuantizedWeight
 
 
 def moe_route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,7 +37,7 @@ def moe_route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Ten
     return top.to(logits.dtype), ids
 
 
-def moe_experts_ref(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
+def moe_experts_ref(x: torch.Tensor, gate_up: Bank, down: Bank, ids: torch.Tensor,
                     weights: torch.Tensor, shared: torch.Tensor | None = None,
                     shared_gate: torch.Tensor | None = None) -> torch.Tensor:
     """Routed experts, the reference: x [N, H], ``gate_up`` [E, 2I, H], ``down`` [E, H, I], ``ids`` / ``weights``
@@ -52,15 +58,28 @@ def moe_experts_ref(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
         if n == 0:
             continue
         rows = token_of[start:start + n]
-        h = F.linear(x[rows], gate_up[e])
+        h = _expert_linear(x[rows], gate_up, e)
         g, u = h.split(two_i // 2, dim=-1)
-        y = F.linear(F.silu(g) * u, down[e])
+        y = _expert_linear(F.silu(g) * u, down, e)
         out.index_add_(0, rows, (y * w[start:start + n, None]).to(out.dtype))
         start += n
     return out if shared is None else out + torch.sigmoid(shared_gate) * shared
 
 
-def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
+def _expert_linear(x: torch.Tensor, bank: Bank, e: int) -> torch.Tensor:
+    if isinstance(bank, QuantizedWeight):
+        from ninfer.ops.linear import linear_quantized
+
+        return linear_quantized(x, bank.expert(e))
+    return F.linear(x, bank[e])
+
+
+def _kernel(module: str, name: str, x: torch.Tensor, *banks: Bank):
+    """The grouped kernel, for bf16 banks only (a quantized bank runs the reference's per-expert linears)."""
+    return None if any(isinstance(b, QuantizedWeight) for b in banks) else triton_kernel(module, name, x)
+
+
+def moe_experts(x: torch.Tensor, gate_up: Bank, down: Bank, ids: torch.Tensor,
                 weights: torch.Tensor, *, shared: torch.Tensor | None = None,
                 shared_gate: torch.Tensor | None = None) -> torch.Tensor:
     """Routed experts over a fused bank (see the module docstring); shapes are checked here, once. With
@@ -79,14 +98,14 @@ def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids:
         raise ValueError(f"moe_experts: shared must be [{N}, {H}] with shared_gate [{N}, 1], both or neither; got "
                          f"{None if shared is None else tuple(shared.shape)} and "
                          f"{None if shared_gate is None else tuple(shared_gate.shape)}")
-    kernel = triton_kernel("moe", "moe_experts", x)
+    kernel = _kernel("moe", "moe_experts", x, gate_up, down)
     if kernel is not None:
         return kernel(x, gate_up, down, ids, weights, shared=shared, shared_gate=shared_gate)
     return moe_experts_ref(x, gate_up, down, ids, weights, shared, shared_gate)
 
 
-def moe_block_ref(x: torch.Tensor, logits: torch.Tensor, shared_gate: torch.Tensor, gate_up: torch.Tensor,
-                  down: torch.Tensor, shared_gate_up: torch.Tensor, shared_down: torch.Tensor, top_k: int
+def moe_block_ref(x: torch.Tensor, logits: torch.Tensor, shared_gate: torch.Tensor, gate_up: Bank,
+                  down: Bank, shared_gate_up: Bank, shared_down: Bank, top_k: int
                   ) -> torch.Tensor:
     """The block as its parts: ``moe_route``, the shared expert's two linears, ``moe_experts`` joining them."""
     from ninfer.ops.linear import linear, swiglu
@@ -96,8 +115,8 @@ def moe_block_ref(x: torch.Tensor, logits: torch.Tensor, shared_gate: torch.Tens
     return moe_experts(x, gate_up, down, ids, weights, shared=shared, shared_gate=shared_gate)
 
 
-def moe_block(x: torch.Tensor, logits: torch.Tensor, shared_gate: torch.Tensor, gate_up: torch.Tensor,
-              down: torch.Tensor, shared_gate_up: torch.Tensor, shared_down: torch.Tensor, top_k: int, *,
+def moe_block(x: torch.Tensor, logits: torch.Tensor, shared_gate: torch.Tensor, gate_up: Bank,
+              down: Bank, shared_gate_up: Bank, shared_down: Bank, top_k: int, *,
               summed: bool = True) -> torch.Tensor:
     """The sparse MoE block of x [N, H]: router ``logits`` [N, E] and the shared expert's gate logit
     ``shared_gate`` [N, 1] (both may be views of one fused projection), the routed banks ``gate_up`` [E, 2I, H] /
@@ -120,7 +139,7 @@ def moe_block(x: torch.Tensor, logits: torch.Tensor, shared_gate: torch.Tensor, 
                          f"{tuple(shared_gate_up.shape)} and {tuple(shared_down.shape)}")
     if not 1 <= top_k <= logits.shape[1]:
         raise ValueError(f"moe_block: top_k must be in 1..{logits.shape[1]}, got {top_k}")
-    kernel = triton_kernel("moe", "moe_block", x)
+    kernel = _kernel("moe", "moe_block", x, gate_up, down, shared_gate_up, shared_down)
     if kernel is not None:
         return kernel(x, logits, shared_gate, gate_up, down, shared_gate_up, shared_down, top_k, summed=summed,
                       one_launch=triton_selected("moe_one_token", "moe_one_token"))

@@ -1,7 +1,10 @@
-"""LinearSplit: several logical projections of the same input served by one matmul.
+"""LinearSplit: several logical projections of the same input served by as few matmuls as their formats allow.
 
 The logical weights are rows of one physical parent when the artifact stores them back to back
-(``WeightSet.fused``); otherwise they are concatenated once, at preparation, never per call.
+(``WeightSet.fused``: a dense parent, an FP8 parent or an NVFP4 matrix view, in the same row order); otherwise
+they are concatenated once, at preparation, never per call. Parts in different formats (an FP8 checkpoint leaves
+GDN's ``in_proj_b`` / ``in_proj_a`` in bf16 beside a quantized ``in_proj_qkv``) are consecutive groups, one matmul
+each, their outputs joined in the logical order.
 """
 
 from __future__ import annotations
@@ -13,16 +16,30 @@ import torch
 
 from ninfer.artifact.weights import WeightSet
 from ninfer.ops import linear
+from ninfer.ops.quant import QuantizedWeight
+
+Weight = torch.Tensor | QuantizedWeight
 
 
 @attrs.frozen(kw_only=True, eq=False)
 class LinearSplit:
-    """y = x @ weight.T, split along the last dim into the logical outputs ``names`` (``sizes`` wide)."""
+    """y = x @ W.T for W the logical parts ``names`` (``sizes`` rows each) stacked, split along the last dim.
+
+    ``groups``: the matmuls, each a run of consecutive parts in one format; almost always one."""
 
     names: tuple[str, ...] = attrs.field(converter=tuple)
     sizes: tuple[int, ...] = attrs.field(converter=tuple)
-    weight: torch.Tensor = attrs.field(repr=False)
-    shares_parent: bool = False  # True: ``weight`` is the artifact's parent itself (no copy was made)
+    groups: tuple[Weight, ...] = attrs.field(converter=tuple, repr=False)
+    members: tuple[tuple[str, ...], ...] = attrs.field(converter=tuple)  # the names each group serves
+    shares_parent: bool = False  # True: one group, the artifact's parent itself (no copy was made)
+
+    @property
+    def weight(self) -> Weight:
+        """The one matmul's weight (a fused op such as ``swiglu`` takes it whole)."""
+        if len(self.groups) != 1:
+            raise ValueError(f"LinearSplit over {list(self.names)} runs as {len(self.groups)} matmuls (its parts "
+                             f"differ in format), not one weight")
+        return self.groups[0]
 
     @classmethod
     def from_weights(cls, weights: WeightSet, names: Sequence[str], dtype: torch.dtype,
@@ -34,16 +51,31 @@ class LinearSplit:
         device = device if device is not None else parts[0].device
         fused = weights.fused(list(names))
         if fused is not None:
-            weight = fused.to(device=device, dtype=dtype)
-            shares = weight.data_ptr() == fused.data_ptr()
-        else:
-            weight = torch.cat([p.to(device=device, dtype=dtype) for p in parts])
-            shares = False
-        return cls(names=names, sizes=[p.shape[0] for p in parts], weight=weight, shares_parent=shares)
+            weight = _place(fused, dtype, device)
+            shares = _storage(weight) == _storage(fused)
+            return cls(names=names, sizes=[p.shape[0] for p in parts], groups=[weight], members=[tuple(names)],
+                       shares_parent=shares)
+        runs: list[list[Weight]] = []
+        members: list[list[str]] = []
+        for name, p in zip(names, parts, strict=True):
+            if runs and _kind(runs[-1][0]) == _kind(p) and _stackable(runs[-1] + [p]):
+                runs[-1].append(p)
+                members[-1].append(name)
+            else:
+                runs.append([p])
+                members.append([name])
+        groups = [_stack([_place(p, dtype, device) for p in run]) for run in runs]
+        return cls(names=names, sizes=[p.shape[0] for p in parts], groups=groups, members=map(tuple, members))
+
+    def with_groups(self, groups: Sequence[Weight]) -> LinearSplit:
+        """The same split over these weights for its groups (a quantized group given its executable path)."""
+        return attrs.evolve(self, groups=groups)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """The unsplit output [..., sum(sizes)] (e.g. [gate | up] for silu_and_mul)."""
-        return linear(x, self.weight)
+        if len(self.groups) == 1:
+            return linear(x, self.groups[0])
+        return torch.cat([linear(x, w) for w in self.groups], dim=-1)
 
     def parts(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The logical outputs of an unsplit output ``y`` [..., sum(sizes)] (computed here or by a fused op)."""
@@ -51,3 +83,33 @@ class LinearSplit:
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.parts(self.matmul(x))
+
+    def nbytes(self) -> int:
+        return sum(w.nbytes if isinstance(w, QuantizedWeight) else w.numel() * w.element_size() for w in self.groups)
+
+
+def _kind(w: Weight) -> tuple:
+    return (w.format, w.block) if isinstance(w, QuantizedWeight) else ("dense",)
+
+
+def _stackable(run: list[Weight]) -> bool:
+    """Whether quantized parts can share one matmul: FP8 blocks must not straddle a part boundary."""
+    first = run[0]
+    if not isinstance(first, QuantizedWeight) or first.format != "fp8_e4m3_block":
+        return True
+    return all(p.shape[0] % first.block[0] == 0 for p in run[:-1])
+
+
+def _place(w: Weight, dtype: torch.dtype, device: torch.device) -> Weight:
+    """On ``device``; a dense weight in the model's ``dtype`` (a quantized one keeps its stored planes)."""
+    return w.to(device) if isinstance(w, QuantizedWeight) else w.to(device=device, dtype=dtype)
+
+
+def _stack(run: list[Weight]) -> Weight:
+    if len(run) == 1:
+        return run[0]
+    return QuantizedWeight.cat(run) if isinstance(run[0], QuantizedWeight) else torch.cat(run)
+
+
+def _storage(w: Weight) -> int:
+    return (w.data if isinstance(w, QuantizedWeight) else w).data_ptr()

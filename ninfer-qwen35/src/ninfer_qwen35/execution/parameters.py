@@ -2,7 +2,9 @@
 
 Prepared once from a WeightSet; planning (resident bytes) and execution read the same object.
 Matrices stay views of the artifact's parents when dtype and device already match; the small fp32
-gate parameters (A_log, dt_bias) are kept in fp32 because the gates are computed in fp32.
+gate parameters (A_log, dt_bias) are kept in fp32 because the gates are computed in fp32. A quantized
+matrix (FP8, NVFP4) keeps its stored planes and gets the executable path its activation permit
+(``source_mapping.activation_permit``) and the device allow (``ninfer.models.common.quantized``).
 """
 
 from __future__ import annotations
@@ -11,9 +13,13 @@ import attrs
 import torch
 
 from ninfer.artifact.weights import WeightSet
+from ninfer.contract.quant import A16_ONLY, intersect
+from ninfer.core.device_plan import resident_bytes
+from ninfer.models.common.quantized import executable
+from ninfer.ops.quant import QuantizedWeight
 from ninfer_qwen35.config import Qwen35Config
-from ninfer_qwen35.execution.linear import LinearSplit
-from ninfer_qwen35.source_mapping import expected_parameters, vision_parameters
+from ninfer_qwen35.execution.linear import LinearSplit, Weight
+from ninfer_qwen35.source_mapping import activation_permit, expected_parameters, vision_parameters
 
 
 class WeightsError(ValueError):
@@ -23,7 +29,7 @@ class WeightsError(ValueError):
 @attrs.frozen(kw_only=True, eq=False)
 class MLPParams:
     gate_up: LinearSplit      # [gate; up] -> silu_and_mul
-    down: torch.Tensor
+    down: Weight
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -33,8 +39,8 @@ class MoEParams:
     [E, H, I]), the shared SwiGLU expert."""
 
     router_shared_gate: LinearSplit
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Weight
+    down: Weight
     shared: MLPParams
     top_k: int
 
@@ -46,7 +52,7 @@ class GDNParams:
     A_log: torch.Tensor       # [HV] fp32
     dt_bias: torch.Tensor     # [HV] fp32
     norm: torch.Tensor        # [Dv], plain weight of the gated RMSNorm
-    out_proj: torch.Tensor
+    out_proj: Weight
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -54,7 +60,7 @@ class AttentionParams:
     qkv: LinearSplit          # q (per head [query | gate]), k, v
     q_norm: torch.Tensor
     k_norm: torch.Tensor
-    o_proj: torch.Tensor
+    o_proj: Weight
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -74,7 +80,7 @@ class Qwen35Parameters:
     dtype: torch.dtype
     embed: torch.Tensor
     final_norm: torch.Tensor
-    lm_head: torch.Tensor     # the embedding itself when tied
+    lm_head: Weight           # the embedding itself when tied
     layers: tuple[LayerParams, ...]
 
     @classmethod
@@ -101,14 +107,14 @@ class Qwen35Parameters:
                                    a + "in_proj_a.weight"]),
                     conv=w(a + "conv1d.weight")[:, 0, :], A_log=w(a + "A_log", torch.float32),
                     dt_bias=w(a + "dt_bias", torch.float32), norm=w(a + "norm.weight"),
-                    out_proj=w(a + "out_proj.weight"))
+                    out_proj=build.matrix(a + "out_proj.weight"))
                 state_index = gdn_index[i]
             else:
                 mixer = build.attention(p)
                 state_index = attn_index[i]
             layers.append(build.layer(p, index=i, kind=kind, state_index=state_index, mixer=mixer))
         embed = w("model.embed_tokens.weight")
-        head = embed if config.tie_word_embeddings else w("lm_head.weight")
+        head = embed if config.tie_word_embeddings else build.matrix("lm_head.weight")
         return cls(config=config, dtype=dtype, embed=embed, final_norm=w("model.norm.weight"), lm_head=head,
                    layers=tuple(layers))
 
@@ -122,11 +128,7 @@ class Qwen35Parameters:
     @property
     def nbytes(self) -> int:
         """Bytes of the distinct storages behind the parameters (a tied head or shared parent counts once)."""
-        seen: dict[int, int] = {}
-        for t in self.tensors():
-            s = t.untyped_storage()
-            seen[s.data_ptr()] = s.nbytes()
-        return sum(seen.values())
+        return resident_bytes(self.tensors())
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -136,7 +138,7 @@ class MTPParams:
 
     pre_fc_norm_embedding: torch.Tensor
     pre_fc_norm_hidden: torch.Tensor
-    fc: torch.Tensor
+    fc: Weight
     layers: tuple[LayerParams, ...]  # state_index: the layer's index in the MTP's own KV pool
     norm: torch.Tensor
 
@@ -151,7 +153,7 @@ class MTPParams:
                                    mixer=build.attention(f"mtp.layers.{j}."))
                        for j in range(config.mtp_num_hidden_layers))
         return cls(pre_fc_norm_embedding=build.w("mtp.pre_fc_norm_embedding.weight"),
-                   pre_fc_norm_hidden=build.w("mtp.pre_fc_norm_hidden.weight"), fc=build.w("mtp.fc.weight"),
+                   pre_fc_norm_hidden=build.w("mtp.pre_fc_norm_hidden.weight"), fc=build.matrix("mtp.fc.weight"),
                    layers=layers, norm=build.w("mtp.norm.weight"))
 
     def tensors(self) -> list[torch.Tensor]:
@@ -161,24 +163,25 @@ class MTPParams:
         return _expert_banks(self.layers)
 
 
-def _expert_banks(layers: tuple[LayerParams, ...]) -> list[torch.Tensor]:
+def _expert_banks(layers: tuple[LayerParams, ...]) -> list[Weight]:
     return [t for layer in layers if isinstance(layer.mlp, MoEParams) for t in (layer.mlp.gate_up, layer.mlp.down)]
 
 
-def _layer_tensors(layers: tuple[LayerParams, ...]) -> list[torch.Tensor]:
-    out = []
+def _layer_tensors(layers: tuple[LayerParams, ...]) -> list[Weight]:
+    """Every prepared weight of the layers (a quantized one as itself: ``resident_bytes`` counts its planes)."""
+    out: list[Weight] = []
     for layer in layers:
         out += [layer.input_norm, layer.post_norm]
         f = layer.mlp
         if isinstance(f, MoEParams):
-            out += [f.router_shared_gate.weight, f.gate_up, f.down, f.shared.gate_up.weight, f.shared.down]
+            out += [*f.router_shared_gate.groups, f.gate_up, f.down, *f.shared.gate_up.groups, f.shared.down]
         else:
-            out += [f.gate_up.weight, f.down]
+            out += [*f.gate_up.groups, f.down]
         m = layer.mixer
         if isinstance(m, GDNParams):
-            out += [m.in_proj.weight, m.conv, m.A_log, m.dt_bias, m.norm, m.out_proj]
+            out += [*m.in_proj.groups, m.conv, m.A_log, m.dt_bias, m.norm, m.out_proj]
         else:
-            out += [m.qkv.weight, m.q_norm, m.k_norm, m.o_proj]
+            out += [*m.qkv.groups, m.q_norm, m.k_norm, m.o_proj]
     return out
 
 
@@ -193,22 +196,41 @@ class _Builder:
     def w(self, name: str, as_dtype: torch.dtype | None = None, device: torch.device | None = None) -> torch.Tensor:
         return self.weights[name].to(device=device or self.device, dtype=as_dtype or self.dtype)
 
-    def bank(self, name: str) -> torch.Tensor:
+    def matrix(self, name: str) -> Weight:
+        """A linear's weight: in the model dtype, or quantized as stored with its executable path."""
+        t = self.weights[name]
+        if isinstance(t, QuantizedWeight):
+            return executable(name, t.to(self.device), activation_permit(name), self.device)
+        return t.to(device=self.device, dtype=self.dtype)
+
+    def bank(self, name: str) -> Weight:
         """A routed expert bank where the experts live; a host bank beside a CUDA model is pinned (its uploads
         and copies run asynchronously), also when the compute dtype made it a copy of the artifact's parent."""
+        q = self.weights[name]
+        if isinstance(q, QuantizedWeight):
+            if self.experts_device != self.device:
+                raise ValueError(f"{name}: a quantized expert bank runs on the model's device; host experts take "
+                                 f"bf16 banks")
+            return executable(name, q.to(self.device), A16_ONLY, self.device)
         t = self.w(name, device=self.experts_device)
         if t.device.type == "cpu" and self.device.type == "cuda" and not t.is_pinned():
             t = t.pin_memory()
         return t
 
     def split(self, names: list[str]) -> LinearSplit:
-        return LinearSplit.from_weights(self.weights, names, self.dtype, self.device)
+        """One LinearSplit; each quantized matmul of it gets the intersection of its parts' permits."""
+        s = LinearSplit.from_weights(self.weights, names, self.dtype, self.device)
+        if not any(isinstance(g, QuantizedWeight) for g in s.groups):
+            return s
+        return s.with_groups([executable(", ".join(members), g, intersect(map(activation_permit, members)),
+                                         self.device) if isinstance(g, QuantizedWeight) else g
+                              for g, members in zip(s.groups, s.members, strict=True)])
 
     def attention(self, prefix: str) -> AttentionParams:
         a = prefix + "self_attn."
         return AttentionParams(qkv=self.split([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]),
                                q_norm=self.w(a + "q_norm.weight"), k_norm=self.w(a + "k_norm.weight"),
-                               o_proj=self.w(a + "o_proj.weight"))
+                               o_proj=self.matrix(a + "o_proj.weight"))
 
     def layer(self, prefix: str, *, index: int, kind: str, state_index: int,
               mixer: GDNParams | AttentionParams) -> LayerParams:
@@ -225,7 +247,7 @@ class _Builder:
 
     def swiglu(self, m: str) -> MLPParams:
         return MLPParams(gate_up=self.split([m + "gate_proj.weight", m + "up_proj.weight"]),
-                         down=self.w(m + "down_proj.weight"))
+                         down=self.matrix(m + "down_proj.weight"))
 
 
 def check_weights(config: Qwen35Config, weights: WeightSet, features: tuple[str, ...] = ("text",)) -> None:
