@@ -57,7 +57,7 @@ def _reference(model, args, dtype: torch.dtype):
 @pytest.mark.parametrize("R", [2, 3, 4], ids=lambda r: f"R{r}")
 def test_gdn_verify_keeps_every_step_and_leaves_the_slots(model, case, batch, R, dtype):
     from ninfer.ops.gdn import gdn_verify_ref
-    from ninfer.ops.triton.gdn import gdn_verify
+    from ninfer.ops.triton.gdn_verify import gdn_verify
 
     B, S = batch, 3 * batch + 2
     (image, conv_image, step_conv_buf, step_state_buf), args = _inputs(model, case, B, R, S, dtype)
@@ -84,7 +84,7 @@ def test_gdn_verify_keeps_every_step_and_leaves_the_slots(model, case, batch, R,
 
 def test_gdn_verify_graph_replays_equal_eager_calls(model, case):
     """Captured once in a CUDA graph, replayed on new inputs and slots: the same bits as eager calls."""
-    from ninfer.ops.triton.gdn import gdn_verify
+    from ninfer.ops.triton.gdn_verify import gdn_verify
 
     B, R, S = 8, 3, 26
     buffers, args = _inputs(model, case, B, R, S, torch.bfloat16)
