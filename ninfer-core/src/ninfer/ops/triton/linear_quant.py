@@ -82,12 +82,15 @@ def _fp8_rows_kernel(
 
 @triton.jit
 def _nvfp4_rows_kernel(
-    x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, part_ptr, arrive_ptr, M, N, K, K_SPLIT, s_xm, s_wn, s_sn, s_ym,
+    x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, part_ptr, arrive_ptr, M, N, KB, KB_SPLIT, GK, GK_SPLIT, s_xm, s_wn, s_sn,
+    s_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
+    # Walked in bytes (KB = K / 2 per row) and scale groups (GK = K / 16), each with its own bounds: masks over
+    # contiguous indices with known alignment keep the loads vectorized.
     HALF: tl.constexpr = BLOCK_K // 2  # bytes of a tile row
-    GROUPS: tl.constexpr = BLOCK_K // 16  # e4m3 scales of a tile row
+    GROUPS: tl.constexpr = BLOCK_K // 16  # e4m3 scales of a tile row, 8 bytes each
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     mm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     nn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -98,17 +101,21 @@ def _nvfp4_rows_kernel(
     w_rows = w_ptr + nn.to(tl.int64)[:, None] * s_wn
     s_rows = s_ptr + nn.to(tl.int64)[:, None] * s_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_lo = pid_k * K_SPLIT
-    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    b_lo = pid_k * KB_SPLIT
+    b_hi = tl.minimum(b_lo + KB_SPLIT, KB)
+    g_lo = pid_k * GK_SPLIT
+    g_hi = tl.minimum(g_lo + GK_SPLIT, GK)
+    kk = tl.arange(0, BLOCK_K)
     pdl_prologue(USE_PDL)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        even = k0 + 2 * jj  # K is a multiple of 16 and so is k_hi: the odd element is in when the even one is
-        mask_x = mask_m[:, None] & (even < k_hi)[None, :]
-        x_even = tl.load(x_rows + even[None, :], mask=mask_x, other=0.0)
-        x_odd = tl.load(x_rows + even[None, :] + 1, mask=mask_x, other=0.0)
-        packed = tl.load(w_rows + (k0 // 2 + jj)[None, :], mask=mask_n[:, None] & (even < k_hi)[None, :], other=0)
-        group = k0 // 16 + gg
-        s = tl.load(s_rows + group[None, :], mask=mask_n[:, None] & (group * 16 < k_hi)[None, :], other=0.0)
+    for t in range(0, tl.cdiv(b_hi - b_lo, HALF)):
+        jb = b_lo + t * HALF + jj
+        mask_b = jb < b_hi
+        x = tl.load(x_rows + 2 * (b_lo + t * HALF) + kk[None, :],
+                    mask=mask_m[:, None] & (2 * (b_lo + t * HALF) + kk < 2 * b_hi)[None, :], other=0.0)
+        x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, HALF, 2)))
+        packed = tl.load(w_rows + jb[None, :], mask=mask_n[:, None] & mask_b[None, :], other=0)
+        group = g_lo + t * GROUPS + gg
+        s = tl.load(s_rows + group[None, :], mask=mask_n[:, None] & (group < g_hi)[None, :], other=0.0)
         s = s.to(tl.float32) * 16384.0
         s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, GROUPS, 8)), (BLOCK_N, HALF))  # one per byte
         lo = e2m1_scaled(packed & 15, s).to(x_even.dtype)
@@ -206,7 +213,8 @@ def linear_nvfp4(x: torch.Tensor, weight: QuantizedWeight, *, out_dtype: torch.d
         return out
     k_split, split, part, arrive, grid = _split(x2, M, N, K, bn, bk, split)
     _nvfp4_rows_kernel[grid](
-        x2, weight.data, weight.scale, weight.global_scale, y2, part, arrive, M, N, K, k_split, x2.stride(0),
+        x2, weight.data, weight.scale, weight.global_scale, y2, part, arrive, M, N, K // 2, k_split // 2,
+        K // NVFP4_GROUP, k_split // NVFP4_GROUP, x2.stride(0),
         weight.data.stride(0), weight.scale.stride(0), y2.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps, num_stages=stages,
         **pdl_args(x2.device))

@@ -82,10 +82,11 @@ def _w8a8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, s_am, s_asm, s_wn
 
 @triton.jit
 def _dequant_fp8_kernel(d_ptr, s_ptr, y_ptr, N, K, s_de, s_dn, s_se, s_sn, s_sk, s_ye, s_yn, B0, B1,
-                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr = False):
     e = tl.program_id(2).to(tl.int64)
     rr = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cc = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    pdl_prologue(USE_PDL)
     mask = (rr < N)[:, None] & (cc < K)[None, :]
     r64 = rr.to(tl.int64)[:, None]
     d = tl.load(d_ptr + e * s_de + r64 * s_dn + cc[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -95,14 +96,15 @@ def _dequant_fp8_kernel(d_ptr, s_ptr, y_ptr, N, K, s_de, s_dn, s_se, s_sn, s_sk,
 
 
 @triton.jit
-def _dequant_nvfp4_kernel(d_ptr, s_ptr, g_ptr, y_ptr, N, K, s_de, s_dn, s_se, s_sn, s_ge, s_ye, s_yn,
-                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _dequant_nvfp4_kernel(d_ptr, s_ptr, g_ptr, y_ptr, N, KB, s_de, s_dn, s_se, s_sn, s_ge, s_ye, s_yn,
+                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr = False):
     HALF: tl.constexpr = BLOCK_C // 2
     e = tl.program_id(2).to(tl.int64)
     rr = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     jj = tl.program_id(1) * HALF + tl.arange(0, HALF)  # byte columns
-    mask = (rr < N)[:, None] & (jj * 2 < K)[None, :]
+    mask = (rr < N)[:, None] & (jj < KB)[None, :]  # over bytes, so the loads stay vectorized
     r64 = rr.to(tl.int64)[:, None]
+    pdl_prologue(USE_PDL)
     packed = tl.load(d_ptr + e * s_de + r64 * s_dn + jj[None, :], mask=mask, other=0)
     g = tl.load(g_ptr + e * s_ge + rr, mask=rr < N, other=0.0)
     # the reference's order: (scale * global), then times the e2m1 value
@@ -113,7 +115,7 @@ def _dequant_nvfp4_kernel(d_ptr, s_ptr, g_ptr, y_ptr, N, K, s_de, s_dn, s_se, s_
     w = tl.reshape(tl.join(lo, hi), (BLOCK_R, BLOCK_C))  # [.., j, 0] element 2j, [.., j, 1] element 2j + 1
     cc = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     tl.store(y_ptr + e * s_ye + r64 * s_yn + cc[None, :], w.to(y_ptr.dtype.element_ty),
-             mask=(rr < N)[:, None] & (cc < K)[None, :])
+             mask=(rr < N)[:, None] & (cc < 2 * KB)[None, :])
 
 
 @triton.jit
@@ -223,16 +225,17 @@ def dequantize(weight: QuantizedWeight, dtype: torch.dtype = torch.bfloat16) -> 
     d, s, y3 = (t if lead else t.unsqueeze(0) for t in (weight.data, weight.scale, y))
     block_r, block_c = 32, 128
     grid = (triton.cdiv(N, block_r), triton.cdiv(K, block_c), E)
+    pdl = pdl_args(weight.device)
     if weight.format == NVFP4:
         g = weight.global_scale if lead else weight.global_scale.unsqueeze(0)
-        _dequant_nvfp4_kernel[grid](d, s, g, y3, N, K, d.stride(0), d.stride(1), s.stride(0), s.stride(1),
+        _dequant_nvfp4_kernel[grid](d, s, g, y3, N, K // 2, d.stride(0), d.stride(1), s.stride(0), s.stride(1),
                                     g.stride(0), y3.stride(0), y3.stride(1), BLOCK_R=block_r, BLOCK_C=block_c,
-                                    num_warps=4)
+                                    num_warps=4, **pdl)
     else:
         b0, b1 = weight.block
         _dequant_fp8_kernel[grid](d, s, y3, N, K, d.stride(0), d.stride(1), s.stride(0), s.stride(1), s.stride(2),
                                   y3.stride(0), y3.stride(1), b0, b1, BLOCK_R=block_r, BLOCK_C=block_c,
-                                  num_warps=4)
+                                  num_warps=4, **pdl)
     return y
 
 
