@@ -14,10 +14,10 @@ changes along K (a tile never straddles a K block: BLOCK_K divides b1) or once i
 spans K (per-channel (1, K)).
 
 NVFP4 (e2m1 pairs, e4m3 scale per 16, fp32 global per row): the low and high nibbles of a byte are the even and
-odd elements, so they meet the even and odd columns of x in two dots (no interleave). A code becomes its value
-by placing its bits in an fp16 (sign at bit 15, exponent and mantissa at bits 9-11: the fp16 is the e2m1 value
-times 2^-14, subnormal 0.5 included); times the block scale (2^14 folded in) the product of an e2m1 and an e4m3
-is exact in bf16 / fp16, so the dot's operand is the weight without the global scale, applied in the epilogue.
+odd elements, so x's tile, loaded once, is split into its even and odd columns and each meets its nibbles in a
+dot (the weight is never interleaved). A code becomes its value by bit placement in an fp16 (``e2m1_scaled``),
+times the block scale; an e2m1 times an e4m3 is exact in bf16 / fp16, so the dot's operand is the weight
+without the global scale, which multiplies the epilogue.
 
 Inputs in fp32 (no tensor-core dot without rounding them) take ``linear_dequant``: the weight dequantized in fp32
 and cuBLAS. The many-row paths (W8A8 GEMM, dequantize then cuBLAS) are in ``linear_quant_gemm``, re-exported here.
@@ -134,16 +134,16 @@ def _store_rows(acc, y_ptr, part_ptr, arrive_ptr, mm, nn, mask_m, mask_n, N, s_y
     out = y_ptr + mm.to(tl.int64)[:, None] * s_ym + nn[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K > 1:
-        rows = tl.num_programs(2) * BLOCK_M
+        slice_size = (tl.num_programs(2) * BLOCK_M).to(tl.int64) * N
         part = part_ptr + mm.to(tl.int64)[:, None] * N + nn[None, :]
-        tl.store(part + tl.program_id(1) * rows * N, acc, mask=mask)
+        tl.store(part + tl.program_id(1) * slice_size, acc, mask=mask)
         tl.debug_barrier()  # every thread's partial is written before the arrival is published
         counter = arrive_ptr + tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
         last = tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1
         if last:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):
-                acc += tl.load(part + s * rows * N, mask=mask, other=0.0)
+                acc += tl.load(part + s * slice_size, mask=mask, other=0.0)
             tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mask)
             tl.store(counter, 0)
     else:
