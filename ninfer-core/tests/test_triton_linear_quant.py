@@ -58,12 +58,12 @@ def test_linear_fp8_rows(block, N, K):
     x = _randn(20, K, seed=2, dtype=torch.float16)
     ref = _ref32(x, w)
     for split in (1, 3):
-        y = lq.linear_fp8(x, w, block_n=32, block_k=64, split_k=split)
+        y = lq.linear_fp8(x, w, block_n=64, block_k=64, split_k=split)
         assert y.dtype == torch.float16 and y.shape == (20, N)
         assert _rel(y, ref) < 2e-3  # fp16 rounding of the output
-        y32 = lq.linear_fp8(x, w, out_dtype=torch.float32, block_n=32, block_k=64, split_k=split)
+        y32 = lq.linear_fp8(x, w, out_dtype=torch.float32, block_n=64, block_k=64, split_k=split)
         assert y32.dtype == torch.float32 and _rel(y32, ref) < 1e-5
-        assert torch.equal(lq.linear_fp8(x[5:6], w, block_n=32, block_k=64, split_k=split), y[5:6])
+        assert torch.equal(lq.linear_fp8(x[5:6], w, block_n=64, block_k=64, split_k=split), y[5:6])
     assert int(arrival_counters(x.device, 8).abs().sum()) == 0
     x3 = _randn(2, 3, K, seed=3, dtype=torch.float16)  # leading dims are rows
     assert _rel(lq.linear_fp8(x3, w, block_n=16, block_k=32), _ref32(x3, w)) < 2e-3
@@ -78,10 +78,10 @@ def test_linear_nvfp4_rows(N, K):
     x = _randn(20, K, seed=6, dtype=torch.float16)
     ref = _ref32(x, w)
     for bk, split in ((64, 1), (32, 2), (64, 3)):
-        y = lq.linear_nvfp4(x, w, block_n=16, block_k=bk, split_k=split)
+        y = lq.linear_nvfp4(x, w, block_n=32, block_k=bk, split_k=split)
         assert y.shape == (20, N) and _rel(y, ref) < 2e-3
-        assert _rel(lq.linear_nvfp4(x, w, out_dtype=torch.float32, block_n=16, block_k=bk, split_k=split), ref) < 1e-5
-        assert torch.equal(lq.linear_nvfp4(x[:1], w, block_n=16, block_k=bk, split_k=split), y[:1])
+        assert _rel(lq.linear_nvfp4(x, w, out_dtype=torch.float32, block_n=32, block_k=bk, split_k=split), ref) < 1e-5
+        assert torch.equal(lq.linear_nvfp4(x[:1], w, block_n=32, block_k=bk, split_k=split), y[:1])
 
 
 def test_few_rows_fp32_inputs_take_dequant():
