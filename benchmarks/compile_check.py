@@ -29,6 +29,7 @@ import torch
 
 def _calls(gen: torch.Generator) -> list[tuple[str, callable]]:
     """(name, thunk) per kernel variant: each thunk calls a public wrapper once on small bf16 inputs."""
+    from ninfer.ops.quant import quantize_fp8_block, quantize_nvfp4
     from ninfer.ops.rope import rope_cos_sin
     from ninfer.ops.triton import (
         activation,
@@ -37,6 +38,7 @@ def _calls(gen: torch.Generator) -> list[tuple[str, callable]]:
         gdn,
         gdn_verify,
         linear,
+        linear_quant,
         moe,
         moe_align_kernel,
         moe_route,
@@ -74,11 +76,26 @@ def _calls(gen: torch.Generator) -> list[tuple[str, callable]]:
     banks = (randn(E, 2 * inter, H), randn(E, H, inter))
     shared = (randn(2 * inter, H), randn(H, inter))
     ids = torch.tensor([[0, 3], [3, 5], [7, 0]])
+    w8, w4 = (quantize_fp8_block(randn(96, 256, dtype=torch.float32)),
+              quantize_nvfp4(randn(96, 256, dtype=torch.float32)))
+    per_channel = quantize_fp8_block(randn(96, 256, dtype=torch.float32), (1, 256))
+    xq = randn(130, 256)
+    codes = {m: (torch.zeros(m, 256, dtype=torch.float8_e4m3fn), torch.ones(m, 2)) for m in (3, 130)}
     return [
         ("linear", lambda: linear.linear(x, w)),
         ("linear split-K", lambda: linear.linear(x, w, split_k=2, block_k=64)),
         ("linear fp32 out", lambda: linear.linear(x, w, out_dtype=torch.float32)),
         ("linear fp32 out split-K", lambda: linear.linear(x, w, out_dtype=torch.float32, split_k=2, block_k=64)),
+        ("linear_fp8 split-K", lambda: linear_quant.linear_fp8(x, w8)),
+        ("linear_fp8 per-channel fp32 out", lambda: linear_quant.linear_fp8(x, per_channel, out_dtype=torch.float32,
+                                                                            split_k=1)),
+        ("linear_nvfp4", lambda: linear_quant.linear_nvfp4(x, w4, split_k=1)),
+        ("linear_nvfp4 split-K", lambda: linear_quant.linear_nvfp4(x, w4, block_k=128, split_k=2)),
+        ("quantize_activation_fp8", lambda: linear_quant.quantize_activation_fp8(xq)),
+        ("w8a8_gemm 64 rows", lambda: linear_quant.w8a8_gemm(*codes[3], w8)),
+        ("w8a8_gemm 128 rows", lambda: linear_quant.w8a8_gemm(*codes[130], w8)),
+        ("dequantize fp8", lambda: linear_quant.dequantize(w8)),
+        ("dequantize nvfp4", lambda: linear_quant.dequantize(w4)),
         ("swiglu", lambda: linear.swiglu(x, randn(192, 256))),
         ("swiglu split-K", lambda: linear.swiglu(x, randn(192, 256), split_k=2, block_k=64)),
         ("rms_norm rows", lambda: norm.rms_norm(x, randn(256), 1e-6)),
