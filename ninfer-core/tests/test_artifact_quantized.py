@@ -142,7 +142,7 @@ def test_inspect_lists_formats_and_planes(toy, capsys):
     out = capsys.readouterr().out
     assert "fp8_e4m3_block" in out and "nvfp4" in out and "dense" in out
     assert "global_scale f32[48]" in out and "block [1, 16]" in out
-    assert "quantization  test" in out and "left unquantized  1 weights: not a linear weight" in out
+    assert "quantization  test: 2 weights fp8_e4m3_block, 1 weights nvfp4" in out and "left unquantized  1 weights: not a linear weight" in out
     assert ninfer_main(["inspect", str(path), "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["per_format"]["nvfp4"]["objects"] == 1

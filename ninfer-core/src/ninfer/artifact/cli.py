@@ -147,7 +147,7 @@ def _planes_text(q: dict) -> str:
 def _print_quantization(d: dict, *, listed: bool) -> None:
     q = d["quantization"]
     if q:
-        formats = ", ".join(f"{f} x{n}" for f, n in sorted(q.get("formats", {}).items()))
+        formats = ", ".join(f"{n} weights {f}" for f, n in sorted(q.get("formats", {}).items()))
         print(f"  quantization  {q.get('method', '?')}: {formats or 'no quantized objects'}")
         dense = q.get("dense") or {}
         reasons: dict[str, int] = defaultdict(int)

@@ -84,7 +84,7 @@ class Metadata:
     converter_version: str = "0"
     source_digest: str = ""  # "blake2b:<hex>" over config.json and every source tensor (name, dtype, shape, crc)
     source: str | None = None  # free text, e.g. the checkpoint directory name
-    # How the weights were quantized, when they were: {"method": ..., "formats": {format: objects}, "dense": {name:
+    # How the weights were quantized, when they were: {"method": ..., "formats": {format: weights}, "dense": {name:
     # why it stayed unquantized}, "notes": [...]} (the objects' own formats are the authority).
     quantization: dict[str, Any] | None = None
 
