@@ -191,6 +191,16 @@ def test_modelopt_config_in_config_json(base, tmp_path):
     _check_bytes_kept(ckpt, tmp_path / "q.ninfer")
 
 
+def test_static_activation_scales_are_noted_and_not_used(base, tmp_path):
+    ckpt = quantize_tiny_checkpoint(_copy(base, "dense", tmp_path), "ct_fp8_channel")
+    _config(ckpt, lambda q: q["config_groups"]["group_0"]["input_activations"].update(dynamic=False))
+    summary = convert_checkpoint(ckpt, tmp_path / "q.ninfer")
+    _check_bytes_kept(ckpt, tmp_path / "q.ninfer")
+    with open_artifact(tmp_path / "q.ninfer") as art:
+        assert "quantizes activations statically" in art.metadata.quantization["notes"][0]
+    assert any("quantizes activations statically" in n for n in summary.notes)
+
+
 def test_fp8_expert_parts_that_split_a_scale_block_are_refused(base, tmp_path):
     ckpt = quantize_tiny_checkpoint(_copy(base, "moe", tmp_path), "fp8")
     _fails(ckpt, tmp_path, "its FP8 parts of 32 rows do not fill the 128-row scale blocks")

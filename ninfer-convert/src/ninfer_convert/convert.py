@@ -169,7 +169,7 @@ def _quantization_record(scheme: Scheme | None, quantize: str | None, logical: d
                  if kinds[n] is None and len(t.shape) >= 2}
     method = f"ninfer convert --quantize {quantize}" if quantize else scheme.method
     return {"method": method, "formats": dict(formats), "dense": dict(sorted(dense.items())),
-            "notes": [n for n in notes if "unfused" in n]}
+            "notes": [*(scheme.notes if scheme else ()), *(n for n in notes if "unfused" in n)]}
 
 
 def default_name(src: Path) -> str:
@@ -201,6 +201,7 @@ def convert_checkpoint(src: str | os.PathLike[str], out: str | os.PathLike[str],
             raise ConversionError(f"--quantize {quantize}: the checkpoint is already quantized ({scheme.method})")
         tensors, unused = present(ckpt.tensors, scheme)
         logical, skipped, notes = _plan_tensors(ckpt, tensors, mapping)
+        notes += scheme.notes if scheme else ()
         skipped += unused
         kinds = {n: (t.quant.format, t.quant.block) if t.quant else None for n, t in logical.items()}
         targets, dense = plan_quantize(logical, quantize) if quantize else ({}, {})

@@ -1,7 +1,7 @@
 """Published quantized checkpoints, imported as stored (no re-quantization): which scheme a checkpoint uses, which
 tensors are a quantized weight's data and scales, and how those become the artifact's planes.
 
-Schemes (``docs/quantization.md``; ``kernels_quant.md`` section 4):
+Schemes (the artifact's formats are ``ninfer.contract.quant``'s):
 
 - Qwen fine-grained FP8 (``quant_method: fp8``): ``X.weight`` f8_e4m3 + ``X.weight_scale_inv`` (a multiplier per
   ``weight_block_size`` block, f32 or bf16); a stored expert bank ``B`` has ``B_scale_inv``.
@@ -13,7 +13,11 @@ Schemes (``docs/quantization.md``; ``kernels_quant.md`` section 4):
   e4m3 + ``X.weight_scale_2`` f32, a multiplier.
 
 Activation scales (``input_scale``, ``input_global_scale``) and KV-cache scales are not used: ninfer quantizes
-activations dynamically per token (A8) or not at all (Hopper runs NVFP4 weight-only), so they are skipped.
+activations dynamically per token (A8) or not at all (Hopper runs NVFP4 weight-only), so they are skipped (a
+static activation scheme is imported that way, with a note in the artifact's ``metadata.quantization``).
+
+The stored dtypes decide what is quantized; the config's module lists are checked where they name a module
+exactly (a glob or ``re:`` entry may be broader than the release's own choice, so it is not held against it).
 """
 
 from __future__ import annotations
@@ -57,13 +61,18 @@ class Scheme:
     groups: tuple[WeightArgs, ...] = ()
     skip: tuple[str, ...] = ()  # modules the config says are not quantized
     skip_field: str = ""
+    notes: tuple[str, ...] = ()
 
     def skips(self, module: str) -> bool:
-        return any(module_matches(p, module) for p in self.skip)
+        return any(module_matches(p, module) for p in self.skip if not _is_pattern(p))
 
     def args_for(self, module: str) -> WeightArgs:
         named = [g for g in self.groups if any(t != "Linear" and module_matches(t, module) for t in g.targets)]
         return (named or list(self.groups))[0]
+
+
+def _is_pattern(entry: str) -> bool:
+    return entry.startswith("re:") or any(c in entry for c in "*?[")
 
 
 def module_matches(pattern: str, module: str) -> bool:
@@ -132,12 +141,12 @@ def _compressed_tensors(qc: dict) -> Scheme:
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise ConversionError(f"{where}.config_groups is missing or empty")
-    formats = {g.get("format", qc.get("format")) for g in groups.values() if isinstance(g, dict)}
+    formats = {g.get("format") or qc.get("format") for g in groups.values() if isinstance(g, dict)}
     if len(formats) != 1 or not formats <= {"float-quantized", "nvfp4-pack-quantized"}:
         raise ConversionError(f"{where}.format {sorted(map(str, formats))} is not supported: ninfer imports "
                               f"compressed-tensors 'float-quantized' (FP8) or 'nvfp4-pack-quantized'")
     fmt = formats.pop()
-    args = []
+    args, static = [], False
     for name, g in groups.items():
         w = g.get("weights") if isinstance(g, dict) else None
         at = f"{where}.config_groups.{name}.weights"
@@ -147,6 +156,8 @@ def _compressed_tensors(qc: dict) -> Scheme:
             raise ConversionError(f"{at} (type {w.get('type')!r}, symmetric {w.get('symmetric')!r}, dynamic "
                                   f"{w.get('dynamic')!r}) is not supported: only symmetric static float weights")
         targets = _names(g.get("targets", ["Linear"]), f"{where}.config_groups.{name}.targets")
+        inputs = g.get("input_activations")
+        static = static or (isinstance(inputs, dict) and inputs.get("dynamic") is False)
         strategy = w.get("strategy")
         if fmt == "nvfp4-pack-quantized":
             if w.get("num_bits") != 4 or strategy != "tensor_group" or w.get("group_size") != NVFP4_GROUP:
@@ -167,12 +178,15 @@ def _compressed_tensors(qc: dict) -> Scheme:
         else:
             raise ConversionError(f"{at}.strategy {strategy!r} is not supported (block, group, channel, tensor)")
     skip = _names(qc.get("ignore"), f"{where}.ignore")
+    notes = (f"{where} quantizes activations statically; their calibrated scales are not used (activations are "
+             f"quantized per token at run time, or not at all)",) if static else ()
     if fmt == "nvfp4-pack-quantized":
         return Scheme(method="compressed-tensors nvfp4-pack-quantized", format=NVFP4, data_dtype="u8",
                       packed_suffix="_packed", scale_suffix="_scale", global_suffix="_global_scale",
-                      global_divisor=True, skip=skip, skip_field="ignore")
+                      global_divisor=True, skip=skip, skip_field="ignore", notes=notes)
     return Scheme(method="compressed-tensors float-quantized (FP8)", format=FP8_BLOCK, data_dtype="f8_e4m3",
-                  packed_suffix="", scale_suffix="_scale", groups=tuple(args), skip=skip, skip_field="ignore")
+                  packed_suffix="", scale_suffix="_scale", groups=tuple(args), skip=skip, skip_field="ignore",
+                  notes=notes)
 
 
 def _modelopt(quant: Any, where: str) -> Scheme:
