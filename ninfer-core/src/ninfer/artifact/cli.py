@@ -13,6 +13,7 @@ import sys
 from collections import defaultdict
 
 _LIST_QUANTIZED = 64  # more quantized objects than this are counted, and listed only with --objects
+_LIST_NOTES = 4
 _CONFIG_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads", "num_key_value_heads", "head_dim", "linear_num_key_heads",
                 "linear_num_value_heads", "tie_word_embeddings", "mtp_num_hidden_layers", "num_experts")
@@ -155,8 +156,11 @@ def _print_quantization(d: dict, *, listed: bool) -> None:
             reasons[why] += 1
         for why, n in sorted(reasons.items()):
             print(f"    left unquantized  {n} weights: {why}")
-        for note in q.get("notes", []):
+        notes = q.get("notes", [])
+        for note in notes[:_LIST_NOTES]:
             print(f"    note  {note}")
+        if len(notes) > _LIST_NOTES:
+            print(f"    ... and {len(notes) - _LIST_NOTES} more notes (--json shows them all)")
     objects = d["quantized_objects"]
     if listed or not objects:
         return  # the object list shows their planes
