@@ -261,17 +261,20 @@ def _nvfp4_writer(planes):
     return w
 
 
-def test_quantized_slots_are_specified_but_not_materialized(tmp_path):
+def test_quantized_planes_are_checked_against_the_format(tmp_path):
     from ninfer.artifact import Plane
 
     planes = (Plane(name="data", dtype="u8", shape=(4, 16), offset=0, nbytes=64),
               Plane(name="scale", dtype="f8_e4m3", shape=(4, 2), offset=64, nbytes=8),
-              Plane(name="global_scale", dtype="f32", shape=(1,), offset=72, nbytes=4))
+              Plane(name="global_scale", dtype="f32", shape=(4,), offset=72, nbytes=16))
     _nvfp4_writer(planes).write(tmp_path / "q.ninfer", metadata=META, config={}, features=("text",))
     with open_artifact(tmp_path / "q.ninfer") as art:
         assert [p.name for p in art.objects["q"].planes] == ["data", "scale", "global_scale"]
-        with pytest.raises(ArtifactError, match="format 'nvfp4'; only dense objects are materialized"):
-            load_weights(art)
+        weights, _ = load_weights(art)
+        assert weights["q.weight"].shape == (4, 32) and weights["q.weight"].global_scale.shape == (4,)
     bad = (planes[0], planes[2], planes[1])
-    with pytest.raises(ArtifactError, match="has planes"):
+    with pytest.raises(ArtifactError, match="has planes data u8\\[4, 16\\], global_scale"):
         _nvfp4_writer(bad).write(tmp_path / "bad.ninfer", metadata=META, config={}, features=("text",))
+    one_global = (*planes[:2], Plane(name="global_scale", dtype="f32", shape=(1,), offset=72, nbytes=4))
+    with pytest.raises(ArtifactError, match="global_scale f32\\[4\\]"):
+        _nvfp4_writer(one_global).write(tmp_path / "bad.ninfer", metadata=META, config={}, features=("text",))

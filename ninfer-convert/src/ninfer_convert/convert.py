@@ -4,7 +4,8 @@ The architecture plugin (``ArchitectureSpec.source_mapping``) names every source
 parameters the config implies (shapes are checked), which ones a checkpoint stores split into several tensors
 (stacked sources, e.g. per-expert MoE weights) and which ones are stored fused. Bytes are copied unchanged
 (bf16 stays bf16); a stacked parameter is its parts' bytes in order; a fused parent is one physical object whose
-members are row-range Bindings.
+members are row-range Bindings. A published quantized checkpoint's weights keep their bytes too (``quantized``:
+data and scales become the artifact's planes); ``quantize=`` quantizes a float checkpoint's linears instead.
 """
 
 from __future__ import annotations
@@ -26,15 +27,17 @@ from ninfer.artifact.format import (
     Metadata,
     PhysicalObject,
     Use,
-    dense_nbytes,
 )
 from ninfer.artifact.mapping import SourceMapping, missing_members
 from ninfer.artifact.writer import ArtifactWriter
 from ninfer.plugins import PluginHost, UnknownArchitecture, default_host
 from ninfer_convert import __version__
 from ninfer_convert.frontend import read_frontend
+from ninfer_convert.objects import add_parent, fuse_problem
 from ninfer_convert.progress import ProgressLine
-from ninfer_convert.source import Checkpoint, ConversionError, PlannedTensor
+from ninfer_convert.quantize import plan_quantize
+from ninfer_convert.quantized import Scheme, present, read_scheme
+from ninfer_convert.source import Checkpoint, ConversionError, PlannedTensor, SourceTensor
 from ninfer_convert.stacking import plan_stacked
 
 _FEATURE_ORDER = ("text", "mtp", "dflash", "vision")
@@ -96,16 +99,18 @@ def _mapping_for(config: dict, host: PluginHost) -> tuple[str, SourceMapping]:
     return archs[0], mapping
 
 
-def _plan_tensors(ckpt: Checkpoint, mapping: SourceMapping) -> tuple[dict[str, PlannedTensor], list[str], list[str]]:
-    """logical name -> its planned source; skipped source names; notes. Validates names and shapes."""
+def _plan_tensors(ckpt: Checkpoint, tensors: dict[str, SourceTensor], mapping: SourceMapping
+                  ) -> tuple[dict[str, PlannedTensor], list[str], list[str]]:
+    """logical name -> its planned source; skipped source names; notes. Validates names and shapes (a quantized
+    tensor's shape is its logical one)."""
     try:
-        groups = mapping.stacked_sources(tuple(ckpt.tensors))
+        groups = mapping.stacked_sources(tuple(tensors))
     except ValueError as exc:  # a group the config cannot shape (StackedSource checks its own geometry)
         raise ConversionError(f"config.json: {exc}") from None
-    logical = plan_stacked(ckpt.tensors, groups)
+    logical = plan_stacked(tensors, groups)
     consumed = {p.name for t in logical.values() for p in t.parts}
     skipped: list[str] = []
-    for name, t in ckpt.tensors.items():
+    for name, t in tensors.items():
         if name in consumed:
             continue
         mapped = mapping.canonical_name(name)
@@ -149,6 +154,24 @@ def _plan_tensors(ckpt: Checkpoint, mapping: SourceMapping) -> tuple[dict[str, P
     return logical, skipped, notes
 
 
+def _quantization_record(scheme: Scheme | None, quantize: str | None, logical: dict[str, PlannedTensor],
+                         kinds: dict, dense: dict[str, str], notes: list[str]) -> dict | None:
+    """metadata.quantization: how the weights were quantized, the formats used and the linear weights left
+    unquantized with why (None for an unquantized artifact)."""
+    if scheme is None and quantize is None:
+        return None
+    formats: dict[str, int] = defaultdict(int)
+    for kind in kinds.values():
+        if kind is not None:
+            formats[kind[0]] += 1
+    if scheme is not None:  # imported as stored: what the checkpoint left unquantized
+        dense = {n: "stored unquantized in the checkpoint" for n, t in logical.items()
+                 if kinds[n] is None and len(t.shape) >= 2}
+    method = f"ninfer convert --quantize {quantize}" if quantize else scheme.method
+    return {"method": method, "formats": dict(formats), "dense": dict(sorted(dense.items())),
+            "notes": [*(scheme.notes if scheme else ()), *(n for n in notes if "unfused" in n)]}
+
+
 def default_name(src: Path) -> str:
     """An artifact's name when none is given: the checkpoint folder's name, or for a snapshot in the Hugging Face
     cache (``models--org--name/snapshots/<commit>``) its id, ``org/name``."""
@@ -161,10 +184,11 @@ def default_name(src: Path) -> str:
 
 def convert_checkpoint(src: str | os.PathLike[str], out: str | os.PathLike[str], *, name: str | None = None,
                        host: PluginHost | None = None, progress: bool | Callable[[int, int], None] = False,
-                       alignment: int = 4096, make_writer: Callable[[int], ArtifactWriter] = ArtifactWriter
-                       ) -> ConversionSummary:
+                       alignment: int = 4096, make_writer: Callable[[int], ArtifactWriter] = ArtifactWriter,
+                       quantize: str | None = None) -> ConversionSummary:
     """Convert ``src`` (a Hugging Face checkpoint directory) into ``out``; atomic, never leaves a partial file.
-    ``make_writer``: makes the ArtifactWriter from the alignment (a benchmark's writer may leave the data a hole)."""
+    ``make_writer``: makes the ArtifactWriter from the alignment (a benchmark's writer may leave the data a hole).
+    ``quantize``: ``fp8`` or ``nvfp4`` quantizes a float checkpoint's linear weights (``quantize.py``)."""
     start = time.perf_counter()
     src, out = Path(src), Path(out)
     if not out.parent.is_dir():
@@ -172,7 +196,16 @@ def convert_checkpoint(src: str | os.PathLike[str], out: str | os.PathLike[str],
     ckpt = Checkpoint(src)
     try:
         architecture, mapping = _mapping_for(ckpt.config, host or default_host())
-        logical, skipped, notes = _plan_tensors(ckpt, mapping)
+        scheme = read_scheme(src, ckpt.config)
+        if scheme is not None and quantize is not None:
+            raise ConversionError(f"--quantize {quantize}: the checkpoint is already quantized ({scheme.method})")
+        tensors, unused = present(ckpt.tensors, scheme)
+        logical, skipped, notes = _plan_tensors(ckpt, tensors, mapping)
+        notes += scheme.notes if scheme else ()
+        skipped += unused
+        kinds = {n: (t.quant.format, t.quant.block) if t.quant else None for n, t in logical.items()}
+        targets, dense = plan_quantize(logical, quantize) if quantize else ({}, {})
+        kinds.update(targets)
         features = tuple(f for f in _FEATURE_ORDER if any(t.feature == f for t in logical.values()))
         fe = read_frontend(src, ckpt.config, with_media="vision" in features)
         vocab = mapping.embedding_vocab()
@@ -188,10 +221,9 @@ def convert_checkpoint(src: str | os.PathLike[str], out: str | os.PathLike[str],
             members = list(group.members)
             if not all(m in logical for m in members):
                 continue
-            dtypes = {logical[m].dtype for m in members}
-            tails = {logical[m].shape[1:] for m in members}
-            if len(dtypes) > 1 or len(tails) > 1:
-                notes.append(f"{group.name}: members differ in dtype or trailing shape; stored unfused")
+            problem = fuse_problem([logical[m] for m in members], [kinds[m] for m in members])
+            if problem:
+                notes.append(f"{group.name}: {problem}; stored unfused")
                 continue
             for m in members:
                 fused_of[m] = (group.name, members)
@@ -214,15 +246,15 @@ def convert_checkpoint(src: str | os.PathLike[str], out: str | os.PathLike[str],
             tensors = [logical[m] for m in members]
             rows = sum(s.shape[0] for s in tensors) if group else None
             shape = (rows, *t.shape[1:]) if group else t.shape
-            writer.add_object(oid, feature=feature, dtype=t.dtype, shape=shape, nbytes=dense_nbytes(t.dtype, shape),
-                              source=lambda names=tuple(p.name for s in tensors for p in s.parts): (
-                                  ckpt.read(n) for n in names))
+            add_parent(writer, ckpt.read, oid, feature=feature, shape=shape, tensors=tensors, kind=kinds[lname],
+                       quantize=lname in targets)
             pos = 0
             for m, s in zip(members, tensors, strict=True):
                 r = (pos, pos + s.shape[0]) if group else None
                 writer.add_binding(Binding(name=m, feature=feature, object=oid, shape=s.shape, rows=r))
                 pos += s.shape[0] if group else 0
-                digest_parts += [(p.name, p.dtype, list(p.shape), oid) for p in s.parts]
+                digest_parts += [(n, ckpt.tensors[n].dtype, list(ckpt.tensors[n].shape), oid)
+                                 for p in s.parts for n in (p.quant.names if p.quant else (p.name,))]
         bound = set(logical)
         for lname in logical:
             writer.add_use(Use(site=lname, feature=logical[lname].feature, binding=lname))
@@ -250,7 +282,8 @@ def convert_checkpoint(src: str | os.PathLike[str], out: str | os.PathLike[str],
             return "blake2b:" + h.hexdigest()
 
         metadata = Metadata(name=name or default_name(src) or architecture, architecture=architecture,
-                            converter_version=__version__, source_digest="blake2b:" + "0" * 32, source=src.name)
+                            converter_version=__version__, source_digest="blake2b:" + "0" * 32, source=src.name,
+                            quantization=_quantization_record(scheme, quantize, logical, kinds, dense, notes))
         bar = ProgressLine(f"converting {src.name}") if progress is True else None
         callback = bar.update if bar is not None else (progress or None)
         try:

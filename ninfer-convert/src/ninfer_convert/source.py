@@ -24,11 +24,33 @@ class ConversionError(ValueError):
 
 
 @attrs.frozen
+class QuantSource:
+    """Where a quantized source tensor's planes are and how they become the artifact's (``quantized.py``).
+
+    ``scale_kind``: ``grid`` (already the format's scale plane, maybe bf16), ``row`` (one per output row) or
+    ``tensor`` (one value, broadcast to every row). The global scale (nvfp4) is one value per tensor, a
+    multiplier or, with ``global_divisor``, its reciprocal."""
+
+    format: str
+    block: tuple[int, int]
+    data: str
+    scale: str
+    global_scale: str | None = None
+    scale_kind: str = "grid"
+    global_divisor: bool = False
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.data, self.scale) if self.global_scale is None else (self.data, self.scale, self.global_scale)
+
+
+@attrs.frozen
 class SourceTensor:
     name: str
     file: Path
-    dtype: str  # artifact dtype name
-    shape: tuple[int, ...]
+    dtype: str  # artifact dtype name (a quantized tensor's: its data plane's)
+    shape: tuple[int, ...]  # the logical shape (a quantized tensor's follows from its data plane)
+    quant: QuantSource | None = None
 
 
 @attrs.frozen
@@ -48,6 +70,11 @@ class PlannedTensor:
     @property
     def stacked(self) -> bool:
         return len(self.parts) > 1
+
+    @property
+    def quant(self) -> QuantSource | None:
+        """How the source stores it quantized (its parts agree: ``plan_stacked`` checks), or None."""
+        return self.parts[0].quant
 
 
 def read_json(path: Path, what: str) -> Any:

@@ -48,6 +48,10 @@ def plan_stacked(tensors: Mapping[str, SourceTensor], groups: Sequence[StackedSo
         if len(first_of) > 1:
             raise ConversionError(f"the parts of {g.name!r} differ in dtype: "
                                   + ", ".join(f"{n!r} is {d}" for d, n in first_of.items()))
+        kinds = {(t.quant.format, t.quant.block) if t.quant else None for t in parts}
+        if len(kinds) > 1:
+            raise ConversionError(f"the parts of {g.name!r} are stored in different quantized formats or blocks: "
+                                  f"{sorted(map(str, kinds))}")
         label = f"{g.name!r} (stacked from {len(parts)} tensors {parts[0].name!r} .. {parts[-1].name!r})"
         planned[g.name] = PlannedTensor(g.feature, parts[0].dtype, g.shape, parts, label)
     return planned

@@ -22,6 +22,8 @@ import attrs
 import cattrs
 from attrs import validators as v
 
+from ninfer.contract.quant import FP8_BLOCK, NVFP4, NVFP4_GROUP
+
 MAGIC = b"\x89NINFER\n"
 VERSION = 3
 PREFIX = struct.Struct("<8sIIQII")
@@ -37,12 +39,16 @@ RESOURCE_FEATURE = "frontend"
 DTYPE_SIZES = {"bool": 1, "u8": 1, "i8": 1, "i16": 2, "i32": 4, "i64": 8, "f16": 2, "bf16": 2, "f32": 4,
                "f64": 8, "f8_e4m3": 1, "f8_e5m2": 1}
 
-# Object formats. dense: one plane, dtype x shape. bytes: an opaque resource (UTF-8 text, ...).
-# fp8_e4m3_block: data f8_e4m3 [out, in] + scale f32 [ceil(out/b0), ceil(in/b1)], W = data * scale per block.
-# nvfp4: data u8 [out, in/2] (e2m1 pairs, first element in the low nibble) + scale f8_e4m3 [out, in/16]
-#        + global_scale f32 [1], W = e2m1 * scale * global_scale.
-FORMATS = ("dense", "bytes", "fp8_e4m3_block", "nvfp4")
-QUANTIZED_PLANES = {"fp8_e4m3_block": ("data", "scale"), "nvfp4": ("data", "scale", "global_scale")}
+# Object formats. dense: one plane, dtype x shape. bytes: an opaque resource (UTF-8 text, ...). The quantized
+# formats (ninfer.contract.quant defines them) are planes back to back in one object; shape is the logical
+# [N, K] (or [E, N, K] for a bank of experts, every plane then with a leading E):
+# fp8_e4m3_block: data f8_e4m3 [N, K] + scale f32 [ceil(N/b0), ceil(K/b1)], W = data * scale per block.
+# nvfp4: data u8 [N, K/2] (e2m1 pairs, the even element in the low nibble) + scale f8_e4m3 [N, K/16]
+#        + global_scale f32 [N] (one per row: fused shards keep their own), W = e2m1 * scale * global_scale.
+FORMATS = ("dense", "bytes", FP8_BLOCK, NVFP4)
+QUANTIZED_PLANES = {FP8_BLOCK: ("data", "scale"), NVFP4: ("data", "scale", "global_scale")}
+# Where a writer starts each plane inside its object: wide enough for any load on any device.
+PLANE_ALIGNMENT = 256
 
 _CHECKSUM = re.compile(r"^crc32:[0-9a-f]{8}$")
 
@@ -78,6 +84,9 @@ class Metadata:
     converter_version: str = "0"
     source_digest: str = ""  # "blake2b:<hex>" over config.json and every source tensor (name, dtype, shape, crc)
     source: str | None = None  # free text, e.g. the checkpoint directory name
+    # How the weights were quantized, when they were: {"method": ..., "formats": {format: weights}, "dense": {name:
+    # why it stayed unquantized}, "notes": [...]} (the objects' own formats are the authority).
+    quantization: dict[str, Any] | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -207,3 +216,64 @@ def checksum_text(crc: int) -> str:
 
 def dense_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
     return DTYPE_SIZES[dtype] * math.prod(shape)
+
+
+def quantized_layout(format: str, shape: tuple[int, ...], block: tuple[int, ...] | None,
+                     alignment: int = PLANE_ALIGNMENT) -> tuple[Plane, ...]:
+    """The planes a ``format`` object of logical ``shape`` holds, each starting ``alignment``-aligned after the
+    previous one. Raises ArtifactError when the shape or block does not fit the format."""
+    problem = _layout_problem(format, shape, block)
+    if problem:
+        raise ArtifactError(problem)
+    *lead, n, k = shape
+    lead = tuple(lead)
+    if format == FP8_BLOCK:
+        b0, b1 = block
+        specs = [("data", "f8_e4m3", (*lead, n, k)), ("scale", "f32", (*lead, -(-n // b0), -(-k // b1)))]
+    else:
+        specs = [("data", "u8", (*lead, n, k // 2)), ("scale", "f8_e4m3", (*lead, n, k // NVFP4_GROUP)),
+                 ("global_scale", "f32", (*lead, n))]
+    planes, pos = [], 0
+    for name, dtype, dims in specs:
+        pos = align_up(pos, alignment)
+        planes.append(Plane(name=name, dtype=dtype, shape=dims, offset=pos, nbytes=dense_nbytes(dtype, dims)))
+        pos += planes[-1].nbytes
+    return tuple(planes)
+
+
+def _layout_problem(format: str, shape: tuple[int, ...], block: tuple[int, ...] | None) -> str | None:
+    if format not in QUANTIZED_PLANES:
+        return f"{format!r} is not a quantized format ({', '.join(QUANTIZED_PLANES)})"
+    if len(shape) not in (2, 3):
+        return f"a {format} weight is [N, K] or a bank [E, N, K], not {list(shape)}"
+    if block is None or len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+        return f"a {format} weight needs a block of two positive sizes, got {block!r}"
+    if format == NVFP4 and (tuple(block) != (1, NVFP4_GROUP) or shape[-1] % NVFP4_GROUP):
+        return (f"an nvfp4 weight has block [1, {NVFP4_GROUP}] and an input width that is a multiple of "
+                f"{NVFP4_GROUP}, got block {list(block)} and shape {list(shape)}")
+    return None
+
+
+def quantized_object_problem(o: PhysicalObject) -> str | None:
+    """What is wrong with a quantized object's planes, or None: plane names, dtypes and shapes follow from the
+    format, logical shape and block; offsets are in order, aligned for their dtype and inside the object."""
+    problem = _layout_problem(o.format, o.shape, o.block)
+    if problem:
+        return problem
+    want = quantized_layout(o.format, o.shape, o.block)
+    if o.dtype != want[0].dtype:
+        return f"dtype {o.dtype!r} is not its data plane's {want[0].dtype!r}"
+    got = [(p.name, p.dtype, p.shape) for p in o.planes]
+    if got != [(p.name, p.dtype, p.shape) for p in want]:
+        expected = ", ".join(f"{p.name} {p.dtype}{list(p.shape)}" for p in want)
+        return (f"has planes {', '.join(f'{n} {d}{list(s)}' for n, d, s in got) or 'none'}; shape "
+                f"{list(o.shape)} with block {list(o.block)} needs {expected}")
+    end = 0
+    for p in o.planes:
+        if p.nbytes != dense_nbytes(p.dtype, p.shape) or p.offset < end or p.offset + p.nbytes > o.nbytes:
+            return f"plane {p.name!r} at [{p.offset}, {p.offset + p.nbytes}) overlaps another or runs past the " \
+                   f"object ({o.nbytes} bytes)"
+        if p.offset % DTYPE_SIZES[p.dtype]:
+            return f"plane {p.name!r} at offset {p.offset} is misaligned for {p.dtype}"
+        end = p.offset + p.nbytes
+    return None

@@ -6,7 +6,8 @@ one slot uploads on a side stream. Verification (on by default) is part of each 
 thread takes the crc32 of the chunk it just read while the other threads read on, and the chunk crcs
 are joined per object at the end (``checksum.ChunkChecksums``); the bytes are never read twice.
 Logical parameters are then views (whole or row ranges) of the resident parents, assembled into a
-``WeightSet``.
+``WeightSet``. A quantized object stays as stored: its parent is a ``QuantizedWeight`` whose planes are typed
+views into the object's one raw allocation (nothing is converted at load).
 """
 
 from __future__ import annotations
@@ -76,7 +77,6 @@ class Materializer:
         import torch
 
         plan = self.resolved.plan
-        _check_dense(plan)
         start = time.perf_counter()
         if verify is None:
             verify = self.artifact.verify_on_load
@@ -125,31 +125,43 @@ def meta_weights(artifact: Artifact, *, features=("text",), check_expected: bool
     import torch
 
     plan = plan_load(artifact, features, check_expected=check_expected, host=host)
-    _check_dense(plan)
-    return _bind(plan, {o.id: torch.empty(o.shape, dtype=torch_dtype(o.dtype), device="meta") for o in plan.objects})
-
-
-def _check_dense(plan: LoadPlan) -> None:
-    for o in plan.objects:
-        if o.format != "dense":
-            raise ArtifactError(f"object {o.id!r} has format {o.format!r}; only dense objects are materialized so far")
+    return _bind(plan, {o.id: _typed(o, torch.empty(o.nbytes, dtype=torch.uint8, device="meta"))
+                        for o in plan.objects})
 
 
 def _bind(plan: LoadPlan, parents: dict):
-    """Logical parameters as views (whole, or a row range) of their resident parents."""
-    from ninfer.artifact.weights import BoundParameter, WeightSet
+    """Logical parameters as views (whole, a row range, or a named plane) of their resident parents; a row range
+    of a quantized parent is ``QuantizedWeight.rows`` (its scale rows follow)."""
+    from ninfer.artifact.weights import BoundParameter, WeightSet, row_range
 
     params = []
     for b in plan.bindings:
-        parent = parents[b.object]
-        tensor = parent[b.rows[0]:b.rows[1]] if b.rows is not None else parent
-        params.append(BoundParameter(name=b.name, parent=b.object, tensor=tensor,
+        view = parents[b.object]
+        if b.plane is not None:
+            view = getattr(view, b.plane)
+        if b.rows is not None:
+            view = row_range(view, *b.rows)
+        params.append(BoundParameter(name=b.name, parent=b.object, tensor=view,
                                      rows=tuple(b.rows) if b.rows is not None else None))
     return WeightSet(parents, params)
 
 
 def _typed(o: PhysicalObject, flat):
-    return flat.view(torch_dtype(o.dtype)).view(o.shape)
+    """The resident parent over an object's raw bytes ``flat`` (uint8): a typed tensor, or for a quantized object
+    a QuantizedWeight of typed plane views (the reader has checked the planes against the format)."""
+    if o.format == "dense":
+        return flat.view(torch_dtype(o.dtype)).view(o.shape)
+    if o.format == "bytes":
+        raise ArtifactError(f"object {o.id!r} is a bytes resource, not a weight")
+    from ninfer.ops.quant import QuantizedWeight
+
+    planes = {p.name: flat[p.offset:p.offset + p.nbytes].view(torch_dtype(p.dtype)).view(p.shape)
+              for p in o.planes}
+    try:
+        return QuantizedWeight(format=o.format, data=planes["data"], scale=planes["scale"],
+                               global_scale=planes.get("global_scale"), block=tuple(o.block))
+    except ValueError as exc:
+        raise ArtifactError(f"object {o.id!r}: {exc}") from None
 
 
 def _upload(read, jobs, pool: ThreadPoolExecutor, chunk: int, depth: int) -> None:

@@ -20,13 +20,11 @@ from typing import TYPE_CHECKING
 
 from ninfer.artifact.checksum import check_bytes, mismatch
 from ninfer.artifact.format import (
-    DTYPE_SIZES,
     FEATURES,
     MAGIC,
     MAX_HEADER_BYTES,
     PREFIX,
     PREFIX_SIZE,
-    QUANTIZED_PLANES,
     RESOURCE_FEATURE,
     VERSION,
     ArtifactError,
@@ -37,6 +35,7 @@ from ninfer.artifact.format import (
     checksum_text,
     dense_nbytes,
     header_from_json,
+    quantized_object_problem,
 )
 
 if TYPE_CHECKING:
@@ -294,15 +293,9 @@ def _check_object_size(o: PhysicalObject, where: str) -> None:
         if o.dtype != "u8" or o.shape != (o.nbytes,):
             raise ArtifactError(f"{where}: bytes object {o.id!r} must be u8 of shape [{o.nbytes}]")
     else:
-        names = tuple(p.name for p in o.planes)
-        if names != QUANTIZED_PLANES[o.format]:
-            raise ArtifactError(f"{where}: {o.format} object {o.id!r} has planes {names}, expected "
-                                f"{QUANTIZED_PLANES[o.format]}")
-        for p in o.planes:
-            if p.nbytes != dense_nbytes(p.dtype, p.shape) or p.offset + p.nbytes > o.nbytes:
-                raise ArtifactError(f"{where}: plane {p.name!r} of {o.id!r} has a bad size or runs past the object")
-            if p.offset % DTYPE_SIZES[p.dtype]:
-                raise ArtifactError(f"{where}: plane {p.name!r} of {o.id!r} is misaligned for {p.dtype}")
+        problem = quantized_object_problem(o)
+        if problem:
+            raise ArtifactError(f"{where}: {o.format} object {o.id!r} {problem}")
 
 
 def _check_view(b, o: PhysicalObject, where: str) -> None:

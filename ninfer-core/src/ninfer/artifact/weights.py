@@ -2,7 +2,8 @@
 
 The artifact stores physical objects; a logical parameter is a Binding onto one (the whole
 object, or a row range of a fused parent). A parent shared by several logical parameters is
-resident once per device. Model code asks for a logical parameter by name, or for a run of
+resident once per device. A quantized parent is a ``ninfer.ops.quant.QuantizedWeight`` (its planes views into
+one allocation) and so are the parameters bound to it: its row ranges are ``QuantizedWeight.rows``. Model code asks for a logical parameter by name, or for a run of
 logical parameters that a single matmul can serve (``LinearSplit``).
 """
 
@@ -26,9 +27,28 @@ class FusedParent:
     feature: str = "text"
 
 
+def row_range(parent, lo: int, hi: int):
+    """Rows ``lo:hi`` of a parent: a tensor slice, or ``QuantizedWeight.rows`` (which keeps the scale rows)."""
+    import torch
+
+    return parent[lo:hi] if isinstance(parent, torch.Tensor) else parent.rows(lo, hi)
+
+
+def resident_nbytes(parent) -> int:
+    """Bytes a resident parent holds: a quantized one's planes, counted by the storages behind them (a loaded one
+    is one allocation, the padding between its planes included)."""
+    import torch
+
+    if isinstance(parent, torch.Tensor):
+        return parent.numel() * parent.element_size()
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in parent.planes()}
+    return sum(storages.values())
+
+
 @attrs.frozen(kw_only=True, eq=False)
 class BoundParameter:
-    """One logical parameter: a view of ``parent`` (rows ``rows`` of dim 0, or all of it)."""
+    """One logical parameter: a view of ``parent`` (rows ``rows`` of dim 0, or all of it); a QuantizedWeight when
+    the parent is quantized."""
 
     name: str
     parent: str
@@ -37,7 +57,7 @@ class BoundParameter:
 
 
 class WeightSet(Mapping[str, "torch.Tensor"]):
-    """Logical name -> tensor view, plus the resident parents behind them."""
+    """Logical name -> tensor view (or QuantizedWeight), plus the resident parents behind them."""
 
     def __init__(self, parents: Mapping[str, torch.Tensor], params: Iterable[BoundParameter]) -> None:
         self.parents = dict(parents)
@@ -56,7 +76,8 @@ class WeightSet(Mapping[str, "torch.Tensor"]):
         return len(self.params)
 
     def fused(self, names: Sequence[str]) -> torch.Tensor | None:
-        """The single parent slice holding ``names`` back to back in this order, or None."""
+        """The single parent slice holding ``names`` back to back in this order (a QuantizedWeight row range when
+        the parent is quantized), or None."""
         first = self.params[names[0]]
         parent = self.parents[first.parent]
         start = first.rows[0] if first.rows else 0
@@ -69,10 +90,10 @@ class WeightSet(Mapping[str, "torch.Tensor"]):
             if lo != pos:
                 return None
             pos = hi
-        return parent[start:pos]
+        return row_range(parent, start, pos)
 
     def resident_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.parents.values())
+        return sum(resident_nbytes(t) for t in self.parents.values())
 
     @classmethod
     def from_tensors(cls, tensors: Mapping[str, torch.Tensor], fused: Iterable[FusedParent] = ()) -> WeightSet:
@@ -85,12 +106,21 @@ class WeightSet(Mapping[str, "torch.Tensor"]):
         for group in fused:
             if not all(m in tensors for m in group.members):
                 continue
-            parent = torch.cat([tensors[m] for m in group.members], dim=0)
+            parts = [tensors[m] for m in group.members]
+            dense = [isinstance(t, torch.Tensor) for t in parts]
+            if all(dense):
+                parent = torch.cat(parts, dim=0)
+            elif any(dense):
+                continue  # quantized and dense members stay unfused, as the converter stores them
+            else:  # quantized members: their planes stacked by rows, each keeping its scales
+                from ninfer.ops.quant import QuantizedWeight
+
+                parent = QuantizedWeight.cat(parts)
             parents[group.name] = parent
             pos = 0
             for m in group.members:
                 n = tensors[m].shape[0]
-                params.append(BoundParameter(name=m, parent=group.name, tensor=parent[pos:pos + n],
+                params.append(BoundParameter(name=m, parent=group.name, tensor=row_range(parent, pos, pos + n),
                                              rows=(pos, pos + n)))
                 pos += n
                 grouped.add(m)

@@ -32,6 +32,7 @@ from ninfer.artifact.format import (
     checksum_text,
     header_to_json,
     pack_prefix,
+    quantized_layout,
 )
 
 Chunk = bytes | bytearray | memoryview
@@ -80,6 +81,43 @@ class ArtifactWriter:
         self._objects[id] = _Pending(obj, source)
         self._end = offset + nbytes
         return obj
+
+    def add_quantized_object(self, id: str, *, feature: str, format: str, shape: tuple[int, ...],
+                             block: tuple[int, int], planes: Callable[[], Iterable[Iterable[Any]]]) -> PhysicalObject:
+        """A quantized object (``format.quantized_layout``): ``planes()`` yields, per plane in the format's order,
+        that plane's chunks (bytes-like or CPU tensors); the writer pads between planes and checks each plane's
+        size. One checksum covers the whole object."""
+        try:
+            layout = quantized_layout(format, tuple(shape), tuple(block))
+        except ArtifactError as exc:
+            raise ArtifactError(f"object {id!r}: {exc}") from None
+
+        def source() -> Iterable[Any]:
+            pos = 0
+            per_plane = iter(planes())
+            for plane in layout:
+                chunks = next(per_plane, None)
+                if chunks is None:
+                    raise ArtifactError(f"object {id!r}: its source gave no {plane.name} plane")
+                if plane.offset > pos:
+                    yield bytes(plane.offset - pos)
+                got = 0
+                for chunk in chunks:
+                    buf = chunk if isinstance(chunk, bytes | bytearray | memoryview) else tensor_bytes(chunk)
+                    got += memoryview(buf).nbytes
+                    if got > plane.nbytes:
+                        break
+                    yield buf
+                if got != plane.nbytes:
+                    raise ArtifactError(f"object {id!r}: plane {plane.name} {plane.dtype}{list(plane.shape)} needs "
+                                        f"{plane.nbytes} bytes, its source gave {'more' if got > plane.nbytes else got}")
+                pos = plane.offset + got
+            if next(per_plane, None) is not None:
+                raise ArtifactError(f"object {id!r}: its source gave more planes than {format} has")
+
+        return self.add_object(id, feature=feature, dtype=layout[0].dtype, shape=shape, format=format,
+                               nbytes=layout[-1].offset + layout[-1].nbytes, planes=layout, block=tuple(block),
+                               source=source)
 
     def add_resource(self, id: str, data: bytes, *, feature: str = "frontend") -> PhysicalObject:
         return self.add_object(id, feature=feature, format="bytes", dtype="u8", shape=(len(data),),

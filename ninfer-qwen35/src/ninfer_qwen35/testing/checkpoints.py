@@ -102,7 +102,7 @@ def make_tiny_checkpoint(directory: str | Path, *, layout: str = "text", mtp: bo
     sharded = layout == "vl" if sharded is None else sharded
     tokenizer_json, added = make_tokenizer_json()
     vision = dict(TINY_VISION, **config_overrides.pop("vision_config", {}))
-    text = dict(TINY_TEXT, **(TINY_MOE if moe else {}), **config_overrides)
+    text = {**TINY_TEXT, **(TINY_MOE if moe else {}), **config_overrides}  # overrides may replace TINY_MOE keys
     if moe:
         text.pop("intermediate_size")
     kind = "Qwen3_5Moe" if moe else "Qwen3_5"

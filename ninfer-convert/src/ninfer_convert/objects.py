@@ -1,0 +1,73 @@
+"""The physical object of one parent (a logical parameter, or a fused group of them): dense bytes as stored,
+a published quantized weight's planes as stored, or a float weight quantized on the way (``--quantize``).
+
+A parent's ``kind`` is None (dense) or (format, block). Fused members must share one kind; an FP8 member that
+ends inside a scale block (its rows not a multiple of the block's) cannot share the parent's scale rows, so such
+a group is stored unfused rather than re-scaled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from ninfer.artifact.format import dense_nbytes
+from ninfer.artifact.writer import ArtifactWriter
+from ninfer.contract.quant import FP8_BLOCK
+from ninfer_convert.quantize import quantize_members
+from ninfer_convert.quantized import read_plane
+from ninfer_convert.source import ConversionError, PlannedTensor
+
+Kind = tuple[str, tuple[int, int]] | None
+_PLANES = {"fp8_e4m3_block": ("data", "scale"), "nvfp4": ("data", "scale", "global_scale")}
+
+
+def rows_fit(piece_rows: Sequence[int], matrix_rows: int, block_rows: int) -> bool:
+    """Whether pieces of these row counts, stacked, start every piece (but the first) at a scale-block boundary
+    of its matrix (a piece may end a matrix partway through a block)."""
+    pos = 0
+    for r in piece_rows[:-1]:
+        pos += r
+        if pos % matrix_rows % block_rows:
+            return False
+    return True
+
+
+def fuse_problem(tensors: Sequence[PlannedTensor], kinds: Sequence[Kind]) -> str | None:
+    """Why these members cannot share one parent, or None."""
+    if len(set(kinds)) > 1:
+        return "members are stored in different formats (" + ", ".join(
+            sorted({"dense" if k is None else f"{k[0]} {list(k[1])}" for k in kinds})) + ")"
+    if len({t.dtype for t in tensors}) > 1 or len({t.shape[1:] for t in tensors}) > 1:
+        return "members differ in dtype or trailing shape"
+    kind = kinds[0]
+    rows = [t.shape[0] for t in tensors]
+    if kind is not None and kind[0] == FP8_BLOCK and not rows_fit(rows, sum(rows), kind[1][0]):
+        return f"member rows {rows} do not all end on the {kind[1][0]}-row FP8 scale blocks"
+    return None
+
+
+def add_parent(writer: ArtifactWriter, read: Callable, oid: str, *, feature: str, shape: tuple[int, ...],
+               tensors: Sequence[PlannedTensor], kind: Kind, quantize: bool) -> None:
+    """Add the object of one parent: ``tensors`` (its members' planned sources) back to back."""
+    pieces = [p for t in tensors for p in t.parts]
+    if kind is None:
+        dtype = tensors[0].dtype
+        writer.add_object(oid, feature=feature, dtype=dtype, shape=shape, nbytes=dense_nbytes(dtype, shape),
+                          source=lambda: (read(p.name) for p in pieces))
+        return
+    format, block = kind
+    if quantize:
+        def planes():
+            q = quantize_members(read, list(tensors), format)
+            return ([t] for t in q.planes())
+    else:
+        for t in tensors:  # a bank stacked from quantized parts: each part must fill its own scale rows
+            if format == FP8_BLOCK and t.stacked and not rows_fit([p.shape[0] for p in t.parts], t.shape[-2],
+                                                                   block[0]):
+                raise ConversionError(
+                    f"{t.label}: its FP8 parts of {t.parts[0].shape[0]} rows do not fill the {block[0]}-row scale "
+                    f"blocks of the stacked [{t.shape[-2]}, {t.shape[-1]}] matrices; they cannot share scale rows")
+
+        def planes():
+            return ((read_plane(read, p, name) for p in pieces) for name in _PLANES[format])
+    writer.add_quantized_object(oid, feature=feature, format=format, shape=shape, block=block, planes=planes)
