@@ -36,6 +36,7 @@ TRITON_OPS: frozenset[str] = frozenset({
     "attention.norm_rope_write_kv", "linear.linear", "linear.swiglu", "sampling.greedy",
     "sampling.apply_token_mask", "moe.moe_experts", "moe_route.moe_route", "moe.moe_block",
     "attention.norm_rope_write_kv_mrope", "moe_one_token.moe_one_token", "penalties.apply_penalties",
+    "linear_quant.linear_fp8", "linear_quant.linear_nvfp4", "linear_quant.linear_dequant",
 })
 
 

@@ -160,7 +160,7 @@ def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int] = (128, 128)
     pad = torch.zeros(math.ceil(n / b0) * b0, math.ceil(k / b1) * b1, device=w.device)
     pad[:n, :k] = w.abs()
     amax = pad.view(pad.shape[0] // b0, b0, pad.shape[1] // b1, b1).amax(dim=(1, 3))
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))  # correctly rounded
     s = scale.repeat_interleave(b0, 0)[:n].repeat_interleave(b1, 1)[:, :k]
     data = (w / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return QuantizedWeight(format=FP8_BLOCK, data=data, scale=scale.contiguous(), block=block)
@@ -193,7 +193,9 @@ def quantize_activation_fp8(x: torch.Tensor, group: int = 128) -> tuple[torch.Te
     pad = torch.zeros(m, math.ceil(k / group) * group, device=x.device)
     pad[:, :k] = xf
     amax = pad.view(m, -1, group).abs().amax(-1)
-    scale = amax.clamp(min=1e-10) / FP8_MAX
+    # a tensor divisor: CUDA torch divides by a Python scalar as a multiplication by its reciprocal (not correctly
+    # rounded), which would make the definition depend on the device
+    scale = amax.clamp(min=1e-10) / torch.full_like(amax, FP8_MAX)
     q = (xf / scale.repeat_interleave(group, 1)[:, :k]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale
 
