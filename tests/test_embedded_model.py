@@ -99,8 +99,6 @@ def _tool_modules(*names: str):
             sys.modules.pop(name, None)
 
 
-@pytest.mark.xfail(strict=True, reason="the shipped model still loops under greedy decoding; its retraining "
-                   "(tools/train_tiny/run_gpu.sh: dropout, the unlooping phase) needs a GPU run: issue 44 item 1")
 def test_greedy_decoding_does_not_loop():
     """docs/embedded-model.md's greedy table: every plain prompt gets 60+ tokens with at least 60 % distinct
     3-grams; the chat message is answered and the tool request gets a well-formed call."""

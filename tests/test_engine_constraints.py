@@ -53,7 +53,7 @@ def check_person(text: str) -> None:
 # kind -> (constraint, prompt, check of the content)
 CASES = {
     "json_schema": (JsonConstraint(schema=PERSON, whitespace="compact"), "KING HENRY:\n", check_person),
-    "json_any": (JsonConstraint(whitespace="compact"), "The list: ", json.loads),
+    "json_any": (JsonConstraint(whitespace="compact"), "JSON: ", json.loads),
     "regex": (RegexConstraint(pattern=r"[A-Z][a-z]{2,8} (of|the) [A-Z][a-z]{2,8}"), "KING HENRY:\n",
               lambda t: re.fullmatch(r"[A-Z][a-z]{2,8} (of|the) [A-Z][a-z]{2,8}", t) or pytest.fail(t)),
     "choice": (ChoiceConstraint(choices=["Romeo", "Juliet", "Mercutio"]), "ROMEO:\nWhat say you?\n",

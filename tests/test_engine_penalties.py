@@ -51,6 +51,7 @@ def req(text: str | tuple[int, ...], **s) -> GenerationRequest:
     s.setdefault("temperature", 0.0)
     s.setdefault("ignore_eos", True)
     s.setdefault("max_tokens", TOKENS)
+    s.setdefault("repetition_penalty", 1.0)  # not the model's default (its generation_config): the references have none
     inp = TextInput(text=text) if isinstance(text, str) else TextInput(token_ids=text)
     return GenerationRequest(input=inp, sampling=SamplingParams(**s))
 
@@ -65,14 +66,14 @@ def test_presence_and_frequency_penalties_follow_the_reference(plain):
     for text, presence, frequency in ((PROMPTS[0], 0.8, 0.6), (PROMPTS[1], -1.0, -0.5)):
         ids = tuple(plain.frontend.prepare(TextInput(text=text)).token_ids)
         out: list[int] = []
-        for _ in range(12):
+        for _ in range(20):  # long enough that the greedy output repeats a token (the positive penalties' case)
             counts = collections.Counter(out)
             bias = {t: -(frequency * c + presence) for t, c in counts.items()}
             (step,) = tokens(plain, [req(ids + tuple(out), max_tokens=1, logit_bias=bias)])
             out.extend(step)
-        (got,) = tokens(plain, [req(text, presence_penalty=presence, frequency_penalty=frequency, max_tokens=12)])
+        (got,) = tokens(plain, [req(text, presence_penalty=presence, frequency_penalty=frequency, max_tokens=20)])
         assert list(got) == out, text
-        (free,) = tokens(plain, [req(text, max_tokens=12)])
+        (free,) = tokens(plain, [req(text, max_tokens=20)])
         assert free != got  # the penalties changed the greedy output
 
 

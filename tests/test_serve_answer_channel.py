@@ -41,10 +41,11 @@ def test_stop_strings_leave_generated_reasoning_whole(engine):
     # An open thinking block the model fills (a seeded sample; greedy, it closes the block at once).
     prompt = ("<|im_start|>user\nWhat say you of war, my lord?<|im_end|>\n<|im_start|>assistant\n"
               "<think>\nKING.\n")
-    sampling = {"max_tokens": 60, "temperature": 1.0, "seed": 29}
+    sampling = {"max_tokens": 60, "temperature": 1.0, "seed": 104}
     full = generate(engine, prompt, **sampling)
     assert full.reasoning and "\n" in full.content, (full.reasoning, full.content)  # the sample still thinks
-    for stop in ("\n\n", "\n"):  # the raw output has "</think>\n\n": that never stops the output
+    # the raw output has "</think>\n\n": that never stops the output; each stop string the answer holds cuts it
+    for stop in [s for s in ("\n\n", "\n") if s in full.content]:
         cut = generate(engine, prompt, stop=[stop], **sampling)
         assert (cut.reasoning, cut.content) == (full.reasoning, full.content.split(stop, 1)[0])
         assert cut.finish_reason.value == "stop"

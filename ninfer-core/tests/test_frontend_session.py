@@ -243,6 +243,9 @@ def test_sampling_defaults_come_from_generation_config(frontend):
     assert frontend.sampling_defaults() == SamplingParams(temperature=1.0, top_p=0.95, top_k=20)
     assert sampling_from_generation_config({"do_sample": False, "temperature": 0.7}).temperature == 0.0
     assert sampling_from_generation_config({}) == SamplingParams()
+    # as transformers and vLLM read it: the model's default, also under greedy decoding
+    assert sampling_from_generation_config({"do_sample": False, "repetition_penalty": 1.1}) == SamplingParams(
+        temperature=0.0, repetition_penalty=1.1)
     with pytest.raises(ValueError, match="generation_config"):
         sampling_from_generation_config({"top_p": 2.0})
 

@@ -67,8 +67,11 @@ def test_text_whole_and_streamed_agree(sdk):
     assert whole.usage.input_tokens > 5 and whole.usage.output_tokens > 0
     with c.c.responses.stream(model=c.model, input="Say hello.", instructions="Answer briefly.", reasoning=OFF,
                               temperature=0, max_output_tokens=12) as stream:
-        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
-        final = stream.get_final_response()
+        events = list(stream)
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    # the last event carries the response: completed, or incomplete when the 12 tokens ran out first
+    (final,) = [e.response for e in events if e.type in ("response.completed", "response.incomplete")]
+    assert final.status == whole.status
     assert "".join(deltas) == final.output_text == whole.output_text
     assert final.usage.output_tokens == whole.usage.output_tokens
 

@@ -21,6 +21,10 @@ from safetensors.torch import load_file, save_file
 from tokenizer import ADDED_TOKENS
 
 TEMPERATURE, TOP_P, TOP_K = 0.8, 0.95, 50
+# The model's default repetition penalty (HF, vLLM and ninfer read it from generation_config.json; a request may
+# set its own): an 11 M-parameter model's greedy decoding falls into loops that 1.1 breaks without costing the
+# tool-call format its repeated tags (docs/embedded-model.md has the loop report with and without it).
+REPETITION_PENALTY = 1.1
 
 
 def main() -> None:
@@ -48,7 +52,8 @@ def main() -> None:
     (args.out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
     generation = {"bos_token_id": None, "eos_token_id": [im_end, eot], "pad_token_id": eot, "do_sample": True,
-                  "temperature": TEMPERATURE, "top_p": TOP_P, "top_k": TOP_K}
+                  "temperature": TEMPERATURE, "top_p": TOP_P, "top_k": TOP_K,
+                  "repetition_penalty": REPETITION_PENALTY}
     (args.out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
     shutil.copy(args.data / "tokenizer.json", args.out / "tokenizer.json")

@@ -66,7 +66,7 @@ def sampling_from_generation_config(config: Mapping[str, Any]) -> SamplingParams
     """SamplingParams defaults from a checkpoint's generation_config.json (``do_sample: false`` = greedy)."""
     fields: dict[str, Any] = {}
     for src, dst in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("min_p", "min_p"),
-                     ("max_new_tokens", "max_tokens")):
+                     ("repetition_penalty", "repetition_penalty"), ("max_new_tokens", "max_tokens")):
         if config.get(src) is not None:
             fields[dst] = config[src]
     if config.get("do_sample") is False:
