@@ -168,6 +168,8 @@ def _placements(total: int, host: int, banks: list[torch.Tensor], top_k: int) ->
     gate_up, down = banks[0], banks[1]
     one = expert_bytes(gate_up, down)
     step = total - host + len(banks) // 2 * top_k * one
+    if not isinstance(gate_up, torch.Tensor):  # HostExperts serves dense banks only: quantized ones stay on the device
+        return (WeightPlacement(name=ALL_DEVICE, device_bytes=total, step_bytes=step),)
     return (WeightPlacement(name=ALL_DEVICE, device_bytes=total, step_bytes=step),
             WeightPlacement(name=HOST_EXPERTS, device_bytes=total - host, host_bytes=host,
                             staging_bytes=staging_bytes(gate_up, down), expert_bytes=one,

@@ -20,10 +20,12 @@ from ninfer.ops import (
     gdn_verify,
     linear,
     moe_block,
+    moe_experts,
     moe_route,
     norm_rope_write_kv,
     paged_attention,
     rms_norm_gated,
+    silu_and_mul,
     swiglu,
 )
 from ninfer_qwen35.config import Qwen35Config
@@ -32,6 +34,7 @@ from ninfer_qwen35.execution.parameters import AttentionParams, GDNParams, Layer
 
 if TYPE_CHECKING:
     from ninfer.models.common.moe.host_experts import HostExperts
+    from ninfer_qwen35.execution.linear import LinearSplit
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -127,12 +130,21 @@ def mlp(p: MLPParams | MoEParams, x: torch.Tensor, experts: HostExperts | None =
     ``router``: the router's and shared gate's logits [N, E + 1] when the caller computed them. The all-device
     block may return its output as [N, S, H] terms, which the caller's ``add_rms_norm`` adds up."""
     if isinstance(p, MLPParams):
-        return linear(swiglu(x, p.gate_up.weight), p.down)
+        return linear(_swiglu(x, p.gate_up), p.down)
     split = p.router_shared_gate
     logits, shared_gate = split(x) if router is None else split.parts(router)
-    if experts is None:
+    one_matmul = len(p.shared.gate_up.groups) == 1
+    if experts is None and one_matmul:
         return moe_block(x, logits, shared_gate, p.gate_up, p.down, p.shared.gate_up.weight, p.shared.down, p.top_k,
                          summed=False)
     weights, ids = moe_route(logits, p.top_k)
-    shared = linear(swiglu(x, p.shared.gate_up.weight), p.shared.down)
+    shared = linear(_swiglu(x, p.shared.gate_up), p.shared.down)
+    if experts is None:
+        return moe_experts(x, p.gate_up, p.down, ids, weights, shared=shared, shared_gate=shared_gate)
     return experts.routed(p.gate_up, x, ids, weights) + torch.sigmoid(shared_gate) * shared
+
+
+def _swiglu(x: torch.Tensor, gate_up: LinearSplit) -> torch.Tensor:
+    """silu(gate) * up; as two matmuls where gate and up are stored apart (FP8 parts that do not fill their
+    128-row scale blocks cannot share one weight)."""
+    return swiglu(x, gate_up.weight) if len(gate_up.groups) == 1 else silu_and_mul(gate_up.matmul(x))

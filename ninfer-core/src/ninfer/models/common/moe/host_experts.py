@@ -56,9 +56,14 @@ def staging_bytes(gate_up: torch.Tensor, down: torch.Tensor) -> int:
     return 2 * (gate_up.numel() * gate_up.element_size() + down.numel() * down.element_size())
 
 
-def expert_bytes(gate_up: torch.Tensor, down: torch.Tensor) -> int:
-    """Device bytes of one cached expert of a layer with these banks."""
-    return (gate_up[0].numel() * gate_up.element_size()) + (down[0].numel() * down.element_size())
+def expert_bytes(gate_up, down) -> int:
+    """Device bytes of one expert of a layer with these banks (a quantized bank's planes of one expert)."""
+    planes = [*_planes(gate_up), *_planes(down)]
+    return sum(p[0].numel() * p.element_size() for p in planes)
+
+
+def _planes(bank) -> tuple[torch.Tensor, ...]:
+    return (bank,) if isinstance(bank, torch.Tensor) else bank.planes()
 
 
 class HostExperts:
