@@ -111,7 +111,7 @@ class WeightSet(Mapping[str, "torch.Tensor"]):
             if all(dense):
                 parent = torch.cat(parts, dim=0)
             elif any(dense):
-                continue  # quantized and dense members stay unfused, as the converter stores them
+                continue  # quantized and dense members stay apart (LinearSplit joins each format's run once)
             else:  # quantized members: their planes stacked by rows, each keeping its scales
                 from ninfer.ops.quant import QuantizedWeight
 

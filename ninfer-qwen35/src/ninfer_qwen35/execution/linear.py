@@ -1,10 +1,11 @@
 """LinearSplit: several logical projections of the same input served by as few matmuls as their formats allow.
 
 The logical weights are rows of one physical parent when the artifact stores them back to back
-(``WeightSet.fused``: a dense parent, an FP8 parent or an NVFP4 matrix view, in the same row order); otherwise
-they are concatenated once, at preparation, never per call. Parts in different formats (an FP8 checkpoint leaves
-GDN's ``in_proj_b`` / ``in_proj_a`` in bf16 beside a quantized ``in_proj_qkv``) are consecutive groups, one matmul
-each, their outputs joined in the logical order.
+(``WeightSet.fused``: a dense parent, an FP8 parent or an NVFP4 matrix view, in the same row order). Parts in
+different formats (an FP8 checkpoint leaves GDN's ``in_proj_b`` / ``in_proj_a`` in bf16 beside a quantized
+``in_proj_qkv``) are consecutive groups, one matmul each, their outputs joined in the logical order; the converter
+stores each such run as a parent of its own, so a group is a view of it too. Only parts the artifact holds apart
+(an in-memory WeightSet) are concatenated, once, at preparation, never per call.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class LinearSplit:
     sizes: tuple[int, ...] = attrs.field(converter=tuple)
     groups: tuple[Weight, ...] = attrs.field(converter=tuple, repr=False)
     members: tuple[tuple[str, ...], ...] = attrs.field(converter=tuple)  # the names each group serves
-    shares_parent: bool = False  # True: one group, the artifact's parent itself (no copy was made)
+    shares_parent: bool = False  # True: every group is a view of the artifact's parents (no copy was made)
 
     @property
     def weight(self) -> Weight:
@@ -49,23 +50,26 @@ class LinearSplit:
             raise ValueError(f"LinearSplit over {list(names)}: parts must be 2-D with one input width, got "
                              f"{[tuple(p.shape) for p in parts]}")
         device = device if device is not None else parts[0].device
-        fused = weights.fused(list(names))
-        if fused is not None:
-            weight = _place(fused, dtype, device)
-            shares = _storage(weight) == _storage(fused)
-            return cls(names=names, sizes=[p.shape[0] for p in parts], groups=[weight], members=[tuple(names)],
-                       shares_parent=shares)
-        runs: list[list[Weight]] = []
-        members: list[list[str]] = []
+        runs: list[list[str]] = []  # the matmuls: consecutive parts that can share one weight
         for name, p in zip(names, parts, strict=True):
-            if runs and _kind(runs[-1][0]) == _kind(p) and _stackable(runs[-1] + [p]):
-                runs[-1].append(p)
-                members[-1].append(name)
+            if runs and _kind(weights[runs[-1][0]]) == _kind(p) and _stackable([weights[n] for n in runs[-1]] + [p]):
+                runs[-1].append(name)
             else:
-                runs.append([p])
-                members.append([name])
-        groups = [_stack([_place(p, dtype, device) for p in run]) for run in runs]
-        return cls(names=names, sizes=[p.shape[0] for p in parts], groups=groups, members=map(tuple, members))
+                runs.append([name])
+        groups, shared = [], []
+        for run in runs:
+            # the artifact stores a run back to back in one parent (a group of mixed formats as fused runs):
+            # its view, else the run joined once
+            view = weights.fused(run)
+            if view is not None:
+                w = _place(view, dtype, device)
+                shared.append(_storage(w) == _storage(view))
+            else:
+                w = _stack([_place(weights[n], dtype, device) for n in run])
+                shared.append(False)
+            groups.append(w)
+        return cls(names=names, sizes=[p.shape[0] for p in parts], groups=groups, members=map(tuple, runs),
+                   shares_parent=all(shared))
 
     def with_groups(self, groups: Sequence[Weight]) -> LinearSplit:
         """The same split over these weights for its groups (a quantized group given its executable path)."""
