@@ -226,8 +226,7 @@ def test_quantize_option_matches_transformers_on_the_stored_weights(bases, tmp_p
     with open_artifact(out) as art:
         formats = {o.id: o.format for o in art.objects.values()}
     assert formats["model.embed_tokens.weight"] == formats["lm_head.weight"] == "dense"
-    assert formats["model.layers.0.linear_attn.in_proj_a.weight" if option == "nvfp4" else
-                   "model.layers.0.linear_attn.in_proj_qkvzba"] == "dense"
+    assert formats["model.layers.0.linear_attn.in_proj_qkvzba" + ("[2:4]" if option == "nvfp4" else "")] == "dense"
     assert formats[("model.layers.0.mlp.experts.down_proj" if base.startswith("moe") else
                     "model.layers.0.mlp.down_proj.weight")] == fmt
     check_against_transformers(out, transformers_model(bases[base], artifact_dequantized(out), tmp_path / "hf"))
@@ -243,21 +242,13 @@ def _plan_weights(path: Path) -> tuple[int, int]:
     return plan["categories"]["weights"], stored
 
 
-# Where in_proj_qkv and in_proj_z can share one matmul (NVFP4, per-channel FP8, FP8 blocks they fill, as in the
-# published models) but are stored apart beside the bf16 in_proj_b / in_proj_a, preparation joins them into a copy
-# while their artifact parents stay resident: the plan counts both, truly.
-JOINED_COPY = pytest.mark.xfail(strict=True, reason="the GDN in_proj_qkv / in_proj_z stored apart are joined into "
-                                                    "a resident quantized copy beside their parents")
-
-
-@pytest.mark.parametrize(("base", "scheme"), [
-    ("dense", "--quantize fp8"), ("moe128", "fp8"), ("dense", "fp8"),
-    pytest.param("moe", "ct_fp8_channel", marks=JOINED_COPY), pytest.param("dense", "modelopt_nvfp4",
-                                                                          marks=JOINED_COPY)])
+@pytest.mark.parametrize(("base", "scheme"), [("dense", "--quantize fp8"), ("moe128", "fp8"), ("dense", "fp8"),
+                                              ("moe", "ct_fp8_channel"), ("dense", "modelopt_nvfp4")])
 def test_plan_counts_the_stored_quantized_bytes(bases, tmp_path, base, scheme):
     """The plan's weights are the stored objects (quantized planes at their stored bytes) plus what preparing the
-    bf16 model copies anyway (fp32 GDN parameters cast), plus, where the converter stores the GDN input
-    projection group unfused (its members in different formats), the bf16 [in_proj_b; in_proj_a] joined once."""
+    bf16 model copies anyway (fp32 GDN parameters cast): a group whose members differ in format (GDN's input
+    projection, quantized in_proj_qkv / z beside bf16 in_proj_b / a) is stored as fused runs its matmuls view, so
+    nothing is joined into a copy."""
     plain = tmp_path / "bf16.ninfer"
     cli("convert", str(bases[base]), str(plain))
     planned, stored = _plan_weights(plain)
@@ -269,10 +260,6 @@ def test_plan_counts_the_stored_quantized_bytes(bases, tmp_path, base, scheme):
         ckpt = quantize_tiny_checkpoint(shutil.copytree(bases[base], tmp_path / "src"), scheme)
         cli("convert", str(ckpt), str(out))
     with open_artifact(out) as art:
-        c = art.config
-        unfused = [i for i, kind in enumerate(c["layer_types"]) if kind == "linear_attention" and
-                   f"model.layers.{i}.linear_attn.in_proj_qkvzba" not in art.objects]
         assert any(o.format in QUANTIZED_FORMATS and o.feature == "text" for o in art.objects.values())
-    joined = len(unfused) * 2 * c["linear_num_value_heads"] * c["hidden_size"] * 2
     planned, stored = _plan_weights(out)
-    assert planned == stored + prepared + joined
+    assert planned == stored + prepared

@@ -125,9 +125,16 @@ def test_dense_checkpoint_keeps_its_quantized_bytes(base, tmp_path, scheme):
     assert not isinstance(weights["model.layers.0.linear_attn.in_proj_a.weight"], QuantizedWeight)
     assert isinstance(weights["mtp.layers.0.self_attn.q_proj.weight"], QuantizedWeight)
     assert weights.params["model.layers.0.mlp.up_proj.weight"].parent == "model.layers.0.mlp.gate_up_proj"
-    # in_proj_qkv / z are quantized, in_proj_b / a are not: the GDN group is stored unfused
-    assert weights.params["model.layers.0.linear_attn.in_proj_z.weight"].parent.endswith("in_proj_z.weight")
-    assert any("in_proj_qkvzba: members are stored in different formats" in n for n in summary.notes)
+    # in_proj_qkv / z are quantized, in_proj_b / a are not: the GDN group is stored as fused runs, [qkv; z] only
+    # where in_proj_qkv's 64 rows fill the scale blocks (not FP8's 128-row ones)
+    a = "model.layers.0.linear_attn."
+    assert weights.params[a + "in_proj_b.weight"].parent == a + "in_proj_qkvzba[2:4]"
+    blocks = scheme in ("fp8", "ct_fp8_block")
+    z_parent = "in_proj_z.weight" if blocks else "in_proj_qkvzba[0:2]"
+    assert weights.params[a + "in_proj_z.weight"].parent == a + z_parent
+    runs = "3 fused runs (members [0:1], [1:2], [2:4])" if blocks else "2 fused runs (members [0:2], [2:4])"
+    assert any("in_proj_qkvzba: members are stored in different formats (dense, " in n and n.endswith(runs)
+               for n in summary.notes)
     with open_artifact(out) as art:
         q = art.metadata.quantization
     assert q["dense"]["model.layers.0.linear_attn.out_proj.weight"] == "stored unquantized in the checkpoint"
@@ -139,8 +146,42 @@ def test_fp8_blocks_keep_fused_shards_only_on_block_boundaries(base, tmp_path):
     summary = convert_checkpoint(ckpt, tmp_path / "q.ninfer")
     weights = _check_bytes_kept(ckpt, tmp_path / "q.ninfer")
     assert weights["model.layers.0.mlp.gate_proj.weight"].scale.dtype == torch.float32  # bf16 scales widened
-    assert weights.params["model.layers.3.self_attn.k_proj.weight"].parent.endswith("k_proj.weight")
-    assert any("qkv_proj: member rows [128, 32, 32] do not all end on the 128-row" in n for n in summary.notes)
+    # q fills its blocks, k does not: [q; k] share a parent, v has its own
+    q = "model.layers.3.self_attn."
+    assert weights.params[q + "k_proj.weight"].parent == q + "qkv_proj[0:2]"
+    assert weights.params[q + "v_proj.weight"].parent == q + "v_proj.weight"
+    assert any("qkv_proj: member rows [128, 32, 32] do not all end on the 128-row" in n and
+               n.endswith("stored as 2 fused runs (members [0:2], [2:3])") for n in summary.notes)
+
+
+@pytest.mark.parametrize("scheme", ["modelopt_nvfp4", "ct_fp8_channel"])
+def test_mixed_format_group_is_stored_as_fused_runs_the_split_shares(base, tmp_path, scheme):
+    """GDN's in_proj_qkvzba with quantized qkv / z and bf16 b / a: one parent per format run, and the prepared
+    LinearSplit's matmuls are views of those parents (no joined copy)."""
+    from ninfer_qwen35.execution.linear import LinearSplit
+
+    ckpt = quantize_tiny_checkpoint(_copy(base, "dense", tmp_path), scheme)
+    convert_checkpoint(ckpt, tmp_path / "q.ninfer")
+    a = "model.layers.0.linear_attn."
+    names = [a + f"in_proj_{m}.weight" for m in ("qkv", "z", "b", "a")]
+    with open_artifact(tmp_path / "q.ninfer") as art:
+        objects, bindings = art.objects, art.bindings
+        assert a + "in_proj_qkvzba" not in objects and not any(n in objects for n in names)
+        qz, ba = objects[a + "in_proj_qkvzba[0:2]"], objects[a + "in_proj_qkvzba[2:4]"]
+        assert qz.format != "dense" and ba.format == "dense" and ba.dtype == "bf16"
+        assert [(bindings[n].object, bindings[n].rows) for n in names] == [
+            (qz.id, (0, 64)), (qz.id, (64, 96)), (ba.id, (0, 4)), (ba.id, (4, 8))]
+        assert qz.shape[0] == 96 and ba.shape[0] == 8
+    weights = _load(tmp_path / "q.ninfer")
+    split = LinearSplit.from_weights(weights, names, torch.bfloat16)
+    assert split.members == (tuple(names[:2]), tuple(names[2:])) and split.shares_parent
+    quantized, dense = split.groups
+    assert quantized.data.data_ptr() == weights.parents[qz.id].data.data_ptr()
+    assert quantized.scale.data_ptr() == weights.parents[qz.id].scale.data_ptr()
+    assert dense.data_ptr() == weights.parents[ba.id].data_ptr()
+    x = torch.randn(3, quantized.shape[1], dtype=torch.bfloat16)
+    want = x.float() @ torch.cat([quantized.dequantize(), dense.float()]).T
+    torch.testing.assert_close(split.matmul(x).float(), want, rtol=2e-2, atol=2e-2)
 
 
 def test_nvfp4_fused_shards_keep_their_own_global_scales(base, tmp_path):

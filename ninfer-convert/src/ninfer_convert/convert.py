@@ -33,7 +33,7 @@ from ninfer.artifact.writer import ArtifactWriter
 from ninfer.plugins import PluginHost, UnknownArchitecture, default_host
 from ninfer_convert import __version__
 from ninfer_convert.frontend import read_frontend
-from ninfer_convert.objects import add_parent, fuse_problem
+from ninfer_convert.objects import add_parent, fuse_problem, fuse_runs, run_name
 from ninfer_convert.progress import ProgressLine
 from ninfer_convert.quantize import plan_quantize
 from ninfer_convert.quantized import Scheme, present, read_scheme
@@ -155,9 +155,9 @@ def _plan_tensors(ckpt: Checkpoint, tensors: dict[str, SourceTensor], mapping: S
 
 
 def _quantization_record(scheme: Scheme | None, quantize: str | None, logical: dict[str, PlannedTensor],
-                         kinds: dict, dense: dict[str, str], notes: list[str]) -> dict | None:
-    """metadata.quantization: how the weights were quantized, the formats used and the linear weights left
-    unquantized with why (None for an unquantized artifact)."""
+                         kinds: dict, dense: dict[str, str], group_notes: list[str]) -> dict | None:
+    """metadata.quantization: how the weights were quantized, the formats used, the linear weights left
+    unquantized with why and the fused groups stored as several parents (None for an unquantized artifact)."""
     if scheme is None and quantize is None:
         return None
     formats: dict[str, int] = defaultdict(int)
@@ -169,7 +169,7 @@ def _quantization_record(scheme: Scheme | None, quantize: str | None, logical: d
                  if kinds[n] is None and len(t.shape) >= 2}
     method = f"ninfer convert --quantize {quantize}" if quantize else scheme.method
     return {"method": method, "formats": dict(formats), "dense": dict(sorted(dense.items())),
-            "notes": [*(scheme.notes if scheme else ()), *(n for n in notes if "unfused" in n)]}
+            "notes": [*(scheme.notes if scheme else ()), *group_notes]}
 
 
 def default_name(src: Path) -> str:
@@ -217,16 +217,26 @@ def convert_checkpoint(src: str | os.PathLike[str], out: str | os.PathLike[str],
         order = {f: i for i, f in enumerate(_FEATURE_ORDER)}
         expected_order = {n: i for i, n in enumerate(mapping.expected_parameters(mapping.validated_features))}
         fused_of: dict[str, tuple[str, list[str]]] = {}
+        group_notes: list[str] = []  # groups that could not be one parent, and how they were stored
         for group in mapping.fused_parents():
             members = list(group.members)
             if not all(m in logical for m in members):
                 continue
-            problem = fuse_problem([logical[m] for m in members], [kinds[m] for m in members])
-            if problem:
-                notes.append(f"{group.name}: {problem}; stored unfused")
+            tensors, member_kinds = [logical[m] for m in members], [kinds[m] for m in members]
+            problem = fuse_problem(tensors, member_kinds)
+            if not problem:
+                for m in members:
+                    fused_of[m] = (group.name, members)
                 continue
-            for m in members:
-                fused_of[m] = (group.name, members)
+            runs = fuse_runs(tensors, member_kinds)
+            for lo, hi in runs:
+                if hi - lo > 1:  # a run of one member is that member's own object
+                    for m in members[lo:hi]:
+                        fused_of[m] = (run_name(group.name, lo, hi), members[lo:hi])
+            stored = ("unfused" if len(runs) == len(members) else
+                      f"as {len(runs)} fused runs (members " + ", ".join(f"[{lo}:{hi}]" for lo, hi in runs) + ")")
+            group_notes.append(f"{group.name}: {problem}; stored {stored}")
+        notes += group_notes
 
         # Objects in file order: by feature, then model order, so each feature's bytes are contiguous.
         def key(lname: str) -> tuple:
@@ -283,7 +293,8 @@ def convert_checkpoint(src: str | os.PathLike[str], out: str | os.PathLike[str],
 
         metadata = Metadata(name=name or default_name(src) or architecture, architecture=architecture,
                             converter_version=__version__, source_digest="blake2b:" + "0" * 32, source=src.name,
-                            quantization=_quantization_record(scheme, quantize, logical, kinds, dense, notes))
+                            quantization=_quantization_record(scheme, quantize, logical, kinds, dense,
+                                                              group_notes))
         bar = ProgressLine(f"converting {src.name}") if progress is True else None
         callback = bar.update if bar is not None else (progress or None)
         try:

@@ -2,8 +2,10 @@
 a published quantized weight's planes as stored, or a float weight quantized on the way (``--quantize``).
 
 A parent's ``kind`` is None (dense) or (format, block). Fused members must share one kind; an FP8 member that
-ends inside a scale block (its rows not a multiple of the block's) cannot share the parent's scale rows, so such
-a group is stored unfused rather than re-scaled.
+ends inside a scale block (its rows not a multiple of the block's) cannot share the parent's scale rows with the
+next. A group whose members cannot all share one parent is never re-scaled: each maximal run of consecutive
+members that can is stored as one parent of its own (``fuse_runs``), so the loader still serves a run with one
+matmul over the stored bytes instead of joining a copy.
 """
 
 from __future__ import annotations
@@ -44,6 +46,24 @@ def fuse_problem(tensors: Sequence[PlannedTensor], kinds: Sequence[Kind]) -> str
     if kind is not None and kind[0] == FP8_BLOCK and not rows_fit(rows, sum(rows), kind[1][0]):
         return f"member rows {rows} do not all end on the {kind[1][0]}-row FP8 scale blocks"
     return None
+
+
+def fuse_runs(tensors: Sequence[PlannedTensor], kinds: Sequence[Kind]) -> list[tuple[int, int]]:
+    """The member index ranges ``(lo, hi)`` of a group that cannot be one parent: consecutive members, each run
+    as long as it can share one parent, taken greedily from the first (the order LinearSplit forms its matmuls
+    in, so its runs are these parents)."""
+    runs: list[tuple[int, int]] = []
+    lo = 0
+    for hi in range(1, len(tensors) + 1):
+        if hi == len(tensors) or fuse_problem(tensors[lo:hi + 1], kinds[lo:hi + 1]) is not None:
+            runs.append((lo, hi))
+            lo = hi
+    return runs
+
+
+def run_name(group: str, lo: int, hi: int) -> str:
+    """The object id of members ``lo:hi`` of fused group ``group`` stored as a parent of their own."""
+    return f"{group}[{lo}:{hi}]"
 
 
 def add_parent(writer: ArtifactWriter, read: Callable, oid: str, *, feature: str, shape: tuple[int, ...],
