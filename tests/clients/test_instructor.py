@@ -43,7 +43,8 @@ def test_json_schema_mode(client):
 
 
 def test_json_mode(client):
-    obj, completion = extract(client, instructor.Mode.JSON, AnyObject, max_tokens=200)
+    # the embedded model answers json_object with a tool definition from its training chats: ~230 tokens
+    obj, completion = extract(client, instructor.Mode.JSON, AnyObject, max_tokens=400)
     assert isinstance(obj, AnyObject) and completion.choices[0].finish_reason == "stop"
 
 
