@@ -43,7 +43,7 @@ from benchmarks.harness import (
     sync,
     target_lines,
 )
-from benchmarks.shapes import SHAPES, decode_bytes, model_figures, prefill_flops
+from benchmarks.shapes import SHAPES, decode_bytes, decode_weight_bytes, model_figures, prefill_flops
 
 HF_MODEL_TYPE = "qwen3_5_text"  # lets transformers' AutoModel read the written config.json
 
@@ -107,7 +107,8 @@ def decode_plan(batches: list[int], contexts: list[int], quick: bool) -> list[tu
     return pairs
 
 
-def bench_engine(artifact: Path, shape: str, cfg: dict, args, device: str, chain_ms: dict[str, float] | None) -> dict:
+def bench_engine(artifact: Path, shape: str, cfg: dict, args, device: str, chain_ms: dict[str, float] | None,
+                 weight_bytes: int) -> dict:
     import torch
 
     import ninfer
@@ -145,7 +146,7 @@ def bench_engine(artifact: Path, shape: str, cfg: dict, args, device: str, chain
             streams = run_streams(engine, prompts(vocab, B, ctx, 100 + i), budgets[(B, ctx)])
             after = engine.metrics().inter_token
             row = {"batch": B, "context": ctx, **steady_decode(streams),
-                   "bytes_per_step": decode_bytes(cfg, B, ctx),
+                   "bytes_per_step": decode_bytes(cfg, B, ctx, weight_bytes=weight_bytes),
                    # the worker's own view (gaps between commits, prefill interleaving included): a check
                    # that the publish timestamps do not hide or add time
                    "engine_itl_ms_mean": (after.total - before.total) / max(after.count - before.count, 1) * 1e3}
@@ -207,11 +208,15 @@ def bench_shape(shape: str, args, device: str, ceilings: dict | None) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix=f"ninfer-bench-{shape}-", dir=args.workdir))
     cache_dir = None if args.hf else args.artifact_cache  # the baseline reads the checkpoint: convert it afresh
     try:
-        out = harness.artifact(shape, cfg, device, workdir, cache_dir, res, keep_source=args.hf)
+        out = harness.artifact(shape, cfg, device, workdir, cache_dir, res, keep_source=args.hf,
+                               quantize=args.quantize)
+        if args.quantize:  # the bytes floor of what the quantized artifact stores
+            res["quantize"] = args.quantize
+            res["decode_weight_bytes"] = decode_weight_bytes(out, cfg.get("tie_word_embeddings", False))
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
         chain = ceilings["chain_ms"].get(shape) if ceilings else None
-        res["engine"] = bench_engine(out, shape, cfg, args, device, chain)
+        res["engine"] = bench_engine(out, shape, cfg, args, device, chain, res["decode_weight_bytes"])
         if cache_dir is None:
             out.unlink()
         if args.hf:
@@ -346,6 +351,8 @@ def parse_args(argv=None):
                    help="keep each shape's artifact in DIR and reuse it in later runs (not with the HF baseline, "
                         "which reads the checkpoint)")
     p.add_argument("--json", default=None, help="write every figure here")
+    p.add_argument("--quantize", choices=("fp8", "nvfp4"), default=None,
+                   help="convert the random checkpoint with ninfer convert --quantize (the bytes floor follows)")
     args = p.parse_args(argv)
     args.steps = args.steps or (48 if args.quick else 128)
     args.prefill = args.prefill or ([512, 4096] if args.quick else [512, 4096, 16384])

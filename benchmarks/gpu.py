@@ -89,8 +89,29 @@ def bench_module_argv(args, json_path: Path, tree: Path) -> list[str]:
     return [sys.executable, "-m", "benchmarks.bench", *argv]
 
 
+def quantized_bench(args, out: Path) -> int:
+    """bf16, then ``--quantize FORMAT``, of this tree in one call: one comparison table, quantized over bf16."""
+    results: dict[str, list] = {"bf16": [], args.quantize: []}
+    failed = 0
+    for label, extra in (("bf16", []), (args.quantize, ["--quantize", args.quantize])):
+        path = out / f"bench_{label}.json"
+        failed |= run(args, f"bench_{label}", [*bench_module_argv(args, path, ROOT), *extra], timeout=args.timeout)
+        if path.exists():
+            results[label].append(json.loads(path.read_text()))
+    if args.dry_run:
+        return 0
+    rows = compare(results["bf16"], results[args.quantize])
+    print(comparison_table(rows, before="bf16", after=args.quantize))
+    (out / "bench_compare.json").write_text(json.dumps(rows, indent=2))
+    return 1 if failed else 0
+
+
 def bench(args) -> int:
     out = out_dir()
+    if args.quantize is not None:
+        if args.baseline is not None:
+            raise SystemExit("scripts/gpu bench: --quantize compares with this tree's bf16 run; leave out --baseline")
+        return quantized_bench(args, out)
     if args.baseline is None:
         json_path = Path(args.json) if args.json else out / "bench.json"
         profile = ["--profile", str(out)] if args.profile else []
@@ -139,8 +160,8 @@ def compare(before: list[dict], after: list[dict]) -> list[dict]:
             for k in sorted(b.keys() & a.keys(), key=lambda k: (k[0], k[2].split()[0], k[1], int(k[2].split()[1])))]
 
 
-def comparison_table(rows: list[dict]) -> str:
-    lines = ["| shape | batch | phase | before tok/s | after tok/s | after/before |", "|---|---|---|---|---|---|"]
+def comparison_table(rows: list[dict], before: str = "before", after: str = "after") -> str:
+    lines = [f"| shape | batch | phase | {before} tok/s | {after} tok/s | {after}/{before} |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['shape']} | {r['batch']} | {r['phase']} | {r['before']:.1f} | {r['after']:.1f} "
               f"| {r['after_over_before']:.3f} |" for r in rows]
     return "\n".join(lines)
@@ -223,6 +244,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--baseline", default=None, metavar="DIR",
                    help="another checkout: its own bench, then this one, then its own again; one comparison table")
     s.add_argument("--json", default=None, help=argparse.SUPPRESS)  # where a newer tree's baseline call writes
+    s.add_argument("--quantize", choices=("fp8", "nvfp4"), default=None,
+                   help="also convert with ninfer convert --quantize FORMAT and compare it with bf16 in the same call")
     s = suite(numerics, "bf16 model against fp32 logits, and decode graphs against eager, per shape")
     s.add_argument("--shapes", type=csv(str), default=["0.8b", "9b"])
     s = suite(cache, "the context cache on against off: multi-turn TTFT, hits, misses, decode cost")

@@ -218,22 +218,24 @@ def write_source(directory: Path, config: dict, device: str, shard_bytes: int = 
 
 
 def artifact(shape: str, cfg: dict, device: str, workdir: Path, cache_dir: str | None, res: dict,
-             keep_source: bool = False) -> Path:
+             keep_source: bool = False, quantize: str | None = None) -> Path:
     """The shape's artifact, converted from ``write_source``'s seeded checkpoint (in ``workdir/hf``, kept only with
-    ``keep_source``), or reused from ``cache_dir`` and left there as SHAPE.ninfer for later runs."""
+    ``keep_source``), or reused from ``cache_dir`` and left there as SHAPE.ninfer for later runs. ``quantize``:
+    ``ninfer convert --quantize``'s format (``fp8``, ``nvfp4``), the artifact then SHAPE-FORMAT.ninfer."""
     import shutil
 
     from ninfer_convert.convert import convert_checkpoint
 
-    cached = Path(cache_dir) / f"{shape}.ninfer" if cache_dir else None
+    stem = f"{shape}-{quantize}" if quantize else shape
+    cached = Path(cache_dir) / f"{stem}.ninfer" if cache_dir else None
     if cached is not None and cached.exists():  # the seeded random weights of an earlier run: the same model
         res["artifact_reused"] = str(cached)
         return cached
-    src, out = workdir / "hf", workdir / f"{shape}.ninfer"
+    src, out = workdir / "hf", workdir / f"{stem}.ninfer"
     t = clock()
     res["checkpoint_bytes"] = write_source(src, cfg, device)
     res["write_s"] = clock() - t
-    res["convert_s"] = convert_checkpoint(src, out, host=plugin_host()).seconds
+    res["convert_s"] = convert_checkpoint(src, out, host=plugin_host(), quantize=quantize).seconds
     if not keep_source:
         shutil.rmtree(src)
     if cached is None:

@@ -3,6 +3,8 @@ the bytes a decode step must move, the FLOPs of a prefill."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 _BASE = {"head_dim": 256, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
          "vocab_size": 248320, "full_attention_interval": 4, "rms_norm_eps": 1e-6,
          "architectures": ["Qwen3_5ForCausalLM"]}
@@ -85,9 +87,9 @@ def prefill_flops(cfg: dict, tokens: int) -> float:
     return 2 * f["layer_matmul_params"] * tokens + 2 * f["lm_head_params"] + attn + gdn
 
 
-def decode_bytes(cfg: dict, batch: int, context: int, dtype: str = "bfloat16") -> int:
-    """Bytes one decode step must move: every decode weight once, each row's StateImage slot read and
-    written, each row's KV prefix read."""
+def decode_bytes(cfg: dict, batch: int, context: int, dtype: str = "bfloat16", weight_bytes: int | None = None) -> int:
+    """Bytes one decode step must move: every decode weight once (``weight_bytes``, default the bf16 model's),
+    each row's StateImage slot read and written, each row's KV prefix read."""
     from ninfer.core.kv_pool import PagedKVPool
     from ninfer_qwen35.config import parse_config
     from ninfer_qwen35.state import kv_pools, state_layout
@@ -96,5 +98,16 @@ def decode_bytes(cfg: dict, batch: int, context: int, dtype: str = "bfloat16") -
     state = state_layout(config, dtype).nbytes_per_slot
     pools = kv_pools(config, 16, dtype)
     kv_per_token = sum(PagedKVPool.page_bytes(p) for p in pools) // 16
-    return model_figures(cfg)["decode_weight_bytes"] + batch * (2 * state + context * kv_per_token)
+    weights = model_figures(cfg)["decode_weight_bytes"] if weight_bytes is None else weight_bytes
+    return weights + batch * (2 * state + context * kv_per_token)
 
+
+def decode_weight_bytes(path: Path, tied: bool) -> int:
+    """Bytes of the weights a decode step reads, from the artifact's header: every text object but the
+    embedding, which a step reads a row of (the head when tied: then it is read whole)."""
+    from ninfer.artifact import open_artifact
+
+    with open_artifact(path) as art:
+        objects = {o.id: o for o in art.header.objects if o.feature == "text"}
+        embed = {b.object for b in art.header.bindings if b.name == "model.embed_tokens.weight"}
+    return sum(o.nbytes for oid, o in objects.items() if tied or oid not in embed)

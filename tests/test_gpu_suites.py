@@ -33,6 +33,9 @@ def _tiny(tmp_path):
         "bench": ("bench", ["--shape", "tiny", "--device", "cpu", "--quick", "--batches", "1", "2", "--contexts", "8",
                             "--prefill", "16", "--steps", "3", "--prefill-chunk", "16", "--hf-prompt", "16",
                             "--hf-new-tokens", "2", "--hf-batches", "1", "--workdir", w]),
+        "bench-nvfp4": ("bench", ["--shape", "tiny", "--device", "cpu", "--quick", "--batches", "1", "--contexts", "8",
+                                  "--prefill", "16", "--steps", "3", "--prefill-chunk", "16", "--no-hf",
+                                  "--quantize", "nvfp4", "--workdir", w]),
         "numerics": ("model_check", ["--shape", "tiny", "--device", "cpu", "--tokens", "16"]),
         "numerics-graphs": ("program_check", ["--shape", "tiny", "--device", "cpu", "--steps", "2", "--batch", "1", "2"]),
         "cache": ("context_cache", ["--shape", "tiny", "--device", "cpu", "--history", "40", "--answer", "2", "--new",
@@ -57,6 +60,7 @@ EXPECTED = {
     "bench": (["| B | context | ms/step | tokens/s | bytes floor ms | chain ms | ours/chain | HF tokens/s | ours/HF |",
                "| prompt | prefill s | tokens/s | model TFLOP/s | MFU % | HF tokens/s (B=1) | ours/HF |"],
               {"device", "ceilings", "shapes", "wall_s"}),
+    "bench-nvfp4": (["| B | context | ms/step | tokens/s | bytes floor ms |"], {"device", "ceilings", "shapes", "wall_s"}),
     "numerics": (["| shape | tokens | path | logits rel err all | per position max / median | top-1 regret"],
                  {"shape", "tokens", "fast_bf16", "ok"}),
     "numerics-graphs": (["B=1: graph vs static tokens equal"], {"check", "ok", "results"}),
@@ -91,6 +95,9 @@ def test_suite_runs_tiny_on_cpu(suite, tmp_path, monkeypatch):
     for header in headers:
         assert header in text, text
     assert keys <= set(json.loads(out.read_text())), sorted(json.loads(out.read_text()))
+    if suite == "bench-nvfp4":  # the bytes floor is the quantized artifact's, under the bf16 model's
+        (shape,) = json.loads(out.read_text())["shapes"].values()
+        assert shape["quantize"] == "nvfp4" and 0 < shape["decode_weight_bytes"] < 2 * shape["layer_matmul_params"]
     work = tmp_path / "work"
     assert not work.exists() or not any(work.iterdir())  # checkpoints and artifacts removed
 
@@ -187,3 +194,23 @@ def test_compare_keeps_only_what_both_sides_measured():
     del after["shapes"]["9b"]
     rows = gpu.compare([before], [after])
     assert {r["shape"] for r in rows} == {"0.8b"} and all(r["after_over_before"] == 2.0 for r in rows)
+
+
+def test_quantize_runs_bf16_then_the_format_and_compares(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    calls = []
+
+    def fake_run(args, name, cmd, *, cwd=gpu.ROOT, env=None, timeout=None):
+        calls.append((name, cmd))
+        with open(cmd[cmd.index("--json") + 1], "w") as f:
+            json.dump(_bench_json({"bench_bf16": 1.0, "bench_fp8": 1.6}[name]), f)
+        return 0
+
+    monkeypatch.setattr(gpu, "run", fake_run)
+    assert gpu.main(["bench", "--quantize", "fp8", "--no-hf", "--shapes", "9b", "--batches", "1,8"]) == 0
+    assert [c[0] for c in calls] == ["bench_bf16", "bench_fp8"]
+    assert "--quantize" not in calls[0][1] and calls[1][1][-2:] == ["--quantize", "fp8"]
+    out = capsys.readouterr().out
+    assert "| shape | batch | phase | bf16 tok/s | fp8 tok/s | fp8/bf16 |" in out and "| 1.600 |" in out
+    with pytest.raises(SystemExit):
+        gpu.main(["bench", "--quantize", "fp8", "--baseline", str(tmp_path)])
