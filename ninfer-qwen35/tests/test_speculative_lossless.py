@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 
 import pytest
+import torch
 
 from ninfer import default_model_path
 from ninfer.contract.batch import RowDecision
@@ -65,6 +66,16 @@ def first_two_tokens(k: int) -> tuple[collections.Counter, int]:
     return counts, accepted
 
 
+@pytest.fixture
+def one_cpu_thread():
+    """The embedded model's small matmuls run fastest single-threaded, above all beside another test worker."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.usefixtures("one_cpu_thread")
 def test_sampled_tokens_keep_their_distribution_with_drafts():
     plain, _ = first_two_tokens(0)
     spec, accepted = first_two_tokens(2)
