@@ -170,7 +170,8 @@ def comparison_table(rows: list[dict], before: str = "before", after: str = "aft
 def numerics(args) -> int:
     out, rc = out_dir(), 0
     for s in args.shapes:
-        rc |= run(args, f"model_check_{s}", module("model_check", "--shape", s, "--tokens", 512,
+        quantize = ("--quantize", args.quantize) if args.quantize else ()
+        rc |= run(args, f"model_check_{s}", module("model_check", "--shape", s, "--tokens", 512, *quantize,
                                                    "--json", out / f"model_check_{s}.json"), timeout=args.timeout)
         rc |= run(args, f"program_check_{s}", module("program_check", "--shape", s, "--batch", 1, 8, "--context", 1000, "--steps", 16,
                                                      "--json", out / f"program_check_{s}.json"), timeout=args.timeout)
@@ -248,6 +249,8 @@ def parser() -> argparse.ArgumentParser:
                    help="also convert with ninfer convert --quantize FORMAT and compare it with bf16 in the same call")
     s = suite(numerics, "bf16 model against fp32 logits, and decode graphs against eager, per shape")
     s.add_argument("--shapes", type=csv(str), default=["0.8b", "9b"])
+    s.add_argument("--quantize", choices=("fp8", "nvfp4"), default=None,
+                   help="also the model quantized (ninfer convert --quantize's plan) against fp32 and bf16")
     s = suite(cache, "the context cache on against off: multi-turn TTFT, hits, misses, decode cost")
     s.add_argument("--shapes", type=csv(str), default=["9b"])
     s = suite(speculative, "MTP speculative decoding: verify unit costs and the trained head's acceptance")

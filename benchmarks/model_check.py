@@ -17,6 +17,10 @@ both paths run the real Program's prefill (``score_window``-style packing) and t
 position. Reported: relative error of the logits ‖bf16 - fp32‖ / ‖fp32‖ per position (max and median), the
 fraction of positions whose top-1 token agrees, and the largest per-token logprob difference.
 
+With ``--quantize fp8|nvfp4`` the same weights are also quantized as ``ninfer convert --quantize`` would (its
+plan: which linears, which stay bf16) and that model's fast path is compared with the fp32 reference and with the
+bf16 fast path: the error it adds, stated (issue 46's "quantized logits against bf16 over 512 positions").
+
     python -m benchmarks.model_check --shape 9b --tokens 256          # on the GPU machine
     python -m benchmarks.model_check --shape tiny --device cpu         # smoke run
 """
@@ -60,6 +64,22 @@ def _weights(shape: str, device: str, seed: int):
             t = torch.randn(dims, device=device, generator=gen) / math.sqrt(dims[-1])
         tensors[name] = t
     return config, WeightSet.from_tensors(tensors, fused_parents(config))
+
+
+def _quantized(config, weights, fmt: str):
+    """The same logical weights with the linears ``ninfer convert --quantize fmt`` quantizes, quantized alone."""
+    from types import SimpleNamespace
+
+    from ninfer.models.common.weights import WeightSet
+    from ninfer.ops.quant import quantize_fp8_block, quantize_nvfp4
+    from ninfer_convert.quantize import FP8_BLOCK_SIZE, plan_quantize
+    from ninfer_qwen35.source_mapping import fused_parents
+
+    logical = {n: SimpleNamespace(shape=tuple(t.shape), dtype="bf16") for n, t in weights.items()}
+    targets, _ = plan_quantize(logical, fmt)
+    tensors = {n: (quantize_fp8_block(t, FP8_BLOCK_SIZE) if fmt == "fp8" else quantize_nvfp4(t)) if n in targets
+               else t for n, t in weights.items()}
+    return WeightSet.from_tensors(tensors, fused_parents(config)), len(targets)
 
 
 def _logits(config, weights, dtype: torch.dtype, device: str, tokens: list[int], chunk: int | None = None
@@ -112,7 +132,7 @@ def _errors(x: torch.Tensor, ref: torch.Tensor, ids: list[int]) -> dict:
             "max_token_logprob_diff": lp_diff}
 
 
-def run(shape: str, device: str, tokens: int, seed: int = 0) -> dict:
+def run(shape: str, device: str, tokens: int, seed: int = 0, quantize: str | None = None) -> dict:
     config, weights = _weights(shape, device, seed)
     gen = torch.Generator().manual_seed(seed + 1)
     ids = torch.randint(0, config.vocab_size, (tokens,), generator=gen).tolist()
@@ -124,6 +144,9 @@ def run(shape: str, device: str, tokens: int, seed: int = 0) -> dict:
         os.environ.pop("NINFER_OPS")
         fast = _logits(config, weights, torch.bfloat16, device, ids)
         fast_chunked = _logits(config, weights, torch.bfloat16, device, ids, chunk=CHUNK)
+        if quantize:
+            qweights, quantized = _quantized(config, weights, quantize)
+            fast_quant = _logits(config, qweights, torch.bfloat16, device, ids)
     finally:
         if saved is None:
             os.environ.pop("NINFER_OPS", None)
@@ -136,6 +159,11 @@ def run(shape: str, device: str, tokens: int, seed: int = 0) -> dict:
     res["ok"] = all(math.isfinite(f["rel_all"]) and f["rel_all"] <= REL_FACTOR * r["rel_all"] + 1e-3
                     and f["top1_regret"] <= REL_FACTOR * r["top1_regret"] + REGRET_SLACK
                     for f in (res["fast_bf16"], res[f"fast_bf16_chunk{CHUNK}"]))
+    if quantize:  # stated, not judged: what the format adds to bf16's own error
+        res["quantize"], res["quantized_linears"] = quantize, quantized
+        res[f"fast_{quantize}"] = _errors(fast_quant, ref, ids)
+        res[f"fast_{quantize}_vs_bf16"] = _errors(fast_quant, fast, ids)
+        res["ok"] = res["ok"] and math.isfinite(res[f"fast_{quantize}"]["rel_all"])
     return res
 
 
@@ -145,14 +173,20 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--json")
+    p.add_argument("--quantize", choices=("fp8", "nvfp4"), default=None,
+                   help="also the model quantized as ninfer convert --quantize would, against fp32 and bf16")
     args = p.parse_args(argv)
-    res = run(args.shape, args.device, args.tokens)
+    res = run(args.shape, args.device, args.tokens, quantize=args.quantize)
     print("| shape | tokens | path | logits rel err all | per position max / median | top-1 regret mean / max "
           "(nats) | top-1 agree | max token logprob diff |")
     print("|---|---|---|---|---|---|---|---|")
-    for path in ("reference_bf16", "fast_bf16", f"fast_bf16_chunk{CHUNK}"):
+    paths = [(p, "fp32") for p in ("reference_bf16", "fast_bf16", f"fast_bf16_chunk{CHUNK}")]
+    if args.quantize:
+        paths += [(f"fast_{args.quantize}", "fp32"), (f"fast_{args.quantize}_vs_bf16", "")]
+    for path, against in paths:
         e = res[path]
-        print(f"| {res['shape']} | {res['tokens']} | {path} vs fp32 | {e['rel_all']:.2e} | {e['rel_max']:.2e} / "
+        label = f"{path} vs {against}" if against else path.replace("_vs_", " vs fast ")
+        print(f"| {res['shape']} | {res['tokens']} | {label} | {e['rel_all']:.2e} | {e['rel_max']:.2e} / "
               f"{e['rel_median']:.2e} | {e['top1_regret']:.4f} / {e['top1_regret_max']:.3f} | "
               f"{e['top1_agree']:.3f} | {e['max_token_logprob_diff']:.3f} |")
     print(f"ok={res['ok']} (fast paths: logit error and top-1 regret <= {REL_FACTOR} x the bf16 reference's, "
