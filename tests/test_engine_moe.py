@@ -17,6 +17,7 @@ from ninfer.engine.startup import build_instance
 transformers = pytest.importorskip("transformers")
 from ninfer.contract import EngineConfig  # noqa: E402
 from ninfer_qwen35.testing.checkpoints import convert_tiny, make_tiny_checkpoint  # noqa: E402
+from ninfer_qwen35.testing.hf_model import agree_where_decisive  # noqa: E402
 
 PROMPTS = ["The quick brown fox", "Hello, world! How are", "def main():\n    print("]
 
@@ -57,21 +58,6 @@ def test_greedy_generation_matches_transformers(moe):
         assert eng.usage().all_free
     finally:
         eng.close()
-
-
-def agree_where_decisive(hf, prompt: list[int], ours: list[int], margin: float = 1e-3) -> int:
-    """Teacher-forced over our tokens: each must be transformers' argmax while its top-2 logits are apart by more
-    than ``margin`` (fp32 kernels may order a near-tie either way; the tiny checkpoint's logits are flat). At the
-    first near-tie our token must be one of the tied and the comparison ends. Returns the tokens compared."""
-    with torch.no_grad():
-        logits = hf(torch.tensor([prompt + ours])).logits[0, len(prompt) - 1:-1].float()
-    for i, (row, token) in enumerate(zip(logits, ours, strict=True)):
-        top = torch.topk(row, 2)
-        if float(top.values[0] - top.values[1]) <= margin:
-            assert float(top.values[0] - row[token]) <= margin, (i, token, top)
-            return i
-        assert token == int(top.indices[0]), (i, token, top)
-    return len(ours)
 
 
 def test_causal_scoring_matches_transformers(moe):

@@ -34,12 +34,12 @@ from ninfer.contract.prompt import TextInput  # noqa: E402
 from ninfer.contract.quant import QUANTIZED_FORMATS  # noqa: E402
 from ninfer.contract.request import GenerationRequest, SamplingParams  # noqa: E402
 from ninfer_qwen35.testing.checkpoints import make_tiny_checkpoint  # noqa: E402
+from ninfer_qwen35.testing.hf_model import agree_where_decisive  # noqa: E402
 from ninfer_qwen35.testing.quantized_checkpoints import quantize_tiny_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 LOGPROB_ATOL = 1e-4  # fp32 both sides over the same weight values: only the order of fp32 operations differs
-TIE_MARGIN = 1e-3  # top-2 logits closer than this may be ordered either way by fp32 kernels
 # FP8 blocks are 128 x 128: these dims let every MLP and attention projection fill whole blocks.
 DIMS128 = dict(hidden_size=128, head_dim=32, num_key_value_heads=4, intermediate_size=256)
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
@@ -145,20 +145,6 @@ def transformers_model(config_dir: Path, tensors: dict[str, torch.Tensor], tmp: 
 
 
 # -- the engine against the oracle ------------------------------------------------------------------------------
-
-def agree_where_decisive(hf, prompt: list[int], ours: list[int]) -> int:
-    """Teacher-forced over our tokens: each is transformers' argmax while its top-2 logits are more than
-    TIE_MARGIN apart; at the first near-tie ours must be one of the tied and the comparison ends. Returns the
-    tokens compared."""
-    with torch.no_grad():
-        logits = hf(torch.tensor([prompt + ours])).logits[0, len(prompt) - 1:-1].float()
-    for i, (row, token) in enumerate(zip(logits, ours, strict=True)):
-        top = torch.topk(row, 2)
-        if float(top.values[0] - top.values[1]) <= TIE_MARGIN:
-            assert float(top.values[0] - row[token]) <= TIE_MARGIN, (i, token, top)
-            return i
-        assert token == int(top.indices[0]), (i, token, top)
-    return len(ours)
 
 
 def check_against_transformers(path: Path, hf) -> None:

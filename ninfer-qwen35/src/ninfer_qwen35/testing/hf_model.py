@@ -71,3 +71,18 @@ def decisive_tiny_hf(seed: int, *, vocab_size: int = 448, max_position_embedding
             if p.dim() >= 2:  # fan-in is the last dim (an expert bank [E, out, in] too)
                 p.copy_(torch.randn(p.shape, generator=gen) * (1.5 / math.sqrt(p.shape[-1])))
     return hf
+
+
+def agree_where_decisive(hf: Any, prompt: list[int], ours: list[int], margin: float = 1e-3) -> int:
+    """Teacher-forced over our tokens: each must be ``hf``'s argmax while its top-2 logits are apart by more than
+    ``margin`` (fp32 kernels may order a near-tie either way; a tiny checkpoint's logits are flat). At the first
+    near-tie our token must be one of the tied and the comparison ends. Returns the tokens compared."""
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + ours])).logits[0, len(prompt) - 1:-1].float()
+    for i, (row, token) in enumerate(zip(logits, ours, strict=True)):
+        top = torch.topk(row, 2)
+        if float(top.values[0] - top.values[1]) <= margin:
+            assert float(top.values[0] - row[token]) <= margin, (i, token, top)
+            return i
+        assert token == int(top.indices[0]), (i, token, top)
+    return len(ours)
