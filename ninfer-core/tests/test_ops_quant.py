@@ -98,3 +98,12 @@ def test_an_expert_bank_is_its_experts_stacked(quantize):
     assert bank.shape == (3, 256, 128) and bank.nbytes == sum(q.nbytes for q in experts)
     assert torch.equal(bank.dequantize(), torch.stack([q.dequantize() for q in experts]))
     assert torch.equal(bank.expert(1).dequantize(), experts[1].dequantize())
+
+
+def test_blocks_fit_asks_every_piece_but_the_first_to_start_on_a_block():
+    from ninfer.contract.quant import blocks_fit
+
+    assert blocks_fit([128, 256, 32], 128) and not blocks_fit([128, 32, 128], 128)
+    assert blocks_fit([64], 128)  # one piece: nothing to straddle
+    # a bank stacked per expert from [gate; up] pieces of 64 rows in 128-row matrices: each up starts at 64
+    assert not blocks_fit([64, 64, 64, 64], 128, 128) and blocks_fit([128, 128, 128, 128], 128, 256)

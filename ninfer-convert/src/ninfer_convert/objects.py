@@ -14,24 +14,13 @@ from collections.abc import Callable, Sequence
 
 from ninfer.artifact.format import dense_nbytes
 from ninfer.artifact.writer import ArtifactWriter
-from ninfer.contract.quant import FP8_BLOCK
+from ninfer.contract.quant import FP8_BLOCK, blocks_fit
 from ninfer_convert.quantize import quantize_members
 from ninfer_convert.quantized import read_plane
 from ninfer_convert.source import ConversionError, PlannedTensor
 
 Kind = tuple[str, tuple[int, int]] | None
 _PLANES = {"fp8_e4m3_block": ("data", "scale"), "nvfp4": ("data", "scale", "global_scale")}
-
-
-def rows_fit(piece_rows: Sequence[int], matrix_rows: int, block_rows: int) -> bool:
-    """Whether pieces of these row counts, stacked, start every piece (but the first) at a scale-block boundary
-    of its matrix (a piece may end a matrix partway through a block)."""
-    pos = 0
-    for r in piece_rows[:-1]:
-        pos += r
-        if pos % matrix_rows % block_rows:
-            return False
-    return True
 
 
 def fuse_problem(tensors: Sequence[PlannedTensor], kinds: Sequence[Kind]) -> str | None:
@@ -43,7 +32,7 @@ def fuse_problem(tensors: Sequence[PlannedTensor], kinds: Sequence[Kind]) -> str
         return "members differ in dtype or trailing shape"
     kind = kinds[0]
     rows = [t.shape[0] for t in tensors]
-    if kind is not None and kind[0] == FP8_BLOCK and not rows_fit(rows, sum(rows), kind[1][0]):
+    if kind is not None and kind[0] == FP8_BLOCK and not blocks_fit(rows, kind[1][0]):
         return f"member rows {rows} do not all end on the {kind[1][0]}-row FP8 scale blocks"
     return None
 
@@ -82,8 +71,8 @@ def add_parent(writer: ArtifactWriter, read: Callable, oid: str, *, feature: str
             return ([t] for t in q.planes())
     else:
         for t in tensors:  # a bank stacked from quantized parts: each part must fill its own scale rows
-            if format == FP8_BLOCK and t.stacked and not rows_fit([p.shape[0] for p in t.parts], t.shape[-2],
-                                                                   block[0]):
+            if format == FP8_BLOCK and t.stacked and not blocks_fit([p.shape[0] for p in t.parts], block[0],
+                                                                     t.shape[-2]):
                 raise ConversionError(
                     f"{t.label}: its FP8 parts of {t.parts[0].shape[0]} rows do not fill the {block[0]}-row scale "
                     f"blocks of the stacked [{t.shape[-2]}, {t.shape[-1]}] matrices; they cannot share scale rows")

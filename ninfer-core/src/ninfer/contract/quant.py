@@ -16,7 +16,7 @@ tolerates as its input's precision. A fused call takes the intersection of its p
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 FP8_BLOCK = "fp8_e4m3_block"
 NVFP4 = "nvfp4"
@@ -37,3 +37,17 @@ def intersect(permits: Iterable[frozenset[str]]) -> frozenset[str]:
     for p in permits:
         out = out & p
     return out | A16_ONLY
+
+
+def blocks_fit(piece_rows: Sequence[int], block_rows: int, matrix_rows: int | None = None) -> bool:
+    """Whether pieces of these row counts, stacked, start every piece but the first on a ``block_rows`` scale-block
+    boundary of its matrix (``matrix_rows``: the rows of each matrix of a stacked bank; default the whole stack), so
+    that an FP8 weight stacked from them keeps every piece's own scales (a piece may end its matrix partway
+    through a block)."""
+    matrix_rows = matrix_rows or sum(piece_rows)
+    pos = 0
+    for rows in piece_rows[:-1]:
+        pos += rows
+        if pos % matrix_rows % block_rows:
+            return False
+    return True

@@ -18,7 +18,17 @@ import math
 import attrs
 import torch
 
-from ninfer.contract.quant import A8, A16, E2M1_MAX, FP8_BLOCK, FP8_MAX, NVFP4, NVFP4_GROUP, QUANTIZED_FORMATS
+from ninfer.contract.quant import (
+    A8,
+    A16,
+    E2M1_MAX,
+    FP8_BLOCK,
+    FP8_MAX,
+    NVFP4,
+    NVFP4_GROUP,
+    QUANTIZED_FORMATS,
+    blocks_fit,
+)
 
 # e2m1 codes 0..15 -> value (bit 3 is the sign)
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -124,7 +134,7 @@ class QuantizedWeight:
         if any(p.format != first.format or p.block != first.block or p.shape[1] != first.shape[1] for p in parts):
             raise ValueError("cannot stack quantized weights of different formats, blocks or input widths: "
                              f"{[(p.format, p.block, p.shape) for p in parts]}")
-        if first.format == FP8_BLOCK and any(p.shape[0] % first.block[0] for p in parts[:-1]):
+        if first.format == FP8_BLOCK and not blocks_fit([p.shape[0] for p in parts], first.block[0]):
             raise ValueError(f"cannot stack FP8 weights of {[p.shape[0] for p in parts]} rows: each but the last "
                              f"must fill its {first.block[0]}-row scale blocks")
         g = None if first.global_scale is None else torch.cat([p.global_scale for p in parts])

@@ -16,6 +16,7 @@ import attrs
 import torch
 
 from ninfer.artifact.weights import WeightSet
+from ninfer.contract.quant import FP8_BLOCK, blocks_fit
 from ninfer.ops import linear
 from ninfer.ops.quant import QuantizedWeight
 
@@ -88,9 +89,6 @@ class LinearSplit:
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.parts(self.matmul(x))
 
-    def nbytes(self) -> int:
-        return sum(w.nbytes if isinstance(w, QuantizedWeight) else w.numel() * w.element_size() for w in self.groups)
-
 
 def _kind(w: Weight) -> tuple:
     return (w.format, w.block) if isinstance(w, QuantizedWeight) else ("dense",)
@@ -99,9 +97,9 @@ def _kind(w: Weight) -> tuple:
 def _stackable(run: list[Weight]) -> bool:
     """Whether quantized parts can share one matmul: FP8 blocks must not straddle a part boundary."""
     first = run[0]
-    if not isinstance(first, QuantizedWeight) or first.format != "fp8_e4m3_block":
+    if not isinstance(first, QuantizedWeight) or first.format != FP8_BLOCK:
         return True
-    return all(p.shape[0] % first.block[0] == 0 for p in run[:-1])
+    return blocks_fit([p.shape[0] for p in run], first.block[0])
 
 
 def _place(w: Weight, dtype: torch.dtype, device: torch.device) -> Weight:
