@@ -34,17 +34,6 @@ def row_range(parent, lo: int, hi: int):
     return parent[lo:hi] if isinstance(parent, torch.Tensor) else parent.rows(lo, hi)
 
 
-def resident_nbytes(parent) -> int:
-    """Bytes a resident parent holds: a quantized one's planes, counted by the storages behind them (a loaded one
-    is one allocation, the padding between its planes included)."""
-    import torch
-
-    if isinstance(parent, torch.Tensor):
-        return parent.numel() * parent.element_size()
-    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in parent.planes()}
-    return sum(storages.values())
-
-
 @attrs.frozen(kw_only=True, eq=False)
 class BoundParameter:
     """One logical parameter: a view of ``parent`` (rows ``rows`` of dim 0, or all of it); a QuantizedWeight when
@@ -93,7 +82,9 @@ class WeightSet(Mapping[str, "torch.Tensor"]):
         return row_range(parent, start, pos)
 
     def resident_bytes(self) -> int:
-        return sum(resident_nbytes(t) for t in self.parents.values())
+        from ninfer.core.device_plan import resident_bytes
+
+        return resident_bytes(self.parents.values())
 
     @classmethod
     def from_tensors(cls, tensors: Mapping[str, torch.Tensor], fused: Iterable[FusedParent] = ()) -> WeightSet:
