@@ -14,11 +14,11 @@ from ninfer.ops.rope import rope_inv_freq
 pytest.importorskip("transformers.models.qwen4_exp")
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 64, 4, 2, 16
-INDEX_HEADS, INDEX_DIM, RATIO, BUDGET, THETA = 2, 16, 4, 8, 10000.0
+INDEX_HEADS, RATIO, BUDGET, THETA = 2, 4, 8, 10000.0
 PAGE = 4
 
 
-def hf_attention(partial: float, seed: int):
+def hf_attention(partial: float, seed: int, index_dim: int = 16):
     from transformers.models.qwen4_exp import modeling_qwen4_exp as hf
     from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig
 
@@ -26,7 +26,7 @@ def hf_attention(partial: float, seed: int):
     cfg = Qwen4ExpTextConfig(
         hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
         num_hidden_layers=1, layer_types=["indexed_attention"], indexer_n_heads=INDEX_HEADS, indexer_kv_heads=1,
-        indexer_head_dim=INDEX_DIM, indexer_budget=BUDGET, indexer_compress_ratio=RATIO,
+        indexer_head_dim=index_dim, indexer_budget=BUDGET, indexer_compress_ratio=RATIO,
         rope_parameters={"rope_type": "default", "rope_theta": THETA, "partial_rotary_factor": partial,
                          "mrope_section": section, "mrope_interleaved": True},
         moe_intermediate_size=8, shared_expert_intermediate_size=8, num_experts=4, num_experts_per_tok=2,
@@ -57,11 +57,12 @@ class Paged:
     def __init__(self, attn, rotary_dim: int, eps: float, n_seqs: int, max_len: int):
         self.w = {n: p.detach() for n, p in attn.named_parameters()}
         self.rot, self.eps = rotary_dim, eps
+        self.di = self.w["indexer.q_layernorm.weight"].shape[0]
         per_seq = -(-max_len // PAGE)
         n_pages = n_seqs * per_seq + 3
         # Shuffled page tables; the unused rows hold garbage that must never be read.
         self.tables = torch.randperm(n_pages)[:n_seqs * per_seq].view(n_seqs, per_seq).int()
-        self.index_keys = torch.randn(n_pages, PAGE, INDEX_DIM)
+        self.index_keys = torch.randn(n_pages, PAGE, self.di)
         self.k_cache = torch.randn(n_pages, PAGE, KV_HEADS, HEAD_DIM)
         self.v_cache = torch.randn(n_pages, PAGE, KV_HEADS, HEAD_DIM)
 
@@ -69,7 +70,7 @@ class Paged:
     def step(self, xs: list[torch.Tensor], spans: list[tuple[int, int, int]]):
         """One batch: span (seq, lo, hi) runs tokens lo..hi-1 of xs[seq] (tokens before lo already written).
         Returns (selected blocks [N, topk], attention output [N, hidden])."""
-        w, rot = self.w, self.rot
+        w, rot, di = self.w, self.rot, self.di
         x = torch.cat([xs[i][lo:hi] for i, lo, hi in spans])
         positions = torch.cat([torch.arange(lo, hi) for _, lo, hi in spans])
         slots = torch.cat([self.tables[i, torch.arange(lo, hi) // PAGE].long() * PAGE + torch.arange(lo, hi) % PAGE
@@ -81,9 +82,9 @@ class Paged:
         inv_freq = rope_inv_freq(rot, THETA)
 
         qk = x @ w["indexer.index_qk_proj.weight"].T
-        self.index_keys.view(-1, INDEX_DIM)[slots] = qk[:, INDEX_HEADS * INDEX_DIM:]
+        self.index_keys.view(-1, di)[slots] = qk[:, INDEX_HEADS * di:]
         cos, sin = rope_cos_sin(positions, rot, THETA, torch.float32)
-        iq = apply_rope(rms_norm(qk[:, :INDEX_HEADS * INDEX_DIM].reshape(n, INDEX_HEADS, INDEX_DIM),
+        iq = apply_rope(rms_norm(qk[:, :INDEX_HEADS * di].reshape(n, INDEX_HEADS, di),
                                  w["indexer.q_layernorm.weight"], self.eps), cos, sin, rot)
         sel = qsa_select(iq, self.index_keys, tables, seq_lens, qsl, w["indexer.k_layernorm.weight"], self.eps,
                          inv_freq, rot, RATIO, BUDGET // RATIO)
@@ -112,9 +113,10 @@ def token_mask(sel: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("partial", [0.5, 1.0])
-def test_whole_prompts_select_and_attend_as_transformers(partial):
-    attn, rotary, rot, eps = hf_attention(partial, seed=3)
+@pytest.mark.parametrize(("partial", "index_dim"), [(0.5, 16), (1.0, 16), (1.0, 32)])
+def test_whole_prompts_select_and_attend_as_transformers(partial, index_dim):
+    """The rotary dims are the attention's (head_dim * partial), over an index head that may be wider."""
+    attn, rotary, rot, eps = hf_attention(partial, seed=3, index_dim=index_dim)
     lengths = [1, 2, 4, 7, 8, 12, 13, 16, 23, 41, 60]
     torch.manual_seed(4)
     xs = [torch.randn(L, HIDDEN) for L in lengths]
