@@ -249,3 +249,24 @@ def test_score_window_starts_from_eos():
     want = [float(model.row(*rows[i - 1]).log_softmax(-1)[ids[i]]) for i in range(2, len(ids))]
     assert lp.tolist() == pytest.approx(want, abs=1e-5)
     assert prog.usage().kv_pages_used == 0 and prog.usage().state_slots_used == 0
+
+
+def test_kv_pool_pages_the_qsa_index_keys():
+    config = parse_config(raw_config())
+    (pool,) = kv_pools(config, page_size=8, dtype="bfloat16")
+    (keys,) = pool.aux
+    assert (keys.name, keys.layers, keys.shape, keys.dtype) == ("index_keys", 1, (16,), "bfloat16")
+    # K and V of 2 heads x 16, and one 16-wide index key, per token of the one attention layer, in bf16
+    assert pool.nbytes_per_page == 8 * (2 * 2 * 16 + 16) * 2
+
+
+def test_program_views_hold_the_index_keys_paged_like_the_kv():
+    config = parse_config(raw_config(vocab_size=24))
+    (pool,) = kv_pools(config, page_size=4, dtype="float32")
+    prog = Qwen4ExpProgram(NGramToy(0), config=config, state_layout=state_layout(config, "float32"), kv_pool=pool,
+                           device="cpu", max_concurrency=2, vocab_size=24, cuda_graphs=False,
+                           capacity=ProgramCapacity(kv_pages=6))
+    ((k, _v),) = prog.views.kv
+    (keys,) = prog.views.index_keys
+    assert keys.shape == (*k.shape[:2], 16) and keys.dtype == torch.float32
+    assert keys.data_ptr() == prog.pool.aux_caches("index_keys")[0].data_ptr()

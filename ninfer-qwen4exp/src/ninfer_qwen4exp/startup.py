@@ -23,6 +23,7 @@ from ninfer.core.device import Device, dtype_name
 from ninfer.core.device_plan import resident_bytes
 from ninfer.core.kv_pool import PagedKVPool
 from ninfer_qwen4exp.config import Qwen4ExpConfig, parse_config
+from ninfer_qwen4exp.source_mapping import NGRAM_TABLE
 from ninfer_qwen35.startup import (
     ALL_DEVICE,
     EMBED,
@@ -34,8 +35,6 @@ from ninfer_qwen35.startup import (
     eager_reason,
     host_experts_runtime,
 )
-
-NGRAM_TABLE = "ple.ple_embedding.ngram_embedding.weight"
 
 
 @attrs.frozen(kw_only=True, eq=False)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import attrs
 
-from ninfer.contract.state import KVPoolSpec, StateField, StateImageLayout
+from ninfer.contract.state import KVPoolSpec, PagedField, StateField, StateImageLayout
 from ninfer_qwen4exp.config import Qwen4ExpConfig
 from ninfer_qwen35.state import kv_pools as qwen35_kv_pools
 from ninfer_qwen35.state import state_layout as qwen35_state_layout
@@ -41,8 +41,6 @@ def kv_pools(config: Qwen4ExpConfig, page_size: int = 16, dtype: str = "bfloat16
     pools = qwen35_kv_pools(config.base, page_size=page_size, dtype=dtype)
     if config.qsa is None or not pools:
         return pools
-    from ninfer.contract.state import PagedField
-
     (main,) = pools
     keys = PagedField(name=INDEX_KEYS, layers=main.layers, shape=(config.qsa.head_dim,), dtype=dtype)
     return (attrs.evolve(main, aux=(keys,)),)
