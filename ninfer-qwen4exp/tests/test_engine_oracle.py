@@ -1,10 +1,11 @@
 """Qwen4Exp end to end on the CPU: tiny ``Qwen4ExpForCausalLM`` checkpoints written by transformers, converted by
 the real converter and run by ``ninfer.Engine``, against transformers on the same fp32 checkpoint.
 
-Two configs: ``qsa`` (QSA keeps 2 blocks of 4 tokens plus the open tail, so selection matters from the 12th token
-on) and ``ple`` (PLE on two GDN layers; the prompts hold EOS, where n-grams reset). For each: 40 greedy tokens
-equal transformers' ``generate``; chunked prefill, concurrent neighbours, Snapshot and Replay preemption and the
-context cache all give the tokens of the request run alone; ``Engine.score`` is within 1e-4 of transformers'
+Three configs: ``qsa`` (QSA keeps 2 blocks of 4 tokens plus the open tail, so selection matters from the 12th
+token on), ``ple`` (PLE on two GDN layers; the prompts hold EOS, where n-grams reset) and ``full`` (both, with 4
+streams, the sigmoid GDN gate and 8 experts). For each: 40 greedy tokens
+equal transformers' ``generate``; chunked prefill, concurrent neighbours, Snapshot and Replay preemption, host
+experts and the context cache all give the tokens of the request run alone; ``Engine.score`` is within 1e-4 of transformers'
 log-probs; after every workload each page, slot and host byte is free again.
 """
 
@@ -69,7 +70,7 @@ def prompts(eos: int) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(p) for p in ids)
 
 
-@pytest.fixture(scope="module", params=["qsa", "ple"])
+@pytest.fixture(scope="module", params=["qsa", "ple", "full"])
 def tiny(request, tmp_path_factory) -> Tiny:
     root = tmp_path_factory.mktemp(request.param)
     ckpt = make_tiny_checkpoint(root / "ckpt", variant=request.param, mtp=False, seed=11)
