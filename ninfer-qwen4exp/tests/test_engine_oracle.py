@@ -3,10 +3,10 @@ the real converter and run by ``ninfer.Engine``, against transformers on the sam
 
 Three configs: ``qsa`` (QSA keeps 2 blocks of 4 tokens plus the open tail, so selection matters from the 12th
 token on), ``ple`` (PLE on two GDN layers; the prompts hold EOS, where n-grams reset) and ``full`` (both, with 4
-streams, the sigmoid GDN gate and 8 experts). For each: 40 greedy tokens
-equal transformers' ``generate``; chunked prefill, concurrent neighbours, Snapshot and Replay preemption, host
-experts and the context cache all give the tokens of the request run alone; ``Engine.score`` is within 1e-4 of transformers'
-log-probs; after every workload each page, slot and host byte is free again.
+streams, the sigmoid GDN gate and 8 experts). For each: 40 greedy tokens equal transformers' ``generate``;
+chunked prefill, concurrent neighbours, Snapshot and Replay preemption, host experts and the context cache all
+give the tokens of the request run alone; ``Engine.score`` is within 1e-4 of transformers' log-probs; after
+every workload each page, slot and host byte is free again.
 """
 
 from __future__ import annotations
