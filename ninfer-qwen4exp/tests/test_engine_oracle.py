@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from ninfer.contract.config import EngineConfig
+from ninfer.contract.memory import ProgramCapacity
 from ninfer.contract.prompt import TextInput
 from ninfer.contract.request import GenerationRequest, SamplingParams
 from ninfer.engine.engine import Engine
@@ -123,6 +124,31 @@ def test_preemption_resumes_exactly(tiny, mode):
         assert m.preemptions > 0
         assert (m.preemptions_snapshot if mode == "snapshot" else m.preemptions_replay) == m.preemptions
         settled(eng)
+
+
+def test_decode_through_the_graph_buffers(tiny):
+    """Decode rows through the CUDA graphs' static input buffers, as captured decode runs them (every row
+    continuing, kernels seeing the Program's whole context, padded block tables): the solo tokens."""
+    from ninfer.contract.config import StartupOptions
+    from ninfer.engine.startup import build_instance
+    from ninfer_qwen4exp.program import Qwen4ExpProgram
+
+    options = StartupOptions(device="cpu", dtype="float32", max_concurrency=3, context_cache=False, num_pages=32)
+    instance, _, artifact = build_instance(tiny.artifact, options)
+    try:
+        eager = instance.program
+        static = Qwen4ExpProgram(instance.model.executor, config=instance.config, state_layout=eager.state_layout,
+                                 kv_pool=eager.kv_pools[0], device="cpu", max_concurrency=3, vocab_size=eager.vocab_size,
+                                 capacity=ProgramCapacity(kv_pages=32), cuda_graphs=False, static_decode=True)
+        assert static.graphs is not None
+        eng = Engine.from_instance(attrs.evolve(instance, program=static),
+                                   EngineConfig(device="cpu", max_concurrency=3, context_cache=False))
+        with eng:
+            hs = submit_together(eng, [req(p) for p in tiny.prompts])
+            assert [tuple(h.result(timeout=120).token_ids) for h in hs] == list(tiny.alone)
+            settled(eng)
+    finally:
+        artifact.close()
 
 
 def test_host_experts_give_the_all_device_tokens(tiny):
