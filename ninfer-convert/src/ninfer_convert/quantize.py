@@ -20,6 +20,7 @@ _FLOAT_DTYPES = ("bf16", "f16", "f32")
 # SGLang keep unquantized (qwen35_arch.md); norms, GDN A_log / dt_bias / conv1d are not linear weights at all.
 KEEP_DENSE: tuple[tuple[str, str], ...] = (
     ("embed_tokens", "an embedding is a row lookup, not a matmul"),
+    ("ngram_embedding", "the PLE n-gram table is a row lookup, not a matmul"),
     ("lm_head", "the output head sets every logit; Qwen's FP8 release keeps it bf16"),
     ("mlp.gate", "the MoE router: small, and its errors change which experts run"),
     ("mlp.shared_expert_gate", "the shared expert's gate: one output row"),
