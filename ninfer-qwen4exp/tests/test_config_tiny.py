@@ -52,3 +52,12 @@ def test_shard_rows_follow_torch_chunk():
     many = parse_config({**raw, "split_ngram_parts": rows - 1}).ple  # chunk gives fewer pieces than asked
     assert ple.table_rows(0) == sum(many.shard_rows(0))
     assert many.shard_rows(0) == tuple(c.shape[0] for c in torch.chunk(torch.empty(rows), rows - 1))
+
+
+def test_mtp_depth_from_either_spelling():
+    text = tiny_text_config("plain", layers=4, eos_token_id=400)
+    assert parse_config({**text, "mtp_num_hidden_layers": 1}).base.mtp_num_hidden_layers == 1
+    published = {**text, "mtp": {"hybrid": True, "layer_types": ["full_attention"], "num_hidden_layers": 1}}
+    assert parse_config(published).base.mtp_num_hidden_layers == 1
+    assert parse_config({"text_config": published}).base.mtp_num_hidden_layers == 1
+    assert parse_config(text).base.mtp_num_hidden_layers == 0
