@@ -49,3 +49,15 @@ def test_unbuilt_features_are_refused_before_any_weight_read(features, match):
     artifact = types.SimpleNamespace(config=RAW)  # the refusal reads nothing else
     with pytest.raises(StartupError, match=match):
         Qwen4ExpStartup().profile(artifact, StartupOptions(device="cpu", features=features))
+
+
+def test_decode_runs_eagerly_while_the_ngram_rows_are_looked_up_on_the_host():
+    from ninfer_qwen4exp.startup import Qwen4ExpLoaded, _eager_reason
+
+    def loaded(raw, host_experts=False):
+        return Qwen4ExpLoaded(config=parse_config(raw), weights=None, load_report=None, executor=None, frontend=None,
+                              compute=None, host_experts=host_experts)
+
+    assert "PLE n-gram table lives in host memory" in _eager_reason(loaded(RAW))
+    no_ple = {**RAW, "ple_layer_ids": None}
+    assert "placement host-experts" in _eager_reason(loaded(no_ple, host_experts=True))
