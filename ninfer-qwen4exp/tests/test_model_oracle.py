@@ -208,17 +208,18 @@ def test_chunked_prefill_then_decode_equals_whole(tiny):
 
 def test_packed_sequences_equal_each_alone(tiny):
     vocab = tiny.model.config.base.vocab_size
-    a, b = prompt(29, vocab, seed=11), prompt(18, vocab, seed=12)
+    a, b = prompt(29, vocab, seed=11), prompt(19, vocab, seed=12)
     alone = []
     for ids in (a, b):
         r = Runner(tiny.model)
         alone.append(r.step([(r.new(), ids)])[0])
     runner = Runner(tiny.model)
     sa, sb = runner.new(), runner.new()
-    # a prefill chunk of both, then one where a continues and b starts over in its own rows, then decode rows
+    # a prefill chunk of both (fresh rows), one where both continue, then decode rows of both, then a alone
     first = runner.step([(sa, a[:20]), (sb, b[:9])])
-    second = runner.step([(sa, a[20:28]), (sb, b[9:])])
-    third = runner.step([(sa, a[28:29])])
-    err_a = logit_error(torch.cat([first[0], second[0], third[0]]), alone[0])
-    err_b = logit_error(torch.cat([first[1], second[1]]), alone[1])
+    second = runner.step([(sa, a[20:27]), (sb, b[9:18])])
+    third = runner.step([(sa, a[27:28]), (sb, b[18:19])])
+    fourth = runner.step([(sa, a[28:29])])
+    err_a = logit_error(torch.cat([first[0], second[0], third[0], fourth[0]]), alone[0])
+    err_b = logit_error(torch.cat([first[1], second[1], third[1]]), alone[1])
     assert max(err_a, err_b) <= 1e-5, (err_a, err_b)

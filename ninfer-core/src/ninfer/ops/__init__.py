@@ -26,10 +26,10 @@ from ninfer.ops.sampling import logprobs, sample
 
 __all__ = [
     "add_rms_norm", "add_rms_norm_linear", "apply_rope", "causal_conv1d_decode", "causal_conv1d_prefill", "embed_rms_norm", "gdn_decode", "gdn_gates",
-    "gdn_decode_fused", "gdn_prefill", "gdn_verify", "gdn_verify_commit", "linear",
-    "dilated_causal_conv", "gather_rows", "grouped_rms_norm", "hyper_connection_inject", "hyper_connection_mix",
-    "ngram_hash_ids", "ngram_head_vocab", "ngram_multipliers", "ngram_windows", "ple_layer", "logprobs", "moe_block", "moe_experts",
+    "gdn_decode_fused", "gdn_prefill", "gdn_verify", "gdn_verify_commit", "linear", "logprobs", "moe_block", "moe_experts",
     "moe_route", "norm_rope_write_kv", "paged_attention", "rms_norm",
     "rms_norm_gated", "rope_cos_sin", "rope_inv_freq", "sample", "silu_and_mul",
     "swiglu", "write_kv",
+    "dilated_causal_conv", "gather_rows", "grouped_rms_norm", "hyper_connection_inject", "hyper_connection_mix",
+    "ngram_hash_ids", "ngram_head_vocab", "ngram_multipliers", "ngram_windows", "ple_layer",
 ]
