@@ -14,6 +14,7 @@ pytest.importorskip("triton")
 
 from ninfer.ops.triton import attention as t_attention  # noqa: E402
 from ninfer.ops.triton import linear as t_linear  # noqa: E402
+from ninfer.ops.triton import linear_quant as t_linear_quant  # noqa: E402
 from ninfer.ops.triton import moe_shared, sampling, tuning, vision_attention  # noqa: E402
 from ninfer.ops.triton.gdn_shared import default_block_v  # noqa: E402
 
@@ -228,7 +229,10 @@ def test_every_sweep_writes_an_entry_the_tables_then_give(tmp_path, monkeypatch)
         return 1.0 - 0.1 * sum(fn.keywords.get(k) == v for k, v in favour.items())
 
     shapes = tune.Geometry(kv_heads=1, group=2, head_dim=16, page=4, context=16, gdn_heads=(1, 2, 16, 64),
-                           moe=(32, 4, 16, 2), vocab=5000, batches=(1,), linear_shapes=("64x256",), moe_tokens=4)
+                           moe=(32, 4, 16, 2), vocab=5000, batches=(1,), linear_shapes=("64x256",), moe_tokens=4,
+                           quant_shapes=("64x256",))
+    # the quantized linears' knobs, two values where the favoured one is among them (the interpreter is slow)
+    monkeypatch.setattr(tune, "QUANT_STEPS", {f: ((64,), (64, 128), (1, 2), (4,), (3,)) for f in tune.QUANT_STEPS})
     bench = tune.Bench(torch.device("cpu"), timer, shapes)
     key = tuning.DeviceKey("Test GPU", 9)
     for family in tuning.FAMILIES:
@@ -244,3 +248,6 @@ def test_every_sweep_writes_an_entry_the_tables_then_give(tmp_path, monkeypatch)
     assert tuning.choices("gdn", key)["wide_programs"] == 1 << 30  # wide never timed faster
     assert tuning.choices("moe", key)["largest"] == (128, 256, 64, 8, 3)  # ties keep the generic start
     assert tuning.choices("vision_attention", key)["wide_programs"] == 18
+    for fmt, block_k in (("fp8_e4m3_block", 128), ("nvfp4", 256)):
+        assert t_linear_quant.default_config(fmt, 64, 256, key) == (64, 128, 2, 4, 3)
+        assert t_linear_quant.default_config(fmt, 4096, 4096, key) == (64, block_k, 1, 4, 3)  # unswept: the rule

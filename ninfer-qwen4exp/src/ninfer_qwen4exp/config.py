@@ -9,6 +9,8 @@ is Qwen3.5's ``full_attention`` there), so the parts both models share read one 
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any, Literal
 
 import attrs
@@ -83,6 +85,47 @@ class PLEConfig:
     def conv_state_len(self) -> int:
         """Earlier positions the dilated conv reads: (kernel - 1) * dilation, the dilation being ``ngram_size``."""
         return (self.conv_kernel_size - 1) * self.ngram_size
+
+    def head_vocab_sizes(self, ple_index: int) -> tuple[int, ...]:
+        """The primes by which the ``ple_index``-th PLE layer (its rank among ``layers``) reduces each head's hash:
+        the model's heads, counted across PLE layers, take the consecutive primes >= ``vocab_size_base``."""
+        first = ple_index * self.ngram_heads
+        return tuple(_primes_from(self.vocab_size_base, first + self.ngram_heads)[first:])
+
+    def head_offsets(self, ple_index: int) -> tuple[int, ...]:
+        """Each head's first row in that layer's n-gram table (its slices are back to back)."""
+        sizes = self.head_vocab_sizes(ple_index)
+        return tuple(sum(sizes[:h]) for h in range(len(sizes)))
+
+    def table_rows(self, ple_index: int) -> int:
+        """Rows of that layer's n-gram table: the heads' primes summed, padded to a multiple of ``vocab_divisor``."""
+        return -(-sum(self.head_vocab_sizes(ple_index)) // self.vocab_divisor) * self.vocab_divisor
+
+    def shard_rows(self, ple_index: int) -> tuple[int, ...]:
+        """Rows of each checkpoint shard of that table (``...ngram_embedding.shard_{k}.weight``): transformers
+        saves it as ``torch.chunk(table, split_parts)``, equal chunks of ceil(rows / parts) rows, the last one
+        shorter, and fewer than ``split_parts`` of them when the rows run out first."""
+        rows = self.table_rows(ple_index)
+        step = -(-rows // self.split_parts)
+        return tuple(min(step, rows - start) for start in range(0, rows, step))
+
+
+def _is_prime(n: int) -> bool:
+    if n < 2 or n % 2 == 0:
+        return n == 2
+    return all(n % d for d in range(3, math.isqrt(n) + 1, 2))
+
+
+@functools.cache
+def _primes_from(base: int, count: int) -> tuple[int, ...]:
+    """The first ``count`` primes >= ``base``."""
+    out: list[int] = []
+    n = base
+    while len(out) < count:
+        if _is_prime(n):
+            out.append(n)
+        n += 1
+    return tuple(out)
 
 
 @attrs.frozen(kw_only=True)

@@ -53,12 +53,12 @@ from ninfer.contract.prompt import ChatInput, MediaItem, MediaSpan, PreparedProm
 from ninfer.contract.request import GenerationRequest, SamplingParams
 from ninfer.contract.resources import FrontendResources
 from ninfer.contract.serving import RequestHandle, ServingEngine
-from ninfer.contract.state import KVPoolSpec, ResumeState, StateField, StateImageLayout
+from ninfer.contract.state import KVPoolSpec, PagedField, ResumeState, StateField, StateImageLayout
 
 __all__ = [
     "CacheUsage", "ChatInput", "CheckpointInfo", "ChoiceConstraint", "Constraint", "ConstraintError", "ConstraintLimits",
     "EncoderNeeds", "GrammarConstraint", "GraphMemory", "HostMemory", "JsonConstraint", "MaskFill", "RegexConstraint", "TokenMasks", "ToolCallConstraint", "ContextStore", "EngineConfig", "FinishReason", "Frontend", "FrontendResources", "GenerationRequest", "GenerationResult", "GenerationStart",
-    "KVPoolSpec", "LaunchedUnit", "MediaItem", "MediaSpan", "MemorySummary", "ModelInstance", "ModelProfile", "ModelShape", "OutputDelta", "OutputSession", "PendingBatch",
+    "KVPoolSpec", "LaunchedUnit", "PagedField", "MediaItem", "MediaSpan", "MemorySummary", "ModelInstance", "ModelProfile", "ModelShape", "OutputDelta", "OutputSession", "PendingBatch",
     "PendingRow", "PipelinedDecode", "PreparedPrompt", "Preview", "Program", "ProgramCapacity", "PromptTooLong", "RequestHandle", "ResourceUsage", "ResumeState", "RowDecision", "SamplingParams", "ServingEngine", "SnapshotCost", "StateField", "StateImageLayout",
     "Startup", "StartupFeatures", "StartupOptions", "TextInput", "VisionItem", "Timings", "TurnBoundary", "Usage", "WeightPlacement",
 ]

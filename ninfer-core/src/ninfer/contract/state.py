@@ -78,9 +78,39 @@ class StateImageLayout:
         return sum(_align(f.nbytes_per_layer * f.layers * self.copies(f), 256) for f in self.fields)
 
 
+def _dims(instance, attribute, value: tuple[int, ...]) -> None:
+    if not all(isinstance(d, int) and d >= 1 for d in value):
+        raise ValueError(f"{type(instance).__name__} {attribute.name} must be positive ints, got {value}")
+
+
+@attrs.frozen(kw_only=True)
+class PagedField:
+    """A per-token tensor kept beside K/V in a paged pool (e.g. an indexer's raw keys): ``layers`` copies of a
+    ``shape`` tensor of ``dtype`` per token position, addressed by the pool's page ids (so copy-on-write, host
+    copies and restores carry it with the K/V of the same positions)."""
+
+    name: str = attrs.field(validator=v.min_len(1))
+    layers: int = attrs.field(validator=v.ge(1))
+    shape: tuple[int, ...] = attrs.field(converter=tuple, validator=_dims)
+    dtype: str = attrs.field(validator=v.in_(tuple(_DTYPE_BYTES)))
+
+    @property
+    def nbytes_per_token(self) -> int:
+        return self.layers * math.prod(self.shape) * dtype_bytes(self.dtype)
+
+
+def _unique_aux(instance, attribute, value: tuple[PagedField, ...]) -> None:
+    if not all(isinstance(f, PagedField) for f in value):
+        raise ValueError(f"KVPoolSpec aux must hold PagedFields, got {value}")
+    names = [f.name for f in value]
+    if len(names) != len(set(names)):
+        raise ValueError(f"duplicate paged field names: {names}")
+
+
 @attrs.frozen(kw_only=True)
 class KVPoolSpec:
-    """A typed paged KV pool: ``layers`` attention layers sharing page ids and one token frontier."""
+    """A typed paged KV pool: ``layers`` attention layers sharing page ids and one token frontier, and ``aux``
+    fields paged with them."""
 
     name: str
     layers: int = attrs.field(validator=v.ge(1))
@@ -88,10 +118,12 @@ class KVPoolSpec:
     head_dim: int = attrs.field(validator=v.ge(1))
     dtype: str = attrs.field(default="bfloat16", validator=v.in_(tuple(_DTYPE_BYTES)))
     page_size: int = attrs.field(default=16, validator=v.ge(1))
+    aux: tuple[PagedField, ...] = attrs.field(default=(), converter=tuple, validator=_unique_aux)
 
     @property
     def nbytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes(self.dtype)
+        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes(self.dtype) + \
+            sum(f.nbytes_per_token for f in self.aux)
 
     @property
     def nbytes_per_page(self) -> int:

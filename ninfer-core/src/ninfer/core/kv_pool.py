@@ -2,7 +2,8 @@
 
 A page holds ``page_size`` token positions of K and V for every layer of the pool, so one page id
 addresses the same positions in every layer ([num_pages, page_size, kv_heads, head_dim] per layer
-for K and for V). Pages carry reference counts: a page referenced by more than one history is
+for K and for V), and the same positions of the spec's aux fields (``PagedField``: per-token tensors such as an
+indexer's keys, each its own tensor [layers, num_pages, page_size, *shape]). Pages carry reference counts: a page referenced by more than one history is
 read-only to all but its one writer, and a conflicting write copies it first (``KVHistoryStore`` in
 ``models/common/context`` keeps those rules; ``copy_page`` is the copy). Accounting is exact: a page is either on
 the free list or referenced, never both, and freeing an unreferenced page is an error.
@@ -13,6 +14,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 
+import attrs
 import torch
 
 from ninfer.contract.state import KVPoolSpec
@@ -87,8 +89,25 @@ def pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
 
 
+@attrs.frozen(eq=False)
+class HostPages:
+    """Host copies of some pages of a pool: ``kv`` [layers, 2, pages, page_size, kv_heads, head_dim] and, per
+    aux field of the spec in its order, [layers, pages, page_size, *shape]."""
+
+    kv: torch.Tensor
+    aux: tuple[torch.Tensor, ...] = attrs.field(default=(), converter=tuple)
+
+    @property
+    def num_pages(self) -> int:
+        return self.kv.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.kv, *self.aux))
+
+
 class PagedKVPool:
-    """K/V tensors of one typed pool plus its page allocator."""
+    """K/V tensors of one typed pool, its aux fields' tensors, and its page allocator."""
 
     def __init__(self, spec: KVPoolSpec, num_pages: int, device: Device, dtype: str | torch.dtype | None = None):
         self.spec = spec
@@ -99,12 +118,17 @@ class PagedKVPool:
         # [layers, 2 (K, V), pages, page_size, kv_heads, head_dim]: each layer's K and V contiguous.
         self.storage = torch.zeros((spec.layers, 2, num_pages, spec.page_size, spec.kv_heads, spec.head_dim),
                                    dtype=self.dtype, device=device.torch)
+        # Each aux field its own tensor [layers, pages, page_size, *shape] in its own dtype.
+        self.aux_storage: tuple[torch.Tensor, ...] = tuple(
+            torch.zeros((f.layers, num_pages, spec.page_size, *f.shape), dtype=torch_dtype(f.dtype),
+                        device=device.torch) for f in spec.aux)
 
     @staticmethod
     def page_bytes(spec: KVPoolSpec, dtype: str | torch.dtype | None = None) -> int:
         d = torch_dtype(dtype if dtype is not None else spec.dtype)
         elem = torch.empty((), dtype=d).element_size()
-        return 2 * spec.layers * spec.page_size * spec.kv_heads * spec.head_dim * elem
+        return 2 * spec.layers * spec.page_size * spec.kv_heads * spec.head_dim * elem + \
+            sum(f.nbytes_per_token for f in spec.aux) * spec.page_size
 
     @property
     def num_pages(self) -> int:
@@ -112,7 +136,7 @@ class PagedKVPool:
 
     @property
     def nbytes(self) -> int:
-        return self.storage.numel() * self.storage.element_size()
+        return sum(t.numel() * t.element_size() for t in (self.storage, *self.aux_storage))
 
     @property
     def nbytes_per_page(self) -> int:
@@ -122,10 +146,20 @@ class PagedKVPool:
         """Per layer (k_cache, v_cache), each [num_pages, page_size, kv_heads, head_dim] (non-owning views)."""
         return [(self.storage[i, 0], self.storage[i, 1]) for i in range(self.spec.layers)]
 
+    def aux_caches(self, name: str) -> list[torch.Tensor]:
+        """Per layer of aux field ``name``, its [num_pages, page_size, *shape] (non-owning views)."""
+        for f, t in zip(self.spec.aux, self.aux_storage, strict=True):
+            if f.name == name:
+                return list(t.unbind(0))
+        raise KeyError(f"KV pool {self.spec.name!r} has no aux field {name!r} "
+                       f"(it has {[f.name for f in self.spec.aux]})")
+
     # -- copy-on-write and transfers ---------------------------------------------------------------
     def copy_page(self, src: int, dst: int) -> None:
-        """Copy one page (all layers, K and V): a copy-on-write branch (``KVHistoryStore`` decides when)."""
+        """Copy one page (all layers, K, V and aux): a copy-on-write branch (``KVHistoryStore`` decides when)."""
         self.storage[:, :, dst].copy_(self.storage[:, :, src])
+        for t in self.aux_storage:
+            t[:, dst].copy_(t[:, src])
 
     # Host transfers go through device temporaries of at most this size (a pause under memory pressure
     # must not need a second copy of a long history on the device).
@@ -135,24 +169,45 @@ class PagedKVPool:
         step = max(1, self.transfer_block_bytes // self.nbytes_per_page)
         return ((i, min(i + step, n)) for i in range(0, n, step))
 
-    def read_pages(self, pages: Sequence[int], out: torch.Tensor) -> None:
-        """Copy ``pages`` (all layers, K and V) into ``out`` [layers, 2, len(pages), page, heads, dim]."""
+    def _pairs(self, host: HostPages | torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        """(pool tensor, host tensor, page dim) of each part a transfer moves."""
+        if isinstance(host, torch.Tensor):
+            if self.aux_storage:
+                raise ValueError(f"KV pool {self.spec.name!r} has aux fields {[f.name for f in self.spec.aux]}: "
+                                 "its host copies are HostPages, not a K/V tensor alone")
+            host = HostPages(kv=host)
+        if len(host.aux) != len(self.aux_storage):
+            raise ValueError(f"host copy has {len(host.aux)} aux tensors, KV pool {self.spec.name!r} has "
+                             f"{len(self.aux_storage)} aux fields")
+        return [(self.storage, host.kv, 2)] + [(t, h, 1) for t, h in zip(self.aux_storage, host.aux, strict=True)]
+
+    def read_pages(self, pages: Sequence[int], out: HostPages | torch.Tensor) -> None:
+        """Copy ``pages`` (all layers, K, V and aux) into ``out`` (``HostPages``; a pool without aux fields also
+        takes the K/V tensor [layers, 2, len(pages), page, heads, dim] alone)."""
+        parts = self._pairs(out)
         for lo, hi in self._blocks(len(pages)):
             idx = torch.tensor(list(pages[lo:hi]), dtype=torch.int64, device=self.storage.device)
-            out[:, :, lo:hi].copy_(self.storage.index_select(2, idx))
+            for store, host, dim in parts:
+                host.narrow(dim, lo, hi - lo).copy_(store.index_select(dim, idx))
 
-    def write_pages(self, pages: Sequence[int], data: torch.Tensor) -> None:
+    def write_pages(self, pages: Sequence[int], data: HostPages | torch.Tensor) -> None:
         """Inverse of :meth:`read_pages`."""
+        parts = self._pairs(data)
         for lo, hi in self._blocks(len(pages)):
             idx = torch.tensor(list(pages[lo:hi]), dtype=torch.int64, device=self.storage.device)
-            self.storage.index_copy_(2, idx, data[:, :, lo:hi].to(self.storage.device))
+            for store, host, dim in parts:
+                store.index_copy_(dim, idx, host.narrow(dim, lo, hi - lo).to(store.device))
 
-    def read_to_host(self, pages: Sequence[int]) -> torch.Tensor:
-        """A host copy of ``pages`` (pinned when the pool is on CUDA): [layers, 2, pages, page, heads, dim]."""
-        out = host_empty(self.host_shape(len(pages)), self.dtype, self.device)
+    def read_to_host(self, pages: Sequence[int]) -> HostPages:
+        """A host copy of ``pages`` (pinned when the pool is on CUDA)."""
+        n = len(pages)
+        out = HostPages(kv=host_empty(self.host_shape(n), self.dtype, self.device),
+                        aux=[host_empty((f.layers, n, self.page_size, *f.shape), torch_dtype(f.dtype), self.device)
+                             for f in self.spec.aux])
         self.read_pages(pages, out)
         return out
 
     def host_shape(self, n_pages: int) -> tuple[int, ...]:
+        """The K/V part of a host copy of ``n_pages``."""
         s = self.spec
         return (s.layers, 2, n_pages, s.page_size, s.kv_heads, s.head_dim)

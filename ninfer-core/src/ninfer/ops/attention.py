@@ -96,9 +96,23 @@ def norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weig
                                      inv_freq, k_cache, v_cache, slot_mapping, axes)
 
 
+def _selection_mask(selected: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                    block_size: int) -> torch.Tensor:
+    """bool [qlen, seq_len]: the keys each query may read beyond causality, the tokens of its selected blocks
+    ``selected`` [qlen, topk] (-1 unused) and its open tail (the positions after its last complete block)."""
+    n_blocks = int(k_pos.shape[0]) // block_size + 2  # every block a key can sit in, plus one column for -1
+    picked = torch.zeros(selected.shape[0], n_blocks, dtype=torch.bool, device=selected.device)
+    picked.scatter_(1, torch.where(selected >= 0, selected.long(), n_blocks - 1), True)
+    picked[:, -1] = False
+    tail_start = torch.div(q_pos + 1, block_size, rounding_mode="floor") * block_size
+    in_block = torch.div(k_pos, block_size, rounding_mode="floor")
+    return picked[:, in_block] | (k_pos[None, :] >= tail_start[:, None])
+
+
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                         seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
-                        max_seq_len: int, scale: float) -> torch.Tensor:
+                        max_seq_len: int, scale: float, *, selected_blocks: torch.Tensor | None = None,
+                        block_size: int | None = None) -> torch.Tensor:
     N, H, D = q.shape
     page, kvh = k_cache.shape[1], k_cache.shape[2]
     group = H // kvh
@@ -115,20 +129,28 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         scores = torch.einsum("qhd,khd->hqk", q[lo:hi].float(), keys) * scale  # [H, qlen, seq_len]
         q_pos = torch.arange(seq_len - qlen, seq_len, device=q.device)
         k_pos = torch.arange(seq_len, device=q.device)
-        scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        hidden = k_pos[None, :] > q_pos[:, None]
+        if selected_blocks is not None:
+            hidden |= ~_selection_mask(selected_blocks[lo:hi], q_pos, k_pos, block_size)
+        scores = scores.masked_fill(hidden[None], float("-inf"))
         out[lo:hi] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(q.dtype)
     return out
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
-                    scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
+                    scale: float, gate: torch.Tensor | None = None, *, selected_blocks: torch.Tensor | None = None,
+                    block_size: int | None = None) -> torch.Tensor:
     """o[N, H, D] for packed queries q[N, H, D] (sequence i owns rows query_start_loc[i]:[i+1]).
 
     Query j of sequence i sits at position seq_lens[i] - qlen_i + j and attends keys 0..that position of
     the same sequence (its K/V already written with write_kv). Softmax in fp32. Covers decode (qlen 1),
     whole prompts and prefill chunks with earlier context. With ``gate`` [N, H, D] the result is
     o * sigmoid(gate) (Qwen3.5's output gate), the same as applying it to the plain output.
+
+    Sparse (QSA): with ``selected_blocks`` int32 [N, topk] (``ninfer.ops.qsa.qsa_select``; -1 unused) and
+    ``block_size``, the query at position p reads key k <= p only if k >= ((p + 1) // block_size) * block_size
+    (the open tail) or k // block_size is one of its selected blocks. This form runs the reference everywhere.
     """
     B = seq_lens.shape[0]
     if q.dim() != 3 or q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2] \
@@ -136,9 +158,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError(f"paged_attention: q {tuple(q.shape)}, cache {tuple(k_cache.shape)}, block_tables "
                          f"{tuple(block_tables.shape)}, seq_lens {tuple(seq_lens.shape)}, query_start_loc "
                          f"{tuple(query_start_loc.shape)} do not fit")
+    if gate is not None and gate.shape != q.shape:
+        raise ValueError(f"paged_attention: gate {tuple(gate.shape)} must have q's shape {tuple(q.shape)}")
+    if selected_blocks is not None or block_size is not None:
+        if selected_blocks is None or block_size is None or block_size < 1 or selected_blocks.dim() != 2 \
+                or selected_blocks.shape[0] != q.shape[0]:
+            raise ValueError(f"paged_attention: selected_blocks "
+                             f"{None if selected_blocks is None else tuple(selected_blocks.shape)} (want [N, topk] "
+                             f"for {q.shape[0]} queries) and block_size {block_size} (positive) go together")
+        # No sparse kernel yet: the reference, on any device.
+        o = paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
+                                max_seq_len, scale, selected_blocks=selected_blocks, block_size=block_size)
+        return o if gate is None else o * torch.sigmoid(gate)
     if gate is not None:
-        if gate.shape != q.shape:
-            raise ValueError(f"paged_attention: gate {tuple(gate.shape)} must have q's shape {tuple(q.shape)}")
         kernel = triton_kernel("attention", "paged_attention_gated", q)
         if kernel is not None:
             return kernel(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,

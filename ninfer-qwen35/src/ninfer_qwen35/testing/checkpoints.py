@@ -126,7 +126,7 @@ def make_tiny_checkpoint(directory: str | Path, *, layout: str = "text", mtp: bo
     model.save_pretrained(out, max_shard_size=total // 2 + 1 if sharded else "50GB")
 
     if moe:  # transformers saves the experts one by one; published Qwen3.5 MoE checkpoints hold fused banks
-        _fuse_experts(out, load_file, save_file)
+        fuse_experts(out, load_file, save_file)
     config_path = out / "config.json"
     config = json.loads(config_path.read_text())
     target = config.get("text_config", config)
@@ -134,8 +134,16 @@ def make_tiny_checkpoint(directory: str | Path, *, layout: str = "text", mtp: bo
     target["mtp_use_dedicated_embeddings"] = False
     config_path.write_text(json.dumps(config, indent=2))
     if mtp:
-        _add_mtp(out, config, seed, sharded, load_file, save_file)
+        _add_mtp(out, config, seed, sharded)
 
+    write_frontend_files(out, tokenizer_json, added, vision=vision if layout == "vl" else None)
+    return out
+
+
+def write_frontend_files(out: Path, tokenizer_json: str, added: dict[str, int], *,
+                         vision: dict[str, Any] | None = None) -> None:
+    """tokenizer.json, tokenizer_config.json (the chat template), generation_config.json and, given the vision
+    config, preprocessor_config.json, as published Qwen3.5 checkpoints hold them."""
     (out / "tokenizer.json").write_text(tokenizer_json)
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "Qwen2Tokenizer", "chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>",
@@ -143,17 +151,16 @@ def make_tiny_checkpoint(directory: str | Path, *, layout: str = "text", mtp: bo
     (out / "generation_config.json").write_text(json.dumps({
         "eos_token_id": [added["<|im_end|>"], added["<|endoftext|>"]], "pad_token_id": added["<|endoftext|>"],
         "do_sample": True, "temperature": 1.0, "top_p": 0.95, "top_k": 20}, indent=2))
-    if layout == "vl":
+    if vision is not None:
         (out / "preprocessor_config.json").write_text(json.dumps({
             "image_processor_type": "Qwen2VLImageProcessorFast", "processor_class": "Qwen3VLProcessor",
             "patch_size": vision["patch_size"], "temporal_patch_size": vision["temporal_patch_size"],
             "merge_size": vision["spatial_merge_size"], "size": {"shortest_edge": 32 * 32, "longest_edge": 256 * 256},
             "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_rescale": True,
             "rescale_factor": 1 / 255, "do_normalize": True, "resample": 3}, indent=2))
-    return out
 
 
-def _fuse_experts(out: Path, load_file, save_file) -> None:
+def fuse_experts(out: Path, load_file, save_file) -> None:
     """Rewrite every shard's per-expert ``...mlp.experts.{e}.{gate,up,down}_proj.weight`` as the published fused
     banks ``...mlp.experts.gate_up_proj`` [E, 2I, H] (each expert's gate rows, then its up rows) and
     ``...mlp.experts.down_proj`` [E, H, I] (the index too)."""
@@ -190,7 +197,7 @@ def _fuse_experts(out: Path, load_file, save_file) -> None:
         index_path.write_text(json.dumps(index, indent=2))
 
 
-def _add_mtp(out: Path, config: dict, seed: int, sharded: bool, load_file, save_file) -> None:
+def _add_mtp(out: Path, config: dict, seed: int, sharded: bool) -> None:
     """Add random ``mtp.*`` tensors (shapes from the Qwen3.5 source mapping) the way published checkpoints hold them."""
     import torch
 
@@ -200,8 +207,14 @@ def _add_mtp(out: Path, config: dict, seed: int, sharded: bool, load_file, save_
     gen = torch.Generator().manual_seed(seed + 1)
     shapes = expected_parameters(parse_config(config), ("mtp",))
     tensors = {name: (torch.randn(shape, generator=gen) * 0.05).to(torch.bfloat16) for name, (_, shape) in shapes.items()}
+    add_tensors(out, tensors, sharded=sharded)
+
+
+def add_tensors(out: Path, tensors: dict, *, sharded: bool, shard: str = "model-mtp.safetensors") -> None:
+    """Add ``tensors`` to a saved checkpoint: as a shard of their own in the index, or into model.safetensors."""
+    from safetensors.torch import load_file, save_file
+
     if sharded:
-        shard = "model-mtp.safetensors"
         save_file(tensors, str(out / shard), metadata={"format": "pt"})
         index_path = out / "model.safetensors.index.json"
         index = json.loads(index_path.read_text())

@@ -152,12 +152,15 @@ def _store_rows(acc, y_ptr, part_ptr, arrive_ptr, mm, nn, mask_m, mask_n, N, s_y
 
 def default_config(fmt: str, N: int, K: int, device: tuning.DeviceKey = tuning.CPU
                    ) -> tuple[int, int, int, int, int]:
-    """(block_n, block_k, split_k, num_warps, num_stages) for a quantized [N, K] weight: not yet measured, so
-    the dense kernel's rule on its table's warps, stages and program count (``tables/linear.json``), with
-    64-column blocks (a quantized row tile is half or a quarter of the bf16 bytes) and K tiles of 128 (FP8:
-    Qwen's K blocks) or 256 (NVFP4: 128 bytes a row); K is split in two until about ``programs`` programs."""
-    c = tuning.choices("linear", device)
-    block_n, block_k = 64, 256 if fmt == NVFP4 else 128
+    """(block_n, block_k, split_k, num_warps, num_stages) for a quantized [N, K] weight: the measured choice of
+    ``tables/linear_quant.json`` for this format and shape on this device, else its rule: block_n columns a
+    program, K tiles of the format's block_k (FP8: Qwen's 128-wide K blocks; NVFP4: 128 bytes a row), K split in
+    two until about ``programs`` programs stream the weight."""
+    c = tuning.choices("linear_quant", device)
+    measured = c["shapes"].get(f"{fmt}:{N}x{K}")
+    if measured is not None:
+        return tuple(measured)
+    block_n, block_k = c["block_n"], c["block_k_nvfp4" if fmt == NVFP4 else "block_k_fp8"]
     blocks_n = triton.cdiv(N, block_n)
     split = 1
     while blocks_n * split < c["programs"] and K // (split * 2) >= block_k:

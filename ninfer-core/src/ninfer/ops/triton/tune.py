@@ -55,6 +55,8 @@ class Geometry:
     batches: tuple[int, ...] = (1, 8)
     linear_shapes: tuple[str, ...] | None = None
     moe_tokens: int | None = None
+    quant_shapes: tuple[str, ...] = ("4096x4096", "12288x4096", "12352x4096", "24576x4096", "4096x12288",
+                                     "1024x2048", "1024x3584", "5120x1024", "7168x1024", "8224x1024")
 
 
 @attrs.frozen
@@ -99,6 +101,41 @@ def tune_linear(bench: Bench, key: tuning.DeviceKey) -> dict:
 
         shapes[name] = list(_best(itertools.product((32, 64), (128, 256), (1, 2, 4, 8)), cost))
         print(f"  linear {name}: {shapes[name]}", file=sys.stderr)
+    return {**entry, "shapes": shapes}
+
+
+# The quantized linears' knobs, swept one at a time from the rule (block_k: FP8 tiles stay inside a 128-wide K block).
+QUANT_STEPS = {"fp8_e4m3_block": ((16, 32, 64, 128), (64, 128), (1, 2, 4, 8, 16), (4, 8), (2, 3, 4)),
+               "nvfp4": ((16, 32, 64, 128), (128, 256, 512), (1, 2, 4, 8, 16), (4, 8), (2, 3, 4))}
+
+
+def tune_linear_quant(bench: Bench, key: tuning.DeviceKey) -> dict:
+    """Per format and "NxK": each knob in turn (block_n, block_k, split_k, warps, stages) takes its fastest value
+    with the others held, starting from the rule, timed at every batch of the geometry."""
+    from ninfer.ops.quant import quantize_fp8_block, quantize_nvfp4
+    from ninfer.ops.triton import linear_quant
+
+    entry = _start("linear_quant", key)
+    kernels = {"fp8_e4m3_block": (linear_quant.linear_fp8, quantize_fp8_block),
+               "nvfp4": (linear_quant.linear_nvfp4, quantize_nvfp4)}
+    shapes = {}
+    for name in bench.shapes.quant_shapes:
+        N, K = map(int, name.split("x"))
+        dense = bench.randn(N, K, dtype=torch.float32) * K ** -0.5
+        xs = [bench.randn(m, K) for m in bench.shapes.batches]
+        for fmt, (fn, quantize) in kernels.items():
+            w = quantize(dense)
+
+            def cost(cfg, fn=fn, w=w, xs=xs):
+                bn, bk, split, warps, stages = cfg
+                return sum(bench.time(functools.partial(fn, x, w, block_n=bn, block_k=bk, split_k=split,
+                                                        num_warps=warps, num_stages=stages)) for x in xs)
+
+            best = tuple(linear_quant.default_config(fmt, N, K, key))
+            for i, values in enumerate(QUANT_STEPS[fmt]):
+                best = _best([(*best[:i], v, *best[i + 1:]) for v in values], cost)
+            shapes[f"{fmt}:{name}"] = list(best)
+            print(f"  linear_quant {fmt}:{name}: {shapes[f'{fmt}:{name}']}", file=sys.stderr)
     return {**entry, "shapes": shapes}
 
 
@@ -225,7 +262,7 @@ def _thawed(value: Any) -> Any:
 
 
 SWEEPS: dict[str, Callable[[Bench, tuning.DeviceKey], dict]] = {
-    "linear": tune_linear, "moe": tune_moe, "attention": tune_attention, "sampling": tune_sampling,
+    "linear": tune_linear, "linear_quant": tune_linear_quant, "moe": tune_moe, "attention": tune_attention, "sampling": tune_sampling,
     "gdn": tune_gdn, "vision_attention": lambda bench, key: _start("vision_attention", key),
 }
 

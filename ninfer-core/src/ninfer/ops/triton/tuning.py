@@ -30,7 +30,7 @@ import torch
 from ninfer import env
 
 PACKAGED = Path(__file__).parent / "tables"
-FAMILIES = ("attention", "gdn", "linear", "moe", "sampling", "vision_attention")
+FAMILIES = ("attention", "gdn", "linear", "linear_quant", "moe", "sampling", "vision_attention")
 CPU_ENTRY = "cpu"
 
 

@@ -17,7 +17,7 @@ import attrs
 import torch
 
 from ninfer.contract.context import CacheUsage, CheckpointInfo, CheckpointKind, MediaRun, clip_runs
-from ninfer.core.kv_pool import pages_for
+from ninfer.core.kv_pool import HostPages, pages_for
 from ninfer.core.state_store import StateImageStorage
 from ninfer.models.common.context.errors import ProgramError
 from ninfer.models.common.context.kv_history import KVHistoryStore, KVPrefixRef
@@ -34,7 +34,7 @@ class Checkpoint:
     slot: int | None = None                 # device copy: a slot of the store's image storage
     prefix: KVPrefixRef | None = None       # device copy: the exact KV prefix
     host_image: torch.Tensor | None = None  # host replica (pinned on CUDA)
-    host_kv: torch.Tensor | None = None     # [layers, 2, pages, page_size, kv_heads, head_dim]
+    host_kv: HostPages | None = None        # the prefix pages' K/V and aux fields
     leases: int = 0
 
     @property

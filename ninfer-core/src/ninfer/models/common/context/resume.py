@@ -17,7 +17,7 @@ import attrs
 import torch
 
 from ninfer.contract.model import PauseMode
-from ninfer.core.kv_pool import pages_for
+from ninfer.core.kv_pool import HostPages, pages_for
 from ninfer.core.state_store import StateImageStorage
 from ninfer.models.common.context.errors import ProgramError
 from ninfer.models.common.context.kv_history import KVHistoryStore
@@ -60,12 +60,11 @@ class SnapshotResume(ReplayResume):
     """Replay data plus host copies of the StateImage and the KV pages covering ``frontier`` positions."""
 
     state_image: torch.Tensor = attrs.field(repr=False)
-    kv_pages: torch.Tensor = attrs.field(repr=False)  # [layers, 2, pages, page_size, kv_heads, head_dim]
+    kv_pages: HostPages = attrs.field(repr=False)  # the pages' K/V and aux fields
 
     @property
     def host_bytes(self) -> int:
-        return self.state_image.numel() * self.state_image.element_size() + \
-            self.kv_pages.numel() * self.kv_pages.element_size()
+        return self.state_image.numel() * self.state_image.element_size() + self.kv_pages.nbytes
 
 
 class PausedStates:
@@ -127,7 +126,7 @@ class PausedStates:
             self.kv.append_fresh(seq, need)
             if isinstance(state, SnapshotResume):
                 self.states.restore(seq.slot, state.state_image)
-                self.pool.write_pages(seq.pages[:state.kv_pages.shape[2]], state.kv_pages)
+                self.pool.write_pages(seq.pages[:state.kv_pages.num_pages], state.kv_pages)
                 seq.computed = state.frontier
         except BaseException:
             if seq is not None:

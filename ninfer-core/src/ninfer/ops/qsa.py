@@ -1,0 +1,121 @@
+"""QSA block selection (Qwen4Exp's sparse attention indexer) over a paged store of raw indexer keys.
+
+The indexer splits a sequence into blocks of ``compress_ratio`` consecutive tokens. A block is complete for a
+query once all its tokens are visible (positions <= the query's). Each complete block has one key: the mean of its
+tokens' raw keys (fp32, rounded to the keys' dtype), RMS-normed with (1 + w) and rotated at the position of its
+first token. A query scores block b as sum over its index heads of relu(q_h . k_b) / sqrt(D), fp32, and keeps its
+``block_topk`` best complete blocks (all of them while there are no more than that). The attention then reads those
+blocks' tokens plus the open tail (the visible tokens after the last complete block): ``paged_attention`` with
+``selected_blocks``.
+
+Positions are token indices (text RoPE). A sequence whose tokens carry MRoPE positions (media) is not covered:
+its block keys would rotate at the block's first token's (t, h, w) position, which this op is not given.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ninfer.ops.norm import rms_norm
+from ninfer.ops.rope import apply_rope, rope_angles_cos_sin
+
+# Rows of queries scored at once: bounds the [rows, blocks] score temporaries of a long prefill.
+_SCORE_ELEMS = 1 << 24
+
+
+def _check(q, index_keys, block_tables, seq_lens, query_start_loc, k_norm, rope_inv_freq, rotary_dim,
+           compress_ratio, block_topk) -> None:
+    B = seq_lens.shape[0]
+    di = index_keys.shape[-1] if index_keys.dim() == 3 else None
+    if q.dim() != 3 or index_keys.dim() != 3 or q.shape[2] != di or k_norm.shape != (di,) \
+            or block_tables.dim() != 2 or block_tables.shape[0] != B or query_start_loc.shape != (B + 1,):
+        raise ValueError(f"qsa_select: q {tuple(q.shape)} (want [N, heads, D]), index_keys "
+                         f"{tuple(index_keys.shape)} (want [pages, page_size, D]), k_norm {tuple(k_norm.shape)}, "
+                         f"block_tables {tuple(block_tables.shape)}, seq_lens {tuple(seq_lens.shape)}, "
+                         f"query_start_loc {tuple(query_start_loc.shape)} do not fit")
+    if rotary_dim <= 0 or rotary_dim > di or rotary_dim != 2 * rope_inv_freq.numel():
+        raise ValueError(f"qsa_select: rotary_dim {rotary_dim} must be 2 * len(rope_inv_freq) "
+                         f"({rope_inv_freq.numel()}) and fit the index head ({di})")
+    if compress_ratio < 1 or block_topk < 1:
+        raise ValueError(f"qsa_select: compress_ratio {compress_ratio} and block_topk {block_topk} must be positive")
+
+
+def block_keys(keys: torch.Tensor, k_norm: torch.Tensor, eps: float, rope_inv_freq: torch.Tensor,
+               rotary_dim: int, compress_ratio: int) -> torch.Tensor:
+    """[blocks, D]: the pooled, normed and rotated key of each complete block of one sequence's raw keys
+    ``keys`` [L, D] (token t at position t)."""
+    nb = keys.shape[0] // compress_ratio
+    pooled = keys[:nb * compress_ratio].view(nb, compress_ratio, -1).float().mean(1).to(keys.dtype)
+    normed = rms_norm(pooled, k_norm, eps)
+    starts = torch.arange(nb, device=keys.device) * compress_ratio
+    cos, sin = rope_angles_cos_sin(starts, rope_inv_freq, keys.dtype)
+    return apply_rope(normed[:, None, :], cos, sin, rotary_dim)[:, 0]
+
+
+def qsa_select(q: torch.Tensor, index_keys: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+               query_start_loc: torch.Tensor, k_norm: torch.Tensor, eps: float, rope_inv_freq: torch.Tensor,
+               rotary_dim: int, compress_ratio: int, block_topk: int) -> torch.Tensor:
+    """int32 [N, block_topk]: the blocks each packed query keeps, ascending, -1 after them.
+
+    ``q`` [N, heads, D]: the indexer queries, already q-normed and rotated at their positions (sequence i owns
+    rows query_start_loc[i]:[i+1]; its query j sits at position seq_lens[i] - qlen_i + j). ``index_keys``
+    [num_pages, page_size, D]: one layer's raw indexer keys, token t of sequence i at page block_tables[i,
+    t // page_size], row t % page_size, written for every token up to seq_lens[i] before the call. ``k_norm``,
+    ``eps``: the block keys' RMSNorm ((1 + w)); ``rope_inv_freq`` [rotary_dim // 2]: the attention's rotary rates
+    (``ninfer.ops.rope_inv_freq``). Block b covers positions [b * compress_ratio, (b + 1) * compress_ratio).
+    """
+    _check(q, index_keys, block_tables, seq_lens, query_start_loc, k_norm, rope_inv_freq, rotary_dim,
+           compress_ratio, block_topk)
+    N, heads, D = q.shape
+    page = index_keys.shape[1]
+    out = torch.full((N, block_topk), -1, dtype=torch.int32, device=q.device)
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    root = math.sqrt(D)
+    slots = torch.arange(block_topk, device=q.device)
+    for i, seq_len in enumerate(lens):
+        lo, hi = starts[i], starts[i + 1]
+        qlen = hi - lo
+        if qlen > seq_len:
+            raise ValueError(f"qsa_select: sequence {i} has {qlen} queries but only {seq_len} tokens")
+        # Blocks complete for each query: those ending at or before its position.
+        complete = torch.div(torch.arange(seq_len - qlen + 1, seq_len + 1, device=q.device), compress_ratio,
+                             rounding_mode="floor")
+        # While a query has no more complete blocks than the budget it keeps them all.
+        out[lo:hi] = torch.where(slots[None, :] < complete[:, None], slots[None, :], -1).to(torch.int32)
+        nb = seq_len // compress_ratio
+        if qlen == 0 or nb <= block_topk:
+            continue
+        pages = block_tables[i, :-(-seq_len // page)].long()
+        keys = index_keys[pages].reshape(-1, D)[:seq_len]
+        kb = block_keys(keys, k_norm, eps, rope_inv_freq, rotary_dim, compress_ratio).float().T  # [D, nb]
+        step = max(1, _SCORE_ELEMS // nb)
+        for r in range(0, qlen, step):
+            qs = q[lo + r:lo + min(r + step, qlen)].float()
+            scores = torch.relu(qs[:, 0] @ kb)
+            for h in range(1, heads):
+                scores += torch.relu(qs[:, h] @ kb)
+            scores /= root
+            _keep_top(scores, complete[r:r + qs.shape[0]].tolist(), block_topk, out[lo + r:lo + r + qs.shape[0]])
+    return out
+
+
+def _keep_top(scores: torch.Tensor, complete: list[int], block_topk: int, out: torch.Tensor) -> None:
+    """Write into ``out`` the ascending top ``block_topk`` of each row of ``scores`` [rows, blocks] among its
+    complete blocks, for the rows with more complete blocks than that.
+
+    Relu scores tie at zero often (every index head negative), and torch.topk breaks ties by its algorithm, which
+    depends on the row's length. So each row's top is taken over exactly its complete blocks, as transformers
+    does: the rows of one complete count (consecutive, as positions are) share one topk call.
+    """
+    r = 0
+    while r < len(complete):
+        c = complete[r]
+        end = r + 1
+        while end < len(complete) and complete[end] == c:
+            end += 1
+        if c > block_topk:
+            top = scores[r:end, :c].topk(block_topk, dim=1).indices
+            out[r:end] = top.sort(dim=1).values.to(torch.int32)
+        r = end
