@@ -13,7 +13,6 @@ from ninfer.ops import (
     dilated_causal_conv,
     gather_rows,
     ngram_hash_ids,
-    ngram_head_vocab,
     ngram_multipliers,
     ngram_windows,
     ple_layer,
@@ -58,15 +57,14 @@ def _chunks(total: int, sizes: list[int]) -> list[tuple[int, int]]:
 
 
 class Ours:
-    """Our PLE pipeline for one layer of ``hf`` (an n-gram embedding's constants computed, not read)."""
+    """Our PLE pipeline for one layer of ``hf``: the multipliers computed, the heads' primes and offsets (the
+    model config's) taken from transformers' buffers."""
 
     def __init__(self, config, emb: torch.nn.Module, ple_index: int):
         c = config
         self.heads, self.eos = c.heads_per_ngram, EOS
-        sizes = ngram_head_vocab(c.ngram_vocab_size_base, (c.ngram_size - 1) * c.heads_per_ngram, ple_index)
         self.mult = torch.tensor(ngram_multipliers(c.vocab_size, c.ngram_size, ple_index, c.seed))
-        self.sizes = torch.tensor(sizes)
-        self.offsets = torch.tensor([0, *itertools.accumulate(sizes)][:-1])
+        self.sizes, self.offsets = emb.ngram_heads_vocab_sizes, emb.ngram_heads_offsets
         self.table = emb.ngram_embedding.weight
 
     def embed(self, ids, history, qsl, initial):
@@ -76,13 +74,10 @@ class Ours:
 
 
 @pytest.mark.parametrize("ple_index", [0, 1])
-def test_hash_constants_match_transformers(ple_index):
+def test_hash_multipliers_match_transformers(ple_index):
     c = _config()
     emb = modeling.Qwen4ExpTextNGramEmbedding(c, 24, layer_idx=0, ple_layer_index=ple_index)
-    ours = Ours(c, emb, ple_index)
-    assert ours.mult.tolist() == emb.layer_multipliers.tolist()
-    assert ours.sizes.tolist() == emb.ngram_heads_vocab_sizes.tolist()
-    assert ours.offsets.tolist() == emb.ngram_heads_offsets.tolist()
+    assert ngram_multipliers(c.vocab_size, c.ngram_size, ple_index, c.seed) == emb.layer_multipliers.tolist()
     # the published multipliers' size: token id * multiplier stays within int64
     big = ngram_multipliers(248320, 3, 5, 1234)
     assert all(m % 2 == 1 and m * 248320 < 2 ** 63 for m in big)

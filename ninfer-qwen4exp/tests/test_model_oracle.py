@@ -21,7 +21,7 @@ from ninfer_qwen4exp.config import parse_config
 from ninfer_qwen4exp.execution.forward_batch import ForwardBatch, Qwen4ExpStateViews
 from ninfer_qwen4exp.execution.model import Qwen4ExpModel
 from ninfer_qwen4exp.execution.parameters import Qwen4ExpParameters
-from ninfer_qwen35.source_mapping import fused_parents
+from ninfer_qwen4exp.source_mapping import fused_parents
 
 transformers = pytest.importorskip("transformers")
 
@@ -46,14 +46,6 @@ CONFIGS = {
                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
                    tie_word_embeddings=True),
 }
-
-
-def _qsa_ops_available() -> bool:
-    try:
-        import ninfer.ops.qsa  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 @attrs.define
@@ -81,20 +73,19 @@ def _randomise(hf: torch.nn.Module, seed: int) -> None:
 
 
 def model_from_hf_state_dict(hf: torch.nn.Module) -> Qwen4ExpModel:
-    """Our model over a transformers model's own tensors (fused as Qwen3.5's converter lays the shared parts)."""
+    """Our model over a transformers model's own tensors, fused as the converter lays them out (the names are the
+    artifact's; transformers' n-gram hash buffers are derived from the config, not bound)."""
     config = parse_config(hf.config.to_dict())
     tensors = {k: v.detach().clone() for k, v in hf.state_dict().items()
                if not k.endswith(("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets"))}
     if config.base.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
-    weights = WeightSet.from_tensors(tensors, fused_parents(config.base))
+    weights = WeightSet.from_tensors(tensors, fused_parents(config))
     return Qwen4ExpModel(Qwen4ExpParameters.from_weights(config, weights, torch.float32))
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def tiny(request) -> Tiny:
-    if request.param == "select" and not _qsa_ops_available():
-        pytest.skip("QSA selection needs ninfer.ops.qsa (qsa_select, paged_attention's selected_blocks)")
     torch.manual_seed(0)
     hf_config = transformers.Qwen4ExpTextConfig(**CONFIGS[request.param])
     hf_config._attn_implementation = "eager"

@@ -16,7 +16,6 @@ from ninfer.ops.ple import (
     dilated_causal_conv,
     gather_rows,
     ngram_hash_ids,
-    ngram_head_vocab,
     ngram_multipliers,
     ngram_windows,
     ple_layer,
@@ -32,5 +31,5 @@ __all__ = [
     "rms_norm_gated", "rope_cos_sin", "rope_inv_freq", "sample", "silu_and_mul",
     "swiglu", "write_kv",
     "dilated_causal_conv", "gather_rows", "grouped_rms_norm", "hyper_connection_inject", "hyper_connection_mix",
-    "ngram_hash_ids", "ngram_head_vocab", "ngram_multipliers", "ngram_windows", "ple_layer",
+    "ngram_hash_ids", "ngram_multipliers", "ngram_windows", "ple_layer",
 ]

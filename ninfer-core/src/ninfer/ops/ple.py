@@ -2,7 +2,8 @@
 
 A token's 2..n-gram ids hash its window (itself and up to n - 1 earlier tokens of its sequence, each shift
 replaced by EOS once an EOS lies between: an n-gram never spans a document boundary) with odd 64-bit multipliers
-XOR'd, wrapping as int64 does, into ``heads_per_ngram`` prime-sized slices of one table per layer. Sequences
+XOR'd, wrapping as int64 does, into ``heads_per_ngram`` prime-sized slices of one table per layer (the primes
+and the table's layout are the model config's). Sequences
 are packed (``query_start_loc``) and each carries a short history across calls: its last ``n - 1`` token ids and
 the conv's last ``(kernel - 1) * dilation`` inputs, read from and returned to per-sequence state rows.
 """
@@ -36,27 +37,6 @@ def ngram_multipliers(vocab_size: int, ngram_size: int, layer_index: int, seed: 
     half = max(1, ((1 << 63) - 1) // max(vocab_size, 1) // 2)
     base = seed + _LAYER_SEED_STRIDE * layer_index
     return [2 * (_splitmix64((base + _GAMMA * (s + 1)) & _MASK64) % half) + 1 for s in range(ngram_size)]
-
-
-def _is_prime(n: int) -> bool:
-    if n < 2 or n % 2 == 0:
-        return n == 2
-    return all(n % d for d in range(3, math.isqrt(n) + 1, 2))
-
-
-def ngram_head_vocab(vocab_size_base: int, heads: int, layer_index: int) -> list[int]:
-    """The prime row count of each of the ``heads`` hash heads of the ``layer_index``-th PLE layer: the heads of
-    all layers, in order, take the successive primes from ``vocab_size_base`` on."""
-    sizes, prime, skip = [], vocab_size_base - 1, layer_index * heads
-    while len(sizes) < heads:
-        prime += 1
-        while not _is_prime(prime):
-            prime += 1
-        if skip:
-            skip -= 1
-        else:
-            sizes.append(prime)
-    return sizes
 
 
 def _token_seqs(query_start_loc: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,6 +17,7 @@ from ninfer.ops import (
     rms_norm,
 )
 from ninfer.ops.ple import ple_layer
+from ninfer.ops.qsa import qsa_select
 from ninfer.ops.rope import rope_angles_cos_sin
 from ninfer_qwen4exp.config import Qwen4ExpConfig
 from ninfer_qwen4exp.execution.forward_batch import ForwardBatch
@@ -77,12 +78,9 @@ def qsa_attention(config: Qwen4ExpConfig, p: AttentionParams, indexer: IndexerPa
 
 def _select_blocks(config: Qwen4ExpConfig, indexer: IndexerParams, index_q: torch.Tensor, index_keys: torch.Tensor,
                    batch: ForwardBatch, rope_inv_freq: torch.Tensor) -> torch.Tensor:
-    from ninfer.ops.qsa import qsa_select
-
     q = config.qsa
-    return qsa_select(index_q, index_keys, indexer.k_norm, config.base.rms_norm_eps, rope_inv_freq,
-                      config.base.rotary_dim, batch.block_tables, batch.seq_lens, batch.query_start_loc,
-                      batch.max_query_len, batch.max_seq_len, block_size=q.compress_ratio, top_k=q.block_topk)
+    return qsa_select(index_q, index_keys, batch.block_tables, batch.seq_lens, batch.query_start_loc, indexer.k_norm,
+                      config.base.rms_norm_eps, rope_inv_freq, config.base.rotary_dim, q.compress_ratio, q.block_topk)
 
 
 def ple_addend(config: Qwen4ExpConfig, p: PLEParams, x: torch.Tensor, windows: torch.Tensor, batch: ForwardBatch,

@@ -5,20 +5,20 @@ Qwen3.5's builder over ``config.base``; what is Qwen4Exp's own is added here: ea
 the final mixer, the QSA indexer of the attention layers and the PLE of some GDN layers. There are no input or
 post-attention norms and no final norm (the hyper-connections normalise). A PLE layer's n-gram table stays where
 the weights keep it (host memory for the published size): only the rows a batch looks up are moved. The hash
-constants of each PLE layer are derived from the config, as transformers derives them.
+constants of each PLE layer are derived from the config, as transformers derives them (not read from the
+checkpoint's buffers).
 """
 
 from __future__ import annotations
-
-import itertools
 
 import attrs
 import torch
 
 from ninfer.artifact.weights import WeightSet
 from ninfer.core.device_plan import resident_bytes
-from ninfer.ops.ple import ngram_head_vocab, ngram_multipliers
+from ninfer.ops.ple import ngram_multipliers
 from ninfer_qwen4exp.config import Qwen4ExpConfig
+from ninfer_qwen4exp.source_mapping import expected_parameters
 from ninfer_qwen35.execution.linear import Weight
 from ninfer_qwen35.execution.parameters import AttentionParams, GDNParams, MoEParams, _Builder, _expert_banks
 
@@ -181,87 +181,27 @@ def _hyper_tensors(h: HyperParams) -> list[Weight]:
 
 def _ple(config: Qwen4ExpConfig, build: _Builder, prefix: str, index: int) -> PLEParams:
     e, device = config.ple, build.device
-    sizes = ngram_head_vocab(e.vocab_size_base, e.ngram_heads, index)
-    table = build.weights[prefix + "ple_embedding.ngram_embedding.weight"]
-    if table.shape[0] < sum(sizes):
-        raise WeightsError(f"{prefix}ple_embedding.ngram_embedding.weight has {table.shape[0]} rows; the hash heads "
-                           f"of PLE layer {index} address {sum(sizes)}")
 
-    def ints(values: list[int]) -> torch.Tensor:
+    def ints(values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=device)
 
     return PLEParams(
-        state_index=index, table=table,
+        state_index=index, table=build.weights[prefix + "ple_embedding.ngram_embedding.weight"],
         multipliers=ints(ngram_multipliers(config.base.vocab_size, e.ngram_size, index, e.seed)),
-        head_vocab=ints(sizes), head_offsets=ints([0, *itertools.accumulate(sizes)][:-1]),
+        head_vocab=ints(e.head_vocab_sizes(index)), head_offsets=ints(e.head_offsets(index)),
         key_proj=build.matrix(prefix + "key_proj.weight"), value_proj=build.matrix(prefix + "value_proj.weight"),
         norm_key=build.w(prefix + "norm_key.weight"), norm_query=build.w(prefix + "norm_query.weight"),
         norm_conv=build.w(prefix + "norm_conv.weight"), conv=build.w(prefix + "conv1d.weight")[:, 0, :])
 
 
-def expected_shapes(config: Qwen4ExpConfig) -> dict[str, tuple[int, ...]]:
-    """The shape of every text parameter the model binds (the n-gram tables: their column count only)."""
-    b = config.base
-    H, S, R = b.hidden_size, config.hc_count, config.hc_lowrank
-    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (b.vocab_size, H)}
-    if not b.tie_word_embeddings:
-        out["lm_head.weight"] = (b.vocab_size, H)
-
-    def hyper(prefix: str, inject: bool = True) -> None:
-        out.update({prefix + "hc_norm.weight": (S * H,), prefix + "input_mix_weight_down.weight": (R, S * H),
-                    prefix + "input_mix_weight_up.weight": (S * H, R)})
-        if inject:
-            out[prefix + "block_inject_weight.weight"] = (S, S * H)
-
-    hyper("model.hyper_connection_mixer.", inject=False)
-    moe = b.moe
-    for i, kind in enumerate(config.layer_types):
-        p = f"model.layers.{i}."
-        hyper(p + "attn_hyper_connection.")
-        hyper(p + "mlp_hyper_connection.")
-        m = p + "mlp."
-        E, inter, J = moe.num_experts, moe.moe_intermediate_size, moe.shared_expert_intermediate_size
-        out.update({m + "gate.weight": (E, H), m + "shared_expert_gate.weight": (1, H),
-                    m + "experts.gate_up_proj": (E, 2 * inter, H), m + "experts.down_proj": (E, H, inter),
-                    m + "shared_expert.gate_proj.weight": (J, H), m + "shared_expert.up_proj.weight": (J, H),
-                    m + "shared_expert.down_proj.weight": (H, J)})
-        if kind == "linear_attention":
-            a = p + "linear_attn."
-            HV = b.linear_num_value_heads
-            out.update({a + "in_proj_qkv.weight": (b.conv_dim, H), a + "in_proj_z.weight": (b.value_dim, H),
-                        a + "in_proj_b.weight": (HV, H), a + "in_proj_a.weight": (HV, H),
-                        a + "conv1d.weight": (b.conv_dim, 1, b.linear_conv_kernel_dim), a + "A_log": (HV,),
-                        a + "dt_bias": (HV,), a + "norm.weight": (b.linear_value_head_dim,),
-                        a + "out_proj.weight": (H, b.value_dim)})
-        else:
-            a, d, nh, kvh = p + "self_attn.", b.head_dim, b.num_attention_heads, b.num_key_value_heads
-            out.update({a + "q_proj.weight": (2 * nh * d, H), a + "k_proj.weight": (kvh * d, H),
-                        a + "v_proj.weight": (kvh * d, H), a + "o_proj.weight": (H, nh * d),
-                        a + "q_norm.weight": (d,), a + "k_norm.weight": (d,)})
-            if config.qsa is not None:
-                q = config.qsa
-                out.update({a + "indexer.index_qk_proj.weight": ((q.n_heads + 1) * q.head_dim, H),
-                            a + "indexer.q_layernorm.weight": (q.head_dim,),
-                            a + "indexer.k_layernorm.weight": (q.head_dim,)})
-        if i in config.ple_layers:
-            e, e_ = config.ple, p + "ple."
-            out.update({e_ + "ple_embedding.ngram_embedding.weight": (-1, e.head_dim),
-                        e_ + "key_proj.weight": (S * H, e.embed_dim), e_ + "value_proj.weight": (H, e.embed_dim),
-                        e_ + "norm_key.weight": (S * H,), e_ + "norm_query.weight": (S * H,),
-                        e_ + "norm_conv.weight": (S * H,), e_ + "conv1d.weight": (S * H, 1, e.conv_kernel_size)})
-    return out
-
-
 def check_weights(config: Qwen4ExpConfig, weights: WeightSet) -> None:
-    """Raise WeightsError naming every missing or mis-shaped text parameter."""
+    """Raise WeightsError naming every missing or mis-shaped text parameter (the source mapping's shapes)."""
     missing, wrong = [], []
-    for name, shape in expected_shapes(config).items():
+    for name, (_, shape) in expected_parameters(config, ("text",)).items():
         if name not in weights:
             missing.append(name)
-            continue
-        got = tuple(weights[name].shape)
-        if len(got) != len(shape) or any(w not in (-1, g) for g, w in zip(got, shape, strict=True)):
-            wrong.append(f"{name} {got} (want {shape})")
+        elif tuple(weights[name].shape) != shape:
+            wrong.append(f"{name} {tuple(weights[name].shape)} (want {shape})")
     if missing or wrong:
         parts = []
         if missing:
