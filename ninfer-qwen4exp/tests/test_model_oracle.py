@@ -39,12 +39,12 @@ _COMMON = dict(
     max_position_embeddings=512)
 
 CONFIGS = {
-    # every query attends all it sees up to 131 tokens; sigmoid output gate
-    "dense": dict(_COMMON, indexer_budget=128, indexer_compress_ratio=4, output_gate_type="sigmoid"),
-    # QSA keeps the 2 best complete blocks of 4 and the open tail from 12 tokens on; partial rotary, silu gate, tied
+    # every query attends all it sees up to 131 tokens; sigmoid output gate, full rotary, tied embeddings
+    "dense": dict(_COMMON, indexer_budget=128, indexer_compress_ratio=4, output_gate_type="sigmoid",
+                  tie_word_embeddings=True),
+    # QSA keeps the 2 best complete blocks of 4 and the open tail from 12 tokens on; partial rotary, silu gate
     "select": dict(_COMMON, indexer_budget=8, indexer_compress_ratio=4, output_gate_type="silu",
-                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-                   tie_word_embeddings=True),
+                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
 }
 
 
@@ -214,3 +214,22 @@ def test_packed_sequences_equal_each_alone(tiny):
     err_a = logit_error(torch.cat([first[0], second[0], third[0], fourth[0]]), alone[0])
     err_b = logit_error(torch.cat([first[1], second[1], third[1]]), alone[1])
     assert max(err_a, err_b) <= 1e-5, (err_a, err_b)
+
+
+def test_greedy_tokens_match_transformers(tiny):
+    """40 greedy tokens, ours one decode step at a time, transformers one step at a time through its own cache.
+    EOS is an ordinary token here (no stop): a generated EOS resets the n-grams."""
+    ids, n = prompt(23, tiny.model.config.base.vocab_size, seed=5), 40
+    want = []
+    with torch.no_grad():
+        out = tiny.hf(torch.tensor([ids]), use_cache=True)
+        for _ in range(n):
+            want.append(int(out.logits[0, -1].argmax()))
+            out = tiny.hf(torch.tensor([want[-1:]]), cache=out.cache, use_cache=True)
+    runner = Runner(tiny.model)
+    seq, got = runner.new(), []
+    last = runner.step([(seq, ids)])[0][-1]
+    for _ in range(n):
+        got.append(int(last.argmax()))
+        last = runner.step([(seq, got[-1:])])[0][-1]
+    assert got == want
