@@ -20,6 +20,7 @@ _FLOAT_DTYPES = ("bf16", "f16", "f32")
 # SGLang keep unquantized (qwen35_arch.md); norms, GDN A_log / dt_bias / conv1d are not linear weights at all.
 KEEP_DENSE: tuple[tuple[str, str], ...] = (
     ("embed_tokens", "an embedding is a row lookup, not a matmul"),
+    ("ngram_embedding", "the PLE n-gram table is a row lookup, not a matmul"),
     ("lm_head", "the output head sets every logit; Qwen's FP8 release keeps it bf16"),
     ("mlp.gate", "the MoE router: small, and its errors change which experts run"),
     ("mlp.shared_expert_gate", "the shared expert's gate: one output row"),
@@ -88,6 +89,14 @@ def quantize_members(read: Callable, members: list[PlannedTensor], format: str):
 
 
 def _quantize(w, format: str, shards: tuple[int, ...] | None):
+    """Quantized on a CUDA device when there is one (the same IEEE operations give the same bits as on the CPU,
+    ``ninfer-core/tests/gpu/test_linear_quant.py``; a 9B model's NVFP4 planes take minutes on CPU cores)."""
+    import torch
+
     from ninfer.ops.quant import quantize_fp8_block, quantize_nvfp4
 
-    return quantize_fp8_block(w, FP8_BLOCK_SIZE) if format == FP8_BLOCK else quantize_nvfp4(w, shards)
+    device = w.device
+    if torch.cuda.is_available():
+        w = w.to("cuda")
+    q = quantize_fp8_block(w, FP8_BLOCK_SIZE) if format == FP8_BLOCK else quantize_nvfp4(w, shards)
+    return q.to(device) if device != w.device else q

@@ -38,10 +38,10 @@ def plan_stacked(tensors: Mapping[str, SourceTensor], groups: Sequence[StackedSo
             raise ConversionError(f"{g.name!r} is stacked from {len(g.parts)} tensors but the checkpoint lacks "
                                   f"{len(missing)} of them: {_preview(missing)}")
         parts = tuple(tensors[p] for p in g.parts)
-        for t in parts:
-            if t.shape != g.part_shape:
+        for k, t in enumerate(parts):
+            if t.shape != g.shape_of(k):
                 raise ConversionError(f"tensor {t.name!r} has shape {list(t.shape)} but {g.name!r} stacks parts of "
-                                      f"{list(g.part_shape)}: the config disagrees with the weights")
+                                      f"{list(g.shape_of(k))}: the config disagrees with the weights")
         first_of: dict[str, str] = {}
         for t in parts:
             first_of.setdefault(t.dtype, t.name)

@@ -61,6 +61,10 @@ class ArchitectureSpec:
     builds the config, Frontend, state layout and Program through it). ``source_mapping``: its
     ``ninfer.artifact.mapping.SourceMapping`` factory (the converter and the loader). A slot left
     ``None`` is not provided (yet); consumers report that clearly instead of guessing.
+
+    ``tiny_checkpoint`` (a tool, not a runtime slot): the maker ``ninfer tiny-checkpoint --arch NAME`` calls,
+    ``maker(out_dir, *, seed, layers, vl, mtp, variant)``, writing a tiny random Hugging Face checkpoint into
+    ``out_dir`` and raising ValueError for a choice it does not offer (``ninfer.cli.tiny_checkpoint``).
     """
 
     name: str = attrs.field(validator=attrs.validators.matches_re(r"^[a-z][a-z0-9_]*$"))
@@ -68,6 +72,7 @@ class ArchitectureSpec:
     description: str = ""
     startup: str | None = attrs.field(default=None, validator=_check_target)
     source_mapping: str | None = attrs.field(default=None, validator=_check_target)
+    tiny_checkpoint: str | None = attrs.field(default=None, validator=_check_target)
 
     def provided(self) -> tuple[str, ...]:
         return tuple(slot for slot in CONTRACT_SLOTS if getattr(self, slot) is not None)

@@ -146,6 +146,21 @@ def test_dequantize(case):
             assert torch.equal(dequantize(w, dtype), w.dequantize(dtype)), (w, dtype)
 
 
+def test_quantizers_give_the_cpus_bits(case):
+    """``ninfer convert --quantize`` quantizes on the GPU when there is one: the planes must be the CPU's, bit for
+    bit (FP8 with a partial 128-row block, NVFP4 with two shard global scales, a bf16 source)."""
+    from ninfer.ops.quant import quantize_fp8_block, quantize_nvfp4
+
+    w = case.randn(12352, 4096, scale=4096 ** -0.5, dtype=torch.float32).bfloat16()
+    for quantize in (quantize_fp8_block, lambda t: quantize_nvfp4(t, shards=(6176, 6176))):
+        gpu, cpu = quantize(w), quantize(w.cpu())
+        for plane in ("data", "scale", "global_scale"):
+            a, b = getattr(gpu, plane), getattr(cpu, plane)
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8)), plane
+
+
 def test_cuda_graph_and_pdl(case):
     """The few-row kernels (split-K: the arrival counters), the W8A8 path and dequantize captured in one CUDA
     graph: replays over fresh inputs equal eager bitwise; no host sync; launched with PDL, bitwise the same."""

@@ -1,7 +1,7 @@
-"""Qwen3.5 plugin: registers the implemented contract slots as lazy targets, the embedded default model (a tiny
-Qwen3.5 shipped as this package's data) and the ``tiny-checkpoint`` command (no torch import here)."""
+"""Qwen3.5 plugin: registers the implemented contract slots as lazy targets, the makers of ``ninfer
+tiny-checkpoint`` and the embedded default model (a tiny Qwen3.5 shipped as this package's data); no torch
+import here."""
 
-import argparse
 from pathlib import Path
 
 from ninfer import ArchitectureSpec, hookimpl
@@ -15,21 +15,15 @@ _SLOTS = dict(startup="ninfer_qwen35.startup:Qwen35Startup",
 def ninfer_register_architectures(register):
     register(ArchitectureSpec(
         name="qwen35", handles=("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
-        description="Qwen3.5 dense: Gated DeltaNet + gated attention (3:1), text part of VL checkpoints", **_SLOTS))
+        description="Qwen3.5 dense: Gated DeltaNet + gated attention (3:1), text part of VL checkpoints",
+        tiny_checkpoint="ninfer_qwen35.testing.checkpoints:tiny_checkpoint", **_SLOTS))
     register(ArchitectureSpec(
         name="qwen35_moe", handles=("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
         description="Qwen3.5 MoE: the same mixers, every MLP a sparse block (routed experts + a shared expert)",
-        **_SLOTS))
+        tiny_checkpoint="ninfer_qwen35.testing.checkpoints:tiny_moe_checkpoint", **_SLOTS))
 
 
 @hookimpl
 def ninfer_default_model() -> str | None:
     path = Path(__file__).parent / "data" / "default.ninfer"
     return str(path) if path.is_file() else None
-
-
-@hookimpl
-def ninfer_add_commands(subparsers: argparse._SubParsersAction) -> None:
-    from ninfer_qwen35.tiny_checkpoint_cli import add_tiny_checkpoint_command
-
-    add_tiny_checkpoint_command(subparsers)

@@ -203,7 +203,8 @@ def parse_config(raw: dict[str, Any]) -> Qwen4ExpConfig:
     # transformers' Qwen4Exp rotates the whole head unless rope_parameters says otherwise (Qwen3.5 defaults to 0.25)
     shared = {**text, "layer_types": ["linear_attention" if t == "linear_attention" else "full_attention"
                                       for t in types],
-              "partial_rotary_factor": rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0))}
+              "partial_rotary_factor": rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0)),
+              "mtp_num_hidden_layers": _mtp_layers(raw, text)}
     base = parse_qwen35_config({**raw, "text_config": shared} if text is not raw else shared)
     gate = text.get("output_gate_type") or text.get("hidden_act", "silu")
     try:
@@ -214,6 +215,20 @@ def parse_config(raw: dict[str, Any]) -> Qwen4ExpConfig:
         if isinstance(exc, ConfigError):
             raise
         raise ConfigError(f"invalid Qwen4Exp config: {exc}") from exc
+
+
+def _mtp_layers(raw: dict[str, Any], text: dict[str, Any]) -> int:
+    """MTP depth: Qwen3.5's ``mtp_num_hidden_layers``, or the ``mtp: {num_hidden_layers: N, ...}`` block the
+    published Qwen4Exp config carries instead."""
+    flat = text.get("mtp_num_hidden_layers", raw.get("mtp_num_hidden_layers"))
+    if flat is not None:
+        return flat
+    block = text.get("mtp", raw.get("mtp"))
+    if block is None:
+        return 0
+    if not isinstance(block, dict):
+        raise ConfigError(f"mtp must be an object with num_hidden_layers, got {block!r}")
+    return block.get("num_hidden_layers", 0)
 
 
 def _qsa(text: dict[str, Any]) -> QSAConfig | None:

@@ -10,4 +10,5 @@ def ninfer_register_architectures(register):
         description="Qwen4Exp: Qwen3.5 MoE's mixers under 4-stream hyper-connections, QSA sparse attention, "
                     "PLE n-gram embeddings, no final norm",
         startup="ninfer_qwen4exp.startup:Qwen4ExpStartup",
-        source_mapping="ninfer_qwen4exp.source_mapping:source_mapping"))
+        source_mapping="ninfer_qwen4exp.source_mapping:source_mapping",
+        tiny_checkpoint="ninfer_qwen4exp.testing.checkpoints:tiny_checkpoint"))

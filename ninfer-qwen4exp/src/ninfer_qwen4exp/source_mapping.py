@@ -139,12 +139,8 @@ def stacked_sources(c: Qwen4ExpConfig, source_names: Collection[str]) -> list[St
         if layer not in layer_of:
             continue  # a table on a layer without PLE: refused by name as not part of the model
         rows = c.ple.shard_rows(layer_of[layer])
-        if len(set(rows)) > 1:
-            raise ValueError(f"{table}: {c.ple.table_rows(layer_of[layer])} rows in split_ngram_parts="
-                             f"{c.ple.split_parts} shards are unequal chunks {rows[0]} .. {rows[-1]}; only equal "
-                             "shards can be assembled")
         groups.append(StackedSource(name=table, feature=feature, part_shape=(rows[0], c.ple.head_dim),
-                                    shape=(sum(rows), c.ple.head_dim),
+                                    shape=(sum(rows), c.ple.head_dim), last_rows=rows[-1],
                                     parts=[f"{p}shard_{k}.weight" for k in range(len(rows))]))
     return groups
 

@@ -28,22 +28,34 @@ class StackedSource:
 
     A MoE layer's expert bank from a per-expert checkpoint: ``mlp.experts.gate_up_proj`` [E, 2I, H] has the
     parts ``experts.0.gate_proj.weight, experts.0.up_proj.weight, experts.1.gate_proj.weight, ...`` of [I, H],
-    byte-identical to a checkpoint that stores the fused 3-D tensor itself."""
+    byte-identical to a checkpoint that stores the fused 3-D tensor itself.
+
+    ``last_rows``: the last part's leading dimension when it is shorter than the others' (row chunks of a table
+    cut as ``torch.chunk`` cuts: Qwen4Exp's sharded n-gram embedding)."""
 
     name: str  # the logical name
     feature: str
     parts: tuple[str, ...] = attrs.field(converter=tuple)  # every source tensor the group needs, in storage order
     part_shape: tuple[int, ...] = attrs.field(converter=_shape)
     shape: tuple[int, ...] = attrs.field(converter=_shape)  # the logical shape
+    last_rows: int | None = None
 
     def __attrs_post_init__(self) -> None:
         tail = self.part_shape[1:]
         fits = (len(self.parts) > 0 and len(self.part_shape) >= 1 and len(self.shape) >= len(self.part_shape)
                 and self.shape[len(self.shape) - len(tail):] == tail
-                and math.prod(self.shape) == len(self.parts) * math.prod(self.part_shape))
+                and math.prod(self.shape) == sum(math.prod(self.shape_of(k)) for k in range(len(self.parts)))
+                and (self.last_rows is None or 0 < self.last_rows <= self.part_shape[0]))
         if not fits:
-            raise ValueError(f"stacked source {self.name!r}: {len(self.parts)} parts of {list(self.part_shape)} "
-                             f"cannot be viewed as {list(self.shape)}")
+            last = f" (the last of {self.last_rows} rows)" if self.last_rows is not None else ""
+            raise ValueError(f"stacked source {self.name!r}: {len(self.parts)} parts of {list(self.part_shape)}"
+                             f"{last} cannot be viewed as {list(self.shape)}")
+
+    def shape_of(self, k: int) -> tuple[int, ...]:
+        """The shape part ``k`` must have."""
+        if self.last_rows is not None and k == len(self.parts) - 1:
+            return (self.last_rows, *self.part_shape[1:])
+        return self.part_shape
 
 
 @runtime_checkable

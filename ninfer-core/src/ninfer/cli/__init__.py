@@ -21,7 +21,8 @@ from ninfer.cli.generate import add_generate_command
 from ninfer.cli.installation import add_installation_commands
 from ninfer.cli.plan import add_plan_command
 from ninfer.cli.score import add_score_command
-from ninfer.plugins import PluginHost, default_host
+from ninfer.cli.tiny_checkpoint import add_tiny_checkpoint_command
+from ninfer.plugins import PluginError, PluginHost, default_host
 
 
 class _CoreCommands:
@@ -46,6 +47,12 @@ def build_parser(host: PluginHost) -> argparse.ArgumentParser:
     core = _CoreCommands()
     core.ninfer_add_commands(subparsers)
     host.pm.hook.ninfer_add_commands(subparsers=subparsers)
+    try:
+        makers = {n: e.spec for n, e in host.architectures().items() if e.spec.tiny_checkpoint is not None}
+    except PluginError:  # conflicting plugins: the commands that need the registry report it themselves
+        makers = {}
+    if makers:  # a core-only install has none: PLUGIN_COMMANDS then names the package that brings one
+        add_tiny_checkpoint_command(subparsers, makers)
     parser.set_defaults(host=host, commands=tuple(subparsers.choices))
     return parser
 

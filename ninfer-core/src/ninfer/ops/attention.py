@@ -162,10 +162,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError(f"paged_attention: gate {tuple(gate.shape)} must have q's shape {tuple(q.shape)}")
     if selected_blocks is not None or block_size is not None:
         if selected_blocks is None or block_size is None or block_size < 1 or selected_blocks.dim() != 2 \
-                or selected_blocks.shape[0] != q.shape[0]:
+                or selected_blocks.shape[0] != q.shape[0] or selected_blocks.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"paged_attention: selected_blocks "
-                             f"{None if selected_blocks is None else tuple(selected_blocks.shape)} (want [N, topk] "
-                             f"for {q.shape[0]} queries) and block_size {block_size} (positive) go together")
+                             f"{None if selected_blocks is None else (tuple(selected_blocks.shape), selected_blocks.dtype)}"
+                             f" (want int [N, topk] for {q.shape[0]} queries) and block_size {block_size} (positive) "
+                             "go together")
         # No sparse kernel yet: the reference, on any device.
         o = paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
                                 max_seq_len, scale, selected_blocks=selected_blocks, block_size=block_size)

@@ -3,7 +3,7 @@
     ckpt = make_tiny_checkpoint(tmp_path / "ckpt", layout="vl")   # VL naming, sharded + index, MTP added
     art = convert_tiny(ckpt, tmp_path / "tiny.ninfer")            # the real converter
 
-From the command line (the Qwen3.5 plugin's command; docs/models.md): ``ninfer tiny-checkpoint OUT_DIR``.
+From the command line (docs/models.md): ``ninfer tiny-checkpoint OUT_DIR`` (``tiny_checkpoint`` is its maker).
 
 ``layout="text"`` writes ``Qwen3_5ForCausalLM`` (flat ``model.layers.*`` names), ``layout="vl"`` writes
 ``Qwen3_5ForConditionalGeneration`` (``model.language_model.*``, ``model.visual.*``). Both get random
@@ -227,6 +227,30 @@ def add_tensors(out: Path, tensors: dict, *, sharded: bool, shard: str = "model-
         merged = dict(load_file(str(path)))
         merged.update(tensors)
         save_file(merged, str(path), metadata={"format": "pt"})
+
+
+def tiny_checkpoint(out_dir: Path, *, seed: int, layers: int, vl: bool, mtp: bool, variant: str | None) -> None:
+    """The ``qwen35`` maker of ``ninfer tiny-checkpoint`` (``ArchitectureSpec.tiny_checkpoint``): variant ``dense``
+    (the default) or ``moe``, bf16 as published."""
+    variants = ("dense", "moe")
+    if variant not in (None, *variants):
+        raise ValueError(f"unknown tiny Qwen3.5 variant {variant!r}; known: {', '.join(variants)}")
+    _cli_checkpoint(out_dir, seed, layers, vl, mtp, moe=variant == "moe")
+
+
+def tiny_moe_checkpoint(out_dir: Path, *, seed: int, layers: int, vl: bool, mtp: bool, variant: str | None) -> None:
+    """The ``qwen35_moe`` maker of ``ninfer tiny-checkpoint``: a Qwen3.5 MoE (its one variant, ``moe``)."""
+    if variant not in (None, "moe"):
+        raise ValueError(f"unknown tiny Qwen3.5 MoE variant {variant!r}; known: moe")
+    _cli_checkpoint(out_dir, seed, layers, vl, mtp, moe=True)
+
+
+def _cli_checkpoint(out_dir: Path, seed: int, layers: int, vl: bool, mtp: bool, *, moe: bool) -> None:
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # its "Writing model shards" bar is noise on a command line
+    make_tiny_checkpoint(out_dir, layout="vl" if vl else "text", mtp=mtp, seed=seed, moe=moe,
+                         num_hidden_layers=layers)
 
 
 def convert_tiny(directory_or_checkpoint: str | Path, out_path: str | Path, **convert_kwargs: Any) -> Path:

@@ -159,6 +159,16 @@ def _mtp_tensors(config: dict, seed: int, dtype, experts: str) -> dict:
     return out
 
 
+def tiny_checkpoint(out_dir: Path, *, seed: int, layers: int, vl: bool, mtp: bool, variant: str | None) -> None:
+    """The ``qwen4exp`` maker of ``ninfer tiny-checkpoint`` (``ArchitectureSpec.tiny_checkpoint``): a ``VARIANTS``
+    entry (default ``full``), bf16 as published."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # its "Writing model shards" bar is noise on a command line
+    make_tiny_checkpoint(out_dir, seed=seed, layers=layers, variant=variant or "full", vl=vl, mtp=mtp,
+                         dtype="bfloat16")
+
+
 def convert_tiny(directory_or_checkpoint: str | Path, out_path: str | Path, *, variant: str = "full",
                  **convert_kwargs: Any) -> Path:
     """Convert a checkpoint directory with the real converter (making a tiny ``variant`` there if it is empty)."""
