@@ -157,3 +157,11 @@ def test_ple_layer_whole_chunked_and_packed():
         out, ngram_hist, conv_hist = run(lo, hi, ngram_hist, conv_hist, n > 0)
         parts.append(out)
     torch.testing.assert_close(torch.cat(parts), want, rtol=1e-5, atol=1e-5)
+
+
+def test_gather_rows_reads_the_table_where_it_lives():
+    table = torch.randn(40, 6).to(torch.bfloat16)  # a host table in its stored dtype
+    ids = torch.tensor([[3, 39], [0, 3]])
+    rows = gather_rows(table, ids, "cpu", torch.float32)
+    assert rows.shape == (2, 2, 6) and rows.dtype == torch.float32
+    torch.testing.assert_close(rows, table[ids].float(), rtol=0, atol=0)
