@@ -1,4 +1,4 @@
-"""RMSNorm variants of Qwen3.5: zero-centred (1 + w) and the GDN output norm gated by silu(z)."""
+"""RMSNorm variants of Qwen3.5: zero-centred (1 + w) and the GDN output norm gated by silu(z) (or sigmoid(z))."""
 
 from __future__ import annotations
 
@@ -40,20 +40,34 @@ def embed_rms_norm(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor,
     return embed_rms_norm_ref(ids, table, weight, eps, one_plus=one_plus)
 
 
-def rms_norm_gated_ref(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+_GATES = {"silu": torch.nn.functional.silu, "sigmoid": torch.sigmoid}
+
+
+def rms_norm_gated_ref(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                       activation: str = "silu") -> torch.Tensor:
     xf = x.float()
     normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     # Norm first, then the gate; the normed value is rounded to x.dtype before the weight, as in HF.
-    y = (weight * normed).float() * torch.nn.functional.silu(z.float())
+    y = (weight * normed).float() * _gate(activation)(z.float())
     return y.to(x.dtype)
 
 
-def rms_norm_gated(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen3.5 GDN output norm over the last dim D: (w * normed(x)) * silu(z), plain w (not 1 + w)."""
-    kernel = triton_kernel("norm", "rms_norm_gated", x)
+def rms_norm_gated(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                   activation: str = "silu") -> torch.Tensor:
+    """GDN output norm over the last dim D: (w * normed(x)) * act(z), plain w (not 1 + w); ``activation`` is
+    "silu" (Qwen3.5) or "sigmoid" (Qwen4Exp's ``output_gate_type``). The Triton kernel computes silu only, so the
+    sigmoid gate takes the reference."""
+    _gate(activation)
+    kernel = triton_kernel("norm", "rms_norm_gated", x) if activation == "silu" else None
     if kernel is not None:
         return kernel(x, z, weight, eps)
-    return rms_norm_gated_ref(x, z, weight, eps)
+    return rms_norm_gated_ref(x, z, weight, eps, activation=activation)
+
+
+def _gate(activation: str):
+    if activation not in _GATES:
+        raise ValueError(f"rms_norm_gated: unknown gate activation {activation!r} (known: {', '.join(_GATES)})")
+    return _GATES[activation]
 
 
 def _addend(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -62,9 +62,11 @@ class GDNPlan:
 
 
 def gdn_mixer(c: Qwen35Config, p: GDNParams, x: torch.Tensor, batch: ForwardBatch, plan: GDNPlan,
-              conv: torch.Tensor, recurrent: torch.Tensor, layer: int) -> torch.Tensor:
+              conv: torch.Tensor, recurrent: torch.Tensor, layer: int, *,
+              gate_activation: str = "silu") -> torch.Tensor:
     """x [N, H] -> [N, H]; conv [S, conv_dim, K-1] and recurrent [S, HV, Dk, Dv] are this layer's state views
-    (``layer``: its index among the GDN layers, for the verify steps)."""
+    (``layer``: its index among the GDN layers, for the verify steps). ``gate_activation``: the output norm's gate
+    (Qwen3.5: silu; Qwen4Exp's ``output_gate_type`` may be sigmoid)."""
     N = x.shape[0]
     hk, hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
     mixed, z, b, a = p.in_proj(x)
@@ -87,7 +89,7 @@ def gdn_mixer(c: Qwen35Config, p: GDNParams, x: torch.Tensor, batch: ForwardBatc
         for lo, hi, slot, initial in plan.seqs:
             q, k, v = heads(causal_conv1d_prefill(mixed[lo:hi], p.conv, conv[slot], initial))
             o[lo:hi] = gdn_prefill(q, k, v, g[lo:hi], beta[lo:hi], recurrent[slot], initial)
-    o = rms_norm_gated(o, z.reshape(N, hv, dv), p.norm, c.rms_norm_eps)
+    o = rms_norm_gated(o, z.reshape(N, hv, dv), p.norm, c.rms_norm_eps, activation=gate_activation)
     return linear(o.reshape(N, c.value_dim), p.out_proj)
 
 

@@ -1,0 +1,55 @@
+"""Hyper-connections: a residual of S parallel streams ([..., S * H]) that each sublayer reads through a learned
+mix and writes back through learned per-stream weights.
+
+A gated residual step normalises every stream (its own RMS, (1 + w)), derives per-element mix weights through
+a low-rank bottleneck (down, silu(. / S), up, sigmoid), and feeds the sublayer the mean over streams of weight *
+normed stream. The sublayer's output joins each stream s scaled by 2 * sigmoid(inject_s(normed) / S). The model's
+last mixer has no injection: its mixed rows are the hidden states.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ninfer.ops.linear import linear
+
+
+def grouped_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int) -> torch.Tensor:
+    """x [..., G * group_size]: each group of ``group_size`` consecutive features normalised by its own RMS, times
+    (1 + weight) (weight [G * group_size]); math in fp32, result in x.dtype."""
+    if x.shape[-1] % group_size or weight.shape != x.shape[-1:]:
+        raise ValueError(f"grouped_rms_norm: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not split into "
+                         f"groups of {group_size}")
+    xf = x.float().unflatten(-1, (-1, group_size))
+    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).flatten(-2)
+    return (y * (1.0 + weight.float())).to(x.dtype)
+
+
+def hyper_connection_mix(x: torch.Tensor, norm_weight: torch.Tensor, down: torch.Tensor, up: torch.Tensor,
+                         inject: torch.Tensor | None, streams: int, eps: float
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [N, S * H] -> (the sublayer's input [N, H], injection weights [N, S] or None without ``inject``).
+
+    ``down`` [R, S * H] and ``up`` [S * H, R]: the low-rank mix; ``inject`` [S, S * H]: the per-stream output
+    weights (None for the final mixer)."""
+    if x.dim() != 2 or x.shape[-1] % streams or up.shape != (x.shape[-1], down.shape[0]) \
+            or down.shape[1] != x.shape[-1] or (inject is not None and inject.shape != (streams, x.shape[-1])):
+        raise ValueError(f"hyper_connection_mix: x {tuple(x.shape)}, down {tuple(down.shape)}, up {tuple(up.shape)}, "
+                         f"inject {None if inject is None else tuple(inject.shape)} do not fit {streams} streams")
+    hidden = x.shape[-1] // streams
+    normed = grouped_rms_norm(x, norm_weight, eps, hidden)
+    mix = torch.sigmoid(linear(F.silu(linear(normed, down) / streams), up))
+    mixed = (mix.unflatten(-1, (streams, hidden)) * normed.unflatten(-1, (streams, hidden))).mean(dim=-2)
+    if inject is None:
+        return mixed, None
+    return mixed, 2 * torch.sigmoid(linear(normed, inject) / streams)
+
+
+def hyper_connection_inject(x: torch.Tensor, out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The residual after a sublayer: x [N, S * H] + out [N, H] scaled per stream by weights [N, S]."""
+    streams = weights.shape[-1]
+    if x.shape[:-1] != out.shape[:-1] or x.shape[-1] != streams * out.shape[-1] or weights.shape[:-1] != x.shape[:-1]:
+        raise ValueError(f"hyper_connection_inject: x {tuple(x.shape)}, out {tuple(out.shape)}, weights "
+                         f"{tuple(weights.shape)} do not fit")
+    return x + (out.unsqueeze(-2) * weights.unsqueeze(-1)).flatten(-2)

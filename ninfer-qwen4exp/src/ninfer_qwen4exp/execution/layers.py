@@ -1,0 +1,99 @@
+"""The per-layer calls Qwen4Exp adds to Qwen3.5's: QSA attention (gated attention over the tokens its indexer
+selects) and the PLE addend of the wide residual. Plain functions over tensors; the model runs them under
+inference_mode. The GDN mixer and the MoE block are Qwen3.5's (``ninfer_qwen35.execution.layers``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ninfer.ops import (
+    apply_rope,
+    gather_rows,
+    linear,
+    ngram_hash_ids,
+    norm_rope_write_kv,
+    paged_attention,
+    rms_norm,
+)
+from ninfer.ops.ple import ple_layer
+from ninfer.ops.qsa import qsa_select
+from ninfer.ops.rope import rope_angles_cos_sin
+from ninfer_qwen4exp.config import Qwen4ExpConfig
+from ninfer_qwen4exp.execution.forward_batch import ForwardBatch
+from ninfer_qwen4exp.execution.parameters import IndexerParams, PLEParams
+from ninfer_qwen35.execution.parameters import AttentionParams
+
+
+def qsa_dense(config: Qwen4ExpConfig, max_seq_len: int) -> bool:
+    """Whether every query of a batch attends all its visible tokens: QSA keeps the best ``block_topk`` complete
+    blocks and the open tail, so while no query sees more complete blocks than that, nothing is left out."""
+    q = config.qsa
+    return q is None or max_seq_len // q.compress_ratio <= q.block_topk
+
+
+def index_queries(config: Qwen4ExpConfig, p: IndexerParams, x: torch.Tensor, batch: ForwardBatch,
+                  rope_inv_freq: torch.Tensor, index_keys: torch.Tensor) -> torch.Tensor:
+    """The indexer's inputs for this batch: its raw key [N, Di] stored at ``slot_mapping`` in ``index_keys``
+    [num_pages, page_size, Di] (pooled, normed and rotated per block when scored), and its queries [N, Hi, Di]
+    (per-head (1 + w) norm, then rotated at the token's position over the attention's rotary dims)."""
+    q = config.qsa
+    N = x.shape[0]
+    qk = linear(x, p.qk_proj)
+    queries, keys = qk.split((q.n_heads * q.head_dim, q.head_dim), dim=-1)
+    index_keys.view(-1, q.head_dim)[batch.slot_mapping] = keys.to(index_keys.dtype)
+    queries = rms_norm(queries.reshape(N, q.n_heads, q.head_dim), p.q_norm, config.base.rms_norm_eps)
+    cos, sin = rope_angles_cos_sin(batch.positions, rope_inv_freq, queries.dtype)
+    return apply_rope(queries, cos, sin, config.base.rotary_dim)
+
+
+def qsa_attention(config: Qwen4ExpConfig, p: AttentionParams, indexer: IndexerParams | None, x: torch.Tensor,
+                  batch: ForwardBatch, rope_inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  index_keys: torch.Tensor | None) -> torch.Tensor:
+    """Gated attention x [N, H] -> [N, H] over the tokens QSA selects (all visible ones while the batch is
+    ``qsa_dense``), writing this batch's K/V and indexer keys first."""
+    c = config.base
+    N, nh, kvh, d = x.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    q_gate, k, v = p.qkv(x)
+    q_gate = q_gate.view(N, nh, 2 * d)  # each head's block is [query | gate]
+    gate = q_gate[..., d:]
+    q = norm_rope_write_kv(q_gate[..., :d], k.view(N, kvh, d), v.view(N, kvh, d), p.q_norm, p.k_norm,
+                           c.rms_norm_eps, batch.positions, rope_inv_freq, k_cache, v_cache, batch.slot_mapping)
+    selected = None
+    if indexer is not None:
+        if index_keys is None:
+            raise ValueError("qsa_attention: a QSA layer needs its indexer key cache")
+        index_q = index_queries(config, indexer, x, batch, rope_inv_freq, index_keys)
+        if not qsa_dense(config, batch.max_seq_len):
+            selected = _select_blocks(config, indexer, index_q, index_keys, batch, rope_inv_freq)
+    if selected is None:
+        o = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+                            batch.max_query_len, batch.max_seq_len, d ** -0.5, gate=gate)
+    else:
+        o = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+                            batch.max_query_len, batch.max_seq_len, d ** -0.5, gate=gate, selected_blocks=selected,
+                            block_size=config.qsa.compress_ratio)
+    return linear(o.reshape(N, nh * d), p.o_proj)
+
+
+def _select_blocks(config: Qwen4ExpConfig, indexer: IndexerParams, index_q: torch.Tensor, index_keys: torch.Tensor,
+                   batch: ForwardBatch, rope_inv_freq: torch.Tensor) -> torch.Tensor:
+    q = config.qsa
+    return qsa_select(index_q, index_keys, batch.block_tables, batch.seq_lens, batch.query_start_loc, indexer.k_norm,
+                      config.base.rms_norm_eps, rope_inv_freq, config.base.rotary_dim, q.compress_ratio, q.block_topk)
+
+
+def ple_addend(config: Qwen4ExpConfig, p: PLEParams, x: torch.Tensor, windows: torch.Tensor, batch: ForwardBatch,
+               conv_state: torch.Tensor) -> torch.Tensor:
+    """What a PLE layer adds to the residual x [N, S * H], from the batch's n-gram ``windows`` [N, n]; its conv
+    history rows of ``conv_state`` [slots, (K - 1) * n, S * H] are read (zeros for a fresh row) and rewritten."""
+    e = config.ple
+    rows = ngram_hash_ids(windows, p.multipliers, p.head_vocab, p.head_offsets, e.heads_per_ngram)
+    embeddings = gather_rows(p.table, rows, x.device, x.dtype).flatten(1)
+    slots = batch.state_slots
+    history = torch.where(batch.has_initial_state[:, None, None], conv_state[slots].to(x.dtype), 0)
+    out, history = ple_layer(x, embeddings, p.key_proj, p.value_proj, p.norm_key, p.norm_query, p.norm_conv, p.conv,
+                             history, batch.query_start_loc, streams=config.hc_count, dilation=e.ngram_size,
+                             eps=config.base.rms_norm_eps)
+    conv_state[slots] = history.to(conv_state.dtype)
+    return out

@@ -1,0 +1,111 @@
+"""Qwen4ExpModel: one forward over a packed batch (prefill chunks of several sequences, or B decode rows).
+
+The residual is ``hc_count`` streams wide (the embedding repeated); each layer optionally adds its PLE term, then
+reads its mixer's input through one hyper-connection and its MoE block's through another, each output injected
+back into every stream. The final hyper-connection mixer gives the hidden states (there is no final norm).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ninfer.ops import hyper_connection_inject, hyper_connection_mix, linear, ngram_windows, rope_inv_freq
+from ninfer.ops.norm import sum_terms
+from ninfer_qwen4exp.execution.forward_batch import ForwardBatch, Qwen4ExpStateViews
+from ninfer_qwen4exp.execution.layers import ple_addend, qsa_attention
+from ninfer_qwen4exp.execution.parameters import HyperParams, Qwen4ExpParameters
+from ninfer_qwen35.execution.layers import gdn_mixer, mlp
+from ninfer_qwen35.execution.model import Qwen35Model
+from ninfer_qwen35.execution.parameters import GDNParams
+
+
+class Qwen4ExpModel:
+    """The fixed model calls over prepared Parameters; all state lives in the views passed in."""
+
+    def __init__(self, params: Qwen4ExpParameters) -> None:
+        self.params = params
+        self.config = params.config
+        b = self.config.base
+        self.rope_inv_freq = rope_inv_freq(b.rotary_dim, b.rope_theta, params.embed.device)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, state: Qwen4ExpStateViews) -> torch.Tensor:
+        """hidden [N, H] after the final hyper-connection mixer, for every new token of the batch.
+
+        The GDN state and PLE histories of each sequence's slot and the KV (with indexer keys) of its pages are
+        updated in place."""
+        c, p = self.config, self.params
+        self._check(batch, state)
+        x = F.embedding(batch.input_ids, p.embed).repeat(1, c.hc_count)
+        plan = Qwen35Model._gdn_plan(batch)
+        windows = None
+        if c.ple is not None:  # every PLE layer hashes the same windows; the history moves on once per forward
+            slots = batch.state_slots
+            windows, history = ngram_windows(batch.input_ids, state.ngram[slots], batch.query_start_loc,
+                                             batch.has_initial_state, c.eos_token_id)
+            state.ngram[slots] = history
+        for layer in p.layers:
+            if layer.ple is not None:
+                x = x + ple_addend(c, layer.ple, x, windows, batch, state.ple_conv[:, layer.ple.state_index])
+            h, inject = self._mix(x, layer.attn_hc)
+            i = layer.state_index
+            if isinstance(layer.mixer, GDNParams):
+                h = gdn_mixer(c.base, layer.mixer, h, batch, plan, state.conv[:, i], state.recurrent[:, i], i,
+                              gate_activation=c.output_gate)
+            else:
+                k_cache, v_cache = state.kv[i]
+                h = qsa_attention(c, layer.mixer, layer.indexer, h, batch, self.rope_inv_freq, k_cache, v_cache,
+                                  state.index_keys[i] if state.index_keys else None)
+            x = hyper_connection_inject(x, h, inject)
+            h, inject = self._mix(x, layer.mlp_hc)
+            h = mlp(layer.mlp, h, state.experts)
+            x = hyper_connection_inject(x, sum_terms(h) if h.dim() == 3 else h, inject)
+        return self._mix(x, p.mixer)[0]
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [M, V] for hidden rows [M, H] (tied head = the embedding)."""
+        return linear(hidden, self.params.lm_head, out_dtype=torch.float32)
+
+    def _mix(self, x: torch.Tensor, h: HyperParams) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return hyper_connection_mix(x, h.norm, h.down, h.up, h.inject, self.config.hc_count,
+                                    self.config.base.rms_norm_eps)
+
+    def _check(self, batch: ForwardBatch, state: Qwen4ExpStateViews) -> None:
+        """Cheap shape checks (no device sync) so a mis-built batch fails with a message, not deep in an op."""
+        c, b = self.config, self.config.base
+        N, B = batch.input_ids.shape[0], batch.num_seqs
+        problems = []
+        if batch.positions.shape != (N,) or batch.slot_mapping.shape != (N,):
+            problems.append(f"positions {tuple(batch.positions.shape)} / slot_mapping "
+                            f"{tuple(batch.slot_mapping.shape)} must be [{N}]")
+        if batch.mrope_positions is not None or batch.vision_rows is not None:
+            problems.append("vision inputs (mrope_positions, vision_rows) are not supported by the text model")
+        if batch.query_start_loc.shape != (B + 1,) or batch.seq_lens.shape != (B,) \
+                or batch.has_initial_state.shape != (B,) or batch.block_tables.shape[0] != B:
+            problems.append(f"per-sequence tensors must have {B} rows (query_start_loc {B + 1})")
+        gdn = len(c.gdn_layers)
+        if gdn and (state.conv.shape[1:] != (gdn, b.conv_dim, b.linear_conv_kernel_dim - 1)
+                    or state.recurrent.shape[1:] != (gdn, b.linear_num_value_heads, b.linear_key_head_dim,
+                                                     b.linear_value_head_dim)
+                    or state.recurrent.dtype != torch.float32):
+            problems.append(f"state views conv {tuple(state.conv.shape)} / recurrent {tuple(state.recurrent.shape)} "
+                            f"{state.recurrent.dtype} do not match the config's StateImage layout")
+        if len(state.kv) != len(c.attention_layers):
+            problems.append(f"{len(state.kv)} KV caches given for {len(c.attention_layers)} attention layers")
+        if c.qsa is not None and (len(state.index_keys) != len(c.attention_layers) or any(
+                k.shape[1:] != (state.page_size, c.qsa.head_dim) for k in state.index_keys)):
+            problems.append(f"QSA needs one indexer key cache [pages, {state.page_size}, {c.qsa.head_dim}] per "
+                            f"attention layer, got {[tuple(k.shape) for k in state.index_keys]}")
+        if c.ple is not None:
+            e = c.ple
+            want = (len(c.ple_layers), e.conv_state_len, c.hc_hidden_size)
+            if state.ple_conv is None or state.ple_conv.shape[1:] != want:
+                problems.append(f"ple_conv {None if state.ple_conv is None else tuple(state.ple_conv.shape)} must "
+                                f"be [slots, {', '.join(map(str, want))}]")
+            if state.ngram is None or state.ngram.shape[1:] != (e.context_len,) or state.ngram.dtype != torch.int64:
+                problems.append(f"ngram {None if state.ngram is None else tuple(state.ngram.shape)} must be "
+                                f"[slots, {e.context_len}] int64")
+        if problems:
+            raise ValueError("Qwen4ExpModel.forward: " + "; ".join(problems))
