@@ -178,6 +178,23 @@ def test_context_cache_on_equals_off(tiny):
         settled(on)
 
 
+def test_forks_of_one_prompt_equal_their_solo_runs(tiny):
+    """Identical prompts submitted together prefill once and fork (the StateImage copied, the pages shared, the
+    shared tail page copied with its index keys on a fork's first write): each seeded sample is its solo run's."""
+    prompt = tiny.prompts[2][:30]  # 29 cached positions: the forks share a tail page of 8 holding 5 of them
+    requests = [req(prompt, temperature=0.9, seed=seed, max_tokens=12) for seed in (1, 2, 3)]
+    with engine(tiny, context_cache=False) as off:
+        ref = [off.generate(r, timeout=120).token_ids for r in requests]
+        settled(off)
+    assert len(set(ref)) == 3
+    with engine(tiny, context_cache=True, max_concurrency=3, page_size=8) as on:
+        results = [h.result(timeout=120) for h in submit_together(on, requests)]
+        assert [r.token_ids for r in results] == ref
+        assert sorted(r.usage.cached_tokens for r in results) == [0, len(prompt) - 1, len(prompt) - 1]
+        on.clear_context_cache()
+        settled(on)
+
+
 def test_score_matches_transformers_logprobs(tiny):
     ids = [*tiny.prompts[2], *tiny.alone[2]]
     with engine(tiny) as eng:
