@@ -53,9 +53,10 @@ def engine(tiny: Tiny, **config) -> Engine:
     return Engine(tiny.artifact, EngineConfig(**options))
 
 
-def req(prompt, **s) -> GenerationRequest:
+def req(prompt, session: str | None = None, **s) -> GenerationRequest:
     sampling = dict(temperature=0.0, max_tokens=STEPS, ignore_eos=True) | s
-    return GenerationRequest(input=TextInput(token_ids=tuple(prompt)), sampling=SamplingParams(**sampling))
+    return GenerationRequest(input=TextInput(token_ids=tuple(prompt)), sampling=SamplingParams(**sampling),
+                             session_key=session)
 
 
 def settled(eng: Engine) -> None:
@@ -176,6 +177,23 @@ def test_context_cache_on_equals_off(tiny):
         assert on.usage().idle
         on.clear_context_cache()
         settled(on)
+
+
+def test_a_host_replica_restores_exactly(tiny):
+    """One device checkpoint slot: a session's continuation goes to a host replica (its StateImage and its pages
+    with their index keys) when another save needs the slot, and the second turn restores from the host."""
+    first_prompt = tiny.prompts[2]
+    with engine(tiny, context_cache=True, checkpoint_slots=1) as on, engine(tiny) as off:
+        first = on.generate(req(first_prompt, session="chat", max_tokens=8), timeout=120)
+        on.generate(req(tiny.prompts[1], max_tokens=8), timeout=120)  # its save takes the only slot
+        assert on.metrics().cache_evictions["host"] == 1
+        turn = [*first_prompt, *first.token_ids, 17, 18, 19]
+        again = on.generate(req(turn, session="chat", max_tokens=12), timeout=120)
+        assert again.usage.cached_tokens == len(first_prompt) + len(first.token_ids) - 1
+        assert again.token_ids == off.generate(req(turn, max_tokens=12), timeout=120).token_ids
+        on.clear_context_cache()
+        settled(on)
+        settled(off)
 
 
 def test_forks_of_one_prompt_equal_their_solo_runs(tiny):
