@@ -51,7 +51,7 @@ def test_unbuilt_features_are_refused_before_any_weight_read(features, match):
         Qwen4ExpStartup().profile(artifact, StartupOptions(device="cpu", features=features))
 
 
-def test_decode_runs_eagerly_while_the_ngram_rows_are_looked_up_on_the_host():
+def test_decode_runs_eagerly_while_a_step_reads_on_the_host():
     from ninfer_qwen4exp.startup import Qwen4ExpLoaded, _eager_reason
 
     def loaded(raw, host_experts=False):
@@ -60,4 +60,6 @@ def test_decode_runs_eagerly_while_the_ngram_rows_are_looked_up_on_the_host():
 
     assert "PLE n-gram table lives in host memory" in _eager_reason(loaded(RAW))
     no_ple = {**RAW, "ple_layer_ids": None}
-    assert "placement host-experts" in _eager_reason(loaded(no_ple, host_experts=True))
+    assert "QSA block selection" in _eager_reason(loaded(no_ple))
+    dense = {k: v for k, v in no_ple.items() if not k.startswith("indexer_")}
+    assert "placement host-experts" in _eager_reason(loaded(dense, host_experts=True))

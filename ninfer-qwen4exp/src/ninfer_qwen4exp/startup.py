@@ -157,10 +157,13 @@ def model_shape(config: Qwen4ExpConfig) -> ModelShape:
 
 
 def _eager_reason(loaded: Qwen4ExpLoaded) -> str | None:
-    """Why decode cannot run through CUDA graphs (None: it can): Qwen3.5 MoE's reasons, and the PLE n-gram
-    rows, which a step looks up in host memory."""
+    """Why decode cannot run through CUDA graphs (None: it can): the PLE n-gram rows, which a step looks up in
+    host memory; QSA's block selection, whose torch reference (it has no kernel) reads the sequence lengths on
+    the host; and Qwen3.5 MoE's reasons."""
     if loaded.config.ple is not None:
         return "the PLE n-gram table lives in host memory and each step looks up its rows on the host"
+    if loaded.config.qsa is not None:
+        return "QSA block selection runs its torch reference, which reads the sequence lengths on the host"
     return eager_reason(host_experts=loaded.host_experts, moe=True)
 
 
