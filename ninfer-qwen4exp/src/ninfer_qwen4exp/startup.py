@@ -57,24 +57,11 @@ class Qwen4ExpStartup:
     def profile(self, artifact: Any, options: StartupOptions) -> ModelProfile:
         config, features = _checked(artifact, options)  # refuses before anything else is read
         from ninfer.artifact import meta_weights
-        from ninfer_qwen4exp.execution.parameters import Qwen4ExpParameters
 
         weights = meta_weights(artifact, features=features)
-        compute = _compute_dtype(options, weights[EMBED].dtype)
-        params = Qwen4ExpParameters.from_weights(config, weights, compute, torch.device("meta"))
-        banks = params.expert_banks()
-        tables = resident_bytes([weights.parents[o] for o in ngram_objects(artifact, features)])
-        total = resident_bytes([*weights.parents.values(), *params.tensors()])
-        host = resident_bytes([*(weights.parents[o] for o in _bank_objects(artifact, features)), *banks])
-        moe = config.base.moe
-        placements = _placements(total, host, banks, moe.num_experts_per_tok)
-        layout, pool = _stores(config, options, compute)
-        return ModelProfile(
-            architecture=artifact.metadata.architecture, dtype=dtype_name(compute), features=features,
-            placements=tuple(host_tables(p, tables) for p in placements),
-            state_slot_bytes=layout.nbytes_per_slot, kv_page_bytes=PagedKVPool.page_bytes(pool),
-            page_size=pool.page_size, shape=model_shape(config), model_limit=config.base.max_position_embeddings,
-            layers=config.base.num_hidden_layers)
+        return weights_profile(config, weights, options, architecture=artifact.metadata.architecture,
+                               tables=[weights.parents[o] for o in ngram_objects(artifact, features)],
+                               bank_parents=[weights.parents[o] for o in _bank_objects(artifact, features)])
 
     def load(self, artifact: Any, options: StartupOptions, placement: WeightPlacement) -> Qwen4ExpLoaded:
         from ninfer.artifact import load_weights
@@ -117,6 +104,26 @@ class Qwen4ExpStartup:
         return ModelInstance(architecture="qwen4exp", config=config, model=loaded,
                              parameters=loaded.executor.params, frontend=loaded.frontend, program=program,
                              features=loaded.features)
+
+
+def weights_profile(config: Qwen4ExpConfig, weights: Any, options: StartupOptions, *, architecture: str,
+                    tables: list[torch.Tensor], bank_parents: list[torch.Tensor]) -> ModelProfile:
+    """The text model's profile from its bound ``weights`` (a meta WeightSet: shapes and sharing, no bytes), its
+    n-gram ``tables`` and the parents behind the routed expert banks (``bank_parents``) among them."""
+    from ninfer_qwen4exp.execution.parameters import Qwen4ExpParameters
+
+    compute = _compute_dtype(options, weights[EMBED].dtype)
+    params = Qwen4ExpParameters.from_weights(config, weights, compute, torch.device("meta"))
+    banks = params.expert_banks()
+    total = resident_bytes([*weights.parents.values(), *params.tensors()])
+    placements = _placements(total, resident_bytes([*bank_parents, *banks]), banks, config.base.moe.num_experts_per_tok)
+    layout, pool = _stores(config, options, compute)
+    return ModelProfile(
+        architecture=architecture, dtype=dtype_name(compute), features=("text",),
+        placements=tuple(host_tables(p, resident_bytes(tables)) for p in placements),
+        state_slot_bytes=layout.nbytes_per_slot, kv_page_bytes=PagedKVPool.page_bytes(pool),
+        page_size=pool.page_size, shape=model_shape(config), model_limit=config.base.max_position_embeddings,
+        layers=config.base.num_hidden_layers)
 
 
 def build(artifact: Any, options: StartupOptions) -> ModelInstance:
