@@ -98,7 +98,7 @@ def import_paths() -> None:
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))  # `python benchmarks/X.py` as well as `-m`
     for pkg, mod in (("ninfer-core", "ninfer"), ("ninfer-qwen35", "ninfer_qwen35"),
-                     ("ninfer-convert", "ninfer_convert")):
+                     ("ninfer-qwen4exp", "ninfer_qwen4exp"), ("ninfer-convert", "ninfer_convert")):
         try:
             __import__(mod)
         except ImportError:
@@ -109,12 +109,14 @@ def plugin_host():
     from ninfer.plugins import UnknownArchitecture, make_plugin_host
 
     host = make_plugin_host()
-    try:
-        host.architecture("Qwen3_5ForCausalLM")
-    except UnknownArchitecture:  # no package metadata: register the plugin module directly
-        import ninfer_qwen35.plugin
+    for arch, module, name in (("Qwen3_5ForCausalLM", "ninfer_qwen35.plugin", "qwen35"),
+                               ("Qwen4ExpForCausalLM", "ninfer_qwen4exp.plugin", "qwen4exp")):
+        try:
+            host.architecture(arch)
+        except UnknownArchitecture:  # no package metadata: register the plugin module directly
+            import importlib
 
-        host.register_module(ninfer_qwen35.plugin, "qwen35")
+            host.register_module(importlib.import_module(module), name)
     return host
 
 
@@ -131,8 +133,9 @@ def run_with_plugins(run, argv) -> int:
     import_paths()
     before = os.environ.get("NINFER_EXTRA_PLUGINS")
     extra = [m for m in (before or "").split(",") if m]
-    if "ninfer_qwen35.plugin" not in extra:
-        os.environ["NINFER_EXTRA_PLUGINS"] = ",".join([*extra, "ninfer_qwen35.plugin"])
+    missing = [m for m in ("ninfer_qwen35.plugin", "ninfer_qwen4exp.plugin") if m not in extra]
+    if missing:
+        os.environ["NINFER_EXTRA_PLUGINS"] = ",".join([*extra, *missing])
     try:
         return run(argv)
     finally:
@@ -197,21 +200,22 @@ def write_source_files(directory: Path, config: dict) -> None:
 
 def write_source(directory: Path, config: dict, device: str, shard_bytes: int = 4 * GIB) -> int:
     """A random checkpoint in published naming (flat text-only, std 0.02; A_log and the GDN norm in fp32, as
-    published), seeded: the same shape always gets the same weights. Returns the tensor bytes written."""
+    published), seeded: the same shape always gets the same weights. The tensors are the architecture plugin's
+    (``benchmarks.architectures.source_tensors``: Qwen3.5 or Qwen4Exp by the config's ``architectures``).
+    Returns the tensor bytes written."""
     import torch
 
-    from ninfer_qwen35.config import parse_config
-    from ninfer_qwen35.source_mapping import expected_parameters
+    from benchmarks.architectures import source_tensors
 
     # tensors are made on the device one at a time and a shard is written once full: host memory holds one shard
     write_source_files(directory, config)
     gen_device = "cuda" if device.startswith("cuda") else "cpu"
     g = torch.Generator(device=gen_device).manual_seed(0)
-    params = expected_parameters(parse_config(config), ("text",))
+    params = source_tensors(config, ("text",))
 
     def tensors():
-        for name, (_, shape) in params.items():
-            dtype = torch.float32 if name.endswith(FP32) else torch.bfloat16
+        for name, (shape, size) in params.items():
+            dtype = torch.float32 if size == 4 else torch.bfloat16
             yield name, torch.randn(shape, generator=g, device=gen_device, dtype=torch.float32).mul_(0.02).to(dtype).cpu()
 
     return write_shards(directory, tensors(), shard_bytes=shard_bytes)

@@ -1,5 +1,6 @@
-"""The ``moe`` suite: Qwen3.5 MoE on one GPU: all-device decode against its bytes floor, host experts under a device
-budget, and transformers on the same weights, for the 35B-A3B shape at a reduced depth scaled to full depth.
+"""The ``moe`` suite: a MoE model on one GPU: all-device decode against its bytes floor, host experts under a device
+budget, and transformers on the same weights, for the 35B-A3B shape (Qwen3.5 MoE) or the published Qwen4Exp shape
+(``--shape qwen4exp``) at a reduced depth scaled to full depth.
 
 The disk cannot hold the 35B-A3B checkpoint and its artifact at full depth, so the benchmark writes the shape with
 ``--layers`` decoder layers (default 8: two groups of 3 Gated DeltaNet + 1 attention layer, the full model's mix)
@@ -15,7 +16,16 @@ trained router's is, though real routers are more skewed), converts it with the 
    artifact, so nothing is written), its slots per layer given to the reduced model (``expert_cache_bytes``),
    then decode and prefill as above with the cache hit rate over the timed decode steps (random routing: a real
    router's skew changes the hit rate);
-3. transformers ``generate`` on the written checkpoint (``--no-hf`` skips it).
+3. transformers ``generate`` on the written checkpoint (``--no-hf`` skips it), and ours over it at B=1.
+
+Host experts also get a host-bandwidth floor: a missed expert runs on the CPU team, which must read its bytes from
+host memory once; the expected missed experts of a step (distinct experts x layers x the measured miss rate) over
+the host read rate measured in the same run, or the step's bytes floor where that is larger.
+
+Qwen4Exp (``--shape qwen4exp``, default 4 layers: 3 Gated DeltaNet + 1 QSA, PLE on the second, as the published
+model's first group): the published widths, 512 experts x top-10 (5 GB a layer), the n-gram table reduced
+(``moe_weights.REDUCED``: its rows are looked up in host memory, 16 a token). Scaling counts the PLE layer's cost
+in every group of 4 where the published model has one PLE layer in 48, so its full-depth figure errs slow.
 
 Scaling to full depth (every table says so): per-layer time = (measured - head) / L, where the head (embedding
 lookup, lm_head and argmax of the same rows) is timed alone; full-depth time = head + full layers x per-layer.
@@ -23,6 +33,7 @@ What else a step does once (reserve, commit) is counted per layer, so the full-d
 at full depth is computed from the full-depth config directly.
 
     scripts/gpu moe                                                                       # on the GPU machine
+    scripts/gpu moe --shape qwen4exp --layers 4                                           # Qwen4Exp
     python -m benchmarks.moe --shape tiny --layers 4 --device cpu --prefill 64 ...        # CPU smoke run (tested)
 """
 
@@ -38,6 +49,7 @@ import traceback
 from pathlib import Path
 
 from benchmarks import moe_weights as mw
+from benchmarks.architectures import label, qwen35_view
 from benchmarks.harness import (
     GIB,
     device_info,
@@ -50,6 +62,7 @@ from benchmarks.harness import (
 from benchmarks.moe_runs import (
     decode_run,
     head_ms,
+    host_read_bandwidth,
     on_instance,
     prefill_run,
     stats_delta,
@@ -74,8 +87,10 @@ def scaled(ms: float, head: float, layers: int, full: int) -> dict:
     return {"head_ms": head, "per_layer_ms": per, "full_ms": head + full * per}
 
 
-def measure(program, config, cfg: dict, args, device: str, full_cfg: dict, bw: float, stats=None) -> dict:
-    """Decode rows (with the bytes floor at this depth and at full depth) and the prefill, on one Program."""
+def measure(program, config, cfg: dict, args, device: str, full_cfg: dict, bw: float, stats=None,
+            host_gb_s: float | None = None) -> dict:
+    """Decode rows (with the bytes floor at this depth and at full depth; with host experts, the host-bandwidth
+    floor too) and the prefill, on one Program."""
     L, full, k = cfg["num_hidden_layers"], full_cfg["num_hidden_layers"], cfg["num_experts_per_tok"]
     res: dict = {"decode": []}
     for B in args.batches:
@@ -88,6 +103,8 @@ def measure(program, config, cfg: dict, args, device: str, full_cfg: dict, bw: f
             row[f"{tag}floor_ms"] = row[f"{tag}floor_bytes"] / (bw * 1e12) * 1e3
             row[f"{tag}of_floor"] = row[f"{tag}floor_ms"] / ms if ms else None
         row["full_tokens_per_s"] = B / row["full_ms"] * 1e3 if row["full_ms"] else None
+        if stats and host_gb_s:
+            row.update(host_floor(row, cfg, full_cfg, host_gb_s))
         res["decode"].append(row)
         print(f"#   decode B={B}: {row['ms_per_step']:.3f} ms/step ({L} layers), full depth "
               f"{fmt(row['full_ms'], '.3f')} ms, {fmt(row['full_of_floor'], '.2f')} of the floor", flush=True)
@@ -113,13 +130,14 @@ def run_all_device(path: Path, cfg: dict, full_cfg: dict, args, device: str, bw:
     def run(inst) -> dict:
         res: dict = {"start_s": clock() - t, "placement": inst.memory.placement, "pdl": inst.program.pdl,
                      "graphs": inst.program.graphs is not None, "graph_note": inst.program.graph_error}
-        res.update(measure(inst.program, inst.config, cfg, args, device, full_cfg, bw))
+        res.update(measure(inst.program, qwen35_view(inst.config), cfg, args, device, full_cfg, bw))
         return res
 
     return on_instance(path, options, run)
 
 
-def run_host_experts(path: Path, cfg: dict, full_cfg: dict, args, device: str, bw: float, plan: dict) -> dict:
+def run_host_experts(path: Path, cfg: dict, full_cfg: dict, args, device: str, bw: float, plan: dict,
+                     host_gb_s: float) -> dict:
     """The reduced model with the full-depth plan's expert cache slots per layer."""
     from ninfer.contract.config import StartupOptions
     from ninfer_qwen35.startup import HOST_EXPERTS
@@ -142,7 +160,8 @@ def run_host_experts(path: Path, cfg: dict, full_cfg: dict, args, device: str, b
         res: dict = {"start_s": clock() - t, "placement": inst.memory.placement, "expert_cache_bytes": cache,
                      "slots_per_layer": plan["slots_per_layer"], "memory_expert_cache_slots":
                      inst.memory.expert_cache_slots, "graphs": inst.program.graphs is not None}
-        res.update(measure(inst.program, inst.config, cfg, args, device, full_cfg, bw, stats=lambda: experts.stats))
+        res.update(measure(inst.program, qwen35_view(inst.config), cfg, args, device, full_cfg, bw, stats=lambda: experts.stats,
+                           host_gb_s=host_gb_s))
         return res
 
     return on_instance(path, options, run)
@@ -163,6 +182,19 @@ def run_hf(src: Path, args, device: str, heads: dict | None, layers: int, full: 
     return res
 
 
+def host_floor(row: dict, cfg: dict, full_cfg: dict, host_gb_s: float) -> dict:
+    """The host-bandwidth floor of a host-experts decode row (module docstring), at this depth and at full depth."""
+    hit = row["experts"]["hit_rate"]
+    out: dict = {}
+    for tag, c, ms in (("", cfg, row["ms_per_step"]), ("full_", full_cfg, row["full_ms"])):
+        missed = row["distinct_experts"] * c["num_hidden_layers"] * (1 - hit) if hit is not None else None
+        host_ms = None if missed is None else missed * mw.weight_bytes(c)["expert"] / (host_gb_s * 1e9) * 1e3
+        floor = None if host_ms is None else max(host_ms, row[f"{tag}floor_ms"])
+        out.update({f"{tag}missed_experts": missed, f"{tag}host_floor_ms": floor,
+                    f"{tag}of_host_floor": floor / ms if floor and ms else None})
+    return out
+
+
 def _max_len(args) -> int:
     return max(args.prefill, args.context + args.steps + WARMUP_STEPS) + 16
 
@@ -180,7 +212,7 @@ def markdown(r: dict) -> str:
     from ninfer.core.sizes import format_bytes
 
     L, full = r["layers"], r["full_layers"]
-    lines = [f"# Qwen3.5 MoE {r['shape']} on {r['device']['name']} ({r['device']['device']}), torch "
+    lines = [f"# {r['label']} {r['shape']} on {r['device']['name']} ({r['device']['device']}), torch "
              f"{r['device']['torch']}; copy {r['copy_tb_s']:.2f} TB/s",
              f"Measured at {L} layers; full depth ({full} layers) = head + {full} x (measured - head) / {L}, "
              "the floor from the full-depth config. Random weights and router: routing is uniform-like, "
@@ -211,6 +243,14 @@ def markdown(r: dict) -> str:
                          f"device {e['wait_s'] / calls * 1e3:.2f}, CPU team {e['team_s'] / calls * 1e3:.2f}, issuing "
                          f"uploads {e['upload_s'] / calls * 1e3:.2f}; {e['cache_misses'] / calls:.1f} misses, "
                          f"{(e['admitted'] + e['prefetched']) / calls:.1f} uploads per call")
+        if any("host_floor_ms" in d for d in m["decode"]):
+            lines += ["", f"Host-bandwidth floor (host reads {r['host_read_gb_s']:.1f} GB/s):", "",
+                      f"| B | missed experts/step ({L} L / full) | host floor ms ({L} L / full) "
+                      f"| of host floor ({L} L / full) |", "|---|---|---|---|"]
+            lines += [f"| {d['batch']} | {fmt(d['missed_experts'])} / {fmt(d['full_missed_experts'])} "
+                      f"| {fmt(d['host_floor_ms'], '.3f')} / {fmt(d['full_host_floor_ms'], '.3f')} "
+                      f"| {fmt(d['of_host_floor'], '.2f')} / {fmt(d['full_of_host_floor'], '.2f')} |"
+                      for d in m["decode"] if "host_floor_ms" in d]
         p = m["prefill"]
         lines.append(f"\nPrefill {p['tokens']} tokens (chunk {p['chunk']}): {p['tokens_per_s']:.0f} tok/s at {L} "
                      f"layers, {fmt(p['full_tokens_per_s'], '.0f')} tok/s at full depth")
@@ -229,6 +269,10 @@ def markdown(r: dict) -> str:
                      f" tok/s at {L} layers" + ("" if "decode" not in hf else
                      f"; full depth: decode {fmt(hf['decode']['full_ms'], '.2f')} ms/step, prefill "
                      f"{fmt(hf['prefill']['full_ms'], '.0f')} ms"))
+        ours = next((d for d in r.get("all_device", {}).get("decode", []) if d["batch"] == 1), None)
+        if ours and row["decode_tokens_per_s"]:
+            lines.append(f"ours / transformers at B=1, {L} layers: decode "
+                         f"{ours['tokens_per_s'] / row['decode_tokens_per_s']:.2f}x")
     lines += target_lines(r.get("targets", {}))
     return "\n".join(lines)
 
@@ -238,7 +282,8 @@ def markdown(r: dict) -> str:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="35b-a3b", choices=sorted(mw.BENCH_SHAPES))
-    p.add_argument("--layers", type=int, default=8, help="decoder layers written and run (a multiple of 4)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="decoder layers written and run (a multiple of 4; default 4 for qwen4exp, else 8)")
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--context", type=int, default=256, help="prompt tokens per row before the decode steps")
@@ -254,6 +299,8 @@ def parse_args(argv=None):
     p.add_argument("--workdir", default=None, help="folder for the checkpoint and artifact (default: temp dir)")
     p.add_argument("--json", default=None, help="write every figure here")
     args = p.parse_args(argv)
+    if args.layers is None:
+        args.layers = mw.DEFAULT_LAYERS.get(args.shape, 8)
     return args
 
 
@@ -288,7 +335,7 @@ def _run(argv) -> int:
     if device.startswith("cuda") and not torch.cuda.is_available():
         print("moe: no CUDA device; use --device cpu", file=sys.stderr)
         return 2
-    cfg, full_cfg = mw.moe_config(args.shape, args.layers), mw.moe_config(args.shape)
+    cfg, full_cfg = mw.moe_config(args.shape, args.layers, reduced=True), mw.moe_config(args.shape)
     base = Path(args.workdir or tempfile.gettempdir())
     base.mkdir(parents=True, exist_ok=True)
     need = 2.05 * mw.weight_bytes(cfg)["total"]  # checkpoint and artifact side by side
@@ -297,7 +344,8 @@ def _run(argv) -> int:
               f"{args.shape} need about {need / 1e9:.1f} GB; pass --workdir or fewer --layers", file=sys.stderr)
         return 2
     t0 = clock()
-    res: dict = {"shape": args.shape, "layers": args.layers, "full_layers": full_cfg["num_hidden_layers"],
+    res: dict = {"shape": args.shape, "label": label(cfg), "reduced": mw.REDUCED.get(args.shape, {}),
+                 "layers": args.layers, "full_layers": full_cfg["num_hidden_layers"],
                  "config": cfg, "args": vars(args), "device": device_info(device),
                  "scaling": "full-depth time = head + full_layers x (measured - head) / layers; head = embedding, "
                             "lm_head and argmax of the same rows timed alone; floor from the full-depth config",
@@ -312,6 +360,7 @@ def _run(argv) -> int:
     failed = False
     try:
         res["copy_tb_s"] = copy_bandwidth(device)
+        res["host_read_gb_s"] = host_read_bandwidth(device)
         res["plan"] = mw.expert_cache_plan(args.shape, workdir, device=device, budget_bytes=int(args.budget_gib * GIB),
                                            max_concurrency=max(args.batches), max_model_len=args.plan_max_model_len)
         src, art = workdir / "hf", workdir / f"{args.shape}-{args.layers}l.ninfer"
@@ -327,7 +376,7 @@ def _run(argv) -> int:
             try:
                 common = (art, cfg, full_cfg, args, device, res["copy_tb_s"])
                 res[key] = run_all_device(*common) if key == "all_device" else \
-                    run_host_experts(*common, res["plan"])
+                    run_host_experts(*common, res["plan"], res["host_read_gb_s"])
             except HostExpertsUnavailable as exc:
                 res[key] = {"unavailable": str(exc)}
                 print(f"#   not run: {exc}", file=sys.stderr, flush=True)

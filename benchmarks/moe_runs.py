@@ -1,5 +1,5 @@
-"""Timed units on a started Qwen3.5 MoE Program, for benchmarks/moe.py: decode steps of B rows, a prompt's prefill,
-the head a unit runs once whatever the depth, and the host experts' counters over a window.
+"""Timed units on a started MoE Program (Qwen3.5 MoE or Qwen4Exp), for benchmarks/moe.py: decode steps of B rows,
+a prompt's prefill, the head a unit runs once whatever the depth, and the host experts' counters over a window.
 
 Program-level, as benchmarks/programs.py times a step: ``reserve_units``, ``decode`` (or ``prefill``) and
 ``commit``, with the device synchronised around each timed unit.
@@ -33,17 +33,18 @@ def _median_ms(fn, device: str, iters: int = 10) -> float:
 # -- the Program, started as the engine starts it ---------------------------------------------------------
 
 def on_instance(path: Path, options, fn):
-    """``fn(instance)`` on the artifact's instance, built as the engine builds it (``ninfer_qwen35.startup.build``);
-    the instance is dropped, then the artifact closed (its weights may borrow the artifact's mapping) and the
-    device memory given back, before this returns ``fn``'s result."""
+    """``fn(instance)`` on the artifact's instance, built as the engine builds it (its architecture's Startup,
+    ``ninfer.engine.startup.start``); the instance is dropped, then the artifact closed (its weights may borrow
+    the artifact's mapping) and the device memory given back, before this returns ``fn``'s result."""
     import torch
 
+    from benchmarks.harness import plugin_host
     from ninfer.artifact import open_artifact
-    from ninfer_qwen35.startup import build
+    from ninfer.engine.startup import native_startup, start
 
     artifact = open_artifact(path, verify=False)
     try:
-        instance = build(artifact, options)
+        instance = start(native_startup(artifact, plugin_host()), artifact, options)
         try:
             return fn(instance)
         finally:
@@ -116,3 +117,20 @@ def stats_delta(before, after) -> dict:
     return {**d, "hit_rate": d["cache_hits"] / pairs if pairs else None}
 
 
+
+
+def host_read_bandwidth(device: str) -> float:
+    """GB/s the host reads in a copy between two host buffers (1 GiB on a CUDA machine, 64 MiB on a CPU smoke run),
+    all threads, best of 5: the rate at which the CPU team can read missed experts."""
+    import torch
+
+    n = (1 << 30 if device.startswith("cuda") else 64 << 20) // 4
+    src = torch.ones(n, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(5):
+        t = clock()
+        dst.copy_(src)
+        best = min(best, clock() - t)
+    return src.numel() * 4 / best / 1e9

@@ -37,6 +37,25 @@ MOE_SHAPES: dict[str, dict] = {
 }
 
 
+# The published Qwen4Exp shape (qwen35_arch.md section 8: Qwen3.8-Flash-Next, 125B total with 51B of n-gram table),
+# in transformers' Qwen4ExpTextConfig names, for planning, the start and the MoE benchmark. PLE on the second layer
+# (ple_layer_ids are 1-indexed): 16 heads of 160 columns over consecutive primes >= 2e7 (about 320M rows).
+QWEN4EXP_SHAPES: dict[str, dict] = {
+    "qwen4exp-published": {
+        **_BASE, "architectures": ["Qwen4ExpForCausalLM"], "hidden_size": 2560, "num_hidden_layers": 48,
+        "num_attention_heads": 24, "num_key_value_heads": 2, "linear_num_key_heads": 16,
+        "linear_num_value_heads": 48, "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 640,
+        "shared_expert_intermediate_size": 640, "norm_topk_prob": True, "output_gate_type": "sigmoid",
+        "hc_count": 4, "hc_lowrank": 320, "indexer_n_heads": 4, "indexer_kv_heads": 1, "indexer_head_dim": 128,
+        "indexer_budget": 2048, "indexer_compress_ratio": 4, "ple_layer_ids": [2], "ple_embed_dim": 2560,
+        "ple_conv_kernel_size": 4, "ngram_size": 3, "heads_per_ngram": 8, "ngram_vocab_size_base": 20_000_000,
+        "make_ngram_vocab_size_divisible_by": 128, "split_ngram_parts": 128, "seed": 1234,
+        "max_position_embeddings": 262144, "eos_token_id": 248044, "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
+                            "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+    },
+}
+
 def decode_weight_shapes(cfg: dict) -> list[tuple[int, int]]:
     """(out, in) of every 2-D weight a decode step reads (all but the input embedding, a row lookup). For a MoE
     shape: the dense ones (mixers, the router with the shared expert's gate, the shared expert as the MLP), not

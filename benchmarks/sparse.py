@@ -116,31 +116,38 @@ class SparseArtifactWriter(ArtifactWriter):
         return header(tuple(final), meta)
 
 
-def shape_config(shape: str) -> dict:
-    from benchmarks.shapes import MOE_SHAPES, SHAPES
+def sparse_shapes() -> dict[str, dict]:
+    """Every shape a sparse artifact can be written for: the dense, MoE and Qwen4Exp published shapes."""
+    from benchmarks.shapes import MOE_SHAPES, QWEN4EXP_SHAPES, SHAPES
 
+    return {**SHAPES, **MOE_SHAPES, **QWEN4EXP_SHAPES}
+
+
+def shape_config(shape: str) -> dict:
+    shapes = sparse_shapes()
+    if shape not in shapes:
+        raise ValueError(f"unknown shape {shape!r}; known: {', '.join(sorted(shapes))}")
     # an MTP head: --speculative mtp plans
-    return dict({**SHAPES, **MOE_SHAPES}[shape], dtype="bfloat16", mtp_num_hidden_layers=1)
+    return dict(shapes[shape], dtype="bfloat16", mtp_num_hidden_layers=1)
 
 
 def write_sparse_source(directory: Path, config: dict, shard_bytes: int = 4 * GIB) -> int:
     """A checkpoint in published naming (flat text + ``mtp.*``) whose tensor data is a hole: config.json, tokenizer
     files, safetensors shards with real headers (and their index). Shards as published: one mapping of 54 GB
-    is refused where memory overcommit is heuristic. Returns the tensor bytes it declares."""
-
-    from ninfer_qwen35.config import parse_config
-    from ninfer_qwen35.source_mapping import expected_parameters
+    is refused where memory overcommit is heuristic. The tensors are the architecture plugin's (dispatched by
+    the config's ``architectures``: ``benchmarks.architectures.source_tensors``). Returns the tensor bytes it
+    declares."""
+    from benchmarks.architectures import source_tensors
 
     write_source_files(directory, config)
     shards: list[dict] = [{}]
     sizes = [0]
-    for name, (_, shape) in expected_parameters(parse_config(config), ("text", "mtp")).items():
-        fp32 = name.endswith(("A_log", "linear_attn.norm.weight"))  # fp32 in published checkpoints
-        nbytes = math.prod(shape) * (4 if fp32 else 2)
+    for name, (shape, size) in source_tensors(config, ("text", "mtp")).items():
+        nbytes = math.prod(shape) * size
         if sizes[-1] and sizes[-1] + nbytes > shard_bytes:
             shards.append({})
             sizes.append(0)
-        shards[-1][name] = {"dtype": "F32" if fp32 else "BF16", "shape": list(shape),
+        shards[-1][name] = {"dtype": "F32" if size == 4 else "BF16", "shape": list(shape),
                             "data_offsets": [sizes[-1], sizes[-1] + nbytes]}
         sizes[-1] += nbytes
     weight_map = {}

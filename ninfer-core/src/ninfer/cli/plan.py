@@ -5,7 +5,8 @@ It runs the start's first step (``ninfer.engine.startup.profile_and_plan``: the 
 the device budget) and prints every category the plan charges, the bound it was judged against, the KV pages
 and tokens and the context they allow, or what does not fit and by how much (exit 1). The device is CUDA by
 default: on a machine with a GPU its size and free memory bound the plan (``--vram-budget`` lowers the bound);
-on one without, ``--vram-budget`` alone is the GPU planned for ("will it fit on a 24 GiB GPU?"). The CUDA graph
+on one without, ``--vram-budget`` alone is the GPU planned for ("will it fit on a 24 GiB GPU?"); ``--host-memory``
+is the host planned for (default: this machine's available memory). The CUDA graph
 figure is the profile's estimate (a start replaces it by a calibrated one). ``--vram-budget`` is one definition
 for ``plan``, ``generate`` and ``serve``, with ``--placement`` and ``--expert-cache`` (``memory_args``).
 
@@ -50,6 +51,9 @@ def add_plan_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-context-cache", action="store_true", help="plan without the context cache")
     p.add_argument("--checkpoint-slots", type=whole_number(0), metavar="N",
                    help="device slots for context-cache checkpoints (default: from the budget)")
+    p.add_argument("--host-memory", type=whole_number(1, unit=" of MiB"), metavar="MIB",
+                   help="host MiB available to plan for (default: this machine's available memory): host-resident "
+                        "weights (experts, n-gram tables) and host budgets are judged against it")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     add_speculative_arguments(p)
     p.set_defaults(func=cmd_plan)
@@ -86,7 +90,9 @@ def _plan(args: argparse.Namespace, model: str) -> int:
         raise ValueError("no CUDA device here to plan against: give --vram-budget MIB (the GPU's memory to plan "
                          "for; NINFER_VRAM_BUDGET_MIB also sets it) or --device cpu")
     with open_model(model, verify=False) as artifact:  # the header only: nothing the plan reads is checksummed
-        profile, plan = profile_and_plan(native_startup(artifact, args.host), artifact, options, snapshot)
+        host_memory = None if args.host_memory is None else args.host_memory * (1 << 20)
+        profile, plan = profile_and_plan(native_startup(artifact, args.host), artifact, options, snapshot,
+                                         host_memory)
     if options.max_model_len is not None and options.max_model_len > profile.model_limit:
         raise ValueError(f"--context {options.max_model_len} exceeds the model's limit {profile.model_limit}")
     report = plan_report(model, options, profile, plan)

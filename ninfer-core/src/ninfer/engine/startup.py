@@ -89,15 +89,18 @@ def device_room(options: StartupOptions, snapshot: MemorySnapshot | None, *, hel
 
 
 def profile_and_plan(startup: Startup, artifact: Artifact, options: StartupOptions,
-                     snapshot: MemorySnapshot | None) -> tuple[ModelProfile, MemoryPlan]:
+                     snapshot: MemorySnapshot | None, host_available: int | None = None
+                     ) -> tuple[ModelProfile, MemoryPlan]:
     """The plan before any weight is read (``ninfer plan`` stops here). The Startup's profile declares the model's
-    widths; the planner sizes its workspace and graph estimate from them (``sized``)."""
+    widths; the planner sizes its workspace and graph estimate from them (``sized``). ``host_available``: the host
+    memory planned for (default: this machine's available memory)."""
     profile = startup.profile(artifact, options)
     if not isinstance(profile, ModelProfile):
         raise TypeError(f"the {artifact.metadata.architecture!r} Startup's profile returned "
                         f"{type(profile).__name__}, not a ModelProfile")
     profile = sized(profile, options)
-    return profile, plan_memory(profile, options, device_room(options, snapshot), host_available=host_available_bytes())
+    host = host_available_bytes() if host_available is None else host_available
+    return profile, plan_memory(profile, options, device_room(options, snapshot), host_available=host)
 
 
 def start(startup: Startup, artifact: Artifact, options: StartupOptions,
