@@ -189,10 +189,13 @@ def speculative(args) -> int:
 
 
 def moe(args) -> int:
+    if args.full_depth and args.shape != "35b-a3b":
+        raise SystemExit("scripts/gpu moe: --full-depth runs Qwen3.5 35B-A3B only")
     if args.full_depth:
         return run(args, "moe_full_depth", module("moe_full_depth", "--engine", "--json",
                                                   out_dir() / "moe_full_depth.json"), timeout=args.timeout)
-    return run(args, "moe", module("moe", "--workdir", "/tmp/moe", "--json", out_dir() / "moe.json",
+    shape = ["--shape", args.shape] + (["--layers", args.layers] if args.layers else [])
+    return run(args, "moe", module("moe", *shape, "--workdir", "/tmp/moe", "--json", out_dir() / "moe.json",
                                    *([] if args.hf else ["--no-hf"])), timeout=args.timeout)
 
 
@@ -202,8 +205,10 @@ def vision(args) -> int:
 
 
 def start(args) -> int:
-    return run(args, "start", module("start", "--model", args.model, "--json", out_dir() / "start.json"),
-               timeout=args.timeout)
+    # one start may take what the sparse artifact and the plan leave of the step (two: the module's default each)
+    each = ["--timeout", f"{max(60, args.timeout - 120):g}"] if len(args.runs) == 1 else []
+    return run(args, "start", module("start", "--model", args.model, "--runs", ",".join(args.runs), *each,
+                                     "--json", out_dir() / "start.json"), timeout=args.timeout)
 
 
 def tune(args) -> int:
@@ -255,13 +260,20 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--shapes", type=csv(str), default=["9b"])
     s = suite(speculative, "MTP speculative decoding: verify unit costs and the trained head's acceptance")
     s.add_argument("--shape", default="9b")
-    s = suite(moe, "Qwen3.5 MoE (35B-A3B): decode against its bytes floor, host experts, transformers")
-    s.add_argument("--full-depth", action="store_true", help="all 40 layers on the device, no checkpoint")
+    s = suite(moe, "a MoE model at a reduced depth (Qwen3.5 35B-A3B, or --shape qwen4exp): decode against its "
+                   "bytes floor, host experts against a host-bandwidth floor, transformers")
+    s.add_argument("--shape", default="35b-a3b", choices=("35b-a3b", "qwen4exp"))
+    s.add_argument("--layers", type=int, default=None,
+                   help="decoder layers written and run, a multiple of 4 (default 8; 4 for qwen4exp: 5 GB a layer)")
+    s.add_argument("--full-depth", action="store_true", help="Qwen3.5 35B-A3B: all 40 layers on the device, no "
+                                                              "checkpoint")
     s.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers baseline")
     s = suite(vision, "the vision encoder: attention, images/s, TTFT of a chat with one image")
     s.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers")
     s = suite(start, "ninfer serve start time with a cold, then a warm Triton cache")
-    s.add_argument("--model", default="9b", help="a shape (sparse artifact), a .ninfer path or 'default'")
+    s.add_argument("--model", default="9b", help="a shape (sparse artifact: e.g. 9b, 35b-a3b, "
+                                                  "qwen4exp-published), a .ninfer path or 'default'")
+    s.add_argument("--runs", type=csv(str), default=["cold", "warm"], help="cold, warm or cold,warm (default)")
     suite(tune, "regenerate the kernel tuning tables on this device (python -m ninfer.ops.triton.tune ARGS)")
     suite(train, "the embedded model's training run and evaluation (carry .train_data; ARGS go to train.py)", 600)
     return p

@@ -165,15 +165,17 @@ def write_sparse_source(directory: Path, config: dict, shard_bytes: int = 4 * GI
     return sum(sizes)
 
 
-def write_sparse_artifact(shape: str, workdir: Path) -> Path:
-    """The shape's artifact through the real converter, data left as a hole (this module's docstring)."""
+def write_sparse_artifact(shape: str, workdir: Path, **overrides) -> Path:
+    """The shape's artifact through the real converter, data left as a hole (this module's docstring).
+    ``overrides``: config.json fields changed from the shape's (e.g. ``num_hidden_layers`` for a shallower model of
+    the same widths)."""
     import shutil
 
     import ninfer_convert.convert as convert
 
     src, out = workdir / f"{shape}-source", workdir / f"{shape}.ninfer"
     shutil.rmtree(src, ignore_errors=True)
-    write_sparse_source(src, shape_config(shape))
+    write_sparse_source(src, {**shape_config(shape), **overrides})
     try:
         convert.convert_checkpoint(src, out, name=f"sparse-{shape}", host=plugin_host(), make_writer=SparseArtifactWriter)
     finally:

@@ -2,9 +2,11 @@
 fresh Triton cache (every kernel compiled) and then a warm one (the same folder again), each in a fresh process.
 
 The model is a published shape converted with its weights left as a hole (``benchmarks/sparse.py``: nothing to
-write, the start reads zeros), or ``default``, the embedded model.
+write, the start reads zeros), or ``default``, the embedded model. Before a start of a sparse shape, ``ninfer plan``
+on the same artifact and device prints what goes where (a start the plan refuses says so, with the plan's numbers).
 
     scripts/gpu start                                                         # 9B on the GPU machine
+    scripts/gpu start --model qwen4exp-published --runs cold                  # Qwen4Exp: 320 GiB of host weights
     python -m benchmarks.start --model default --device cpu                   # CPU smoke run (tested)
 """
 
@@ -21,8 +23,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-from benchmarks.shapes import SHAPES
 
 RUNS = ("cold", "warm")  # a fresh TRITON_CACHE_DIR, then the same one
 
@@ -66,10 +66,24 @@ def time_start(model: str, device: str, triton_cache: Path, timeout: float, extr
             proc.wait()
 
 
+def plan(model: str, device: str, max_concurrency: int) -> dict:
+    """``ninfer plan --json`` of the artifact as the start will plan it (this machine's device and host memory);
+    its human table is printed too."""
+    base = [sys.executable, "-m", "ninfer", "plan", model, "--device", device, "--max-concurrency",
+            str(max_concurrency)]
+    text = subprocess.run(base, capture_output=True, text=True)
+    print(text.stdout + text.stderr, flush=True)
+    out = subprocess.run([*base, "--json"], capture_output=True, text=True)
+    try:
+        return json.loads(out.stdout)
+    except json.JSONDecodeError:
+        return {"error": f"ninfer plan exited with {out.returncode}: {(out.stdout + out.stderr)[-2000:]}"}
+
+
 def markdown(res: dict) -> str:
     lines = [f"# ninfer serve start: {res['model']} on {res['device']}", "",
              "| Triton cache | start s |", "|---|---|"]
-    for run in RUNS:
+    for run in res["runs"]:
         r = res["runs"][run]
         lines.append(f"| {run} | {r['error'] if 'error' in r else format(r['seconds'], '.2f')} |")
     return "\n".join(lines)
@@ -77,28 +91,36 @@ def markdown(res: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="9b", help=f"a shape ({', '.join(sorted(SHAPES))}), a .ninfer path, or "
+    from benchmarks.sparse import sparse_shapes
+
+    shapes = sparse_shapes()
+    p.add_argument("--model", default="9b", help=f"a shape ({', '.join(sorted(shapes))}), a .ninfer path, or "
                                                  "'default' (the embedded model)")
+    p.add_argument("--runs", default=",".join(RUNS), help="which starts, in order: cold, warm or cold,warm")
     p.add_argument("--device", default="cuda")
     p.add_argument("--max-concurrency", type=int, default=8)
     p.add_argument("--timeout", type=float, default=280.0, help="seconds each start may take")
     p.add_argument("--workdir", default=None, help="folder for the sparse artifact (default: temp dir)")
     p.add_argument("--json", default=None, help="write every figure here")
     args = p.parse_args(argv)
+    runs = [r for r in args.runs.split(",") if r]
+    if not runs or set(runs) - set(RUNS):
+        p.error(f"--runs takes cold and/or warm, got {args.runs!r}")
     if args.workdir:
         Path(args.workdir).mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="ninfer-start-", dir=args.workdir))
     try:
         model = args.model
-        if model in SHAPES:
+        res: dict = {"model": args.model, "device": args.device, "max_concurrency": args.max_concurrency,
+                     "runs": {}}
+        if model in shapes:
             from benchmarks.sparse import write_sparse_artifact
 
             model = str(write_sparse_artifact(args.model, work))
+            res["plan"] = plan(model, args.device, args.max_concurrency)
         extra = ["--max-concurrency", str(args.max_concurrency), "--no-verify"]
-        res: dict = {"model": args.model, "device": args.device, "max_concurrency": args.max_concurrency,
-                     "runs": {}}
         cache = work / "triton-cache"
-        for run in RUNS:  # the warm run reuses the folder the cold run filled
+        for run in runs:  # the warm run reuses the folder the cold run filled
             res["runs"][run] = time_start(model, args.device, cache, args.timeout, extra)
             print(f"# {run}: {res['runs'][run]}", flush=True)
     finally:
