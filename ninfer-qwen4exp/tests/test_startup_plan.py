@@ -65,7 +65,8 @@ def test_decode_runs_eagerly_while_a_step_reads_on_the_host():
     assert "placement host-experts" in _eager_reason(loaded(dense, host_experts=True))
 
 
-# The published Qwen3.8-Flash-Next text config (shared/reference/qwen35_arch.md section 8).
+# The published Qwen3.8-Flash-Next text config (shared/reference/qwen35_arch.md section 8; the context limit is
+# the family's published 262,144).
 PUBLISHED = dict(
     vocab_size=248320, hidden_size=2560, num_hidden_layers=48, num_attention_heads=24, num_key_value_heads=2,
     head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
