@@ -55,6 +55,15 @@ def _scale_mtp(ckpt: Path, seed: int) -> None:
         safetensors.save_file(tensors, str(shard), metadata={"format": "pt"})
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_cpu_thread():
+    """Tiny CPU models run fastest single-threaded, above all on a shared, loaded machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     from ninfer_qwen4exp.testing import convert_tiny, make_tiny_checkpoint
@@ -67,17 +76,27 @@ def tiny(tmp_path_factory):
     config = parse_config(art.config)
     model = Qwen4ExpModel(Qwen4ExpParameters.from_weights(config, weights, torch.float32))
     mtp = Qwen4ExpMTP(Qwen4ExpMTPParams.from_weights(config, weights, torch.float32, "cpu"), model)
-    return ckpt, config, weights, model, mtp
+    return _References(ckpt), config, weights, model, mtp
 
 
-def _reference(ckpt: Path, ids: list[int]) -> torch.Tensor:
+class _References:
     """SGLang's MTP logits for x_{t+2} at every t < len - 1, from transformers' modules and the checkpoint."""
+
+    def __init__(self, ckpt: Path) -> None:
+        self.ckpt = ckpt
+        self.target = transformers.Qwen4ExpForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+
+    def __call__(self, ids: list[int]) -> torch.Tensor:
+        return _reference(self.ckpt, self.target, ids)
+
+
+def _reference(ckpt: Path, target, ids: list[int]) -> torch.Tensor:
     raw = json.loads((ckpt / "config.json").read_text())
-    target = transformers.Qwen4ExpForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     captured = []
-    target.model.hyper_connection_mixer.register_forward_hook(lambda m, args, out: captured.append(args[0]))
+    hook = target.model.hyper_connection_mixer.register_forward_hook(lambda m, args, out: captured.append(args[0]))
     with torch.no_grad():
         target(torch.tensor([ids]))
+    hook.remove()
     R = captured[0][0, :-1]  # [T, S * H]
     raw.pop("mtp_num_hidden_layers", None)
     cfg = transformers.Qwen4ExpTextConfig(**{**raw, "num_hidden_layers": 1, "layer_types": ["indexed_attention"],
@@ -131,9 +150,9 @@ def _target_residual(model, ids):
 
 
 def test_whole_sequence_matches_the_sglang_formula(tiny):
-    ckpt, config, _, model, mtp = tiny
+    reference, config, _, model, mtp = tiny
     ids = _prompt(30, config)  # selection active (blocks of 4, 2 kept) and n-grams reset at EOS
-    want = _reference(ckpt, ids)
+    want = reference(ids)
     R = _target_residual(model, ids)[:-1]
     T = R.shape[0]
     pages = list(range(math.ceil(T / PAGE)))
@@ -148,9 +167,9 @@ def test_whole_sequence_matches_the_sglang_formula(tiny):
 
 
 def test_one_position_at_a_time_over_its_kv_matches(tiny):
-    ckpt, config, _, model, mtp = tiny
+    reference, config, _, model, mtp = tiny
     ids = _prompt(22, config)
-    want = _reference(ckpt, ids)
+    want = reference(ids)
     R = _target_residual(model, ids)
     T = len(ids) - 1
     pages = list(range(math.ceil(T / PAGE)))
