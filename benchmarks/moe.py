@@ -160,8 +160,8 @@ def run_host_experts(path: Path, cfg: dict, full_cfg: dict, args, device: str, b
         res: dict = {"start_s": clock() - t, "placement": inst.memory.placement, "expert_cache_bytes": cache,
                      "slots_per_layer": plan["slots_per_layer"], "memory_expert_cache_slots":
                      inst.memory.expert_cache_slots, "graphs": inst.program.graphs is not None}
-        res.update(measure(inst.program, qwen35_view(inst.config), cfg, args, device, full_cfg, bw, stats=lambda: experts.stats,
-                           host_gb_s=host_gb_s))
+        res.update(measure(inst.program, qwen35_view(inst.config), cfg, args, device, full_cfg, bw,
+                           stats=lambda: experts.stats, host_gb_s=host_gb_s))
         return res
 
     return on_instance(path, options, run)
