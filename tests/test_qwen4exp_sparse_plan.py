@@ -86,3 +86,12 @@ def test_plan_names_the_host_memory_a_host_placement_lacks(sparse, capsys):
     rc, refused = _plan(art, "--placement", "host-experts", "--host-memory", "4096", capsys=capsys)
     assert rc == 1 and not refused["fits"]
     assert "host memory" in refused["error"] and "host-experts" in refused["error"]
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 8, 1000, 65537, 5 << 20])
+def test_the_closed_form_crc_of_a_hole_is_zlibs(n):
+    import zlib
+
+    from benchmarks.sparse import zero_crc
+
+    assert zero_crc(n) == zlib.crc32(bytes(n))
