@@ -194,7 +194,8 @@ def moe(args) -> int:
     if args.full_depth:
         return run(args, "moe_full_depth", module("moe_full_depth", "--engine", "--json",
                                                   out_dir() / "moe_full_depth.json"), timeout=args.timeout)
-    shape = ["--shape", args.shape] + (["--layers", args.layers] if args.layers else [])
+    shape = ["--shape", args.shape] + (["--layers", args.layers] if args.layers else []) \
+        + (["--budget-gib", f"{args.budget_gib:g}"] if args.budget_gib else [])
     return run(args, "moe", module("moe", *shape, "--workdir", "/tmp/moe", "--json", out_dir() / "moe.json",
                                    *([] if args.hf else ["--no-hf"])), timeout=args.timeout)
 
@@ -265,6 +266,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--shape", default="35b-a3b", choices=("35b-a3b", "qwen4exp"))
     s.add_argument("--layers", type=int, default=None,
                    help="decoder layers written and run, a multiple of 4 (default 8; 4 for qwen4exp: 5 GB a layer)")
+    s.add_argument("--budget-gib", type=float, default=None, help="device budget of the host-experts plan (default 24)")
     s.add_argument("--full-depth", action="store_true", help="Qwen3.5 35B-A3B: all 40 layers on the device, no "
                                                               "checkpoint")
     s.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers baseline")
