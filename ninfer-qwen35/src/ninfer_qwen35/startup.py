@@ -177,13 +177,17 @@ def _placements(total: int, host: int, banks: list[torch.Tensor], top_k: int) ->
 
 
 def _eager_reason(loaded: Qwen35Loaded) -> str | None:
+    return eager_reason(host_experts=loaded.host_experts, moe=loaded.config.moe is not None)
+
+
+def eager_reason(*, host_experts: bool, moe: bool) -> str | None:
     """Why decode cannot run through CUDA graphs (None: it can). Host experts read each MoE layer's routing on the
     host; the routed experts' torch reference reads which experts were hit (their Triton kernels do not)."""
     from ninfer.ops.dispatch import triton_selected
 
-    if loaded.host_experts:
+    if host_experts:
         return "the MoE routed experts live in host memory (placement host-experts)"
-    if loaded.config.moe is not None and not triton_selected("moe", "moe_experts"):
+    if moe and not triton_selected("moe", "moe_experts"):
         return "the MoE routed experts run the torch reference, which reads the hit experts on the host"
     return None
 
@@ -192,11 +196,16 @@ def _host_experts(loaded: Qwen35Loaded, dev: Device, cache_slots: int):
     """The Program's runtime of the host-resident routed experts (None when the banks are on the device)."""
     if not loaded.host_experts:
         return None
+    stacks = [loaded.executor.params.layers, loaded.mtp.params.layers if loaded.mtp is not None else ()]
+    return host_experts_runtime(stacks, loaded.config.moe, dev, cache_slots)
+
+
+def host_experts_runtime(stacks: list, moe: Any, dev: Device, cache_slots: int):
+    """``HostExperts`` over the MoE blocks (``MoEParams``) of each stack of layer parameters (each layer's ``mlp``;
+    a forward runs one stack's layers in order: the main layers, then an MTP block's)."""
     from ninfer.models.common.moe.host_experts import HostExperts, default_team
     from ninfer_qwen35.execution.parameters import MoEParams
 
-    moe = loaded.config.moe
-    stacks = [loaded.executor.params.layers, loaded.mtp.params.layers if loaded.mtp is not None else ()]
     blocks = [[layer.mlp for layer in stack if isinstance(layer.mlp, MoEParams)] for stack in stacks]
     banks = [(b.gate_up, b.down) for stack in blocks for b in stack]
     # Each layer's successor in the same forward (main layers, then the MTP layers' own chain) predicts ahead.

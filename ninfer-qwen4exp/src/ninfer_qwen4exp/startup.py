@@ -1,0 +1,196 @@
+"""Native Qwen4Exp Startup (``ninfer.contract.Startup``): profile -> load -> instance.
+
+Text only for now: the MTP drafter and the vision encoder are refused clearly until they are built. ``profile``
+prepares the very Parameters execution uses on the meta device (``ninfer.artifact.meta_weights``), as Qwen3.5's
+does, so its weight bytes are what a load allocates. Two kinds of weight stay in host memory: the PLE n-gram
+tables in every placement (a forward uploads only the rows it looks up, so they are host bytes, never device
+bytes), and with placement ``host-experts`` the MoE routed expert banks (Qwen3.5 MoE's host experts, with a
+Program-owned device expert cache). The StateImage slot, the KV page (with the QSA index keys) and the model's
+widths complete the profile; ``instance`` builds a ``Qwen4ExpProgram`` of exactly the granted capacity.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+from ninfer.contract.config import StartupOptions
+from ninfer.contract.memory import ModelProfile, ModelShape, ProgramCapacity, WeightPlacement
+from ninfer.contract.model import ModelInstance
+from ninfer.core.device import Device, dtype_name
+from ninfer.core.device_plan import resident_bytes
+from ninfer.core.kv_pool import PagedKVPool
+from ninfer_qwen4exp.config import Qwen4ExpConfig, parse_config
+from ninfer_qwen4exp.source_mapping import NGRAM_TABLE
+from ninfer_qwen35.startup import (
+    ALL_DEVICE,
+    EMBED,
+    HOST_EXPERTS,
+    StartupError,
+    _bank_objects,
+    _compute_dtype,
+    _placements,
+    eager_reason,
+    host_experts_runtime,
+)
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class Qwen4ExpLoaded:
+    """The read-only Model: config, bound weights, prepared Parameters behind the model calls, the Frontend."""
+
+    config: Qwen4ExpConfig
+    weights: Any
+    load_report: Any
+    executor: Any  # Qwen4ExpModel, the fixed model calls
+    frontend: Any
+    compute: torch.dtype
+    host_experts: bool = False  # the MoE routed expert banks live in host memory (placement "host-experts")
+    features: tuple[str, ...] = ("text",)
+
+
+class Qwen4ExpStartup:
+    """Qwen4Exp's side of startup: what it needs, its weights, and a Program of a granted capacity."""
+
+    def profile(self, artifact: Any, options: StartupOptions) -> ModelProfile:
+        config, features = _checked(artifact, options)  # refuses before anything else is read
+        from ninfer.artifact import meta_weights
+
+        weights = meta_weights(artifact, features=features)
+        return weights_profile(config, weights, options, architecture=artifact.metadata.architecture,
+                               tables=[weights.parents[o] for o in ngram_objects(artifact, features)],
+                               bank_parents=[weights.parents[o] for o in _bank_objects(artifact, features)])
+
+    def load(self, artifact: Any, options: StartupOptions, placement: WeightPlacement) -> Qwen4ExpLoaded:
+        from ninfer.artifact import load_weights
+        from ninfer.models.common.qwen import QwenFrontend
+        from ninfer_qwen4exp.execution.model import Qwen4ExpModel
+        from ninfer_qwen4exp.execution.parameters import Qwen4ExpParameters
+
+        config, features = _checked(artifact, options)
+        if placement.name not in (ALL_DEVICE, HOST_EXPERTS):
+            raise StartupError(f"Qwen4Exp has no weight placement {placement.name!r}")
+        host = placement.name == HOST_EXPERTS
+        dev = Device.parse(options.device)
+        frontend = QwenFrontend.from_resources(artifact.frontend, chat_template_override=options.chat_template,
+                                               special_tokens_in_content=options.special_tokens_in_content,
+                                               constraint_limits=options.constraint_limits)
+        kept = ngram_objects(artifact, features) | (_bank_objects(artifact, features) if host else frozenset())
+        weights, report = load_weights(artifact, features=features, device=str(dev), host_objects=kept)
+        compute = _compute_dtype(options, weights[EMBED].dtype)
+        params = Qwen4ExpParameters.from_weights(config, weights, compute, dev.torch, "cpu" if host else None)
+        return Qwen4ExpLoaded(config=config, weights=weights, load_report=report, executor=Qwen4ExpModel(params),
+                              frontend=frontend, compute=compute, host_experts=host, features=features)
+
+    def instance(self, loaded: Qwen4ExpLoaded, options: StartupOptions, capacity: ProgramCapacity) -> ModelInstance:
+        from ninfer_qwen4exp.program import Qwen4ExpProgram
+
+        config, dev = loaded.config, Device.parse(options.device)
+        layout, pool = _stores(config, options, loaded.compute)
+        eager = _eager_reason(loaded)
+        experts = None
+        if loaded.host_experts:
+            experts = host_experts_runtime([loaded.executor.params.layers], config.base.moe, dev,
+                                           capacity.expert_cache_slots)
+        program = Qwen4ExpProgram(loaded.executor, config=config, state_layout=layout, kv_pool=pool, device=dev,
+                                  max_concurrency=options.max_concurrency, capacity=capacity,
+                                  kv_dtype=loaded.compute, vocab_size=config.base.vocab_size,
+                                  sampling_defaults=loaded.frontend.sampling_defaults(),
+                                  cuda_graphs=options.cuda_graphs and eager is None, host_experts=experts)
+        if eager is not None and options.cuda_graphs and dev.is_cuda:
+            program.graph_error = f"{eager}: decode runs eagerly"
+        return ModelInstance(architecture="qwen4exp", config=config, model=loaded,
+                             parameters=loaded.executor.params, frontend=loaded.frontend, program=program,
+                             features=loaded.features)
+
+
+def weights_profile(config: Qwen4ExpConfig, weights: Any, options: StartupOptions, *, architecture: str,
+                    tables: list[torch.Tensor], bank_parents: list[torch.Tensor]) -> ModelProfile:
+    """The text model's profile from its bound ``weights`` (a meta WeightSet: shapes and sharing, no bytes), its
+    n-gram ``tables`` and the parents behind the routed expert banks (``bank_parents``) among them."""
+    from ninfer_qwen4exp.execution.parameters import Qwen4ExpParameters
+
+    compute = _compute_dtype(options, weights[EMBED].dtype)
+    params = Qwen4ExpParameters.from_weights(config, weights, compute, torch.device("meta"))
+    banks = params.expert_banks()
+    total = resident_bytes([*weights.parents.values(), *params.tensors()])
+    placements = _placements(total, resident_bytes([*bank_parents, *banks]), banks, config.base.moe.num_experts_per_tok)
+    layout, pool = _stores(config, options, compute)
+    return ModelProfile(
+        architecture=architecture, dtype=dtype_name(compute), features=("text",),
+        placements=tuple(host_tables(p, resident_bytes(tables)) for p in placements),
+        state_slot_bytes=layout.nbytes_per_slot, kv_page_bytes=PagedKVPool.page_bytes(pool),
+        page_size=pool.page_size, shape=model_shape(config), model_limit=config.base.max_position_embeddings,
+        layers=config.base.num_hidden_layers)
+
+
+def build(artifact: Any, options: StartupOptions) -> ModelInstance:
+    """The whole start of an opened artifact as the engine runs it (plan, load, formal Program): for direct
+    Program users and tests. ``instance.memory`` is its MemorySummary."""
+    from ninfer.engine.startup import start
+
+    return start(Qwen4ExpStartup(), artifact, options)
+
+
+def ngram_objects(artifact: Any, features: tuple[str, ...]) -> frozenset[str]:
+    """The artifact objects behind the selected features' PLE n-gram tables (from the header's bindings)."""
+    return frozenset(b.object for b in artifact.bindings.values()
+                     if b.feature in features and b.name.endswith(NGRAM_TABLE))
+
+
+def host_tables(placement: WeightPlacement, tables: int) -> WeightPlacement:
+    """``placement`` with the n-gram tables' ``tables`` bytes in host memory: a decode step reads only the rows
+    it looks up, so they leave ``step_bytes`` too."""
+    if not tables:
+        return placement
+    return attrs.evolve(placement, device_bytes=placement.device_bytes - tables,
+                        host_bytes=placement.host_bytes + tables,
+                        step_bytes=placement.step_bytes - tables if placement.step_bytes else 0)
+
+
+def model_shape(config: Qwen4ExpConfig) -> ModelShape:
+    """The widths the planner sizes transients from: the residual is ``hc_count`` streams wide; the widest mixer
+    is the GDN convolution's input and output, the gated attention's projections with the QSA indexer's, or a
+    PLE layer's looked-up rows, key, value, gated value and conv output."""
+    b = config.base
+    attention = (2 * b.num_attention_heads + 2 * b.num_key_value_heads) * b.head_dim
+    if config.qsa is not None:
+        attention += (config.qsa.n_heads + 1) * config.qsa.head_dim
+    ple = config.ple.embed_dim + 3 * config.hc_hidden_size + b.hidden_size if config.ple is not None else 0
+    return ModelShape(hidden_size=config.hc_hidden_size, vocab_size=b.vocab_size, mlp_width=b.ffn_width,
+                      mixer_width=max(2 * b.conv_dim, attention, ple))
+
+
+def _eager_reason(loaded: Qwen4ExpLoaded) -> str | None:
+    """Why decode cannot run through CUDA graphs (None: it can): the PLE n-gram rows, which a step looks up in
+    host memory; QSA's block selection, whose torch reference (it has no kernel) reads the sequence lengths on
+    the host; and Qwen3.5 MoE's reasons."""
+    if loaded.config.ple is not None:
+        return "the PLE n-gram table lives in host memory and each step looks up its rows on the host"
+    if loaded.config.qsa is not None:
+        return "QSA block selection runs its torch reference, which reads the sequence lengths on the host"
+    return eager_reason(host_experts=loaded.host_experts, moe=True)
+
+
+def _checked(artifact: Any, options: StartupOptions) -> tuple[Qwen4ExpConfig, tuple[str, ...]]:
+    """The config and the features to bind (text); refuses what this Startup cannot run yet."""
+    features = options.features
+    if features.speculative is not None:
+        raise StartupError(f"speculative={features.speculative!r} is not built yet for Qwen4Exp: start without "
+                           "speculative decoding")
+    if features.vision:
+        raise StartupError("vision is not built yet for Qwen4Exp: start with vision=False (text only)")
+    return parse_config(artifact.config), ("text",)
+
+
+def _stores(config: Qwen4ExpConfig, options: StartupOptions, compute: torch.dtype):
+    """The StateImage layout and the one KV pool (the attention layers, with the QSA index keys)."""
+    from ninfer_qwen4exp.state import kv_pools, state_layout
+
+    pools = kv_pools(config, page_size=options.page_size, dtype=dtype_name(compute))
+    if len(pools) != 1:
+        raise StartupError(f"this Program runs exactly one KV pool (the attention layers); the config gives "
+                           f"{len(pools)}")
+    return state_layout(config, dtype_name(compute)), pools[0]
