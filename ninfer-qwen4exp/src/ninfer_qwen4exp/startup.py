@@ -1,6 +1,8 @@
 """Native Qwen4Exp Startup (``ninfer.contract.Startup``): profile -> load -> instance.
 
-Text only for now: the MTP drafter and the vision encoder are refused clearly until they are built. ``profile``
+The MTP drafter is refused clearly until it is built. The vision encoder is Qwen3.5's (``Qwen35Vision`` over
+``config.base``), bound as Qwen3.5 binds it: ``StartupFeatures.vision`` None binds it when the artifact has the
+feature, True requires it, False leaves it unread; its weights and its workspace are planned. ``profile``
 prepares the very Parameters execution uses on the meta device (``ninfer.artifact.meta_weights``), as Qwen3.5's
 does, so its weight bytes are what a load allocates. Two kinds of weight stay in host memory: the PLE n-gram
 tables in every placement (a forward uploads only the rows it looks up, so they are host bytes, never device
@@ -31,9 +33,11 @@ from ninfer_qwen35.startup import (
     StartupError,
     _bank_objects,
     _compute_dtype,
+    _encoder_needs,
     _placements,
     eager_reason,
     host_experts_runtime,
+    vision_tensors,
 )
 
 
@@ -48,6 +52,7 @@ class Qwen4ExpLoaded:
     frontend: Any
     compute: torch.dtype
     host_experts: bool = False  # the MoE routed expert banks live in host memory (placement "host-experts")
+    vision: Any = None  # Qwen35Vision when the vision feature is bound
     features: tuple[str, ...] = ("text",)
 
 
@@ -61,13 +66,16 @@ class Qwen4ExpStartup:
         weights = meta_weights(artifact, features=features)
         return weights_profile(config, weights, options, architecture=artifact.metadata.architecture,
                                tables=[weights.parents[o] for o in ngram_objects(artifact, features)],
-                               bank_parents=[weights.parents[o] for o in _bank_objects(artifact, features)])
+                               bank_parents=[weights.parents[o] for o in _bank_objects(artifact, features)],
+                               features=features, media=artifact.frontend.media)
 
     def load(self, artifact: Any, options: StartupOptions, placement: WeightPlacement) -> Qwen4ExpLoaded:
         from ninfer.artifact import load_weights
         from ninfer.models.common.qwen import QwenFrontend
+        from ninfer.models.common.qwen.media_preparation import MediaLimits
         from ninfer_qwen4exp.execution.model import Qwen4ExpModel
         from ninfer_qwen4exp.execution.parameters import Qwen4ExpParameters
+        from ninfer_qwen35.execution.vision import Qwen35Vision, VisionParams
 
         config, features = _checked(artifact, options)
         if placement.name not in (ALL_DEVICE, HOST_EXPERTS):
@@ -76,19 +84,25 @@ class Qwen4ExpStartup:
         dev = Device.parse(options.device)
         frontend = QwenFrontend.from_resources(artifact.frontend, chat_template_override=options.chat_template,
                                                special_tokens_in_content=options.special_tokens_in_content,
-                                               constraint_limits=options.constraint_limits)
+                                               constraint_limits=options.constraint_limits,
+                                               vision="vision" in features,
+                                               media_limits=MediaLimits(max_decoded_pixels=options.media_max_pixels,
+                                                                        max_request_tokens=options.media_max_tokens))
         kept = ngram_objects(artifact, features) | (_bank_objects(artifact, features) if host else frozenset())
         weights, report = load_weights(artifact, features=features, device=str(dev), host_objects=kept)
         compute = _compute_dtype(options, weights[EMBED].dtype)
         params = Qwen4ExpParameters.from_weights(config, weights, compute, dev.torch, "cpu" if host else None)
+        vision = None
+        if "vision" in features:
+            vision = Qwen35Vision(VisionParams.from_weights(config.base, weights, compute, dev.torch))
         return Qwen4ExpLoaded(config=config, weights=weights, load_report=report, executor=Qwen4ExpModel(params),
-                              frontend=frontend, compute=compute, host_experts=host, features=features)
+                              frontend=frontend, compute=compute, host_experts=host, vision=vision, features=features)
 
     def instance(self, loaded: Qwen4ExpLoaded, options: StartupOptions, capacity: ProgramCapacity) -> ModelInstance:
         from ninfer_qwen4exp.program import Qwen4ExpProgram
 
         config, dev = loaded.config, Device.parse(options.device)
-        layout, pool = _stores(config, options, loaded.compute)
+        layout, pool = _stores(config, options, loaded.compute, media=loaded.vision is not None)
         eager = _eager_reason(loaded)
         experts = None
         if loaded.host_experts:
@@ -98,7 +112,8 @@ class Qwen4ExpStartup:
                                   max_concurrency=options.max_concurrency, capacity=capacity,
                                   kv_dtype=loaded.compute, vocab_size=config.base.vocab_size,
                                   sampling_defaults=loaded.frontend.sampling_defaults(),
-                                  cuda_graphs=options.cuda_graphs and eager is None, host_experts=experts)
+                                  cuda_graphs=options.cuda_graphs and eager is None, host_experts=experts,
+                                  vision=loaded.vision)
         if eager is not None and options.cuda_graphs and dev.is_cuda:
             program.graph_error = f"{eager}: decode runs eagerly"
         return ModelInstance(architecture="qwen4exp", config=config, model=loaded,
@@ -107,19 +122,30 @@ class Qwen4ExpStartup:
 
 
 def weights_profile(config: Qwen4ExpConfig, weights: Any, options: StartupOptions, *, architecture: str,
-                    tables: list[torch.Tensor], bank_parents: list[torch.Tensor]) -> ModelProfile:
-    """The text model's profile from its bound ``weights`` (a meta WeightSet: shapes and sharing, no bytes), its
-    n-gram ``tables`` and the parents behind the routed expert banks (``bank_parents``) among them."""
+                    tables: list[torch.Tensor], bank_parents: list[torch.Tensor],
+                    features: tuple[str, ...] = ("text",), media: dict | None = None) -> ModelProfile:
+    """The model's profile from its bound ``weights`` (a meta WeightSet: shapes and sharing, no bytes), its
+    n-gram ``tables`` and the parents behind the routed expert banks (``bank_parents``) among them. With the
+    ``vision`` feature, the encoder's prepared weights and its workspace for the largest item the artifact's
+    preprocessor config (``media``) lets a request carry."""
     from ninfer_qwen4exp.execution.parameters import Qwen4ExpParameters
+    from ninfer_qwen35.execution.vision import VisionParams
 
     compute = _compute_dtype(options, weights[EMBED].dtype)
-    params = Qwen4ExpParameters.from_weights(config, weights, compute, torch.device("meta"))
+    meta = torch.device("meta")
+    params = Qwen4ExpParameters.from_weights(config, weights, compute, meta)
     banks = params.expert_banks()
-    total = resident_bytes([*weights.parents.values(), *params.tensors()])
-    placements = _placements(total, resident_bytes([*bank_parents, *banks]), banks, config.base.moe.num_experts_per_tok)
-    layout, pool = _stores(config, options, compute)
+    fixed = [*weights.parents.values(), *params.tensors()]
+    encoder = None
+    if "vision" in features:  # the encoder's prepared weights (copies where the dtype differs) and its peak
+        fixed += vision_tensors(VisionParams.from_weights(config.base, weights, compute, meta))
+        context = options.max_model_len or config.base.max_position_embeddings
+        encoder = _encoder_needs(config.base, media, torch.empty((), dtype=compute).element_size(), context)
+    placements = _placements(resident_bytes(fixed), resident_bytes([*bank_parents, *banks]), banks,
+                             config.base.moe.num_experts_per_tok)
+    layout, pool = _stores(config, options, compute, media="vision" in features)
     return ModelProfile(
-        architecture=architecture, dtype=dtype_name(compute), features=("text",),
+        architecture=architecture, dtype=dtype_name(compute), features=features, encoder=encoder,
         placements=tuple(host_tables(p, resident_bytes(tables)) for p in placements),
         state_slot_bytes=layout.nbytes_per_slot, kv_page_bytes=PagedKVPool.page_bytes(pool),
         page_size=pool.page_size, shape=model_shape(config), model_limit=config.base.max_position_embeddings,
@@ -175,21 +201,38 @@ def _eager_reason(loaded: Qwen4ExpLoaded) -> str | None:
 
 
 def _checked(artifact: Any, options: StartupOptions) -> tuple[Qwen4ExpConfig, tuple[str, ...]]:
-    """The config and the features to bind (text); refuses what this Startup cannot run yet."""
+    """The config and the features to bind (text, and vision as Qwen3.5 binds it); refuses what this Startup
+    cannot run yet."""
     features = options.features
     if features.speculative is not None:
         raise StartupError(f"speculative={features.speculative!r} is not built yet for Qwen4Exp: start without "
                            "speculative decoding")
-    if features.vision:
-        raise StartupError("vision is not built yet for Qwen4Exp: start with vision=False (text only)")
-    return parse_config(artifact.config), ("text",)
+    config = parse_config(artifact.config)
+    return config, ("text", *(("vision",) if _vision(artifact, config, options) else ()))
 
 
-def _stores(config: Qwen4ExpConfig, options: StartupOptions, compute: torch.dtype):
-    """The StateImage layout and the one KV pool (the attention layers, with the QSA index keys)."""
+def _vision(artifact: Any, config: Qwen4ExpConfig, options: StartupOptions) -> bool:
+    """Whether to bind the encoder: ``vision`` None when the artifact has it and the config names the placeholder
+    ids (text only with MTP, whose units place tokens at plain positions), True requires it, False never."""
+    features, c = options.features, config.base
+    present = "vision" in artifact.features and bool(c.vision)
+    if features.vision and not present:
+        raise StartupError("vision=True, but this artifact has no vision feature (a text-only conversion)")
+    if features.vision and features.draft_tokens:
+        raise StartupError("vision with speculative='mtp' is not supported yet: the MTP units do not place tokens "
+                           "at MRoPE positions; start with vision=False or without speculative decoding")
+    pads = c.image_token_id is not None or c.video_token_id is not None
+    if features.vision and not pads:
+        raise StartupError("vision=True, but the config names no image_token_id / video_token_id")
+    return present and pads and features.vision is not False and not features.draft_tokens
+
+
+def _stores(config: Qwen4ExpConfig, options: StartupOptions, compute: torch.dtype, *, media: bool = False):
+    """The StateImage layout and the one KV pool (the attention layers, with the QSA index keys, and with
+    ``media`` each token's rotary positions)."""
     from ninfer_qwen4exp.state import kv_pools, state_layout
 
-    pools = kv_pools(config, page_size=options.page_size, dtype=dtype_name(compute))
+    pools = kv_pools(config, page_size=options.page_size, dtype=dtype_name(compute), media=media)
     if len(pools) != 1:
         raise StartupError(f"this Program runs exactly one KV pool (the attention layers); the config gives "
                            f"{len(pools)}")
