@@ -2,7 +2,9 @@
 ``full`` variant, QSA selecting from the 12th token, PLE, 4 streams): ``StartupFeatures.vision`` None binds
 Qwen3.5's encoder when the artifact has it (its weights, its workspace and the paged rotary positions planned),
 False leaves it unread and refuses media; a media prompt through the built instance's Program gives the greedy
-tokens of transformers' ``Qwen4ExpForConditionalGeneration.generate`` on the checkpoint (fp32)."""
+tokens of transformers' ``Qwen4ExpForConditionalGeneration.generate`` on the checkpoint (fp32), and the same tokens
+when paused after the prompt (Snapshot: the pages, rotary positions included, go to the host and back; Replay:
+the image is encoded again)."""
 
 from __future__ import annotations
 
@@ -15,10 +17,11 @@ from ninfer.contract.request import SamplingParams
 
 pytest.importorskip("transformers")
 from ninfer.artifact import open_artifact  # noqa: E402
+from ninfer.models.common.qwen.mrope import MRopePlan  # noqa: E402
 from ninfer.models.common.qwen.vision_preprocess import PreprocessConfig, preprocess_image  # noqa: E402
 from ninfer_qwen4exp.startup import Qwen4ExpStartup, StartupError, build  # noqa: E402
 from ninfer_qwen4exp.testing.checkpoints import convert_tiny, make_tiny_checkpoint  # noqa: E402
-from ninfer_qwen35.testing.vision_prompts import image, program_greedy  # noqa: E402
+from ninfer_qwen35.testing.vision_prompts import decode_greedy, image, prefill_greedy, program_greedy  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -73,6 +76,36 @@ def test_default_binds_the_encoder_and_gives_transformers_greedy_tokens(artifact
         out = hf.generate(input_ids=torch.tensor([prompt.token_ids]), **extra, max_new_tokens=n, do_sample=False)
     assert ours == out[0, len(prompt.token_ids):].tolist()
     assert inst.program.usage().all_free and inst.program.vision.items_held == 0
+
+
+@pytest.mark.parametrize("mode", ["snapshot", "replay"])
+def test_pause_after_the_prompt_resumes_exactly(artifact_path, mode):
+    with open_artifact(artifact_path) as art:
+        inst = build(art, _options())
+        media = art.frontend.media
+    prog, (prompt, _) = inst.program, _media_prompt(inst, media)
+    want = program_greedy(prog, prompt, 10, chunk=24)
+    sid = prog.open_sequence(prompt, GREEDY)
+    got = prefill_greedy(prog, sid, 24) + decode_greedy(prog, sid, 1)
+    written = _rope_positions(prog, sid)  # every computed token's (t, h, w), as the prompt's MRoPE plan has them
+    plan = MRopePlan(len(prompt.token_ids), prompt.media_spans, 2)
+    assert torch.equal(written, plan.positions(0, written.shape[0]).T.int())
+    state = prog.pause(sid, mode)
+    assert prog.usage().kv_pages_used == 0
+    prog.views.rope_positions.fill_(-1)  # a Snapshot's come back from the host, a Replay's are written again
+    sid = prog.resume(state)
+    got += prefill_greedy(prog, sid, 24)
+    assert torch.equal(_rope_positions(prog, sid)[:written.shape[0]], written)
+    got += decode_greedy(prog, sid, len(want) - len(got))
+    assert got == want
+    prog.release(sid)
+    assert prog.usage().all_free and prog.vision.items_held == 0
+
+
+def _rope_positions(prog, sid: int) -> torch.Tensor:
+    seq = prog.sequences.get(sid)
+    pages = torch.tensor(seq.pages, dtype=torch.long)
+    return prog.views.rope_positions[pages].reshape(-1, 3)[:seq.computed]
 
 
 def test_the_plan_counts_the_encoder_and_the_rotary_positions(artifact_path):
