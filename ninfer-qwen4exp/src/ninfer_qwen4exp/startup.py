@@ -1,10 +1,11 @@
 """Native Qwen4Exp Startup (``ninfer.contract.Startup``): profile -> load -> instance.
 
-The MTP drafter is refused clearly until it is built. The vision encoder is Qwen3.5's (``Qwen35Vision`` over
-``config.base``), bound as Qwen3.5 binds it: ``StartupFeatures.vision`` None binds it when the artifact has the
-feature, True requires it, False leaves it unread; its weights and its workspace are planned. ``profile``
-prepares the very Parameters execution uses on the meta device (``ninfer.artifact.meta_weights``), as Qwen3.5's
-does, so its weight bytes are what a load allocates. Two kinds of weight stay in host memory: the PLE n-gram
+Text, and with ``speculative="mtp"`` the MTP drafter (``Qwen4ExpMTPProgram``). The vision encoder is Qwen3.5's
+(``Qwen35Vision`` over ``config.base``), bound as Qwen3.5 binds it: ``StartupFeatures.vision`` None binds it when
+the artifact has the feature (text only with MTP), True requires it, False leaves it unread; its weights and its
+workspace are planned, and the KV pool then pages each token's rotary positions. ``profile`` prepares the very
+Parameters execution uses on the meta device (``ninfer.artifact.meta_weights``), as Qwen3.5's does, so its weight
+bytes are what a load allocates. Two kinds of weight stay in host memory: the PLE n-gram
 tables in every placement (a forward uploads only the rows it looks up, so they are host bytes, never device
 bytes), and with placement ``host-experts`` the MoE routed expert banks (Qwen3.5 MoE's host experts, with a
 Program-owned device expert cache). The StateImage slot, the KV page (with the QSA index keys) and the model's
@@ -54,6 +55,7 @@ class Qwen4ExpLoaded:
     host_experts: bool = False  # the MoE routed expert banks live in host memory (placement "host-experts")
     vision: Any = None  # Qwen35Vision when the vision feature is bound
     features: tuple[str, ...] = ("text",)
+    mtp: Any = None  # Qwen4ExpMTP when speculative="mtp"
 
 
 class Qwen4ExpStartup:
@@ -67,13 +69,14 @@ class Qwen4ExpStartup:
         return weights_profile(config, weights, options, architecture=artifact.metadata.architecture,
                                tables=[weights.parents[o] for o in ngram_objects(artifact, features)],
                                bank_parents=[weights.parents[o] for o in _bank_objects(artifact, features)],
-                               features=features, media=artifact.frontend.media)
+                               vision="vision" in features, media=artifact.frontend.media)
 
     def load(self, artifact: Any, options: StartupOptions, placement: WeightPlacement) -> Qwen4ExpLoaded:
         from ninfer.artifact import load_weights
         from ninfer.models.common.qwen import QwenFrontend
         from ninfer.models.common.qwen.media_preparation import MediaLimits
         from ninfer_qwen4exp.execution.model import Qwen4ExpModel
+        from ninfer_qwen4exp.execution.mtp import Qwen4ExpMTP, Qwen4ExpMTPParams
         from ninfer_qwen4exp.execution.parameters import Qwen4ExpParameters
         from ninfer_qwen35.execution.vision import Qwen35Vision, VisionParams
 
@@ -91,29 +94,39 @@ class Qwen4ExpStartup:
         kept = ngram_objects(artifact, features) | (_bank_objects(artifact, features) if host else frozenset())
         weights, report = load_weights(artifact, features=features, device=str(dev), host_objects=kept)
         compute = _compute_dtype(options, weights[EMBED].dtype)
-        params = Qwen4ExpParameters.from_weights(config, weights, compute, dev.torch, "cpu" if host else None)
-        vision = None
+        experts = "cpu" if host else None
+        executor = Qwen4ExpModel(Qwen4ExpParameters.from_weights(config, weights, compute, dev.torch, experts))
+        mtp = vision = None
+        if options.features.draft_tokens:
+            mtp = Qwen4ExpMTP(Qwen4ExpMTPParams.from_weights(config, weights, compute, dev.torch, experts), executor)
         if "vision" in features:
             vision = Qwen35Vision(VisionParams.from_weights(config.base, weights, compute, dev.torch))
-        return Qwen4ExpLoaded(config=config, weights=weights, load_report=report, executor=Qwen4ExpModel(params),
-                              frontend=frontend, compute=compute, host_experts=host, vision=vision, features=features)
+        return Qwen4ExpLoaded(config=config, weights=weights, load_report=report, executor=executor,
+                              frontend=frontend, compute=compute, host_experts=host, vision=vision,
+                              features=features, mtp=mtp)
 
     def instance(self, loaded: Qwen4ExpLoaded, options: StartupOptions, capacity: ProgramCapacity) -> ModelInstance:
         from ninfer_qwen4exp.program import Qwen4ExpProgram
+        from ninfer_qwen4exp.program.mtp_program import Qwen4ExpMTPProgram, verify_steps
 
         config, dev = loaded.config, Device.parse(options.device)
         layout, pool = _stores(config, options, loaded.compute, media=loaded.vision is not None)
         eager = _eager_reason(loaded)
         experts = None
-        if loaded.host_experts:
-            experts = host_experts_runtime([loaded.executor.params.layers], config.base.moe, dev,
-                                           capacity.expert_cache_slots)
-        program = Qwen4ExpProgram(loaded.executor, config=config, state_layout=layout, kv_pool=pool, device=dev,
-                                  max_concurrency=options.max_concurrency, capacity=capacity,
-                                  kv_dtype=loaded.compute, vocab_size=config.base.vocab_size,
-                                  sampling_defaults=loaded.frontend.sampling_defaults(),
-                                  cuda_graphs=options.cuda_graphs and eager is None, host_experts=experts,
-                                  vision=loaded.vision)
+        if loaded.host_experts:  # a forward runs one stack's layers in order: the main layers, or the MTP's
+            stacks = [loaded.executor.params.layers, loaded.mtp.params.layers if loaded.mtp is not None else ()]
+            experts = host_experts_runtime(stacks, config.base.moe, dev, capacity.expert_cache_slots)
+        common = dict(config=config, state_layout=layout, kv_pool=pool, device=dev,
+                      max_concurrency=options.max_concurrency, capacity=capacity, kv_dtype=loaded.compute,
+                      vocab_size=config.base.vocab_size, sampling_defaults=loaded.frontend.sampling_defaults(),
+                      cuda_graphs=options.cuda_graphs and eager is None, host_experts=experts)
+        k = options.features.draft_tokens
+        if k:
+            steps = verify_steps(config, rows=options.max_concurrency, draft_tokens=k, dtype=loaded.compute,
+                                 device=dev.torch)
+            program = Qwen4ExpMTPProgram(loaded.executor, mtp=loaded.mtp, steps=steps, draft_tokens=k, **common)
+        else:
+            program = Qwen4ExpProgram(loaded.executor, vision=loaded.vision, **common)
         if eager is not None and options.cuda_graphs and dev.is_cuda:
             program.graph_error = f"{eager}: decode runs eagerly"
         return ModelInstance(architecture="qwen4exp", config=config, model=loaded,
@@ -122,34 +135,43 @@ class Qwen4ExpStartup:
 
 
 def weights_profile(config: Qwen4ExpConfig, weights: Any, options: StartupOptions, *, architecture: str,
-                    tables: list[torch.Tensor], bank_parents: list[torch.Tensor],
-                    features: tuple[str, ...] = ("text",), media: dict | None = None) -> ModelProfile:
+                    tables: list[torch.Tensor], bank_parents: list[torch.Tensor], vision: bool = False,
+                    media: dict | None = None) -> ModelProfile:
     """The model's profile from its bound ``weights`` (a meta WeightSet: shapes and sharing, no bytes), its
-    n-gram ``tables`` and the parents behind the routed expert banks (``bank_parents``) among them. With the
-    ``vision`` feature, the encoder's prepared weights and its workspace for the largest item the artifact's
-    preprocessor config (``media``) lets a request carry."""
+    n-gram ``tables`` and the parents behind the routed expert banks (``bank_parents``) among them; with
+    ``speculative="mtp"`` the MTP block's weights and the verify steps (backing bytes) too; with ``vision`` the
+    encoder's prepared weights and its workspace for the largest item the artifact's preprocessor config
+    (``media``) lets a request carry."""
+    from ninfer_qwen4exp.execution.mtp import Qwen4ExpMTPParams
     from ninfer_qwen4exp.execution.parameters import Qwen4ExpParameters
+    from ninfer_qwen4exp.program.mtp_program import steps_bytes, verify_steps
     from ninfer_qwen35.execution.vision import VisionParams
 
-    compute = _compute_dtype(options, weights[EMBED].dtype)
-    meta = torch.device("meta")
+    compute, meta = _compute_dtype(options, weights[EMBED].dtype), torch.device("meta")
     params = Qwen4ExpParameters.from_weights(config, weights, compute, meta)
-    banks = params.expert_banks()
-    fixed = [*weights.parents.values(), *params.tensors()]
+    fixed, banks = params.tensors(), params.expert_banks()
+    k, backing = options.features.draft_tokens, 0
+    if k:
+        mtp = Qwen4ExpMTPParams.from_weights(config, weights, compute, meta)
+        fixed += mtp.tensors()
+        banks += mtp.expert_banks()
+        backing = steps_bytes(verify_steps(config, rows=options.max_concurrency, draft_tokens=k, dtype=compute,
+                                           device=meta))
     encoder = None
-    if "vision" in features:  # the encoder's prepared weights (copies where the dtype differs) and its peak
+    if vision:  # the encoder's prepared weights (copies where the dtype differs) and its peak
         fixed += vision_tensors(VisionParams.from_weights(config.base, weights, compute, meta))
         context = options.max_model_len or config.base.max_position_embeddings
         encoder = _encoder_needs(config.base, media, torch.empty((), dtype=compute).element_size(), context)
-    placements = _placements(resident_bytes(fixed), resident_bytes([*bank_parents, *banks]), banks,
-                             config.base.moe.num_experts_per_tok)
-    layout, pool = _stores(config, options, compute, media="vision" in features)
+    total = resident_bytes([*weights.parents.values(), *fixed])
+    placements = _placements(total, resident_bytes([*bank_parents, *banks]), banks, config.base.moe.num_experts_per_tok)
+    layout, pool = _stores(config, options, compute, media=vision)
     return ModelProfile(
-        architecture=architecture, dtype=dtype_name(compute), features=features, encoder=encoder,
+        architecture=architecture, dtype=dtype_name(compute), encoder=encoder,
+        features=("text", *(("vision",) if vision else ()), *(("mtp",) if k else ())),
         placements=tuple(host_tables(p, resident_bytes(tables)) for p in placements),
         state_slot_bytes=layout.nbytes_per_slot, kv_page_bytes=PagedKVPool.page_bytes(pool),
-        page_size=pool.page_size, shape=model_shape(config), model_limit=config.base.max_position_embeddings,
-        layers=config.base.num_hidden_layers)
+        page_size=pool.page_size, backing_bytes=backing, shape=model_shape(config),
+        model_limit=config.base.max_position_embeddings, layers=config.base.num_hidden_layers)
 
 
 def build(artifact: Any, options: StartupOptions) -> ModelInstance:
@@ -201,14 +223,19 @@ def _eager_reason(loaded: Qwen4ExpLoaded) -> str | None:
 
 
 def _checked(artifact: Any, options: StartupOptions) -> tuple[Qwen4ExpConfig, tuple[str, ...]]:
-    """The config and the features to bind (text, and vision as Qwen3.5 binds it); refuses what this Startup
-    cannot run yet."""
+    """The config and the features to bind (text, vision as Qwen3.5 binds it, and mtp with speculative="mtp");
+    refuses what this Startup cannot run yet."""
     features = options.features
-    if features.speculative is not None:
-        raise StartupError(f"speculative={features.speculative!r} is not built yet for Qwen4Exp: start without "
-                           "speculative decoding")
+    if features.speculative not in (None, "mtp"):
+        raise StartupError(f"speculative={features.speculative!r} is not built yet for Qwen4Exp (only 'mtp' is)")
     config = parse_config(artifact.config)
-    return config, ("text", *(("vision",) if _vision(artifact, config, options) else ()))
+    if features.draft_tokens and not config.base.mtp_num_hidden_layers:
+        raise StartupError("speculative='mtp' needs an MTP head, and this model's config has "
+                           "mtp_num_hidden_layers = 0")
+    if features.draft_tokens and "mtp" not in artifact.features:
+        raise StartupError("speculative='mtp', but this artifact has no mtp feature (converted without it)")
+    vision = _vision(artifact, config, options)
+    return config, ("text", *(("vision",) if vision else ()), *(("mtp",) if features.draft_tokens else ()))
 
 
 def _vision(artifact: Any, config: Qwen4ExpConfig, options: StartupOptions) -> bool:
@@ -228,11 +255,13 @@ def _vision(artifact: Any, config: Qwen4ExpConfig, options: StartupOptions) -> b
 
 
 def _stores(config: Qwen4ExpConfig, options: StartupOptions, compute: torch.dtype, *, media: bool = False):
-    """The StateImage layout and the one KV pool (the attention layers, with the QSA index keys, and with
-    ``media`` each token's rotary positions)."""
+    """The StateImage layout and the one KV pool (the attention layers, then the MTP's when selected, with the QSA
+    index keys, and with ``media`` each token's rotary positions)."""
     from ninfer_qwen4exp.state import kv_pools, state_layout
 
-    pools = kv_pools(config, page_size=options.page_size, dtype=dtype_name(compute), media=media)
+    mtp_layers = config.base.mtp_num_hidden_layers if options.features.draft_tokens else 0
+    pools = kv_pools(config, page_size=options.page_size, dtype=dtype_name(compute), mtp_layers=mtp_layers,
+                     media=media)
     if len(pools) != 1:
         raise StartupError(f"this Program runs exactly one KV pool (the attention layers); the config gives "
                            f"{len(pools)}")

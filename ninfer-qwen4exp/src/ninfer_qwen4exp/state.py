@@ -38,12 +38,13 @@ def state_layout(config: Qwen4ExpConfig, dtype: str = "bfloat16") -> StateImageL
     ))
 
 
-def kv_pools(config: Qwen4ExpConfig, page_size: int = 16, dtype: str = "bfloat16", *,
+def kv_pools(config: Qwen4ExpConfig, page_size: int = 16, dtype: str = "bfloat16", mtp_layers: int = 0, *,
              media: bool = False) -> tuple[KVPoolSpec, ...]:
-    """One pool ``main`` over the attention layers (in layer order); with QSA, an auxiliary paged field
-    ``index_keys`` of one indexer key [qsa.head_dim] in ``dtype`` per token of each attention layer, and with
+    """One pool ``main`` over the attention layers (in layer order), then ``mtp_layers`` MTP layers when the MTP
+    drafter runs (indexed like the target's: same pages, same positions); with QSA, an auxiliary paged field
+    ``index_keys`` of one indexer key [qsa.head_dim] in ``dtype`` per token of each of those layers, and with
     ``media`` (the Program takes prompts with images and videos) ``rope_positions`` int32 [3] per token."""
-    pools = qwen35_kv_pools(config.base, page_size=page_size, dtype=dtype)
+    pools = qwen35_kv_pools(config.base, page_size=page_size, dtype=dtype, mtp_layers=mtp_layers)
     if config.qsa is None or not pools:
         return pools
     (main,) = pools

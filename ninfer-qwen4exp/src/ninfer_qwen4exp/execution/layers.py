@@ -1,11 +1,16 @@
 """The per-layer calls Qwen4Exp adds to Qwen3.5's: QSA attention (gated attention over the tokens its indexer
 selects) and the PLE addend of the wide residual. Plain functions over tensors; the model runs them under
 inference_mode. The GDN mixer and the MoE block are Qwen3.5's (``ninfer_qwen35.execution.layers``).
+
+A verify forward (every row R tokens) leaves the slots' state as it was and keeps the state after each position in
+``Qwen4ExpVerifySteps``: Qwen3.5's GDN steps plus, with PLE, each PLE layer's conv history and the n-gram history.
 """
 
 from __future__ import annotations
 
+import attrs
 import torch
+import torch.nn.functional as F
 
 from ninfer.ops import (
     apply_rope,
@@ -16,13 +21,34 @@ from ninfer.ops import (
     paged_attention,
     rms_norm,
 )
-from ninfer.ops.ple import ple_layer
+from ninfer.ops.ple import dilated_causal_conv, ple_gated_values, ple_layer
 from ninfer.ops.qsa import qsa_select
 from ninfer.ops.rope import rope_angles_cos_sin
 from ninfer_qwen4exp.config import Qwen4ExpConfig
 from ninfer_qwen4exp.execution.forward_batch import ForwardBatch
 from ninfer_qwen4exp.execution.parameters import IndexerParams, PLEParams
+from ninfer_qwen35.execution.layers import VerifySteps
 from ninfer_qwen35.execution.parameters import AttentionParams
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class Qwen4ExpVerifySteps(VerifySteps):
+    """Where a verify forward keeps each position's state (row b of the batch, after its token t): Qwen3.5's GDN
+    ``conv`` / ``recurrent`` [B, R, L_gdn, ...], and with PLE ``ple_conv`` [B, R, L_ple, conv_state_len, S * H]
+    (each PLE layer's conv history) and ``ngram`` [B, R, context_len] int64 (the sequence's last token ids)."""
+
+    ple_conv: torch.Tensor | None = None
+    ngram: torch.Tensor | None = None
+
+
+def row_steps(history: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """The history after each position of rows of R new elements: history [B, L, ...] (each row's last L
+    elements), new [B * R, ...] -> [B, R, L, ...], step t holding the last L of history + new[:t + 1]."""
+    B, L = history.shape[:2]
+    buf = torch.cat([history, new.view(B, -1, *new.shape[1:]).to(history.dtype)], dim=1)
+    R = buf.shape[1] - L
+    index = torch.arange(1, R + 1, device=buf.device)[:, None] + torch.arange(L, device=buf.device)
+    return buf[:, index]
 
 
 def qsa_dense(config: Qwen4ExpConfig, max_seq_len: int) -> bool:
@@ -107,16 +133,25 @@ def _select_blocks(config: Qwen4ExpConfig, indexer: IndexerParams, index_q: torc
 
 
 def ple_addend(config: Qwen4ExpConfig, p: PLEParams, x: torch.Tensor, windows: torch.Tensor, batch: ForwardBatch,
-               conv_state: torch.Tensor) -> torch.Tensor:
+               conv_state: torch.Tensor, steps: torch.Tensor | None = None) -> torch.Tensor:
     """What a PLE layer adds to the residual x [N, S * H], from the batch's n-gram ``windows`` [N, n]; its conv
-    history rows of ``conv_state`` [slots, (K - 1) * n, S * H] are read (zeros for a fresh row) and rewritten."""
-    e = config.ple
+    history rows of ``conv_state`` [slots, (K - 1) * n, S * H] are read (zeros for a fresh row) and rewritten, or,
+    with ``steps`` [B, R, (K - 1) * n, S * H] (a verify batch), left as they were and each position's history
+    kept there."""
+    e, eps = config.ple, config.base.rms_norm_eps
     rows = ngram_hash_ids(windows, p.multipliers, p.head_vocab, p.head_offsets, e.heads_per_ngram)
     embeddings = gather_rows(p.table, rows, x.device, x.dtype).flatten(1)
     slots = batch.state_slots
     history = torch.where(batch.has_initial_state[:, None, None], conv_state[slots].to(x.dtype), 0)
-    out, history = ple_layer(x, embeddings, p.key_proj, p.value_proj, p.norm_key, p.norm_query, p.norm_conv, p.conv,
-                             history, batch.query_start_loc, streams=config.hc_count, dilation=e.ngram_size,
-                             eps=config.base.rms_norm_eps)
-    conv_state[slots] = history.to(conv_state.dtype)
-    return out
+    if steps is None:
+        out, history = ple_layer(x, embeddings, p.key_proj, p.value_proj, p.norm_key, p.norm_query, p.norm_conv,
+                                 p.conv, history, batch.query_start_loc, streams=config.hc_count,
+                                 dilation=e.ngram_size, eps=eps)
+        conv_state[slots] = history.to(conv_state.dtype)
+        return out
+    # ple_layer's sum, with the conv's input kept to make the history after each position
+    gated, normed = ple_gated_values(x, embeddings, p.key_proj, p.value_proj, p.norm_key, p.norm_query, p.norm_conv,
+                                     config.hc_count, eps)
+    conv, _ = dilated_causal_conv(normed, p.conv, history, batch.query_start_loc, e.ngram_size)
+    steps.copy_(row_steps(history, normed))
+    return gated + F.silu(conv)

@@ -19,9 +19,15 @@ from ninfer.ops import hyper_connection_inject, hyper_connection_mix, linear, ng
 from ninfer.ops.norm import sum_terms
 from ninfer.ops.rope import mrope_axes
 from ninfer_qwen4exp.execution.forward_batch import ForwardBatch, Qwen4ExpStateViews
-from ninfer_qwen4exp.execution.layers import ple_addend, qsa_attention, write_rope_positions
+from ninfer_qwen4exp.execution.layers import (
+    Qwen4ExpVerifySteps,
+    ple_addend,
+    qsa_attention,
+    row_steps,
+    write_rope_positions,
+)
 from ninfer_qwen4exp.execution.parameters import HyperParams, Qwen4ExpParameters
-from ninfer_qwen35.execution.layers import gdn_mixer, mlp
+from ninfer_qwen35.execution.layers import GDNPlan, gdn_mixer, mlp
 from ninfer_qwen35.execution.model import Qwen35Model
 from ninfer_qwen35.execution.parameters import GDNParams
 
@@ -38,29 +44,40 @@ class Qwen4ExpModel:
         self.rope_axes = mrope_axes(b.rotary_dim, b.mrope_section, params.embed.device)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, state: Qwen4ExpStateViews) -> torch.Tensor:
-        """hidden [N, H] after the final hyper-connection mixer, for every new token of the batch.
+    def forward(self, batch: ForwardBatch, state: Qwen4ExpStateViews, verify: Qwen4ExpVerifySteps | None = None, *,
+                wide: bool = False) -> torch.Tensor:
+        """hidden [N, H] after the final hyper-connection mixer, for every new token of the batch; with ``wide``
+        the residual [N, S * H] before it (what the MTP block reads; ``mix`` makes the hidden of it).
 
         The GDN state and PLE histories of each sequence's slot and the KV (with indexer keys) of its pages are
-        updated in place."""
+        updated in place; with ``verify`` (every row R tokens) the slots are left as they were and each
+        position's state goes there."""
         c, p = self.config, self.params
         self._check(batch, state)
+        if verify is not None:
+            self._check_verify(batch, verify)
         x = F.embedding(batch.input_ids, p.embed)
         if batch.vision_rows is not None:  # media placeholders take the vision encoder's rows
             x.index_copy_(0, batch.vision_rows, batch.vision_embeds.to(x.dtype))
         x = x.repeat(1, c.hc_count)
         if state.rope_positions is not None:
             write_rope_positions(batch, state.rope_positions)
-        plan = Qwen35Model._gdn_plan(batch)
+        plan = GDNPlan(decode=False, verify=verify) if verify is not None else Qwen35Model._gdn_plan(batch)
         windows = None
         if c.ple is not None:  # every PLE layer hashes the same windows; the history moves on once per forward
             slots = batch.state_slots
             windows, history = ngram_windows(batch.input_ids, state.ngram[slots], batch.query_start_loc,
                                              batch.has_initial_state, c.eos_token_id)
-            state.ngram[slots] = history
+            if verify is None:
+                state.ngram[slots] = history
+            else:
+                start = torch.where(batch.has_initial_state[:, None], state.ngram[slots], c.eos_token_id)
+                verify.ngram.copy_(row_steps(start, batch.input_ids))
         for layer in p.layers:
             if layer.ple is not None:
-                x = x + ple_addend(c, layer.ple, x, windows, batch, state.ple_conv[:, layer.ple.state_index])
+                k = layer.ple.state_index
+                x = x + ple_addend(c, layer.ple, x, windows, batch, state.ple_conv[:, k],
+                                   None if verify is None else verify.ple_conv[:, :, k])
             h, inject = self._mix(x, layer.attn_hc)
             i = layer.state_index
             if isinstance(layer.mixer, GDNParams):
@@ -75,7 +92,11 @@ class Qwen4ExpModel:
             h, inject = self._mix(x, layer.mlp_hc)
             h = mlp(layer.mlp, h, state.experts)
             x = hyper_connection_inject(x, sum_terms(h) if h.dim() == 3 else h, inject)
-        return self._mix(x, p.mixer)[0]
+        return x if wide else self.mix(x)
+
+    def mix(self, residual: torch.Tensor) -> torch.Tensor:
+        """hidden [M, H] of residual rows [M, S * H] through the final hyper-connection mixer."""
+        return self._mix(residual, self.params.mixer)[0]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -85,6 +106,23 @@ class Qwen4ExpModel:
     def _mix(self, x: torch.Tensor, h: HyperParams) -> tuple[torch.Tensor, torch.Tensor | None]:
         return hyper_connection_mix(x, h.norm, h.down, h.up, h.inject, self.config.hc_count,
                                     self.config.base.rms_norm_eps)
+
+    def _check_verify(self, batch: ForwardBatch, verify: Qwen4ExpVerifySteps) -> None:
+        c, B = self.config, batch.num_seqs
+        R = verify.conv.shape[1]
+        problems = []
+        if batch.input_ids.shape[0] != B * R or batch.max_query_len != R:
+            problems.append(f"every row must be the steps' {R} tokens ({B} rows, {batch.input_ids.shape[0]} tokens)")
+        if verify.conv.shape[0] != B or verify.recurrent.shape[:2] != (B, R):
+            problems.append(f"GDN steps {tuple(verify.conv.shape[:2])} / {tuple(verify.recurrent.shape[:2])} must "
+                            f"be [{B}, {R}]")
+        if c.ple is not None and (verify.ple_conv is None or verify.ngram is None
+                                  or verify.ple_conv.shape[:3] != (B, R, len(c.ple_layers))
+                                  or verify.ngram.shape != (B, R, c.ple.context_len)):
+            problems.append(f"PLE steps ple_conv / ngram must be [{B}, {R}, {len(c.ple_layers)}, ...] / "
+                            f"[{B}, {R}, {c.ple.context_len}]")
+        if problems:
+            raise ValueError("Qwen4ExpModel.forward(verify=...): " + "; ".join(problems))
 
     def _check(self, batch: ForwardBatch, state: Qwen4ExpStateViews) -> None:
         """Cheap shape checks (no device sync) so a mis-built batch fails with a message, not deep in an op."""

@@ -55,16 +55,18 @@ class Qwen4ExpProgram(PagedProgram):
         self.config = config
         attention = len(config.attention_layers)
         kv = self.pool.caches()
-        if len(kv) != attention:
+        if len(kv) < attention:
             raise ValueError(f"the KV pool holds {len(kv)} layers; this config has {attention} attention layers")
         ple = config.ple is not None
         positions = ROPE_POSITIONS in {f.name for f in kv_pool.aux}
         if vision is not None and config.qsa is not None and not positions:
             raise ValueError(f"a Qwen4Exp Program with QSA takes media only over a KV pool that pages "
                              f"{ROPE_POSITIONS!r} (ninfer_qwen4exp.state.kv_pools(..., media=True))")
+        # The pool's first layers are the target's attention layers (an MTP drafter's follow them).
         self.views = Qwen4ExpStateViews(
-            conv=self.states.view("conv"), recurrent=self.states.view("recurrent"), kv=kv, page_size=self.page_size,
-            index_keys=self.pool.aux_caches(INDEX_KEYS) if config.qsa is not None else (),
+            conv=self.states.view("conv"), recurrent=self.states.view("recurrent"), kv=kv[:attention],
+            page_size=self.page_size,
+            index_keys=self.pool.aux_caches(INDEX_KEYS)[:attention] if config.qsa is not None else (),
             ple_conv=self.states.view("ple_conv") if ple else None,
             ngram=self.states.view("ngram")[:, 0] if ple else None,  # one history per sequence: [S, context_len]
             experts=host_experts, rope_positions=self.pool.aux_caches(ROPE_POSITIONS)[0] if positions else None)

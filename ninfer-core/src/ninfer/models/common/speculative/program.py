@@ -77,6 +77,11 @@ class SpeculativeProgram(PagedProgram):
         """The drafter's hidden rows [N, H] (fed to ``logits``) at ``batch.positions``, given the next tokens
         ``batch.input_ids`` and the target's (or, chained, the drafter's own) hidden rows there."""
 
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [M, V] of the drafter's rows (``draft_forward``'s); the target's ``logits`` unless the drafter
+        has a head of its own (Qwen4Exp's MTP mixes its residual with its own mixer first)."""
+        return self.logits(hidden)
+
     def start_graphs(self, *, cuda_graphs: bool = True, static_decode: bool = False) -> None:
         """Call once the views exist: capture the verify unit's two graphs per B on CUDA (eager, with the reason in
         ``graph_error``, when capture fails); ``static_decode``: without graphs, still run through their static
@@ -194,11 +199,11 @@ class SpeculativeProgram(PagedProgram):
         chained steps, each fed its previous draft and its own hidden row."""
         from ninfer.ops.sampling import greedy
 
-        d = greedy(self.logits(last))
+        d = greedy(self.draft_logits(last))
         out = [d]
         for step in range(1, self.draft_tokens):
             last = self.draft_forward(chained_batch(base, step, d, tables, slots, self.page_size), last)
-            d = greedy(self.logits(last))
+            d = greedy(self.draft_logits(last))
             out.append(d)
         return torch.stack(out, dim=1)
 
