@@ -1,7 +1,7 @@
 """Qwen4Exp startup with the vision feature, from a real tiny VL artifact (``make_tiny_checkpoint(vl=True)``: the
 ``full`` variant, QSA selecting from the 12th token, PLE, 4 streams): ``StartupFeatures.vision`` None binds
 Qwen3.5's encoder when the artifact has it (its weights, its workspace and the paged rotary positions planned),
-False leaves it unread and refuses media; a media prompt through the built instance's Program gives the greedy
+False leaves it unread and refuses media, with MTP the start stays text only (vision=True is refused); a media prompt through the built instance's Program gives the greedy
 tokens of transformers' ``Qwen4ExpForConditionalGeneration.generate`` on the checkpoint (fp32), and the same tokens
 when paused after the prompt (Snapshot: the pages, rotary positions included, go to the host and back; Replay:
 the image is encoded again)."""
@@ -28,7 +28,7 @@ GREEDY = SamplingParams(temperature=0.0)
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("q4vl") / "ckpt", vl=True, variant="full", mtp=False)
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("q4vl") / "ckpt", vl=True, variant="full")
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +126,14 @@ def test_vision_false_starts_text_only_and_refuses_media(artifact_path):
     prompt, _ = _media_prompt(off, media)
     with pytest.raises(ValueError, match="without the vision feature"):
         off.program.open_sequence(prompt, GREEDY)
+
+
+def test_mtp_starts_text_only(artifact_path):
+    with open_artifact(artifact_path) as art:
+        startup = Qwen4ExpStartup()
+        assert startup.profile(art, _options(speculative="mtp", num_draft_tokens=1)).features == ("text", "mtp")
+        with pytest.raises(StartupError, match="MRoPE"):
+            startup.profile(art, _options(vision=True, speculative="mtp", num_draft_tokens=1))
 
 
 def test_vision_true_needs_the_feature(tmp_path):
