@@ -112,3 +112,21 @@ def test_forced_preemption_of_image_requests_changes_no_token(artifact, mode):
         assert (m.preemptions_snapshot if mode == "snapshot" else m.preemptions_replay) == m.preemptions
         assert [list(r.token_ids) for r in results] == alone
         settled(tight)
+
+
+def test_context_cache_on_equals_off(artifact):
+    """An image chat, the same chat, and another question on the same image: restored from checkpoints (the
+    state and the pages of the cached prefix, their keys and rotary positions) they give the uncached tokens."""
+    image = png(5, 192, 128)
+    requests = [GenerationRequest(input=chat(q, image), sampling=SamplingParams(**GREEDY))
+                for q in ("What is this?", "What is this?", "Which colours are in it?")]
+    with make_engine(artifact) as off:
+        ref = [off.generate(r, timeout=300).token_ids for r in requests]
+        settled(off)
+    with make_engine(artifact, context_cache=True, checkpoint_grid=8) as on:
+        got = [on.generate(r, timeout=300) for r in requests]
+        assert [r.token_ids for r in got] == ref
+        # the same chat restores all but its last token; the other question a checkpoint inside the image
+        assert got[1].usage.cached_tokens == got[1].usage.prompt_tokens - 1 and got[2].usage.cached_tokens > 0
+        on.clear_context_cache()
+        settled(on)
