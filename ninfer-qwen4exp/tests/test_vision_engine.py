@@ -3,7 +3,7 @@ QSA selecting, PLE, 4 streams; through the converter): ``ninfer.Engine`` prepare
 template, placeholders), the Program encodes and places the image (MRoPE, the QSA block keys at their first
 token's (t, h, w)), and the greedy tokens equal transformers' ``Qwen4ExpForConditionalGeneration.generate`` on
 the token ids and pixels our Frontend prepared; forced preemption of concurrent image requests (Snapshot and
-Replay) changes no token; everything is freed."""
+Replay) and the context cache change no token; everything is freed."""
 
 from __future__ import annotations
 
