@@ -32,13 +32,13 @@ from ninfer_qwen35.startup import (
     EMBED,
     HOST_EXPERTS,
     StartupError,
-    _bank_objects,
-    _compute_dtype,
-    _encoder_needs,
-    _placements,
+    bank_objects,
+    compute_dtype,
     eager_reason,
+    encoder_needs,
     host_experts_runtime,
     vision_tensors,
+    weight_placements,
 )
 
 
@@ -68,7 +68,7 @@ class Qwen4ExpStartup:
         weights = meta_weights(artifact, features=features)
         return weights_profile(config, weights, options, architecture=artifact.metadata.architecture,
                                tables=[weights.parents[o] for o in ngram_objects(artifact, features)],
-                               bank_parents=[weights.parents[o] for o in _bank_objects(artifact, features)],
+                               bank_parents=[weights.parents[o] for o in bank_objects(artifact, features)],
                                vision="vision" in features, media=artifact.frontend.media)
 
     def load(self, artifact: Any, options: StartupOptions, placement: WeightPlacement) -> Qwen4ExpLoaded:
@@ -91,9 +91,11 @@ class Qwen4ExpStartup:
                                                vision="vision" in features,
                                                media_limits=MediaLimits(max_decoded_pixels=options.media_max_pixels,
                                                                         max_request_tokens=options.media_max_tokens))
-        kept = ngram_objects(artifact, features) | (_bank_objects(artifact, features) if host else frozenset())
-        weights, report = load_weights(artifact, features=features, device=str(dev), host_objects=kept)
-        compute = _compute_dtype(options, weights[EMBED].dtype)
+        tables = ngram_objects(artifact, features)  # gathered on the host, only their looked-up rows uploaded
+        kept = tables | (bank_objects(artifact, features) if host else frozenset())
+        weights, report = load_weights(artifact, features=features, device=str(dev), host_objects=kept,
+                                       unpinned=tables)
+        compute = compute_dtype(options, weights[EMBED].dtype)
         experts = "cpu" if host else None
         executor = Qwen4ExpModel(Qwen4ExpParameters.from_weights(config, weights, compute, dev.torch, experts))
         mtp = vision = None
@@ -147,7 +149,7 @@ def weights_profile(config: Qwen4ExpConfig, weights: Any, options: StartupOption
     from ninfer_qwen4exp.program.mtp_program import steps_bytes, verify_steps
     from ninfer_qwen35.execution.vision import VisionParams
 
-    compute, meta = _compute_dtype(options, weights[EMBED].dtype), torch.device("meta")
+    compute, meta = compute_dtype(options, weights[EMBED].dtype), torch.device("meta")
     params = Qwen4ExpParameters.from_weights(config, weights, compute, meta)
     fixed, banks = params.tensors(), params.expert_banks()
     k, backing = options.features.draft_tokens, 0
@@ -161,9 +163,9 @@ def weights_profile(config: Qwen4ExpConfig, weights: Any, options: StartupOption
     if vision:  # the encoder's prepared weights (copies where the dtype differs) and its peak
         fixed += vision_tensors(VisionParams.from_weights(config.base, weights, compute, meta))
         context = options.max_model_len or config.base.max_position_embeddings
-        encoder = _encoder_needs(config.base, media, torch.empty((), dtype=compute).element_size(), context)
+        encoder = encoder_needs(config.base, media, torch.empty((), dtype=compute).element_size(), context)
     total = resident_bytes([*weights.parents.values(), *fixed])
-    placements = _placements(total, resident_bytes([*bank_parents, *banks]), banks, config.base.moe.num_experts_per_tok)
+    placements = weight_placements(total, resident_bytes([*bank_parents, *banks]), banks, config.base.moe.num_experts_per_tok)
     layout, pool = _stores(config, options, compute, media=vision)
     return ModelProfile(
         architecture=architecture, dtype=dtype_name(compute), encoder=encoder,
