@@ -12,7 +12,7 @@ from ninfer.artifact import open_artifact
 from ninfer.contract import EncoderNeeds, ModelProfile, StartupFeatures, StartupOptions, WeightPlacement
 from ninfer.core.device_plan import sized
 from ninfer_qwen35.config import parse_config
-from ninfer_qwen35.startup import Qwen35Startup, _encoder_needs, model_shape
+from ninfer_qwen35.startup import Qwen35Startup, encoder_needs, model_shape
 
 _BASE = {"head_dim": 256, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
          "vocab_size": 248320, "full_attention_interval": 4, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
@@ -78,7 +78,7 @@ def test_the_9b_vision_encoder_plans_the_bytes_the_plugin_heuristics_gave():
                            "vision_config": VISION, "image_token_id": 248056, "video_token_id": 248057,
                            "vision_start_token_id": 248053, "vision_end_token_id": 248054})
     for context, (cpu, cuda) in VISION_9B.items():
-        profile = _profile(config, _encoder_needs(config, PREPROCESSOR, 2, context))
+        profile = _profile(config, encoder_needs(config, PREPROCESSOR, 2, context))
         for device, expected in (("cpu", cpu), ("cuda", cuda)):
             planned = sized(profile, StartupOptions(device=device, max_concurrency=1, max_model_len=context))
             assert planned.workspace_bytes == expected, (context, device)

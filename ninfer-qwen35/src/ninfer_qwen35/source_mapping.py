@@ -63,7 +63,7 @@ def _ffn_names(m: str, c: Qwen35Config) -> dict[str, tuple[int, ...]]:
             m + "shared_expert_gate.weight": (1, H)}
 
 
-def _layer_names(prefix: str, kind: str, c: Qwen35Config) -> dict[str, tuple[int, ...]]:
+def layer_names(prefix: str, kind: str, c: Qwen35Config) -> dict[str, tuple[int, ...]]:
     H = c.hidden_size
     names: dict[str, tuple[int, ...]] = {
         f"{prefix}input_layernorm.weight": (H,),
@@ -108,14 +108,14 @@ def expected_parameters(c: Qwen35Config, features: tuple[str, ...] = ("text",)) 
         if not c.tie_word_embeddings:
             out["lm_head.weight"] = ("text", (c.vocab_size, H))
         for i, kind in enumerate(c.layer_types):
-            for n, shape in _layer_names(f"model.layers.{i}.", kind, c).items():
+            for n, shape in layer_names(f"model.layers.{i}.", kind, c).items():
                 out[n] = ("text", shape)
     if "mtp" in features and c.mtp_num_hidden_layers:
         out["mtp.fc.weight"] = ("mtp", (H, 2 * H))
         for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
             out[f"mtp.{n}.weight"] = ("mtp", (H,))
         for j in range(c.mtp_num_hidden_layers):
-            for n, shape in _layer_names(f"mtp.layers.{j}.", "full_attention", c).items():
+            for n, shape in layer_names(f"mtp.layers.{j}.", "full_attention", c).items():
                 out[n] = ("mtp", shape)
     return out
 

@@ -59,7 +59,7 @@ class Qwen35Startup:
 
         config, features = _checked(artifact, options)
         weights = meta_weights(artifact, features=features)
-        compute = _compute_dtype(options, weights[EMBED].dtype)
+        compute = compute_dtype(options, weights[EMBED].dtype)
         meta = torch.device("meta")
         params = Qwen35Parameters.from_weights(config, weights, compute, meta)
         fixed, banks = [*weights.parents.values(), *params.tensors()], params.expert_banks()
@@ -77,12 +77,12 @@ class Qwen35Startup:
         encoder = None
         if "vision" in features:  # the encoder runs before its chunk; its output rows stay for the chunk
             context = options.max_model_len or config.max_position_embeddings
-            encoder = _encoder_needs(config, artifact.frontend.media, torch.empty((), dtype=compute).element_size(),
+            encoder = encoder_needs(config, artifact.frontend.media, torch.empty((), dtype=compute).element_size(),
                                      context)
         return ModelProfile(
             architecture=artifact.metadata.architecture, dtype=dtype_name(compute), features=features,
-            placements=_placements(resident_bytes(fixed), resident_bytes(
-                [*(weights.parents[o] for o in _bank_objects(artifact, features)), *banks]), banks,
+            placements=weight_placements(resident_bytes(fixed), resident_bytes(
+                [*(weights.parents[o] for o in bank_objects(artifact, features)), *banks]), banks,
                 config.moe.num_experts_per_tok if config.moe is not None else 0),
             state_slot_bytes=layout.nbytes_per_slot, kv_page_bytes=PagedKVPool.page_bytes(pool),
             page_size=pool.page_size, backing_bytes=backing, shape=model_shape(config), encoder=encoder,
@@ -108,9 +108,9 @@ class Qwen35Startup:
                                                vision="vision" in features,
                                                media_limits=MediaLimits(max_decoded_pixels=options.media_max_pixels,
                                                                         max_request_tokens=options.media_max_tokens))
-        banks = _bank_objects(artifact, features) if host else frozenset()
+        banks = bank_objects(artifact, features) if host else frozenset()
         weights, report = load_weights(artifact, features=features, device=str(dev), host_objects=banks)
-        compute = _compute_dtype(options, weights[EMBED].dtype)
+        compute = compute_dtype(options, weights[EMBED].dtype)
         experts = "cpu" if host else None
         executor = Qwen35Model(Qwen35Parameters.from_weights(config, weights, compute, dev.torch, experts))
         mtp = vision = None
@@ -158,7 +158,7 @@ ALL_DEVICE, HOST_EXPERTS = "all-device", "host-experts"
 BANKS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
-def _placements(total: int, host: int, banks: list[torch.Tensor], top_k: int) -> tuple[WeightPlacement, ...]:
+def weight_placements(total: int, host: int, banks: list[torch.Tensor], top_k: int) -> tuple[WeightPlacement, ...]:
     """Every weight on the device; for a MoE model, then the routed expert banks in host memory (the shared
     expert, router and every dense weight stay on the device), with two layers' staging buffers and experts
     to cache (``banks``: the prepared gate_up / down bank of every MoE layer, in pairs). A one-row decode step
@@ -215,12 +215,12 @@ def host_experts_runtime(stacks: list, moe: Any, dev: Device, cache_slots: int):
                        top_k=moe.num_experts_per_tok, next_routers=routers)
 
 
-def _bank_objects(artifact: Any, features: tuple[str, ...]) -> frozenset[str]:
+def bank_objects(artifact: Any, features: tuple[str, ...]) -> frozenset[str]:
     """The artifact objects behind the selected features' routed expert banks (from the header's bindings)."""
     return frozenset(b.object for b in artifact.bindings.values() if b.feature in features and b.name.endswith(BANKS))
 
 
-def _encoder_needs(config: Qwen35Config, media: dict | None, element_size: int, context: int) -> EncoderNeeds:
+def encoder_needs(config: Qwen35Config, media: dict | None, element_size: int, context: int) -> EncoderNeeds:
     """The encoder's bytes for the largest item a request can carry: an image at ``max_pixels``, or a video at
     its pixel bound over all frames, each patch row covering the temporal patch; and never more placeholder
     tokens than the context holds. On CUDA it keeps its per-frame-size table cache (at most
@@ -278,7 +278,7 @@ def vision_tensors(params: Any) -> list[torch.Tensor]:
     return []
 
 
-def _compute_dtype(options: StartupOptions, stored: torch.dtype) -> torch.dtype:
+def compute_dtype(options: StartupOptions, stored: torch.dtype) -> torch.dtype:
     compute = torch_dtype(options.dtype) if options.dtype is not None else stored
     if compute not in (torch.float32, torch.bfloat16, torch.float16):
         raise StartupError(f"compute dtype must be float32, bfloat16 or float16, got {compute}")

@@ -72,12 +72,12 @@ def _ple(prefix: str, c: Qwen4ExpConfig, ple_index: int) -> dict[str, tuple[int,
             prefix + "ple.norm_conv.weight": (wide,), prefix + "ple.conv1d.weight": (wide, 1, p.conv_kernel_size)}
 
 
-def _layer_names(prefix: str, kind: str, c: Qwen4ExpConfig, ple_index: int | None) -> dict[str, tuple[int, ...]]:
+def layer_names(prefix: str, kind: str, c: Qwen4ExpConfig, ple_index: int | None) -> dict[str, tuple[int, ...]]:
     """One decoder layer: Qwen3.5's mixer and MoE block without its two norms, the hyper-connections, the
     indexer on attention layers, PLE where configured."""
     if kind not in ("linear_attention", "indexed_attention"):
         raise ValueError(f"unknown Qwen4Exp layer type {kind!r} (known: linear_attention, indexed_attention)")
-    shared = qwen35._layer_names(prefix, "linear_attention" if kind == "linear_attention" else "full_attention",
+    shared = qwen35.layer_names(prefix, "linear_attention" if kind == "linear_attention" else "full_attention",
                                  c.base)
     names = {n: s for n, s in shared.items() if not n.endswith(_PREFIX_NORMS)}
     names.update(_hyper_connection(prefix + "attn_hyper_connection.", c))
@@ -102,7 +102,7 @@ def expected_parameters(c: Qwen4ExpConfig, features: tuple[str, ...] = ("text",)
             out["lm_head.weight"] = ("text", (V, H))
         for i, kind in enumerate(c.layer_types):
             ple_index = c.ple_layers.index(i) if i in c.ple_layers else None
-            for n, shape in _layer_names(f"model.layers.{i}.", kind, c, ple_index).items():
+            for n, shape in layer_names(f"model.layers.{i}.", kind, c, ple_index).items():
                 out[n] = ("text", shape)
         for n, shape in _hyper_connection("model.hyper_connection_mixer.", c, inject=False).items():
             out[n] = ("text", shape)
@@ -112,7 +112,7 @@ def expected_parameters(c: Qwen4ExpConfig, features: tuple[str, ...] = ("text",)
         out["mtp.pre_fc_norm_embedding.weight"] = ("mtp", (H,))
         out["mtp.pre_fc_norm_hidden.weight"] = ("mtp", (c.hc_hidden_size,))
         for j in range(c.base.mtp_num_hidden_layers):
-            for n, shape in _layer_names(f"mtp.layers.{j}.", "indexed_attention", c, None).items():
+            for n, shape in layer_names(f"mtp.layers.{j}.", "indexed_attention", c, None).items():
                 out[n] = ("mtp", shape)
         for n, shape in _hyper_connection("mtp.hyper_connection_mixer.", c, inject=False).items():
             out[n] = ("mtp", shape)

@@ -1,8 +1,11 @@
 """Native Qwen4Exp Startup (``ninfer.contract.Startup``): profile -> load -> instance.
 
-Text, and with ``speculative="mtp"`` the MTP drafter (``Qwen4ExpMTPProgram``); the vision encoder is refused
-clearly until it is built. ``profile`` prepares the very Parameters execution uses on the meta device
-(``ninfer.artifact.meta_weights``), as Qwen3.5's does, so its weight bytes are what a load allocates. Two kinds of weight stay in host memory: the PLE n-gram
+Text, and with ``speculative="mtp"`` the MTP drafter (``Qwen4ExpMTPProgram``). The vision encoder is Qwen3.5's
+(``Qwen35Vision`` over ``config.base``), bound as Qwen3.5 binds it: ``StartupFeatures.vision`` None binds it when
+the artifact has the feature (text only with MTP), True requires it, False leaves it unread; its weights and its
+workspace are planned, and the KV pool then pages each token's rotary positions. ``profile`` prepares the very
+Parameters execution uses on the meta device (``ninfer.artifact.meta_weights``), as Qwen3.5's does, so its weight
+bytes are what a load allocates. Two kinds of weight stay in host memory: the PLE n-gram
 tables in every placement (a forward uploads only the rows it looks up, so they are host bytes, never device
 bytes), and with placement ``host-experts`` the MoE routed expert banks (Qwen3.5 MoE's host experts, with a
 Program-owned device expert cache). The StateImage slot, the KV page (with the QSA index keys) and the model's
@@ -29,11 +32,13 @@ from ninfer_qwen35.startup import (
     EMBED,
     HOST_EXPERTS,
     StartupError,
-    _bank_objects,
-    _compute_dtype,
-    _placements,
+    bank_objects,
+    compute_dtype,
     eager_reason,
+    encoder_needs,
     host_experts_runtime,
+    vision_tensors,
+    weight_placements,
 )
 
 
@@ -48,6 +53,7 @@ class Qwen4ExpLoaded:
     frontend: Any
     compute: torch.dtype
     host_experts: bool = False  # the MoE routed expert banks live in host memory (placement "host-experts")
+    vision: Any = None  # Qwen35Vision when the vision feature is bound
     features: tuple[str, ...] = ("text",)
     mtp: Any = None  # Qwen4ExpMTP when speculative="mtp"
 
@@ -62,14 +68,17 @@ class Qwen4ExpStartup:
         weights = meta_weights(artifact, features=features)
         return weights_profile(config, weights, options, architecture=artifact.metadata.architecture,
                                tables=[weights.parents[o] for o in ngram_objects(artifact, features)],
-                               bank_parents=[weights.parents[o] for o in _bank_objects(artifact, features)])
+                               bank_parents=[weights.parents[o] for o in bank_objects(artifact, features)],
+                               vision="vision" in features, media=artifact.frontend.media)
 
     def load(self, artifact: Any, options: StartupOptions, placement: WeightPlacement) -> Qwen4ExpLoaded:
         from ninfer.artifact import load_weights
         from ninfer.models.common.qwen import QwenFrontend
+        from ninfer.models.common.qwen.media_preparation import MediaLimits
         from ninfer_qwen4exp.execution.model import Qwen4ExpModel
         from ninfer_qwen4exp.execution.mtp import Qwen4ExpMTP, Qwen4ExpMTPParams
         from ninfer_qwen4exp.execution.parameters import Qwen4ExpParameters
+        from ninfer_qwen35.execution.vision import Qwen35Vision, VisionParams
 
         config, features = _checked(artifact, options)
         if placement.name not in (ALL_DEVICE, HOST_EXPERTS):
@@ -78,24 +87,32 @@ class Qwen4ExpStartup:
         dev = Device.parse(options.device)
         frontend = QwenFrontend.from_resources(artifact.frontend, chat_template_override=options.chat_template,
                                                special_tokens_in_content=options.special_tokens_in_content,
-                                               constraint_limits=options.constraint_limits)
-        kept = ngram_objects(artifact, features) | (_bank_objects(artifact, features) if host else frozenset())
-        weights, report = load_weights(artifact, features=features, device=str(dev), host_objects=kept)
-        compute = _compute_dtype(options, weights[EMBED].dtype)
+                                               constraint_limits=options.constraint_limits,
+                                               vision="vision" in features,
+                                               media_limits=MediaLimits(max_decoded_pixels=options.media_max_pixels,
+                                                                        max_request_tokens=options.media_max_tokens))
+        tables = ngram_objects(artifact, features)  # gathered on the host, only their looked-up rows uploaded
+        kept = tables | (bank_objects(artifact, features) if host else frozenset())
+        weights, report = load_weights(artifact, features=features, device=str(dev), host_objects=kept,
+                                       unpinned=tables)
+        compute = compute_dtype(options, weights[EMBED].dtype)
         experts = "cpu" if host else None
         executor = Qwen4ExpModel(Qwen4ExpParameters.from_weights(config, weights, compute, dev.torch, experts))
-        mtp = None
+        mtp = vision = None
         if options.features.draft_tokens:
             mtp = Qwen4ExpMTP(Qwen4ExpMTPParams.from_weights(config, weights, compute, dev.torch, experts), executor)
+        if "vision" in features:
+            vision = Qwen35Vision(VisionParams.from_weights(config.base, weights, compute, dev.torch))
         return Qwen4ExpLoaded(config=config, weights=weights, load_report=report, executor=executor,
-                              frontend=frontend, compute=compute, host_experts=host, features=features, mtp=mtp)
+                              frontend=frontend, compute=compute, host_experts=host, vision=vision,
+                              features=features, mtp=mtp)
 
     def instance(self, loaded: Qwen4ExpLoaded, options: StartupOptions, capacity: ProgramCapacity) -> ModelInstance:
         from ninfer_qwen4exp.program import Qwen4ExpProgram
         from ninfer_qwen4exp.program.mtp_program import Qwen4ExpMTPProgram, verify_steps
 
         config, dev = loaded.config, Device.parse(options.device)
-        layout, pool = _stores(config, options, loaded.compute)
+        layout, pool = _stores(config, options, loaded.compute, media=loaded.vision is not None)
         eager = _eager_reason(loaded)
         experts = None
         if loaded.host_experts:  # a forward runs one stack's layers in order: the main layers, or the MTP's
@@ -111,7 +128,7 @@ class Qwen4ExpStartup:
                                  device=dev.torch)
             program = Qwen4ExpMTPProgram(loaded.executor, mtp=loaded.mtp, steps=steps, draft_tokens=k, **common)
         else:
-            program = Qwen4ExpProgram(loaded.executor, **common)
+            program = Qwen4ExpProgram(loaded.executor, vision=loaded.vision, **common)
         if eager is not None and options.cuda_graphs and dev.is_cuda:
             program.graph_error = f"{eager}: decode runs eagerly"
         return ModelInstance(architecture="qwen4exp", config=config, model=loaded,
@@ -120,15 +137,19 @@ class Qwen4ExpStartup:
 
 
 def weights_profile(config: Qwen4ExpConfig, weights: Any, options: StartupOptions, *, architecture: str,
-                    tables: list[torch.Tensor], bank_parents: list[torch.Tensor]) -> ModelProfile:
-    """The text model's profile from its bound ``weights`` (a meta WeightSet: shapes and sharing, no bytes), its
+                    tables: list[torch.Tensor], bank_parents: list[torch.Tensor], vision: bool = False,
+                    media: dict | None = None) -> ModelProfile:
+    """The model's profile from its bound ``weights`` (a meta WeightSet: shapes and sharing, no bytes), its
     n-gram ``tables`` and the parents behind the routed expert banks (``bank_parents``) among them; with
-    ``speculative="mtp"`` the MTP block's weights and the verify steps (backing bytes) too."""
+    ``speculative="mtp"`` the MTP block's weights and the verify steps (backing bytes) too; with ``vision`` the
+    encoder's prepared weights and its workspace for the largest item the artifact's preprocessor config
+    (``media``) lets a request carry."""
     from ninfer_qwen4exp.execution.mtp import Qwen4ExpMTPParams
     from ninfer_qwen4exp.execution.parameters import Qwen4ExpParameters
     from ninfer_qwen4exp.program.mtp_program import steps_bytes, verify_steps
+    from ninfer_qwen35.execution.vision import VisionParams
 
-    compute, meta = _compute_dtype(options, weights[EMBED].dtype), torch.device("meta")
+    compute, meta = compute_dtype(options, weights[EMBED].dtype), torch.device("meta")
     params = Qwen4ExpParameters.from_weights(config, weights, compute, meta)
     fixed, banks = params.tensors(), params.expert_banks()
     k, backing = options.features.draft_tokens, 0
@@ -138,11 +159,17 @@ def weights_profile(config: Qwen4ExpConfig, weights: Any, options: StartupOption
         banks += mtp.expert_banks()
         backing = steps_bytes(verify_steps(config, rows=options.max_concurrency, draft_tokens=k, dtype=compute,
                                            device=meta))
+    encoder = None
+    if vision:  # the encoder's prepared weights (copies where the dtype differs) and its peak
+        fixed += vision_tensors(VisionParams.from_weights(config.base, weights, compute, meta))
+        context = options.max_model_len or config.base.max_position_embeddings
+        encoder = encoder_needs(config.base, media, torch.empty((), dtype=compute).element_size(), context)
     total = resident_bytes([*weights.parents.values(), *fixed])
-    placements = _placements(total, resident_bytes([*bank_parents, *banks]), banks, config.base.moe.num_experts_per_tok)
-    layout, pool = _stores(config, options, compute)
+    placements = weight_placements(total, resident_bytes([*bank_parents, *banks]), banks, config.base.moe.num_experts_per_tok)
+    layout, pool = _stores(config, options, compute, media=vision)
     return ModelProfile(
-        architecture=architecture, dtype=dtype_name(compute), features=("text", *(("mtp",) if k else ())),
+        architecture=architecture, dtype=dtype_name(compute), encoder=encoder,
+        features=("text", *(("vision",) if vision else ()), *(("mtp",) if k else ())),
         placements=tuple(host_tables(p, resident_bytes(tables)) for p in placements),
         state_slot_bytes=layout.nbytes_per_slot, kv_page_bytes=PagedKVPool.page_bytes(pool),
         page_size=pool.page_size, backing_bytes=backing, shape=model_shape(config),
@@ -198,29 +225,45 @@ def _eager_reason(loaded: Qwen4ExpLoaded) -> str | None:
 
 
 def _checked(artifact: Any, options: StartupOptions) -> tuple[Qwen4ExpConfig, tuple[str, ...]]:
-    """The config and the features to bind (text, and mtp with speculative="mtp"); refuses what this Startup
-    cannot run yet."""
+    """The config and the features to bind (text, vision as Qwen3.5 binds it, and mtp with speculative="mtp");
+    refuses what this Startup cannot run yet."""
     features = options.features
     if features.speculative not in (None, "mtp"):
         raise StartupError(f"speculative={features.speculative!r} is not built yet for Qwen4Exp (only 'mtp' is)")
-    if features.vision:
-        raise StartupError("vision is not built yet for Qwen4Exp: start with vision=False (text only)")
     config = parse_config(artifact.config)
     if features.draft_tokens and not config.base.mtp_num_hidden_layers:
         raise StartupError("speculative='mtp' needs an MTP head, and this model's config has "
                            "mtp_num_hidden_layers = 0")
     if features.draft_tokens and "mtp" not in artifact.features:
         raise StartupError("speculative='mtp', but this artifact has no mtp feature (converted without it)")
-    return config, ("text", *(("mtp",) if features.draft_tokens else ()))
+    vision = _vision(artifact, config, options)
+    return config, ("text", *(("vision",) if vision else ()), *(("mtp",) if features.draft_tokens else ()))
 
 
-def _stores(config: Qwen4ExpConfig, options: StartupOptions, compute: torch.dtype):
+def _vision(artifact: Any, config: Qwen4ExpConfig, options: StartupOptions) -> bool:
+    """Whether to bind the encoder: ``vision`` None when the artifact has it and the config names the placeholder
+    ids (text only with MTP, whose units place tokens at plain positions), True requires it, False never."""
+    features, c = options.features, config.base
+    present = "vision" in artifact.features and bool(c.vision)
+    if features.vision and not present:
+        raise StartupError("vision=True, but this artifact has no vision feature (a text-only conversion)")
+    if features.vision and features.draft_tokens:
+        raise StartupError("vision with speculative='mtp' is not supported yet: the MTP units do not place tokens "
+                           "at MRoPE positions; start with vision=False or without speculative decoding")
+    pads = c.image_token_id is not None or c.video_token_id is not None
+    if features.vision and not pads:
+        raise StartupError("vision=True, but the config names no image_token_id / video_token_id")
+    return present and pads and features.vision is not False and not features.draft_tokens
+
+
+def _stores(config: Qwen4ExpConfig, options: StartupOptions, compute: torch.dtype, *, media: bool = False):
     """The StateImage layout and the one KV pool (the attention layers, then the MTP's when selected, with the QSA
-    index keys)."""
+    index keys, and with ``media`` each token's rotary positions)."""
     from ninfer_qwen4exp.state import kv_pools, state_layout
 
     mtp_layers = config.base.mtp_num_hidden_layers if options.features.draft_tokens else 0
-    pools = kv_pools(config, page_size=options.page_size, dtype=dtype_name(compute), mtp_layers=mtp_layers)
+    pools = kv_pools(config, page_size=options.page_size, dtype=dtype_name(compute), mtp_layers=mtp_layers,
+                     media=media)
     if len(pools) != 1:
         raise StartupError(f"this Program runs exactly one KV pool (the attention layers); the config gives "
                            f"{len(pools)}")

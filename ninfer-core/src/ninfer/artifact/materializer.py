@@ -66,9 +66,10 @@ class Materializer:
     """Builds device backing for a ResolvedLoad from an open Artifact."""
 
     def __init__(self, artifact: Artifact, resolved: ResolvedLoad, *, chunk_bytes: int = 32 << 20,
-                 threads: int = 4) -> None:
+                 threads: int = 4, unpinned: frozenset[str] = frozenset()) -> None:
         self.artifact = artifact
         self.resolved = resolved
+        self.unpinned = unpinned
         self.chunk = max(1 << 20, chunk_bytes)
         self.threads = max(1, threads)
 
@@ -98,7 +99,7 @@ class Materializer:
         for o in plan.objects:  # one allocation per physical parent and device, however many Uses share it
             device = torch.device(placement[o.id])
             raw[o.id] = torch.empty(o.nbytes, dtype=torch.uint8, device=device,
-                                    pin_memory=pin and device.type == "cpu")
+                                    pin_memory=pin and device.type == "cpu" and o.id not in self.unpinned)
             (host_jobs if device.type == "cpu" else device_jobs).append((o, raw[o.id]))
             read[o.feature] += o.nbytes
         with ThreadPoolExecutor(max_workers=workers) as pool:
@@ -229,15 +230,17 @@ def _expected(artifact: Artifact, features: tuple[str, ...], host) -> dict[str, 
 
 def load_weights(artifact: Artifact, *, features=("text",), device="cpu", verify: bool | None = None,
                  budget_bytes: int | None = None, check_expected: bool = True, host=None,
-                 host_objects: frozenset[str] = frozenset()):
+                 host_objects: frozenset[str] = frozenset(), unpinned: frozenset[str] = frozenset()):
     """Bind, place and materialize the selected features: returns ``(WeightSet, LoadReport)``.
 
     Only the selected features' Uses, their Bindings and the objects behind them are read, each object once.
     ``verify`` (default: the artifact's ``verify_on_load``, itself on unless opened with ``verify=False``)
     checks the crc32 of every object read, as it is read; a mismatch raises ChecksumError naming the object
     (``ninfer inspect --verify`` checks the whole file). ``host_objects``: object ids kept in host memory
-    (``resolve_load``).
+    (``resolve_load``); on a CUDA load they are pinned (the device copies from them asynchronously) except those in
+    ``unpinned``, which only the CPU reads (a lookup table gathered on the host: pinning tens of GiB it never
+    copies whole would only lock that memory).
     """
     plan = plan_load(artifact, features, check_expected=check_expected, host=host)
     resolved = resolve_load(plan, device, budget_bytes=budget_bytes, host_objects=host_objects)
-    return Materializer(artifact, resolved).run(verify=verify)
+    return Materializer(artifact, resolved, unpinned=unpinned).run(verify=verify)

@@ -8,8 +8,11 @@ first token. A query scores block b as sum over its index heads of relu(q_h . k_
 blocks' tokens plus the open tail (the visible tokens after the last complete block): ``paged_attention`` with
 ``selected_blocks``.
 
-Positions are token indices (text RoPE). A sequence whose tokens carry MRoPE positions (media) is not covered:
-its block keys would rotate at the block's first token's (t, h, w) position, which this op is not given.
+Blocks are runs of token indices (cache rows). Without ``key_positions`` a token's rotary position is its index
+(text RoPE). A sequence with media (MRoPE) rotates by the (t, h, w) positions each token was given, so the caller
+pages them beside the keys (``key_positions``) and names the axis each frequency slot reads (``rope_axes``, as
+``ninfer.ops.rope.mrope_axes``): a block key then rotates at its first token's (t, h, w). Text tokens' positions
+are (p, p, p), which rotate exactly as p alone.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ _SCORE_ELEMS = 1 << 24
 
 
 def _check(q, index_keys, block_tables, seq_lens, query_start_loc, k_norm, rope_inv_freq, rotary_dim,
-           compress_ratio, block_topk) -> None:
+           compress_ratio, block_topk, key_positions, rope_axes) -> None:
     B = seq_lens.shape[0]
     di = index_keys.shape[-1] if index_keys.dim() == 3 else None
     if q.dim() != 3 or index_keys.dim() != 3 or q.shape[2] != di or k_norm.shape != (di,) \
@@ -40,23 +43,37 @@ def _check(q, index_keys, block_tables, seq_lens, query_start_loc, k_norm, rope_
                          f"({rope_inv_freq.numel()}) and fit the index head ({di})")
     if compress_ratio < 1 or block_topk < 1:
         raise ValueError(f"qsa_select: compress_ratio {compress_ratio} and block_topk {block_topk} must be positive")
+    if (key_positions is None) != (rope_axes is None):
+        raise ValueError("qsa_select: key_positions and rope_axes go together (MRoPE block keys need both)")
+    if key_positions is not None and (
+            key_positions.shape != (*index_keys.shape[:2], 3) or key_positions.dtype.is_floating_point
+            or rope_axes.shape != rope_inv_freq.shape):
+        raise ValueError(f"qsa_select: key_positions {tuple(key_positions.shape)} {key_positions.dtype} must be "
+                         f"integer [{index_keys.shape[0]}, {index_keys.shape[1]}, 3] (paged as index_keys) and "
+                         f"rope_axes {tuple(rope_axes.shape)} one entry per frequency slot ({rope_inv_freq.numel()})")
 
 
 def block_keys(keys: torch.Tensor, k_norm: torch.Tensor, eps: float, rope_inv_freq: torch.Tensor,
-               rotary_dim: int, compress_ratio: int) -> torch.Tensor:
+               rotary_dim: int, compress_ratio: int, positions: torch.Tensor | None = None,
+               rope_axes: torch.Tensor | None = None) -> torch.Tensor:
     """[blocks, D]: the pooled, normed and rotated key of each complete block of one sequence's raw keys
-    ``keys`` [L, D] (token t at position t)."""
+    ``keys`` [L, D]. Token t sits at position t, or at ``positions[t]`` [L, 3] (t, h, w) read through
+    ``rope_axes`` (MRoPE)."""
     nb = keys.shape[0] // compress_ratio
     pooled = keys[:nb * compress_ratio].view(nb, compress_ratio, -1).float().mean(1).to(keys.dtype)
     normed = rms_norm(pooled, k_norm, eps)
-    starts = torch.arange(nb, device=keys.device) * compress_ratio
-    cos, sin = rope_angles_cos_sin(starts, rope_inv_freq, keys.dtype)
+    if positions is None:
+        starts = torch.arange(nb, device=keys.device) * compress_ratio
+    else:  # each block's first token's (t, h, w): [3, nb]
+        starts = positions[:nb * compress_ratio:compress_ratio].T.long()
+    cos, sin = rope_angles_cos_sin(starts, rope_inv_freq, keys.dtype, rope_axes)
     return apply_rope(normed[:, None, :], cos, sin, rotary_dim)[:, 0]
 
 
 def qsa_select(q: torch.Tensor, index_keys: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                query_start_loc: torch.Tensor, k_norm: torch.Tensor, eps: float, rope_inv_freq: torch.Tensor,
-               rotary_dim: int, compress_ratio: int, block_topk: int) -> torch.Tensor:
+               rotary_dim: int, compress_ratio: int, block_topk: int, *, key_positions: torch.Tensor | None = None,
+               rope_axes: torch.Tensor | None = None) -> torch.Tensor:
     """int32 [N, block_topk]: the blocks each packed query keeps, ascending, -1 after them.
 
     ``q`` [N, heads, D]: the indexer queries, already q-normed and rotated at their positions (sequence i owns
@@ -64,10 +81,15 @@ def qsa_select(q: torch.Tensor, index_keys: torch.Tensor, block_tables: torch.Te
     [num_pages, page_size, D]: one layer's raw indexer keys, token t of sequence i at page block_tables[i,
     t // page_size], row t % page_size, written for every token up to seq_lens[i] before the call. ``k_norm``,
     ``eps``: the block keys' RMSNorm ((1 + w)); ``rope_inv_freq`` [rotary_dim // 2]: the attention's rotary rates
-    (``ninfer.ops.rope_inv_freq``). Block b covers positions [b * compress_ratio, (b + 1) * compress_ratio).
+    (``ninfer.ops.rope_inv_freq``). Block b covers tokens [b * compress_ratio, (b + 1) * compress_ratio).
+
+    MRoPE: ``key_positions`` [num_pages, page_size, 3] integer, paged as ``index_keys``: each token's (t, h, w)
+    rotary positions (written with its key), and ``rope_axes`` [rotary_dim // 2] (``ninfer.ops.rope.mrope_axes``):
+    each block key rotates at its first token's; ``q`` comes rotated at the queries' own. Without them token t's
+    position is t.
     """
     _check(q, index_keys, block_tables, seq_lens, query_start_loc, k_norm, rope_inv_freq, rotary_dim,
-           compress_ratio, block_topk)
+           compress_ratio, block_topk, key_positions, rope_axes)
     N, heads, D = q.shape
     page = index_keys.shape[1]
     out = torch.full((N, block_topk), -1, dtype=torch.int32, device=q.device)
@@ -89,7 +111,9 @@ def qsa_select(q: torch.Tensor, index_keys: torch.Tensor, block_tables: torch.Te
             continue
         pages = block_tables[i, :-(-seq_len // page)].long()
         keys = index_keys[pages].reshape(-1, D)[:seq_len]
-        kb = block_keys(keys, k_norm, eps, rope_inv_freq, rotary_dim, compress_ratio).float().T  # [D, nb]
+        positions = None if key_positions is None else key_positions[pages].reshape(-1, 3)[:seq_len]
+        kb = block_keys(keys, k_norm, eps, rope_inv_freq, rotary_dim, compress_ratio, positions,
+                        rope_axes).float().T  # [D, nb]
         step = max(1, _SCORE_ELEMS // nb)
         for r in range(0, qlen, step):
             qs = q[lo + r:lo + min(r + step, qlen)].float()

@@ -92,7 +92,7 @@ class Qwen35Parameters:
         dtype = dtype if dtype is not None else weights["model.embed_tokens.weight"].dtype
         device = torch.device(device) if device is not None else weights["model.embed_tokens.weight"].device
 
-        build = _Builder(config, weights, dtype, device, experts_device)
+        build = WeightBuilder(config, weights, dtype, device, experts_device)
         w, split = build.w, build.split
         layers = []
         gdn_index = {i: n for n, i in enumerate(config.gdn_layers)}
@@ -123,7 +123,7 @@ class Qwen35Parameters:
 
     def expert_banks(self) -> list[torch.Tensor]:
         """The routed experts' banks of every MoE layer (what a host-experts placement keeps on the host)."""
-        return _expert_banks(self.layers)
+        return bank_tensors(self.layers)
 
     @property
     def nbytes(self) -> int:
@@ -148,7 +148,7 @@ class MTPParams:
         if not config.mtp_num_hidden_layers:
             raise WeightsError("this Qwen3.5 config has no MTP block (mtp_num_hidden_layers is 0)")
         check_weights(config, weights, ("mtp",))
-        build = _Builder(config, weights, dtype, torch.device(device), experts_device)
+        build = WeightBuilder(config, weights, dtype, torch.device(device), experts_device)
         layers = tuple(build.layer(f"mtp.layers.{j}.", index=j, kind="full_attention", state_index=j,
                                    mixer=build.attention(f"mtp.layers.{j}."))
                        for j in range(config.mtp_num_hidden_layers))
@@ -160,10 +160,10 @@ class MTPParams:
         return [self.pre_fc_norm_embedding, self.pre_fc_norm_hidden, self.fc, self.norm, *_layer_tensors(self.layers)]
 
     def expert_banks(self) -> list[torch.Tensor]:
-        return _expert_banks(self.layers)
+        return bank_tensors(self.layers)
 
 
-def _expert_banks(layers: tuple[LayerParams, ...]) -> list[Weight]:
+def bank_tensors(layers: tuple[LayerParams, ...]) -> list[Weight]:
     return [t for layer in layers if isinstance(layer.mlp, MoEParams) for t in (layer.mlp.gate_up, layer.mlp.down)]
 
 
@@ -185,7 +185,7 @@ def _layer_tensors(layers: tuple[LayerParams, ...]) -> list[Weight]:
     return out
 
 
-class _Builder:
+class WeightBuilder:
     """Per-layer parameter groups from bound weights, in one dtype on one device (main layers and MTP alike)."""
 
     def __init__(self, config: Qwen35Config, weights: WeightSet, dtype: torch.dtype, device: torch.device,

@@ -34,7 +34,10 @@ class Qwen4ExpStateViews(PagedKVViews):
     - ``ple_conv`` [S, L_ple, conv_state_len, hc_hidden]: each PLE layer's last ``(kernel - 1) * ngram_size``
       normed gated values (None without PLE);
     - ``ngram`` [S, context_len] int64: the sequence's last ``ngram_size - 1`` token ids (None without PLE);
-    - ``experts``: the Program's host experts runtime when the routed experts live in host memory.
+    - ``experts``: the Program's host experts runtime when the routed experts live in host memory;
+    - ``rope_positions`` [num_pages, page_size, 3] int32, paged like the KV (None without media): each cached
+      token's (t, h, w) rotary positions, which the QSA block keys rotate by. A Program that takes media gives it
+      (a sequence's positions then differ from its token indices from its first media item on).
     """
 
     conv: torch.Tensor
@@ -43,3 +46,4 @@ class Qwen4ExpStateViews(PagedKVViews):
     ple_conv: torch.Tensor | None = None
     ngram: torch.Tensor | None = None
     experts: HostExperts | None = None
+    rope_positions: torch.Tensor | None = None

@@ -59,39 +59,58 @@ def qsa_dense(config: Qwen4ExpConfig, max_seq_len: int) -> bool:
 
 
 def index_queries(config: Qwen4ExpConfig, p: IndexerParams, x: torch.Tensor, batch: ForwardBatch,
-                  rope_inv_freq: torch.Tensor, index_keys: torch.Tensor) -> torch.Tensor:
+                  rope_inv_freq: torch.Tensor, index_keys: torch.Tensor,
+                  rope_axes: torch.Tensor | None = None) -> torch.Tensor:
     """The indexer's inputs for this batch: its raw key [N, Di] stored at ``slot_mapping`` in ``index_keys``
     [num_pages, page_size, Di] (pooled, normed and rotated per block when scored), and its queries [N, Hi, Di]
-    (per-head (1 + w) norm, then rotated at the token's position over the attention's rotary dims)."""
+    (per-head (1 + w) norm, then rotated at the token's position over the attention's rotary dims: its
+    ``mrope_positions`` through ``rope_axes`` when the batch has them)."""
     q = config.qsa
     N = x.shape[0]
     qk = linear(x, p.qk_proj)
     queries, keys = qk.split((q.n_heads * q.head_dim, q.head_dim), dim=-1)
     index_keys.view(-1, q.head_dim)[batch.slot_mapping] = keys.to(index_keys.dtype)
     queries = rms_norm(queries.reshape(N, q.n_heads, q.head_dim), p.q_norm, config.base.rms_norm_eps)
-    cos, sin = rope_angles_cos_sin(batch.positions, rope_inv_freq, queries.dtype)
+    mrope = batch.mrope_positions is not None
+    cos, sin = rope_angles_cos_sin(batch.mrope_positions if mrope else batch.positions, rope_inv_freq, queries.dtype,
+                                   rope_axes if mrope else None)
     return apply_rope(queries, cos, sin, config.base.rotary_dim)
+
+
+def write_rope_positions(batch: ForwardBatch, rope_positions: torch.Tensor) -> None:
+    """Store each new token's (t, h, w) rotary positions at ``slot_mapping`` in ``rope_positions`` [num_pages,
+    page_size, 3] (text tokens: its position on every axis)."""
+    rows = batch.mrope_positions.T if batch.mrope_positions is not None else batch.positions[:, None].expand(-1, 3)
+    rope_positions.view(-1, 3)[batch.slot_mapping] = rows.to(rope_positions.dtype)
 
 
 def qsa_attention(config: Qwen4ExpConfig, p: AttentionParams, indexer: IndexerParams | None, x: torch.Tensor,
                   batch: ForwardBatch, rope_inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  index_keys: torch.Tensor | None) -> torch.Tensor:
+                  index_keys: torch.Tensor | None, rope_axes: torch.Tensor | None = None,
+                  rope_positions: torch.Tensor | None = None) -> torch.Tensor:
     """Gated attention x [N, H] -> [N, H] over the tokens QSA selects (all visible ones while the batch is
-    ``qsa_dense``), writing this batch's K/V and indexer keys first."""
+    ``qsa_dense``), writing this batch's K/V and indexer keys first. MRoPE: a batch with ``mrope_positions``
+    rotates its queries and keys by them through ``rope_axes``; with ``rope_positions`` (every cached token's
+    (t, h, w), this batch's already written) the block keys rotate at their first token's."""
     c = config.base
     N, nh, kvh, d = x.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
     q_gate, k, v = p.qkv(x)
     q_gate = q_gate.view(N, nh, 2 * d)  # each head's block is [query | gate]
     gate = q_gate[..., d:]
+    mrope = batch.mrope_positions is not None
+    if mrope and rope_axes is None:
+        raise ValueError("qsa_attention: a batch with mrope_positions needs rope_axes")
     q = norm_rope_write_kv(q_gate[..., :d], k.view(N, kvh, d), v.view(N, kvh, d), p.q_norm, p.k_norm,
-                           c.rms_norm_eps, batch.positions, rope_inv_freq, k_cache, v_cache, batch.slot_mapping)
+                           c.rms_norm_eps, batch.mrope_positions if mrope else batch.positions, rope_inv_freq,
+                           k_cache, v_cache, batch.slot_mapping, axes=rope_axes if mrope else None)
     selected = None
     if indexer is not None:
         if index_keys is None:
             raise ValueError("qsa_attention: a QSA layer needs its indexer key cache")
-        index_q = index_queries(config, indexer, x, batch, rope_inv_freq, index_keys)
+        index_q = index_queries(config, indexer, x, batch, rope_inv_freq, index_keys, rope_axes)
         if not qsa_dense(config, batch.max_seq_len):
-            selected = _select_blocks(config, indexer, index_q, index_keys, batch, rope_inv_freq)
+            selected = _select_blocks(config, indexer, index_q, index_keys, batch, rope_inv_freq,
+                                      rope_positions, rope_axes)
     if selected is None:
         o = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
                             batch.max_query_len, batch.max_seq_len, d ** -0.5, gate=gate)
@@ -103,10 +122,14 @@ def qsa_attention(config: Qwen4ExpConfig, p: AttentionParams, indexer: IndexerPa
 
 
 def _select_blocks(config: Qwen4ExpConfig, indexer: IndexerParams, index_q: torch.Tensor, index_keys: torch.Tensor,
-                   batch: ForwardBatch, rope_inv_freq: torch.Tensor) -> torch.Tensor:
+                   batch: ForwardBatch, rope_inv_freq: torch.Tensor, rope_positions: torch.Tensor | None,
+                   rope_axes: torch.Tensor | None) -> torch.Tensor:
     q = config.qsa
+    if rope_positions is not None and rope_axes is None:
+        raise ValueError("qsa_attention: rope_positions need rope_axes")
     return qsa_select(index_q, index_keys, batch.block_tables, batch.seq_lens, batch.query_start_loc, indexer.k_norm,
-                      config.base.rms_norm_eps, rope_inv_freq, config.base.rotary_dim, q.compress_ratio, q.block_topk)
+                      config.base.rms_norm_eps, rope_inv_freq, config.base.rotary_dim, q.compress_ratio, q.block_topk,
+                      key_positions=rope_positions, rope_axes=rope_axes if rope_positions is not None else None)
 
 
 def ple_addend(config: Qwen4ExpConfig, p: PLEParams, x: torch.Tensor, windows: torch.Tensor, batch: ForwardBatch,

@@ -3,6 +3,11 @@
 The residual is ``hc_count`` streams wide (the embedding repeated); each layer optionally adds its PLE term, then
 reads its mixer's input through one hyper-connection and its MoE block's through another, each output injected
 back into every stream. The final hyper-connection mixer gives the hidden states (there is no final norm).
+
+Media (as Qwen3.5): placeholder rows take the vision encoder's embeddings before the residual is widened, PLE
+hashes the token ids with the placeholders as they are (transformers' ``ple_input_ids``), and a chunk with
+placeholders rotates by its (t, h, w) MRoPE positions, the QSA indexer too: its block keys rotate at their first
+token's, which ``rope_positions`` keeps for every cached token.
 """
 
 from __future__ import annotations
@@ -12,8 +17,15 @@ import torch.nn.functional as F
 
 from ninfer.ops import hyper_connection_inject, hyper_connection_mix, linear, ngram_windows, rope_inv_freq
 from ninfer.ops.norm import sum_terms
+from ninfer.ops.rope import mrope_axes
 from ninfer_qwen4exp.execution.forward_batch import ForwardBatch, Qwen4ExpStateViews
-from ninfer_qwen4exp.execution.layers import Qwen4ExpVerifySteps, ple_addend, qsa_attention, row_steps
+from ninfer_qwen4exp.execution.layers import (
+    Qwen4ExpVerifySteps,
+    ple_addend,
+    qsa_attention,
+    row_steps,
+    write_rope_positions,
+)
 from ninfer_qwen4exp.execution.parameters import HyperParams, Qwen4ExpParameters
 from ninfer_qwen35.execution.layers import GDNPlan, gdn_mixer, mlp
 from ninfer_qwen35.execution.model import Qwen35Model
@@ -28,6 +40,8 @@ class Qwen4ExpModel:
         self.config = params.config
         b = self.config.base
         self.rope_inv_freq = rope_inv_freq(b.rotary_dim, b.rope_theta, params.embed.device)
+        # MRoPE (a prefill chunk with media placeholders): the (t, h, w) row each frequency slot reads.
+        self.rope_axes = mrope_axes(b.rotary_dim, b.mrope_section, params.embed.device)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, state: Qwen4ExpStateViews, verify: Qwen4ExpVerifySteps | None = None, *,
@@ -42,7 +56,12 @@ class Qwen4ExpModel:
         self._check(batch, state)
         if verify is not None:
             self._check_verify(batch, verify)
-        x = F.embedding(batch.input_ids, p.embed).repeat(1, c.hc_count)
+        x = F.embedding(batch.input_ids, p.embed)
+        if batch.vision_rows is not None:  # media placeholders take the vision encoder's rows
+            x.index_copy_(0, batch.vision_rows, batch.vision_embeds.to(x.dtype))
+        x = x.repeat(1, c.hc_count)
+        if state.rope_positions is not None:
+            write_rope_positions(batch, state.rope_positions)
         plan = GDNPlan(decode=False, verify=verify) if verify is not None else Qwen35Model._gdn_plan(batch)
         windows = None
         if c.ple is not None:  # every PLE layer hashes the same windows; the history moves on once per forward
@@ -67,7 +86,8 @@ class Qwen4ExpModel:
             else:
                 k_cache, v_cache = state.kv[i]
                 h = qsa_attention(c, layer.mixer, layer.indexer, h, batch, self.rope_inv_freq, k_cache, v_cache,
-                                  state.index_keys[i] if state.index_keys else None)
+                                  state.index_keys[i] if state.index_keys else None, self.rope_axes,
+                                  state.rope_positions)
             x = hyper_connection_inject(x, h, inject)
             h, inject = self._mix(x, layer.mlp_hc)
             h = mlp(layer.mlp, h, state.experts)
@@ -112,8 +132,20 @@ class Qwen4ExpModel:
         if batch.positions.shape != (N,) or batch.slot_mapping.shape != (N,):
             problems.append(f"positions {tuple(batch.positions.shape)} / slot_mapping "
                             f"{tuple(batch.slot_mapping.shape)} must be [{N}]")
-        if batch.mrope_positions is not None or batch.vision_rows is not None:
-            problems.append("vision inputs (mrope_positions, vision_rows) are not supported by the text model")
+        if batch.mrope_positions is not None and batch.mrope_positions.shape != (3, N):
+            problems.append(f"mrope_positions {tuple(batch.mrope_positions.shape)} must be [3, {N}]")
+        if batch.mrope_positions is not None and c.qsa is not None and state.rope_positions is None:
+            problems.append("a batch with mrope_positions needs the views' rope_positions (QSA block keys rotate "
+                            "at their first token's (t, h, w))")
+        rows, embeds = batch.vision_rows, batch.vision_embeds
+        if (rows is None) != (embeds is None) or (rows is not None and (
+                rows.dim() != 1 or embeds.shape != (rows.shape[0], b.hidden_size))):
+            problems.append(f"vision_rows {None if rows is None else tuple(rows.shape)} / vision_embeds "
+                            f"{None if embeds is None else tuple(embeds.shape)} must be [M] / [M, {b.hidden_size}]")
+        if state.rope_positions is not None and (
+                state.rope_positions.shape[1:] != (state.page_size, 3) or state.rope_positions.dtype != torch.int32):
+            problems.append(f"rope_positions {tuple(state.rope_positions.shape)} {state.rope_positions.dtype} must "
+                            f"be [pages, {state.page_size}, 3] int32")
         if batch.query_start_loc.shape != (B + 1,) or batch.seq_lens.shape != (B,) \
                 or batch.has_initial_state.shape != (B,) or batch.block_tables.shape[0] != B:
             problems.append(f"per-sequence tensors must have {B} rows (query_start_loc {B + 1})")

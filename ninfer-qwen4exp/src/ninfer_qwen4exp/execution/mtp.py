@@ -40,7 +40,7 @@ from ninfer_qwen4exp.execution.parameters import (
 from ninfer_qwen4exp.source_mapping import expected_parameters
 from ninfer_qwen35.execution.layers import mlp
 from ninfer_qwen35.execution.linear import Weight
-from ninfer_qwen35.execution.parameters import _Builder, _expert_banks
+from ninfer_qwen35.execution.parameters import WeightBuilder, bank_tensors
 
 if TYPE_CHECKING:
     from ninfer.models.common.moe.host_experts import HostExperts
@@ -71,7 +71,7 @@ class Qwen4ExpMTPParams:
         if config.hc_count < 2:  # SGLang's one-stream MTP is Qwen3.5's (one fc over [e; h]): not mapped here
             raise WeightsError(f"the Qwen4Exp MTP block needs hyper-connections (hc_count {config.hc_count})")
         _check_weights(config, weights)
-        build = _Builder(config.base, weights, dtype, torch.device(device), experts_device)
+        build = WeightBuilder(config.base, weights, dtype, torch.device(device), experts_device)
         layers = []
         for j in range(depth):
             p = f"mtp.layers.{j}."
@@ -102,7 +102,7 @@ class Qwen4ExpMTPParams:
         return out
 
     def expert_banks(self) -> list[Weight]:
-        return _expert_banks(self.layers)
+        return bank_tensors(self.layers)
 
 
 def _check_weights(config: Qwen4ExpConfig, weights: WeightSet) -> None:

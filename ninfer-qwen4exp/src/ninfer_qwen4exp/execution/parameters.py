@@ -20,7 +20,13 @@ from ninfer.ops.ple import ngram_multipliers
 from ninfer_qwen4exp.config import Qwen4ExpConfig
 from ninfer_qwen4exp.source_mapping import expected_parameters
 from ninfer_qwen35.execution.linear import Weight
-from ninfer_qwen35.execution.parameters import AttentionParams, GDNParams, MoEParams, _Builder, _expert_banks
+from ninfer_qwen35.execution.parameters import (
+    AttentionParams,
+    GDNParams,
+    MoEParams,
+    WeightBuilder,
+    bank_tensors,
+)
 
 __all__ = ["HyperParams", "IndexerParams", "PLEParams", "Qwen4ExpLayerParams", "Qwen4ExpParameters", "WeightsError"]
 
@@ -99,7 +105,7 @@ class Qwen4ExpParameters:
         embed_name = "model.embed_tokens.weight"
         dtype = compute_dtype if compute_dtype is not None else weights[embed_name].dtype
         device = torch.device(device) if device is not None else weights[embed_name].device
-        build = _Builder(config.base, weights, dtype, device, experts)
+        build = WeightBuilder(config.base, weights, dtype, device, experts)
         gdn_index = {i: n for n, i in enumerate(config.gdn_layers)}
         attn_index = {i: n for n, i in enumerate(config.attention_layers)}
         ple_index = {i: n for n, i in enumerate(config.ple_layers)}
@@ -157,7 +163,7 @@ class Qwen4ExpParameters:
 
     def expert_banks(self) -> list[Weight]:
         """The routed experts' banks of every MoE layer (what a host-experts placement keeps on the host)."""
-        return _expert_banks(self.layers)
+        return bank_tensors(self.layers)
 
     def ngram_tables(self) -> list[torch.Tensor]:
         """The PLE layers' n-gram tables (kept where the weights put them; only looked-up rows move)."""
@@ -169,7 +175,7 @@ class Qwen4ExpParameters:
         return resident_bytes(self.tensors())
 
 
-def _hyper(build: _Builder, prefix: str, inject: bool = True) -> HyperParams:
+def _hyper(build: WeightBuilder, prefix: str, inject: bool = True) -> HyperParams:
     return HyperParams(norm=build.w(prefix + "hc_norm.weight"), down=build.matrix(prefix + "input_mix_weight_down.weight"),
                        up=build.matrix(prefix + "input_mix_weight_up.weight"),
                        inject=build.matrix(prefix + "block_inject_weight.weight") if inject else None)
@@ -179,7 +185,7 @@ def _hyper_tensors(h: HyperParams) -> list[Weight]:
     return [h.norm, h.down, h.up, *([h.inject] if h.inject is not None else [])]
 
 
-def _ple(config: Qwen4ExpConfig, build: _Builder, prefix: str, index: int) -> PLEParams:
+def _ple(config: Qwen4ExpConfig, build: WeightBuilder, prefix: str, index: int) -> PLEParams:
     e, device = config.ple, build.device
 
     def ints(values) -> torch.Tensor:
