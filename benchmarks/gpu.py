@@ -93,7 +93,8 @@ def quantized_bench(args, out: Path) -> int:
     """bf16, then ``--quantize FORMAT``, of this tree in one call: one comparison table, quantized over bf16."""
     results: dict[str, list] = {"bf16": [], args.quantize: []}
     failed = 0
-    for label, extra in (("bf16", []), (args.quantize, ["--quantize", args.quantize])):
+    profile = ["--profile", str(out)] if args.profile else []  # the quantized run's decode kernels, per step
+    for label, extra in (("bf16", []), (args.quantize, ["--quantize", args.quantize, *profile])):
         path = out / f"bench_{label}.json"
         failed |= run(args, f"bench_{label}", [*bench_module_argv(args, path, ROOT), *extra], timeout=args.timeout)
         if path.exists():

@@ -41,6 +41,8 @@ OTHER_FLAGS = {
     "choice", "show_thinking", "verbose", "json",
     # scoring
     "file", "tokens", "window", "stride",
+    # planning for another machine (ninfer plan): the host memory to plan with instead of this one's
+    "host_memory",
     # the HTTP server and its gateway
     "host", "port", "backlog", "api_key", "api_key_file", "allowed_hosts", "allowed_origins", "access_log",
     "body_timeout", "graceful_timeout", "keep_alive_timeout", "queue_timeout", "http_queue", "http_threads",

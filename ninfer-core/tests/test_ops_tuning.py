@@ -126,9 +126,22 @@ def test_the_h100_sxm_runs_the_h200_entries_it_measured_faster_with():
     """An H100 SXM (132 SMs, like the H200) decoded 9B 6 % and 0.8B 8-15 % slower under the generic rule than under
     the H200's entries (docs/kernels.md, "Tuning tables"): its entry repeats the H200's until it has its own."""
     for family in tuning.FAMILIES:
-        assert tuning.table(family)["devices"][H100.name] == {"same_as": "NVIDIA H200"}
         assert tuning.known_entry(family, H100) == H100.name
+        if family in MEASURED_ON_H100:
+            continue
+        assert tuning.table(family)["devices"][H100.name] == {"same_as": "NVIDIA H200"}
         assert tuning.choices(family, H100) == tuning.choices(family, H200)
+
+
+# Families whose H100 entry is its own sweep (`scripts/gpu tune` on an H100): the quantized linears' shapes.
+MEASURED_ON_H100 = {"linear_quant"}
+
+
+def test_the_h100_has_its_own_quantized_linear_shapes():
+    shapes = tuning.choices("linear_quant", H100)["shapes"]
+    assert {"fp8_e4m3_block:4096x4096", "nvfp4:24576x4096"} <= set(shapes)
+    assert t_linear_quant.default_config("fp8_e4m3_block", 4096, 12288, H100) == (32, 128, 8, 4, 3)
+    assert tuning.choices("linear_quant", H200)["shapes"] == {}  # the H200 keeps the rule until measured
 
 
 @pytest.mark.parametrize("device", [H100_PCIE, A100, tuning.DeviceKey("NVIDIA H200", 100),
