@@ -90,8 +90,6 @@ class Qwen35Startup:
 
     def load(self, artifact: Any, options: StartupOptions, placement: WeightPlacement) -> Qwen35Loaded:
         from ninfer.artifact import load_weights
-        from ninfer.models.common.qwen import QwenFrontend
-        from ninfer.models.common.qwen.media_preparation import MediaLimits
         from ninfer_qwen35.execution.model import Qwen35Model
         from ninfer_qwen35.execution.mtp import Qwen35MTP
         from ninfer_qwen35.execution.parameters import MTPParams, Qwen35Parameters
@@ -102,12 +100,7 @@ class Qwen35Startup:
             raise StartupError(f"Qwen3.5 has no weight placement {placement.name!r} for this model")
         host = placement.name == HOST_EXPERTS
         dev = Device.parse(options.device)
-        frontend = QwenFrontend.from_resources(artifact.frontend, chat_template_override=options.chat_template,
-                                               special_tokens_in_content=options.special_tokens_in_content,
-                                               constraint_limits=options.constraint_limits,
-                                               vision="vision" in features,
-                                               media_limits=MediaLimits(max_decoded_pixels=options.media_max_pixels,
-                                                                        max_request_tokens=options.media_max_tokens))
+        frontend = qwen_frontend(artifact, options, vision="vision" in features)
         banks = bank_objects(artifact, features) if host else frozenset()
         weights, report = load_weights(artifact, features=features, device=str(dev), host_objects=banks)
         compute = compute_dtype(options, weights[EMBED].dtype)
@@ -213,6 +206,19 @@ def host_experts_runtime(stacks: list, moe: Any, dev: Device, cache_slots: int):
                for stack in blocks for i in range(len(stack))]
     return HostExperts(banks, device=dev.torch, cache_slots=cache_slots, team=default_team(),
                        top_k=moe.num_experts_per_tok, next_routers=routers)
+
+
+def qwen_frontend(artifact: Any, options: StartupOptions, *, vision: bool) -> Any:
+    """The Qwen Frontend of an artifact under the start's options (template override, special tokens in content,
+    constraint limits, media limits when the vision feature is bound)."""
+    from ninfer.models.common.qwen import QwenFrontend
+    from ninfer.models.common.qwen.media_preparation import MediaLimits
+
+    return QwenFrontend.from_resources(artifact.frontend, chat_template_override=options.chat_template,
+                                       special_tokens_in_content=options.special_tokens_in_content,
+                                       constraint_limits=options.constraint_limits, vision=vision,
+                                       media_limits=MediaLimits(max_decoded_pixels=options.media_max_pixels,
+                                                                max_request_tokens=options.media_max_tokens))
 
 
 def bank_objects(artifact: Any, features: tuple[str, ...]) -> frozenset[str]:

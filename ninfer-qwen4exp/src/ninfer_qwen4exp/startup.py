@@ -37,6 +37,7 @@ from ninfer_qwen35.startup import (
     eager_reason,
     encoder_needs,
     host_experts_runtime,
+    qwen_frontend,
     vision_tensors,
     weight_placements,
 )
@@ -73,8 +74,6 @@ class Qwen4ExpStartup:
 
     def load(self, artifact: Any, options: StartupOptions, placement: WeightPlacement) -> Qwen4ExpLoaded:
         from ninfer.artifact import load_weights
-        from ninfer.models.common.qwen import QwenFrontend
-        from ninfer.models.common.qwen.media_preparation import MediaLimits
         from ninfer_qwen4exp.execution.model import Qwen4ExpModel
         from ninfer_qwen4exp.execution.mtp import Qwen4ExpMTP, Qwen4ExpMTPParams
         from ninfer_qwen4exp.execution.parameters import Qwen4ExpParameters
@@ -85,12 +84,7 @@ class Qwen4ExpStartup:
             raise StartupError(f"Qwen4Exp has no weight placement {placement.name!r}")
         host = placement.name == HOST_EXPERTS
         dev = Device.parse(options.device)
-        frontend = QwenFrontend.from_resources(artifact.frontend, chat_template_override=options.chat_template,
-                                               special_tokens_in_content=options.special_tokens_in_content,
-                                               constraint_limits=options.constraint_limits,
-                                               vision="vision" in features,
-                                               media_limits=MediaLimits(max_decoded_pixels=options.media_max_pixels,
-                                                                        max_request_tokens=options.media_max_tokens))
+        frontend = qwen_frontend(artifact, options, vision="vision" in features)
         tables = ngram_objects(artifact, features)  # gathered on the host, only their looked-up rows uploaded
         kept = tables | (bank_objects(artifact, features) if host else frozenset())
         weights, report = load_weights(artifact, features=features, device=str(dev), host_objects=kept,

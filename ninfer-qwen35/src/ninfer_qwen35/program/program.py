@@ -51,7 +51,7 @@ class Qwen35Program(PagedProgram):
                                      page_size=self.page_size, experts=host_experts)
         self.host_experts = host_experts
         if vision is not None:
-            self._take_media(vision)
+            take_media(self, vision, model.config)
         self.start_graphs(cuda_graphs=cuda_graphs, static_decode=static_decode)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -60,10 +60,13 @@ class Qwen35Program(PagedProgram):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.logits(hidden)
 
-    def _take_media(self, vision: Any) -> None:
-        c = self.model.config
-        pads = [t for t in (c.image_token_id, c.video_token_id) if t is not None]
-        if not pads:
-            raise ValueError("a vision encoder needs the config's image_token_id / video_token_id")
-        self.vision.encode = vision.forward
-        self.sequences.vision = VisionSpec(merge_size=vision.config.spatial_merge_size, placeholder_ids=pads)
+
+
+def take_media(program: PagedProgram, vision: Any, config: Any) -> None:
+    """Give ``program`` the vision encoder: its media placeholders (the config's image and video token ids) take
+    the encoder's rows."""
+    pads = [t for t in (config.image_token_id, config.video_token_id) if t is not None]
+    if not pads:
+        raise ValueError("a vision encoder needs the config's image_token_id / video_token_id")
+    program.vision.encode = vision.forward
+    program.sequences.vision = VisionSpec(merge_size=vision.config.spatial_merge_size, placeholder_ids=pads)

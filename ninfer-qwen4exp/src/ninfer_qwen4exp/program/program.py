@@ -25,10 +25,10 @@ from ninfer.contract.request import SamplingParams
 from ninfer.contract.state import KVPoolSpec, StateImageLayout
 from ninfer.core.device import Device
 from ninfer.core.forward_batch import ForwardBatch
-from ninfer.models.common.context.prompt_media import VisionSpec
 from ninfer.models.common.paged_program import PagedProgram
 from ninfer_qwen4exp.execution.forward_batch import Qwen4ExpStateViews
 from ninfer_qwen4exp.state import INDEX_KEYS, ROPE_POSITIONS
+from ninfer_qwen35.program.program import take_media
 
 if TYPE_CHECKING:
     from ninfer.models.common.moe.host_experts import HostExperts
@@ -72,7 +72,7 @@ class Qwen4ExpProgram(PagedProgram):
             experts=host_experts, rope_positions=self.pool.aux_caches(ROPE_POSITIONS)[0] if positions else None)
         self.host_experts = host_experts
         if vision is not None:
-            self._take_media(vision)
+            take_media(self, vision, self.config.base)
         self.start_graphs(cuda_graphs=cuda_graphs, static_decode=static_decode)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -80,11 +80,3 @@ class Qwen4ExpProgram(PagedProgram):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.logits(hidden)
-
-    def _take_media(self, vision: Any) -> None:
-        c = self.config.base
-        pads = [t for t in (c.image_token_id, c.video_token_id) if t is not None]
-        if not pads:
-            raise ValueError("a vision encoder needs the config's image_token_id / video_token_id")
-        self.vision.encode = vision.forward
-        self.sequences.vision = VisionSpec(merge_size=vision.config.spatial_merge_size, placeholder_ids=pads)
