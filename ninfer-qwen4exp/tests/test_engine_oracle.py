@@ -30,14 +30,6 @@ from ninfer_qwen4exp.testing import convert_tiny, make_tiny_checkpoint  # noqa: 
 STEPS = 40
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_cpu_thread():
-    """Tiny CPU models run fastest single-threaded, above all on a shared, loaded machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @attrs.frozen
 class Tiny:

@@ -55,14 +55,6 @@ def _scale_mtp(ckpt: Path, seed: int) -> None:
         safetensors.save_file(tensors, str(shard), metadata={"format": "pt"})
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_cpu_thread():
-    """Tiny CPU models run fastest single-threaded, above all on a shared, loaded machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):

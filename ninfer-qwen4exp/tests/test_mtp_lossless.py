@@ -17,7 +17,6 @@ import random
 
 import attrs
 import pytest
-import torch
 
 from ninfer.contract.config import EngineConfig, StartupFeatures
 from ninfer.contract.prompt import TextInput
@@ -31,13 +30,6 @@ from ninfer_qwen4exp.testing import convert_tiny, make_tiny_checkpoint  # noqa: 
 
 STEPS = 24
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_cpu_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @attrs.frozen

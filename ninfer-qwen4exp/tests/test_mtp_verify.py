@@ -23,14 +23,6 @@ _spec.loader.exec_module(_oracle)
 tiny, Runner, prompt, EOS = _oracle.tiny, _oracle.Runner, _oracle.prompt, _oracle.EOS
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_cpu_thread():
-    """Tiny CPU models run fastest single-threaded, above all on a shared, loaded machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def _steps(model, B: int, R: int) -> Qwen4ExpVerifySteps:
     c, b = model.config, model.config.base

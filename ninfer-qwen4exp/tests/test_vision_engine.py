@@ -27,14 +27,6 @@ from ninfer_qwen35.testing.vision_prompts import hf_media_inputs  # noqa: E402
 GREEDY = dict(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_cpu_thread():
-    """Tiny CPU models run fastest single-threaded, above all on a shared, loaded machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def png(seed: int, width: int, height: int) -> bytes:
     g = torch.Generator().manual_seed(seed)

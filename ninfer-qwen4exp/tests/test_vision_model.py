@@ -32,14 +32,6 @@ PROMPTS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_cpu_thread():
-    """Tiny CPU models run fastest single-threaded, above all on a shared, loaded machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module")
 def tiny() -> TinyVL:

@@ -26,14 +26,6 @@ from ninfer_qwen35.testing.vision_prompts import decode_greedy, image, prefill_g
 GREEDY = SamplingParams(temperature=0.0)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_cpu_thread():
-    """Tiny CPU models run fastest single-threaded, above all on a shared, loaded machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
