@@ -143,3 +143,69 @@ def _keep_top(scores: torch.Tensor, complete: list[int], block_topk: int, out: t
             top = scores[r:end, :c].topk(block_topk, dim=1).indices
             out[r:end] = top.sort(dim=1).values.to(torch.int32)
         r = end
+
+
+def qsa_select_static(q: torch.Tensor, index_keys: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                      query_start_loc: torch.Tensor, k_norm: torch.Tensor, eps: float,
+                      rope_inv_freq: torch.Tensor, rotary_dim: int, compress_ratio: int, block_topk: int,
+                      max_blocks: int, *, key_positions: torch.Tensor | None = None,
+                      rope_axes: torch.Tensor | None = None) -> torch.Tensor:
+    """``qsa_select`` with static shapes and no host reads, so a CUDA graph can capture it: int32 [N, block_topk],
+    each query's kept blocks ascending, -1 after them.
+
+    ``max_blocks`` (a host int) bounds the complete blocks of every row: each sequence's block keys are built for
+    blocks 0..max_blocks-1 through its block table (tokens past seq_lens read whatever the pages hold and are masked
+    out, as are the blocks a query cannot see yet); blocks at or past max_blocks are never chosen, so the caller
+    must make it cover the longest sequence. The choice is a stable descending sort of the scores: a tie goes to
+    the EARLIER block. (transformers keeps torch.topk's order, an implementation detail; the sets only differ where
+    the block_topk-th and next scores are equal, most often exactly 0, every index head's dot being negative.)
+    """
+    _check(q, index_keys, block_tables, seq_lens, query_start_loc, k_norm, rope_inv_freq, rotary_dim,
+           compress_ratio, block_topk, key_positions, rope_axes)
+    if max_blocks < 0:
+        raise ValueError(f"qsa_select_static: max_blocks {max_blocks} must not be negative")
+    N, heads, D = q.shape
+    B = seq_lens.shape[0]
+    dev = q.device
+    out = torch.full((N, block_topk), -1, dtype=torch.int32, device=dev)
+    if N == 0 or max_blocks == 0:
+        return out
+    num_pages, page = index_keys.shape[:2]
+    M, L = max_blocks, max_blocks * compress_ratio
+    # Each query's sequence and position, from the device tensors alone.
+    rows = torch.arange(N, device=dev)
+    qsl = query_start_loc.to(dev).long()
+    seq = torch.searchsorted(qsl[1:], rows, right=True).clamp_(max=B - 1)
+    pos = seq_lens.to(dev).long()[seq] - (qsl[seq + 1] - rows)
+    complete = torch.div(pos + 1, compress_ratio, rounding_mode="floor")  # [N]
+    # Tokens 0..L-1 of every sequence through its block table; pages past the table's width or unassigned (< 0)
+    # read page 0 and are masked below.
+    tok = torch.arange(L, device=dev)
+    col = torch.div(tok, page, rounding_mode="floor").clamp_(max=block_tables.shape[1] - 1)
+    pages = block_tables.to(dev).long()[:, col].clamp_(0, num_pages - 1)  # [B, L]
+    slot = (tok % page)[None, :].expand(B, L)
+    keys = index_keys[pages, slot]  # [B, L, D]
+    pooled = keys.float().view(B, M, compress_ratio, D).mean(2).to(keys.dtype)
+    normed = rms_norm(pooled.reshape(B * M, D), k_norm, eps)
+    if key_positions is None:
+        starts = (torch.arange(M, device=dev) * compress_ratio).repeat(B)
+    else:  # each block's first token's (t, h, w): [3, B * M]
+        starts = key_positions[pages[:, ::compress_ratio], slot[:, ::compress_ratio]].reshape(B * M, 3).T.long()
+    cos, sin = rope_angles_cos_sin(starts, rope_inv_freq, keys.dtype, rope_axes)
+    kb = apply_rope(normed[:, None, :], cos, sin, rotary_dim)[:, 0].float().view(B, M, D)
+    # Scores [N, M] as qsa_select's: fp32 relu dots summed over the index heads in order, over sqrt(D).
+    kq = kb[seq].transpose(1, 2)  # [N, D, M]
+    qf = q.float()
+    scores = torch.relu(torch.bmm(qf[:, 0:1], kq))[:, 0]
+    for h in range(1, heads):
+        scores += torch.relu(torch.bmm(qf[:, h:h + 1], kq))[:, 0]
+    scores /= math.sqrt(D)
+    visible = torch.arange(M, device=dev)[None, :] < complete[:, None]
+    scores = torch.where(visible, scores, float("-inf"))
+    k = min(block_topk, M)
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
+    kept = torch.gather(visible, 1, order)
+    # Ascending with the unused slots last: park them at M, sort, then write -1.
+    chosen = torch.where(kept, order, M).sort(dim=1).values
+    out[:, :k] = torch.where(chosen < M, chosen, -1).to(torch.int32)
+    return out

@@ -1,0 +1,135 @@
+"""``qsa_select_static`` (static shapes, no host reads: the CUDA-graph decode's selection) against ``qsa_select``,
+fp32, on random paged indexer keys with shuffled page tables and junk past each sequence: decode rows and prefill
+chunks packed together, text and MRoPE positions. The kept block set is the reference's wherever the
+block_topk-th and next scores differ; where they tie (exactly 0: every index head's dot negative) the kept scores
+are the reference's as a multiset and the tie goes to the earliest blocks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ninfer.ops import qsa_select, qsa_select_static
+from ninfer.ops.qsa import block_keys
+from ninfer.ops.rope import mrope_axes, rope_inv_freq
+
+DIM, RATIO, TOPK, PAGE, ROT, EPS = 16, 4, 5, 4, 8, 1e-6
+
+
+def _case(lengths, qlens, heads, seed, extra_pages=6, mrope=False):
+    gen = torch.Generator().manual_seed(seed)
+    per_seq = -(-max(lengths) // PAGE) + 2  # wider than needed: the extra columns hold other sequences' pages
+    n_pages = len(lengths) * per_seq + extra_pages
+    tables = torch.randperm(n_pages, generator=gen)[:len(lengths) * per_seq].view(len(lengths), per_seq).int()
+    keys = torch.randn(n_pages, PAGE, DIM, generator=gen)
+    q = torch.randn(sum(qlens), heads, DIM, generator=gen)
+    k_norm = torch.randn(DIM, generator=gen) * 0.1
+    kw = {}
+    if mrope:
+        kw = {"key_positions": torch.randint(0, 50, (n_pages, PAGE, 3), dtype=torch.int32, generator=gen),
+              "rope_axes": mrope_axes(ROT, (2, 1, 1))}
+    qsl = torch.tensor([0, *qlens]).cumsum(0).int()
+    args = (q, keys, tables, torch.tensor(lengths).int(), qsl, k_norm, EPS, rope_inv_freq(ROT, 10000.0), ROT,
+            RATIO, TOPK)
+    return args, kw
+
+
+def _scores(args, kw, seq: int, pos: int) -> torch.Tensor:
+    """The reference scores of one query (row of q at ``pos`` in sequence ``seq``) over its complete blocks."""
+    q, keys, tables, lens, qsl, k_norm, eps, inv, rot, ratio, _ = args
+    n = int(lens[seq])
+    pages = tables[seq, :-(-n // PAGE)].long()
+    k = keys[pages].reshape(-1, DIM)[:n]
+    positions = None if not kw else kw["key_positions"][pages].reshape(-1, 3)[:n]
+    kb = block_keys(k, k_norm, eps, inv, rot, ratio, positions, kw.get("rope_axes")).float()
+    row = int(qsl[seq]) + pos - (n - int(qsl[seq + 1] - qsl[seq]))
+    return torch.relu(q[row].float() @ kb.T).sum(0)[:(pos + 1) // ratio] / math.sqrt(DIM)
+
+
+def _compare(args, kw, max_blocks) -> tuple[int, int]:
+    """Assert the static choice against the reference row by row; (rows decided by a clear gap, rows tied)."""
+    ref = qsa_select(*args, **kw)
+    got = qsa_select_static(*args, max_blocks, **kw)
+    assert got.shape == ref.shape and got.dtype == torch.int32
+    lens, qsl = args[3].tolist(), args[4].tolist()
+    clear = tied = 0
+    for s, n in enumerate(lens):
+        qlen = qsl[s + 1] - qsl[s]
+        for j in range(qlen):
+            row, pos = qsl[s] + j, n - qlen + j
+            r, g = ref[row], got[row]
+            kept = g[g >= 0]
+            assert (g[len(kept):] == -1).all() and (kept.diff() > 0).all()  # ascending, -1 after
+            c = (pos + 1) // RATIO
+            if c <= TOPK:
+                assert torch.equal(g, r)
+                continue
+            sc = _scores(args, kw, s, pos)
+            vals = sc.sort(descending=True).values
+            if vals[TOPK - 1] - vals[TOPK] > 1e-5 * max(1.0, float(vals[0])):
+                assert torch.equal(g, r), (row, g, r, sc)
+                clear += 1
+                continue
+            assert torch.allclose(sc[kept.long()].sort().values, sc[r.long()].sort().values)
+            if vals[TOPK - 1] == 0 and vals[TOPK] == 0:
+                above = (sc > 0).nonzero()[:, 0]
+                zeros = (sc == 0).nonzero()[:, 0][:TOPK - len(above)]
+                assert torch.equal(kept.long(), torch.cat([above, zeros]).sort().values), (row, g, sc)
+                tied += 1
+    return clear, tied
+
+
+@pytest.mark.parametrize("mrope", [False, True])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_decode_rows_match_the_reference(seed, mrope):
+    """One token per row (decode), long and short sequences; max_blocks exactly the longest's complete blocks and
+    with slack (blocks past the sequences gathered through junk pages, masked)."""
+    lengths = [61, 4, 33, 20, 47, 3]
+    for heads in (1, 2):
+        args, kw = _case(lengths, [1] * len(lengths), heads, seed, mrope=mrope)
+        for max_blocks in (max(lengths) // RATIO, max(lengths) // RATIO + 5):
+            _compare(args, kw, max_blocks)
+
+
+@pytest.mark.parametrize("mrope", [False, True])
+def test_prefill_chunks_and_ties(mrope):
+    """Prefill chunks packed with decode rows: every query's choice matches; one index head makes exact zero ties
+    common, and the test sees both clear and tied rows (ties to the earliest blocks)."""
+    lengths, qlens = [60, 23, 41, 9, 30], [60, 1, 17, 9, 1]
+    clear = tied = 0
+    for seed in range(3):
+        for heads in (1, 3):
+            args, kw = _case(lengths, qlens, heads, seed, mrope=mrope)
+            c, t = _compare(args, kw, max(lengths) // RATIO + 1)
+            clear, tied = clear + c, tied + t
+    assert clear > 50 and tied > 5
+
+
+def test_stable_sort_keeps_the_earlier_of_equal_scores():
+    """All blocks equal (keys zero: every score 0): the first block_topk blocks are kept."""
+    args, kw = _case([40], [1], 2, 0)
+    args = (args[0], torch.zeros_like(args[1]), *args[2:])
+    got = qsa_select_static(*args, 10)
+    assert got.tolist() == [list(range(TOPK))]
+
+
+def test_small_max_blocks_and_empty_rows():
+    """max_blocks below block_topk pads with -1; a sequence whose query sees no complete block keeps none; zero
+    max_blocks keeps nothing."""
+    args, kw = _case([12, 2], [1, 1], 2, 0)
+    assert qsa_select_static(*args, 3).tolist() == [[0, 1, 2, -1, -1], [-1] * TOPK]
+    assert qsa_select_static(*args, 0).tolist() == [[-1] * TOPK] * 2
+    with pytest.raises(ValueError, match="max_blocks"):
+        qsa_select_static(*args, -1)
+
+
+def test_no_host_reads():
+    """The whole selection runs on meta tensors, which hold no values: any .tolist(), .item() or data-dependent
+    shape would fail, so none is there (what a CUDA graph capture needs)."""
+    args, kw = _case([61, 4, 33], [1, 1, 1], 2, 0, mrope=True)
+    meta = tuple(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args)
+    kw = {k: v.to("meta") for k, v in kw.items()}
+    out = qsa_select_static(*meta, 16, **kw)
+    assert out.shape == (3, TOPK) and out.dtype == torch.int32 and out.device.type == "meta"
