@@ -133,3 +133,14 @@ def test_no_host_reads():
     kw = {k: v.to("meta") for k, v in kw.items()}
     out = qsa_select_static(*meta, 16, **kw)
     assert out.shape == (3, TOPK) and out.dtype == torch.int32 and out.device.type == "meta"
+
+
+def test_block_runs_select_as_one(monkeypatch):
+    """Block keys built in runs of a few blocks (the bound on a long context's temporaries) select as in one."""
+    import ninfer.ops.qsa as qsa
+
+    args, kw = _case([61, 4, 33, 20], [1, 1, 1, 1], 2, 3, mrope=True)
+    whole = qsa_select_static(*args, 17, **kw)
+    monkeypatch.setattr(qsa, "_SCORE_ELEMS", 4 * RATIO * DIM * 3)  # runs of 3 blocks
+    assert torch.equal(qsa_select_static(*args, 17, **kw), whole)
+    _compare(args, kw, 17)

@@ -170,36 +170,26 @@ def qsa_select_static(q: torch.Tensor, index_keys: torch.Tensor, block_tables: t
     out = torch.full((N, block_topk), -1, dtype=torch.int32, device=dev)
     if N == 0 or max_blocks == 0:
         return out
-    num_pages, page = index_keys.shape[:2]
-    M, L = max_blocks, max_blocks * compress_ratio
+    M = max_blocks
     # Each query's sequence and position, from the device tensors alone.
     rows = torch.arange(N, device=dev)
     qsl = query_start_loc.to(dev).long()
     seq = torch.searchsorted(qsl[1:], rows, right=True).clamp_(max=B - 1)
     pos = seq_lens.to(dev).long()[seq] - (qsl[seq + 1] - rows)
     complete = torch.div(pos + 1, compress_ratio, rounding_mode="floor")  # [N]
-    # Tokens 0..L-1 of every sequence through its block table; pages past the table's width or unassigned (< 0)
-    # read page 0 and are masked below.
-    tok = torch.arange(L, device=dev)
-    col = torch.div(tok, page, rounding_mode="floor").clamp_(max=block_tables.shape[1] - 1)
-    pages = block_tables.to(dev).long()[:, col].clamp_(0, num_pages - 1)  # [B, L]
-    slot = (tok % page)[None, :].expand(B, L)
-    keys = index_keys[pages, slot]  # [B, L, D]
-    pooled = keys.float().view(B, M, compress_ratio, D).mean(2).to(keys.dtype)
-    normed = rms_norm(pooled.reshape(B * M, D), k_norm, eps)
-    if key_positions is None:
-        starts = (torch.arange(M, device=dev) * compress_ratio).repeat(B)
-    else:  # each block's first token's (t, h, w): [3, B * M]
-        starts = key_positions[pages[:, ::compress_ratio], slot[:, ::compress_ratio]].reshape(B * M, 3).T.long()
-    cos, sin = rope_angles_cos_sin(starts, rope_inv_freq, keys.dtype, rope_axes)
-    kb = apply_rope(normed[:, None, :], cos, sin, rotary_dim)[:, 0].float().view(B, M, D)
-    # Scores [N, M] as qsa_select's: fp32 relu dots summed over the index heads in order, over sqrt(D).
-    kq = kb[seq].transpose(1, 2)  # [N, D, M]
+    # The scores [N, M] as qsa_select's, in runs of blocks that bound the gathered keys' temporaries.
+    scores = torch.empty(N, M, dtype=torch.float32, device=dev)
+    run = max(1, _SCORE_ELEMS // max(1, max(B, N) * compress_ratio * D))
     qf = q.float()
-    scores = torch.relu(torch.bmm(qf[:, 0:1], kq))[:, 0]
-    for h in range(1, heads):
-        scores += torch.relu(torch.bmm(qf[:, h:h + 1], kq))[:, 0]
-    scores /= math.sqrt(D)
+    for b0 in range(0, M, run):
+        b1 = min(M, b0 + run)
+        kb = _block_keys_paged(index_keys, block_tables, b0, b1, k_norm, eps, rope_inv_freq, rotary_dim,
+                               compress_ratio, key_positions, rope_axes)
+        kq = kb[seq].transpose(1, 2)  # [N, D, b1 - b0]
+        part = torch.relu(torch.bmm(qf[:, 0:1], kq))[:, 0]
+        for h in range(1, heads):
+            part += torch.relu(torch.bmm(qf[:, h:h + 1], kq))[:, 0]
+        scores[:, b0:b1] = part / math.sqrt(D)
     visible = torch.arange(M, device=dev)[None, :] < complete[:, None]
     scores = torch.where(visible, scores, float("-inf"))
     k = min(block_topk, M)
@@ -209,3 +199,26 @@ def qsa_select_static(q: torch.Tensor, index_keys: torch.Tensor, block_tables: t
     chosen = torch.where(kept, order, M).sort(dim=1).values
     out[:, :k] = torch.where(chosen < M, chosen, -1).to(torch.int32)
     return out
+
+
+def _block_keys_paged(index_keys: torch.Tensor, block_tables: torch.Tensor, b0: int, b1: int, k_norm: torch.Tensor,
+                      eps: float, rope_inv_freq: torch.Tensor, rotary_dim: int, compress_ratio: int,
+                      key_positions: torch.Tensor | None, rope_axes: torch.Tensor | None) -> torch.Tensor:
+    """fp32 [B, b1 - b0, D]: ``block_keys`` of blocks b0..b1-1 of every row of ``block_tables``, static shapes.
+    Pages past the table's width or unassigned (< 0) read page 0: the caller masks those blocks."""
+    num_pages, page, D = index_keys.shape
+    B, m, dev = block_tables.shape[0], b1 - b0, index_keys.device
+    tok = torch.arange(b0 * compress_ratio, b1 * compress_ratio, device=dev)
+    col = torch.div(tok, page, rounding_mode="floor").clamp_(max=block_tables.shape[1] - 1)
+    pages = block_tables.to(dev).long()[:, col].clamp_(0, num_pages - 1)  # [B, m * ratio]
+    slot = (tok % page)[None, :].expand(B, -1)
+    keys = index_keys[pages, slot]  # [B, m * ratio, D]
+    pooled = keys.float().view(B, m, compress_ratio, D).mean(2).to(keys.dtype)
+    normed = rms_norm(pooled.reshape(B * m, D), k_norm, eps)
+    if key_positions is None:
+        starts = (torch.arange(b0, b1, device=dev) * compress_ratio).repeat(B)
+    else:  # each block's first token's (t, h, w): [3, B * m]
+        first = (pages[:, ::compress_ratio], slot[:, ::compress_ratio])
+        starts = key_positions[first].reshape(B * m, 3).T.long()
+    cos, sin = rope_angles_cos_sin(starts, rope_inv_freq, keys.dtype, rope_axes)
+    return apply_rope(normed[:, None, :], cos, sin, rotary_dim)[:, 0].float().view(B, m, D)
