@@ -1,7 +1,9 @@
 """QSA (Qwen4Exp's sparse attention) against transformers' ``Qwen4ExpTextAttention`` on a tiny random config, fp32:
 our indexer queries, raw keys in a paged store with a shuffled page table, ``qsa_select`` and the gated
 ``paged_attention`` with ``selected_blocks`` give transformers' selected token sets for every query and its output;
-chunked prefill and decode select what the whole prompt does."""
+chunked prefill and decode select what the whole prompt does. Four index heads, as published: with fewer, scores
+tie at exactly zero (every head's dot negative) at the budget's edge, where we keep the earlier block and
+transformers keeps torch.topk's order (``ninfer.ops.qsa``; ``test_ops_qsa_static`` tests the tie rule)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from ninfer.ops.rope import rope_inv_freq
 pytest.importorskip("transformers.models.qwen4_exp")
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 64, 4, 2, 16
-INDEX_HEADS, RATIO, BUDGET, THETA = 2, 4, 8, 10000.0
+INDEX_HEADS, RATIO, BUDGET, THETA = 4, 4, 8, 10000.0
 PAGE = 4
 
 

@@ -35,7 +35,7 @@ _COMMON = dict(
     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
     hc_count=4, hc_lowrank=12, ple_layer_ids=[1, 3], ple_embed_dim=32, ple_conv_kernel_size=3, ngram_size=3,
     heads_per_ngram=2, ngram_vocab_size_base=600, make_ngram_vocab_size_divisible_by=16, eos_token_id=EOS,
-    indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=24, tie_word_embeddings=False,
+    indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=24, tie_word_embeddings=False,
     max_position_embeddings=512)
 
 CONFIGS = {

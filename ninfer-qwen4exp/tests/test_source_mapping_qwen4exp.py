@@ -32,7 +32,7 @@ def test_expected_names_and_shapes():
     assert text["model.hyper_connection_mixer.input_mix_weight_down.weight"] == (16, wide)
     assert "model.hyper_connection_mixer.block_inject_weight.weight" not in text
     assert text["model.layers.0.attn_hyper_connection.block_inject_weight.weight"] == (4, wide)
-    assert text["model.layers.3.self_attn.indexer.index_qk_proj.weight"] == (3 * 16, 64)
+    assert text["model.layers.3.self_attn.indexer.index_qk_proj.weight"] == (5 * 16, 64)
     assert text["model.layers.3.self_attn.q_proj.weight"] == (2 * 4 * 16, 64)  # queries and their gate
     assert text["model.layers.1.ple.ple_embedding.ngram_embedding.weight"] == (896, 8)  # primes 211..229, padded
     assert text["model.layers.2.ple.ple_embedding.ngram_embedding.weight"] == (968, 8)  # the next four primes

@@ -91,7 +91,7 @@ class DecodeGraphs:
             seq_lens=self.seq_lens[:B], state_slots=self.state_slots[:B],
             has_initial_state=self.has_initial_state[:B], block_tables=self.block_tables[:B],
             slot_mapping=self.slot_mapping[:B], logits_indices=self.logits_indices[:B], max_query_len=1,
-            max_seq_len=self.max_pages * self.page_size, all_initial_state=True)
+            max_seq_len=self.max_pages * self.page_size, all_initial_state=True, static=True)
 
     def _point_at_scratch(self) -> None:
         """Every row at the scratch slot and page (warmup, capture): host staging and device alike."""

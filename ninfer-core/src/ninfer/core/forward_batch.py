@@ -38,6 +38,10 @@ class ForwardBatch:
     model with recurrent state may take a batched decode path only when every row continues a state.
     None makes such a model read the tensor (a device sync, not allowed inside CUDA-graph capture), so
     graph-captured decode batches pass True.
+    ``static`` True: the batch's tensors are static buffers a CUDA graph captures (each replay rewrites them), and
+    ``max_seq_len`` is their fixed bound, not this batch's longest sequence: the model must read no tensor on
+    the host and take no data-dependent shape (an op whose reference reads lengths on the host takes its
+    static form).
     """
 
     input_ids: torch.Tensor
@@ -52,6 +56,7 @@ class ForwardBatch:
     max_query_len: int
     max_seq_len: int
     all_initial_state: bool | None = None
+    static: bool = False
     mrope_positions: torch.Tensor | None = None
     vision_rows: torch.Tensor | None = None
     vision_embeds: torch.Tensor | None = None

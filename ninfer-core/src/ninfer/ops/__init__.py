@@ -20,14 +20,14 @@ from ninfer.ops.ple import (
     ngram_windows,
     ple_layer,
 )
-from ninfer.ops.qsa import qsa_select, qsa_select_static
+from ninfer.ops.qsa import qsa_attention_static, qsa_select, qsa_select_static
 from ninfer.ops.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from ninfer.ops.sampling import logprobs, sample
 
 __all__ = [
     "add_rms_norm", "add_rms_norm_linear", "apply_rope", "causal_conv1d_decode", "causal_conv1d_prefill", "embed_rms_norm", "gdn_decode", "gdn_gates",
     "gdn_decode_fused", "gdn_prefill", "gdn_verify", "gdn_verify_commit", "linear", "logprobs", "moe_block", "moe_experts",
-    "moe_route", "norm_rope_write_kv", "paged_attention", "qsa_select", "qsa_select_static", "rms_norm",
+    "moe_route", "norm_rope_write_kv", "paged_attention", "qsa_attention_static", "qsa_select", "qsa_select_static", "rms_norm",
     "rms_norm_gated", "rope_cos_sin", "rope_inv_freq", "sample", "silu_and_mul",
     "swiglu", "write_kv",
     "dilated_causal_conv", "gather_rows", "grouped_rms_norm", "hyper_connection_inject", "hyper_connection_mix",

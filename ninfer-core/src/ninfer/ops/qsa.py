@@ -4,9 +4,9 @@ The indexer splits a sequence into blocks of ``compress_ratio`` consecutive toke
 query once all its tokens are visible (positions <= the query's). Each complete block has one key: the mean of its
 tokens' raw keys (fp32, rounded to the keys' dtype), RMS-normed with (1 + w) and rotated at the position of its
 first token. A query scores block b as sum over its index heads of relu(q_h . k_b) / sqrt(D), fp32, and keeps its
-``block_topk`` best complete blocks (all of them while there are no more than that). The attention then reads those
-blocks' tokens plus the open tail (the visible tokens after the last complete block): ``paged_attention`` with
-``selected_blocks``.
+``block_topk`` best complete blocks (all of them while there are no more than that; of equal scores, the earlier
+block). The attention then reads those blocks' tokens plus the open tail (the visible tokens after the last
+complete block): ``paged_attention`` with ``selected_blocks``, or ``qsa_attention_static``.
 
 Blocks are runs of token indices (cache rows). Without ``key_positions`` a token's rotary position is its index
 (text RoPE). A sequence with media (MRoPE) rotates by the (t, h, w) positions each token was given, so the caller
@@ -129,9 +129,10 @@ def _keep_top(scores: torch.Tensor, complete: list[int], block_topk: int, out: t
     """Write into ``out`` the ascending top ``block_topk`` of each row of ``scores`` [rows, blocks] among its
     complete blocks, for the rows with more complete blocks than that.
 
-    Relu scores tie at zero often (every index head negative), and torch.topk breaks ties by its algorithm, which
-    depends on the row's length. So each row's top is taken over exactly its complete blocks, as transformers
-    does: the rows of one complete count (consecutive, as positions are) share one topk call.
+    Relu scores tie at zero often (every index head negative). A tie goes to the earlier block (a stable sort),
+    as in ``qsa_select_static``, so eager and graph-captured decode choose alike. (transformers keeps torch.topk's
+    order, which its algorithm and the row's length decide; the sets differ only at such a tie.) The rows of one
+    complete count (consecutive, as positions are) share one sort.
     """
     r = 0
     while r < len(complete):
@@ -140,7 +141,7 @@ def _keep_top(scores: torch.Tensor, complete: list[int], block_topk: int, out: t
         while end < len(complete) and complete[end] == c:
             end += 1
         if c > block_topk:
-            top = scores[r:end, :c].topk(block_topk, dim=1).indices
+            top = torch.sort(scores[r:end, :c], dim=1, descending=True, stable=True).indices[:, :block_topk]
             out[r:end] = top.sort(dim=1).values.to(torch.int32)
         r = end
 
@@ -156,9 +157,7 @@ def qsa_select_static(q: torch.Tensor, index_keys: torch.Tensor, block_tables: t
     ``max_blocks`` (a host int) bounds the complete blocks of every row: each sequence's block keys are built for
     blocks 0..max_blocks-1 through its block table (tokens past seq_lens read whatever the pages hold and are masked
     out, as are the blocks a query cannot see yet); blocks at or past max_blocks are never chosen, so the caller
-    must make it cover the longest sequence. The choice is a stable descending sort of the scores: a tie goes to
-    the EARLIER block. (transformers keeps torch.topk's order, an implementation detail; the sets only differ where
-    the block_topk-th and next scores are equal, most often exactly 0, every index head's dot being negative.)
+    must make it cover the longest sequence. A tie goes to the earlier block, as in ``qsa_select``.
     """
     _check(q, index_keys, block_tables, seq_lens, query_start_loc, k_norm, rope_inv_freq, rotary_dim,
            compress_ratio, block_topk, key_positions, rope_axes)
@@ -171,11 +170,7 @@ def qsa_select_static(q: torch.Tensor, index_keys: torch.Tensor, block_tables: t
     if N == 0 or max_blocks == 0:
         return out
     M = max_blocks
-    # Each query's sequence and position, from the device tensors alone.
-    rows = torch.arange(N, device=dev)
-    qsl = query_start_loc.to(dev).long()
-    seq = torch.searchsorted(qsl[1:], rows, right=True).clamp_(max=B - 1)
-    pos = seq_lens.to(dev).long()[seq] - (qsl[seq + 1] - rows)
+    seq, pos = query_positions(query_start_loc, seq_lens, N)
     complete = torch.div(pos + 1, compress_ratio, rounding_mode="floor")  # [N]
     # The scores [N, M] as qsa_select's, in runs of blocks that bound the gathered keys' temporaries.
     scores = torch.empty(N, M, dtype=torch.float32, device=dev)
@@ -222,3 +217,48 @@ def _block_keys_paged(index_keys: torch.Tensor, block_tables: torch.Tensor, b0: 
         starts = key_positions[first].reshape(B * m, 3).T.long()
     cos, sin = rope_angles_cos_sin(starts, rope_inv_freq, keys.dtype, rope_axes)
     return apply_rope(normed[:, None, :], cos, sin, rotary_dim)[:, 0].float().view(B, m, D)
+
+
+def query_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_queries: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence [N], position [N]) of each packed query, int64, from the device tensors alone (no host read):
+    sequence i's queries are the last ``query_start_loc[i + 1] - query_start_loc[i]`` of its ``seq_lens[i]``."""
+    dev = seq_lens.device
+    rows = torch.arange(num_queries, device=dev)
+    qsl = query_start_loc.to(dev).long()
+    seq = torch.searchsorted(qsl[1:], rows, right=True).clamp_(max=seq_lens.shape[0] - 1)
+    return seq, seq_lens.long()[seq] - (qsl[seq + 1] - rows)
+
+
+def qsa_attention_static(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                         seq_lens: torch.Tensor, query_start_loc: torch.Tensor, selected_blocks: torch.Tensor,
+                         block_size: int, scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """``paged_attention`` with ``selected_blocks`` in static shapes and no host reads (what a CUDA graph captures):
+    o [N, H, D] for packed queries q [N, H, D] over each one's chosen blocks ``selected_blocks`` int32 [N, topk]
+    (-1 unused; complete blocks, as ``qsa_select`` keeps them) and its open tail, fp32 softmax, then
+    ``o * sigmoid(gate)`` with ``gate``. Every query gathers exactly ``(topk + 1) * block_size`` keys through its
+    block table, the tokens it may not read masked: it reads the selection's tokens, not the whole context."""
+    N, H, D = q.shape
+    num_pages, page, kvh = k_cache.shape[:3]
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape[3] != D or H % kvh or v_cache.shape != k_cache.shape \
+            or selected_blocks.dim() != 2 or selected_blocks.shape[0] != N or block_size < 1 \
+            or (gate is not None and gate.shape != q.shape):
+        raise ValueError(f"qsa_attention_static: q {tuple(q.shape)}, caches {tuple(k_cache.shape)} / "
+                         f"{tuple(v_cache.shape)}, selected_blocks {tuple(selected_blocks.shape)}, block_size "
+                         f"{block_size}, gate {None if gate is None else tuple(gate.shape)} do not fit")
+    seq, pos = query_positions(query_start_loc, seq_lens, N)
+    dev = q.device
+    tail = torch.div(pos + 1, block_size, rounding_mode="floor")  # the open tail's block: it ends at the query
+    blocks = torch.cat([selected_blocks.long(), tail[:, None]], dim=1)  # [N, topk + 1]
+    key_pos = blocks[:, :, None] * block_size + torch.arange(block_size, device=dev)
+    readable = ((blocks[:, :, None] >= 0) & (key_pos <= pos[:, None, None])).flatten(1)  # [N, L]
+    key_pos = key_pos.flatten(1).clamp_(min=0)
+    col = torch.div(key_pos, page, rounding_mode="floor").clamp_(max=block_tables.shape[1] - 1)
+    pages = block_tables.long()[seq[:, None], col].clamp_(0, num_pages - 1)
+    slot = key_pos % page
+    keys, values = k_cache[pages, slot].float(), v_cache[pages, slot].float()  # [N, L, kvh, D]
+    qg = q.float().view(N, kvh, H // kvh, D)
+    scores = torch.einsum("nkgd,nlkd->nkgl", qg, keys) * scale
+    scores = scores.masked_fill(~readable[:, None, None, :], float("-inf"))
+    o = torch.einsum("nkgl,nlkd->nkgd", scores.softmax(-1), values).reshape(N, H, D).to(q.dtype)
+    return o if gate is None else o * torch.sigmoid(gate)

@@ -22,7 +22,7 @@ from ninfer.ops import (
     rms_norm,
 )
 from ninfer.ops.ple import dilated_causal_conv, ple_gated_values, ple_layer
-from ninfer.ops.qsa import qsa_select
+from ninfer.ops.qsa import qsa_attention_static, qsa_select, qsa_select_static
 from ninfer.ops.rope import rope_angles_cos_sin
 from ninfer_qwen4exp.config import Qwen4ExpConfig
 from ninfer_qwen4exp.execution.forward_batch import ForwardBatch
@@ -114,6 +114,9 @@ def qsa_attention(config: Qwen4ExpConfig, p: AttentionParams, indexer: IndexerPa
     if selected is None:
         o = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
                             batch.max_query_len, batch.max_seq_len, d ** -0.5, gate=gate)
+    elif batch.static:
+        o = qsa_attention_static(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+                                 selected, config.qsa.compress_ratio, d ** -0.5, gate)
     else:
         o = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
                             batch.max_query_len, batch.max_seq_len, d ** -0.5, gate=gate, selected_blocks=selected,
@@ -124,12 +127,19 @@ def qsa_attention(config: Qwen4ExpConfig, p: AttentionParams, indexer: IndexerPa
 def _select_blocks(config: Qwen4ExpConfig, indexer: IndexerParams, index_q: torch.Tensor, index_keys: torch.Tensor,
                    batch: ForwardBatch, rope_inv_freq: torch.Tensor, rope_positions: torch.Tensor | None,
                    rope_axes: torch.Tensor | None) -> torch.Tensor:
+    """The blocks each query keeps: transformers' selection (ties as torch.topk breaks them), or for a ``static``
+    batch (CUDA-graph decode and verify) its static form over ``max_seq_len // compress_ratio`` blocks, the
+    graphs' bound, where a tie goes to the earlier block."""
     q = config.qsa
     if rope_positions is not None and rope_axes is None:
         raise ValueError("qsa_attention: rope_positions need rope_axes")
-    return qsa_select(index_q, index_keys, batch.block_tables, batch.seq_lens, batch.query_start_loc, indexer.k_norm,
-                      config.base.rms_norm_eps, rope_inv_freq, config.base.rotary_dim, q.compress_ratio, q.block_topk,
-                      key_positions=rope_positions, rope_axes=rope_axes if rope_positions is not None else None)
+    args = (index_q, index_keys, batch.block_tables, batch.seq_lens, batch.query_start_loc, indexer.k_norm,
+            config.base.rms_norm_eps, rope_inv_freq, config.base.rotary_dim, q.compress_ratio, q.block_topk)
+    axes = rope_axes if rope_positions is not None else None
+    if batch.static:
+        return qsa_select_static(*args, batch.max_seq_len // q.compress_ratio, key_positions=rope_positions,
+                                 rope_axes=axes)
+    return qsa_select(*args, key_positions=rope_positions, rope_axes=axes)
 
 
 def ple_addend(config: Qwen4ExpConfig, p: PLEParams, x: torch.Tensor, windows: torch.Tensor, batch: ForwardBatch,

@@ -25,12 +25,14 @@ from ninfer_qwen35.testing.checkpoints import TINY_VISION, make_tokenizer_json
 
 # Shared by every variant: the tokenizer's 400 BPE tokens and the Qwen3.5 added tokens fit in 512 ids. The rotary
 # half of a 16-wide head (8 dims) fits the 16-wide QSA index head; the MRoPE sections cover its 4 frequencies.
+# Four index heads, as published: with fewer, block scores tie at exactly zero often, and at the budget's edge
+# transformers keeps torch.topk's order where ninfer keeps the earlier block (ninfer.ops.qsa).
 TINY_TEXT = dict(
     vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
     linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
     linear_conv_kernel_dim=4, max_position_embeddings=4096, rms_norm_eps=1e-6, hc_lowrank=16,
     num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-    indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_compress_ratio=4,
+    indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=16, indexer_compress_ratio=4,
     rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
                          mrope_section=[2, 1, 1], mrope_interleaved=True))
 _PLE = dict(ple_layer_ids=[2, 3], ngram_vocab_size_base=211, heads_per_ngram=2, ngram_size=3,

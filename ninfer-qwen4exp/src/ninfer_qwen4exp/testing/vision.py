@@ -25,6 +25,8 @@ from ninfer_qwen35.testing.vision_prompts import END, IMAGE, START, VIDEO, VISIO
 EOS = 7
 # QSA that selects (2 blocks of 4 and the open tail from the 12th token on), PLE on two GDN layers (1-indexed ids),
 # 8 experts, 4 streams. head_dim 16 x 0.5: 8 rotary dims, 4 frequency slots t, h, w, t: every axis matters.
+# Eight index heads: with fewer, block scores over the media tokens tie at the budget's edge, where transformers
+# keeps torch.topk's order and ninfer the earlier block (ninfer.ops.qsa).
 TEXT = dict(
     vocab_size=VOCAB, hidden_size=32, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
@@ -32,7 +34,7 @@ TEXT = dict(
     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
     hc_count=4, hc_lowrank=12, ple_layer_ids=[1, 3], ple_embed_dim=32, ple_conv_kernel_size=3, ngram_size=3,
     heads_per_ngram=2, ngram_vocab_size_base=600, make_ngram_vocab_size_divisible_by=16, eos_token_id=EOS,
-    indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=24, indexer_budget=8, indexer_compress_ratio=4,
+    indexer_n_heads=8, indexer_kv_heads=1, indexer_head_dim=24, indexer_budget=8, indexer_compress_ratio=4,
     output_gate_type="silu", tie_word_embeddings=False, max_position_embeddings=512,
     rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5,
                      "mrope_section": [2, 1, 1], "mrope_interleaved": True})

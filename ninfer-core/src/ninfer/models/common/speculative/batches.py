@@ -65,4 +65,4 @@ def chained_batch(base: torch.Tensor, step: int, input_ids: torch.Tensor, block_
         seq_lens=(positions + 1).to(torch.int32), state_slots=state_slots,
         has_initial_state=torch.ones(B, dtype=torch.bool, device=dev), block_tables=block_tables,
         slot_mapping=pages * page_size + positions % page_size, logits_indices=torch.arange(B, device=dev),
-        max_query_len=1, max_seq_len=block_tables.shape[1] * page_size, all_initial_state=True)
+        max_query_len=1, max_seq_len=block_tables.shape[1] * page_size, all_initial_state=True, static=True)

@@ -64,7 +64,7 @@ class VerifyGraphs:
             seq_lens=self.seq_lens[:B], state_slots=self.state_slots[:B], has_initial_state=self.has_initial_state[:B],
             block_tables=self.block_tables[:B], slot_mapping=self.slot_mapping[:N],
             logits_indices=self.logits_indices[:N], max_query_len=self.rows,
-            max_seq_len=self.max_pages * self.page_size, all_initial_state=True)
+            max_seq_len=self.max_pages * self.page_size, all_initial_state=True, static=True)
 
     def _point_at_scratch(self) -> None:
         B, N, R = self.max_batch, self.max_batch * self.rows, self.rows
