@@ -1,7 +1,7 @@
 """``ninfer plan`` on a sparse Qwen4Exp artifact of the published widths (``benchmarks/sparse.py``: the real converter
 over a checkpoint whose data is a hole) at a reduced depth and with a smaller n-gram table, for an 80 GB card: the
-n-gram table is host bytes in every placement, the routed experts too under ``host-experts``, and a host too small
-for them is refused by name. The published shape itself is 359 GB of holes: the same code, only slower to write."""
+n-gram table on the card under ``all-device`` and in host memory under ``host-tables``, the routed experts there
+too under ``host-experts``, and a host too small for them is refused by name. The published shape itself is 359 GB of holes: the same code, only slower to write."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def test_the_sparse_source_stores_the_ngram_table_as_its_published_row_chunks(tm
     assert total == sum(math.prod(s) * b for s, b in architectures.source_tensors(cfg, ("text", "mtp")).values())
 
 
-def test_plan_puts_the_ngram_table_on_the_host_and_the_rest_on_the_card(sparse, capsys):
+def test_plan_puts_the_ngram_table_and_the_experts_where_each_placement_says(sparse, capsys):
     art, cfg = sparse
     table = architectures.ngram_table_bytes(cfg)
     c = architectures.parse(cfg)
@@ -72,11 +72,15 @@ def test_plan_puts_the_ngram_table_on_the_host_and_the_rest_on_the_card(sparse, 
     assert table == c.ple.table_rows(0) * 160 * 2
     rc, everything = _plan(art, "--placement", "all-device", "--host-memory", str(HOST_MIB), capsys=capsys)
     assert rc == 0 and everything["fits"], everything
-    assert everything["host"]["weights_bytes"] == table
+    assert everything["host"]["weights_bytes"] == 0
+    rc, host_table = _plan(art, "--placement", "host-tables", "--host-memory", str(HOST_MIB), capsys=capsys)
+    assert rc == 0 and host_table["fits"], host_table
+    assert host_table["host"]["weights_bytes"] == table
+    assert host_table["categories"]["weights"] == everything["categories"]["weights"] - table
     rc, hosted = _plan(art, "--placement", "host-experts", "--host-memory", str(HOST_MIB), capsys=capsys)
     assert rc == 0 and hosted["fits"], hosted
     assert hosted["host"]["weights_bytes"] == table + experts
-    assert hosted["categories"]["weights"] == everything["categories"]["weights"] - experts
+    assert hosted["categories"]["weights"] == everything["categories"]["weights"] - table - experts
     assert hosted["experts"] == 4 * 512 and 0 < hosted["expert_cache_slots"] <= hosted["experts"]
     assert hosted["kv_tokens"] > 0 and hosted["budget_bytes"] == H100_MIB << 20
 

@@ -144,6 +144,21 @@ def test_decode_through_the_graph_buffers(tiny):
         artifact.close()
 
 
+@pytest.mark.gpu
+def test_cuda_graph_decode_matches_eager(tiny):
+    """On CUDA (fp32), decode through the captured graphs (QSA's static selection and attention, the n-gram rows
+    gathered from the table on the device) gives the eager path's tokens for the three prompts side by side."""
+    tokens = {}
+    for graphs in (False, True):
+        with engine(tiny, device="cuda", max_concurrency=3, cuda_graphs=graphs) as eng:
+            prog = eng.instance.program
+            assert (prog.graphs is not None) == graphs, prog.graph_error
+            hs = submit_together(eng, [req(p) for p in tiny.prompts])
+            tokens[graphs] = [tuple(h.result(timeout=300).token_ids) for h in hs]
+            settled(eng)
+    assert tokens[True] == tokens[False]
+
+
 def test_host_experts_give_the_all_device_tokens(tiny):
     """Placement host-experts: the routed expert banks in host memory behind a Program-owned expert cache."""
     with engine(tiny, max_concurrency=3, placement="host-experts", expert_cache_bytes=0) as eng:

@@ -1,6 +1,7 @@
 """Qwen4Exp startup planning on a tiny real artifact (the ``full`` variant: PLE on two layers, MoE, QSA): the
-header-only profile counts exactly what a start allocates, the n-gram tables are host bytes in every placement
-(and the routed expert banks too under ``host-experts``), and ``ninfer plan`` reports them."""
+header-only profile counts exactly what a start allocates in every placement: ``all-device`` (the n-gram tables
+on the device too), ``host-tables`` (the tables in host memory) and ``host-experts`` (the routed expert banks
+too), and ``ninfer plan`` reports them."""
 
 from __future__ import annotations
 
@@ -41,13 +42,16 @@ def test_the_profile_counts_exactly_what_a_start_allocates(full, dtype):
     with open_artifact(art_path) as art:
         startup = Qwen4ExpStartup()
         profile = startup.profile(art, options)
-        everything, hosted = profile.placements
-        assert (everything.name, hosted.name) == ("all-device", "host-experts")
+        everything, host_tables, hosted = profile.placements
+        assert (everything.name, host_tables.name, hosted.name) == ("all-device", "host-tables", "host-experts")
         loaded = startup.load(art, options, everything)
         table_parents = [loaded.weights.parents[o] for o in ngram_objects(art, ("text",))]
         assert resident_bytes(table_parents) == tables  # stored fp32 and never converted: rows are read as needed
         allocated = resident_bytes([*loaded.weights.parents.values(), *loaded.executor.params.tensors()])
-        assert everything.device_bytes == allocated - tables and everything.host_bytes == tables
+        assert everything.device_bytes == allocated and everything.host_bytes == 0 and not loaded.host_tables
+        assert everything.step_bytes < allocated - tables  # a step reads looked-up rows and k experts per layer
+        assert (host_tables.device_bytes, host_tables.host_bytes) == (allocated - tables, tables)
+        assert startup.load(art, options, host_tables).host_tables
         inst = start(startup, art, options, DeviceMemory(Device.parse("cpu")))
     prog, memory = inst.program, inst.memory
     assert profile.state_slot_bytes == prog.states.image_bytes
@@ -55,7 +59,7 @@ def test_the_profile_counts_exactly_what_a_start_allocates(full, dtype):
     slots = prog.checkpoints.images.num_slots if prog.checkpoints.images is not None else 0
     assert prog.backing_bytes() == (profile.state_slot_bytes * (2 + 1 + slots)
                                     + profile.kv_page_bytes * (10 + 1)) == memory.runtime_reservation_bytes
-    assert memory.weights_bytes == everything.device_bytes and memory.host.weights_bytes == tables
+    assert memory.weights_bytes == everything.device_bytes and memory.host.weights_bytes == 0
 
 
 def test_plan_counts_the_ngram_tables_and_the_expert_banks_as_host_bytes(full, capsys):
@@ -63,17 +67,19 @@ def test_plan_counts_the_ngram_tables_and_the_expert_banks_as_host_bytes(full, c
 
     art, total, tables, experts = full
     reports = {}
-    for placement in ("all-device", "host-experts"):
+    for placement in ("all-device", "host-tables", "host-experts"):
         rc = main(["plan", str(art), "--device", "cpu", "--dtype", "float32", "--placement", placement, "--json"])
         assert rc == 0
         reports[placement] = json.loads(capsys.readouterr().out)
-    everything, hosted = reports["all-device"], reports["host-experts"]
-    assert everything["host"]["weights_bytes"] == tables
+    everything, host_tables, hosted = reports["all-device"], reports["host-tables"], reports["host-experts"]
+    assert everything["host"]["weights_bytes"] == 0
+    assert host_tables["host"]["weights_bytes"] == tables
     assert hosted["host"]["weights_bytes"] == tables + experts
     device = everything["categories"]["weights"]
-    assert hosted["categories"]["weights"] == device - experts
-    # the device holds every other parameter, plus each PLE layer's hash constants (a few int64 per head)
-    assert 0 <= device - (total - tables) <= 1024
+    assert host_tables["categories"]["weights"] == device - tables
+    assert hosted["categories"]["weights"] == device - tables - experts
+    # the device holds every parameter, plus each PLE layer's hash constants (a few int64 per head)
+    assert 0 <= device - total <= 1024
     assert hosted["categories"]["expert staging"] > 0 and hosted["experts"] == 8 * 4  # 8 experts x 4 layers
     rc = main(["plan", str(art), "--device", "cpu", "--dtype", "float32"])
     out = capsys.readouterr().out

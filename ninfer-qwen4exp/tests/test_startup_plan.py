@@ -1,5 +1,5 @@
-"""Qwen4Exp Startup arithmetic from a config alone: the n-gram tables as host bytes in every placement, the
-model's widths, and the features it refuses until they are built."""
+"""Qwen4Exp Startup arithmetic from a config alone: where each placement keeps the n-gram tables, the model's
+widths, why decode runs eagerly, and the features it refuses until they are built."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from ninfer.contract.config import StartupFeatures, StartupOptions
 from ninfer.contract.memory import WeightPlacement
 from ninfer_qwen4exp.config import parse_config
-from ninfer_qwen4exp.startup import Qwen4ExpStartup, StartupError, host_tables, model_shape
+from ninfer_qwen4exp.startup import Qwen4ExpStartup, StartupError, model_shape, table_placements
 
 RAW = dict(vocab_size=448, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
            head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
@@ -21,14 +21,18 @@ RAW = dict(vocab_size=448, hidden_size=32, num_hidden_layers=4, num_attention_he
            layer_types=["linear_attention", "linear_attention", "linear_attention", "indexed_attention"])
 
 
-def test_ngram_tables_are_host_bytes_in_every_placement():
+def test_the_ngram_tables_on_the_device_first_then_in_host_memory():
     all_device = WeightPlacement(name="all-device", device_bytes=1000, step_bytes=700)
     experts = WeightPlacement(name="host-experts", device_bytes=400, host_bytes=600, staging_bytes=50,
                               expert_bytes=10, experts=60, step_bytes=700)
-    a, b = host_tables(all_device, 300), host_tables(experts, 300)
-    assert (a.device_bytes, a.host_bytes, a.step_bytes) == (700, 300, 400)
+    a, t, b = table_placements((all_device, experts), 300)
+    assert (a.name, t.name, b.name) == ("all-device", "host-tables", "host-experts")
+    assert (a.device_bytes, a.host_bytes, a.step_bytes) == (1000, 0, 400)  # a step reads only looked-up rows
+    assert (t.device_bytes, t.host_bytes, t.step_bytes) == (700, 300, 400)
     assert (b.device_bytes, b.host_bytes, b.step_bytes, b.staging_bytes, b.experts) == (100, 900, 400, 50, 60)
-    assert host_tables(experts, 0) is experts  # no PLE: nothing moves
+    dense = WeightPlacement(name="all-device", device_bytes=1000)  # step_bytes 0: a step reads every byte
+    assert [p.step_bytes for p in table_placements((dense,), 300)] == [700, 700]
+    assert table_placements((all_device, experts), 0) == (all_device, experts)  # no PLE: nothing moves
 
 
 def test_model_shape_is_the_wide_residual_and_the_widest_mixer():
@@ -52,15 +56,16 @@ def test_unbuilt_features_are_refused_before_any_weight_read(features, match):
 def test_decode_runs_eagerly_while_a_step_reads_on_the_host():
     from ninfer_qwen4exp.startup import Qwen4ExpLoaded, _eager_reason
 
-    def loaded(raw, host_experts=False):
+    def loaded(raw, host_experts=False, host_tables=False):
         return Qwen4ExpLoaded(config=parse_config(raw), weights=None, load_report=None, executor=None, frontend=None,
-                              compute=None, host_experts=host_experts)
+                              compute=None, host_experts=host_experts, host_tables=host_tables)
 
-    assert "PLE n-gram table lives in host memory" in _eager_reason(loaded(RAW))
-    no_ple = {**RAW, "ple_layer_ids": None}
-    assert "QSA block selection" in _eager_reason(loaded(no_ple))
-    dense = {k: v for k, v in no_ple.items() if not k.startswith("indexer_")}
-    assert "placement host-experts" in _eager_reason(loaded(dense, host_experts=True))
+    assert "PLE n-gram tables live in host memory" in _eager_reason(loaded(RAW, host_tables=True))
+    assert "PLE n-gram tables" in _eager_reason(loaded(RAW, host_experts=True, host_tables=True))
+    assert "placement host-experts" in _eager_reason(loaded({**RAW, "ple_layer_ids": None}, host_experts=True))
+    # QSA and device tables decode through graphs; the routed experts then decide (their Triton kernel or not)
+    reason = _eager_reason(loaded(RAW))
+    assert reason is None or "MoE routed experts run the torch reference" in reason
 
 
 # The published Qwen3.8-Flash-Next text config (shared/reference/qwen35_arch.md section 8; the context limit is
@@ -80,8 +85,8 @@ PUBLISHED = dict(
 
 def test_the_published_shape_fits_an_80_gb_card_with_experts_and_ngram_tables_on_the_host():
     """The profile of the published shape (bf16 meta weights bound as the converter binds them): about 95 GiB of
-    n-gram table and 225 GiB of routed experts are host bytes; all-device cannot fit 80 GB, host-experts does,
-    with an expert cache and a full 262,144-token context."""
+    n-gram table and 225 GiB of routed experts; neither all-device nor host-tables (the table on the host) fits
+    80 GB, host-experts (both on the host) does, with an expert cache and a full 262,144-token context."""
     import torch
 
     from ninfer.artifact.weights import WeightSet
@@ -99,16 +104,17 @@ def test_the_published_shape_fits_an_80_gb_card_with_experts_and_ngram_tables_on
     profile = weights_profile(config, weights, options, architecture="Qwen4ExpForCausalLM",
                               tables=[weights.parents[n] for n in ngram_tables(config)],
                               bank_parents=[t for n, t in weights.parents.items() if n.endswith(BANKS)])
-    everything, hosted = profile.placements
+    everything, host_tables, hosted = profile.placements
     tables = config.ple.table_rows(0) * config.ple.head_dim * 2
     experts = 48 * 512 * 3 * 640 * 2560 * 2
     assert 95 * GIB < tables < 96 * GIB and 224 * GIB < experts < 226 * GIB
-    assert everything.host_bytes == tables and hosted.host_bytes == tables + experts
-    assert hosted.device_bytes == everything.device_bytes - experts < 10 * GIB
+    assert everything.host_bytes == 0 and host_tables.host_bytes == tables and hosted.host_bytes == tables + experts
+    assert hosted.device_bytes == everything.device_bytes - tables - experts < 10 * GIB
     assert hosted.expert_bytes == 3 * 640 * 2560 * 2 and hosted.experts == 48 * 512
     room = DeviceRoom(is_cuda=True, budget_bytes=80 * 10**9)
-    with pytest.raises(PlanError, match="does not fit"):
-        plan_memory(profile, options, room, placement=everything, host_available=512 * GIB)
+    for placement in (everything, host_tables):
+        with pytest.raises(PlanError, match="does not fit"):
+            plan_memory(profile, options, room, placement=placement, host_available=512 * GIB)
     plan = plan_memory(profile, options, room, placement=hosted, host_available=512 * GIB)
     assert plan.max_model_len == 262144 and plan.capacity().expert_cache_slots > 48 * 10
     assert plan.host.weights_bytes == tables + experts

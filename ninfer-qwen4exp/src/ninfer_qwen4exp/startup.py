@@ -5,10 +5,11 @@ Text, and with ``speculative="mtp"`` the MTP drafter (``Qwen4ExpMTPProgram``). T
 the artifact has the feature (text only with MTP), True requires it, False leaves it unread; its weights and its
 workspace are planned, and the KV pool then pages each token's rotary positions. ``profile`` prepares the very
 Parameters execution uses on the meta device (``ninfer.artifact.meta_weights``), as Qwen3.5's does, so its weight
-bytes are what a load allocates. Two kinds of weight stay in host memory: the PLE n-gram
-tables in every placement (a forward uploads only the rows it looks up, so they are host bytes, never device
-bytes), and with placement ``host-experts`` the MoE routed expert banks (Qwen3.5 MoE's host experts, with a
-Program-owned device expert cache). The StateImage slot, the KV page (with the QSA index keys) and the model's
+bytes are what a load allocates. Placements, in the planner's order of preference: ``all-device`` (every weight,
+the PLE n-gram tables too: a step gathers its rows on the device, so decode can run through CUDA graphs),
+``host-tables`` (the n-gram tables in host memory: a forward uploads only the rows it looks up, and decode runs
+eagerly) and ``host-experts`` (the tables and the MoE routed expert banks in host memory: Qwen3.5 MoE's host
+experts, with a Program-owned device expert cache). A model without PLE has no ``host-tables``. The StateImage slot, the KV page (with the QSA index keys) and the model's
 widths complete the profile; ``instance`` builds a ``Qwen4ExpProgram`` of exactly the granted capacity.
 """
 
@@ -42,6 +43,8 @@ from ninfer_qwen35.startup import (
     weight_placements,
 )
 
+HOST_TABLES = "host-tables"
+
 
 @attrs.frozen(kw_only=True, eq=False)
 class Qwen4ExpLoaded:
@@ -54,6 +57,7 @@ class Qwen4ExpLoaded:
     frontend: Any
     compute: torch.dtype
     host_experts: bool = False  # the MoE routed expert banks live in host memory (placement "host-experts")
+    host_tables: bool = False  # the PLE n-gram tables live in host memory (placements "host-tables", "host-experts")
     vision: Any = None  # Qwen35Vision when the vision feature is bound
     features: tuple[str, ...] = ("text",)
     mtp: Any = None  # Qwen4ExpMTP when speculative="mtp"
@@ -80,12 +84,13 @@ class Qwen4ExpStartup:
         from ninfer_qwen35.execution.vision import Qwen35Vision, VisionParams
 
         config, features = _checked(artifact, options)
-        if placement.name not in (ALL_DEVICE, HOST_EXPERTS):
+        if placement.name not in (ALL_DEVICE, HOST_TABLES, HOST_EXPERTS):
             raise StartupError(f"Qwen4Exp has no weight placement {placement.name!r}")
         host = placement.name == HOST_EXPERTS
         dev = Device.parse(options.device)
         frontend = qwen_frontend(artifact, options, vision="vision" in features)
-        tables = ngram_objects(artifact, features)  # gathered on the host, only their looked-up rows uploaded
+        # Host tables are gathered on the host, only their looked-up rows uploaded (never pinned: they are large).
+        tables = ngram_objects(artifact, features) if placement.name != ALL_DEVICE else frozenset()
         kept = tables | (bank_objects(artifact, features) if host else frozenset())
         weights, report = load_weights(artifact, features=features, device=str(dev), host_objects=kept,
                                        unpinned=tables)
@@ -98,7 +103,8 @@ class Qwen4ExpStartup:
         if "vision" in features:
             vision = Qwen35Vision(VisionParams.from_weights(config.base, weights, compute, dev.torch))
         return Qwen4ExpLoaded(config=config, weights=weights, load_report=report, executor=executor,
-                              frontend=frontend, compute=compute, host_experts=host, vision=vision,
+                              frontend=frontend, compute=compute, host_experts=host, host_tables=bool(tables),
+                              vision=vision,
                               features=features, mtp=mtp)
 
     def instance(self, loaded: Qwen4ExpLoaded, options: StartupOptions, capacity: ProgramCapacity) -> ModelInstance:
@@ -164,7 +170,7 @@ def weights_profile(config: Qwen4ExpConfig, weights: Any, options: StartupOption
     return ModelProfile(
         architecture=architecture, dtype=dtype_name(compute), encoder=encoder,
         features=("text", *(("vision",) if vision else ()), *(("mtp",) if k else ())),
-        placements=tuple(host_tables(p, resident_bytes(tables)) for p in placements),
+        placements=table_placements(placements, resident_bytes(tables)),
         state_slot_bytes=layout.nbytes_per_slot, kv_page_bytes=PagedKVPool.page_bytes(pool),
         page_size=pool.page_size, backing_bytes=backing, shape=model_shape(config),
         model_limit=config.base.max_position_embeddings, layers=config.base.num_hidden_layers)
@@ -184,14 +190,25 @@ def ngram_objects(artifact: Any, features: tuple[str, ...]) -> frozenset[str]:
                      if b.feature in features and b.name.endswith(NGRAM_TABLE))
 
 
+def table_placements(placements: tuple[WeightPlacement, ...], tables: int) -> tuple[WeightPlacement, ...]:
+    """Qwen3.5's ``placements`` (all-device first) with the PLE n-gram tables' ``tables`` bytes: on the device in
+    ``all-device``, then ``host-tables`` (all-device with the tables in host memory), then each other placement
+    with the tables in host memory. A decode step reads only the rows it looks up, so the tables leave
+    ``step_bytes`` wherever they are."""
+    if not tables:
+        return placements
+    first, rest = placements[0], placements[1:]
+    everything = attrs.evolve(first, step_bytes=first.step_read_bytes - tables)
+    return (everything, attrs.evolve(host_tables(first, tables), name=HOST_TABLES),
+            *(host_tables(p, tables) for p in rest))
+
+
 def host_tables(placement: WeightPlacement, tables: int) -> WeightPlacement:
-    """``placement`` with the n-gram tables' ``tables`` bytes in host memory: a decode step reads only the rows
-    it looks up, so they leave ``step_bytes`` too."""
+    """``placement`` with the n-gram tables' ``tables`` bytes in host memory, out of ``step_bytes`` too."""
     if not tables:
         return placement
     return attrs.evolve(placement, device_bytes=placement.device_bytes - tables,
-                        host_bytes=placement.host_bytes + tables,
-                        step_bytes=placement.step_bytes - tables if placement.step_bytes else 0)
+                        host_bytes=placement.host_bytes + tables, step_bytes=placement.step_read_bytes - tables)
 
 
 def model_shape(config: Qwen4ExpConfig) -> ModelShape:
@@ -208,13 +225,11 @@ def model_shape(config: Qwen4ExpConfig) -> ModelShape:
 
 
 def _eager_reason(loaded: Qwen4ExpLoaded) -> str | None:
-    """Why decode cannot run through CUDA graphs (None: it can): the PLE n-gram rows, which a step looks up in
-    host memory; QSA's block selection, whose torch reference (it has no kernel) reads the sequence lengths on
-    the host; and Qwen3.5 MoE's reasons."""
-    if loaded.config.ple is not None:
-        return "the PLE n-gram table lives in host memory and each step looks up its rows on the host"
-    if loaded.config.qsa is not None:
-        return "QSA block selection runs its torch reference, which reads the sequence lengths on the host"
+    """Why decode cannot run through CUDA graphs (None: it can): PLE n-gram tables in host memory, whose rows a
+    step looks up on the host, and Qwen3.5 MoE's reasons. (QSA decodes through its static selection and
+    attention there, ``ninfer.ops.qsa``.)"""
+    if loaded.host_tables:
+        return "the PLE n-gram tables live in host memory (placement host-tables or host-experts)"
     return eager_reason(host_experts=loaded.host_experts, moe=True)
 
 
