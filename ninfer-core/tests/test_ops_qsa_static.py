@@ -145,14 +145,21 @@ def test_block_runs_select_as_one(monkeypatch):
 
 
 def _attention_case(lengths, qlens, seed, kvh=2, group=2, head_dim=8, page=8):
-    """Paged K/V with shuffled tables and junk everywhere, packed queries and a selection of each query's complete
-    blocks as ``qsa_select`` returns them (ascending, -1 after)."""
+    """Paged K/V with shuffled tables and junk everywhere (NaN past each sequence's end and in the pages no sequence
+    owns, as unwritten memory may hold), packed queries and a selection of each query's complete blocks as
+    ``qsa_select`` returns them (ascending, -1 after)."""
     gen = torch.Generator().manual_seed(seed)
     per_seq = -(-max(lengths) // page) + 1
     n_pages = len(lengths) * per_seq + 3
     tables = torch.randperm(n_pages, generator=gen)[:len(lengths) * per_seq].view(len(lengths), per_seq).int()
     k_cache = torch.randn(n_pages, page, kvh, head_dim, generator=gen)
     v_cache = torch.randn(n_pages, page, kvh, head_dim, generator=gen)
+    for row, n in enumerate(lengths):  # past each sequence's end (its own pages) and in the pages nobody owns
+        unwritten = tables[row].long().repeat_interleave(page)[n:], torch.arange(n, per_seq * page) % page
+        k_cache[unwritten] = v_cache[unwritten] = float("nan")
+    unowned = torch.ones(n_pages, dtype=torch.bool)
+    unowned[tables.flatten().long()] = False
+    k_cache[unowned] = v_cache[unowned] = float("nan")
     N = sum(qlens)
     q = torch.randn(N, kvh * group, head_dim, generator=gen)
     gate = torch.randn(N, kvh * group, head_dim, generator=gen)

@@ -257,6 +257,8 @@ def qsa_attention_static(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     pages = block_tables.long()[seq[:, None], col].clamp_(0, num_pages - 1)
     slot = key_pos % page
     keys, values = k_cache[pages, slot].float(), v_cache[pages, slot].float()  # [N, L, kvh, D]
+    # A masked key's weight is 0, but its slot may hold anything (a NaN from unwritten memory): zero its value.
+    values = torch.where(readable[:, :, None, None], values, 0.0)
     qg = q.float().view(N, kvh, H // kvh, D)
     scores = torch.einsum("nkgd,nlkd->nkgl", qg, keys) * scale
     scores = scores.masked_fill(~readable[:, None, None, :], float("-inf"))

@@ -114,7 +114,7 @@ def qsa_attention(config: Qwen4ExpConfig, p: AttentionParams, indexer: IndexerPa
     if selected is None:
         o = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
                             batch.max_query_len, batch.max_seq_len, d ** -0.5, gate=gate)
-    elif batch.static:
+    elif _static_forms(batch):
         o = qsa_attention_static(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
                                  selected, config.qsa.compress_ratio, d ** -0.5, gate)
     else:
@@ -124,19 +124,25 @@ def qsa_attention(config: Qwen4ExpConfig, p: AttentionParams, indexer: IndexerPa
     return linear(o.reshape(N, nh * d), p.o_proj)
 
 
+def _static_forms(batch: ForwardBatch) -> bool:
+    """Whether QSA selects and attends in its static forms: in a ``static`` batch (CUDA-graph decode, verify and
+    draft steps, where ``max_seq_len`` is the graphs' bound) they are the only ones, and every decode batch takes
+    them too, so eager and captured decode run one code path (and no per-sequence loop)."""
+    return batch.static or batch.is_decode
+
+
 def _select_blocks(config: Qwen4ExpConfig, indexer: IndexerParams, index_q: torch.Tensor, index_keys: torch.Tensor,
                    batch: ForwardBatch, rope_inv_freq: torch.Tensor, rope_positions: torch.Tensor | None,
                    rope_axes: torch.Tensor | None) -> torch.Tensor:
-    """The blocks each query keeps: transformers' selection (ties as torch.topk breaks them), or for a ``static``
-    batch (CUDA-graph decode and verify) its static form over ``max_seq_len // compress_ratio`` blocks, the
-    graphs' bound, where a tie goes to the earlier block."""
+    """The blocks each query keeps (of equal scores, the earlier block): ``qsa_select``, or its static form over
+    ``max_seq_len // compress_ratio`` blocks (``_static_forms``)."""
     q = config.qsa
     if rope_positions is not None and rope_axes is None:
         raise ValueError("qsa_attention: rope_positions need rope_axes")
     args = (index_q, index_keys, batch.block_tables, batch.seq_lens, batch.query_start_loc, indexer.k_norm,
             config.base.rms_norm_eps, rope_inv_freq, config.base.rotary_dim, q.compress_ratio, q.block_topk)
     axes = rope_axes if rope_positions is not None else None
-    if batch.static:
+    if _static_forms(batch):
         return qsa_select_static(*args, batch.max_seq_len // q.compress_ratio, key_positions=rope_positions,
                                  rope_axes=axes)
     return qsa_select(*args, key_positions=rope_positions, rope_axes=axes)
