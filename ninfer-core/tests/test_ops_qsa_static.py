@@ -7,6 +7,7 @@ against ``paged_attention`` with the same selection."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -198,3 +199,20 @@ def test_static_attention_has_no_host_reads():
     meta = [a.to("meta") for a in args]
     out = qsa_attention_static(*meta[:6], meta[6], RATIO, 0.3, meta[7])
     assert out.shape == args[0].shape and out.device.type == "meta"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_the_kernel_matches_the_reference(num_splits):
+    """The Triton kernel (through the interpreter on the CPU) against the reference: decode rows, prefill chunks,
+    gated and not, one split or several merged; NaN in every slot no query may read."""
+    from ninfer.ops.qsa import qsa_attention_static_ref
+    from ninfer.ops.triton.qsa import qsa_attention_static as kernel
+
+    q, kc, vc, tables, lens, qsl, sel, gate = _attention_case([61, 4, 33, 20, 9], [1, 1, 7, 20, 1], 3)
+    for g in (None, gate):
+        want = qsa_attention_static_ref(q, kc, vc, tables, lens, qsl, sel, RATIO, 0.3, g)
+        got = kernel(q, kc, vc, tables, lens, qsl, sel, RATIO, 0.3, g, num_splits=num_splits)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -5,6 +5,10 @@ A gated residual step normalises every stream (its own RMS, (1 + w)), derives pe
 a low-rank bottleneck (down, silu(. / S), up, sigmoid), and feeds the sublayer the mean over streams of weight *
 normed stream. The sublayer's output joins each stream s scaled by 2 * sigmoid(inject_s(normed) / S). The model's
 last mixer has no injection: its mixed rows are the hidden states.
+
+The elementwise parts (``grouped_rms_norm``, ``stream_mix``, ``hyper_connection_inject``) each have a Triton
+kernel (``ninfer.ops.triton.hyper_connection``, used on CUDA once listed in ``ninfer.ops.dispatch.TRITON_OPS``);
+the low-rank mix and the injection weights are linears.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ninfer.ops.dispatch import triton_kernel
 from ninfer.ops.linear import linear
 
 
@@ -21,6 +26,13 @@ def grouped_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, group_si
     if x.shape[-1] % group_size or weight.shape != x.shape[-1:]:
         raise ValueError(f"grouped_rms_norm: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not split into "
                          f"groups of {group_size}")
+    kernel = triton_kernel("hyper_connection", "grouped_rms_norm", x)
+    if kernel is not None:
+        return kernel(x, weight, eps, group_size)
+    return grouped_rms_norm_ref(x, weight, eps, group_size)
+
+
+def grouped_rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int) -> torch.Tensor:
     xf = x.float().unflatten(-1, (-1, group_size))
     y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).flatten(-2)
     return (y * (1.0 + weight.float())).to(x.dtype)
@@ -39,11 +51,26 @@ def hyper_connection_mix(x: torch.Tensor, norm_weight: torch.Tensor, down: torch
                          f"inject {None if inject is None else tuple(inject.shape)} do not fit {streams} streams")
     hidden = x.shape[-1] // streams
     normed = grouped_rms_norm(x, norm_weight, eps, hidden)
-    mix = torch.sigmoid(linear(F.silu(linear(normed, down) / streams), up))
-    mixed = (mix.unflatten(-1, (streams, hidden)) * normed.unflatten(-1, (streams, hidden))).mean(dim=-2)
+    mixed = stream_mix(linear(F.silu(linear(normed, down) / streams), up), normed, streams)
     if inject is None:
         return mixed, None
     return mixed, 2 * torch.sigmoid(linear(normed, inject) / streams)
+
+
+def stream_mix(mix: torch.Tensor, normed: torch.Tensor, streams: int) -> torch.Tensor:
+    """The sublayer's input [N, H]: the mean over the streams of sigmoid(mix) * normed (both [N, S * H])."""
+    if mix.shape != normed.shape or mix.dim() != 2 or mix.shape[1] % streams:
+        raise ValueError(f"stream_mix: mix {tuple(mix.shape)} and normed {tuple(normed.shape)} must be the same "
+                         f"[N, {streams} * H]")
+    kernel = triton_kernel("hyper_connection", "stream_mix", mix)
+    if kernel is not None:
+        return kernel(mix, normed, streams)
+    return stream_mix_ref(mix, normed, streams)
+
+
+def stream_mix_ref(mix: torch.Tensor, normed: torch.Tensor, streams: int) -> torch.Tensor:
+    hidden = mix.shape[-1] // streams
+    return (torch.sigmoid(mix).unflatten(-1, (streams, hidden)) * normed.unflatten(-1, (streams, hidden))).mean(-2)
 
 
 def hyper_connection_inject(x: torch.Tensor, out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -52,4 +79,11 @@ def hyper_connection_inject(x: torch.Tensor, out: torch.Tensor, weights: torch.T
     if x.shape[:-1] != out.shape[:-1] or x.shape[-1] != streams * out.shape[-1] or weights.shape[:-1] != x.shape[:-1]:
         raise ValueError(f"hyper_connection_inject: x {tuple(x.shape)}, out {tuple(out.shape)}, weights "
                          f"{tuple(weights.shape)} do not fit")
+    kernel = triton_kernel("hyper_connection", "hyper_connection_inject", x) if x.dim() == 2 else None
+    if kernel is not None:
+        return kernel(x, out, weights)
+    return hyper_connection_inject_ref(x, out, weights)
+
+
+def hyper_connection_inject_ref(x: torch.Tensor, out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return x + (out.unsqueeze(-2) * weights.unsqueeze(-1)).flatten(-2)

@@ -55,10 +55,9 @@ def rms_norm_gated_ref(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, e
 def rms_norm_gated(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, *,
                    activation: str = "silu") -> torch.Tensor:
     """GDN output norm over the last dim D: (w * normed(x)) * act(z), plain w (not 1 + w); ``activation`` is
-    "silu" (Qwen3.5) or "sigmoid" (Qwen4Exp's ``output_gate_type``). The Triton kernel computes silu only, so the
-    sigmoid gate takes the reference."""
+    "silu" (Qwen3.5) or "sigmoid" (Qwen4Exp's ``output_gate_type``), each its own Triton entry."""
     _gate(activation)
-    kernel = triton_kernel("norm", "rms_norm_gated", x) if activation == "silu" else None
+    kernel = triton_kernel("norm", "rms_norm_gated" if activation == "silu" else "rms_norm_gated_sigmoid", x)
     if kernel is not None:
         return kernel(x, z, weight, eps)
     return rms_norm_gated_ref(x, z, weight, eps, activation=activation)

@@ -21,6 +21,7 @@ import math
 
 import torch
 
+from ninfer.ops.dispatch import triton_kernel
 from ninfer.ops.norm import rms_norm
 from ninfer.ops.rope import apply_rope, rope_angles_cos_sin
 
@@ -237,7 +238,8 @@ def qsa_attention_static(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     o [N, H, D] for packed queries q [N, H, D] over each one's chosen blocks ``selected_blocks`` int32 [N, topk]
     (-1 unused; complete blocks, as ``qsa_select`` keeps them) and its open tail, fp32 softmax, then
     ``o * sigmoid(gate)`` with ``gate``. Every query gathers exactly ``(topk + 1) * block_size`` keys through its
-    block table, the tokens it may not read masked: it reads the selection's tokens, not the whole context."""
+    block table, the tokens it may not read masked: it reads the selection's tokens, not the whole context. Its
+    Triton kernel (``ninfer.ops.triton.qsa``) walks the same list with an online softmax."""
     N, H, D = q.shape
     num_pages, page, kvh = k_cache.shape[:3]
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape[3] != D or H % kvh or v_cache.shape != k_cache.shape \
@@ -246,6 +248,20 @@ def qsa_attention_static(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         raise ValueError(f"qsa_attention_static: q {tuple(q.shape)}, caches {tuple(k_cache.shape)} / "
                          f"{tuple(v_cache.shape)}, selected_blocks {tuple(selected_blocks.shape)}, block_size "
                          f"{block_size}, gate {None if gate is None else tuple(gate.shape)} do not fit")
+    kernel = triton_kernel("qsa", "qsa_attention_static", q)
+    if kernel is not None:
+        return kernel(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, selected_blocks, block_size,
+                      scale, gate)
+    return qsa_attention_static_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, selected_blocks,
+                                    block_size, scale, gate)
+
+
+def qsa_attention_static_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                             selected_blocks: torch.Tensor, block_size: int, scale: float,
+                             gate: torch.Tensor | None = None) -> torch.Tensor:
+    N, H, D = q.shape
+    num_pages, page, kvh = k_cache.shape[:3]
     seq, pos = query_positions(query_start_loc, seq_lens, N)
     dev = q.device
     tail = torch.div(pos + 1, block_size, rounding_mode="floor")  # the open tail's block: it ends at the query

@@ -14,7 +14,7 @@ from ninfer.ops.triton._pdl_jit import pdl_prologue
 def _rms_norm_kernel(
     x_ptr, w_ptr, z_ptr, y_ptr, R, H1, s_x0, s_x1, s_z0, s_z1, s_yr, D, eps,
     ONE_PLUS: tl.constexpr, GATED: tl.constexpr, ROUND_WN: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False,
+    BLOCK_D: tl.constexpr, SIGMOID_GATE: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
     pdl_prologue(USE_PDL)
     rr = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
@@ -31,13 +31,13 @@ def _rms_norm_kernel(
     normed = _normed(x, D, eps)
     if GATED:
         # Gated output norm rounds as the reference does: normed -> x.dtype, times w (in x.dtype when w is
-        # not wider), then the fp32 silu gate.
+        # not wider), then the fp32 gate: silu, or sigmoid (Qwen4Exp's output_gate_type).
         dt = y_ptr.dtype.element_ty
         y = w[None, :] * normed.to(dt).to(tl.float32)
         if ROUND_WN:
             y = y.to(dt).to(tl.float32)
         z = tl.load(z_ptr + z_off[:, None] + dd[None, :], mask=mask, other=0.0).to(tl.float32)
-        y = y * (z * tl.sigmoid(z))
+        y = y * (tl.sigmoid(z) if SIGMOID_GATE else z * tl.sigmoid(z))
     else:
         y = _scaled(normed, w, ONE_PLUS)
     tl.store(y_ptr + rr[:, None] * s_yr + dd[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
@@ -104,7 +104,7 @@ def _row_tile(D: int) -> tuple[int, int, int]:
     return block_d, max(1, min(4, 2048 // block_d)), 8 if block_d >= 2048 else 4
 
 
-def _launch(x, z, weight, eps, one_plus, gated, out):
+def _launch(x, z, weight, eps, one_plus, gated, out, sigmoid_gate=False):
     D = weight.shape[0]
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -122,7 +122,7 @@ def _launch(x, z, weight, eps, one_plus, gated, out):
     _rms_norm_kernel[(triton.cdiv(R, rows),)](
         x3, weight, z3, y2, R, H1, x3.stride(0), x3.stride(1), z3.stride(0), z3.stride(1), y2.stride(0), D, eps,
         ONE_PLUS=bool(one_plus), GATED=gated, ROUND_WN=torch.promote_types(weight.dtype, x.dtype) == x.dtype,
-        ROWS=rows, BLOCK_D=block_d, num_warps=warps, **pdl_args(x.device)
+        ROWS=rows, BLOCK_D=block_d, SIGMOID_GATE=sigmoid_gate, num_warps=warps, **pdl_args(x.device)
     )
     return out
 
@@ -153,6 +153,11 @@ def embed_rms_norm(ids, table, weight, eps: float, *, one_plus: bool = True):
 def rms_norm_gated(x, z, weight, eps: float, *, out=None):
     """Qwen3.5 GDN output norm: (w * normed(x).to(dtype)) * silu(z.float()), cast to x.dtype."""
     return _launch(x, z, weight, eps, False, True, out)
+
+
+def rms_norm_gated_sigmoid(x, z, weight, eps: float, *, out=None):
+    """Qwen4Exp's GDN output norm (``output_gate_type`` sigmoid): (w * normed(x).to(dtype)) * sigmoid(z.float())."""
+    return _launch(x, z, weight, eps, False, True, out, sigmoid_gate=True)
 
 
 @triton.jit
