@@ -216,3 +216,39 @@ def test_the_kernel_matches_the_reference(num_splits):
         want = qsa_attention_static_ref(q, kc, vc, tables, lens, qsl, sel, RATIO, 0.3, g)
         got = kernel(q, kc, vc, tables, lens, qsl, sel, RATIO, 0.3, g, num_splits=num_splits)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_top_blocks_orders_scores_then_earlier_blocks():
+    """Best scores first, ties (-0.0 is +0.0) to the earlier block, only complete blocks, ascending, -1 after."""
+    from ninfer.ops.qsa import top_blocks
+
+    scores = torch.tensor([[0.5, -0.0, 2.0, 0.0, 0.5, 9.0],
+                           [0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+                           [3.0, 1.0, 0.0, 0.0, 0.0, 0.0]])
+    complete = torch.tensor([5, 6, 1])
+    assert top_blocks(scores, complete, 3).tolist() == [[0, 2, 4], [0, 1, 2], [0, -1, -1]]
+    assert top_blocks(scores, complete, 5).tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 3, 4], [0, -1, -1, -1, -1]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+@pytest.mark.parametrize("mrope", [False, True])
+def test_the_score_kernel_matches_the_reference(mrope):
+    """The block-score kernel (through the interpreter) against the reference on every block a query sees, decode
+    rows and prefill chunks, text and MRoPE; its selection is the reference's."""
+    from ninfer.ops.qsa import qsa_block_scores_ref, query_positions, top_blocks
+    from ninfer.ops.triton.qsa import qsa_block_scores
+
+    lengths, qlens = [61, 4, 33, 20, 47], [1, 1, 9, 1, 1]
+    args, kw = _case(lengths, qlens, 3, 5, mrope=mrope)
+    q, keys, tables, lens, qsl, k_norm, eps, inv, rot, ratio, topk = args
+    seq, pos = query_positions(qsl, lens, q.shape[0])
+    M = max(lengths) // ratio + 2
+    rest = (k_norm, eps, inv, rot, ratio, M, kw.get("key_positions"), kw.get("rope_axes"))
+    want = qsa_block_scores_ref(q, keys, tables, seq, pos, *rest)
+    got = qsa_block_scores(q, keys, tables, seq, pos, *rest)
+    complete = torch.div(pos + 1, ratio, rounding_mode="floor")
+    seen = torch.arange(M)[None, :] < complete[:, None]
+    torch.testing.assert_close(got[seen], want[seen], rtol=1e-5, atol=1e-6)
+    assert torch.equal(top_blocks(got, complete, topk), top_blocks(want, complete, topk))

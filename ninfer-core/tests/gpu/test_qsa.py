@@ -45,3 +45,32 @@ def test_qsa_attention_static(case, lengths):
         got = qsa_attention_static(q, kc, vc, tables, lens, qsl, sel, RATIO, D ** -0.5, gate, num_splits=splits)
         case.within(got, want, TOL, f"num_splits={splits}")
     case.no_host_sync(lambda: qsa_attention_static(q, kc, vc, tables, lens, qsl, sel, RATIO, D ** -0.5, gate))
+
+
+@pytest.mark.parametrize("mrope", [False, True])
+@pytest.mark.parametrize("lengths", [[4099], [1000, 2050, 37, 3001, 4096, 5, 1703, 2222]], ids=["B1", "B8"])
+def test_qsa_block_scores(case, lengths, mrope):
+    """The indexer's block scores (published: 4 index heads of 128, rotary 64) against the reference on every block
+    a query sees, with the graphs' bound of a 262,144-token context (blocks past a query's length load nothing)."""
+    from ninfer.ops.qsa import qsa_block_scores_ref, query_positions
+    from ninfer.ops.rope import mrope_axes, rope_inv_freq
+    from ninfer.ops.triton.qsa import qsa_block_scores
+
+    di, heads, rot = C["indexer_head_dim"], C["indexer_n_heads"], int(D * 0.25)
+    page, B = 16, len(lengths)
+    width = -(-max(lengths) // page)
+    n_pages = B * width + 7
+    tables = case.randperm(n_pages)[:B * width].view(B, width).int()
+    keys, q, k_norm = case.randn(n_pages, page, di), case.randn(B, heads, di), case.randn(di, scale=0.1)
+    inv = rope_inv_freq(rot, 1e7).cuda()
+    kw = (None, None)
+    if mrope:
+        kw = (case.randint(5000, n_pages, page, 3).int(), mrope_axes(rot, (11, 11, 10)).cuda())
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    seq, pos = query_positions(torch.arange(B + 1, dtype=torch.int32, device="cuda"), lens, B)
+    M = 262144 // RATIO
+    want = qsa_block_scores_ref(q.float(), keys, tables, seq, pos, k_norm, 1e-6, inv, rot, RATIO, 1100, *kw)
+    got = qsa_block_scores(q, keys, tables, seq, pos, k_norm, 1e-6, inv, rot, RATIO, M, *kw)
+    seen = torch.arange(1100, device="cuda")[None, :] < ((pos + 1) // RATIO)[:, None]
+    case.within(got[:, :1100][seen], want[seen], 1e-2)
+    case.no_host_sync(lambda: qsa_block_scores(q, keys, tables, seq, pos, k_norm, 1e-6, inv, rot, RATIO, M, *kw))

@@ -164,17 +164,32 @@ def qsa_select_static(q: torch.Tensor, index_keys: torch.Tensor, block_tables: t
            compress_ratio, block_topk, key_positions, rope_axes)
     if max_blocks < 0:
         raise ValueError(f"qsa_select_static: max_blocks {max_blocks} must not be negative")
-    N, heads, D = q.shape
-    B = seq_lens.shape[0]
-    dev = q.device
-    out = torch.full((N, block_topk), -1, dtype=torch.int32, device=dev)
+    N = q.shape[0]
+    out = torch.full((N, block_topk), -1, dtype=torch.int32, device=q.device)
     if N == 0 or max_blocks == 0:
         return out
     M = max_blocks
     seq, pos = query_positions(query_start_loc, seq_lens, N)
     complete = torch.div(pos + 1, compress_ratio, rounding_mode="floor")  # [N]
-    # The scores [N, M] as qsa_select's, in runs of blocks that bound the gathered keys' temporaries.
-    scores = torch.empty(N, M, dtype=torch.float32, device=dev)
+    args = (q, index_keys, block_tables, seq, pos, k_norm, eps, rope_inv_freq, rotary_dim, compress_ratio, M,
+            key_positions, rope_axes)
+    kernel = triton_kernel("qsa", "qsa_block_scores", q)
+    scores = kernel(*args) if kernel is not None else qsa_block_scores_ref(*args)
+    out[:, :min(block_topk, M)] = top_blocks(scores, complete, min(block_topk, M))
+    return out
+
+
+def qsa_block_scores_ref(q: torch.Tensor, index_keys: torch.Tensor, block_tables: torch.Tensor, seq: torch.Tensor,
+                         pos: torch.Tensor, k_norm: torch.Tensor, eps: float, rope_inv_freq: torch.Tensor,
+                         rotary_dim: int, compress_ratio: int, max_blocks: int, key_positions: torch.Tensor | None,
+                         rope_axes: torch.Tensor | None) -> torch.Tensor:
+    """fp32 [N, max_blocks]: query n's score of blocks 0..max_blocks-1 of its sequence ``seq[n]`` (the
+    ``query_positions``; ``pos`` [N] its position), those it can see (b < (pos + 1) // compress_ratio) as
+    ``qsa_select`` scores them, the others unspecified. The reference builds every row's block keys in runs of
+    blocks that bound the gathered keys' temporaries; the Triton kernel builds only the blocks a query sees."""
+    N, heads, D = q.shape
+    B, M = block_tables.shape[0], max_blocks
+    scores = torch.empty(N, M, dtype=torch.float32, device=q.device)
     run = max(1, _SCORE_ELEMS // max(1, max(B, N) * compress_ratio * D))
     qf = q.float()
     for b0 in range(0, M, run):
@@ -186,15 +201,22 @@ def qsa_select_static(q: torch.Tensor, index_keys: torch.Tensor, block_tables: t
         for h in range(1, heads):
             part += torch.relu(torch.bmm(qf[:, h:h + 1], kq))[:, 0]
         scores[:, b0:b1] = part / math.sqrt(D)
-    visible = torch.arange(M, device=dev)[None, :] < complete[:, None]
-    scores = torch.where(visible, scores, float("-inf"))
-    k = min(block_topk, M)
-    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
-    kept = torch.gather(visible, 1, order)
-    # Ascending with the unused slots last: park them at M, sort, then write -1.
-    chosen = torch.where(kept, order, M).sort(dim=1).values
-    out[:, :k] = torch.where(chosen < M, chosen, -1).to(torch.int32)
-    return out
+    return scores
+
+
+def top_blocks(scores: torch.Tensor, complete: torch.Tensor, k: int) -> torch.Tensor:
+    """int32 [N, k]: each row's best ``k`` blocks among its first ``complete`` [N] of ``scores`` fp32 [N, M] (relu
+    sums, >= 0), ties to the earlier block, ascending, -1 after. One topk, not a sort of all M blocks: each block
+    gets a unique int64 key, the score's bits above (+ 0.0 turns a -0.0 into +0.0, so the fp32 bits of a
+    non-negative score order as its value) and the block's distance from the end below; blocks not yet complete
+    get -1."""
+    M = scores.shape[1]
+    blocks = torch.arange(M, device=scores.device)
+    key = ((scores + 0.0).view(torch.int32).long() << 32) | (M - 1 - blocks)
+    key = torch.where(blocks[None, :] < complete[:, None], key, -1)
+    top = key.topk(k, dim=1).values
+    chosen = torch.where(top >= 0, M - 1 - (top & 0xFFFFFFFF), M).sort(dim=1).values  # unused slots last
+    return torch.where(chosen < M, chosen, -1).to(torch.int32)
 
 
 def _block_keys_paged(index_keys: torch.Tensor, block_tables: torch.Tensor, b0: int, b1: int, k_norm: torch.Tensor,

@@ -1,5 +1,13 @@
-"""QSA's sparse attention on the GPU (``ninfer.ops.qsa.qsa_attention_static``): each query reads only its chosen
-blocks and its open tail, gathered through its block table, in static shapes (a CUDA graph captures it).
+"""QSA on the GPU in static shapes (a CUDA graph captures them): the indexer's block scores
+(``qsa_block_scores``) and the sparse attention (``qsa_attention_static``), where each query reads only its
+chosen blocks and its open tail, gathered through its block table.
+
+Scores: a program takes one query and ``BLOCK_B`` consecutive blocks of its sequence; a program whose blocks the
+query cannot see yet returns before any load, so a step's work follows each sequence's length, not the graphs'
+bound. It builds each block key as the reference does (the mean of the block's raw keys rounded to their dtype,
+the (1 + w) RMS norm rounded, NeoX RoPE at the block's first position, or its first token's (t, h, w) through the
+MRoPE axes, rounded) and scores it against the query's index heads in one dot: sum of relu / sqrt(D). The rotary
+half's partner columns are loaded beside the columns (a second read of the same cached rows).
 
 A program takes one query row, one KV head (its G query heads as the rows of one tile) and one split of the
 query's key list: the ``topk`` chosen blocks, then the tail block, ``block_size`` keys each, walked in tiles of
@@ -9,6 +17,8 @@ the output gate applied there.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -86,6 +96,94 @@ def _qsa_attention_kernel(
         tl.store(po_ptr + n * s_pon + head[:, None] * s_poh + split * s_pos + dd[None, :], acc, mask=out_mask)
         tl.store(pm_ptr + n * s_pmn + head * s_pmh + split, m_i, mask=row_ok)
         tl.store(pl_ptr + n * s_pmn + head * s_pmh + split, l_i, mask=row_ok)
+
+
+@triton.jit
+def _qsa_block_scores_kernel(
+    q_ptr, ik_ptr, bt_ptr, seq_ptr, pos_ptr, w_ptr, inv_ptr, kp_ptr, ax_ptr, out_ptr,
+    s_qn, s_qh, s_ikp, s_iks, s_btb, s_kpp, s_kps, s_on, page_size, eps, inv_sqrt_d,
+    HEADS: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, ROT: tl.constexpr,
+    R: tl.constexpr, BLOCK_B: tl.constexpr, MROPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
+    n = tl.program_id(0).to(tl.int64)
+    b0 = tl.program_id(1) * BLOCK_B
+    seq = tl.load(seq_ptr + n)
+    complete = (tl.load(pos_ptr + n) + 1) // R
+    pdl_prologue(USE_PDL)
+    if b0 < complete:
+        blk = b0 + tl.arange(0, BLOCK_B)
+        ok = blk < complete
+        dd = tl.arange(0, BLOCK_D)
+        d_ok = dd < D
+        half: tl.constexpr = ROT // 2
+        # Column d's rotary partner: d + half in the first half, d - half in the second, itself past ROT.
+        partner = tl.where(dd < half, dd + half, tl.where(dd < ROT, dd - half, dd))
+        mask = ok[:, None] & d_ok[None, :]
+        pooled = tl.zeros((BLOCK_B, BLOCK_D), tl.float32)
+        pooled_p = tl.zeros((BLOCK_B, BLOCK_D), tl.float32)
+        page0 = tl.zeros((BLOCK_B,), tl.int64)
+        for r in tl.static_range(R):
+            tok = blk.to(tl.int64) * R + r
+            page = tl.load(bt_ptr + seq * s_btb + tok // page_size, mask=ok, other=0).to(tl.int64)
+            row = ik_ptr + page * s_ikp + (tok % page_size) * s_iks
+            pooled += tl.load(row[:, None] + dd[None, :], mask=mask, other=0.0).to(tl.float32)
+            pooled_p += tl.load(row[:, None] + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+            if r == 0:
+                page0 = page
+        dt = ik_ptr.dtype.element_ty
+        pooled = (pooled / R).to(dt).to(tl.float32)
+        pooled_p = (pooled_p / R).to(dt).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(pooled * pooled, axis=1) / D + eps)[:, None]
+        w = tl.load(w_ptr + dd, mask=d_ok, other=0.0).to(tl.float32)
+        w_p = tl.load(w_ptr + partner, mask=d_ok, other=0.0).to(tl.float32)
+        normed = (pooled * rstd * (1.0 + w[None, :])).to(dt).to(tl.float32)
+        normed_p = (pooled_p * rstd * (1.0 + w_p[None, :])).to(dt).to(tl.float32)
+        rotary = dd < ROT
+        j = tl.where(dd < half, dd, dd - half)  # the frequency slot of column d
+        inv = tl.load(inv_ptr + j, mask=rotary, other=0.0).to(tl.float32)
+        if MROPE:  # the block's first token's (t, h, w), the axis each frequency slot reads
+            axis = tl.load(ax_ptr + j, mask=rotary, other=0)
+            start = tl.load(kp_ptr + page0[:, None] * s_kpp + ((blk.to(tl.int64) * R) % page_size)[:, None] * s_kps
+                            + axis[None, :], mask=ok[:, None] & rotary[None, :], other=0).to(tl.float32)
+        else:
+            start = (blk * R).to(tl.float32)[:, None]
+        angle = start * inv[None, :]
+        cos = tl.cos(angle).to(dt).to(tl.float32)
+        sin = tl.sin(angle).to(dt).to(tl.float32)
+        sign = tl.where(dd < half, -1.0, 1.0)[None, :]
+        key = tl.where(rotary[None, :], (normed * cos + sign * normed_p * sin).to(dt).to(tl.float32), normed)
+        rows = tl.arange(0, BLOCK_M)
+        qv = tl.load(q_ptr + n * s_qn + rows[:, None] * s_qh + dd[None, :],
+                     mask=(rows < HEADS)[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        dots = tl.dot(qv, tl.trans(key), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_B]
+        score = tl.sum(tl.maximum(dots, 0.0), axis=0) * inv_sqrt_d
+        tl.store(out_ptr + n * s_on + blk, score, mask=ok)
+
+
+def qsa_block_scores(q, index_keys, block_tables, seq, pos, k_norm, eps: float, rope_inv_freq, rotary_dim: int,
+                     compress_ratio: int, max_blocks: int, key_positions=None, rope_axes=None):
+    """``ninfer.ops.qsa.qsa_block_scores_ref`` (same arguments; blocks a query cannot see are left unwritten) as one
+    launch over (query, runs of 16 blocks)."""
+    N, heads, D = q.shape
+    if index_keys.shape[-1] != D or index_keys.stride(-1) != 1 or q.stride(-1) != 1 or block_tables.stride(1) != 1:
+        raise ValueError(f"qsa_block_scores: q {tuple(q.shape)} and index_keys {tuple(index_keys.shape)} must share "
+                         "a contiguous head dim, block_tables' rows contiguous")
+    out = torch.empty((N, max_blocks), dtype=torch.float32, device=q.device)
+    if N == 0 or max_blocks == 0:
+        return out
+    mrope = key_positions is not None
+    kp = (key_positions if key_positions.stride(2) == 1 else key_positions.contiguous()) if mrope else index_keys
+    block_b = 16
+    _qsa_block_scores_kernel[(N, triton.cdiv(max_blocks, block_b))](
+        q, index_keys, block_tables, seq, pos, k_norm, rope_inv_freq.to(torch.float32),
+        kp, rope_axes.to(device=q.device, dtype=torch.int32) if mrope else seq, out,
+        q.stride(0), q.stride(1), index_keys.stride(0), index_keys.stride(1), block_tables.stride(0),
+        kp.stride(0) if mrope else 0, kp.stride(1) if mrope else 0, out.stride(0), index_keys.shape[1], eps,
+        1.0 / math.sqrt(D), HEADS=heads, BLOCK_M=max(16, triton.next_power_of_2(heads)), D=D,
+        BLOCK_D=triton.next_power_of_2(D), ROT=rotary_dim, R=compress_ratio, BLOCK_B=block_b, MROPE=mrope,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, **pdl_args(q.device))
+    return out
 
 
 def qsa_attention_static(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, selected_blocks,
