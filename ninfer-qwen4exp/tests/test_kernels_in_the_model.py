@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 from ninfer.contract.config import EngineConfig
 from ninfer.contract.prompt import TextInput

@@ -7,8 +7,8 @@ p, renormalised to sum to 1 (always, in Qwen3.5), then cast to the activations' 
 token is sum_j w_j * down_e(silu(gate_e x) * up_e x) over its k experts. ``moe_block`` is the whole block:
 the routing, the routed experts and the shared SwiGLU expert scaled by sigmoid of its gate logit.
 
-A bank may be quantized (``QuantizedWeight`` [E, N, K], FP8 or NVFP4): FP8 banks have grouped kernels of their own
-(``ninfer.ops.triton.moe_quant``); otherwise each hit expert's matmul runs through
+A bank may be quantized (``QuantizedWeight`` [E, N, K], FP8 or NVFP4): such banks have grouped kernels of their own
+(``ninfer.ops.triton.moe_quant``); the reference runs each hit expert's matmul through
 ``linear`` on that expert's view (weight-only), as the reference; the grouped Triton kernels take bf16 banks.
 """
 
@@ -76,12 +76,11 @@ def _expert_linear(x: torch.Tensor, bank: Bank, e: int) -> torch.Tensor:
 
 
 def _kernel(module: str, name: str, x: torch.Tensor, *banks: Bank):
-    """The grouped kernel for dense banks; for FP8 banks the routed experts' FP8 kernels (``moe_quant``) where
-    their tiles fit the scale blocks. Other quantized banks (NVFP4), and a quantized block as a whole, run the
-    parts: the reference's per-expert linears."""
+    """The grouped kernel for dense banks; for FP8 and NVFP4 banks the routed experts' quantized kernels
+    (``moe_quant``) where their tiles fit the scales. A quantized block as a whole runs its parts."""
     if not any(isinstance(b, QuantizedWeight) for b in banks):
         return triton_kernel(module, name, x)
-    kernel = triton_kernel("moe_quant", "moe_experts_fp8", x) if name == "moe_experts" else None
+    kernel = triton_kernel("moe_quant", "moe_experts_quant", x) if name == "moe_experts" else None
     if kernel is None:
         return None
     from ninfer.ops.triton.moe_quant import fits  # a kernel was found: triton is importable here
