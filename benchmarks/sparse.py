@@ -153,24 +153,30 @@ def shape_config(shape: str) -> dict:
     return dict(shapes[shape], dtype="bfloat16", mtp_num_hidden_layers=1)
 
 
-def write_sparse_source(directory: Path, config: dict, shard_bytes: int = 4 * GIB) -> int:
+def write_sparse_source(directory: Path, config: dict, shard_bytes: int = 4 * GIB, *, fp8: bool = False) -> int:
     """A checkpoint in published naming (flat text + ``mtp.*``) whose tensor data is a hole: config.json, tokenizer
     files, safetensors shards with real headers (and their index). Shards as published: one mapping of 54 GB
     is refused where memory overcommit is heuristic. The tensors are the architecture plugin's (dispatched by
-    the config's ``architectures``: ``benchmarks.architectures.source_tensors``). Returns the tensor bytes it
-    declares."""
+    the config's ``architectures``: ``benchmarks.architectures.source_tensors``). With ``fp8`` the checkpoint is
+    in Qwen's fine-grained FP8 (``fp8_tensors``). Returns the tensor bytes it declares."""
     from benchmarks.architectures import source_tensors
 
     write_source_files(directory, config)
+    tensors = {n: (list(shape), "F32" if size == 4 else "BF16", size)
+               for n, (shape, size) in source_tensors(config, ("text", "mtp")).items()}
+    if fp8:
+        tensors, kept = fp8_tensors(tensors)
+        from ninfer_qwen35.testing.quantized_checkpoints import write_quant_config
+
+        write_quant_config(directory, "fp8", kept)
     shards: list[dict] = [{}]
     sizes = [0]
-    for name, (shape, size) in source_tensors(config, ("text", "mtp")).items():
+    for name, (shape, dtype, size) in tensors.items():
         nbytes = math.prod(shape) * size
         if sizes[-1] and sizes[-1] + nbytes > shard_bytes:
             shards.append({})
             sizes.append(0)
-        shards[-1][name] = {"dtype": "F32" if size == 4 else "BF16", "shape": list(shape),
-                            "data_offsets": [sizes[-1], sizes[-1] + nbytes]}
+        shards[-1][name] = {"dtype": dtype, "shape": shape, "data_offsets": [sizes[-1], sizes[-1] + nbytes]}
         sizes[-1] += nbytes
     weight_map = {}
     for i, (entries, size) in enumerate(zip(shards, sizes, strict=True)):
@@ -187,17 +193,44 @@ def write_sparse_source(directory: Path, config: dict, shard_bytes: int = 4 * GI
     return sum(sizes)
 
 
-def write_sparse_artifact(shape: str, workdir: Path, **overrides) -> Path:
-    """The shape's artifact through the real converter, data left as a hole (this module's docstring).
-    ``overrides``: config.json fields changed from the shape's (e.g. ``num_hidden_layers`` for a shallower model of
-    the same widths)."""
+def fp8_tensors(tensors: dict[str, tuple[list[int], str, int]]
+                ) -> tuple[dict[str, tuple[list[int], str, int]], list[str]]:
+    """Qwen's fine-grained FP8 release of a checkpoint's tensors ({name: (shape, safetensors dtype, element
+    size)}): every linear weight and fused expert bank its releases quantize becomes e4m3 with a float32
+    ``weight_scale_inv`` per 128 x 128 block (a bank's per expert); returns them and the modules kept in bf16."""
+    out, kept = {}, []
+    for name, (shape, dtype, size) in tensors.items():
+        module = name.removesuffix(".weight")
+        bank = name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")) and len(shape) == 3
+        linear = name.endswith(".weight") and len(shape) == 2 and not _kept_in_bf16(module)
+        if not (bank or linear):
+            out[name] = (shape, dtype, size)
+            if name.endswith(".weight") and len(shape) == 2:
+                kept.append(module)
+            continue
+        *lead, n, k = shape
+        out[name] = (shape, "F8_E4M3", 1)
+        out[f"{name}_scale_inv"] = ([*lead, -(-n // 128), -(-k // 128)], "F32", 4)
+    return out, sorted(kept)
+
+
+def _kept_in_bf16(module: str) -> bool:
+    from ninfer_qwen35.testing.quantized_checkpoints import kept_in_bf16
+
+    return kept_in_bf16(module)
+
+
+def write_sparse_artifact(shape: str, workdir: Path, *, fp8: bool = False, **overrides) -> Path:
+    """The shape's artifact through the real converter, data left as a hole (this module's docstring); with ``fp8``
+    from a source in Qwen's fine-grained FP8 (imported as stored). ``overrides``: config.json fields changed from
+    the shape's (e.g. ``num_hidden_layers`` for a shallower model of the same widths)."""
     import shutil
 
     import ninfer_convert.convert as convert
 
-    src, out = workdir / f"{shape}-source", workdir / f"{shape}.ninfer"
+    src, out = workdir / f"{shape}-source", workdir / f"{shape}{'-fp8' if fp8 else ''}.ninfer"
     shutil.rmtree(src, ignore_errors=True)
-    write_sparse_source(src, {**shape_config(shape), **overrides})
+    write_sparse_source(src, {**shape_config(shape), **overrides}, fp8=fp8)
     try:
         convert.convert_checkpoint(src, out, name=f"sparse-{shape}", host=plugin_host(), make_writer=SparseArtifactWriter)
     finally:

@@ -31,7 +31,8 @@ _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _BANK = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 
-def _kept(module: str) -> bool:
+def kept_in_bf16(module: str) -> bool:
+    """Whether the published quantized releases leave ``module`` (a linear's name without ``.weight``) in bf16."""
     return "visual." in module or any(module == m or module.endswith("." + m) for m in NOT_QUANTIZED)
 
 
@@ -136,7 +137,7 @@ def quantize_tiny_checkpoint(directory: str | Path, scheme: str, *, fused_expert
             module = name[:-len(".weight")] if name.endswith(".weight") else name
             if _BANK.match(name):
                 _quantize_bank(name, t, scheme, fused_experts, written, scale_dtype)
-            elif name.endswith(".weight") and t.dim() == 2 and not _kept(module):
+            elif name.endswith(".weight") and t.dim() == 2 and not kept_in_bf16(module):
                 _quantize(name, t, scheme, written, scale_dtype)
             else:
                 written[name] = t
@@ -148,11 +149,12 @@ def quantize_tiny_checkpoint(directory: str | Path, scheme: str, *, fused_expert
             index["weight_map"].update({n: shard.name for n in written})
     if index is not None:
         index_path.write_text(json.dumps(index, indent=2))
-    _write_config(out_dir, scheme, sorted(kept_modules))
+    write_quant_config(out_dir, scheme, sorted(kept_modules))
     return out_dir
 
 
-def _write_config(out_dir: Path, scheme: str, kept: list[str]) -> None:
+def write_quant_config(out_dir: Path, scheme: str, kept: list[str]) -> None:
+    """config.json's ``quantization_config`` (or ``hf_quant_config.json``) of ``scheme``, ``kept`` left in bf16."""
     config_path = out_dir / "config.json"
     config = json.loads(config_path.read_text())
     if scheme == "fp8":
