@@ -217,7 +217,8 @@ def markdown(r: dict) -> str:
              f"Measured at {L} layers; full depth ({full} layers) = head + {full} x (measured - head) / {L}, "
              "the floor from the full-depth config. Random weights and router: routing is uniform-like, "
              "real routers are skewed (hit rates differ)."]
-    for key, title in (("all_device", "all-device"), ("host_experts", "host experts")):
+    quantized = f"all-device, {r['args'].get('quantize')} weights (floor columns: bf16's)"
+    for key, title in (("all_device", "all-device"), ("quantized", quantized), ("host_experts", "host experts")):
         m = r.get(key)
         if m is None:
             continue
@@ -254,6 +255,9 @@ def markdown(r: dict) -> str:
         p = m["prefill"]
         lines.append(f"\nPrefill {p['tokens']} tokens (chunk {p['chunk']}): {p['tokens_per_s']:.0f} tok/s at {L} "
                      f"layers, {fmt(p['full_tokens_per_s'], '.0f')} tok/s at full depth")
+    pairs = zip(r.get("all_device", {}).get("decode", []), r.get("quantized", {}).get("decode", []), strict=False)
+    lines += [f"- {r['args']['quantize']} over bf16, decode B={b['batch']}: {q['tokens_per_s'] / b['tokens_per_s']:.2f}x"
+              for b, q in pairs if b["tokens_per_s"]]
     plan = r.get("plan", {})
     if plan:
         lines.append(f"\nPlan at full depth under {format_bytes(plan['budget_bytes'])}: "
@@ -295,6 +299,8 @@ def parse_args(argv=None):
                    help="max_model_len of the host-experts plan (default: the model's limit)")
     p.add_argument("--hf-new-tokens", type=int, default=32)
     p.add_argument("--no-host", dest="host", action="store_false", help="skip the host-experts placement")
+    p.add_argument("--quantize", choices=("fp8", "nvfp4"), default=None,
+                   help="also convert with ninfer convert --quantize and run it all-device, beside bf16")
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers baseline")
     p.add_argument("--workdir", default=None, help="folder for the checkpoint and artifact (default: temp dir)")
     p.add_argument("--json", default=None, help="write every figure here")
@@ -338,7 +344,7 @@ def _run(argv) -> int:
     cfg, full_cfg = mw.moe_config(args.shape, args.layers, reduced=True), mw.moe_config(args.shape)
     base = Path(args.workdir or tempfile.gettempdir())
     base.mkdir(parents=True, exist_ok=True)
-    need = 2.05 * mw.weight_bytes(cfg)["total"]  # checkpoint and artifact side by side
+    need = (2.05 + 0.6 * bool(args.quantize)) * mw.weight_bytes(cfg)["total"]  # checkpoint and artifacts
     if shutil.disk_usage(base).free < need:
         print(f"moe: {base} has {shutil.disk_usage(base).free / 1e9:.1f} GB free, {args.layers} layers of "
               f"{args.shape} need about {need / 1e9:.1f} GB; pass --workdir or fewer --layers", file=sys.stderr)
@@ -368,15 +374,22 @@ def _run(argv) -> int:
         res["checkpoint_bytes"] = write_source(src, cfg, device, shard_bytes=2 * GIB)
         res["write_s"] = clock() - t
         res["convert_s"] = convert_checkpoint(src, art, host=plugin_host()).seconds
-        if not args.hf:
+        if not (args.hf or args.quantize):  # the quantized artifact is converted from it after the bf16 runs
             shutil.rmtree(src)
         save()
-        for key in ("all_device", "host_experts")[:2 if args.host else 1]:
+        keys = ["all_device", *(["quantized"] if args.quantize else []), *(["host_experts"] if args.host else [])]
+        for key in keys:
             print(f"# {key}", flush=True)
             try:
                 common = (art, cfg, full_cfg, args, device, res["copy_tb_s"])
-                res[key] = run_all_device(*common) if key == "all_device" else \
-                    run_host_experts(*common, res["plan"], res["host_read_gb_s"])
+                if key == "quantized":  # the same weights through ninfer convert --quantize, all on the device
+                    quantized = workdir / f"{args.shape}-{args.layers}l-{args.quantize}.ninfer"
+                    convert_checkpoint(src, quantized, host=plugin_host(), quantize=args.quantize)
+                    res[key] = run_all_device(quantized, *common[1:])
+                    quantized.unlink()
+                else:
+                    res[key] = run_all_device(*common) if key == "all_device" else \
+                        run_host_experts(*common, res["plan"], res["host_read_gb_s"])
             except HostExpertsUnavailable as exc:
                 res[key] = {"unavailable": str(exc)}
                 print(f"#   not run: {exc}", file=sys.stderr, flush=True)

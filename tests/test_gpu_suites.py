@@ -48,6 +48,9 @@ def _tiny(tmp_path):
         "moe": ("moe", ["--shape", "tiny", "--layers", "4", "--device", "cpu", "--context", "12", "--steps", "3",
                         "--prefill", "40", "--prefill-chunk", "16", "--budget-gib", "0.01", "--hf-new-tokens", "2",
                         "--workdir", w]),
+        "moe-fp8": ("moe", ["--shape", "tiny", "--layers", "4", "--device", "cpu", "--batches", "1", "--context", "8",
+                            "--steps", "2", "--prefill", "16", "--prefill-chunk", "16", "--no-host", "--no-hf",
+                            "--quantize", "fp8", "--workdir", w]),
         "moe-qwen4exp": ("moe", ["--shape", "qwen4exp-tiny", "--layers", "4", "--device", "cpu", "--batches", "1", "2",
                                  "--context", "8", "--steps", "2", "--prefill", "16", "--prefill-chunk", "16",
                                  "--budget-gib", "0.01", "--hf-new-tokens", "2", "--workdir", w]),
@@ -76,6 +79,8 @@ EXPECTED = {
     "speculative": (["B  k   ms/unit  x plain", "B  k     tok/s  speedup accept len"], {"part1", "part2"}),
     "moe": (["| B | ms/step (4 L) | tok/s (4 L) | head ms | per-layer ms | full-depth ms | full-depth tok/s "
              "| floor ms (full) |"], {"all_device", "host_experts", "plan", "hf", "copy_tb_s", "targets"}),
+    "moe-fp8": (["## all-device, fp8 weights (floor columns: bf16's)", "- fp8 over bf16, decode B=1: "],
+                {"all_device", "quantized", "plan", "copy_tb_s", "targets"}),
     "moe-qwen4exp": (["# Qwen4Exp qwen4exp-tiny", "| B | missed experts/step (4 L / full) | host floor ms (4 L / full) |",
                       "ours / transformers at B=1, 4 layers: decode"],
                      {"all_device", "host_experts", "plan", "hf", "copy_tb_s", "host_read_gb_s", "targets"}),
