@@ -66,6 +66,13 @@ def _quant_dot(a, w_rows, s_rows, k0, kk, mask_n, K, s_sk, B1, FP4: tl.constexpr
 
 
 @triton.jit
+def _block_pairs(pairs_ptr, experts_ptr, pid_m, numel, BLOCK_M: tl.constexpr):
+    """(the pairs of block ``pid_m`` of the grouping, which of them are real, their expert)."""
+    pair = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    return pair, pair < numel, tl.load(experts_ptr + pid_m).to(tl.int64)
+
+
+@triton.jit
 def _quant_gate_up_kernel(
     x_ptr, w_ptr, s_ptr, g_ptr, h_ptr, pairs_ptr, experts_ptr, used_ptr, numel, INTER, H,
     s_xm, s_we, s_wn, s_se, s_sn, s_sk, s_ge, s_hm, B0, B1,
@@ -77,10 +84,8 @@ def _quant_gate_up_kernel(
     pdl_prologue(USE_PDL)
     if pid_m * BLOCK_M >= tl.load(used_ptr):
         return
-    pair = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = pair < numel
+    pair, valid, expert = _block_pairs(pairs_ptr, experts_ptr, pid_m, numel, BLOCK_M)
     token = (pair // TOP_K).to(tl.int64)
-    expert = tl.load(experts_ptr + pid_m).to(tl.int64)
     nn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = nn < INTER
     kk = tl.arange(0, BLOCK_K)
@@ -120,10 +125,8 @@ def _quant_down_kernel(
     pdl_prologue(USE_PDL)
     if pid_m * BLOCK_M >= tl.load(used_ptr):
         return
-    pair = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = pair < numel
+    pair, valid, expert = _block_pairs(pairs_ptr, experts_ptr, pid_m, numel, BLOCK_M)
     row = pair.to(tl.int64)
-    expert = tl.load(experts_ptr + pid_m).to(tl.int64)
     route = tl.load(route_ptr + row, mask=valid, other=0.0).to(tl.float32)
     nn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = nn < H

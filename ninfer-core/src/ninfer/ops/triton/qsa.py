@@ -27,7 +27,7 @@ import triton.language as tl
 from ninfer.ops.launch import pdl_args
 from ninfer.ops.triton import tuning
 from ninfer.ops.triton._pdl_jit import pdl_prologue
-from ninfer.ops.triton.attention import _decode_splits, _gate, _merge_splits_kernel
+from ninfer.ops.triton.attention import _decode_splits, _gate, _merge_splits_kernel, online_softmax_tile
 
 _TILE_N = 32  # keys per tile: eight blocks of four
 
@@ -77,14 +77,8 @@ def _qsa_attention_kernel(
                     mask=kv_mask, other=0.0)
         v = tl.load(vc_ptr + page[:, None] * s_vcp + off[:, None] * s_vco + kvh * s_vch + dd[None, :],
                     mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
-        s = tl.where(row_ok[:, None] & ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_tile(q, k, v, row_ok[:, None] & ok[None, :], qk_scale_log2, m_i, l_i, acc,
+                                            DOT_PRECISION)
     out_mask = row_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS == 1:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
