@@ -7,7 +7,7 @@ routing (``moe_align.align_by_expert``), in three launches after the alignment.
    ops round) to a per-pair cache [N·k, I]: no [N·k, 2I] intermediate is written and read back.
 2. ``_down_kernel``: the same grouping over ``down`` [E, H, I]; its epilogue scales each pair's row by its
    routing weight and stores it, in the activations' dtype, to a per-pair [N·k, H] buffer.
-3. ``_sum_slots_kernel``: out[t] = the sum of the k rows of token t, in fp32 and in slot order.
+3. ``moe_shared.sum_slots``: out[t] = the sum of the k rows of token t, in fp32 and in slot order.
 
 The sum is a separate small step rather than atomic adds into [N, H] from the down kernel: atomics would add
 the k contributions in whatever order the programs finish, so a token's output would change from run to run
@@ -48,6 +48,7 @@ from ninfer.ops.triton.moe_shared import (
     precision,
     shared_args,
     store_weighted,
+    sum_slots,
     tile,
 )
 
@@ -105,26 +106,6 @@ def _down_kernel(
     store_weighted(y_ptr + row[:, None] * s_ym, acc, route, valid, pid_n, H, BLOCK_N)
 
 
-@triton.jit
-def _sum_slots_kernel(y_ptr, out_ptr, shared_ptr, gate_ptr, H, s_om, s_sm, s_gm, TOP_K: tl.constexpr,
-                      BLOCK: tl.constexpr, HAS_SHARED: tl.constexpr, USE_PDL: tl.constexpr = False):
-    token = tl.program_id(0).to(tl.int64)
-    cc = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cc < H
-    pdl_prologue(USE_PDL)
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for slot in tl.static_range(TOP_K):
-        acc += tl.load(y_ptr + (token * TOP_K + slot) * H + cc, mask=mask, other=0.0).to(tl.float32)
-    dtype = out_ptr.dtype.element_ty
-    out = acc.to(dtype)
-    if HAS_SHARED:  # + sigmoid(gate) * shared, rounded where the unfused ops round
-        g = tl.load(gate_ptr + token * s_gm).to(tl.float32)
-        scale = tl.sigmoid(g).to(dtype).to(tl.float32)
-        s = tl.load(shared_ptr + token * s_sm + cc, mask=mask, other=0.0).to(tl.float32)
-        out = (out.to(tl.float32) + (scale * s).to(dtype).to(tl.float32)).to(dtype)
-    tl.store(out_ptr + token * s_om + cc, out, mask=mask)
-
-
 def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
                 weights: torch.Tensor, *, out: torch.Tensor | None = None, config: MoeConfig | None = None,
                 shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None) -> torch.Tensor:
@@ -144,7 +125,7 @@ def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids:
     cfg = config or default_config(N, x.dtype, tuning.device_key(x))
     blocks = align_by_expert(ids, E, cfg.block_m)
     per_pair = _grouped(x, gate_up, down, blocks, top_k, weights.reshape(-1).contiguous(), cfg)
-    _sum_slots(per_pair, out, top_k, shared, shared_gate)
+    sum_slots(per_pair, out, top_k, shared, shared_gate)
     return out
 
 
@@ -180,7 +161,7 @@ def moe_block(x: torch.Tensor, logits: torch.Tensor, shared_gate: torch.Tensor, 
     if not summed:
         return per_pair.view(N, slots, H)
     out = torch.empty((N, H), dtype=x.dtype, device=x.device)
-    _sum_slots(per_pair, out, slots, None, None)
+    sum_slots(per_pair, out, slots, None, None)
     return out
 
 
@@ -193,19 +174,6 @@ def _grouped(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, blocks:
     gate_up_grouped(x, gate_up, blocks, slots, hidden, cfg, None if shared is None else shared[0])
     down_grouped(hidden, down, blocks, route, per_pair, cfg, None if shared is None else shared[1])
     return per_pair
-
-
-def _sum_slots(per_pair: torch.Tensor, out: torch.Tensor, slots: int, shared: torch.Tensor | None,
-               shared_gate: torch.Tensor | None) -> None:
-    N, H = out.shape
-    block = min(1024, triton.next_power_of_2(H))
-    has_shared = shared is not None
-    if has_shared and shared.stride(1) != 1:
-        shared = shared.contiguous()
-    _sum_slots_kernel[(N, triton.cdiv(H, block))](
-        per_pair, out, shared if has_shared else out, shared_gate if has_shared else out, H, out.stride(0),
-        shared.stride(0) if has_shared else 0, shared_gate.stride(0) if has_shared else 0, TOP_K=slots,
-        BLOCK=block, HAS_SHARED=has_shared, num_warps=4, **pdl_args(out.device))
 
 
 def gate_up_grouped(x: torch.Tensor, gate_up: torch.Tensor, blocks: ExpertBlocks, top_k: int, hidden: torch.Tensor,

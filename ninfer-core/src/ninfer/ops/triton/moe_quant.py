@@ -24,7 +24,7 @@ from ninfer.ops.triton import tuning
 from ninfer.ops.triton._pdl_jit import pdl_prologue
 from ninfer.ops.triton.linear_quant_gemm import e2m1_scaled
 from ninfer.ops.triton.moe_align import align_by_expert
-from ninfer.ops.triton.moe_shared import default_config, precision, store_weighted, tile
+from ninfer.ops.triton.moe_shared import default_config, precision, store_weighted, sum_slots, tile
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -174,8 +174,6 @@ def moe_experts_quant(x: torch.Tensor, gate_up: QuantizedWeight, down: Quantized
     """``ninfer.ops.moe.moe_experts`` (which checks the shapes) for quantized banks ``gate_up`` [E, 2I, H] and
     ``down`` [E, H, I] of one format: grouped by expert, the gate_up and down kernels, then ``moe``'s slot sum
     (with the shared expert's sigmoid(gate) * shared when given)."""
-    from ninfer.ops.triton.moe import _sum_slots
-
     if not fits(x, gate_up, down):
         raise ValueError(f"moe_experts_quant: banks {gate_up.format} {gate_up.shape} block {gate_up.block} and "
                          f"{down.format} {down.shape} block {down.block} with x {x.dtype} do not fit its tiles")
@@ -204,7 +202,7 @@ def moe_experts_quant(x: torch.Tensor, gate_up: QuantizedWeight, down: Quantized
         weights.reshape(-1).contiguous(), blocks.numel, H, inter, hidden.stride(0), *_strides(down),
         per_pair.stride(0), *_blocks(down), BLOCK_M=cfg.block_m, BLOCK_N=block_n,
         BLOCK_K=_block_k(down, inter, cfg.block_k), **common)
-    _sum_slots(per_pair, out, top_k, shared, shared_gate)
+    sum_slots(per_pair, out, top_k, shared, shared_gate)
     return out
 
 

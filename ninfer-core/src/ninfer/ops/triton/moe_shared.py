@@ -1,6 +1,6 @@
-"""What the grouped MoE kernels (``moe``) and the one-token kernel (``moe_one_token``) share: their tile
-configurations (read from the tuning table ``tables/moe.json``), the device functions that compute an expert's
-gate_up tile and down products, and the shared expert's addressing as expert E of a bank."""
+"""What the grouped MoE kernels (``moe``, ``moe_quant``) and the one-token kernel (``moe_one_token``) share: their
+tile configurations (read from the tuning table ``tables/moe.json``), the device functions that compute an expert's
+gate_up tile and down products, the slot sum, and the shared expert's addressing as expert E of a bank."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.ops.launch import pdl_args
 from ninfer.ops.triton import tuning
+from ninfer.ops.triton._pdl_jit import pdl_prologue
 
 FP32_BLOCK_K, FP32_STAGES = 32, 2  # fp32 tiles take twice the shared memory: a shorter K step, fewer stages
 
@@ -132,6 +134,42 @@ def store_weighted(y_rows, acc, route, valid, pid_n, H, BLOCK_N: tl.constexpr):
     y = (acc.to(dtype).to(tl.float32) * route[:, None]).to(dtype)
     tl.store(y_rows + nn[None, :], y, mask=valid[:, None] & (nn < H)[None, :])
 
+
+
+@triton.jit
+def _sum_slots_kernel(y_ptr, out_ptr, shared_ptr, gate_ptr, H, s_om, s_sm, s_gm, TOP_K: tl.constexpr,
+                      BLOCK: tl.constexpr, HAS_SHARED: tl.constexpr, USE_PDL: tl.constexpr = False):
+    token = tl.program_id(0).to(tl.int64)
+    cc = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cc < H
+    pdl_prologue(USE_PDL)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for slot in tl.static_range(TOP_K):
+        acc += tl.load(y_ptr + (token * TOP_K + slot) * H + cc, mask=mask, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    out = acc.to(dtype)
+    if HAS_SHARED:  # + sigmoid(gate) * shared, rounded where the unfused ops round
+        g = tl.load(gate_ptr + token * s_gm).to(tl.float32)
+        scale = tl.sigmoid(g).to(dtype).to(tl.float32)
+        s = tl.load(shared_ptr + token * s_sm + cc, mask=mask, other=0.0).to(tl.float32)
+        out = (out.to(tl.float32) + (scale * s).to(dtype).to(tl.float32)).to(dtype)
+    tl.store(out_ptr + token * s_om + cc, out, mask=mask)
+
+
+def sum_slots(per_pair: torch.Tensor, out: torch.Tensor, slots: int, shared: torch.Tensor | None,
+               shared_gate: torch.Tensor | None) -> None:
+    """out[t] = the sum of the ``slots`` rows of token t in ``per_pair`` [N * slots, H], in fp32 and in slot order
+    (the same on every run, whichever tokens share the batch); with ``shared`` [N, H] / ``shared_gate`` [N, 1], plus
+    sigmoid(gate) * shared."""
+    N, H = out.shape
+    block = min(1024, triton.next_power_of_2(H))
+    has_shared = shared is not None
+    if has_shared and shared.stride(1) != 1:
+        shared = shared.contiguous()
+    _sum_slots_kernel[(N, triton.cdiv(H, block))](
+        per_pair, out, shared if has_shared else out, shared_gate if has_shared else out, H, out.stride(0),
+        shared.stride(0) if has_shared else 0, shared_gate.stride(0) if has_shared else 0, TOP_K=slots,
+        BLOCK=block, HAS_SHARED=has_shared, num_warps=4, **pdl_args(out.device))
 
 
 def precision(dtype: torch.dtype) -> str:
