@@ -9,7 +9,7 @@ the (1 + w) RMS norm rounded, NeoX RoPE at the block's first position, or its fi
 MRoPE axes, rounded) and scores it against the query's index heads in one dot: sum of relu / sqrt(D). The rotary
 half's partner columns are loaded beside the columns (a second read of the same cached rows).
 
-A program takes one query row, one KV head (its G query heads as the rows of one tile) and one split of the
+Attention: a program takes one query row, one KV head (its G query heads as the rows of one tile) and one split of the
 query's key list: the ``topk`` chosen blocks, then the tail block, ``block_size`` keys each, walked in tiles of
 ``TILE_N`` keys with an online softmax. Keys a query may not read (an unused slot, -1; the tail past the query)
 load nothing. With several splits the partial states merge as paged attention's do (``_merge_splits_kernel``),
