@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from ninfer.ops import embed_rms_norm, linear, rms_norm, rope_inv_freq
 from ninfer.ops.rope import mrope_axes
+from ninfer_qwen35.config import Qwen35Config
 from ninfer_qwen35.execution.forward_batch import ForwardBatch, ModelStateViews
 from ninfer_qwen35.execution.layers import GDNPlan, VerifySteps, attention_mixer, feed_forward, gdn_mixer
 from ninfer_qwen35.execution.parameters import GDNParams, Qwen35Parameters
@@ -75,30 +76,36 @@ class Qwen35Model:
 
     def _check(self, batch: ForwardBatch, state: ModelStateViews) -> None:
         """Cheap shape checks (no device sync) so a mis-built batch fails with a message, not deep in an op."""
-        c = self.config
-        N, B = batch.input_ids.shape[0], batch.num_seqs
-        problems = []
-        if batch.positions.shape != (N,) or batch.slot_mapping.shape != (N,):
-            problems.append(f"positions {tuple(batch.positions.shape)} / slot_mapping "
-                            f"{tuple(batch.slot_mapping.shape)} must be [{N}]")
-        if batch.mrope_positions is not None and batch.mrope_positions.shape != (3, N):
-            problems.append(f"mrope_positions {tuple(batch.mrope_positions.shape)} must be [3, {N}]")
-        rows, embeds = batch.vision_rows, batch.vision_embeds
-        if (rows is None) != (embeds is None) or (rows is not None and (
-                rows.dim() != 1 or embeds.shape != (rows.shape[0], c.hidden_size))):
-            problems.append(f"vision_rows {None if rows is None else tuple(rows.shape)} / vision_embeds "
-                            f"{None if embeds is None else tuple(embeds.shape)} must be [M] / [M, {c.hidden_size}]")
-        if batch.query_start_loc.shape != (B + 1,) or batch.seq_lens.shape != (B,) \
-                or batch.has_initial_state.shape != (B,) or batch.block_tables.shape[0] != B:
-            problems.append(f"per-sequence tensors must have {B} rows (query_start_loc {B + 1})")
-        gdn = len(c.gdn_layers)
-        if gdn and (state.conv.shape[1:] != (gdn, c.conv_dim, c.linear_conv_kernel_dim - 1)
-                    or state.recurrent.shape[1:] != (gdn, c.linear_num_value_heads, c.linear_key_head_dim,
-                                                     c.linear_value_head_dim)
-                    or state.recurrent.dtype != torch.float32):
-            problems.append(f"state views conv {tuple(state.conv.shape)} / recurrent {tuple(state.recurrent.shape)} "
-                            f"{state.recurrent.dtype} do not match the config's StateImage layout")
-        if len(state.kv) != len(c.attention_layers):
-            problems.append(f"{len(state.kv)} KV caches given for {len(c.attention_layers)} attention layers")
+        problems = forward_problems(self.config, batch, state)
         if problems:
             raise ValueError("Qwen35Model.forward: " + "; ".join(problems))
+
+
+def forward_problems(c: Qwen35Config, batch: ForwardBatch, state: ModelStateViews) -> list[str]:
+    """What is wrong with ``batch`` and ``state`` for a model of ``c``, from shapes alone (no device sync): the
+    checks every Qwen-family model makes before a forward (Qwen4Exp adds its own)."""
+    N, B = batch.input_ids.shape[0], batch.num_seqs
+    problems = []
+    if batch.positions.shape != (N,) or batch.slot_mapping.shape != (N,):
+        problems.append(f"positions {tuple(batch.positions.shape)} / slot_mapping "
+                        f"{tuple(batch.slot_mapping.shape)} must be [{N}]")
+    if batch.mrope_positions is not None and batch.mrope_positions.shape != (3, N):
+        problems.append(f"mrope_positions {tuple(batch.mrope_positions.shape)} must be [3, {N}]")
+    rows, embeds = batch.vision_rows, batch.vision_embeds
+    if (rows is None) != (embeds is None) or (rows is not None and (
+            rows.dim() != 1 or embeds.shape != (rows.shape[0], c.hidden_size))):
+        problems.append(f"vision_rows {None if rows is None else tuple(rows.shape)} / vision_embeds "
+                        f"{None if embeds is None else tuple(embeds.shape)} must be [M] / [M, {c.hidden_size}]")
+    if batch.query_start_loc.shape != (B + 1,) or batch.seq_lens.shape != (B,) \
+            or batch.has_initial_state.shape != (B,) or batch.block_tables.shape[0] != B:
+        problems.append(f"per-sequence tensors must have {B} rows (query_start_loc {B + 1})")
+    gdn = len(c.gdn_layers)
+    if gdn and (state.conv.shape[1:] != (gdn, c.conv_dim, c.linear_conv_kernel_dim - 1)
+                or state.recurrent.shape[1:] != (gdn, c.linear_num_value_heads, c.linear_key_head_dim,
+                                                 c.linear_value_head_dim)
+                or state.recurrent.dtype != torch.float32):
+        problems.append(f"state views conv {tuple(state.conv.shape)} / recurrent {tuple(state.recurrent.shape)} "
+                        f"{state.recurrent.dtype} do not match the config's StateImage layout")
+    if len(state.kv) != len(c.attention_layers):
+        problems.append(f"{len(state.kv)} KV caches given for {len(c.attention_layers)} attention layers")
+    return problems

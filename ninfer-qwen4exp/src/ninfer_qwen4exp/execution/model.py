@@ -28,7 +28,7 @@ from ninfer_qwen4exp.execution.layers import (
 )
 from ninfer_qwen4exp.execution.parameters import HyperParams, Qwen4ExpParameters
 from ninfer_qwen35.execution.layers import GDNPlan, gdn_mixer, mlp
-from ninfer_qwen35.execution.model import Qwen35Model
+from ninfer_qwen35.execution.model import Qwen35Model, forward_problems
 from ninfer_qwen35.execution.parameters import GDNParams
 
 
@@ -125,39 +125,17 @@ class Qwen4ExpModel:
             raise ValueError("Qwen4ExpModel.forward(verify=...): " + "; ".join(problems))
 
     def _check(self, batch: ForwardBatch, state: Qwen4ExpStateViews) -> None:
-        """Cheap shape checks (no device sync) so a mis-built batch fails with a message, not deep in an op."""
-        c, b = self.config, self.config.base
-        N, B = batch.input_ids.shape[0], batch.num_seqs
-        problems = []
-        if batch.positions.shape != (N,) or batch.slot_mapping.shape != (N,):
-            problems.append(f"positions {tuple(batch.positions.shape)} / slot_mapping "
-                            f"{tuple(batch.slot_mapping.shape)} must be [{N}]")
-        if batch.mrope_positions is not None and batch.mrope_positions.shape != (3, N):
-            problems.append(f"mrope_positions {tuple(batch.mrope_positions.shape)} must be [3, {N}]")
+        """Cheap shape checks (no device sync) so a mis-built batch fails with a message, not deep in an op:
+        Qwen3.5's (``forward_problems`` of the base config), then the QSA, PLE and rotary-position views'."""
+        c = self.config
+        problems = forward_problems(c.base, batch, state)
         if batch.mrope_positions is not None and c.qsa is not None and state.rope_positions is None:
             problems.append("a batch with mrope_positions needs the views' rope_positions (QSA block keys rotate "
                             "at their first token's (t, h, w))")
-        rows, embeds = batch.vision_rows, batch.vision_embeds
-        if (rows is None) != (embeds is None) or (rows is not None and (
-                rows.dim() != 1 or embeds.shape != (rows.shape[0], b.hidden_size))):
-            problems.append(f"vision_rows {None if rows is None else tuple(rows.shape)} / vision_embeds "
-                            f"{None if embeds is None else tuple(embeds.shape)} must be [M] / [M, {b.hidden_size}]")
         if state.rope_positions is not None and (
                 state.rope_positions.shape[1:] != (state.page_size, 3) or state.rope_positions.dtype != torch.int32):
             problems.append(f"rope_positions {tuple(state.rope_positions.shape)} {state.rope_positions.dtype} must "
                             f"be [pages, {state.page_size}, 3] int32")
-        if batch.query_start_loc.shape != (B + 1,) or batch.seq_lens.shape != (B,) \
-                or batch.has_initial_state.shape != (B,) or batch.block_tables.shape[0] != B:
-            problems.append(f"per-sequence tensors must have {B} rows (query_start_loc {B + 1})")
-        gdn = len(c.gdn_layers)
-        if gdn and (state.conv.shape[1:] != (gdn, b.conv_dim, b.linear_conv_kernel_dim - 1)
-                    or state.recurrent.shape[1:] != (gdn, b.linear_num_value_heads, b.linear_key_head_dim,
-                                                     b.linear_value_head_dim)
-                    or state.recurrent.dtype != torch.float32):
-            problems.append(f"state views conv {tuple(state.conv.shape)} / recurrent {tuple(state.recurrent.shape)} "
-                            f"{state.recurrent.dtype} do not match the config's StateImage layout")
-        if len(state.kv) != len(c.attention_layers):
-            problems.append(f"{len(state.kv)} KV caches given for {len(c.attention_layers)} attention layers")
         if c.qsa is not None and (len(state.index_keys) != len(c.attention_layers) or any(
                 k.shape[1:] != (state.page_size, c.qsa.head_dim) for k in state.index_keys)):
             problems.append(f"QSA needs one indexer key cache [pages, {state.page_size}, {c.qsa.head_dim}] per "
