@@ -259,6 +259,14 @@ def _checked(artifact: Any, options: StartupOptions) -> tuple[Qwen35Config, tupl
     if features.draft_tokens and not config.mtp_num_hidden_layers:
         raise StartupError("speculative='mtp' needs an MTP head, and this model's config has "
                            "mtp_num_hidden_layers = 0")
+    vision = bind_vision(artifact, config, features)
+    return config, ("text", *(("vision",) if vision else ()), *(("mtp",) if features.draft_tokens else ()))
+
+
+def bind_vision(artifact: Any, config: Qwen35Config, features: Any) -> bool:
+    """Whether to bind the encoder (``features``: ``StartupFeatures``): ``vision`` None binds it when the artifact
+    has it and the config names the placeholder ids (text only with MTP, whose units place tokens at plain
+    positions), True requires it, False never. Refuses what cannot be bound."""
     present = "vision" in artifact.features and bool(config.vision)
     if features.vision and not present:
         raise StartupError("vision=True, but this artifact has no vision feature (a text-only conversion)")
@@ -268,9 +276,7 @@ def _checked(artifact: Any, options: StartupOptions) -> tuple[Qwen35Config, tupl
     pads = config.image_token_id is not None or config.video_token_id is not None
     if features.vision and not pads:
         raise StartupError("vision=True, but the config names no image_token_id / video_token_id")
-    # None binds the encoder when the artifact has it (and text-only when MTP is on: it cannot run media yet)
-    vision = present and pads and features.vision is not False and not features.draft_tokens
-    return config, ("text", *(("vision",) if vision else ()), *(("mtp",) if features.draft_tokens else ()))
+    return present and pads and features.vision is not False and not features.draft_tokens
 
 
 def vision_tensors(params: Any) -> list[torch.Tensor]:

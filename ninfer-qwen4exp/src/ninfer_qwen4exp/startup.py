@@ -34,6 +34,7 @@ from ninfer_qwen35.startup import (
     HOST_EXPERTS,
     StartupError,
     bank_objects,
+    bind_vision,
     compute_dtype,
     eager_reason,
     encoder_needs,
@@ -245,24 +246,8 @@ def _checked(artifact: Any, options: StartupOptions) -> tuple[Qwen4ExpConfig, tu
                            "mtp_num_hidden_layers = 0")
     if features.draft_tokens and "mtp" not in artifact.features:
         raise StartupError("speculative='mtp', but this artifact has no mtp feature (converted without it)")
-    vision = _vision(artifact, config, options)
+    vision = bind_vision(artifact, config.base, features)
     return config, ("text", *(("vision",) if vision else ()), *(("mtp",) if features.draft_tokens else ()))
-
-
-def _vision(artifact: Any, config: Qwen4ExpConfig, options: StartupOptions) -> bool:
-    """Whether to bind the encoder: ``vision`` None when the artifact has it and the config names the placeholder
-    ids (text only with MTP, whose units place tokens at plain positions), True requires it, False never."""
-    features, c = options.features, config.base
-    present = "vision" in artifact.features and bool(c.vision)
-    if features.vision and not present:
-        raise StartupError("vision=True, but this artifact has no vision feature (a text-only conversion)")
-    if features.vision and features.draft_tokens:
-        raise StartupError("vision with speculative='mtp' is not supported yet: the MTP units do not place tokens "
-                           "at MRoPE positions; start with vision=False or without speculative decoding")
-    pads = c.image_token_id is not None or c.video_token_id is not None
-    if features.vision and not pads:
-        raise StartupError("vision=True, but the config names no image_token_id / video_token_id")
-    return present and pads and features.vision is not False and not features.draft_tokens
 
 
 def _stores(config: Qwen4ExpConfig, options: StartupOptions, compute: torch.dtype, *, media: bool = False):
