@@ -9,6 +9,8 @@ matrix (FP8, NVFP4) keeps its stored planes and gets the executable path its act
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import torch
 
@@ -252,10 +254,16 @@ class WeightBuilder:
 
 def check_weights(config: Qwen35Config, weights: WeightSet, features: tuple[str, ...] = ("text",)) -> None:
     """Raise WeightsError naming every missing or mis-shaped parameter of ``features``."""
-    missing, wrong = [], []
     expected = expected_parameters(config, features)
     if "vision" in features:
         expected.update(vision_parameters(config))
+    check_shapes(expected, weights, f"Qwen3.5 {'/'.join(features)} weights")
+
+
+def check_shapes(expected: dict[str, tuple[Any, tuple[int, ...]]], weights: WeightSet, what: str) -> None:
+    """Raise WeightsError naming every parameter of ``expected`` ({name: (dtype, shape)}, a source mapping's) that
+    ``weights`` lacks or holds in another shape (the first eight of each); ``what`` names them in the message."""
+    missing, wrong = [], []
     for name, (_, shape) in expected.items():
         if name not in weights:
             missing.append(name)
@@ -267,4 +275,4 @@ def check_weights(config: Qwen35Config, weights: WeightSet, features: tuple[str,
             parts.append(f"{len(missing)} missing: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
         if wrong:
             parts.append(f"{len(wrong)} with the wrong shape: {', '.join(wrong[:8])}{' ...' if len(wrong) > 8 else ''}")
-        raise WeightsError(f"Qwen3.5 {'/'.join(features)} weights do not match the config: " + "; ".join(parts))
+        raise WeightsError(f"{what} do not match the config: " + "; ".join(parts))

@@ -40,7 +40,7 @@ from ninfer_qwen4exp.execution.parameters import (
 from ninfer_qwen4exp.source_mapping import expected_parameters
 from ninfer_qwen35.execution.layers import mlp
 from ninfer_qwen35.execution.linear import Weight
-from ninfer_qwen35.execution.parameters import WeightBuilder, bank_tensors
+from ninfer_qwen35.execution.parameters import WeightBuilder, bank_tensors, check_shapes
 
 if TYPE_CHECKING:
     from ninfer.models.common.moe.host_experts import HostExperts
@@ -107,15 +107,7 @@ class Qwen4ExpMTPParams:
 
 def _check_weights(config: Qwen4ExpConfig, weights: WeightSet) -> None:
     """Raise WeightsError naming every missing or mis-shaped ``mtp.*`` parameter."""
-    missing, wrong = [], []
-    for name, (_, shape) in expected_parameters(config, ("mtp",)).items():
-        if name not in weights:
-            missing.append(name)
-        elif tuple(weights[name].shape) != shape:
-            wrong.append(f"{name} {tuple(weights[name].shape)} (want {shape})")
-    if missing or wrong:
-        raise WeightsError(f"Qwen4Exp MTP weights do not match the config: {len(missing)} missing "
-                           f"({', '.join(missing[:8])}), {len(wrong)} with the wrong shape ({', '.join(wrong[:8])})")
+    check_shapes(expected_parameters(config, ("mtp",)), weights, "Qwen4Exp MTP weights")
 
 
 class Qwen4ExpMTP:

@@ -25,14 +25,12 @@ from ninfer_qwen35.execution.parameters import (
     GDNParams,
     MoEParams,
     WeightBuilder,
+    WeightsError,
     bank_tensors,
+    check_shapes,
 )
 
 __all__ = ["HyperParams", "IndexerParams", "PLEParams", "Qwen4ExpLayerParams", "Qwen4ExpParameters", "WeightsError"]
-
-
-class WeightsError(ValueError):
-    """The bound weights do not match what the config requires."""
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -202,16 +200,4 @@ def _ple(config: Qwen4ExpConfig, build: WeightBuilder, prefix: str, index: int) 
 
 def check_weights(config: Qwen4ExpConfig, weights: WeightSet) -> None:
     """Raise WeightsError naming every missing or mis-shaped text parameter (the source mapping's shapes)."""
-    missing, wrong = [], []
-    for name, (_, shape) in expected_parameters(config, ("text",)).items():
-        if name not in weights:
-            missing.append(name)
-        elif tuple(weights[name].shape) != shape:
-            wrong.append(f"{name} {tuple(weights[name].shape)} (want {shape})")
-    if missing or wrong:
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} missing: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
-        if wrong:
-            parts.append(f"{len(wrong)} with the wrong shape: {', '.join(wrong[:8])}{' ...' if len(wrong) > 8 else ''}")
-        raise WeightsError("Qwen4Exp text weights do not match the config: " + "; ".join(parts))
+    check_shapes(expected_parameters(config, ("text",)), weights, "Qwen4Exp text weights")
