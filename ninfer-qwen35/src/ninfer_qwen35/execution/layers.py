@@ -98,19 +98,28 @@ def attention_mixer(c: Qwen35Config, p: AttentionParams, x: torch.Tensor, batch:
                     rope_axes: torch.Tensor | None = None) -> torch.Tensor:
     """Gated full attention: x [N, H] -> [N, H], writing this batch's K/V into the paged caches first. A batch
     with ``mrope_positions`` rotates at them (``rope_axes``: the row each frequency slot reads)."""
+    q, gate = attention_inputs(c, p, x, batch, rope_inv_freq, k_cache, v_cache, rope_axes)
+    o = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+                        batch.max_query_len, batch.max_seq_len, c.head_dim ** -0.5, gate=gate)
+    return linear(o.flatten(1), p.o_proj)
+
+
+def attention_inputs(c: Qwen35Config, p: AttentionParams, x: torch.Tensor, batch: ForwardBatch,
+                     rope_inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     rope_axes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated attention's (q [N, heads, D] normed and rotated, its output gate [N, heads, D]) of x [N, H], this
+    batch's K/V normed, rotated and written into the paged caches (at ``mrope_positions`` through ``rope_axes``
+    when the batch has them)."""
     N, nh, kvh, d = x.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
     q_gate, k, v = p.qkv(x)
     q_gate = q_gate.view(N, nh, 2 * d)  # each head's block is [query | gate]
-    gate = q_gate[..., d:]
     mrope = batch.mrope_positions is not None
     if mrope and rope_axes is None:
-        raise ValueError("attention_mixer: a batch with mrope_positions needs rope_axes")
+        raise ValueError("attention: a batch with mrope_positions needs rope_axes")
     q = norm_rope_write_kv(q_gate[..., :d], k.view(N, kvh, d), v.view(N, kvh, d), p.q_norm, p.k_norm,
                            c.rms_norm_eps, batch.mrope_positions if mrope else batch.positions, rope_inv_freq,
                            k_cache, v_cache, batch.slot_mapping, axes=rope_axes if mrope else None)
-    o = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
-                        batch.max_query_len, batch.max_seq_len, d ** -0.5, gate=gate)
-    return linear(o.reshape(N, nh * d), p.o_proj)
+    return q, q_gate[..., d:]
 
 
 def feed_forward(layer: LayerParams, h: torch.Tensor, x: torch.Tensor, next_norm: torch.Tensor, eps: float,

@@ -17,7 +17,6 @@ from ninfer.ops import (
     gather_rows,
     linear,
     ngram_hash_ids,
-    norm_rope_write_kv,
     paged_attention,
     rms_norm,
 )
@@ -27,7 +26,7 @@ from ninfer.ops.rope import rope_angles_cos_sin
 from ninfer_qwen4exp.config import Qwen4ExpConfig
 from ninfer_qwen4exp.execution.forward_batch import ForwardBatch
 from ninfer_qwen4exp.execution.parameters import IndexerParams, PLEParams
-from ninfer_qwen35.execution.layers import VerifySteps
+from ninfer_qwen35.execution.layers import VerifySteps, attention_inputs
 from ninfer_qwen35.execution.parameters import AttentionParams
 
 
@@ -92,17 +91,8 @@ def qsa_attention(config: Qwen4ExpConfig, p: AttentionParams, indexer: IndexerPa
     ``qsa_dense``), writing this batch's K/V and indexer keys first. MRoPE: a batch with ``mrope_positions``
     rotates its queries and keys by them through ``rope_axes``; with ``rope_positions`` (every cached token's
     (t, h, w), this batch's already written) the block keys rotate at their first token's."""
-    c = config.base
-    N, nh, kvh, d = x.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    q_gate, k, v = p.qkv(x)
-    q_gate = q_gate.view(N, nh, 2 * d)  # each head's block is [query | gate]
-    gate = q_gate[..., d:]
-    mrope = batch.mrope_positions is not None
-    if mrope and rope_axes is None:
-        raise ValueError("qsa_attention: a batch with mrope_positions needs rope_axes")
-    q = norm_rope_write_kv(q_gate[..., :d], k.view(N, kvh, d), v.view(N, kvh, d), p.q_norm, p.k_norm,
-                           c.rms_norm_eps, batch.mrope_positions if mrope else batch.positions, rope_inv_freq,
-                           k_cache, v_cache, batch.slot_mapping, axes=rope_axes if mrope else None)
+    d = config.base.head_dim
+    q, gate = attention_inputs(config.base, p, x, batch, rope_inv_freq, k_cache, v_cache, rope_axes)
     selected = None
     if indexer is not None:
         if index_keys is None:
@@ -121,7 +111,7 @@ def qsa_attention(config: Qwen4ExpConfig, p: AttentionParams, indexer: IndexerPa
         o = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
                             batch.max_query_len, batch.max_seq_len, d ** -0.5, gate=gate, selected_blocks=selected,
                             block_size=config.qsa.compress_ratio)
-    return linear(o.reshape(N, nh * d), p.o_proj)
+    return linear(o.flatten(1), p.o_proj)
 
 
 def _static_forms(batch: ForwardBatch) -> bool:
