@@ -230,8 +230,15 @@ def _paged_attention_kernel(
                         mask=kv_mask, other=0.0)
             v = tl.load(vc_ptr + page[:, None] * s_vcp + off[:, None] * s_vco + kvh * s_vch + dd[None, :] * s_vcd,
                         mask=kv_mask, other=0.0)  # beside k: both in flight at once
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
             visible = row_ok[:, None] & n_ok[None, :] & (n[None, :] <= q_pos[:, None])
-            m_i, l_i, acc = online_softmax_tile(q, k, v, visible, qk_scale_log2, m_i, l_i, acc, DOT_PRECISION)
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
 
         out_mask = row_ok[:, None] & d_ok[None, :]
         if NUM_SPLITS == 1:
@@ -248,21 +255,6 @@ def _paged_attention_kernel(
                      acc, mask=out_mask)
             tl.store(pm_ptr + tok * s_pmn + head * s_pmh + split, m_i, mask=row_ok)
             tl.store(pl_ptr + tok * s_pmn + head * s_pmh + split, l_i, mask=row_ok)
-
-
-@triton.jit
-def online_softmax_tile(q, k, v, visible, qk_scale_log2, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
-    """One key tile of a flash-style pass: the scores of q [M, D] against k [T, D] (log2 domain, -inf where not
-    ``visible`` [M, T]) folded into the running maxima ``m_i``, sums ``l_i`` and output ``acc`` [M, D] with v [T, D].
-    Returns the new (m_i, l_i, acc). A row with no visible key yet keeps exp2(m_old - m_new) at 1 (finite m_i)."""
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
-    s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
 
 
 @triton.jit

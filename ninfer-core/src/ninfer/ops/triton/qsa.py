@@ -27,9 +27,25 @@ import triton.language as tl
 from ninfer.ops.launch import pdl_args
 from ninfer.ops.triton import tuning
 from ninfer.ops.triton._pdl_jit import pdl_prologue
-from ninfer.ops.triton.attention import _decode_splits, _gate, _merge_splits_kernel, online_softmax_tile
+from ninfer.ops.triton.attention import _decode_splits, _gate, _merge_splits_kernel
 
 _TILE_N = 32  # keys per tile: eight blocks of four
+
+
+@triton.jit
+def _online_softmax_tile(q, k, v, visible, qk_scale_log2, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    """One key tile of a flash-style pass (paged attention's loop body, written out there): the scores of q [M, D]
+    against k [T, D] (log2 domain, -inf where not ``visible`` [M, T]) folded into the running maxima ``m_i``, sums
+    ``l_i`` and output ``acc`` [M, D] with v [T, D]. A row with no visible key yet keeps exp2(m_old - m_new) at 1
+    (finite m_i)."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -77,7 +93,7 @@ def _qsa_attention_kernel(
                     mask=kv_mask, other=0.0)
         v = tl.load(vc_ptr + page[:, None] * s_vcp + off[:, None] * s_vco + kvh * s_vch + dd[None, :],
                     mask=kv_mask, other=0.0)
-        m_i, l_i, acc = online_softmax_tile(q, k, v, row_ok[:, None] & ok[None, :], qk_scale_log2, m_i, l_i, acc,
+        m_i, l_i, acc = _online_softmax_tile(q, k, v, row_ok[:, None] & ok[None, :], qk_scale_log2, m_i, l_i, acc,
                                             DOT_PRECISION)
     out_mask = row_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS == 1:
