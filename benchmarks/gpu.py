@@ -196,7 +196,8 @@ def moe(args) -> int:
         return run(args, "moe_full_depth", module("moe_full_depth", "--engine", "--json",
                                                   out_dir() / "moe_full_depth.json"), timeout=args.timeout)
     shape = ["--shape", args.shape] + (["--layers", args.layers] if args.layers else []) \
-        + (["--budget-gib", f"{args.budget_gib:g}"] if args.budget_gib else [])
+        + (["--budget-gib", f"{args.budget_gib:g}"] if args.budget_gib else []) \
+        + (["--quantize", args.quantize] if args.quantize else [])
     return run(args, "moe", module("moe", *shape, "--workdir", "/tmp/moe", "--json", out_dir() / "moe.json",
                                    *([] if args.hf else ["--no-hf"])), timeout=args.timeout)
 
@@ -270,6 +271,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--budget-gib", type=float, default=None, help="device budget of the host-experts plan (default 24)")
     s.add_argument("--full-depth", action="store_true", help="Qwen3.5 35B-A3B: all 40 layers on the device, no "
                                                               "checkpoint")
+    s.add_argument("--quantize", choices=("fp8", "nvfp4"), default=None,
+                   help="also the same weights converted with ninfer convert --quantize FORMAT, all on the device, "
+                        "beside bf16 in the same call")
     s.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers baseline")
     s = suite(vision, "the vision encoder: attention, images/s, TTFT of a chat with one image")
     s.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers")

@@ -154,6 +154,7 @@ def test_the_script_lists_the_suites_without_carried_wheels(tmp_path):
     (["speculative"], "-m benchmarks.speculative --shape 9b"),
     (["moe", "--full-depth"], "-m benchmarks.moe_full_depth --engine"),
     (["moe", "--shape", "qwen4exp", "--no-hf"], "-m benchmarks.moe --shape qwen4exp --workdir /tmp/moe"),
+    (["moe", "--quantize", "fp8", "--no-hf"], "-m benchmarks.moe --shape 35b-a3b --quantize fp8 --workdir /tmp/moe"),
     (["start", "--model", "qwen4exp-published", "--runs", "cold"],
      "-m benchmarks.start --model qwen4exp-published --runs cold --timeout 450"),
     (["vision", "--no-hf"], "-m benchmarks.vision --workdir /tmp/vision"),
