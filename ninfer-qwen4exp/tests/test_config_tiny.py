@@ -61,3 +61,13 @@ def test_mtp_depth_from_either_spelling():
     assert parse_config(published).base.mtp_num_hidden_layers == 1
     assert parse_config({"text_config": published}).base.mtp_num_hidden_layers == 1
     assert parse_config(text).base.mtp_num_hidden_layers == 0
+
+
+@pytest.mark.parametrize("name", ["full_attention", "qwen_sparse_attention"])
+def test_every_spelling_of_the_indexed_layer_parses_alike(name):
+    # the published config says full_attention; older transformers (5.17) saves qwen_sparse_attention
+    text = tiny_text_config("qsa", layers=4, eos_token_id=400)
+    kinds = ["linear_attention", "linear_attention", "linear_attention", "indexed_attention"]
+    text = {**text, "layer_types": kinds}
+    spelled = {**text, "layer_types": [name if t == "indexed_attention" else t for t in kinds]}
+    assert parse_config(spelled) == parse_config(text)

@@ -21,7 +21,8 @@ from ninfer_qwen35.config import parse_config as parse_qwen35_config
 
 __all__ = ["ConfigError", "PLEConfig", "QSAConfig", "Qwen4ExpConfig", "parse_config"]
 
-_LAYER_TYPES = ("linear_attention", "indexed_attention", "full_attention")  # full_attention: the published name
+# full_attention: the published config's name; qwen_sparse_attention: what older transformers (5.17) saves
+_LAYER_TYPES = ("linear_attention", "indexed_attention", "full_attention", "qwen_sparse_attention")
 _QSA = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
 
 
