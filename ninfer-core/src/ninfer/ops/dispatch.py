@@ -37,6 +37,9 @@ TRITON_OPS: frozenset[str] = frozenset({
     "sampling.apply_token_mask", "moe.moe_experts", "moe_route.moe_route", "moe.moe_block",
     "attention.norm_rope_write_kv_mrope", "moe_one_token.moe_one_token", "penalties.apply_penalties",
     "linear_quant.linear_fp8", "linear_quant.linear_nvfp4", "linear_quant.linear_dequant",
+    "moe_quant.moe_experts_quant", "norm.rms_norm_gated_sigmoid", "hyper_connection.grouped_rms_norm",
+    "hyper_connection.stream_mix", "hyper_connection.hyper_connection_inject", "qsa.qsa_block_scores",
+    "qsa.qsa_attention_static",
 })
 
 
