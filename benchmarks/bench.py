@@ -37,6 +37,7 @@ from benchmarks.harness import (
     close_engine,
     decode_tokens,
     fmt,
+    kernel_profile,
     prompts,
     run_streams,
     steady_decode,
@@ -70,30 +71,15 @@ def profile_decode(engine, vocab: int, B: int, ctx: int, steps: int, chunk: int,
     streams = run_streams(engine, prompts(vocab, B, ctx, 900 + B), decode_tokens(steps, B, ctx, chunk),
                           on_steady=prof.start, on_end=lambda: (sync(device), prof.stop()))
     d = steady_decode(streams)
-    events = prof.key_averages()
     # Per forward: the profiler's window (from the last first token to the first final result) and the
     # token window differ by a step or two, so divide by the decode graph launches it recorded when there
     # are any.
-    launches = sum(e.count for e in events if e.key == "cudaGraphLaunch")
+    launches = sum(e.count for e in prof.key_averages() if e.key == "cudaGraphLaunch")
     n = launches or d["window_steps"]
-    if cuda:  # device-side entries only (kernels, copies): a CPU op's device time repeats its kernels'
-        kernels = [e for e in events if e.device_type.name == "CUDA"]
-        key = "self_device_time_total"
-    else:
-        kernels = list(events)
-        key = "self_cpu_time_total"
-    kernels.sort(key=lambda e: getattr(e, key), reverse=True)
-    busy_us = sum(getattr(e, key) for e in kernels) if cuda and kernels else None  # None: no kernel seen
-    if path is not None:
-        path.write_text(f"# decode B={B} context={ctx}: {d['window_steps']} token steps in the token window, "
-                        f"{launches} graph launches in the profiler's, {d['ms_per_step']:.3f} ms/step "
-                        f"under the profiler; per-step figures divide by {n}\n"
-                        + events.table(sort_by=key, row_limit=60))
-    return {"batch": B, "context": ctx, "window_steps": d["window_steps"], "forwards": n,
-            "ms_per_step_profiled": d["ms_per_step"],
-            "device_busy_ms_per_step": None if busy_us is None else busy_us / n / 1e3,
-            "top": [{"name": e.key[:120], "ms_per_step": getattr(e, key) / n / 1e3, "calls_per_step": e.count / n}
-                    for e in kernels[:20]]}
+    title = (f"decode B={B} context={ctx}: {d['window_steps']} token steps in the token window, {launches} graph "
+             f"launches in the profiler's, {d['ms_per_step']:.3f} ms/step under the profiler")
+    return {"batch": B, "context": ctx, "window_steps": d["window_steps"], "ms_per_step_profiled": d["ms_per_step"],
+            **kernel_profile(prof, n, cuda, path, title)}
 
 
 def decode_plan(batches: list[int], contexts: list[int], quick: bool) -> list[tuple[int, int]]:

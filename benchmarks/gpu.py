@@ -197,7 +197,8 @@ def moe(args) -> int:
                                                   out_dir() / "moe_full_depth.json"), timeout=args.timeout)
     shape = ["--shape", args.shape] + (["--layers", args.layers] if args.layers else []) \
         + (["--budget-gib", f"{args.budget_gib:g}"] if args.budget_gib else []) \
-        + (["--quantize", args.quantize] if args.quantize else [])
+        + (["--quantize", args.quantize] if args.quantize else []) \
+        + (["--profile", out_dir()] if args.profile else [])
     return run(args, "moe", module("moe", *shape, "--workdir", "/tmp/moe", "--json", out_dir() / "moe.json",
                                    *([] if args.hf else ["--no-hf"])), timeout=args.timeout)
 
@@ -274,6 +275,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--quantize", choices=("fp8", "nvfp4"), default=None,
                    help="also the same weights converted with ninfer convert --quantize FORMAT, all on the device, "
                         "beside bf16 in the same call")
+    s.add_argument("--profile", action="store_true",
+                   help="also profile each all-device decode B (kernels and launches per step; tables to $OUT)")
     s.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers baseline")
     s = suite(vision, "the vision encoder: attention, images/s, TTFT of a chat with one image")
     s.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers")

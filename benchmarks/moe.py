@@ -88,13 +88,14 @@ def scaled(ms: float, head: float, layers: int, full: int) -> dict:
 
 
 def measure(program, config, cfg: dict, args, device: str, full_cfg: dict, bw: float, stats=None,
-            host_gb_s: float | None = None) -> dict:
+            host_gb_s: float | None = None, label: str | None = None) -> dict:
     """Decode rows (with the bytes floor at this depth and at full depth; with host experts, the host-bandwidth
-    floor too) and the prefill, on one Program."""
+    floor too) and the prefill, on one Program; with ``--profile`` and a ``label``, each B's steps profiled."""
     L, full, k = cfg["num_hidden_layers"], full_cfg["num_hidden_layers"], cfg["num_experts_per_tok"]
     res: dict = {"decode": []}
     for B in args.batches:
-        row = decode_run(program, config, device, B, args.context, args.steps, stats)
+        profile = Path(args.profile) / f"profile-{args.shape}-{label}-b{B}.txt" if args.profile and label else None
+        row = decode_run(program, config, device, B, args.context, args.steps, stats, profile)
         distinct = k if B == 1 else mw.expected_distinct(cfg["num_experts"], k, B)
         head = head_ms(program, device, B, B)
         row.update(distinct_experts=distinct, **scaled(row["ms_per_step"], head, L, full))
@@ -108,6 +109,8 @@ def measure(program, config, cfg: dict, args, device: str, full_cfg: dict, bw: f
         res["decode"].append(row)
         print(f"#   decode B={B}: {row['ms_per_step']:.3f} ms/step ({L} layers), full depth "
               f"{fmt(row['full_ms'], '.3f')} ms, {fmt(row['full_of_floor'], '.2f')} of the floor", flush=True)
+        if profile is not None:
+            print(f"#   profiled B={B}: {fmt(row['profile']['launches_per_step'])} launches/step -> {profile}", flush=True)
     before = stats() if stats else None
     p = prefill_run(program, config, device, args.prefill, args.prefill_chunk)
     if stats:
@@ -119,7 +122,8 @@ def measure(program, config, cfg: dict, args, device: str, full_cfg: dict, bw: f
     return res
 
 
-def run_all_device(path: Path, cfg: dict, full_cfg: dict, args, device: str, bw: float) -> dict:
+def run_all_device(path: Path, cfg: dict, full_cfg: dict, args, device: str, bw: float, label: str = "all_device"
+                   ) -> dict:
     """Every weight on the device; programmatic dependent launch as the model prefers it."""
     from ninfer.contract.config import StartupOptions
 
@@ -130,7 +134,7 @@ def run_all_device(path: Path, cfg: dict, full_cfg: dict, args, device: str, bw:
     def run(inst) -> dict:
         res: dict = {"start_s": clock() - t, "placement": inst.memory.placement, "pdl": inst.program.pdl,
                      "graphs": inst.program.graphs is not None, "graph_note": inst.program.graph_error}
-        res.update(measure(inst.program, qwen35_view(inst.config), cfg, args, device, full_cfg, bw))
+        res.update(measure(inst.program, qwen35_view(inst.config), cfg, args, device, full_cfg, bw, label=label))
         return res
 
     return on_instance(path, options, run)
@@ -252,6 +256,11 @@ def markdown(r: dict) -> str:
                       f"| {fmt(d['host_floor_ms'], '.3f')} / {fmt(d['full_host_floor_ms'], '.3f')} "
                       f"| {fmt(d['of_host_floor'], '.2f')} / {fmt(d['full_of_host_floor'], '.2f')} |"
                       for d in m["decode"] if "host_floor_ms" in d]
+        for d in (d for d in m["decode"] if "profile" in d):
+            pr = d["profile"]
+            lines.append(f"- B={d['batch']} profiled: device busy {fmt(pr['device_busy_ms_per_step'], '.3f')} ms/step, "
+                         f"{fmt(pr['launches_per_step'])} launches/step; top: " + ", ".join(
+                             f"{t['name'][:48]} {t['ms_per_step']:.3f} ms x{t['calls_per_step']:.0f}" for t in pr["top"][:5]))
         p = m["prefill"]
         lines.append(f"\nPrefill {p['tokens']} tokens (chunk {p['chunk']}): {p['tokens_per_s']:.0f} tok/s at {L} "
                      f"layers, {fmt(p['full_tokens_per_s'], '.0f')} tok/s at full depth")
@@ -302,6 +311,8 @@ def parse_args(argv=None):
     p.add_argument("--quantize", choices=("fp8", "nvfp4"), default=None,
                    help="also convert with ninfer convert --quantize and run it all-device, beside bf16")
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers baseline")
+    p.add_argument("--profile", default=None, metavar="DIR", help="also profile each all-device decode B "
+                   "(torch.profiler: kernels, launches per step); tables go to DIR/profile-SHAPE-RUN-bB.txt")
     p.add_argument("--workdir", default=None, help="folder for the checkpoint and artifact (default: temp dir)")
     p.add_argument("--json", default=None, help="write every figure here")
     args = p.parse_args(argv)
@@ -338,6 +349,8 @@ def _run(argv) -> int:
     from ninfer_convert.convert import convert_checkpoint
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.profile:
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
     if device.startswith("cuda") and not torch.cuda.is_available():
         print("moe: no CUDA device; use --device cpu", file=sys.stderr)
         return 2
@@ -385,7 +398,7 @@ def _run(argv) -> int:
                 if key == "quantized":  # the same weights through ninfer convert --quantize, all on the device
                     quantized = workdir / f"{args.shape}-{args.layers}l-{args.quantize}.ninfer"
                     convert_checkpoint(src, quantized, host=plugin_host(), quantize=args.quantize)
-                    res[key] = run_all_device(quantized, *common[1:])
+                    res[key] = run_all_device(quantized, *common[1:], label=key)
                     quantized.unlink()
                 else:
                     res[key] = run_all_device(*common) if key == "all_device" else \

@@ -35,7 +35,7 @@ def _tiny(tmp_path):
                             "--hf-new-tokens", "2", "--hf-batches", "1", "--workdir", w]),
         "bench-nvfp4": ("bench", ["--shape", "tiny", "--device", "cpu", "--quick", "--batches", "1", "--contexts", "8",
                                   "--prefill", "16", "--steps", "3", "--prefill-chunk", "16", "--no-hf",
-                                  "--quantize", "nvfp4", "--workdir", w]),
+                                  "--quantize", "nvfp4", "--profile", str(tmp_path / "profiles"), "--workdir", w]),
         "numerics": ("model_check", ["--shape", "tiny", "--device", "cpu", "--tokens", "16"]),
         "numerics-nvfp4": ("model_check", ["--shape", "tiny", "--device", "cpu", "--tokens", "16", "--quantize",
                                            "nvfp4"]),
@@ -50,7 +50,7 @@ def _tiny(tmp_path):
                         "--workdir", w]),
         "moe-fp8": ("moe", ["--shape", "tiny", "--layers", "4", "--device", "cpu", "--batches", "1", "--context", "8",
                             "--steps", "2", "--prefill", "16", "--prefill-chunk", "16", "--no-host", "--no-hf",
-                            "--quantize", "fp8", "--workdir", w]),
+                            "--quantize", "fp8", "--profile", str(tmp_path / "profiles"), "--workdir", w]),
         "moe-qwen4exp": ("moe", ["--shape", "qwen4exp-tiny", "--layers", "4", "--device", "cpu", "--batches", "1", "2",
                                  "--context", "8", "--steps", "2", "--prefill", "16", "--prefill-chunk", "16",
                                  "--budget-gib", "0.01", "--hf-new-tokens", "2", "--workdir", w]),
@@ -79,7 +79,8 @@ EXPECTED = {
     "speculative": (["B  k   ms/unit  x plain", "B  k     tok/s  speedup accept len"], {"part1", "part2"}),
     "moe": (["| B | ms/step (4 L) | tok/s (4 L) | head ms | per-layer ms | full-depth ms | full-depth tok/s "
              "| floor ms (full) |"], {"all_device", "host_experts", "plan", "hf", "copy_tb_s", "targets"}),
-    "moe-fp8": (["## all-device, fp8 weights (floor columns: bf16's)", "- fp8 over bf16, decode B=1: "],
+    "moe-fp8": (["## all-device, fp8 weights (floor columns: bf16's)", "- fp8 over bf16, decode B=1: ",
+                 "- B=1 profiled: device busy - ms/step, - launches/step; top: "],
                 {"all_device", "quantized", "plan", "copy_tb_s", "targets"}),
     "moe-qwen4exp": (["# Qwen4Exp qwen4exp-tiny", "| B | missed experts/step (4 L / full) | host floor ms (4 L / full) |",
                       "ours / transformers at B=1, 4 layers: decode"],
@@ -113,6 +114,10 @@ def test_suite_runs_tiny_on_cpu(suite, tmp_path, monkeypatch):
     if suite == "bench-nvfp4":  # the bytes floor is the quantized artifact's, under the bf16 model's
         (shape,) = json.loads(out.read_text())["shapes"].values()
         assert shape["quantize"] == "nvfp4" and 0 < shape["decode_weight_bytes"] < 2 * shape["layer_matmul_params"]
+    profiles = {"moe-fp8": ["profile-tiny-all_device-b1.txt", "profile-tiny-quantized-b1.txt"],
+                "bench-nvfp4": ["profile-tiny-b1.txt"]}
+    if suite in profiles:  # the profile tables, one per run and B
+        assert sorted(p.name for p in (tmp_path / "profiles").iterdir()) == profiles[suite]
     work = tmp_path / "work"
     assert not work.exists() or not any(work.iterdir())  # checkpoints and artifacts removed
 
@@ -155,6 +160,7 @@ def test_the_script_lists_the_suites_without_carried_wheels(tmp_path):
     (["moe", "--full-depth"], "-m benchmarks.moe_full_depth --engine"),
     (["moe", "--shape", "qwen4exp", "--no-hf"], "-m benchmarks.moe --shape qwen4exp --workdir /tmp/moe"),
     (["moe", "--quantize", "fp8", "--no-hf"], "-m benchmarks.moe --shape 35b-a3b --quantize fp8 --workdir /tmp/moe"),
+    (["moe", "--shape", "qwen4exp", "--profile"], "-m benchmarks.moe --shape qwen4exp --profile "),
     (["start", "--model", "qwen4exp-published", "--runs", "cold"],
      "-m benchmarks.start --model qwen4exp-published --runs cold --timeout 450"),
     (["vision", "--no-hf"], "-m benchmarks.vision --workdir /tmp/vision"),
