@@ -25,6 +25,7 @@ from ninfer_qwen35.execution.model import Qwen35Model
 from ninfer_qwen35.execution.parameters import Qwen35Parameters
 from ninfer_qwen35.source_mapping import expected_parameters, fused_parents
 from ninfer_qwen35.state import kv_pools, state_layout
+from ninfer_qwen35.testing.hf_model import randomise
 
 RTOL = 1e-4  # logits: max |ours - HF| <= RTOL * max |HF| (fp32)
 
@@ -54,24 +55,6 @@ class Tiny:
     model: Qwen35Model
 
 
-def _randomise(hf: torch.nn.Module, seed: int) -> None:
-    """HF's init is near-zero (flat logits); give every weight an O(1) effect so greedy paths are decisive."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.empty(p.shape).uniform_(-1.0, 1.5, generator=gen))
-            elif name.endswith("linear_attn.norm.weight"):
-                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen))
-            elif p.dim() == 1:
-                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
-            elif name.endswith("embed_tokens.weight"):
-                p.copy_(torch.randn(p.shape, generator=gen))
-            else:
-                fan_in = p.shape[-1]  # an expert bank [E, out, in] too
-                p.copy_(torch.randn(p.shape, generator=gen) * (1.5 / math.sqrt(fan_in)))
-
-
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def tiny(request) -> Tiny:
     transformers = pytest.importorskip("transformers")
@@ -80,7 +63,7 @@ def tiny(request) -> Tiny:
     hf_config = getattr(transformers, f"{kind}TextConfig")(**CONFIGS[request.param])
     hf_config._attn_implementation = "eager"
     hf = getattr(transformers, f"{kind}ForCausalLM")(hf_config).eval()
-    _randomise(hf, seed=len(request.param))
+    randomise(hf, seed=len(request.param))
     config = parse_config(hf_config.to_dict())
     tensors = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     if config.tie_word_embeddings:

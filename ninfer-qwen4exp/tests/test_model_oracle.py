@@ -10,8 +10,6 @@ sequence does not own, or of a fresh row's state, shows up.
 
 from __future__ import annotations
 
-import math
-
 import attrs
 import pytest
 import torch
@@ -22,6 +20,7 @@ from ninfer_qwen4exp.execution.forward_batch import ForwardBatch, Qwen4ExpStateV
 from ninfer_qwen4exp.execution.model import Qwen4ExpModel
 from ninfer_qwen4exp.execution.parameters import Qwen4ExpParameters
 from ninfer_qwen4exp.source_mapping import fused_parents
+from ninfer_qwen35.testing.hf_model import randomise
 
 transformers = pytest.importorskip("transformers")
 
@@ -54,24 +53,6 @@ class Tiny:
     model: Qwen4ExpModel
 
 
-def _randomise(hf: torch.nn.Module, seed: int) -> None:
-    """Every weight an O(1) effect: transformers' zero-centred norms, zero convs and unit gates would hide parts."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.empty(p.shape).uniform_(-1.0, 1.5, generator=gen))
-            elif name.endswith("linear_attn.norm.weight"):
-                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen))
-            elif p.dim() == 1:
-                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
-            elif name.endswith(("embed_tokens.weight", "ngram_embedding.weight")):
-                p.copy_(torch.randn(p.shape, generator=gen))
-            else:
-                fan_in = p.shape[-1]  # an expert bank [E, out, in], a conv [C, 1, K] too
-                p.copy_(torch.randn(p.shape, generator=gen) * (1.5 / math.sqrt(fan_in)))
-
-
 def model_from_hf_state_dict(hf: torch.nn.Module) -> Qwen4ExpModel:
     """Our model over a transformers model's own tensors, fused as the converter lays them out (the names are the
     artifact's; transformers' n-gram hash buffers are derived from the config, not bound)."""
@@ -90,7 +71,7 @@ def tiny(request) -> Tiny:
     hf_config = transformers.Qwen4ExpTextConfig(**CONFIGS[request.param])
     hf_config._attn_implementation = "eager"
     hf = transformers.Qwen4ExpForCausalLM(hf_config).eval()
-    _randomise(hf, seed=len(request.param))
+    randomise(hf, seed=len(request.param))
     return Tiny(hf=hf, model=model_from_hf_state_dict(hf))
 
 

@@ -5,7 +5,8 @@
 - ``qwen_vocab``: the real Qwen3.5 vocabulary as a ``tokenizer.json`` (``qwen35_frontend_resources``);
 - ``hf_model``: our model over a ``transformers`` model's tensors and a float32 Program on it
   (``model_from_hf``, ``float32_program``); ``decisive_tiny_hf`` (a tiny model with decisive greedy choices);
-  ``agree_where_decisive`` (greedy tokens against transformers' argmax, up to the first near-tie).
+  ``agree_where_decisive`` (greedy tokens against transformers' argmax, up to the first near-tie); ``randomise``
+  (O(1) weights for a transformers model of the family).
 
 Importing this package is cheap (no torch): each name loads its submodule on first access.
 """
@@ -17,7 +18,7 @@ from typing import Any
 
 _LAZY = {
     "model_from_hf": "hf_model", "float32_program": "hf_model", "decisive_tiny_hf": "hf_model",
-    "agree_where_decisive": "hf_model",
+    "agree_where_decisive": "hf_model", "randomise": "hf_model",
     "make_tiny_checkpoint": "checkpoints", "convert_tiny": "checkpoints", "make_tokenizer_json": "checkpoints",
     "CHAT_TEMPLATE": "checkpoints", "SPECIAL_TOKENS": "checkpoints",
     "qwen35_frontend_resources": "qwen_vocab", "qwen35_tokenizer_json": "qwen_vocab",

@@ -3,10 +3,13 @@
     hf = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(...)).eval()
     model = model_from_hf(hf)                          # same numbers, our layout (fused parents)
     prog = float32_program(model, page_size=4, num_pages=64)
+
+``randomise`` gives a transformers model of this family (Qwen3.5, Qwen4Exp, their vision towers) O(1) weights.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -49,8 +52,6 @@ def decisive_tiny_hf(seed: int, *, vocab_size: int = 448, max_position_embedding
     """A tiny ``Qwen3_5ForCausalLM`` (4 layers: 3 GDN, 1 attention; ``moe``: ``Qwen3_5MoeForCausalLM``, 8 experts,
     top-2, a shared expert) whose weights are O(1) Gaussian draws of ``seed``, so greedy choices are decisive
     rather than near-ties (engine tests compare tokens exactly)."""
-    import math
-
     import transformers
 
     common = dict(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=4, num_attention_heads=2,
@@ -71,6 +72,29 @@ def decisive_tiny_hf(seed: int, *, vocab_size: int = 448, max_position_embedding
             if p.dim() >= 2:  # fan-in is the last dim (an expert bank [E, out, in] too)
                 p.copy_(torch.randn(p.shape, generator=gen) * (1.5 / math.sqrt(p.shape[-1])))
     return hf
+
+
+def randomise(model: torch.nn.Module, seed: int) -> None:
+    """Every weight an O(1) effect, drawn from ``seed``: transformers' near-zero init, zero-centred norms, zero
+    convs and unit gates would flatten the logits and hide parts. Norm scales of the GDN output and the vision
+    tower around 1; other vectors 0.3 x N(0, 1); embedding tables N(0, 1); matrices 1.5 / sqrt(fan-in) x N(0, 1),
+    the fan-in being the last dim (an expert bank [E, out, in], a conv [C, 1, K]) or, in the vision tower, every
+    dim but the first (its 3-D patch conv)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            visual = "visual" in name
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(-1.0, 1.5, generator=gen))
+            elif name.endswith("linear_attn.norm.weight") or (visual and "norm" in name and name.endswith(".weight")):
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen))
+            elif p.dim() == 1:
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(("embed_tokens.weight", "ngram_embedding.weight", "pos_embed.weight")):
+                p.copy_(torch.randn(p.shape, generator=gen))
+            else:
+                fan_in = math.prod(p.shape[1:]) if visual else p.shape[-1]
+                p.copy_(torch.randn(p.shape, generator=gen) * (1.5 / math.sqrt(fan_in)))
 
 
 def agree_where_decisive(hf: Any, prompt: list[int], ours: list[int], margin: float = 1e-3) -> int:

@@ -11,7 +11,6 @@ to its token run; a video as one run per temporal patch group with a timestamp b
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +29,7 @@ from ninfer_qwen35.execution.model import Qwen35Model
 from ninfer_qwen35.execution.parameters import Qwen35Parameters
 from ninfer_qwen35.execution.vision import Qwen35Vision, VisionParams
 from ninfer_qwen35.source_mapping import canonical_name, fused_parents
+from ninfer_qwen35.testing.hf_model import randomise
 
 VOCAB, START, END, IMAGE, VIDEO = 160, 150, 151, 152, 153
 # head_dim 32 x 0.5: 16 rotary dims, 8 frequency slots interleaved t, h, w, t, h, w, t, h: every axis matters
@@ -50,23 +50,6 @@ class TinyVL:
     hf: Any  # transformers' Qwen3_5ForConditionalGeneration
     model: Qwen35Model
     vision: Qwen35Vision
-
-
-def randomise(model: torch.nn.Module, seed: int) -> None:
-    """HF's init is near-zero: every weight gets an O(1) effect, so the images and every position matter."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.empty(p.shape).uniform_(-1.0, 1.5, generator=gen))
-            elif "norm" in name and name.endswith(".weight") and "visual" in name:
-                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen))
-            elif p.dim() == 1:
-                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
-            elif name.endswith(("embed_tokens.weight", "pos_embed.weight")):
-                p.copy_(torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * (1.5 / math.sqrt(math.prod(p.shape[1:]))))
 
 
 def tiny_vl(seed: int = 3) -> TinyVL:

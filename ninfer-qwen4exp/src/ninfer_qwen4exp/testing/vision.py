@@ -8,7 +8,6 @@ CPU) with our model and Qwen3.5's vision encoder over its tensors. Prompts are b
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import attrs
@@ -20,6 +19,7 @@ from ninfer_qwen4exp.execution.model import Qwen4ExpModel
 from ninfer_qwen4exp.execution.parameters import Qwen4ExpParameters
 from ninfer_qwen4exp.source_mapping import canonical_name, fused_parents
 from ninfer_qwen35.execution.vision import Qwen35Vision, VisionParams
+from ninfer_qwen35.testing.hf_model import randomise
 from ninfer_qwen35.testing.vision_prompts import END, IMAGE, START, VIDEO, VISION, VOCAB
 
 EOS = 7
@@ -45,25 +45,6 @@ class TinyVL:
     hf: Any  # transformers' Qwen4ExpForConditionalGeneration
     model: Qwen4ExpModel
     vision: Qwen35Vision
-
-
-def randomise(model: torch.nn.Module, seed: int) -> None:
-    """Every weight an O(1) effect: transformers' zero-centred norms, zero convs and unit gates would hide parts."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.empty(p.shape).uniform_(-1.0, 1.5, generator=gen))
-            elif name.endswith("linear_attn.norm.weight") or ("visual" in name and "norm" in name
-                                                              and name.endswith(".weight")):
-                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen))
-            elif p.dim() == 1:
-                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
-            elif name.endswith(("embed_tokens.weight", "ngram_embedding.weight", "pos_embed.weight")):
-                p.copy_(torch.randn(p.shape, generator=gen))
-            else:
-                fan_in = math.prod(p.shape[1:]) if "visual" in name else p.shape[-1]
-                p.copy_(torch.randn(p.shape, generator=gen) * (1.5 / math.sqrt(fan_in)))
 
 
 def tiny_vl(seed: int = 3, **text: Any) -> TinyVL:
