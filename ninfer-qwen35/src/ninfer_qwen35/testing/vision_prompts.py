@@ -11,7 +11,7 @@ to its token run; a video as one run per temporal patch group with a timestamp b
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -52,6 +52,18 @@ class TinyVL:
     vision: Qwen35Vision
 
 
+def tensors_by_feature(hf: torch.nn.Module, canonical_name: Callable[[str], tuple[str, str] | None]
+                       ) -> dict[str, dict[str, torch.Tensor]]:
+    """A transformers VL model's tensors under our names, split by feature ("text", "vision") as the source
+    mapping's ``canonical_name`` places them (tensors it maps to nothing are left out)."""
+    by_feature: dict[str, dict[str, torch.Tensor]] = {"text": {}, "vision": {}}
+    for name, t in hf.state_dict().items():
+        mapped = canonical_name(name)
+        if mapped is not None:
+            by_feature[mapped[0]][mapped[1]] = t.detach().clone()
+    return by_feature
+
+
 def tiny_vl(seed: int = 3) -> TinyVL:
     """A tiny random VL model (fp32, CPU; GDN and attention layers as ``TEXT`` says) and ours on its tensors."""
     import transformers
@@ -63,11 +75,7 @@ def tiny_vl(seed: int = 3) -> TinyVL:
     hf = transformers.Qwen3_5ForConditionalGeneration(cfg).eval()
     randomise(hf, seed)
     config = parse_config(cfg.to_dict())
-    by_feature: dict[str, dict[str, torch.Tensor]] = {"text": {}, "vision": {}}
-    for name, t in hf.state_dict().items():
-        mapped = canonical_name(name)
-        if mapped is not None:
-            by_feature[mapped[0]][mapped[1]] = t.detach().clone()
+    by_feature = tensors_by_feature(hf, canonical_name)
     params = Qwen35Parameters.from_weights(config, WeightSet.from_tensors(by_feature["text"], fused_parents(config)),
                                            torch.float32)
     vision = Qwen35Vision(VisionParams.from_weights(config, WeightSet.from_tensors(by_feature["vision"]),

@@ -20,7 +20,7 @@ from ninfer_qwen4exp.execution.parameters import Qwen4ExpParameters
 from ninfer_qwen4exp.source_mapping import canonical_name, fused_parents
 from ninfer_qwen35.execution.vision import Qwen35Vision, VisionParams
 from ninfer_qwen35.testing.hf_model import randomise
-from ninfer_qwen35.testing.vision_prompts import END, IMAGE, START, VIDEO, VISION, VOCAB
+from ninfer_qwen35.testing.vision_prompts import END, IMAGE, START, VIDEO, VISION, VOCAB, tensors_by_feature
 
 EOS = 7
 # QSA that selects (2 blocks of 4 and the open tail from the 12th token on), PLE on two GDN layers (1-indexed ids),
@@ -61,11 +61,7 @@ def tiny_vl(seed: int = 3, **text: Any) -> TinyVL:
     hf.generation_config.eos_token_id = None  # greedy runs its full length; a generated EOS only resets n-grams
     randomise(hf, seed)
     config = parse_config(cfg.to_dict())
-    by_feature: dict[str, dict[str, torch.Tensor]] = {"text": {}, "vision": {}}
-    for name, t in hf.state_dict().items():
-        mapped = canonical_name(name)
-        if mapped is not None:
-            by_feature[mapped[0]][mapped[1]] = t.detach().clone()
+    by_feature = tensors_by_feature(hf, canonical_name)
     params = Qwen4ExpParameters.from_weights(config, WeightSet.from_tensors(by_feature["text"], fused_parents(config)),
                                              torch.float32)
     vision = Qwen35Vision(VisionParams.from_weights(config.base, WeightSet.from_tensors(by_feature["vision"]),
