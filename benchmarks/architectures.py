@@ -108,3 +108,36 @@ def qwen35_view(config):
     if type(config).__name__ == "Qwen4ExpConfig":
         return config.base
     return config
+
+
+def once_per_forward(program, rows: int):
+    """What a decode step of ``rows`` one-token rows runs once per forward rather than once per layer, as a
+    callable, or None: Qwen4Exp's PLE (the n-gram windows, then the addend of its PLE layers: one layer in the
+    published model). A reduced-depth benchmark times it apart so that scaling to full depth does not repeat it."""
+    import types
+
+    import torch
+
+    config = program.model.config
+    if type(config).__name__ != "Qwen4ExpConfig" or config.ple is None:
+        return None
+    from ninfer.ops import ngram_windows
+    from ninfer_qwen4exp.execution.layers import ple_addend
+
+    p, e = program.model.params, config.ple
+    dev, vocab = p.embed.device, config.base.vocab_size
+    gen = torch.Generator(device=dev).manual_seed(rows)
+    ids = torch.randint(0, vocab, (rows,), device=dev, generator=gen)
+    history = torch.randint(0, vocab, (rows, e.context_len), device=dev, generator=gen)
+    batch = types.SimpleNamespace(  # the three ForwardBatch fields the PLE addend reads
+        query_start_loc=torch.arange(rows + 1, dtype=torch.int32, device=dev),
+        state_slots=torch.arange(rows, device=dev), has_initial_state=torch.ones(rows, dtype=torch.bool, device=dev))
+    x = torch.randn(rows, config.hc_hidden_size, dtype=p.embed.dtype, device=dev, generator=gen)
+    conv = torch.zeros(rows, e.conv_state_len, config.hc_hidden_size, dtype=p.embed.dtype, device=dev)
+    layers = [layer.ple for layer in p.layers if layer.ple is not None]
+
+    def run() -> None:
+        windows, _ = ngram_windows(ids, history, batch.query_start_loc, batch.has_initial_state, config.eos_token_id)
+        for ple in layers:
+            ple_addend(config, ple, x, windows, batch, conv)
+    return run

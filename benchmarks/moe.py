@@ -24,11 +24,13 @@ the host read rate measured in the same run, or the step's bytes floor where tha
 
 Qwen4Exp (``--shape qwen4exp``, default 4 layers: 3 Gated DeltaNet + 1 QSA, PLE on the second, as the published
 model's first group): the published widths, 512 experts x top-10 (5 GB a layer), the n-gram table reduced
-(``moe_weights.REDUCED``: its rows are looked up in host memory, 16 a token). Scaling counts the PLE layer's cost
-in every group of 4 where the published model has one PLE layer in 48, so its full-depth figure errs slow.
+(``moe_weights.REDUCED``: its rows are looked up in host memory, 16 a token). PLE runs once per forward (the n-gram
+windows, then its one layer in the published model), so decode times it apart (``moe_runs.once_ms``, replayed
+from a CUDA graph) and counts it with the head, not with the layers.
 
 Scaling to full depth (every table says so): per-layer time = (measured - head) / L, where the head (embedding
-lookup, lm_head and argmax of the same rows) is timed alone; full-depth time = head + full layers x per-layer.
+lookup, lm_head and argmax of the same rows; Qwen4Exp's PLE at decode) is timed alone; full-depth time = head + full
+layers x per-layer.
 What else a step does once (reserve, commit) is counted per layer, so the full-depth figure errs slow. The floor
 at full depth is computed from the full-depth config directly.
 
@@ -64,6 +66,7 @@ from benchmarks.moe_runs import (
     head_ms,
     host_read_bandwidth,
     on_instance,
+    once_ms,
     prefill_run,
     stats_delta,
 )
@@ -97,8 +100,9 @@ def measure(program, config, cfg: dict, args, device: str, full_cfg: dict, bw: f
         profile = Path(args.profile) / f"profile-{args.shape}-{label}-b{B}.txt" if args.profile and label else None
         row = decode_run(program, config, device, B, args.context, args.steps, stats, profile)
         distinct = k if B == 1 else mw.expected_distinct(cfg["num_experts"], k, B)
-        head = head_ms(program, device, B, B)
-        row.update(distinct_experts=distinct, **scaled(row["ms_per_step"], head, L, full))
+        once = once_ms(program, device, B)  # Qwen4Exp's PLE: once per forward, so not scaled with the depth
+        row.update(distinct_experts=distinct, once_ms=once,
+                   **scaled(row["ms_per_step"], head_ms(program, device, B, B) + once, L, full))
         for tag, c, ms in (("", cfg, row["ms_per_step"]), ("full_", full_cfg, row["full_ms"])):
             row[f"{tag}floor_bytes"] = mw.step_bytes(c, B, args.context, distinct)
             row[f"{tag}floor_ms"] = row[f"{tag}floor_bytes"] / (bw * 1e12) * 1e3
@@ -367,7 +371,8 @@ def _run(argv) -> int:
                  "layers": args.layers, "full_layers": full_cfg["num_hidden_layers"],
                  "config": cfg, "args": vars(args), "device": device_info(device),
                  "scaling": "full-depth time = head + full_layers x (measured - head) / layers; head = embedding, "
-                            "lm_head and argmax of the same rows timed alone; floor from the full-depth config",
+                            "lm_head and argmax of the same rows (and at decode Qwen4Exp's PLE, once per forward) timed "
+                            "alone; floor from the full-depth config",
                  "routing_note": "random weights and router (uniform-like routing; real routers are skewed)",
                  "weights": mw.weight_bytes(cfg), "full_weights": mw.weight_bytes(full_cfg)}
 

@@ -68,6 +68,31 @@ def head_ms(program, device: str, rows: int, tokens: int) -> float:
         return _median_ms(lambda: (F.embedding(ids, p.embed), program.model.logits(hidden).argmax(-1)), device)
 
 
+def once_ms(program, device: str, rows: int) -> float:
+    """Median ms of what a ``rows``-row decode step runs once per forward, not per layer
+    (``architectures.once_per_forward``; 0 where there is none), as the step runs it: replayed from a CUDA graph
+    where the Program decodes through graphs, else eagerly (host experts or host tables)."""
+    import torch
+
+    from benchmarks.architectures import once_per_forward
+
+    run = once_per_forward(program, rows)
+    if run is None:
+        return 0.0
+    with torch.inference_mode():
+        if program.graphs is None:
+            return _median_ms(run, device)
+        side = torch.cuda.Stream()  # warm up (Triton compiles) off the capture, as graph capture asks
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+    return _median_ms(graph.replay, device)
+
+
 def decode_run(program, config, device: str, B: int, context: int, steps: int, stats=None,
                profile: Path | None = None) -> dict:
     """Median ms of a B-row decode step (reserve + decode + commit) after ``context`` prompt tokens per row;

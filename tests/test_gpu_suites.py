@@ -114,6 +114,9 @@ def test_suite_runs_tiny_on_cpu(suite, tmp_path, monkeypatch):
     if suite == "bench-nvfp4":  # the bytes floor is the quantized artifact's, under the bf16 model's
         (shape,) = json.loads(out.read_text())["shapes"].values()
         assert shape["quantize"] == "nvfp4" and 0 < shape["decode_weight_bytes"] < 2 * shape["layer_matmul_params"]
+    if suite in ("moe", "moe-qwen4exp"):  # Qwen4Exp's PLE is timed apart, once per forward; Qwen3.5 has none
+        decode = json.loads(out.read_text())["all_device"]["decode"]
+        assert all((d["once_ms"] > 0) == (suite == "moe-qwen4exp") for d in decode), decode
     profiles = {"moe-fp8": ["profile-tiny-all_device-b1.txt", "profile-tiny-quantized-b1.txt"],
                 "bench-nvfp4": ["profile-tiny-b1.txt"]}
     if suite in profiles:  # the profile tables, one per run and B
