@@ -1,5 +1,5 @@
-"""Qwen4Exp's elementwise Triton kernels (ninfer.ops.triton.hyper_connection: the per-stream norm, the streams'
-gated mean, the injection; the sigmoid-gated GDN output norm of ninfer.ops.triton.norm) against their torch
+"""Qwen4Exp's elementwise Triton kernels (ninfer.ops.triton.hyper_connection: the per-stream norm, the mix's
+activation with the injection weights, the streams' gated mean, the injection; the sigmoid-gated GDN output norm of ninfer.ops.triton.norm) against their torch
 references through Triton's interpreter on the CPU (TRITON_INTERPRET=1, set by the root conftest without CUDA),
 fp32 at toy widths; the published widths in bf16 are their GPU tests (``tests/gpu/test_hyper_connection.py``).
 Composed, the kernels give ``hyper_connection_mix`` / ``hyper_connection_inject`` what the references do."""
@@ -54,6 +54,20 @@ def test_inject(rows):
         t_hc.hyper_connection_inject(x, out[:, 1:], w)
 
 
+@pytest.mark.parametrize("rows", [1, 5])
+def test_gates(rows):
+    low, logits = _randn(rows, 13, seed=16) * 3, _randn(rows, S, seed=17) * 3  # 13: a masked tail
+    act, w = t_hc.hyper_connection_gates(low, logits, S)
+    want_act, want_w = hc.hyper_connection_gates_ref(low, logits, S)
+    torch.testing.assert_close(act, want_act, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(w, want_w, rtol=1e-6, atol=1e-6)
+    act, none = t_hc.hyper_connection_gates(low[:, 1:], None, S)  # the final mixer: no injection; strided rows
+    assert none is None
+    torch.testing.assert_close(act, hc.hyper_connection_gates_ref(low[:, 1:], None, S)[0], rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=f"must be \\[N, R\\] and \\[N, {S}\\]"):
+        t_hc.hyper_connection_gates(low, logits[:, 1:], S)
+
+
 def test_rms_norm_gated_sigmoid():
     from ninfer.ops.norm import rms_norm_gated_ref
     from ninfer.ops.triton.norm import rms_norm_gated, rms_norm_gated_sigmoid
@@ -72,7 +86,8 @@ def test_the_mix_through_the_kernels_is_the_references(monkeypatch):
     want_mixed, want_w = hc.hyper_connection_mix(x, norm, down, up, inject, S, 1e-6)
     want_y = hc.hyper_connection_inject(x, want_mixed, want_w)
     kernels = {"grouped_rms_norm": t_hc.grouped_rms_norm, "stream_mix": t_hc.stream_mix,
-               "hyper_connection_inject": t_hc.hyper_connection_inject}
+               "hyper_connection_inject": t_hc.hyper_connection_inject,
+               "hyper_connection_gates": t_hc.hyper_connection_gates}
     monkeypatch.setattr(hc, "triton_kernel", lambda module, name, tensor: kernels[name])
     mixed, w = hc.hyper_connection_mix(x, norm, down, up, inject, S, 1e-6)
     torch.testing.assert_close(mixed, want_mixed, rtol=1e-5, atol=1e-6)

@@ -23,7 +23,7 @@ from ninfer_qwen4exp.testing import convert_tiny, make_tiny_checkpoint  # noqa: 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
 # module -> the kernels of it the model's CUDA path would call (the rest of the module keeps its references)
-KERNELS = {"hyper_connection": ("grouped_rms_norm", "stream_mix", "hyper_connection_inject"),
+KERNELS = {"hyper_connection": ("grouped_rms_norm", "stream_mix", "hyper_connection_inject", "hyper_connection_gates"),
            "norm": ("rms_norm_gated_sigmoid",), "qsa": ("qsa_block_scores", "qsa_attention_static")}
 
 
@@ -61,7 +61,7 @@ def test_the_kernels_give_the_references_tokens(tmp_path, monkeypatch):
     want = _run(art, prompts)
     called = _with_kernels(monkeypatch)
     assert _run(art, prompts) == want
-    for op in ("hyper_connection.grouped_rms_norm", "hyper_connection.stream_mix",
+    for op in ("hyper_connection.grouped_rms_norm", "hyper_connection.stream_mix", "hyper_connection.hyper_connection_gates",
                "hyper_connection.hyper_connection_inject", "norm.rms_norm_gated_sigmoid", "qsa.qsa_block_scores",
                "qsa.qsa_attention_static"):
         assert op in called, op

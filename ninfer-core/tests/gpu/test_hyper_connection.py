@@ -1,5 +1,5 @@
-"""Qwen4Exp's elementwise kernels (ninfer.ops.triton.hyper_connection, and the sigmoid-gated GDN output norm of
-ninfer.ops.triton.norm) against their fp32 references at the published Qwen4Exp widths, bf16, on the GPU: 4
+"""Qwen4Exp's elementwise kernels (ninfer.ops.triton.hyper_connection: norm, gates, mix, inject; and the
+sigmoid-gated GDN output norm of ninfer.ops.triton.norm) against their fp32 references at the published Qwen4Exp widths, bf16, on the GPU: 4
 streams of 2560, GDN heads of 48 x 128; one decode row, eight, and a prefill chunk."""
 
 from __future__ import annotations
@@ -34,6 +34,19 @@ def test_stream_mix(case, tokens):
 
     mix, normed = case.randn(tokens, S * H), case.randn(tokens, S * H)
     case.within(stream_mix(mix, normed, S), stream_mix_ref(mix.float(), normed.float(), S), TOL)
+
+
+def test_hyper_connection_gates(case, tokens):
+    from ninfer.ops.hyper_connection import hyper_connection_gates_ref
+    from ninfer.ops.triton.hyper_connection import hyper_connection_gates
+
+    low, logits = case.randn(tokens, C["hc_lowrank"], scale=4.0), case.randn(tokens, S, scale=4.0)
+    act, w = hyper_connection_gates(low, logits, S)
+    want_act, want_w = hyper_connection_gates_ref(low.float(), logits.float(), S)
+    case.within(act, want_act, TOL)
+    case.within(w, want_w, TOL, "injection weights")
+    case.within(hyper_connection_gates(low, None, S)[0], want_act, TOL, "final mixer")
+    case.no_host_sync(lambda: hyper_connection_gates(low, logits, S))
 
 
 def test_hyper_connection_inject(case, tokens):

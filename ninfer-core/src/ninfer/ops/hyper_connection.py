@@ -6,8 +6,8 @@ a low-rank bottleneck (down, silu(. / S), up, sigmoid), and feeds the sublayer t
 normed stream. The sublayer's output joins each stream s scaled by 2 * sigmoid(inject_s(normed) / S). The model's
 last mixer has no injection: its mixed rows are the hidden states.
 
-The elementwise parts (``grouped_rms_norm``, ``stream_mix``, ``hyper_connection_inject``) each have a Triton
-kernel (``ninfer.ops.triton.hyper_connection``, used on CUDA once listed in ``ninfer.ops.dispatch.TRITON_OPS``);
+The elementwise parts (``grouped_rms_norm``, ``hyper_connection_gates``, ``stream_mix``,
+``hyper_connection_inject``) each have a Triton kernel (``ninfer.ops.triton.hyper_connection``, used on CUDA once listed in ``ninfer.ops.dispatch.TRITON_OPS``);
 the low-rank mix and the injection weights are linears.
 """
 
@@ -51,10 +51,24 @@ def hyper_connection_mix(x: torch.Tensor, norm_weight: torch.Tensor, down: torch
                          f"inject {None if inject is None else tuple(inject.shape)} do not fit {streams} streams")
     hidden = x.shape[-1] // streams
     normed = grouped_rms_norm(x, norm_weight, eps, hidden)
-    mixed = stream_mix(linear(F.silu(linear(normed, down) / streams), up), normed, streams)
-    if inject is None:
-        return mixed, None
-    return mixed, 2 * torch.sigmoid(linear(normed, inject) / streams)
+    low, weights = hyper_connection_gates(linear(normed, down), None if inject is None else linear(normed, inject),
+                                          streams)
+    return stream_mix(linear(low, up), normed, streams), weights
+
+
+def hyper_connection_gates(low: torch.Tensor, logits: torch.Tensor | None, streams: int
+                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The low-rank mix's activation silu(low / S) and the injection weights 2 sigmoid(logits / S) (None without
+    ``logits``: the final mixer), of [N, R] and [N, S] rows."""
+    kernel = triton_kernel("hyper_connection", "hyper_connection_gates", low) if low.dim() == 2 else None
+    if kernel is not None:
+        return kernel(low, logits, streams)
+    return hyper_connection_gates_ref(low, logits, streams)
+
+
+def hyper_connection_gates_ref(low: torch.Tensor, logits: torch.Tensor | None, streams: int
+                               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return F.silu(low / streams), None if logits is None else 2 * torch.sigmoid(logits / streams)
 
 
 def stream_mix(mix: torch.Tensor, normed: torch.Tensor, streams: int) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Hyper-connections on the GPU: the per-stream norm, the streams' gated mean and the injection, each one pass over
-the wide rows with math in fp32 (see ``ninfer.ops.hyper_connection`` for the formulas). A decode step runs them on
-a few rows, where the torch compositions they replace cost a launch per elementwise op."""
+the wide rows with math in fp32, and the two activations of the low-rank mix and the injection weights in one
+launch (see ``ninfer.ops.hyper_connection`` for the formulas). A decode step runs them on a few rows, where the
+torch compositions they replace cost a launch per elementwise op."""
 
 from __future__ import annotations
 
@@ -60,6 +61,26 @@ def _inject_kernel(x_ptr, o_ptr, w_ptr, y_ptr, s_xr, s_or, s_wr, s_yr, H, S, BLO
     tl.store(y_ptr + row * s_yr + s * H + cols, (x + o * w).to(y_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _gates_kernel(l_ptr, g_ptr, a_ptr, w_ptr, s_lr, s_gr, s_ar, s_wr, R, S, HAS_W: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr = False):
+    # One program per row: a = silu(l / S) over the R low-rank columns, w = 2 sigmoid(g / S) over the S streams,
+    # each rounded to the output dtype where the torch form rounds (after the division, after silu / sigmoid).
+    pdl_prologue(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_R)
+    ok = cols < R
+    t = (tl.load(l_ptr + row * s_lr + cols, mask=ok, other=0.0).to(tl.float32) / S).to(a_ptr.dtype.element_ty)
+    t = t.to(tl.float32)
+    tl.store(a_ptr + row * s_ar + cols, (t / (1.0 + tl.exp(-t))).to(a_ptr.dtype.element_ty), mask=ok)
+    if HAS_W:
+        streams = tl.arange(0, BLOCK_S)
+        on = streams < S
+        u = (tl.load(g_ptr + row * s_gr + streams, mask=on, other=0.0).to(tl.float32) / S).to(w_ptr.dtype.element_ty)
+        sig = (1.0 / (1.0 + tl.exp(-u.to(tl.float32)))).to(w_ptr.dtype.element_ty)
+        tl.store(w_ptr + row * s_wr + streams, (2.0 * sig.to(tl.float32)).to(w_ptr.dtype.element_ty), mask=on)
+
+
 def _rows(t: torch.Tensor, width: int, what: str) -> torch.Tensor:
     if t.dim() != 2 or t.shape[1] != width:
         raise ValueError(f"{what}: {tuple(t.shape)} is not rows of {width}")
@@ -112,3 +133,23 @@ def hyper_connection_inject(x: torch.Tensor, out: torch.Tensor, weights: torch.T
             x2, o2, w2, y, x2.stride(0), o2.stride(0), w2.stride(0), y.stride(0), H, S, BLOCK_H=_BLOCK_H,
             num_warps=4, **pdl_args(x.device))
     return y
+
+
+def hyper_connection_gates(low: torch.Tensor, logits: torch.Tensor | None, streams: int
+                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(silu(low / S) [N, R], 2 sigmoid(logits / S) [N, S] or None without ``logits``), in one launch."""
+    if low.dim() != 2 or (logits is not None and (logits.dim() != 2 or logits.shape != (low.shape[0], streams))):
+        raise ValueError(f"hyper_connection_gates: low {tuple(low.shape)} and logits "
+                         f"{None if logits is None else tuple(logits.shape)} must be [N, R] and [N, {streams}]")
+    N, R = low.shape
+    l2 = _rows(low, R, "hyper_connection_gates")
+    act = torch.empty((N, R), dtype=low.dtype, device=low.device)
+    weights = None if logits is None else torch.empty((N, streams), dtype=logits.dtype, device=logits.device)
+    g2 = l2 if logits is None else _rows(logits, streams, "hyper_connection_gates")
+    if N:
+        _gates_kernel[(N,)](
+            l2, g2, act, act if weights is None else weights, l2.stride(0), g2.stride(0), act.stride(0),
+            0 if weights is None else weights.stride(0), R, streams, HAS_W=weights is not None,
+            BLOCK_R=triton.next_power_of_2(R), BLOCK_S=triton.next_power_of_2(streams), num_warps=4,
+            **pdl_args(low.device))
+    return act, weights
