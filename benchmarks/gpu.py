@@ -6,10 +6,13 @@ prints their tables and writes logs and JSON to ``$OUT`` (the device tool's fold
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,23 +38,60 @@ def tree_env(tree: Path, drop: tuple[str, ...] = ()) -> dict:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([*(str(tree / p) for p in PACKAGES), str(tree), *keep])}
 
 
+_RUNNING: list[subprocess.Popen] = []  # the steps under way: a SIGTERM to this process stops them first
+GRACE_S = 30.0  # how long a stopped step may unwind (a benchmark removes its multi-GB workdir) before SIGKILL
+
+
 def run(args, name: str, cmd: list[str], *, cwd: Path = ROOT, env: dict | None = None, timeout: float | None = None
         ) -> int:
-    """Run one step, its output to the console and to OUT/NAME.log; with ``--dry-run``, only print it."""
+    """Run one step, its output to the console and to OUT/NAME.log; with ``--dry-run``, only print it. The step is
+    a process group of its own: past ``timeout`` seconds (or when this process is terminated) the whole group is
+    stopped, pytest's workers and a benchmark's children too, so nothing of it runs on into the next step."""
     print(f"$ {' '.join(cmd)}", flush=True)
     if args.dry_run:
         return 0
     with open(out_dir() / f"{name}.log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for line in proc.stdout:
-            sys.stdout.write(line)
-            log.write(line)
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        _RUNNING.append(proc)
+        expired = threading.Event()
+        timer = threading.Timer(timeout, lambda: (expired.set(), stop(proc))) if timeout is not None else None
         try:
-            return proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            print(f"# {name}: killed after {timeout} s", flush=True)
-            return 124
+            if timer is not None:
+                timer.daemon = True
+                timer.start()
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                log.write(line)
+            rc = proc.wait()
+        finally:
+            if timer is not None:
+                timer.cancel()
+            _RUNNING.remove(proc)
+            _signal_group(proc, signal.SIGKILL)  # what the step left behind
+    if expired.is_set():
+        print(f"# {name}: stopped after {timeout:g} s", flush=True)
+        return 124
+    return rc
+
+
+def stop(proc: subprocess.Popen, grace: float = GRACE_S) -> None:
+    """SIGTERM to the step's process group, so each process unwinds; SIGKILL to whatever is left after ``grace``."""
+    _signal_group(proc, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(grace)
+    _signal_group(proc, signal.SIGKILL)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+def _terminated(signum, frame):
+    for proc in list(_RUNNING):
+        stop(proc)
+    raise SystemExit(128 + signum)
 
 
 def module(name: str, *argv) -> list[str]:
@@ -295,7 +335,13 @@ def main(argv: list[str] | None = None) -> int:
     if extra and args.fn not in PASS_THROUGH:
         p.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra
-    return args.fn(args)
+    if threading.current_thread() is not threading.main_thread():  # no signal handler off the main thread
+        return args.fn(args)
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        return args.fn(args)
+    finally:  # an in-process call (a test) leaves the handler as it found it
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -243,3 +243,74 @@ def test_quantize_runs_bf16_then_the_format_and_compares(tmp_path, monkeypatch, 
     assert "| shape | batch | phase | bf16 tok/s | fp8 tok/s | fp8/bf16 |" in out and "| 1.600 |" in out
     with pytest.raises(SystemExit):
         gpu.main(["bench", "--quantize", "fp8", "--baseline", str(tmp_path)])
+
+
+_SPAWNER = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+open(sys.argv[1], "w").write(str(child.pid))
+print("spawned", flush=True)
+time.sleep(120)
+"""
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone too
+        return f.read().split()[2] != "Z"
+
+
+def _wait_gone(pid: int, seconds: float = 20.0) -> bool:
+    import time
+
+    end = time.monotonic() + seconds
+    while _alive(pid) and time.monotonic() < end:
+        time.sleep(0.1)
+    return not _alive(pid)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="process groups as Linux has them")
+def test_a_step_past_its_timeout_is_stopped_with_its_children(tmp_path, monkeypatch):
+    """A timed-out step stops as a whole: a process it started (as pytest starts its workers) does not run on into
+    the next step."""
+    import time
+    from types import SimpleNamespace
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    pidfile = tmp_path / "child.pid"
+    t = time.monotonic()
+    rc = gpu.run(SimpleNamespace(dry_run=False), "sleeper", [sys.executable, "-c", _SPAWNER, str(pidfile)],
+                 timeout=2)
+    assert rc == 124 and time.monotonic() - t < 30
+    assert _wait_gone(int(pidfile.read_text()))
+    assert "spawned" in (tmp_path / "sleeper.log").read_text()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="process groups as Linux has them")
+def test_terminating_the_suite_stops_its_running_step(tmp_path):
+    """``timeout N scripts/gpu SUITE`` sends SIGTERM to the suite's process: the step under way stops with it."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    pidfile = tmp_path / "child.pid"
+    script = ("import sys; from types import SimpleNamespace; from benchmarks import gpu; import signal; "
+              "signal.signal(signal.SIGTERM, gpu._terminated); "
+              f"gpu.run(SimpleNamespace(dry_run=False), 'sleeper', [sys.executable, '-c', {_SPAWNER!r}, {str(pidfile)!r}])")
+    suite = subprocess.Popen([sys.executable, "-c", script], cwd=gpu.ROOT, env={**os.environ, "OUT": str(tmp_path)})
+    try:
+        end = time.monotonic() + 30
+        while not (pidfile.exists() and pidfile.read_text()) and time.monotonic() < end:
+            time.sleep(0.1)
+        child = int(pidfile.read_text())
+        suite.send_signal(signal.SIGTERM)
+        assert suite.wait(30) == 128 + signal.SIGTERM
+        assert _wait_gone(child)
+    finally:
+        suite.kill()
