@@ -204,7 +204,8 @@ def host_floor(row: dict, cfg: dict, full_cfg: dict, host_gb_s: float) -> dict:
 
 
 def _max_len(args) -> int:
-    return max(args.prefill, args.context + args.steps + WARMUP_STEPS) + 16
+    steps = args.steps * (2 if args.profile else 1)  # a profile decodes as many steps again
+    return max(args.prefill, args.context + steps + WARMUP_STEPS) + 16
 
 
 def copy_bandwidth(device: str) -> float:
