@@ -7,9 +7,10 @@ p, renormalised to sum to 1 (always, in Qwen3.5), then cast to the activations' 
 token is sum_j w_j * down_e(silu(gate_e x) * up_e x) over its k experts. ``moe_block`` is the whole block:
 the routing, the routed experts and the shared SwiGLU expert scaled by sigmoid of its gate logit.
 
-A bank may be quantized (``QuantizedWeight`` [E, N, K], FP8 or NVFP4): such banks have grouped kernels of their own
-(``ninfer.ops.triton.moe_quant``); the reference runs each hit expert's matmul through
-``linear`` on that expert's view (weight-only), as the reference; the grouped Triton kernels take bf16 banks.
+A bank may be quantized (``QuantizedWeight`` [E, N, K], FP8 or NVFP4): the reference runs each hit expert's matmul
+through ``linear`` on that expert's view (weight-only); on the GPU the routed experts take the quantized grouped
+kernels (``ninfer.ops.triton.moe_quant``) where their tiles fit the scales, and the fused block kernels
+(``moe_block``, ``moe_one_token``) take dense banks only.
 """
 
 from __future__ import annotations

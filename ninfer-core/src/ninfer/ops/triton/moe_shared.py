@@ -157,7 +157,7 @@ def _sum_slots_kernel(y_ptr, out_ptr, shared_ptr, gate_ptr, H, s_om, s_sm, s_gm,
 
 
 def sum_slots(per_pair: torch.Tensor, out: torch.Tensor, slots: int, shared: torch.Tensor | None,
-               shared_gate: torch.Tensor | None) -> None:
+              shared_gate: torch.Tensor | None) -> None:
     """out[t] = the sum of the ``slots`` rows of token t in ``per_pair`` [N * slots, H], in fp32 and in slot order
     (the same on every run, whichever tokens share the batch); with ``shared`` [N, H] / ``shared_gate`` [N, 1], plus
     sigmoid(gate) * shared."""
