@@ -37,13 +37,13 @@ from benchmarks.harness import (
     close_engine,
     decode_tokens,
     fmt,
-    kernel_profile,
     prompts,
     run_streams,
     steady_decode,
     sync,
     target_lines,
 )
+from benchmarks.profiling import kernel_profile
 from benchmarks.shapes import SHAPES, decode_bytes, decode_weight_bytes, model_figures, prefill_flops
 
 HF_MODEL_TYPE = "qwen3_5_text"  # lets transformers' AutoModel read the written config.json

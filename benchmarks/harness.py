@@ -41,25 +41,6 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def kernel_profile(prof, steps: int, cuda: bool, path: Path | None, title: str) -> dict:
-    """What a finished torch.profiler saw over ``steps`` decode steps, per step: the device's kernels and copies
-    (CUDA; a CPU op's device time repeats its kernels') or the host ops (CPU): busy time, launches, the top 20
-    entries; the whole table goes to ``path`` under ``title``."""
-    events = prof.key_averages()
-    if cuda:
-        kernels, key = [e for e in events if e.device_type.name == "CUDA"], "self_device_time_total"
-    else:
-        kernels, key = list(events), "self_cpu_time_total"
-    kernels.sort(key=lambda e: getattr(e, key), reverse=True)
-    busy_us = sum(getattr(e, key) for e in kernels) if cuda and kernels else None  # None: no kernel seen
-    if path is not None:
-        path.write_text(f"# {title}; per-step figures divide by {steps}\n" + events.table(sort_by=key, row_limit=60))
-    return {"forwards": steps, "device_busy_ms_per_step": None if busy_us is None else busy_us / steps / 1e3,
-            "launches_per_step": sum(e.count for e in kernels) / steps if cuda else None,
-            "top": [{"name": e.key[:120], "ms_per_step": getattr(e, key) / steps / 1e3,
-                     "calls_per_step": e.count / steps} for e in kernels[:20]]}
-
-
 def quantile(values: list[float], q: float) -> float | None:
     """Linear-interpolated quantile (q in [0, 1]); None for no values."""
     if not values:

@@ -12,7 +12,8 @@ import statistics
 import time
 from pathlib import Path
 
-from benchmarks.harness import kernel_profile, sync
+from benchmarks.harness import sync
+from benchmarks.profiling import profile_steps
 from benchmarks.programs import prefill, timed_steps, warm_decode
 
 clock = time.perf_counter
@@ -97,12 +98,12 @@ def decode_run(program, config, device: str, B: int, context: int, steps: int, s
                profile: Path | None = None) -> dict:
     """Median ms of a B-row decode step (reserve + decode + commit) after ``context`` prompt tokens per row;
     ``stats()`` (the host experts' counters) is read around the timed steps. With ``profile``, as many steps
-    again under torch.profiler after them (``harness.kernel_profile``; its table goes to that path)."""
+    again under torch.profiler after them (``profiling.profile_steps``; its table goes to that path)."""
     with warm_decode(program, config, B, context) as step:
         before = stats() if stats else None
         times = timed_steps(step, device, steps)
         after = stats() if stats else None
-        profiled = _profiled(step, device, steps, profile) if profile is not None else None
+        profiled = profile_steps(step, device, steps, profile) if profile is not None else None
     ms = statistics.median(times)
     row = {"batch": B, "context": context, "steps": steps, "ms_per_step": ms, "ms_mean": statistics.mean(times),
            "tokens_per_s": B / ms * 1e3}
@@ -111,17 +112,6 @@ def decode_run(program, config, device: str, B: int, context: int, steps: int, s
     if profiled is not None:
         row["profile"] = profiled
     return row
-
-
-def _profiled(step, device: str, steps: int, path: Path) -> dict:
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = device.startswith("cuda")
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        for _ in range(steps):
-            step()
-        sync(device)
-    return kernel_profile(prof, steps, cuda, path, f"{path.stem}: {steps} decode steps")
 
 
 def prefill_run(program, config, device: str, tokens: int, chunk: int, reps: int = 2) -> dict:
