@@ -36,6 +36,7 @@ from ninfer.contract.constraint import (
 )
 from ninfer.contract.resources import FrontendResources
 from ninfer.models.common.grammar import GrammarBook
+from ninfer.models.common.grammar.compile_job import CompileJob
 from ninfer.models.common.qwen.frontend import QwenFrontend
 from ninfer_qwen35.testing.checkpoints import make_tokenizer_json
 
@@ -197,10 +198,22 @@ def test_a_refused_constraint_sent_again_is_refused_at_once(make_book):
         book.compile(looping)
     assert book._pool.submitted == jobs and str(again.value) == str(first.value)
     slow = make_book(compile_timeout_s=2, **RAISED)
+    before = slow._pool_once().submitted
     for _ in range(2):
         with pytest.raises(ConstraintLimitExceeded, match="compile_timeout_s|--constraint-compile-timeout"):
             slow.compile(SLOW)
-    assert slow._pool.submitted >= jobs + 2
+    assert slow._pool.submitted == before + 2
+
+
+def test_a_verdict_is_recorded_before_its_waiters_wake():
+    """The book's record of a verdict (its cache, refusals and in-flight table) comes before the waiter wakes, so
+    a caller sending the same constraint again at once never joins the finished job; a job finishes once."""
+    seen = []
+    job = CompileJob({"constraint": ChoiceConstraint(choices=["yes"]), "limits": ConstraintLimits()},
+                     on_done=lambda job: seen.append(job.done.is_set()))
+    job.finish(error=ConstraintError("first"))
+    job.finish(error=ConstraintError("second"))
+    assert seen == [False] and job.done.is_set() and str(job.error) == "first"
 
 
 HEAVY = textwrap.dedent("""

@@ -42,11 +42,17 @@ class CompileJob:
         self.worker_pid: int | None = None  # the process compiling it (a child of a worker)
         self._on_done = on_done
         self._lock = threading.Lock()
+        self._finished = False
 
     def finish(self, result: Compiled | None = None, error: BaseException | None = None) -> None:
         with self._lock:
-            if self.done.is_set():
+            if self._finished:
                 return
+            self._finished = True
             self.result, self.error = result, error
+        # ``on_done`` (the book's cache, refusals and in-flight table) runs before a waiter wakes: a caller that
+        # sends the same constraint again right after its verdict finds it recorded, never this finished job
+        try:
+            self._on_done(self)
+        finally:
             self.done.set()
-        self._on_done(self)
