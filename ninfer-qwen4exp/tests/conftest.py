@@ -4,11 +4,6 @@ import pytest
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_cpu_thread():
-    """Tiny CPU models run fastest single-threaded, above all on a shared, loaded machine."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def one_cpu_thread(one_cpu_thread):
+    """Every Qwen4Exp test module runs single-threaded (the repository conftest's fixture, made automatic)."""
     yield
-    torch.set_num_threads(before)

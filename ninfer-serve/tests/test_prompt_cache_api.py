@@ -188,30 +188,20 @@ def test_warmup_requests_stay_out_of_the_context_cache(engine):
 
 # -- the real engine on the embedded model, in process -------------------------------------------------------
 @pytest.fixture(scope="module")
-def real_engine():
-    import torch
+def real_engine(embedded_model, one_cpu_thread):
+    with ninfer.Engine(embedded_model, ninfer.EngineConfig(device="cpu", max_concurrency=2,
+                                                           max_model_len=256)) as engine:
+        warmup(engine, concurrency=2)
+        engine.after_warmup = engine.metrics()
+        submitted = []
+        submit = engine.submit
 
-    model = ninfer.default_model_path()
-    if model is None:
-        pytest.fail("the embedded model is missing")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny CPU models run fastest single-threaded
-    try:
-        with ninfer.Engine(model, ninfer.EngineConfig(device="cpu", max_concurrency=2,
-                                                      max_model_len=256)) as engine:
-            warmup(engine, concurrency=2)
-            engine.after_warmup = engine.metrics()
-            submitted = []
-            submit = engine.submit
-
-            def recording(request, cancel=None):
-                submitted.append(request)
-                return submit(request, cancel=cancel)
-            engine.submit = recording
-            engine.submitted = submitted
-            yield engine
-    finally:
-        torch.set_num_threads(threads)
+        def recording(request, cancel=None):
+            submitted.append(request)
+            return submit(request, cancel=cancel)
+        engine.submit = recording
+        engine.submitted = submitted
+        yield engine
 
 
 def test_real_engine_warmup_left_nothing_to_hit(real_engine):

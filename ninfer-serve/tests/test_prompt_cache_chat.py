@@ -12,22 +12,12 @@ QUESTIONS = ("Name three colours.", "Which of them is the warmest?", "And the co
 
 
 @pytest.fixture(scope="module")
-def engines():
-    import torch
-
-    model = ninfer.default_model_path()
-    if model is None:
-        pytest.fail("the embedded model is missing")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny CPU models run fastest single-threaded
-    try:
-        with ninfer.Engine(model, ninfer.EngineConfig(device="cpu", max_concurrency=2,
-                                                      max_model_len=512)) as on, \
-                ninfer.Engine(model, ninfer.EngineConfig(device="cpu", max_concurrency=2, max_model_len=512,
-                                                         context_cache=False)) as off:
-            yield on, off
-    finally:
-        torch.set_num_threads(threads)
+def engines(embedded_model, one_cpu_thread):
+    with ninfer.Engine(embedded_model, ninfer.EngineConfig(device="cpu", max_concurrency=2,
+                                                           max_model_len=512)) as on, \
+            ninfer.Engine(embedded_model, ninfer.EngineConfig(device="cpu", max_concurrency=2, max_model_len=512,
+                                                              context_cache=False)) as off:
+        yield on, off
 
 
 def converse(c, model: str, *, key: str | None) -> list[dict]:

@@ -100,21 +100,11 @@ def test_null_max_tokens_means_absent(engine, answering):
 
 # -- the real engine on the embedded model, in process -----------------------------------------------------
 @pytest.fixture(scope="module")
-def real_engine():
-    import torch
-
-    model = ninfer.default_model_path()
-    if model is None:
-        pytest.fail("the embedded model is missing")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny CPU models run fastest single-threaded
-    try:
-        with ninfer.Engine(model, ninfer.EngineConfig(device="cpu", max_concurrency=2,
-                                                      max_model_len=256)) as engine:
-            warmup(engine, concurrency=2)
-            yield engine
-    finally:
-        torch.set_num_threads(threads)
+def real_engine(embedded_model, one_cpu_thread):
+    with ninfer.Engine(embedded_model, ninfer.EngineConfig(device="cpu", max_concurrency=2,
+                                                           max_model_len=256)) as engine:
+        warmup(engine, concurrency=2)
+        yield engine
 
 
 def cached(c, path, body, **kw):

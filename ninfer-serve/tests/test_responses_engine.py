@@ -25,20 +25,10 @@ TOOL = {"type": "function", "name": "get_weather", "description": "Weather for s
 
 
 @pytest.fixture(scope="module")
-def engine():
-    import torch
-
-    model = ninfer.default_model_path()
-    if model is None:
-        pytest.fail("the embedded model is missing")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny CPU models run fastest single-threaded
-    try:
-        with ninfer.Engine(model, ninfer.EngineConfig(device="cpu", max_concurrency=2,
-                                                      max_model_len=1024)) as eng:
-            yield eng
-    finally:
-        torch.set_num_threads(threads)
+def engine(embedded_model, one_cpu_thread):
+    with ninfer.Engine(embedded_model, ninfer.EngineConfig(device="cpu", max_concurrency=2,
+                                                           max_model_len=1024)) as eng:
+        yield eng
 
 
 class Api:
