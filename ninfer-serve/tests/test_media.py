@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import http.server
 import os
 import threading
 
@@ -20,6 +19,7 @@ from ninfer_serve.app import create_app
 from ninfer_serve.errors import APIError
 from ninfer_serve.media import FetchCancelled, MediaPolicy, MediaRefused, acquire, fetch
 from ninfer_serve.media_parts import MediaSource
+from ninfer_serve.testing import MediaOrigin
 
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4  # bytes only: decoding is the Frontend's
 JPEG = b"\xff\xd8\xff" + bytes(300)
@@ -148,59 +148,11 @@ def test_the_policy_checks_its_values(tmp_path):
 # ---------------------------------------------------------------- http(s), against a local server
 
 
-class Site:
-    """A local HTTP server: ``routes[path] = (status, headers, body)``; ``/slow`` answers only once ``release``
-    is set, ``/drip`` sends its first part and holds the rest until then."""
-
-    def __init__(self) -> None:
-        self.routes: dict[str, tuple[int, dict[str, str], bytes]] = {}
-        self.release = threading.Event()
-        self.entered = threading.Event()
-        self.hits: list[str] = []
-        site = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                site.hits.append(self.path)
-                if self.path in ("/slow", "/drip"):
-                    site.entered.set()
-                    if self.path == "/drip":
-                        self.send_response(200)
-                        self.send_header("Content-Type", "image/png")
-                        self.end_headers()
-                        self.wfile.write(PNG[:10])
-                        self.wfile.flush()
-                    site.release.wait(GUARD_S)
-                    if self.path == "/drip":
-                        self.wfile.write(PNG[10:])
-                        return
-                status, headers, body = site.routes.get(self.path, (404, {}, b"not here"))
-                self.send_response(status)
-                for k, v in headers.items():
-                    self.send_header(k, v)
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.release.set()
-        self.server.shutdown()
-        self.server.server_close()
-
-
 @pytest.fixture
 def site(monkeypatch):
     for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
         monkeypatch.delenv(name, raising=False)
-    s = Site()
+    s = MediaOrigin(drip=PNG, guard_s=GUARD_S)  # /slow and /drip hold until s.release
     s.routes["/cat.png"] = (200, {"Content-Type": "image/png", "Content-Length": str(len(PNG))}, PNG)
     s.routes["/raw"] = (200, {}, PNG)  # no type, no length: read until the server closes
     s.routes["/page"] = (200, {"Content-Type": "text/html; charset=utf-8"}, b"<html></html>")

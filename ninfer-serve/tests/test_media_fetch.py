@@ -6,7 +6,6 @@ the ``*_proxy`` environment is not used."""
 
 from __future__ import annotations
 
-import http.server
 import os
 import shutil
 import socket
@@ -21,77 +20,24 @@ from starlette.testclient import TestClient
 import ninfer_serve.media_fetch as media_fetch
 from ninfer_serve.app import create_app
 from ninfer_serve.media import MediaPolicy, MediaRefused, fetch
+from ninfer_serve.testing import MediaOrigin
 
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(200)
 GUARD_S = 30.0  # hang guard; a trickle lasts this long unless the client stops it
 DRIP_S = 0.2  # one byte per this long
 
 
-class Origin:
-    """A local HTTP(S) server recording each request's path and Host header and the bytes it trickled."""
-
-    def __init__(self, tls: ssl.SSLContext | None = None) -> None:
-        self.hits: list[tuple[str, str]] = []
-        self.dripped = 0
-        self.stop = threading.Event()
-        origin = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                origin.hits.append((self.path, self.headers.get("Host", "")))
-                if self.path == "/cat.png":
-                    self._answer(200, {"Content-Type": "image/png", "Content-Length": str(len(PNG))}, PNG)
-                elif self.path.startswith("/to/"):
-                    self._answer(302, {"Location": self.path[len("/to/"):]}, b"")
-                elif self.path == "/secret":
-                    self._answer(500, {"Content-Type": "text/plain"}, b"db password is hunter2")
-                elif self.path == "/drip-body":
-                    self.send_response(200)
-                    self.send_header("Content-Type", "image/png")
-                    self.end_headers()
-                    self._drip()
-                elif self.path == "/drip-headers":
-                    self.wfile.write(b"HTTP/1.1 200 OK\r\nX-Slow: ")
-                    self._drip()
-
-            def _answer(self, status: int, headers: dict[str, str], body: bytes) -> None:
-                self.send_response(status)
-                for key, value in headers.items():
-                    self.send_header(key, value)
-                self.end_headers()
-                self.wfile.write(body)
-
-            def _drip(self) -> None:
-                end = time.monotonic() + GUARD_S
-                while time.monotonic() < end and not origin.stop.is_set():
-                    try:
-                        self.wfile.write(b"x")
-                        self.wfile.flush()
-                    except OSError:  # the client hung up
-                        return
-                    origin.dripped += 1
-                    origin.stop.wait(DRIP_S)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        if tls is not None:
-            self.server.socket = tls.wrap_socket(self.server.socket, server_side=True)
-        self.port = self.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.stop.set()
-        self.server.shutdown()
-        self.server.server_close()
+def make_origin(tls: ssl.SSLContext | None = None) -> MediaOrigin:
+    """An origin recording each request's path and Host header: a PNG, a 500 with a secret, and trickles."""
+    o = MediaOrigin(tls=tls, guard_s=GUARD_S, trickle_s=DRIP_S)
+    o.routes["/cat.png"] = (200, {"Content-Type": "image/png", "Content-Length": str(len(PNG))}, PNG)
+    o.routes["/secret"] = (500, {"Content-Type": "text/plain"}, b"db password is hunter2")
+    return o
 
 
 @pytest.fixture
 def origin():
-    o = Origin()
+    o = make_origin()
     yield o
     o.close()
 
@@ -207,7 +153,7 @@ def test_remote_media_over_http_refuses_the_metadata_address(engine, script):
 # ---------------------------------------------------------------- the deadline
 
 
-@pytest.mark.parametrize("path", ["/drip-body", "/drip-headers"])
+@pytest.mark.parametrize("path", ["/trickle-body", "/trickle-headers"])
 def test_the_deadline_is_for_the_whole_item(origin, caplog, path):
     """One byte every 0.2 s keeps each read short; the item still ends at its 1 s deadline, not when the
     origin stops (GUARD_S)."""
@@ -215,7 +161,7 @@ def test_the_deadline_is_for_the_whole_item(origin, caplog, path):
     e = refused(f"http://127.0.0.1:{origin.port}{path}", policy("127.0.0.1", timeout_s=1.0))
     assert time.monotonic() - start < GUARD_S / 3
     assert e.code == "invalid_media" and "not complete within 1 s" in caplog.text
-    assert origin.dripped < GUARD_S / DRIP_S / 3
+    assert origin.trickled < GUARD_S / DRIP_S / 3
 
 
 # ---------------------------------------------------------------- one answer for every failure
@@ -270,7 +216,7 @@ def tls_origin(tmp_path, monkeypatch):
     client_side = ssl.create_default_context(cafile=str(cert))
     client_side.sslsocket_class = media_fetch._DeadlineSSLSocket
     monkeypatch.setattr(media_fetch, "_tls", lambda: client_side)
-    o = Origin(tls=server_side)
+    o = make_origin(tls=server_side)
     yield o
     o.close()
 
@@ -281,5 +227,5 @@ def test_tls_is_verified_against_the_url_s_name(tls_origin, caplog):
     refused(f"https://127.0.0.1:{tls_origin.port}/cat.png", policy("127.0.0.1"))  # the certificate names localhost
     assert "CERTIFICATE_VERIFY_FAILED" in caplog.text or "certificate" in caplog.text.lower()
     start = time.monotonic()
-    refused(f"https://localhost:{tls_origin.port}/drip-body", policy("localhost", timeout_s=1.0))
+    refused(f"https://localhost:{tls_origin.port}/trickle-body", policy("localhost", timeout_s=1.0))
     assert time.monotonic() - start < GUARD_S / 3

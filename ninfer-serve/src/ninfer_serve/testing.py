@@ -1,5 +1,5 @@
 """Run a real ``ninfer serve`` process on loopback for integration tests (``ServerProcess``), or an app under
-hypercorn in a thread of the test process (``ThreadServer``).
+hypercorn in a thread of the test process (``ThreadServer``); a local origin of remote media (``MediaOrigin``).
 
 The server process is started through the CLI, exactly as a user starts it; it is stopped with SIGTERM
 (graceful) and killed only if it does not exit in time.
@@ -7,9 +7,11 @@ The server process is started through the CLI, exactly as a user starts it; it i
 
 from __future__ import annotations
 
+import http.server
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -189,3 +191,80 @@ def tiny_model(directory: str | os.PathLike) -> str:
         convert_tiny(src, path + ".part")
         os.replace(path + ".part", path)
     return path
+
+
+class MediaOrigin:
+    """A local HTTP(S) server for remote media: ``routes[path] = (status, headers, body)`` (404 elsewhere);
+    ``/to/<location>`` redirects there; ``/slow`` answers its route only once ``release`` is set and ``/drip`` sends
+    ten bytes of ``drip`` then holds the rest until then (``entered`` says one arrived); ``/trickle-body`` and
+    ``/trickle-headers`` send a byte each ``trickle_s`` (``trickled`` counts them) until ``guard_s`` or ``close``.
+    ``hits`` records each request's path and Host header."""
+
+    def __init__(self, *, tls: ssl.SSLContext | None = None, drip: bytes = b"", guard_s: float = 30.0,
+                 trickle_s: float = 0.2) -> None:
+        self.routes: dict[str, tuple[int, dict[str, str], bytes]] = {}
+        self.hits: list[tuple[str, str]] = []
+        self.release, self.entered, self.stop = threading.Event(), threading.Event(), threading.Event()
+        self.trickled = 0
+        origin = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                origin.hits.append((self.path, self.headers.get("Host", "")))
+                if self.path in ("/slow", "/drip"):
+                    origin.entered.set()
+                    if self.path == "/drip":
+                        self._head(200, {"Content-Type": "image/png"})
+                        self.wfile.write(drip[:10])
+                        self.wfile.flush()
+                    origin.release.wait(guard_s)
+                    if self.path == "/drip":
+                        self.wfile.write(drip[10:])
+                        return
+                if self.path == "/trickle-body":
+                    self._head(200, {"Content-Type": "image/png"})
+                    return self._trickle()
+                if self.path == "/trickle-headers":
+                    self.wfile.write(b"HTTP/1.1 200 OK\r\nX-Slow: ")
+                    return self._trickle()
+                if self.path.startswith("/to/"):
+                    status, headers, body = 302, {"Location": self.path[len("/to/"):]}, b""
+                else:
+                    status, headers, body = origin.routes.get(self.path, (404, {}, b"not here"))
+                self._head(status, headers)
+                self.wfile.write(body)
+
+            def _head(self, status: int, headers: dict[str, str]) -> None:
+                self.send_response(status)
+                for key, value in headers.items():
+                    self.send_header(key, value)
+                self.end_headers()
+
+            def _trickle(self) -> None:
+                end = time.monotonic() + guard_s
+                while time.monotonic() < end and not origin.stop.is_set():
+                    try:
+                        self.wfile.write(b"x")
+                        self.wfile.flush()
+                    except OSError:  # the client hung up
+                        return
+                    origin.trickled += 1
+                    origin.stop.wait(trickle_s)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        if tls is not None:
+            self.server.socket = tls.wrap_socket(self.server.socket, server_side=True)
+        self.port = self.server.server_address[1]
+        self.url = f"{'https' if tls is not None else 'http'}://127.0.0.1:{self.port}"
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
