@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# ops that launch nothing: storage made or dropped, metadata, a scalar read (counted as a sync instead)
+# ops that launch nothing: storage made or dropped, metadata
 _FREE = {"empty", "empty_strided", "empty_like", "lift_fresh", "detach", "detach_", "alias", "resize_", "set_",
          "sym_size", "sym_stride", "sym_numel", "sym_storage_offset"}
 _SYNCS = {"_local_scalar_dense", "is_nonzero", "nonzero", "masked_select", "unique_consecutive", "_unique2"}
@@ -56,10 +56,9 @@ class LaunchCounter(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.launches: Counter[str] = Counter()
+        self.launches: Counter[tuple[str, str]] = Counter()  # (the model function that makes it, the kernel)
         self.syncs: Counter[str] = Counter()
         self.host: Counter[str] = Counter()
-        self.detail: Counter[tuple[str, str]] = Counter()  # (made by, kernel)
         self._kernel_frames: set = set()  # op calls a Triton kernel stands in for: their torch ops are not counted
 
     def _in_kernel(self, frame) -> bool:
@@ -74,9 +73,7 @@ class LaunchCounter(TorchDispatchMode):
         if self._in_kernel(frame):
             return
         self._kernel_frames.add(frame)
-        self.launches[_part(frame)] += 1
-        self.launches[f"  triton {op}"] += 1
-        self.detail[(_part(frame), f"triton {op}")] += 1
+        self.launches[(_part(frame), f"triton {op}")] += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -91,9 +88,7 @@ class LaunchCounter(TorchDispatchMode):
         if name in _SYNCS:
             self.syncs[part] += 1
         if name not in ("_local_scalar_dense", "is_nonzero"):  # a copy of one value to the host, no kernel
-            self.launches[part] += 1
-            self.launches[f"  torch {name}"] += 1
-            self.detail[(part, f"torch {name}")] += 1
+            self.launches[(part, f"torch {name}")] += 1
         return out
 
 
@@ -170,12 +165,18 @@ def _artifact(arch: str, layers: int, variant: str | None, workdir: Path) -> Pat
 
 
 def report(counter: LaunchCounter, layers: int) -> dict:
-    parts = {k: v for k, v in counter.launches.items() if not k.startswith("  ")}
-    kinds = {k.strip(): v for k, v in counter.launches.items() if k.startswith("  ")}
-    return {"launches": sum(parts.values()), "per_layer": sum(parts.values()) / layers, "layers": layers,
-            "syncs": sum(counter.syncs.values()), "host_ops": sum(counter.host.values()), "by_part": dict(Counter(parts).most_common()),
-            "by_kind": dict(Counter(kinds).most_common()),
-            "detail": [[part, kind, n] for (part, kind), n in sorted(counter.detail.items())], "syncs_by_part": dict(counter.syncs.most_common())}
+    """The counts as JSON: totals, by model function (``by_part``), by kernel (``by_kind``) and both (``detail``)."""
+    parts: Counter[str] = Counter()
+    kinds: Counter[str] = Counter()
+    for (part, kind), n in counter.launches.items():
+        parts[part] += n
+        kinds[kind] += n
+    total = sum(parts.values())
+    return {"launches": total, "per_layer": total / layers, "layers": layers, "syncs": sum(counter.syncs.values()),
+            "host_ops": sum(counter.host.values()), "by_part": dict(parts.most_common()),
+            "by_kind": dict(kinds.most_common()),
+            "detail": [[part, kind, n] for (part, kind), n in sorted(counter.launches.items())],
+            "syncs_by_part": dict(counter.syncs.most_common())}
 
 
 def main(argv=None) -> int:
