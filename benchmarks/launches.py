@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import importlib
 import json
+import pkgutil
 import sys
 import tempfile
 from collections import Counter
@@ -132,14 +133,15 @@ def counting_kernels(counter: LaunchCounter):
 
 def count_step(artifact: Path, batch: int, context: int) -> LaunchCounter:
     """One counted decode step of ``batch`` rows after ``context`` prompt tokens each, on the CPU in fp32."""
+    import ninfer.ops
     from benchmarks.architectures import qwen35_view
     from benchmarks.moe_runs import on_instance
     from benchmarks.programs import warm_decode
     from ninfer.contract.config import StartupOptions
 
-    for name in ("activation", "attention", "conv1d", "gdn", "hyper_connection", "linear", "moe", "norm",
-                 "penalties", "ple", "qsa", "rope", "sampling", "speculative"):
-        importlib.import_module(f"ninfer.ops.{name}")
+    for op_module in pkgutil.iter_modules(ninfer.ops.__path__):  # each op module, to patch its lookups
+        if not op_module.ispkg:
+            importlib.import_module(f"ninfer.ops.{op_module.name}")
     options = StartupOptions(device="cpu", dtype="float32", max_concurrency=batch, context_cache=False)
 
     def run(inst) -> LaunchCounter:
