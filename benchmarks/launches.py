@@ -154,7 +154,8 @@ def count_step(artifact: Path, batch: int, context: int) -> LaunchCounter:
     return on_instance(artifact, options, run)
 
 
-def _artifact(arch: str, layers: int, variant: str | None, workdir: Path) -> Path:
+def tiny_artifact(arch: str, layers: int, variant: str | None, workdir: Path) -> Path:
+    """A tiny random ``arch`` checkpoint (``ninfer tiny-checkpoint``, no MTP) converted into ``workdir``."""
     from ninfer.cli import main as ninfer
 
     src, out = workdir / "ckpt", workdir / "tiny.ninfer"
@@ -191,7 +192,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="write the counts here")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        counter = count_step(_artifact(args.arch, args.layers, args.variant, Path(tmp)), args.batch, args.context)
+        counter = count_step(tiny_artifact(args.arch, args.layers, args.variant, Path(tmp)), args.batch, args.context)
     res = {"arch": args.arch, "variant": args.variant, "batch": args.batch, "context": args.context,
            **report(counter, args.layers)}
     print(f"# {args.arch}{' ' + args.variant if args.variant else ''}: {res['launches']} launches in a B={args.batch} "

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.launches import _artifact, count_step, report
+from benchmarks.launches import count_step, report, tiny_artifact
 
 pytest.importorskip("transformers")
 
@@ -17,7 +17,7 @@ def artifacts(tmp_path_factory):
 
     def get(arch: str):
         if arch not in made:
-            made[arch] = _artifact(arch, 4, None, tmp_path_factory.mktemp(arch))
+            made[arch] = tiny_artifact(arch, 4, None, tmp_path_factory.mktemp(arch))
         return made[arch]
     return get
 

@@ -8,13 +8,12 @@ from collections.abc import Sequence
 from ninfer.contract import EngineConfig
 from ninfer.contract.batch import PendingBatch, PendingRow, RowDecision
 from ninfer.contract.events import FinishReason
-from ninfer.contract.model import ModelInstance
 from ninfer.contract.request import SamplingParams
 from ninfer.engine.engine import Engine
 from ninfer.testing.ledger import (
     LedgerProgram,
-    TokenFrontend,
     drained,
+    ledger_instance,
     next_token,
     reference_tokens,
     req,
@@ -56,9 +55,7 @@ class DraftingLedger(LedgerProgram):
 
 def drafting_engine(**program_kw) -> Engine:
     program = DraftingLedger(slots=4, **program_kw)
-    inst = ModelInstance(architecture="ledger", config=None, model=None, parameters=None, frontend=TokenFrontend(),
-                         program=program)
-    return Engine.from_instance(inst, EngineConfig(max_concurrency=4, max_model_len=program.max_model_len,
+    return Engine.from_instance(ledger_instance(program), EngineConfig(max_concurrency=4, max_model_len=program.max_model_len,
                                                    prefill_chunk=8, device="cpu"))
 
 

@@ -7,8 +7,8 @@ normed stream. The sublayer's output joins each stream s scaled by 2 * sigmoid(i
 last mixer has no injection: its mixed rows are the hidden states.
 
 The elementwise parts (``grouped_rms_norm``, ``hyper_connection_gates``, ``stream_mix``,
-``hyper_connection_inject``) each have a Triton kernel (``ninfer.ops.triton.hyper_connection``, used on CUDA once listed in ``ninfer.ops.dispatch.TRITON_OPS``);
-the low-rank mix and the injection weights are linears.
+``hyper_connection_inject``) each have a Triton kernel (``ninfer.ops.triton.hyper_connection``, used on CUDA once
+listed in ``ninfer.ops.dispatch.TRITON_OPS``); the low-rank mix and the injection weights are linears.
 """
 
 from __future__ import annotations

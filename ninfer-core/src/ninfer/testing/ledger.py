@@ -332,9 +332,10 @@ class TokenFrontend:
         pass
 
 
-def ledger_instance(**program_kw) -> ModelInstance:
+def ledger_instance(program: LedgerProgram | None = None, **program_kw) -> ModelInstance:
+    """The token Frontend over ``program`` (a LedgerProgram of ``program_kw`` when None)."""
     return ModelInstance(architecture="ledger", config=None, model=None, parameters=None,
-                         frontend=TokenFrontend(), program=LedgerProgram(**program_kw))
+                         frontend=TokenFrontend(), program=program or LedgerProgram(**program_kw))
 
 
 def reference_tokens(prompt: Sequence[int], sampling: SamplingParams, *, vocab: int = 50,
